@@ -1,0 +1,395 @@
+"""``AsyncKVCacheClient``: the store as seen by prefill and decode processes (asyncio).
+
+Two APIs over one mechanism (publish pages, fetch a prefix of pages):
+- the lookup-buffer contract of vLLM's SimpleConnector: ``insert`` / ``select``;
+- a paged API for engines with paged caches: ``lookup`` / ``put_pages`` / ``get_pages``.
+
+Remote faults (a node that errors or times out, Redis gone, a wrong checksum) make
+the affected pages count as missing, so reads return a shorter prefix or a miss
+within ``timeout``. Misuse (bad shapes, dtypes, roi) raises ``InvalidInputError``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from kvstore import codec
+from kvstore.checksum import page_checksum
+from kvstore.config import ClientSettings
+from kvstore.errors import InvalidInputError, KVStoreError, TransportError
+from kvstore.hashing import block_hashes, part_hashes, sequence_hash, token_array
+from kvstore.index import AsyncPageIndex, NodeInfo, PageLocation
+from kvstore.namespace import Namespace
+from kvstore.transport import cuda_capable, ensure_ucx
+from client.buffers import Span, host_bytes, page_spans, split_spans
+from client.connection import NodeConnection, OutgoingPage, verify
+from client.placement import place, rank_nodes
+from client.stats import ClientStats
+
+log = logging.getLogger(__name__)
+TransferMode = Literal["auto", "direct", "staged"]
+SUSPECT_SECONDS = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class PublishReport:
+    """Outcome of a put: pages now stored (sent now or already there), sent, refused."""
+
+    stored: int
+    sent: int
+    skipped: int
+    refused: int
+    bytes_sent: int
+
+
+class AsyncKVCacheClient:
+    def __init__(
+        self,
+        redis_url: str,
+        namespace: Namespace | None = None,
+        *,
+        replicas: int = 1,
+        timeout: float = 5.0,
+        transfer_mode: TransferMode = "auto",
+        auth_token: str = "",
+        progress_mode: str = "blocking",
+        node_refresh: float = 1.0,
+        **namespace_fields: Any,
+    ) -> None:
+        if namespace is None:
+            namespace = Namespace(**namespace_fields)
+        elif namespace_fields:
+            raise InvalidInputError("pass either a Namespace or namespace keyword fields, not both")
+        if replicas < 1:
+            raise InvalidInputError(f"replicas must be at least 1, got {replicas}")
+        if transfer_mode not in ("auto", "direct", "staged"):
+            raise InvalidInputError(f"transfer_mode must be auto, direct or staged, got {transfer_mode!r}")
+        self.namespace = namespace
+        self.replicas = replicas
+        self.timeout = timeout
+        self.transfer_mode = transfer_mode
+        self.stats = ClientStats()
+        self._token = auth_token
+        self._progress_mode = progress_mode
+        self._node_refresh = node_refresh
+        self.index = AsyncPageIndex(redis_url, timeout=min(timeout, 2.0))
+        self._ucxx: Any = None
+        self._nodes: list[NodeInfo] = []
+        self._nodes_at = 0.0
+        self._conns: dict[str, NodeConnection] = {}
+        self._suspect: dict[str, float] = {}
+
+    @classmethod
+    def from_env(cls, namespace: Namespace | None = None, **overrides: Any) -> AsyncKVCacheClient:
+        """Build from KVSTORE_* variables (see ``ClientSettings``); keyword overrides win."""
+        s = ClientSettings()
+        opts = dict(
+            replicas=s.replicas, timeout=s.timeout, transfer_mode=s.transfer_mode,
+            auth_token=s.auth_token.get_secret_value(), progress_mode=s.ucx_progress_mode,
+        )
+        opts.update(overrides)
+        return cls(opts.pop("redis_url", s.redis_url), namespace, **opts)
+
+    async def start(self) -> AsyncKVCacheClient:
+        """Initialise UCX and register the namespace; raises ``IndexUnavailableError`` if
+        Redis cannot be reached."""
+        self._ucxx = ensure_ucx(self._progress_mode)
+        await self.index.ensure_namespace(self.namespace)
+        return self
+
+    async def __aenter__(self) -> AsyncKVCacheClient:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        for conn in self._conns.values():
+            conn.close()
+        self._conns.clear()
+        await self.index.close()
+
+    # ---- paged API -------------------------------------------------------------
+
+    async def lookup(self, token_ids: Any) -> int:
+        """Tokens of ``token_ids`` covered by stored full blocks (a multiple of block_size),
+        in one index round trip. Index faults count as 0."""
+        hashes = block_hashes(self.namespace, token_ids)
+        if not hashes:
+            return 0
+        result = await self._lookup(hashes)
+        return (result.matched if result else 0) * self.namespace.block_size
+
+    async def put_pages(self, token_ids: Any, pages: torch.Tensor) -> PublishReport:
+        """Store ``pages[i]`` (``[num_blocks, *page_shape]``) as full block i of ``token_ids``.
+        Pages a node already holds are not sent again."""
+        hashes = block_hashes(self.namespace, token_ids)
+        self._check_pages("pages", pages, len(hashes), at_least=False)
+        host = pages[: len(hashes)].to("cpu").contiguous()
+        spans = page_spans(host_bytes(host), len(hashes), self.namespace.page_nbytes)
+        return await self._publish(hashes, spans)
+
+    async def get_pages(self, token_ids: Any, out: torch.Tensor) -> int:
+        """Fill ``out[:k]`` with the longest stored prefix of full blocks of ``token_ids``
+        and return k * block_size. Rows of ``out`` past k are unspecified."""
+        hashes = block_hashes(self.namespace, token_ids)
+        self._check_pages("out", out, len(hashes), at_least=True)
+        if not hashes:
+            return 0
+        result = await self._lookup(hashes)
+        if not result or result.matched == 0:
+            return 0
+        n = result.matched
+        mode = self._mode_for(out)
+        if mode == "direct":
+            self.stats.direct_transfers += 1
+            dest = host_bytes(out) if out.device.type == "cpu" else out.reshape(-1).view(torch.uint8)
+            got = await self._fetch(hashes[:n], result.locations, page_spans(dest, n, self.namespace.page_nbytes))
+            return got * self.namespace.block_size
+        self.stats.staged_transfers += 1
+        staging = torch.empty(n * self.namespace.page_nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        got = await self._fetch(hashes[:n], result.locations, page_spans(staging.numpy(), n, self.namespace.page_nbytes))
+        if got:
+            out.reshape(-1).view(torch.uint8)[: got * self.namespace.page_nbytes].copy_(staging[: got * self.namespace.page_nbytes], non_blocking=False)
+        return got * self.namespace.block_size
+
+    # ---- lookup-buffer API (vLLM SimpleConnector contract) ----------------------
+
+    async def insert(self, input_tokens: Any, roi: Any, key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor | None = None) -> PublishReport:
+        """Store the KV of the tokens ``roi`` marks (a prefix of ``input_tokens``).
+
+        Full blocks become shared, deduplicated pages; the trailing partial block and
+        ``hidden`` go into the sequence's tail object."""
+        tokens = self._roi_prefix(input_tokens, roi)
+        T = len(tokens)
+        ns = self.namespace
+        n_all = len(token_array(input_tokens))
+        key, value, hidden = (_token_prefix(t, T, n_all, dim) for t, dim in ((key, 1), (value, 1), (hidden, 0)))
+        codec.check_kv(ns, "key", key, T)
+        codec.check_kv(ns, "value", value, T)
+        if hidden is not None:
+            if ns.hidden_size == 0:
+                raise InvalidInputError("hidden states given but the namespace has hidden_size=0")
+            if tuple(hidden.shape) != (T, ns.hidden_size) or hidden.dtype != ns.torch_dtype():
+                raise InvalidInputError(f"hidden must be [{T}, {ns.hidden_size}] of {ns.torch_dtype()}, got {tuple(hidden.shape)} {hidden.dtype}")
+        hashes = block_hashes(ns, tokens)
+        pages = codec.kv_to_pages(ns, key, value)
+        tail = codec.encode_tail(ns, key, value, hidden)
+        part_sizes = codec.tail_part_sizes(ns, T, hidden is not None)
+        seq = sequence_hash(ns, tokens, hashes)
+        spans = page_spans(host_bytes(pages), len(hashes), ns.page_nbytes) + split_spans(tail, part_sizes)
+        return await self._publish(hashes + part_hashes(seq, len(part_sizes)), spans)
+
+    async def select(self, input_tokens: Any, roi: Any) -> list[Any]:
+        """``[input_tokens, roi, key, value, hidden]`` for the longest stored prefix of the
+        tokens ``roi`` marks: everything plus ``hidden`` when this exact sequence was
+        inserted, else the longest block-aligned prefix with ``hidden=None``; five
+        ``None`` on a miss. The returned ``roi`` marks the matched tokens."""
+        tokens = self._roi_prefix(input_tokens, roi)
+        ns = self.namespace
+        T = len(tokens)
+        hashes = block_hashes(ns, tokens)
+        seq = sequence_hash(ns, tokens, hashes)
+        sizes_h = codec.tail_part_sizes(ns, T, ns.hidden_size > 0)
+        sizes_nh = codec.tail_part_sizes(ns, T, False)
+        parts = part_hashes(seq, max(len(sizes_h), len(sizes_nh)))
+        result = await self._lookup(hashes + parts)
+        if not result or result.matched == 0:
+            return [None] * 5
+        nblocks = min(result.matched, len(hashes))
+        page_buf = np.empty(nblocks * ns.page_nbytes, dtype=np.uint8)
+        sinks = page_spans(page_buf, nblocks, ns.page_nbytes)
+        part_sizes = [loc[0].size for loc in result.locations[nblocks:]]
+        tail_buf = np.empty(sum(part_sizes), dtype=np.uint8)
+        sinks += split_spans(tail_buf, part_sizes)
+        got = await self._fetch((hashes + parts)[: result.matched], result.locations, sinks)
+        got_blocks = min(got, nblocks)
+        pages = torch.from_numpy(page_buf[: got_blocks * ns.page_nbytes]).view(ns.torch_dtype()).reshape(got_blocks, *ns.page_shape)
+        key, value = codec.pages_to_kv(pages)
+        hidden = None
+        exact = False
+        if got_blocks == len(hashes) and got > nblocks:
+            flags = codec.read_tail_flags(tail_buf)
+            need = len(sizes_h if flags and flags[1] else sizes_nh)
+            if flags and flags[0] == T and got - nblocks >= need:
+                tail = codec.decode_tail(ns, tail_buf[: sum(part_sizes[:need])])
+                key = torch.cat([key, tail.partial_key], dim=1)
+                value = torch.cat([value, tail.partial_value], dim=1)
+                hidden, exact = tail.hidden, True
+        matched = T if exact else got_blocks * ns.block_size
+        if matched == 0:
+            return [None] * 5
+        out_roi = torch.zeros(len(token_array(input_tokens)), dtype=torch.bool)
+        out_roi[:matched] = True
+        return [input_tokens, out_roi, key, value, hidden]
+
+    # ---- shared mechanism --------------------------------------------------------
+
+    async def _lookup(self, hashes: list[bytes]) -> Any:
+        self.stats.lookups += 1
+        try:
+            return await self.index.lookup(self.namespace, hashes)
+        except KVStoreError as exc:
+            self.stats.index_errors += 1
+            log.warning("lookup failed, counting as a miss: %s", exc)
+            return None
+
+    async def _live_nodes(self) -> list[NodeInfo]:
+        now = time.monotonic()
+        if now - self._nodes_at > self._node_refresh or not self._nodes:
+            try:
+                self._nodes = await self.index.live_nodes()
+                self._nodes_at = now
+            except KVStoreError as exc:
+                self.stats.index_errors += 1
+                log.warning("cannot list nodes: %s", exc)
+        for node_id in [n for n, until in self._suspect.items() if until < now]:
+            del self._suspect[node_id]
+        return [n for n in self._nodes if n.node_id not in self._suspect]
+
+    def _conn(self, node: NodeInfo) -> NodeConnection:
+        conn = self._conns.get(node.node_id)
+        if conn is None or conn.broken or conn.node.address != node.address:
+            conn = NodeConnection(node, self._token, self._ucxx)
+            self._conns[node.node_id] = conn
+        return conn
+
+    def _node_failed(self, node_id: str, exc: Exception) -> None:
+        self.stats.node_errors += 1
+        self._suspect[node_id] = time.monotonic() + SUSPECT_SECONDS
+        self._nodes_at = 0.0  # re-read the registry on the next call
+        log.warning("node %s failed, its pages count as missing: %s", node_id, exc)
+
+    async def _publish(self, hashes: list[bytes], spans: list[Span]) -> PublishReport:
+        """Store each page on its ``replicas`` rendezvous nodes; a page counts as stored
+        when at least one replica holds it."""
+        nodes = {n.node_id: n for n in await self._live_nodes()}
+        if not nodes or not hashes:
+            self.stats.pages_refused += len(hashes)
+            return PublishReport(0, 0, 0, len(hashes), 0)
+        checksums = [page_checksum(s.view()) for s in spans]
+        per_node: dict[str, list[int]] = defaultdict(list)
+        for i, h in enumerate(hashes):
+            for node_id in place(h, list(nodes), self.replicas):
+                per_node[node_id].append(i)
+
+        async def one(node_id: str, idx: list[int]) -> tuple[list[int], Any]:
+            pages = [OutgoingPage(hashes[i], checksums[i], spans[i]) for i in idx]
+            try:
+                return idx, await self._conn(nodes[node_id]).put(self.namespace.digest_hex, pages, self.timeout)
+            except TransportError as exc:
+                self._node_failed(node_id, exc)
+                return idx, None
+
+        held, sent, skipped, nbytes = set(), 0, 0, 0
+        for idx, outcome in await asyncio.gather(*(one(n, idx) for n, idx in per_node.items())):
+            if outcome is None:
+                continue
+            held.update(idx[k] for k in outcome.stored + outcome.present)
+            sent += len(outcome.stored)
+            skipped += len(outcome.present)
+            nbytes += outcome.bytes_sent
+        refused = len(hashes) - len(held)
+        self.stats.pages_sent += sent
+        self.stats.pages_skipped += skipped
+        self.stats.pages_refused += refused
+        self.stats.bytes_sent += nbytes
+        return PublishReport(len(held), sent, skipped, refused, nbytes)
+
+    async def _fetch(self, hashes: list[bytes], locations: list[list[PageLocation]], sinks: list[Span]) -> int:
+        """Fetch pages into ``sinks`` from their replicas, verify checksums, and return
+        how many leading pages arrived intact. Bounded by ``timeout`` overall."""
+        deadline = time.monotonic() + self.timeout
+        ok = [False] * len(hashes)
+        tried: list[set[str]] = [set() for _ in hashes]
+        nodes = {n.node_id: n for n in await self._live_nodes()}
+        for _ in range(max(len(loc) for loc in locations[: len(hashes)])):
+            per_node: dict[str, list[int]] = defaultdict(list)
+            for i, locs in enumerate(locations[: len(hashes)]):
+                if ok[i]:
+                    continue
+                choice = next((l for l in self._prefer(hashes[i], locs) if l.node_id not in tried[i] and l.node_id in nodes), None)
+                if choice is not None:
+                    tried[i].add(choice.node_id)
+                    per_node[choice.node_id].append(i)
+            remaining = deadline - time.monotonic()
+            if not per_node or remaining <= 0:
+                break
+
+            async def one(node_id: str, idx: list[int]) -> None:
+                try:
+                    got = await self._conn(nodes[node_id]).get(
+                        self.namespace.digest_hex, [hashes[i] for i in idx], [sinks[i] for i in idx], remaining
+                    )
+                except TransportError as exc:
+                    self._node_failed(node_id, exc)
+                    return
+                for k, i in enumerate(idx):
+                    expected = next(l.checksum for l in locations[i] if l.node_id == node_id)
+                    if k in got and got[k] == expected and verify(sinks[i], expected):
+                        ok[i] = True
+                        self.stats.pages_received += 1
+                        self.stats.bytes_received += sinks[i].nbytes
+                    elif k in got:
+                        self.stats.checksum_failures += 1
+
+            await asyncio.gather(*(one(n, idx) for n, idx in per_node.items()))
+            if all(ok):
+                break
+        return ok.index(False) if False in ok else len(ok)
+
+    def _prefer(self, page_hash: bytes, locs: list[PageLocation]) -> list[PageLocation]:
+        order = {n: r for r, n in enumerate(rank_nodes(page_hash, [l.node_id for l in locs]))}
+        return sorted(locs, key=lambda l: (l.node_id in self._suspect, order[l.node_id]))
+
+    def _mode_for(self, out: torch.Tensor) -> str:
+        if out.device.type == "cpu":
+            return "staged" if self.transfer_mode == "staged" else "direct"
+        if self.transfer_mode == "direct":
+            if not cuda_capable():
+                raise InvalidInputError("transfer_mode='direct' into CUDA memory needs a UCX build with CUDA transports; use 'auto' or 'staged'")
+            return "direct"
+        if self.transfer_mode == "auto" and cuda_capable():
+            return "direct"
+        return "staged"
+
+    def _check_pages(self, name: str, t: torch.Tensor, count: int, at_least: bool) -> None:
+        ns = self.namespace
+        if not isinstance(t, torch.Tensor):
+            raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape[1:]) != ns.page_shape:
+            raise InvalidInputError(f"{name} pages have shape {tuple(t.shape[1:])}; the namespace expects {ns.page_shape} ({ns.layout})")
+        if t.dtype != ns.torch_dtype():
+            raise InvalidInputError(f"{name} has dtype {t.dtype}; the namespace expects {ns.torch_dtype()}")
+        if (t.shape[0] < count) if at_least else (t.shape[0] != count):
+            rel = "at least" if at_least else "exactly"
+            raise InvalidInputError(f"{name} has {t.shape[0]} pages; {count} full blocks of tokens need {rel} {count}")
+        if at_least and not t.is_contiguous():
+            raise InvalidInputError(f"{name} must be contiguous so pages can be received in place")
+
+    @staticmethod
+    def _roi_prefix(input_tokens: Any, roi: Any) -> np.ndarray:
+        tokens = token_array(input_tokens)
+        mask = np.asarray(roi.detach().cpu() if hasattr(roi, "detach") else roi)
+        if mask.dtype != np.bool_ or mask.shape != tokens.shape:
+            raise InvalidInputError(f"roi must be a bool mask shaped like input_tokens {tokens.shape}, got {mask.dtype} {mask.shape}")
+        m = int(mask.sum())
+        if m == 0:
+            raise InvalidInputError("roi marks no tokens")
+        if not mask[:m].all():
+            raise InvalidInputError("roi must mark a prefix of the tokens (True values first, then only False)")
+        return tokens[:m]
+
+
+def _token_prefix(t: Any, T: int, n_all: int, dim: int) -> Any:
+    """Cut a per-token tensor given for all ``n_all`` tokens down to the ``T`` that roi marks."""
+    if isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[dim] == n_all != T:
+        return t.narrow(dim, 0, T)
+    return t

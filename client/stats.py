@@ -1,0 +1,24 @@
+"""Counters a client keeps about its own traffic (``client.stats``)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class ClientStats:
+    lookups: int = 0
+    pages_sent: int = 0
+    pages_skipped: int = 0
+    pages_refused: int = 0
+    bytes_sent: int = 0
+    pages_received: int = 0
+    bytes_received: int = 0
+    checksum_failures: int = 0
+    node_errors: int = 0
+    index_errors: int = 0
+    direct_transfers: int = 0
+    staged_transfers: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)

@@ -1,0 +1,90 @@
+"""``KVCacheClient``: the blocking twin of ``AsyncKVCacheClient`` (same method names).
+
+It runs an ``AsyncKVCacheClient`` on a private event loop in a daemon thread, which is
+also the thread that drives UCX progress; every call waits at most the client timeout
+plus a margin, so a wedged transfer cannot hang the caller."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import torch
+
+from kvstore.errors import TransportError
+from kvstore.namespace import Namespace
+from client.async_client import AsyncKVCacheClient, PublishReport
+from client.stats import ClientStats
+
+_MARGIN = 10.0
+
+
+class KVCacheClient:
+    def __init__(self, redis_url: str, namespace: Namespace | None = None, **options: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-client", daemon=True)
+        self._thread.start()
+        self._async = self._run(self._create(redis_url, namespace, options))
+
+    @staticmethod
+    async def _create(redis_url: str, namespace: Namespace | None, options: dict[str, Any]) -> AsyncKVCacheClient:
+        return await AsyncKVCacheClient(redis_url, namespace, **options).start()
+
+    @classmethod
+    def from_env(cls, namespace: Namespace | None = None, **overrides: Any) -> KVCacheClient:
+        """Build from KVSTORE_* variables (see ``ClientSettings``)."""
+        proto = AsyncKVCacheClient.from_env(namespace, **overrides)
+        return cls(
+            proto.index.url, proto.namespace, replicas=proto.replicas, timeout=proto.timeout,
+            transfer_mode=proto.transfer_mode, auth_token=proto._token, progress_mode=proto._progress_mode,
+        )
+
+    def _run(self, coro: Any, timeout: float | None = None) -> Any:
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise TransportError(f"client call did not finish within {timeout:.1f} s") from None
+
+    @property
+    def namespace(self) -> Namespace:
+        return self._async.namespace
+
+    @property
+    def stats(self) -> ClientStats:
+        return self._async.stats
+
+    def _bound(self) -> float:
+        return self._async.timeout * 3 + _MARGIN
+
+    def lookup(self, token_ids: Any) -> int:
+        return self._run(self._async.lookup(token_ids), self._bound())
+
+    def put_pages(self, token_ids: Any, pages: torch.Tensor) -> PublishReport:
+        return self._run(self._async.put_pages(token_ids, pages), self._bound())
+
+    def get_pages(self, token_ids: Any, out: torch.Tensor) -> int:
+        return self._run(self._async.get_pages(token_ids, out), self._bound())
+
+    def insert(self, input_tokens: Any, roi: Any, key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor | None = None) -> PublishReport:
+        return self._run(self._async.insert(input_tokens, roi, key, value, hidden), self._bound())
+
+    def select(self, input_tokens: Any, roi: Any) -> list[Any]:
+        return self._run(self._async.select(input_tokens, roi), self._bound())
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self._run(self._async.close(), _MARGIN)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+
+    def __enter__(self) -> KVCacheClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

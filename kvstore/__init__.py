@@ -1,0 +1,29 @@
+"""Core library of the KV-cache store: namespaces and block hashes, page codecs,
+the Redis page index, the UCX wire protocol, configuration, the embedded Valkey
+launcher and the ``kvstore`` command line."""
+
+from kvstore.errors import (
+    ChecksumMismatch,
+    IndexUnavailableError,
+    InvalidInputError,
+    KVStoreError,
+    ProtocolError,
+    TransportError,
+    UnknownNamespaceError,
+)
+from kvstore.hashing import block_hashes, part_hashes, sequence_hash
+from kvstore.namespace import Namespace
+
+__all__ = [
+    "ChecksumMismatch",
+    "IndexUnavailableError",
+    "InvalidInputError",
+    "KVStoreError",
+    "Namespace",
+    "ProtocolError",
+    "TransportError",
+    "UnknownNamespaceError",
+    "block_hashes",
+    "part_hashes",
+    "sequence_hash",
+]

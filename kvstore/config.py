@@ -1,0 +1,74 @@
+"""Settings of storage nodes and clients: command-line options and KVSTORE_* environment
+variables through pydantic-settings (one mechanism for both)."""
+
+from __future__ import annotations
+
+import socket
+from typing import Annotated, Literal
+
+from pydantic import BeforeValidator, Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kvstore.units import parse_size
+
+ByteSize = Annotated[int, BeforeValidator(parse_size)]
+ProgressMode = Literal["blocking", "polling", "thread", "thread-polling"]
+
+
+def _default_host() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class ServerSettings(BaseSettings):
+    """Options of ``kvstore server``; each also reads KVSTORE_<NAME> from the environment."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="KVSTORE_", cli_kebab_case=True, cli_prog_name="kvstore server", cli_implicit_flags=True, extra="ignore"
+    )
+
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="index URL: redis://, rediss:// (TLS) or unix://")
+    capacity: ByteSize = Field(1 << 30, description="bytes of page memory, e.g. 4GiB")
+    host: str = Field(default_factory=_default_host, description="address clients use to reach this node")
+    port: int = Field(0, ge=0, le=65535, description="UCX listener port (0: any free port)")
+    node_id: str = Field(default_factory=socket.gethostname, min_length=1, description="unique node name")
+    metrics_port: int | None = Field(9400, ge=0, le=65535, description="HTTP port for /metrics, /healthz, /readyz (0: any)")
+    metrics_host: str = Field("0.0.0.0", description="address the metrics server binds")
+    high_watermark: float = Field(0.9, gt=0, le=1, description="evict when usage passes this fraction")
+    low_watermark: float = Field(0.8, gt=0, lt=1, description="evict down to this fraction")
+    slab_size: ByteSize = Field(64 << 20, description="allocator slab size; also the largest page accepted")
+    hugepages: bool = Field(True, description="back the pool with huge pages when the kernel offers them")
+    heartbeat_interval: float = Field(1.0, gt=0, description="seconds between heartbeats")
+    node_ttl: float = Field(5.0, gt=0, description="seconds without heartbeat before the node counts as dead")
+    transfer_timeout: float = Field(30.0, gt=0, description="seconds one request may take on the data plane")
+    shutdown_grace: float = Field(10.0, ge=0, description="seconds to finish in-flight transfers on SIGTERM")
+    auth_token: SecretStr = Field(SecretStr(""), description="data-plane token clients must present")
+    ucx_progress_mode: ProgressMode = Field("blocking", description="ucxx progress mode")
+    ucx_net_devices: str | None = Field(None, description="sets UCX_NET_DEVICES (e.g. lo, eth0, mlx5_0:1)")
+    ucx_tls: str | None = Field(None, description="sets UCX_TLS (e.g. rc,cuda_copy or tcp)")
+    log_level: str = Field("INFO")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ServerSettings:
+        if self.low_watermark >= self.high_watermark:
+            raise ValueError(f"low_watermark {self.low_watermark} must be below high_watermark {self.high_watermark}")
+        if self.capacity < self.slab_size:
+            raise ValueError(f"capacity {self.capacity} bytes must be at least one slab ({self.slab_size} bytes)")
+        if self.heartbeat_interval * 2 > self.node_ttl:
+            raise ValueError("node_ttl must be at least twice heartbeat_interval")
+        return self
+
+
+class ClientSettings(BaseSettings):
+    """Client options from KVSTORE_* environment variables (``KVCacheClient.from_env``)."""
+
+    model_config = SettingsConfigDict(env_prefix="KVSTORE_", extra="ignore")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    replicas: int = Field(1, ge=1)
+    timeout: float = Field(5.0, gt=0, description="seconds a select/get may take before missing pages count as absent")
+    transfer_mode: Literal["auto", "direct", "staged"] = "auto"
+    auth_token: SecretStr = SecretStr("")
+    ucx_progress_mode: ProgressMode = "blocking"

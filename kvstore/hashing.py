@@ -1,0 +1,87 @@
+"""Chained block hashes, whole-sequence hashes and tail-part hashes.
+
+The exact byte format is written down in docs/key-format.md and pinned by golden
+vectors in tests/test_hashing.py. Nothing here depends on PYTHONHASHSEED."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Any
+
+import numpy as np
+
+from kvstore.errors import InvalidInputError
+from kvstore.namespace import Namespace
+
+HASH_BYTES = 16
+ZERO_HASH = bytes(HASH_BYTES)
+BLOCK_PERSON = b"kvs-block-v1"
+SEQUENCE_PERSON = b"kvs-seq-v1"
+PART_PERSON = b"kvs-part-v1"
+MAX_TOKEN_ID = 2**32 - 1
+
+
+def token_array(tokens: Any) -> np.ndarray:
+    """Validate token ids and return them as a little-endian uint32 array.
+
+    Accepts a list/tuple of ints, a numpy array or a CPU/GPU torch tensor (1-D)."""
+    if hasattr(tokens, "detach"):  # torch tensor, without importing torch here
+        tokens = tokens.detach().cpu().numpy()
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise InvalidInputError(f"token ids must be a 1-D sequence, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype="<u4")
+    if arr.dtype.kind not in "iu":
+        raise InvalidInputError(f"token ids must be integers, got dtype {arr.dtype}")
+    if int(arr.min()) < 0 or int(arr.max()) > MAX_TOKEN_ID:
+        raise InvalidInputError(f"token ids must lie in [0, {MAX_TOKEN_ID}]")
+    return arr.astype("<u4", copy=False)
+
+
+def block_hashes(namespace: Namespace, tokens: Any) -> list[bytes]:
+    """Hashes of every full block of ``tokens``; a trailing partial block is ignored.
+
+    hash[i] = blake2b-128(person="kvs-block-v1", ns_digest || hash[i-1] || tokens of block i
+    as uint32 little-endian), with hash[-1] = 16 zero bytes. Two token lists sharing k full
+    blocks share exactly their first k hashes."""
+    arr = token_array(tokens)
+    size = namespace.block_size
+    prev = ZERO_HASH
+    out: list[bytes] = []
+    for start in range(0, len(arr) - size + 1, size):
+        h = hashlib.blake2b(digest_size=HASH_BYTES, person=BLOCK_PERSON)
+        h.update(namespace.digest)
+        h.update(prev)
+        h.update(arr[start : start + size].tobytes())
+        prev = h.digest()
+        out.append(prev)
+    return out
+
+
+def sequence_hash(namespace: Namespace, tokens: Any, full_block_hashes: list[bytes] | None = None) -> bytes:
+    """Hash of the whole token list, trailing partial block included.
+
+    blake2b-128(person="kvs-seq-v1", ns_digest || last full block hash (or zeros) ||
+    uint64-le token count || partial-block tokens as uint32 little-endian)."""
+    arr = token_array(tokens)
+    hashes = full_block_hashes if full_block_hashes is not None else block_hashes(namespace, arr)
+    nfull = len(hashes) * namespace.block_size
+    h = hashlib.blake2b(digest_size=HASH_BYTES, person=SEQUENCE_PERSON)
+    h.update(namespace.digest)
+    h.update(hashes[-1] if hashes else ZERO_HASH)
+    h.update(struct.pack("<Q", len(arr)))
+    h.update(arr[nfull:].tobytes())
+    return h.digest()
+
+
+def part_hashes(seq_hash: bytes, count: int) -> list[bytes]:
+    """Keys of the parts of a sequence's tail object: blake2b-128(person="kvs-part-v1",
+    seq_hash || uint32-le part index)."""
+    if len(seq_hash) != HASH_BYTES:
+        raise InvalidInputError(f"sequence hash must be {HASH_BYTES} bytes, got {len(seq_hash)}")
+    return [
+        hashlib.blake2b(seq_hash + struct.pack("<I", i), digest_size=HASH_BYTES, person=PART_PERSON).digest()
+        for i in range(count)
+    ]

@@ -1,0 +1,108 @@
+"""A local store on loopback: embedded Valkey plus N storage-node processes.
+
+Used by ``kvstore up``, ``kvstore demo`` and the test fixtures. Node processes are
+started as ``python -m server`` with PDEATHSIG, so they stop if this process dies;
+``stop`` sends SIGTERM and waits, then SIGKILLs stragglers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from kvstore.errors import KVStoreError
+from kvstore.index import PageIndex
+from kvstore.procutil import die_with_parent
+from kvstore.valkey import EmbeddedValkey
+
+
+@dataclass
+class NodeProcess:
+    node_id: str
+    process: subprocess.Popen
+    args: list[str] = field(default_factory=list)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+
+
+class LocalCluster:
+    def __init__(self, servers: int = 1, capacity: str = "256MiB", *, redis_url: str | None = None, slab_size: str = "16MiB", extra_args: list[str] | None = None, env: dict[str, str] | None = None, quiet: bool = True) -> None:
+        self.num_servers = servers
+        self.capacity = capacity
+        self.slab_size = slab_size
+        self.extra_args = extra_args or []
+        self.env = {**os.environ, "UCX_NET_DEVICES": "lo", **(env or {})}
+        self.quiet = quiet
+        self.valkey: EmbeddedValkey | None = None
+        self.redis_url = redis_url or ""
+        self.nodes: list[NodeProcess] = []
+
+    def start(self, timeout: float = 30.0) -> LocalCluster:
+        if not self.redis_url:
+            self.valkey = EmbeddedValkey().start()
+            self.redis_url = self.valkey.url
+        for i in range(self.num_servers):
+            self.add_node(f"node-{i}")
+        self.wait_registered(timeout)
+        return self
+
+    def add_node(self, node_id: str, extra_args: list[str] | None = None) -> NodeProcess:
+        """Start one more storage node (it registers itself; see ``wait_registered``)."""
+        args = [
+            sys.executable, "-m", "server", "--redis-url", self.redis_url, "--capacity", self.capacity,
+            "--slab-size", self.slab_size, "--host", "127.0.0.1", "--port", "0", "--node-id", node_id,
+            "--metrics-port", "0", "--metrics-host", "127.0.0.1", "--heartbeat-interval", "0.5", "--node-ttl", "2",
+            *self.extra_args, *(extra_args or []),
+        ]
+        out = subprocess.DEVNULL if self.quiet else None
+        proc = subprocess.Popen(args, env=self.env, stdout=out, stderr=out, preexec_fn=die_with_parent)
+        node = NodeProcess(node_id, proc, args)
+        self.nodes.append(node)
+        return node
+
+    def wait_registered(self, timeout: float = 30.0) -> None:
+        index = PageIndex(self.redis_url)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                live = {n.node_id for n in index.live_nodes()}
+                running = [n for n in self.nodes if n.process.poll() is None]
+                if all(n.node_id in live for n in running) and running:
+                    return
+                dead = [n.node_id for n in self.nodes if n.process.poll() is not None and n.node_id not in live]
+                if dead and len(dead) == len(self.nodes):
+                    raise KVStoreError(f"storage nodes exited during start: {dead}")
+                if time.monotonic() > deadline:
+                    raise KVStoreError(f"storage nodes did not register within {timeout:.0f} s")
+                time.sleep(0.05)
+        finally:
+            index.close()
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.kill(signal.SIGTERM)
+        for node in self.nodes:
+            try:
+                node.process.wait(15)
+            except subprocess.TimeoutExpired:
+                node.kill()
+                node.process.wait()
+        self.nodes.clear()
+        if self.valkey:
+            self.valkey.stop()
+            self.valkey = None
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,8 @@
+-- Remove a node from the registry if it is still the given incarnation.
+-- KEYS: nodes zset, node hash.  ARGV: node id, epoch.
+if redis.call('HGET', KEYS[2], 'epoch') == ARGV[2] then
+  redis.call('DEL', KEYS[2])
+  redis.call('ZREM', KEYS[1], ARGV[1])
+  return 1
+end
+return 0

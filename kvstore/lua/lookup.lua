@@ -1,0 +1,53 @@
+-- Longest run of committed pages, from the first hash on, that have a live replica.
+-- KEYS: meta, alive.  ARGV: prefix, concatenated 32-char hex hashes, lease_ms, grace_ms.
+-- Returns {-1} for an unknown namespace, else {matched, then per matched page:
+-- replica count, then node, slot, size, checksum for each replica}.
+local prefix, hexes = ARGV[1], ARGV[2]
+local lease_ms, grace_ms = tonumber(ARGV[3]), tonumber(ARGV[4])
+if redis.call('EXISTS', KEYS[1]) == 0 then return {-1} end
+local now = now_ms()
+local alive = {}
+local raw = redis.call('HGETALL', KEYS[2])
+for i = 1, #raw, 2 do
+  local e, d = string.match(raw[i + 1], '^(%d+):(%d+)$')
+  alive[raw[i]] = {e, tonumber(d)}
+end
+local out = {0}
+local matched, dropped = 0, 0
+for i = 0, #hexes / 32 - 1 do
+  local key = prefix .. 'p:' .. string.sub(hexes, i * 32 + 1, i * 32 + 32)
+  local f = redis.call('HGETALL', key)
+  local locs = {}
+  for j = 1, #f, 2 do
+    local node = f[j]
+    if node ~= '_lease' then
+      local st, epoch, slot, size, crc, deadline = parse_entry(f[j + 1])
+      local a = alive[node]
+      if st == 'C' then
+        if a and a[1] == epoch and a[2] > now then
+          locs[#locs + 1] = node; locs[#locs + 1] = slot
+          locs[#locs + 1] = size; locs[#locs + 1] = crc
+        elseif (not a) or a[1] ~= epoch or a[2] + grace_ms < now then
+          redis.call('HDEL', key, node)   -- the node is gone or restarted: clean up lazily
+          dropped = dropped + 1
+        end
+      elseif st == 'R' and tonumber(deadline) < now then
+        redis.call('HDEL', key, node)     -- abandoned reservation
+      end
+    end
+  end
+  if #locs == 0 then
+    if #f > 0 and node_fields_left(key) == 0 then redis.call('DEL', key) end
+    break
+  end
+  if lease_ms > 0 then
+    local held = tonumber(redis.call('HGET', key, '_lease') or '0')
+    if held < now + lease_ms then redis.call('HSET', key, '_lease', now + lease_ms) end
+  end
+  matched = matched + 1
+  out[#out + 1] = #locs / 4
+  for j = 1, #locs do out[#out + 1] = locs[j] end
+end
+if dropped > 0 then redis.call('HINCRBY', KEYS[1], 'pages', -dropped) end
+out[1] = matched
+return out

@@ -1,0 +1,159 @@
+"""The data-plane wire protocol (documented in docs/protocol.md).
+
+Control frames travel as UCX active messages: a 12-byte preamble (magic, version,
+frame type, body length) followed by a JSON body validated by a pydantic model.
+Page payloads travel as tagged UCX messages, one per *run* of pages that are
+contiguous in the server's pool, so small pages move in few messages and large
+pages move without copies."""
+
+from __future__ import annotations
+
+import enum
+import struct
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvstore.errors import ProtocolError
+
+MAGIC = b"KVSP"
+VERSION = 1
+PREAMBLE = struct.Struct("<4sHHI")
+MAX_BODY_BYTES = 8 << 20
+MAX_PAGES_PER_REQUEST = 65_536
+DEFAULT_MAX_RUN_BYTES = 64 << 20
+
+HashHex = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+NsHex = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+
+
+class FrameType(enum.IntEnum):
+    PUT_REQUEST = 1
+    PUT_PLAN = 2
+    PUT_RESULT = 3
+    GET_REQUEST = 4
+    GET_PLAN = 5
+    ERROR = 15
+
+
+class _Frame(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PutPage(_Frame):
+    hash: HashHex
+    size: int = Field(gt=0)
+    checksum: int = Field(ge=0, lt=2**64)
+
+
+class PutRequest(_Frame):
+    """Client -> server: pages the client offers to store."""
+
+    namespace: NsHex
+    token: str = ""
+    pages: list[PutPage] = Field(min_length=1, max_length=MAX_PAGES_PER_REQUEST)
+
+
+class PutPlan(_Frame):
+    """Server -> client: which offered pages to send, grouped into runs (lengths, in order
+    of ``wanted``) that each travel as one message; ``present`` were already stored;
+    ``refused`` did not fit."""
+
+    wanted: list[int]
+    runs: list[int]
+    present: list[int]
+    refused: list[int]
+
+
+class PutResult(_Frame):
+    """Server -> client after the payloads: which wanted pages are now committed."""
+
+    stored: list[int]
+    corrupt: list[int]
+
+
+class GetPage(_Frame):
+    hash: HashHex
+
+
+class GetRequest(_Frame):
+    namespace: NsHex
+    token: str = ""
+    pages: list[GetPage] = Field(min_length=1, max_length=MAX_PAGES_PER_REQUEST)
+    max_run_bytes: int = Field(default=DEFAULT_MAX_RUN_BYTES, gt=0)
+
+
+class GetPlan(_Frame):
+    """Server -> client: ``present`` pages follow as runs (lengths, in order of ``present``);
+    ``sizes`` and ``checksums`` are the server's record of each present page."""
+
+    present: list[int]
+    sizes: list[int]
+    checksums: list[int]
+    runs: list[int]
+
+
+class ErrorFrame(_Frame):
+    code: str
+    message: str
+
+
+_MODELS: dict[FrameType, type[_Frame]] = {
+    FrameType.PUT_REQUEST: PutRequest,
+    FrameType.PUT_PLAN: PutPlan,
+    FrameType.PUT_RESULT: PutResult,
+    FrameType.GET_REQUEST: GetRequest,
+    FrameType.GET_PLAN: GetPlan,
+    FrameType.ERROR: ErrorFrame,
+}
+_TYPES = {model: ftype for ftype, model in _MODELS.items()}
+
+
+def encode(frame: _Frame) -> bytes:
+    body = frame.model_dump_json().encode()
+    return PREAMBLE.pack(MAGIC, VERSION, _TYPES[type(frame)], len(body)) + body
+
+
+def decode(data: bytes | bytearray | memoryview) -> _Frame:
+    """Parse one control frame; raises ``ProtocolError`` naming what is wrong."""
+    data = bytes(data)
+    if len(data) < PREAMBLE.size:
+        raise ProtocolError(f"frame of {len(data)} bytes is shorter than the {PREAMBLE.size}-byte preamble")
+    magic, version, ftype, length = PREAMBLE.unpack_from(data)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r}; expected {MAGIC!r}")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported protocol version {version}; this build speaks {VERSION}")
+    if length > MAX_BODY_BYTES:
+        raise ProtocolError(f"frame body of {length} bytes exceeds the {MAX_BODY_BYTES}-byte limit")
+    if len(data) != PREAMBLE.size + length:
+        raise ProtocolError(f"truncated frame: preamble announces {length} body bytes, got {len(data) - PREAMBLE.size}")
+    try:
+        model = _MODELS[FrameType(ftype)]
+    except ValueError:
+        raise ProtocolError(f"unknown frame type {ftype}") from None
+    try:
+        return model.model_validate_json(data[PREAMBLE.size :])
+    except ValidationError as exc:
+        raise ProtocolError(f"invalid {model.__name__}: {exc.errors()[0]['loc']} {exc.errors()[0]['msg']}") from None
+
+
+def plan_runs(offsets: list[int], sizes: list[int], max_run_bytes: int) -> list[int]:
+    """Group consecutive items into runs whose byte ranges touch, capped at ``max_run_bytes``.
+
+    Used by the server on both PUT and GET: item i and i+1 share a run when
+    ``offsets[i] + sizes[i] == offsets[i+1]``. Returns run lengths."""
+    runs: list[int] = []
+    run_len, run_bytes = 0, 0
+    for i, (off, size) in enumerate(zip(offsets, sizes)):
+        joins = run_len > 0 and offsets[i - 1] + sizes[i - 1] == off and run_bytes + size <= max_run_bytes
+        if joins:
+            run_len += 1
+            run_bytes += size
+        else:
+            if run_len:
+                runs.append(run_len)
+            run_len, run_bytes = 1, size
+    if run_len:
+        runs.append(run_len)
+    return runs

@@ -1,0 +1,66 @@
+"""UCX (ucxx) set-up shared by storage nodes and clients.
+
+ucxx keeps one context per process; ``ensure_ucx`` initialises it once, in the
+caller's event loop thread, with the progress mode chosen by settings. Blocking
+progress is the default: it idles at no CPU cost and measured fastest on loopback
+TCP (shared/reference/ucx.md has the figures for the other modes)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from typing import Any
+
+from kvstore.errors import TransportError
+
+# Defaults applied only where the environment does not set them already.
+UCX_DEFAULTS = {
+    "UCX_WARN_UNUSED_ENV_VARS": "n",
+    "UCX_TCP_TX_SEG_SIZE": "1m",
+    "UCX_TCP_RX_SEG_SIZE": "1m",
+    "UCX_RNDV_THRESH": "256k",
+}
+_lock = threading.Lock()
+_initialised: str | None = None
+
+
+def ensure_ucx(progress_mode: str = "blocking") -> Any:
+    """Initialise ucxx once per process and return the module.
+
+    Must be called from the thread whose event loop will drive transfers."""
+    global _initialised
+    with _lock:
+        for key, value in UCX_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+        import ucxx
+
+        if _initialised is None:
+            ucxx.init(progress_mode=progress_mode)
+            _initialised = progress_mode
+        return ucxx
+
+
+def transport_errors() -> tuple[type[BaseException], ...]:
+    """Exception types a broken or closed endpoint raises."""
+    import ucxx
+
+    return (ucxx.exceptions.UCXError, ConnectionError, OSError, asyncio.CancelledError)
+
+
+def cuda_capable() -> bool:
+    """True when the loaded UCX can move CUDA device memory itself (cuda_copy/cuda_ipc)."""
+    try:
+        import ucxx
+
+        return any(t.startswith("cuda") for t in ucxx.get_active_transports())
+    except Exception:  # noqa: BLE001 - no CUDA driver or no UCX context: not capable
+        return False
+
+
+async def with_timeout(awaitable: Any, seconds: float, what: str) -> Any:
+    """Await with a deadline; a timeout becomes ``TransportError`` naming the step."""
+    try:
+        return await asyncio.wait_for(awaitable, seconds)
+    except asyncio.TimeoutError:
+        raise TransportError(f"{what} timed out after {seconds:.1f} s") from None

