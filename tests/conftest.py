@@ -1,0 +1,34 @@
+"""Shared fixtures: a real Valkey server per test session and per-test namespaces."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from kvstore.index import PageIndex
+from kvstore.namespace import Namespace
+from kvstore.valkey import EmbeddedValkey
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+
+@pytest.fixture(scope="session")
+def valkey():
+    with EmbeddedValkey() as server:
+        yield server
+
+
+@pytest.fixture()
+def namespace(request) -> Namespace:
+    """A namespace of small pages, unique to the test so tests never see each other's pages."""
+    tenant = re.sub(r"[^A-Za-z0-9_.-]", "_", request.node.name)[:80]
+    return Namespace(model="test-model", dtype="float16", num_layers=2, num_kv_heads=2, head_size=32, block_size=16, hidden_size=64, tenant=tenant)
+
+
+@pytest.fixture()
+def index(valkey):
+    idx = PageIndex(valkey.url, dead_grace_ms=0, reserve_ttl_ms=200)
+    yield idx
+    idx.close()

@@ -1,0 +1,139 @@
+"""Hash format: golden vectors pin the bytes; properties pin the prefix semantics."""
+
+import hashlib
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore import InvalidInputError, Namespace, block_hashes, part_hashes, sequence_hash
+
+GOLDEN_NS = Namespace(model="golden/llama", dtype="bfloat16", num_layers=4, num_kv_heads=2, head_size=64, block_size=4)
+
+
+def test_golden_namespace_digest():
+    assert GOLDEN_NS.canonical_json() == (
+        '{"block_size":4,"dtype":"bfloat16","format_version":1,"head_size":64,"hidden_size":0,'
+        '"layout":"kv_lbhd","model":"golden/llama","num_kv_heads":2,"num_layers":4,"pp_rank":0,'
+        '"tenant":"default","tp_rank":0,"tp_size":1}'
+    )
+    assert GOLDEN_NS.digest_hex == "bd7cf7c9a57abbf9b8ca5531f78e27da"
+
+
+def test_golden_block_sequence_and_part_hashes():
+    hashes = block_hashes(GOLDEN_NS, list(range(10)))
+    assert [h.hex() for h in hashes] == ["6d59d525a5e319f519388e3944063b8a", "6f9f53b6b606d9a02c411df77a2e38cd"]
+    seq = sequence_hash(GOLDEN_NS, list(range(10)))
+    assert seq.hex() == "4f8cd3af4dc518b46248b0f1e19ddb11"
+    assert part_hashes(seq, 2)[1].hex() == "47d2b429281f6132e34d27d94e65ac63"
+    assert sequence_hash(GOLDEN_NS, [7, 8]).hex() == "b21d582a8357d4ead235608ebb2b383e"
+
+
+def test_block_hash_matches_documented_construction():
+    tokens = np.arange(8, dtype="<u4")
+    first = hashlib.blake2b(GOLDEN_NS.digest + bytes(16) + tokens[:4].tobytes(), digest_size=16, person=b"kvs-block-v1").digest()
+    second = hashlib.blake2b(GOLDEN_NS.digest + first + tokens[4:].tobytes(), digest_size=16, person=b"kvs-block-v1").digest()
+    assert block_hashes(GOLDEN_NS, tokens) == [first, second]
+
+
+def test_hashes_do_not_depend_on_pythonhashseed():
+    code = "from tests.test_hashing import GOLDEN_NS; from kvstore import block_hashes; print(block_hashes(GOLDEN_NS, list(range(12)))[-1].hex())"
+    outs = set()
+    for seed in ("0", "1", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        outs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout)
+    assert len(outs) == 1
+
+
+def test_token_containers_agree():
+    tokens = [5, 9, 2, 7, 1, 1, 0, 3]
+    expected = block_hashes(GOLDEN_NS, tokens)
+    assert block_hashes(GOLDEN_NS, np.array(tokens, dtype=np.int64)) == expected
+    assert block_hashes(GOLDEN_NS, torch.tensor(tokens)) == expected
+
+
+tokens_st = st.lists(st.integers(0, 2**32 - 1), min_size=0, max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(common=tokens_st, a=tokens_st, b=tokens_st)
+def test_shared_prefix_shares_exactly_k_block_hashes(common, a, b):
+    ns = GOLDEN_NS
+    ta, tb = common + a, common + b
+    ha, hb = block_hashes(ns, ta), block_hashes(ns, tb)
+    # k = number of full blocks on which the two lists agree token for token
+    k = 0
+    while k < min(len(ha), len(hb)) and ta[k * 4 : k * 4 + 4] == tb[k * 4 : k * 4 + 4]:
+        k += 1
+    assert ha[:k] == hb[:k]
+    if k < min(len(ha), len(hb)):
+        assert all(x != y for x, y in zip(ha[k:], hb[k:]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 1000), min_size=4, max_size=40), pos=st.integers(0, 39), delta=st.integers(1, 5))
+def test_changing_a_token_changes_its_block_and_all_later(tokens, pos, delta):
+    pos %= len(tokens)
+    changed = list(tokens)
+    changed[pos] += delta
+    before, after = block_hashes(GOLDEN_NS, tokens), block_hashes(GOLDEN_NS, changed)
+    block = pos // 4
+    assert before[:block] == after[:block]
+    assert all(x != y for x, y in zip(before[block:], after[block:]))
+    assert sequence_hash(GOLDEN_NS, tokens) != sequence_hash(GOLDEN_NS, changed)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 1000), min_size=4, max_size=16),
+    field=st.sampled_from(["model", "dtype", "num_layers", "tp_rank", "tenant", "layout", "block_size"]),
+)
+def test_different_namespaces_never_share_a_hash(tokens, field):
+    changes = {"model": "other", "dtype": "float16", "num_layers": 5, "tp_rank": 1, "tenant": "t2", "layout": "vllm_cpu", "block_size": 2}
+    extra = {"tp_size": 2} if field == "tp_rank" else {}
+    other = GOLDEN_NS.model_copy(update={field: changes[field], **extra})
+    other = Namespace.model_validate(other.model_dump())
+    assert other.digest != GOLDEN_NS.digest
+    assert not set(block_hashes(GOLDEN_NS, tokens)) & set(block_hashes(other, tokens))
+    assert sequence_hash(GOLDEN_NS, tokens) != sequence_hash(other, tokens)
+
+
+def test_sequence_hash_distinguishes_length_and_partial_tokens():
+    assert sequence_hash(GOLDEN_NS, [1, 2, 3, 4]) != sequence_hash(GOLDEN_NS, [1, 2, 3, 4, 0])
+    assert sequence_hash(GOLDEN_NS, [1, 2, 3, 4, 5]) != sequence_hash(GOLDEN_NS, [1, 2, 3, 4, 6])
+    assert sequence_hash(GOLDEN_NS, []) != sequence_hash(GOLDEN_NS, [0])
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [([[1, 2], [3, 4]], "1-D"), ([1.5, 2.0], "integers"), ([-1, 2], "lie in"), ([2**32], "lie in")],
+)
+def test_bad_tokens_are_rejected_with_a_clear_message(bad, message):
+    with pytest.raises(InvalidInputError, match=message):
+        block_hashes(GOLDEN_NS, np.array(bad))
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"dtype": "float64"}, "unsupported dtype"),
+        ({"layout": "nhd"}, "unknown page layout"),
+        ({"tp_rank": 2, "tp_size": 2}, "tp_rank 2 must be below"),
+        ({"block_size": 0}, "greater than 0"),
+    ],
+)
+def test_bad_namespace_fields_are_rejected(fields, message):
+    base = GOLDEN_NS.model_dump()
+    base.update(fields)
+    with pytest.raises(ValueError, match=message):
+        Namespace(**base)
+
+
+def test_namespace_is_frozen():
+    with pytest.raises(ValueError):
+        GOLDEN_NS.model = "x"
