@@ -61,6 +61,7 @@ class AsyncKVCacheClient:
         auth_token: str = "",
         progress_mode: str = "blocking",
         node_refresh: float = 1.0,
+        lease_ms: int = 5_000,
         **namespace_fields: Any,
     ) -> None:
         if namespace is None:
@@ -79,7 +80,7 @@ class AsyncKVCacheClient:
         self._token = auth_token
         self._progress_mode = progress_mode
         self._node_refresh = node_refresh
-        self.index = AsyncPageIndex(redis_url, timeout=min(timeout, 2.0))
+        self.index = AsyncPageIndex(redis_url, timeout=min(timeout, 2.0), lease_ms=lease_ms)
         self._ucxx: Any = None
         self._nodes: list[NodeInfo] = []
         self._nodes_at = 0.0

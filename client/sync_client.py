@@ -1,8 +1,10 @@
 """``KVCacheClient``: the blocking twin of ``AsyncKVCacheClient`` (same method names).
 
-It runs an ``AsyncKVCacheClient`` on a private event loop in a daemon thread, which is
-also the thread that drives UCX progress; every call waits at most the client timeout
-plus a margin, so a wedged transfer cannot hang the caller."""
+Every ``KVCacheClient`` in a process runs its ``AsyncKVCacheClient`` on one shared
+event loop in a daemon thread, which is also the only thread that drives UCX progress
+(a ucxx worker must not be progressed from two threads). Every call waits at most a
+bound derived from the client timeout, so a wedged transfer cannot hang the caller.
+Do not mix ``KVCacheClient`` and ``AsyncKVCacheClient`` on another loop in one process."""
 
 from __future__ import annotations
 
@@ -18,14 +20,25 @@ from client.async_client import AsyncKVCacheClient, PublishReport
 from client.stats import ClientStats
 
 _MARGIN = 10.0
+_shared_loop: asyncio.AbstractEventLoop | None = None
+_shared_lock = threading.Lock()
+
+
+def _client_loop() -> asyncio.AbstractEventLoop:
+    """The process-wide loop of blocking clients, started on first use."""
+    global _shared_loop
+    with _shared_lock:
+        if _shared_loop is None:
+            _shared_loop = asyncio.new_event_loop()
+            threading.Thread(target=_shared_loop.run_forever, name="kvstore-client", daemon=True).start()
+        return _shared_loop
 
 
 class KVCacheClient:
     def __init__(self, redis_url: str, namespace: Namespace | None = None, **options: Any) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-client", daemon=True)
-        self._thread.start()
-        self._async = self._run(self._create(redis_url, namespace, options))
+        self._loop = _client_loop()
+        self._closed = False
+        self._async = self._run(self._create(redis_url, namespace, options), _MARGIN + 30)
 
     @staticmethod
     async def _create(redis_url: str, namespace: Namespace | None, options: dict[str, Any]) -> AsyncKVCacheClient:
@@ -75,13 +88,9 @@ class KVCacheClient:
         return self._run(self._async.select(input_tokens, roi), self._bound())
 
     def close(self) -> None:
-        if self._loop.is_closed():
-            return
-        try:
+        if not self._closed:
+            self._closed = True
             self._run(self._async.close(), _MARGIN)
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(5)
 
     def __enter__(self) -> KVCacheClient:
         return self

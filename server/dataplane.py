@@ -139,7 +139,8 @@ class DataPlane:
                 store.abort_put(page)
             raise
         good = [p for p in pages if page_checksum(store.view(p)) == p.checksum]
-        corrupt = [i for i, p in zip(wanted, pages) if p not in good]
+        good_ids = {id(p) for p in good}
+        corrupt = [i for i, p in zip(wanted, pages) if id(p) not in good_ids]
         committed: list[StoredPage] = []
         if good:
             entries = [CommitEntry(p.key[1], p.offset, p.size, p.checksum) for p in good]
@@ -149,12 +150,13 @@ class DataPlane:
             except KVStoreError as exc:
                 log.warning("commit failed, dropping %d pages: %s", len(good), exc)
         for page in pages:
-            (store.finish_put if page in committed else store.abort_put)(page)
+            (store.finish_put if committed and id(page) in good_ids else store.abort_put)(page)
+        self.metrics.messages.labels("in").inc(len(runs))
         self.metrics.puts.inc(len(committed))
         self.metrics.corrupt.inc(len(corrupt))
         self.metrics.bytes_in.inc(sum(p.size for p in pages))
         self._update_gauges()
-        stored = [i for i, p in zip(wanted, pages) if p in committed]
+        stored = [i for i, p in zip(wanted, pages) if committed and id(p) in good_ids]
         await self._send(ep, P.PutResult(stored=stored, corrupt=corrupt))
 
     async def _receive_runs(self, ep: Any, pages: list[StoredPage], runs: list[int]) -> None:
@@ -189,6 +191,7 @@ class DataPlane:
         finally:
             for page in pages:
                 store.unpin(page)
+        self.metrics.messages.labels("out").inc(len(runs))
         self.metrics.gets.inc(len(pages))
         self.metrics.get_missing.inc(len(req.pages) - len(pages))
         self.metrics.bytes_out.inc(sum(p.size for p in pages))

@@ -20,6 +20,7 @@ class NodeMetrics:
         self.get_missing = Counter("kvstore_get_missing_pages", "Requested pages not held", registry=r)
         self.bytes_in = Counter("kvstore_bytes_in", "Payload bytes received", registry=r)
         self.bytes_out = Counter("kvstore_bytes_out", "Payload bytes sent", registry=r)
+        self.messages = Counter("kvstore_payload_messages", "UCX payload messages", ["direction"], registry=r)
         self.evictions = Counter("kvstore_evicted_pages", "Pages evicted", registry=r)
         self.refused = Counter("kvstore_refused_pages", "Pages refused for lack of space", registry=r)
         self.corrupt = Counter("kvstore_corrupt_pages", "Received pages with a wrong checksum", registry=r)
@@ -27,3 +28,10 @@ class NodeMetrics:
         self.latency = Histogram(
             "kvstore_request_seconds", "Request latency", ["op"], buckets=_LATENCY_BUCKETS, registry=r
         )
+        # Export every labelled series from the start so dashboards see zeros, not gaps.
+        for op in ("put", "get"):
+            self.latency.labels(op)
+        for kind in ("protocol", "transfer", "auth"):
+            self.errors.labels(kind)
+        for direction in ("in", "out"):
+            self.messages.labels(direction)

@@ -1,0 +1,84 @@
+"""Deterministic test data and a runner for worker processes.
+
+Page bytes are a pure function of the page's block hash, so any process can rebuild
+what a page must contain and compare bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvstore import Namespace, block_hashes
+from kvstore.codec import pages_to_kv
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def namespace_for_page_size(nbytes: int, tenant: str = "default", **fields) -> Namespace:
+    """A kv_lbhd float16 namespace whose pages are ``nbytes`` long (power of two >= 4 KiB)."""
+    head, heads, layers = 32, 1, 1
+    block = nbytes // (2 * layers * heads * head * 2)
+    while block > 64:
+        if layers < 32:
+            layers *= 2
+        elif heads < 8:
+            heads *= 2
+        else:
+            head *= 2
+        block = nbytes // (2 * layers * heads * head * 2)
+    ns = Namespace(model="page-size-test", dtype="float16", num_layers=layers, num_kv_heads=heads, head_size=head, block_size=block, tenant=tenant, **fields)
+    assert ns.page_nbytes == nbytes, (ns, nbytes)
+    return ns
+
+
+def page_bytes(ns: Namespace, block_hash: bytes) -> np.ndarray:
+    rng = np.random.default_rng(int.from_bytes(block_hash[:8], "little"))
+    return rng.integers(0, 256, ns.page_nbytes, dtype=np.uint8)
+
+
+def pages_for(ns: Namespace, tokens) -> torch.Tensor:
+    """``[blocks, *page_shape]`` whose bytes depend only on each block's hash."""
+    hashes = block_hashes(ns, tokens)
+    flat = np.concatenate([page_bytes(ns, h) for h in hashes]) if hashes else np.zeros(0, np.uint8)
+    return torch.from_numpy(flat).view(ns.torch_dtype()).reshape(len(hashes), *ns.page_shape)
+
+
+def kv_for(ns: Namespace, tokens, seed: int = 0):
+    """key, value ``[layers, tokens, heads, head]`` and hidden ``[tokens, hidden]``; the KV of a
+    full block depends only on the prefix up to that block (like a real model's)."""
+    n = len(tokens)
+    full = (n // ns.block_size) * ns.block_size
+    gen_ns = ns.model_copy(update={"layout": "kv_lbhd"})
+    key, value = pages_to_kv(pages_for(gen_ns, tokens[:full])) if full else (
+        torch.zeros(ns.num_layers, 0, ns.num_kv_heads, ns.head_size, dtype=ns.torch_dtype()),) * 2
+    g = torch.Generator().manual_seed(seed + n)
+    tail_k = torch.randn(ns.num_layers, n - full, ns.num_kv_heads, ns.head_size, generator=g).to(ns.torch_dtype())
+    tail_v = torch.randn(ns.num_layers, n - full, ns.num_kv_heads, ns.head_size, generator=g).to(ns.torch_dtype())
+    hidden = torch.randn(n, max(ns.hidden_size, 1), generator=g).to(ns.torch_dtype())[:, : ns.hidden_size]
+    return torch.cat([key, tail_k], 1), torch.cat([value, tail_v], 1), hidden
+
+
+def run_worker(spec: dict, timeout: float = 120, background: bool = False):
+    """Run tests/worker.py with ``spec`` in a fresh process; returns its JSON result
+    (or the Popen when ``background``)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo"}
+    args = [sys.executable, str(ROOT / "tests" / "worker.py"), json.dumps(spec)]
+    if background:
+        return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"worker failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def worker_result(proc: subprocess.Popen, timeout: float = 120) -> dict:
+    out, err = proc.communicate(timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"worker failed ({proc.returncode}): {err[-3000:]}")
+    return json.loads(out.strip().splitlines()[-1])

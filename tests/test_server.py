@@ -1,0 +1,244 @@
+"""Storage nodes as real processes, real UCX on loopback, clients in other processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from kvstore import block_hashes
+from kvstore.index import PageIndex
+from kvstore.launcher import LocalCluster
+from tests.helpers import ROOT, namespace_for_page_size, run_worker, worker_result
+
+
+@pytest.fixture()
+def clusters():
+    made: list[LocalCluster] = []
+
+    def make(servers: int = 1, capacity: str = "256MiB", slab: str = "16MiB", extra: list[str] | None = None) -> LocalCluster:
+        cluster = LocalCluster(servers, capacity, slab_size=slab, extra_args=extra)
+        made.append(cluster)
+        return cluster.start()
+
+    yield make
+    for cluster in made:
+        cluster.stop()
+
+
+def metrics(cluster: LocalCluster, node_id: str) -> dict[str, float]:
+    node = next(n for n in PageIndex(cluster.redis_url).live_nodes() if n.node_id == node_id)
+    text = urllib.request.urlopen(f"http://{node.extra['metrics']}/metrics", timeout=5).read().decode()
+    values = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
+        if m:
+            values[m.group(1)] = float(m.group(2))
+    return values
+
+
+def spec(cluster, ns, op, **kw):
+    return {"op": op, "redis_url": cluster.redis_url, "namespace": ns.model_dump(), **kw}
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.parametrize("page_size", [4 << 10, 64 << 10, 2 << 20, 8 << 20])
+def test_put_then_get_from_another_process_is_bit_exact(clusters, page_size):
+    cluster = clusters()
+    ns = namespace_for_page_size(page_size, tenant=f"exact-{page_size}")
+    count = ns.block_size * 6
+    put = run_worker(spec(cluster, ns, "put_pages", count=count))
+    assert put["reports"][0]["stored"] == 6 and put["reports"][0]["sent"] == 6
+    got = run_worker(spec(cluster, ns, "get_pages", count=count))
+    assert got["results"] == [{"blocks": 6, "matched": 6, "exact": True}]
+    assert got["stats"]["direct_transfers"] == 1
+
+
+def test_batch_of_1024_small_pages_moves_in_few_messages(clusters):
+    cluster = clusters()
+    ns = namespace_for_page_size(4 << 10, tenant="batch")
+    count = ns.block_size * 1024
+    put = run_worker(spec(cluster, ns, "put_pages", count=count))
+    assert put["reports"][0]["stored"] == 1024
+    got = run_worker(spec(cluster, ns, "get_pages", count=count))
+    assert got["results"] == [{"blocks": 1024, "matched": 1024, "exact": True}]
+    m = metrics(cluster, "node-0")
+    assert m['kvstore_payload_messages_total{direction="in"}'] <= 4
+    assert m['kvstore_payload_messages_total{direction="out"}'] <= 4
+    assert m["kvstore_put_pages_total"] == 1024 and m["kvstore_get_pages_total"] == 1024
+
+
+def test_filling_past_capacity_evicts_least_recently_used(clusters):
+    cluster = clusters(capacity="8MiB", slab="1MiB")
+    ns = namespace_for_page_size(64 << 10, tenant="evict")
+    batches = [list(range(b * 10_000, b * 10_000 + 32 * ns.block_size)) for b in range(4)]
+    opts = {"lease_ms": 0}
+    for b in batches[:3]:
+        assert run_worker(spec(cluster, ns, "put_pages", tokens=b, options=opts))["reports"][0]["stored"] == 32
+    # reading batch 0 makes it recently used, so batch 1 is now the oldest
+    assert run_worker(spec(cluster, ns, "get_pages", tokens=batches[0], options=opts))["results"][0]["matched"] == 32
+    assert run_worker(spec(cluster, ns, "put_pages", tokens=batches[3], options=opts))["reports"][0]["stored"] == 32
+    index = PageIndex(cluster.redis_url)
+    prefixes = [index.lookup(ns, block_hashes(ns, b), lease_ms=0).matched for b in batches]
+    assert prefixes[0] == 32 and prefixes[1] == 0 and prefixes[2] == 32 and prefixes[3] == 32
+    # whatever the index shows is really there, byte for byte
+    got = run_worker(spec(cluster, ns, "get_pages", token_lists=batches, options=opts))["results"]
+    assert [r["matched"] for r in got] == prefixes and all(r["exact"] for r in got)
+    m = metrics(cluster, "node-0")
+    assert m["kvstore_used_bytes"] <= m["kvstore_capacity_bytes"] == 8 << 20
+    assert m["kvstore_evicted_pages_total"] >= 24
+
+
+def test_put_that_cannot_fit_is_refused_cleanly(clusters):
+    cluster = clusters(capacity="2MiB", slab="1MiB")
+    ns = namespace_for_page_size(64 << 10, tenant="refuse")
+    first = list(range(32 * ns.block_size))
+    assert run_worker(spec(cluster, ns, "put_pages", tokens=first))["reports"][0]["stored"] == 32
+    PageIndex(cluster.redis_url).lookup(ns, block_hashes(ns, first), lease_ms=60_000)  # readers hold every page
+    second = list(range(50_000, 50_000 + 8 * ns.block_size))
+    report = run_worker(spec(cluster, ns, "put_pages", tokens=second))["reports"][0]
+    assert report["stored"] == 0 and report["refused"] == 8
+    assert run_worker(spec(cluster, ns, "get_pages", tokens=first))["results"] == [{"blocks": 32, "matched": 32, "exact": True}]
+    assert metrics(cluster, "node-0")["kvstore_refused_pages_total"] == 8
+
+
+def test_four_concurrent_clients_read_only_correct_bytes(clusters):
+    cluster = clusters(servers=2)
+    ns = namespace_for_page_size(64 << 10, tenant="concurrent")
+    common = list(range(8 * ns.block_size))
+    lists = [common + list(range(100_000 * (w + 1), 100_000 * (w + 1) + 8 * ns.block_size)) for w in range(4)]
+    procs = [run_worker(spec(cluster, ns, "put_pages", token_lists=[lists[w], lists[(w + 1) % 4]]), background=True) for w in range(4)]
+    procs += [run_worker(spec(cluster, ns, "get_pages", token_lists=lists, loop_seconds=2), background=True) for _ in range(2)]
+    results = [worker_result(p) for p in procs]
+    for r in results[4:]:
+        assert all(x["exact"] for x in r["results"])
+    final = run_worker(spec(cluster, ns, "get_pages", token_lists=lists))["results"]
+    assert final == [{"blocks": 16, "matched": 16, "exact": True}] * 4
+
+
+def _reservations(cluster, ns) -> bool:
+    import redis
+
+    return bool(redis.Redis.from_url(cluster.redis_url).keys(f"kvs:{{{ns.digest_hex}}}:p:*"))
+
+
+def test_client_killed_mid_put_leaves_nothing_visible(clusters):
+    cluster = clusters(capacity="1GiB", slab="16MiB")
+    ns = namespace_for_page_size(2 << 20, tenant="kill-client")
+    tokens = list(range(192 * ns.block_size))
+    proc = run_worker(spec(cluster, ns, "put_pages", tokens=tokens), background=True)
+    wait_for(lambda: _reservations(cluster, ns) or proc.poll() is not None, 60, "the put to start")
+    proc.kill()
+    proc.wait()
+    index = PageIndex(cluster.redis_url)
+    time.sleep(0.5)
+    assert index.lookup(ns, block_hashes(ns, tokens), lease_ms=0).matched == 0
+    wait_for(lambda: metrics(cluster, "node-0")["kvstore_used_bytes"] == 0, 20, "slots of the broken put to be freed")
+    small = namespace_for_page_size(64 << 10, tenant="after-kill")
+    assert run_worker(spec(cluster, small, "put_pages", count=4 * small.block_size))["reports"][0]["stored"] == 4
+
+
+def test_server_killed_mid_put_gives_client_an_error_in_time(clusters):
+    cluster = clusters(capacity="1GiB", slab="16MiB")
+    ns = namespace_for_page_size(2 << 20, tenant="kill-server-put")
+    tokens = list(range(192 * ns.block_size))
+    proc = run_worker(spec(cluster, ns, "put_pages", tokens=tokens, options={"timeout": 3}), background=True)
+    wait_for(lambda: _reservations(cluster, ns) or proc.poll() is not None, 60, "the put to start")
+    cluster.nodes[0].kill()
+    result = worker_result(proc, timeout=60)
+    assert result["reports"][0]["stored"] == 0
+    assert result["stats"]["node_errors"] >= 1
+    assert PageIndex(cluster.redis_url).lookup(ns, block_hashes(ns, tokens), lease_ms=0).matched == 0
+
+
+def test_server_killed_mid_get_gives_miss_never_wrong_bytes(clusters):
+    cluster = clusters(capacity="1GiB", slab="16MiB")
+    ns = namespace_for_page_size(2 << 20, tenant="kill-server-get")
+    tokens = list(range(128 * ns.block_size))
+    assert run_worker(spec(cluster, ns, "put_pages", tokens=tokens))["reports"][0]["stored"] == 128
+    proc = run_worker(spec(cluster, ns, "get_pages", tokens=tokens, loop_seconds=6, options={"timeout": 2}), background=True)
+    time.sleep(4)
+    cluster.nodes[0].kill()
+    start = time.monotonic()
+    result = worker_result(proc, timeout=60)
+    assert time.monotonic() - start < 20
+    outcomes = result["results"]
+    assert all(r["exact"] for r in outcomes)
+    assert outcomes[0]["matched"] == 128
+    assert outcomes[-1]["matched"] < 128
+
+
+def test_garbage_and_truncated_frames_do_not_take_the_server_down(clusters):
+    cluster = clusters()
+    node = PageIndex(cluster.redis_url).live_nodes()[0]
+    # raw TCP garbage at the UCX port
+    with socket.create_connection((node.host, node.port), timeout=5) as sock:
+        sock.sendall(os.urandom(4096))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo"}
+    ns = namespace_for_page_size(64 << 10, tenant="garbage")
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "raw_client.py"), node.host, str(node.port), ns.digest_hex], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    replies = json.loads(out.stdout.strip().splitlines()[-1])
+    for case in ("garbage", "short", "bad_magic", "bad_version", "truncated", "oversized", "unknown_type", "bad_json", "server_frame", "bad_hash"):
+        assert replies[case] == "protocol", (case, replies[case])
+    assert replies["valid_get_after_garbage"] == "GetPlan"
+    assert replies["truncated_payload_plan"] == "PutPlan"
+    assert replies["truncated_payload"].startswith(("closed", "stored=[] corrupt=[0]"))
+    index = PageIndex(cluster.redis_url)
+    index.ensure_namespace(ns)
+    assert index.lookup(ns, [bytes.fromhex("2" * 32)], lease_ms=0).matched == 0
+    assert cluster.nodes[0].process.poll() is None
+    assert run_worker(spec(cluster, ns, "put_pages", count=4 * ns.block_size))["reports"][0]["stored"] == 4
+    assert metrics(cluster, "node-0")['kvstore_errors_total{kind="protocol"}'] >= 10
+
+
+def test_sigterm_deregisters_and_exits_zero(clusters):
+    cluster = clusters()
+    ns = namespace_for_page_size(64 << 10, tenant="sigterm")
+    tokens = list(range(4 * ns.block_size))
+    run_worker(spec(cluster, ns, "put_pages", tokens=tokens))
+    index = PageIndex(cluster.redis_url)
+    assert index.lookup(ns, block_hashes(ns, tokens), lease_ms=0).matched == 4
+    node = cluster.nodes[0]
+    node.process.send_signal(signal.SIGTERM)
+    assert node.process.wait(20) == 0
+    assert index.live_nodes() == []
+    assert index.lookup(ns, block_hashes(ns, tokens), lease_ms=0).matched == 0
+
+
+def test_metrics_and_probes(clusters):
+    cluster = clusters(capacity="64MiB")
+    node = PageIndex(cluster.redis_url).live_nodes()[0]
+    base = f"http://{node.extra['metrics']}"
+    assert urllib.request.urlopen(base + "/readyz", timeout=5).status == 200
+    assert urllib.request.urlopen(base + "/healthz", timeout=5).status == 200
+    m = metrics(cluster, "node-0")
+    assert m["kvstore_capacity_bytes"] == 64 << 20
+    for name in ("kvstore_used_bytes", "kvstore_pages", "kvstore_put_pages_total", "kvstore_get_pages_total", "kvstore_bytes_in_total",
+                 "kvstore_bytes_out_total", "kvstore_evicted_pages_total", "kvstore_refused_pages_total"):
+        assert name in m
+    text = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
+    assert "kvstore_request_seconds_bucket" in text
+
+
+def test_bad_options_exit_with_a_message():
+    out = subprocess.run([sys.executable, "-m", "server", "--capacity", "-1GiB"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "capacity" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "server", "--high-watermark", "0.5", "--low-watermark", "0.7"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "low_watermark" in out.stderr
