@@ -205,14 +205,14 @@ class AsyncKVCacheClient:
         if not result or result.matched == 0:
             return [None] * 5
         nblocks = min(result.matched, len(hashes))
-        page_buf = np.empty(nblocks * ns.page_nbytes, dtype=np.uint8)
-        sinks = page_spans(page_buf, nblocks, ns.page_nbytes)
+        page_buf = torch.empty(nblocks * ns.page_nbytes, dtype=torch.uint8)
+        sinks = page_spans(page_buf.numpy(), nblocks, ns.page_nbytes)
         part_sizes = [loc[0].size for loc in result.locations[nblocks:]]
         tail_buf = np.empty(sum(part_sizes), dtype=np.uint8)
         sinks += split_spans(tail_buf, part_sizes)
         got = await self._fetch((hashes + parts)[: result.matched], result.locations, sinks)
         got_blocks = min(got, nblocks)
-        pages = torch.from_numpy(page_buf[: got_blocks * ns.page_nbytes]).view(ns.torch_dtype()).reshape(got_blocks, *ns.page_shape)
+        pages = page_buf[: got_blocks * ns.page_nbytes].view(ns.torch_dtype()).reshape(got_blocks, *ns.page_shape)
         key, value = codec.pages_to_kv(pages)
         hidden = None
         exact = False

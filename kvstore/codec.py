@@ -96,13 +96,20 @@ def decode_tail(namespace: Namespace, blob: np.ndarray) -> Tail:
     dtype = namespace.torch_dtype()
     pos = TAIL_HEADER.size
     kv_bytes = partial * namespace.token_kv_nbytes
-    kv = torch.from_numpy(blob[pos : pos + kv_bytes].copy()).view(dtype).reshape(2, L, partial, H, D)
+    kv = _tensor_of(blob[pos : pos + kv_bytes], dtype, (2, L, partial, H, D))
     pos += kv_bytes
     hidden = None
     if flags & FLAG_HIDDEN:
         hbytes = T * hidden_size * namespace.element_size
-        hidden = torch.from_numpy(blob[pos : pos + hbytes].copy()).view(dtype).reshape(T, hidden_size)
+        hidden = _tensor_of(blob[pos : pos + hbytes], dtype, (T, hidden_size))
     return Tail(T, kv[0], kv[1], hidden)
+
+
+def _tensor_of(raw: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A fresh tensor holding a copy of ``raw`` (also when it is empty)."""
+    out = torch.empty(raw.nbytes, dtype=torch.uint8)
+    out.numpy()[:] = raw
+    return out.view(dtype).reshape(shape)
 
 
 def _bytes_of(t: torch.Tensor) -> np.ndarray:

@@ -1,0 +1,250 @@
+"""The client library against real storage nodes: insert/select, paged API, placement,
+replicas, faults. Cross-process cases run the other side in tests/worker.py."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+import torch
+
+from client import KVCacheClient
+from client.placement import place
+from kvstore import InvalidInputError, Namespace, block_hashes, keys
+from kvstore.index import PageIndex
+from kvstore.launcher import LocalCluster
+from tests.helpers import kv_for, pages_for, run_worker
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(servers=2, capacity="512MiB", slab_size="16MiB") as c:
+        yield c
+
+
+def make_ns(tenant: str, **over) -> Namespace:
+    fields = dict(model="client-test", dtype="float16", num_layers=2, num_kv_heads=2, head_size=32, block_size=BLOCK, hidden_size=64, tenant=tenant)
+    fields.update(over)
+    return Namespace(**fields)
+
+
+@pytest.fixture()
+def ns(request) -> Namespace:
+    return make_ns(request.node.name[:60])
+
+
+@pytest.fixture()
+def client(cluster, ns):
+    c = KVCacheClient(cluster.redis_url, ns, timeout=5)
+    yield c
+    c.close()
+
+
+def same(a, b) -> bool:
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def insert(client, tokens, hidden=True):
+    key, value, h = kv_for(client.namespace, tokens)
+    roi = torch.ones(len(tokens), dtype=torch.bool)
+    return client.insert(torch.tensor(tokens), roi, key, value, h if hidden else None), (key, value, h)
+
+
+def select(client, tokens):
+    return client.select(torch.tensor(tokens), torch.ones(len(tokens), dtype=torch.bool))
+
+
+def test_insert_in_one_process_select_in_another(cluster, ns):
+    spec = {"redis_url": cluster.redis_url, "namespace": ns.model_dump(), "count": 10 * BLOCK + 5}
+    inserted = run_worker({**spec, "op": "insert"})
+    assert inserted["report"]["refused"] == 0 and inserted["report"]["sent"] >= 11
+    got = run_worker({**spec, "op": "select"})
+    assert got == {**got, "matched": 10 * BLOCK + 5, "exact": True, "hidden": True}
+    nodes_used = {n.node_id for n in PageIndex(cluster.redis_url).live_nodes()}
+    assert nodes_used == {"node-0", "node-1"}
+
+
+def test_exact_sequence_returns_everything_and_hidden(client):
+    tokens = list(range(3 * BLOCK + 7))
+    _, (key, value, hidden) = insert(client, tokens)
+    out_tokens, roi, k, v, h = select(client, tokens)
+    assert int(roi.sum()) == len(tokens) and roi.all()
+    assert same(k, key) and same(v, value) and same(h, hidden)
+    assert out_tokens.tolist() == tokens
+
+
+def test_shared_prefix_with_diverging_tail_returns_block_aligned_prefix(client):
+    tokens = list(range(5 * BLOCK + 3))
+    _, (key, value, _) = insert(client, tokens)
+    other = tokens[: 3 * BLOCK + 4] + [9999] * (2 * BLOCK)
+    _, roi, k, v, h = select(client, other)
+    assert int(roi.sum()) == 3 * BLOCK and roi[: 3 * BLOCK].all() and not roi[3 * BLOCK :].any()
+    assert h is None
+    assert same(k, key[:, : 3 * BLOCK]) and same(v, value[:, : 3 * BLOCK])
+
+
+def test_prompt_shorter_than_one_block(client):
+    tokens = [7, 8, 9]
+    _, (key, value, hidden) = insert(client, tokens)
+    _, roi, k, v, h = select(client, tokens)
+    assert int(roi.sum()) == 3 and same(k, key) and same(v, value) and same(h, hidden)
+    assert select(client, [7, 8]) == [None] * 5  # a different short prompt: nothing block-aligned to share
+
+
+def test_prompt_that_is_an_exact_multiple_of_the_block_size(client):
+    tokens = list(range(100, 100 + 4 * BLOCK))
+    _, (key, value, hidden) = insert(client, tokens)
+    _, roi, k, v, h = select(client, tokens)
+    assert int(roi.sum()) == 4 * BLOCK and same(k, key) and same(h, hidden)
+    assert client.lookup(tokens) == 4 * BLOCK
+
+
+def test_insert_without_hidden_returns_exact_kv_and_no_hidden(client):
+    tokens = list(range(500, 500 + 2 * BLOCK + 1))
+    _, (key, value, _) = insert(client, tokens, hidden=False)
+    _, roi, k, v, h = select(client, tokens)
+    assert int(roi.sum()) == len(tokens) and h is None and same(k, key) and same(v, value)
+
+
+def test_roi_marks_the_prefix_that_is_stored_and_looked_up(client):
+    tokens = list(range(1000, 1000 + 3 * BLOCK))
+    key, value, hidden = kv_for(client.namespace, tokens)
+    roi = torch.zeros(len(tokens), dtype=torch.bool)
+    roi[: 2 * BLOCK] = True
+    client.insert(torch.tensor(tokens), roi, key, value, hidden)
+    _, out_roi, k, _, h = client.select(torch.tensor(tokens), roi)
+    assert int(out_roi.sum()) == 2 * BLOCK and same(k, key[:, : 2 * BLOCK]) and h.shape[0] == 2 * BLOCK
+
+
+def test_second_session_sends_only_missing_pages_and_matches_shared_blocks(client):
+    a = list(range(2000, 2000 + 8 * BLOCK))
+    first, _ = insert(client, a)
+    assert first.sent == 8 + 1 and first.skipped == 0  # 8 blocks + 1 tail part
+    k = 5
+    b = a[: k * BLOCK] + list(range(9000, 9000 + 3 * BLOCK))
+    second, _ = insert(client, b)
+    assert second.skipped == k and second.sent == 3 + 1
+    sent_bytes = second.bytes_sent
+    assert sent_bytes < 4 * client.namespace.page_nbytes + 1024 * 1024
+    c = a[: k * BLOCK] + [1] * (2 * BLOCK)
+    _, roi, _, _, h = select(client, c)
+    assert int(roi.sum()) == k * BLOCK and h is None
+
+
+def test_paged_api_staged_and_direct_give_identical_tensors(cluster, ns):
+    tokens = list(range(40 * BLOCK + 3))
+    pages = pages_for(ns, tokens)
+    with KVCacheClient(cluster.redis_url, ns, transfer_mode="direct") as direct, KVCacheClient(cluster.redis_url, ns, transfer_mode="staged") as staged:
+        assert direct.put_pages(tokens, pages).stored == 40
+        out_direct = torch.full((48, *ns.page_shape), 7, dtype=torch.float16)
+        out_staged = torch.full((48, *ns.page_shape), 9, dtype=torch.float16)
+        assert direct.get_pages(tokens, out_direct) == 40 * BLOCK
+        assert staged.get_pages(tokens, out_staged) == 40 * BLOCK
+        assert same(out_direct[:40], out_staged[:40]) and same(out_direct[:40], pages)
+        assert direct.stats.direct_transfers == 1 and staged.stats.staged_transfers == 1 and direct.stats.staged_transfers == 0
+
+
+def test_namespaces_never_match_each_other(cluster, ns):
+    tokens = list(range(4 * BLOCK))
+    with KVCacheClient(cluster.redis_url, ns) as writer:
+        insert(writer, tokens)
+        assert writer.lookup(tokens) == 4 * BLOCK
+    for over in ({"model": "another"}, {"dtype": "bfloat16"}, {"tp_rank": 1, "tp_size": 2}, {"tenant": "x"}):
+        other = ns.model_copy(update=over)
+        other = Namespace.model_validate(other.model_dump())
+        with KVCacheClient(cluster.redis_url, other) as reader:
+            assert reader.lookup(tokens) == 0
+            assert select(reader, tokens) == [None] * 5
+
+
+def test_corrupt_checksum_counts_as_missing(cluster, ns, client):
+    tokens = list(range(6 * BLOCK))
+    client.put_pages(tokens, pages_for(ns, tokens))
+    raw = redis.Redis.from_url(cluster.redis_url)
+    key = keys.page_key(ns.digest_hex, block_hashes(ns, tokens)[2].hex())
+    for node, entry in raw.hgetall(key).items():
+        if node != b"_lease":
+            parts = entry.decode().split("|")
+            parts[4] = str(int(parts[4]) ^ 1)
+            raw.hset(key, node, "|".join(parts))
+    out = torch.empty(6, *ns.page_shape, dtype=torch.float16)
+    assert client.get_pages(tokens, out) == 2 * BLOCK
+    assert client.stats.checksum_failures == 1
+    assert same(out[:2], pages_for(ns, tokens)[:2])
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda c, t: c.select(t, torch.tensor([True, False, True] + [False] * (len(t) - 3))), "prefix"),
+        (lambda c, t: c.select(t, torch.ones(len(t) - 1, dtype=torch.bool)), "shaped like"),
+        (lambda c, t: c.select(t, torch.zeros(len(t), dtype=torch.bool)), "marks no tokens"),
+        (lambda c, t: c.select(t, torch.ones(len(t), dtype=torch.int64)), "bool mask"),
+        (lambda c, t: c.insert(t, torch.ones(len(t), dtype=torch.bool), torch.zeros(2, len(t), 2, 31, dtype=torch.float16), torch.zeros(2, len(t), 2, 32, dtype=torch.float16)), "key has shape"),
+        (lambda c, t: c.insert(t, torch.ones(len(t), dtype=torch.bool), torch.zeros(2, len(t), 2, 32), torch.zeros(2, len(t), 2, 32)), "dtype"),
+        (lambda c, t: c.get_pages(t, torch.zeros(1, 2, 2, BLOCK, 2, 32, dtype=torch.float16)), "at least 2"),
+        (lambda c, t: c.put_pages(t, torch.zeros(2, 3, 3, dtype=torch.float16)), "pages have shape"),
+    ],
+)
+def test_misuse_raises_value_errors_naming_the_problem(client, call, message):
+    tokens = torch.arange(2 * BLOCK)
+    with pytest.raises(InvalidInputError, match=message):
+        call(client, tokens)
+
+
+def test_nodes_joining_are_picked_up_without_restarting_clients():
+    ns = make_ns("joining")
+    with LocalCluster(servers=1, capacity="128MiB", slab_size="16MiB") as c:
+        with KVCacheClient(c.redis_url, ns) as cl:
+            cl.put_pages(list(range(20 * BLOCK)), pages_for(ns, list(range(20 * BLOCK))))
+            c.add_node("node-late")
+            c.wait_registered()
+            time.sleep(1.2)  # the client re-reads the registry every second
+            tokens = list(range(100_000, 100_000 + 40 * BLOCK))
+            assert cl.put_pages(tokens, pages_for(ns, tokens)).stored == 40
+            result = PageIndex(c.redis_url).lookup(ns, block_hashes(ns, tokens), lease_ms=0)
+            holders = {loc.node_id for locs in result.locations for loc in locs}
+            assert holders == {"node-0", "node-late"}
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_one_of_two_nodes_killed(replicas):
+    ns = make_ns(f"replicas-{replicas}")
+    tokens = list(range(30 * BLOCK + 5))
+    with LocalCluster(servers=2, capacity="128MiB", slab_size="16MiB") as c:
+        with KVCacheClient(c.redis_url, ns, replicas=replicas, timeout=3) as cl:
+            report, (key, value, hidden) = insert(cl, tokens)
+            assert report.stored == 31 and report.sent == 31 * replicas
+            c.nodes[1].kill()
+            c.nodes[1].process.wait()
+            start = time.monotonic()
+            _, roi, k, v, h = select(cl, tokens)
+            assert time.monotonic() - start < 10
+            hashes = block_hashes(ns, tokens)
+            if replicas == 2:
+                assert int(roi.sum()) == len(tokens) and same(h, hidden)
+            else:
+                # the surviving prefix: blocks up to the first one placed on the dead node
+                expect = next((i for i, hh in enumerate(hashes) if place(hh, ["node-0", "node-1"], 1) != ["node-0"]), len(hashes))
+                assert expect < len(hashes)  # this token list does put some blocks on node-1
+                assert (0 if roi is None else int(roi.sum())) == expect * BLOCK
+            if roi is not None:
+                m = int(roi.sum())
+                assert same(k, key[:, :m]) and same(v, value[:, :m])
+
+
+def test_redis_gone_turns_into_a_miss_not_an_exception():
+    ns = make_ns("redis-gone")
+    tokens = list(range(3 * BLOCK))
+    with LocalCluster(servers=1, capacity="64MiB", slab_size="16MiB") as c:
+        with KVCacheClient(c.redis_url, ns, timeout=2) as cl:
+            insert(cl, tokens)
+            c.valkey.stop()
+            start = time.monotonic()
+            assert select(cl, tokens) == [None] * 5
+            assert cl.lookup(tokens) == 0
+            assert time.monotonic() - start < 15
+            assert cl.stats.index_errors >= 2
