@@ -212,18 +212,19 @@ class AsyncKVCacheClient:
         sinks += split_spans(tail_buf, part_sizes)
         got = await self._fetch((hashes + parts)[: result.matched], result.locations, sinks)
         got_blocks = min(got, nblocks)
-        pages = page_buf[: got_blocks * ns.page_nbytes].view(ns.torch_dtype()).reshape(got_blocks, *ns.page_shape)
-        key, value = codec.pages_to_kv(pages)
-        hidden = None
-        exact = False
+        tail = None
         if got_blocks == len(hashes) and got > nblocks:
             flags = codec.read_tail_flags(tail_buf)
             need = len(sizes_h if flags and flags[1] else sizes_nh)
             if flags and flags[0] == T and got - nblocks >= need:
                 tail = codec.decode_tail(ns, tail_buf[: sum(part_sizes[:need])])
-                key = torch.cat([key, tail.partial_key], dim=1)
-                value = torch.cat([value, tail.partial_value], dim=1)
-                hidden, exact = tail.hidden, True
+        pages = page_buf[: got_blocks * ns.page_nbytes].view(ns.torch_dtype()).reshape(got_blocks, *ns.page_shape)
+        key, value = codec.pages_to_kv(pages, extra_tokens=T - got_blocks * ns.block_size if tail else 0)
+        hidden, exact = None, tail is not None
+        if tail is not None:
+            key[:, got_blocks * ns.block_size :] = tail.partial_key
+            value[:, got_blocks * ns.block_size :] = tail.partial_value
+            hidden = tail.hidden
         matched = T if exact else got_blocks * ns.block_size
         if matched == 0:
             return [None] * 5

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvstore.protocol import PACK_BELOW
+
 
 @dataclass(frozen=True, slots=True)
 class Span:
@@ -57,3 +59,12 @@ def joined(spans: list[Span]) -> np.ndarray:
     if adjacent(spans):
         return spans[0].base[spans[0].offset : spans[0].offset + sum(s.nbytes for s in spans)]
     return np.concatenate([s.view() for s in spans])
+
+
+def join_flags(spans: list[Span]) -> list[bool]:
+    """Per span: may it travel in one message with the span before it?"""
+    flags = [False]
+    for prev, cur in zip(spans, spans[1:]):
+        touching = cur.base is prev.base and prev.offset + prev.nbytes == cur.offset
+        flags.append(touching or (cur.nbytes < PACK_BELOW and prev.nbytes < PACK_BELOW))
+    return flags

@@ -17,7 +17,7 @@ from kvstore.checksum import page_checksum
 from kvstore.errors import ProtocolError, TransportError
 from kvstore.index import NodeInfo
 from kvstore.transport import with_timeout
-from client.buffers import Span, adjacent, joined
+from client.buffers import Span, adjacent, join_flags, joined
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +86,8 @@ class NodeConnection:
         ep = self._ep
         req = P.PutRequest(
             namespace=namespace, token=self.token,
-            pages=[P.PutPage(hash=p.hash.hex(), size=p.span.nbytes, checksum=p.checksum) for p in pages],
+            pages=[P.PutPage(hash=p.hash.hex(), size=p.span.nbytes, checksum=p.checksum, join=j)
+                   for p, j in zip(pages, join_flags([p.span for p in pages]))],
         )
         await ep.am_send(P.encode(req))
         plan: P.PutPlan = await self._recv_frame(P.PutPlan)
@@ -103,7 +104,8 @@ class NodeConnection:
 
     async def _get(self, namespace: str, hashes: list[bytes], sinks: list[Span]) -> dict[int, int]:
         ep = self._ep
-        req = P.GetRequest(namespace=namespace, token=self.token, pages=[P.GetPage(hash=h.hex()) for h in hashes])
+        pages = [P.GetPage(hash=h.hex(), join=j) for h, j in zip(hashes, join_flags(sinks))]
+        req = P.GetRequest(namespace=namespace, token=self.token, pages=pages)
         await ep.am_send(P.encode(req))
         plan: P.GetPlan = await self._recv_frame(P.GetPlan)
         if sum(plan.runs) != len(plan.present) or len(plan.sizes) != len(plan.present):

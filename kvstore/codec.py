@@ -38,10 +38,13 @@ def kv_to_pages(namespace: Namespace, key: torch.Tensor, value: torch.Tensor) ->
     return kv.reshape(2, L, nfull, B, H, D).permute(2, 0, 1, 3, 4, 5).contiguous()
 
 
-def pages_to_kv(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of ``kv_to_pages``: ``[blocks, 2, L, B, H, D]`` -> key, value ``[L, blocks*B, H, D]``."""
+def pages_to_kv(pages: torch.Tensor, extra_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of ``kv_to_pages``: ``[blocks, 2, L, B, H, D]`` -> key, value
+    ``[L, blocks*B + extra_tokens, H, D]`` in one copy; the last ``extra_tokens`` rows
+    are left for the caller to fill (the partial block)."""
     n, _, L, B, H, D = pages.shape
-    kv = pages.permute(1, 2, 0, 3, 4, 5).reshape(2, L, n * B, H, D)
+    kv = torch.empty(2, L, n * B + extra_tokens, H, D, dtype=pages.dtype)
+    kv[:, :, : n * B].unflatten(2, (n, B)).copy_(pages.permute(1, 2, 0, 3, 4, 5))
     return kv[0], kv[1]
 
 

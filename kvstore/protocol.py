@@ -22,6 +22,9 @@ PREAMBLE = struct.Struct("<4sHHI")
 MAX_BODY_BYTES = 8 << 20
 MAX_PAGES_PER_REQUEST = 65_536
 DEFAULT_MAX_RUN_BYTES = 64 << 20
+# Pages below this size may share a message even when they do not touch in the
+# client's memory: one copy through a scratch buffer costs less than a message each.
+PACK_BELOW = 256 << 10
 
 HashHex = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
 NsHex = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
@@ -44,6 +47,7 @@ class PutPage(_Frame):
     hash: HashHex
     size: int = Field(gt=0)
     checksum: int = Field(ge=0, lt=2**64)
+    join: bool = Field(default=False, description="may share a message with the previous page")
 
 
 class PutRequest(_Frame):
@@ -74,6 +78,7 @@ class PutResult(_Frame):
 
 class GetPage(_Frame):
     hash: HashHex
+    join: bool = Field(default=False, description="may share a message with the previous page")
 
 
 class GetRequest(_Frame):
@@ -138,15 +143,17 @@ def decode(data: bytes | bytearray | memoryview) -> _Frame:
         raise ProtocolError(f"invalid {model.__name__}: {exc.errors()[0]['loc']} {exc.errors()[0]['msg']}") from None
 
 
-def plan_runs(offsets: list[int], sizes: list[int], max_run_bytes: int) -> list[int]:
-    """Group consecutive items into runs whose byte ranges touch, capped at ``max_run_bytes``.
+def plan_runs(offsets: list[int], sizes: list[int], joinable: list[bool], max_run_bytes: int) -> list[int]:
+    """Group consecutive items into runs that travel as one message each.
 
-    Used by the server on both PUT and GET: item i and i+1 share a run when
-    ``offsets[i] + sizes[i] == offsets[i+1]``. Returns run lengths."""
+    Used by the server on both PUT and GET: item i joins item i-1's run when their
+    pool slots touch (``offsets[i-1] + sizes[i-1] == offsets[i]``), the client allowed
+    it (``joinable[i]``: the pages touch in its memory too, or are small enough that
+    packing beats a message each) and the run stays within ``max_run_bytes``."""
     runs: list[int] = []
     run_len, run_bytes = 0, 0
     for i, (off, size) in enumerate(zip(offsets, sizes)):
-        joins = run_len > 0 and offsets[i - 1] + sizes[i - 1] == off and run_bytes + size <= max_run_bytes
+        joins = run_len > 0 and joinable[i] and offsets[i - 1] + sizes[i - 1] == off and run_bytes + size <= max_run_bytes
         if joins:
             run_len += 1
             run_bytes += size

@@ -129,7 +129,8 @@ class DataPlane:
         refused += [i for i, s in zip(candidates, slots) if s is None]
         self.metrics.refused.inc(len(refused))
         self.metrics.put_skipped.inc(len(present))
-        runs = P.plan_runs([p.offset for p in pages], [p.size for p in pages], P.DEFAULT_MAX_RUN_BYTES)
+        joinable = _joinable([req.pages[i].join for i in wanted], wanted, [p.size for p in pages])
+        runs = P.plan_runs([p.offset for p in pages], [p.size for p in pages], joinable, P.DEFAULT_MAX_RUN_BYTES)
         try:
             await self._send(ep, P.PutPlan(wanted=wanted, runs=runs, present=present, refused=sorted(refused)))
             await self._receive_runs(ep, pages, runs)
@@ -176,7 +177,8 @@ class DataPlane:
         present = [i for i, p in enumerate(pinned) if p is not None]
         pages = [p for p in pinned if p is not None]
         try:
-            runs = P.plan_runs([p.offset for p in pages], [p.size for p in pages], req.max_run_bytes)
+            joinable = _joinable([req.pages[i].join for i in present], present, [p.size for p in pages])
+            runs = P.plan_runs([p.offset for p in pages], [p.size for p in pages], joinable, req.max_run_bytes)
             plan = P.GetPlan(present=present, sizes=[p.size for p in pages], checksums=[p.checksum for p in pages], runs=runs)
             await self._send(ep, plan)
             pos = 0
@@ -207,3 +209,14 @@ class DataPlane:
                 ep.abort()
         except Exception:  # noqa: BLE001 - already gone
             pass
+
+
+def _joinable(flags: list[bool], indexes: list[int], sizes: list[int]) -> list[bool]:
+    """The client's join flags, restricted to pages whose request predecessor is also
+    in the run (a skipped page in between breaks adjacency in the client's memory),
+    unless both pages are small enough to be packed anyway."""
+    out = []
+    for k, (flag, i) in enumerate(zip(flags, indexes)):
+        small = k > 0 and sizes[k] < P.PACK_BELOW and sizes[k - 1] < P.PACK_BELOW
+        out.append(flag and k > 0 and (indexes[k - 1] == i - 1 or small))
+    return out

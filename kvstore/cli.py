@@ -1,0 +1,82 @@
+"""The ``kvstore`` command: ``server``, ``up``, ``demo`` and ``stats``.
+
+``kvstore server`` execs ``python -m server`` so this core package never imports the
+storage node; ``up`` and ``demo`` start local processes through ``LocalCluster``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+
+from kvstore.units import format_size
+
+
+def _up(args: argparse.Namespace) -> int:
+    from kvstore.launcher import LocalCluster
+
+    cluster = LocalCluster(args.servers, args.capacity, redis_url=args.redis_url, slab_size=args.slab_size, quiet=not args.verbose)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with cluster:
+        print(f"kvstore up: {args.servers} storage node(s) of {args.capacity} on loopback")
+        print(f"KVSTORE_REDIS_URL={cluster.redis_url}", flush=True)
+        print("press Ctrl-C to stop", flush=True)
+        while not stop.wait(0.5):
+            if all(n.process.poll() is not None for n in cluster.nodes):
+                print("all storage nodes exited", file=sys.stderr)
+                return 1
+    print("stopped")
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from kvstore.index import PageIndex
+
+    stats = PageIndex(args.redis_url).stats()
+    print(f"{len(stats.nodes)} live node(s)")
+    for n in stats.nodes:
+        print(f"  {n.node_id:20} {n.address:24} capacity {format_size(n.capacity)} epoch {n.epoch}")
+    print(f"{len(stats.namespaces)} namespace(s)")
+    for s in stats.namespaces:
+        name = f"{s.namespace.model} {s.namespace.dtype} tp{s.namespace.tp_rank}/{s.namespace.tp_size} {s.namespace.tenant}" if s.namespace else "?"
+        print(f"  {s.digest} {s.pages:>8} pages  {name}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "server":
+        os.execv(sys.executable, [sys.executable, "-m", "server", *argv[1:]])
+    parser = argparse.ArgumentParser(prog="kvstore", description="Storage-tier KV cache for LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("server", help="run a storage node (see kvstore server --help)")
+    up = sub.add_parser("up", help="run embedded Valkey and storage nodes on loopback until Ctrl-C")
+    up.add_argument("--servers", type=int, default=1)
+    up.add_argument("--capacity", default="1GiB", help="per storage node")
+    up.add_argument("--slab-size", default="64MiB")
+    up.add_argument("--redis-url", default=None, help="use this Redis/Valkey instead of starting one")
+    up.add_argument("--verbose", action="store_true", help="show the storage nodes' logs")
+    demo = sub.add_parser("demo", help="prefill and decode processes sharing KV through a local store")
+    demo.add_argument("--servers", type=int, default=2)
+    demo.add_argument("--tokens", type=int, default=2030, help="prompt length")
+    demo.add_argument("--shared", type=int, default=1000, help="tokens the second session shares")
+    stats = sub.add_parser("stats", help="print nodes and namespaces in an index")
+    stats.add_argument("--redis-url", default=os.environ.get("KVSTORE_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    args = parser.parse_args(argv)
+    if args.command == "up":
+        return _up(args)
+    if args.command == "demo":
+        from kvstore.demo import run_demo
+
+        if not 0 < args.shared < args.tokens:
+            parser.error("--shared must lie between 0 and --tokens")
+        return run_demo(args.servers, args.tokens, args.shared)
+    return _stats(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
