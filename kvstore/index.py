@@ -161,16 +161,13 @@ class _IndexSpecs:
             if raw[0] == -1:
                 raise UnknownNamespaceError(f"namespace {ns} is not registered in the index")
             locations: list[list[PageLocation]] = []
-            pos = 1
-            for _ in range(raw[0]):
-                count = int(raw[pos])
-                pos += 1
-                replicas = []
-                for _ in range(count):
-                    node, slot, size, crc = raw[pos : pos + 4]
-                    replicas.append(PageLocation(_text(node), int(slot), int(size), int(crc)))
-                    pos += 4
-                locations.append(replicas)
+            if raw[0]:
+                for line in _text(raw[1]).split("\n"):
+                    replicas = []
+                    for loc in line.split(";"):
+                        node, slot, size, crc = loc.split("|")
+                        replicas.append(PageLocation(node, int(slot), int(size), int(crc)))
+                    locations.append(replicas)
             return LookupResult(raw[0], locations)
 
         args = [keys.namespace_prefix(ns), _hexes(hashes, "lookup"), lease, self.dead_grace_ms]
