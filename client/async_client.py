@@ -49,6 +49,16 @@ class PublishReport:
     bytes_sent: int
 
 
+def client_options_from_env() -> dict[str, Any]:
+    """Constructor keywords (plus ``redis_url``) from KVSTORE_* environment variables."""
+    s = ClientSettings()
+    return dict(
+        redis_url=s.redis_url, replicas=s.replicas, timeout=s.timeout, transfer_mode=s.transfer_mode,
+        auth_token=s.auth_token.get_secret_value(), progress_mode=s.ucx_progress_mode,
+        redis_password=s.redis_password.get_secret_value() or None,
+    )
+
+
 class AsyncKVCacheClient:
     def __init__(
         self,
@@ -62,6 +72,7 @@ class AsyncKVCacheClient:
         progress_mode: str = "blocking",
         node_refresh: float = 1.0,
         lease_ms: int = 5_000,
+        redis_password: str | None = None,
         **namespace_fields: Any,
     ) -> None:
         if namespace is None:
@@ -80,7 +91,7 @@ class AsyncKVCacheClient:
         self._token = auth_token
         self._progress_mode = progress_mode
         self._node_refresh = node_refresh
-        self.index = AsyncPageIndex(redis_url, timeout=min(timeout, 2.0), lease_ms=lease_ms)
+        self.index = AsyncPageIndex(redis_url, timeout=min(timeout, 2.0), lease_ms=lease_ms, password=redis_password)
         self._ucxx: Any = None
         self._nodes: list[NodeInfo] = []
         self._nodes_at = 0.0
@@ -90,13 +101,9 @@ class AsyncKVCacheClient:
     @classmethod
     def from_env(cls, namespace: Namespace | None = None, **overrides: Any) -> AsyncKVCacheClient:
         """Build from KVSTORE_* variables (see ``ClientSettings``); keyword overrides win."""
-        s = ClientSettings()
-        opts = dict(
-            replicas=s.replicas, timeout=s.timeout, transfer_mode=s.transfer_mode,
-            auth_token=s.auth_token.get_secret_value(), progress_mode=s.ucx_progress_mode,
-        )
-        opts.update(overrides)
-        return cls(opts.pop("redis_url", s.redis_url), namespace, **opts)
+        options = client_options_from_env()
+        options.update(overrides)
+        return cls(options.pop("redis_url"), namespace, **options)
 
     async def start(self) -> AsyncKVCacheClient:
         """Initialise UCX and register the namespace; raises ``IndexUnavailableError`` if

@@ -16,7 +16,7 @@ import torch
 
 from kvstore.errors import TransportError
 from kvstore.namespace import Namespace
-from client.async_client import AsyncKVCacheClient, PublishReport
+from client.async_client import AsyncKVCacheClient, PublishReport, client_options_from_env
 from client.stats import ClientStats
 
 _MARGIN = 10.0
@@ -47,11 +47,9 @@ class KVCacheClient:
     @classmethod
     def from_env(cls, namespace: Namespace | None = None, **overrides: Any) -> KVCacheClient:
         """Build from KVSTORE_* variables (see ``ClientSettings``)."""
-        proto = AsyncKVCacheClient.from_env(namespace, **overrides)
-        return cls(
-            proto.index.url, proto.namespace, replicas=proto.replicas, timeout=proto.timeout,
-            transfer_mode=proto.transfer_mode, auth_token=proto._token, progress_mode=proto._progress_mode,
-        )
+        options = client_options_from_env()
+        options.update(overrides)
+        return cls(options.pop("redis_url"), namespace, **options)
 
     def _run(self, coro: Any, timeout: float | None = None) -> Any:
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)

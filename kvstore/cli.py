@@ -36,7 +36,7 @@ def _up(args: argparse.Namespace) -> int:
 def _stats(args: argparse.Namespace) -> int:
     from kvstore.index import PageIndex
 
-    stats = PageIndex(args.redis_url).stats()
+    stats = PageIndex(args.redis_url, password=os.environ.get("KVSTORE_REDIS_PASSWORD") or None).stats()
     print(f"{len(stats.nodes)} live node(s)")
     for n in stats.nodes:
         print(f"  {n.node_id:20} {n.address:24} capacity {format_size(n.capacity)} epoch {n.epoch}")

@@ -30,6 +30,7 @@ class ServerSettings(BaseSettings):
     )
 
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="index URL: redis://, rediss:// (TLS) or unix://")
+    redis_password: SecretStr = Field(SecretStr(""), description="index password (overrides one in the URL)")
     capacity: ByteSize = Field(1 << 30, description="bytes of page memory, e.g. 4GiB")
     host: str = Field(default_factory=_default_host, description="address clients use to reach this node")
     port: int = Field(0, ge=0, le=65535, description="UCX listener port (0: any free port)")
@@ -67,6 +68,7 @@ class ClientSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVSTORE_", extra="ignore")
 
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_password: SecretStr = SecretStr("")
     replicas: int = Field(1, ge=1)
     timeout: float = Field(5.0, gt=0, description="seconds a select/get may take before missing pages count as absent")
     transfer_mode: Literal["auto", "direct", "staged"] = "auto"

@@ -241,6 +241,7 @@ class _IndexBase(_IndexSpecs):
         lease_ms: int = DEFAULT_LEASE_MS,
         reserve_ttl_ms: int = DEFAULT_RESERVE_TTL_MS,
         dead_grace_ms: int = DEFAULT_DEAD_GRACE_MS,
+        password: str | None = None,
         module: Any = redis,
     ) -> None:
         if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
@@ -250,8 +251,10 @@ class _IndexBase(_IndexSpecs):
         self.reserve_ttl_ms = reserve_ttl_ms
         self.dead_grace_ms = dead_grace_ms
         # One bounded retry keeps every call within about 2 x timeout when Redis is gone.
+        # A separate password (from a Secret) overrides one in the URL.
+        extra = {"password": password} if password else {}
         self._redis = module.Redis.from_url(
-            url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 1)
+            url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 1), **extra
         )
         self._scripts = {name: self._redis.register_script(src) for name, src in _SCRIPTS.items()}
 

