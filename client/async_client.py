@@ -144,29 +144,35 @@ class AsyncKVCacheClient:
         spans = page_spans(host_bytes(host), len(hashes), self.namespace.page_nbytes)
         return await self._publish(hashes, spans)
 
-    async def get_pages(self, token_ids: Any, out: torch.Tensor) -> int:
-        """Fill ``out[:k]`` with the longest stored prefix of full blocks of ``token_ids``
-        and return k * block_size. Rows of ``out`` past k are unspecified."""
+    async def get_pages(self, token_ids: Any, out: torch.Tensor, start_block: int = 0) -> int:
+        """Fill ``out[start_block:k]`` with the longest stored prefix of full blocks of
+        ``token_ids`` and return k * block_size (0 when fewer than ``start_block + 1``
+        blocks are stored). Blocks before ``start_block`` must be stored for the prefix to
+        count but are not transferred (the caller has them). Rows past k are unspecified."""
         hashes = block_hashes(self.namespace, token_ids)
         self._check_pages("out", out, len(hashes), at_least=True)
-        if not hashes:
+        if not hashes or not 0 <= start_block < len(hashes):
+            if start_block < 0:
+                raise InvalidInputError(f"start_block must not be negative, got {start_block}")
             return 0
         result = await self._lookup(hashes)
-        if not result or result.matched == 0:
+        if not result or result.matched <= start_block:
             return 0
-        n = result.matched
-        mode = self._mode_for(out)
-        if mode == "direct":
+        n, nbytes = result.matched, self.namespace.page_nbytes
+        wanted = slice(start_block, n)
+        if self._mode_for(out) == "direct":
             self.stats.direct_transfers += 1
             dest = host_bytes(out) if out.device.type == "cpu" else out.reshape(-1).view(torch.uint8)
-            got = await self._fetch(hashes[:n], result.locations, page_spans(dest, n, self.namespace.page_nbytes))
-            return got * self.namespace.block_size
+            spans = page_spans(dest, n, nbytes)[wanted]
+            got = await self._fetch(hashes[wanted], result.locations[wanted], spans)
+            return (start_block + got) * self.namespace.block_size
         self.stats.staged_transfers += 1
-        staging = torch.empty(n * self.namespace.page_nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        got = await self._fetch(hashes[:n], result.locations, page_spans(staging.numpy(), n, self.namespace.page_nbytes))
+        staging = torch.empty((n - start_block) * nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        got = await self._fetch(hashes[wanted], result.locations[wanted], page_spans(staging.numpy(), n - start_block, nbytes))
         if got:
-            out.reshape(-1).view(torch.uint8)[: got * self.namespace.page_nbytes].copy_(staging[: got * self.namespace.page_nbytes], non_blocking=False)
-        return got * self.namespace.block_size
+            flat = out.reshape(-1).view(torch.uint8)
+            flat[start_block * nbytes : (start_block + got) * nbytes].copy_(staging[: got * nbytes])
+        return (start_block + got) * self.namespace.block_size
 
     # ---- lookup-buffer API (vLLM SimpleConnector contract) ----------------------
 

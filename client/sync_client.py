@@ -76,8 +76,8 @@ class KVCacheClient:
     def put_pages(self, token_ids: Any, pages: torch.Tensor) -> PublishReport:
         return self._run(self._async.put_pages(token_ids, pages), self._bound())
 
-    def get_pages(self, token_ids: Any, out: torch.Tensor) -> int:
-        return self._run(self._async.get_pages(token_ids, out), self._bound())
+    def get_pages(self, token_ids: Any, out: torch.Tensor, start_block: int = 0) -> int:
+        return self._run(self._async.get_pages(token_ids, out, start_block), self._bound())
 
     def insert(self, input_tokens: Any, roi: Any, key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor | None = None) -> PublishReport:
         return self._run(self._async.insert(input_tokens, roi, key, value, hidden), self._bound())

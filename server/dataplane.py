@@ -143,8 +143,11 @@ class DataPlane:
         good_ids = {id(p) for p in good}
         corrupt = [i for i, p in zip(wanted, pages) if id(p) not in good_ids]
         committed: list[StoredPage] = []
-        if good:
-            entries = [CommitEntry(p.key[1], p.offset, p.size, p.checksum) for p in good]
+        # Pages held already are committed again (a no-op when the index has them): this
+        # heals an index that lost entries, e.g. a Redis restarted without persistence.
+        held = [p for p in (store.find((ns, bytes.fromhex(req.pages[i].hash))) for i in present) if p is not None and p.ready]
+        if good or held:
+            entries = [CommitEntry(p.key[1], p.offset, p.size, p.checksum) for p in good + held]
             try:
                 await self.index.commit(ns, self.identity.node_id, self.identity.epoch, entries, self.node_ttl_ms)
                 committed = good

@@ -242,3 +242,21 @@ def test_bad_options_exit_with_a_message():
     assert out.returncode == 2 and "capacity" in out.stderr
     out = subprocess.run([sys.executable, "-m", "server", "--high-watermark", "0.5", "--low-watermark", "0.7"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "low_watermark" in out.stderr
+
+
+def test_putting_pages_again_heals_an_index_that_lost_them(clusters):
+    import redis
+
+    cluster = clusters()
+    ns = namespace_for_page_size(64 << 10, tenant="heal")
+    tokens = list(range(5 * ns.block_size))
+    run_worker(spec(cluster, ns, "put_pages", tokens=tokens))
+    raw = redis.Redis.from_url(cluster.redis_url)
+    for key in raw.keys(f"kvs:{{{ns.digest_hex}}}:p:*"):
+        raw.delete(key)  # as if Redis restarted without persistence
+    index = PageIndex(cluster.redis_url)
+    assert index.lookup(ns, block_hashes(ns, tokens), lease_ms=0).matched == 0
+    report = run_worker(spec(cluster, ns, "put_pages", tokens=tokens))["reports"][0]
+    assert report["sent"] == 0 and report["skipped"] == 5  # nothing travels again
+    assert index.lookup(ns, block_hashes(ns, tokens), lease_ms=0).matched == 5
+    assert run_worker(spec(cluster, ns, "get_pages", tokens=tokens))["results"] == [{"blocks": 5, "matched": 5, "exact": True}]

