@@ -29,7 +29,6 @@ unless the extra config says ``"load_failure_policy": "fail"``."""
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 

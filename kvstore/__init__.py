@@ -3,7 +3,6 @@ the Redis page index, the UCX wire protocol, configuration, the embedded Valkey
 launcher and the ``kvstore`` command line."""
 
 from kvstore.errors import (
-    ChecksumMismatch,
     IndexUnavailableError,
     InvalidInputError,
     KVStoreError,
@@ -15,7 +14,6 @@ from kvstore.hashing import block_hashes, part_hashes, sequence_hash
 from kvstore.namespace import Namespace
 
 __all__ = [
-    "ChecksumMismatch",
     "IndexUnavailableError",
     "InvalidInputError",
     "KVStoreError",

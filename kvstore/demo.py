@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 from tqdm import tqdm
 

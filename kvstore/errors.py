@@ -27,7 +27,3 @@ class TransportError(KVStoreError):
 
 class ProtocolError(KVStoreError):
     """A frame on the data plane is malformed, truncated or too large."""
-
-
-class ChecksumMismatch(KVStoreError):
-    """Received page bytes do not match the checksum recorded when they were stored."""

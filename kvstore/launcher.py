@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvstore.errors import KVStoreError
 from kvstore.index import PageIndex
@@ -23,7 +23,6 @@ from kvstore.valkey import EmbeddedValkey
 class NodeProcess:
     node_id: str
     process: subprocess.Popen
-    args: list[str] = field(default_factory=list)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.process.poll() is None:
@@ -61,7 +60,7 @@ class LocalCluster:
         ]
         out = subprocess.DEVNULL if self.quiet else None
         proc = subprocess.Popen(args, env=self.env, stdout=out, stderr=out, preexec_fn=die_with_parent)
-        node = NodeProcess(node_id, proc, args)
+        node = NodeProcess(node_id, proc)
         self.nodes.append(node)
         return node
 

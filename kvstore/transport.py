@@ -41,13 +41,6 @@ def ensure_ucx(progress_mode: str = "blocking") -> Any:
         return ucxx
 
 
-def transport_errors() -> tuple[type[BaseException], ...]:
-    """Exception types a broken or closed endpoint raises."""
-    import ucxx
-
-    return (ucxx.exceptions.UCXError, ConnectionError, OSError, asyncio.CancelledError)
-
-
 def cuda_capable() -> bool:
     """True when the loaded UCX can move CUDA device memory itself (cuda_copy/cuda_ipc)."""
     try:

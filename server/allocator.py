@@ -99,6 +99,3 @@ class SlabAllocator:
 
     def slot_size(self, offset: int) -> int:
         return self._slabs[offset // self.slab_size].slot_size
-
-    def can_allocate(self, nbytes: int) -> bool:
-        return bool(self._partial.get(size_class(nbytes))) or bool(self._free_slabs)

@@ -9,12 +9,11 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import time
 from typing import Any
 
 from kvstore import protocol as P
 from kvstore.checksum import page_checksum
-from kvstore.errors import KVStoreError, ProtocolError, TransportError
+from kvstore.errors import KVStoreError, ProtocolError
 from kvstore.index import AsyncPageIndex, CommitEntry
 from kvstore.transport import with_timeout
 from server.eviction import Evictor, NodeIdentity
@@ -133,7 +132,7 @@ class DataPlane:
         runs = P.plan_runs([p.offset for p in pages], [p.size for p in pages], joinable, P.DEFAULT_MAX_RUN_BYTES)
         try:
             await self._send(ep, P.PutPlan(wanted=wanted, runs=runs, present=present, refused=sorted(refused)))
-            await self._receive_runs(ep, pages, runs)
+            await self._move_runs(ep.recv, pages, runs, "page receive")
         except BaseException:
             await self._close(ep)  # no late writes into slots that are about to be reused
             for page in pages:
@@ -142,37 +141,39 @@ class DataPlane:
         good = [p for p in pages if page_checksum(store.view(p)) == p.checksum]
         good_ids = {id(p) for p in good}
         corrupt = [i for i, p in zip(wanted, pages) if id(p) not in good_ids]
-        committed: list[StoredPage] = []
         # Pages held already are committed again (a no-op when the index has them): this
         # heals an index that lost entries, e.g. a Redis restarted without persistence.
         held = [p for p in (store.find((ns, bytes.fromhex(req.pages[i].hash))) for i in present) if p is not None and p.ready]
+        committed_ids: set[int] = set()
         if good or held:
             entries = [CommitEntry(p.key[1], p.offset, p.size, p.checksum) for p in good + held]
             try:
                 await self.index.commit(ns, self.identity.node_id, self.identity.epoch, entries, self.node_ttl_ms)
-                committed = good
+                committed_ids = good_ids
             except KVStoreError as exc:
                 log.warning("commit failed, dropping %d pages: %s", len(good), exc)
         for page in pages:
-            (store.finish_put if committed and id(page) in good_ids else store.abort_put)(page)
+            (store.finish_put if id(page) in committed_ids else store.abort_put)(page)
         self.metrics.messages.labels("in").inc(len(runs))
-        self.metrics.puts.inc(len(committed))
+        self.metrics.puts.inc(len(committed_ids))
         self.metrics.corrupt.inc(len(corrupt))
         self.metrics.bytes_in.inc(sum(p.size for p in pages))
         self._update_gauges()
-        stored = [i for i, p in zip(wanted, pages) if committed and id(p) in good_ids]
+        stored = [i for i, p in zip(wanted, pages) if id(p) in committed_ids]
         await self._send(ep, P.PutResult(stored=stored, corrupt=corrupt))
 
-    async def _receive_runs(self, ep: Any, pages: list[StoredPage], runs: list[int]) -> None:
+    async def _move_runs(self, op: Any, pages: list[StoredPage], runs: list[int], what: str) -> None:
+        """Move each run of pages as one message straight into (``ep.recv``) or out of
+        (``ep.send``) their pool slots; any failure breaks the endpoint."""
         pos = 0
         for run in runs:
             group = pages[pos : pos + run]
             pos += run
-            nbytes = group[-1].offset + group[-1].size - group[0].offset
+            view = self.store.pool.view(group[0].offset, group[-1].offset + group[-1].size - group[0].offset)
             try:
-                await with_timeout(ep.recv(self.store.pool.view(group[0].offset, nbytes)), self.timeout, "page receive")
-            except (TransportError, Exception) as exc:  # noqa: BLE001
-                raise _Broken(f"receive of {run} pages failed: {exc}") from exc
+                await with_timeout(op(view), self.timeout, what)
+            except Exception as exc:  # noqa: BLE001 - UCX errors, timeouts, cancellation by a dead peer
+                raise _Broken(f"{what} of {run} pages failed: {exc}") from exc
 
     async def _get(self, ep: Any, req: P.GetRequest) -> None:
         store = self.store
@@ -184,15 +185,7 @@ class DataPlane:
             runs = P.plan_runs([p.offset for p in pages], [p.size for p in pages], joinable, req.max_run_bytes)
             plan = P.GetPlan(present=present, sizes=[p.size for p in pages], checksums=[p.checksum for p in pages], runs=runs)
             await self._send(ep, plan)
-            pos = 0
-            for run in runs:
-                group = pages[pos : pos + run]
-                pos += run
-                nbytes = group[-1].offset + group[-1].size - group[0].offset
-                try:
-                    await with_timeout(ep.send(store.pool.view(group[0].offset, nbytes)), self.timeout, "page send")
-                except Exception as exc:  # noqa: BLE001
-                    raise _Broken(f"send of {run} pages failed: {exc}") from exc
+            await self._move_runs(ep.send, pages, runs, "page send")
         finally:
             for page in pages:
                 store.unpin(page)

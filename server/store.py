@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from server.allocator import SlabAllocator, size_class
+from server.allocator import SlabAllocator
 from server.pool import MemoryPool
 
 PageKey = tuple[str, bytes]  # (namespace digest hex, page hash)
@@ -124,7 +124,3 @@ class PageStore:
 
     def namespaces(self) -> list[str]:
         return [ns for ns, count in self.namespace_pages.items() if count > 0]
-
-    @staticmethod
-    def slot_bytes(size: int) -> int:
-        return size_class(size)

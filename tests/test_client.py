@@ -248,3 +248,18 @@ def test_redis_gone_turns_into_a_miss_not_an_exception():
             assert cl.lookup(tokens) == 0
             assert time.monotonic() - start < 15
             assert cl.stats.index_errors >= 2
+
+
+def test_client_from_environment(cluster, ns, monkeypatch):
+    monkeypatch.setenv("KVSTORE_REDIS_URL", cluster.redis_url)
+    monkeypatch.setenv("KVSTORE_REPLICAS", "2")
+    monkeypatch.setenv("KVSTORE_TIMEOUT", "3.5")
+    monkeypatch.setenv("KVSTORE_TRANSFER_MODE", "staged")
+    with KVCacheClient.from_env(ns) as cl:
+        assert cl._async.replicas == 2 and cl._async.timeout == 3.5 and cl._async.transfer_mode == "staged"
+        tokens = list(range(3 * BLOCK))
+        report = cl.put_pages(tokens, pages_for(ns, tokens))
+        assert report.stored == 3 and report.sent == 6  # two replicas each
+    monkeypatch.setenv("KVSTORE_REPLICAS", "0")
+    with pytest.raises(ValueError, match="replicas"):
+        KVCacheClient.from_env(ns)

@@ -172,8 +172,9 @@ def test_server_killed_mid_get_gives_miss_never_wrong_bytes(clusters):
     ns = namespace_for_page_size(2 << 20, tenant="kill-server-get")
     tokens = list(range(128 * ns.block_size))
     assert run_worker(spec(cluster, ns, "put_pages", tokens=tokens))["reports"][0]["stored"] == 128
-    proc = run_worker(spec(cluster, ns, "get_pages", tokens=tokens, loop_seconds=6, options={"timeout": 2}), background=True)
-    time.sleep(4)
+    proc = run_worker(spec(cluster, ns, "get_pages", tokens=tokens, loop_seconds=8, options={"timeout": 2}), background=True)
+    # kill once the node has served at least one whole get and is serving more
+    wait_for(lambda: metrics(cluster, "node-0")["kvstore_get_pages_total"] >= 129, 60, "the reader to get going")
     cluster.nodes[0].kill()
     start = time.monotonic()
     result = worker_result(proc, timeout=60)

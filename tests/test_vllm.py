@@ -27,8 +27,8 @@ SHARED_BLOCKS = 4
 PROMPT_B = PROMPT_A[: SHARED_BLOCKS * BLOCK] + [rng.randrange(512) for _ in range(52)]
 
 
-def run_engine(model_dir: str, prompts: list[list[int]], redis_url: str | None = None, role: str = "kv_both", **extra) -> list[dict]:
-    spec = {"model_dir": model_dir, "prompts": prompts, "role": role, "prefix_caching": False}
+def run_engine(model_dir: str, prompts: list[list[int]], redis_url: str | None = None, role: str = "kv_both", **llm_kwargs) -> list[dict]:
+    spec = {"model_dir": model_dir, "prompts": prompts, "role": role, "prefix_caching": False, "llm_kwargs": llm_kwargs}
     if redis_url:
         spec["redis_url"] = redis_url
     env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo"}
@@ -59,6 +59,17 @@ def test_consumer_loads_shared_blocks_and_generates_the_baseline_tokens(model_di
         (consumer,) = run_engine(model_dir, [PROMPT_B], cluster.redis_url, role="kv_consumer")
         assert consumer["num_cached_tokens"] == SHARED_BLOCKS * BLOCK
         assert consumer["tokens"] == baseline["B"]
+
+
+def test_chunked_prefill_saves_the_whole_prompt(model_dir, baseline):
+    with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
+        # 64 tokens per step: prompt A's prefill takes four steps
+        (producer,) = run_engine(model_dir, [PROMPT_A], cluster.redis_url, role="kv_producer",
+                                 enable_chunked_prefill=True, max_num_batched_tokens=64, max_num_seqs=4)
+        assert producer["tokens"] == baseline["A"]
+        assert sum(s.pages for s in PageIndex(cluster.redis_url).stats().namespaces) == 6
+        (consumer,) = run_engine(model_dir, [PROMPT_A], cluster.redis_url, role="kv_consumer")
+        assert consumer["num_cached_tokens"] == 6 * BLOCK and consumer["tokens"] == baseline["A"]
 
 
 def test_two_storage_nodes_and_reuse_across_sessions(model_dir, baseline):

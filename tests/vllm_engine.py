@@ -46,7 +46,7 @@ def main() -> int:
     llm = LLM(
         model=spec["model_dir"], skip_tokenizer_init=True, enforce_eager=True, dtype="float32", block_size=BLOCK_SIZE,
         max_model_len=512, gpu_memory_utilization=0.3, kv_transfer_config=kv, seed=0,
-        enable_prefix_caching=spec.get("prefix_caching", True),
+        enable_prefix_caching=spec.get("prefix_caching", True), **spec.get("llm_kwargs", {}),
     )
     params = SamplingParams(temperature=0, max_tokens=12, detokenize=False, ignore_eos=True)
     results = []

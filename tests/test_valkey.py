@@ -1,0 +1,52 @@
+"""The embedded Valkey launcher: loopback TCP, unix socket, and no leftovers after a crash."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import redis
+
+from kvstore.procutil import pid_alive
+from kvstore.valkey import EmbeddedValkey
+
+
+def test_unix_socket_server(tmp_path):
+    sock = tmp_path / "valkey.sock"
+    with EmbeddedValkey(unix_socket=str(sock)) as server:
+        assert server.url == f"unix://{sock}"
+        client = redis.Redis.from_url(server.url)
+        assert client.ping()
+        pid = server.process.pid
+    assert not pid_alive(pid) or open(f"/proc/{pid}/status").read().find("zombie") >= 0
+
+
+def test_server_dies_with_a_crashed_parent_and_a_stale_pidfile_is_cleaned(tmp_path):
+    pidfile = tmp_path / "valkey.pid"
+    code = (
+        "import sys, time\n"
+        "from kvstore.valkey import EmbeddedValkey\n"
+        f"s = EmbeddedValkey(workdir={str(tmp_path)!r}, pidfile={str(pidfile)!r}).start()\n"
+        "print(s.process.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    pid = int(parent.stdout.readline())
+    assert pid_alive(pid) and pidfile.read_text().strip() == str(pid)
+    parent.kill()  # SIGKILL: no cleanup code runs in the parent
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(pid)
+    # the next start with the same pidfile finds the stale file and starts cleanly
+    with EmbeddedValkey(workdir=str(tmp_path), pidfile=str(pidfile)) as again:
+        assert redis.Redis.from_url(again.url).ping()
+    assert not pidfile.exists()
+
+
+def test_bound_to_loopback_only():
+    with EmbeddedValkey() as server:
+        config = redis.Redis.from_url(server.url).config_get("bind")
+        assert config["bind"] == "127.0.0.1"
