@@ -9,6 +9,7 @@ Do not mix ``KVCacheClient`` and ``AsyncKVCacheClient`` on another loop in one p
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from typing import Any
 
@@ -19,6 +20,7 @@ from kvstore.namespace import Namespace
 from client.async_client import AsyncKVCacheClient, PublishReport, client_options_from_env
 from client.stats import ClientStats
 
+log = logging.getLogger(__name__)
 _MARGIN = 10.0
 _shared_loop: asyncio.AbstractEventLoop | None = None
 _shared_lock = threading.Lock()
@@ -70,20 +72,28 @@ class KVCacheClient:
     def _bound(self) -> float:
         return self._async.timeout * 3 + _MARGIN
 
+    def _read(self, coro: Any, miss: Any) -> Any:
+        """Reads turn even the outer deadline into a miss: remote faults never raise."""
+        try:
+            return self._run(coro, self._bound())
+        except TransportError as exc:
+            log.warning("read gave up, counting it as a miss: %s", exc)
+            return miss
+
     def lookup(self, token_ids: Any) -> int:
-        return self._run(self._async.lookup(token_ids), self._bound())
+        return self._read(self._async.lookup(token_ids), 0)
 
     def put_pages(self, token_ids: Any, pages: torch.Tensor) -> PublishReport:
         return self._run(self._async.put_pages(token_ids, pages), self._bound())
 
     def get_pages(self, token_ids: Any, out: torch.Tensor, start_block: int = 0) -> int:
-        return self._run(self._async.get_pages(token_ids, out, start_block), self._bound())
+        return self._read(self._async.get_pages(token_ids, out, start_block), 0)
 
     def insert(self, input_tokens: Any, roi: Any, key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor | None = None) -> PublishReport:
         return self._run(self._async.insert(input_tokens, roi, key, value, hidden), self._bound())
 
     def select(self, input_tokens: Any, roi: Any) -> list[Any]:
-        return self._run(self._async.select(input_tokens, roi), self._bound())
+        return self._read(self._async.select(input_tokens, roi), [None] * 5)
 
     def close(self) -> None:
         if not self._closed:

@@ -30,12 +30,15 @@ FLAG_HIDDEN = 1
 
 def kv_to_pages(namespace: Namespace, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """Full blocks of ``key``/``value`` ``[layers, tokens, heads, head_size]`` as a contiguous
-    CPU tensor ``[blocks, 2, layers, block_size, heads, head_size]``."""
+    CPU tensor ``[blocks, 2, layers, block_size, heads, head_size]``, in one copy."""
     B = namespace.block_size
-    nfull = key.shape[1] // B
-    L, _, H, D = key.shape
-    kv = torch.stack([key[:, : nfull * B], value[:, : nfull * B]]).to("cpu")
-    return kv.reshape(2, L, nfull, B, H, D).permute(2, 0, 1, 3, 4, 5).contiguous()
+    L, T, H, D = key.shape
+    nfull = T // B
+    pages = torch.empty(nfull, 2, L, B, H, D, dtype=key.dtype)
+    for i, t in enumerate((key, value)):
+        # [L, nfull*B, H, D] -> [nfull, L, B, H, D] as a view, copied straight into place
+        pages[:, i].copy_(t[:, : nfull * B].unflatten(1, (nfull, B)).transpose(0, 1))
+    return pages
 
 
 def pages_to_kv(pages: torch.Tensor, extra_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
