@@ -263,3 +263,17 @@ def test_client_from_environment(cluster, ns, monkeypatch):
     monkeypatch.setenv("KVSTORE_REPLICAS", "0")
     with pytest.raises(ValueError, match="replicas"):
         KVCacheClient.from_env(ns)
+
+
+def test_data_plane_token_is_enforced():
+    ns = make_ns("token")
+    tokens = list(range(2 * BLOCK))
+    with LocalCluster(servers=1, capacity="64MiB", slab_size="16MiB", extra_args=["--auth-token", "s3cret"]) as c:
+        with KVCacheClient(c.redis_url, ns, auth_token="wrong", timeout=3) as intruder:
+            report = intruder.put_pages(tokens, pages_for(ns, tokens))
+            assert report.stored == 0 and intruder.stats.node_errors == 1
+        with KVCacheClient(c.redis_url, ns, auth_token="s3cret") as cl:
+            assert cl.put_pages(tokens, pages_for(ns, tokens)).stored == 2
+        with KVCacheClient(c.redis_url, ns, auth_token="wrong", timeout=3) as intruder:
+            out = torch.empty(2, *ns.page_shape, dtype=torch.float16)
+            assert intruder.get_pages(tokens, out) == 0
