@@ -181,10 +181,9 @@ class AsyncKVCacheClient:
 
         Full blocks become shared, deduplicated pages; the trailing partial block and
         ``hidden`` go into the sequence's tail object."""
-        tokens = self._roi_prefix(input_tokens, roi)
+        tokens, n_all = self._roi_prefix(input_tokens, roi)
         T = len(tokens)
         ns = self.namespace
-        n_all = len(token_array(input_tokens))
         key, value, hidden = (_token_prefix(t, T, n_all, dim) for t, dim in ((key, 1), (value, 1), (hidden, 0)))
         codec.check_kv(ns, "key", key, T)
         codec.check_kv(ns, "value", value, T)
@@ -206,7 +205,7 @@ class AsyncKVCacheClient:
         tokens ``roi`` marks: everything plus ``hidden`` when this exact sequence was
         inserted, else the longest block-aligned prefix with ``hidden=None``; five
         ``None`` on a miss. The returned ``roi`` marks the matched tokens."""
-        tokens = self._roi_prefix(input_tokens, roi)
+        tokens, n_all = self._roi_prefix(input_tokens, roi)
         ns = self.namespace
         T = len(tokens)
         hashes = block_hashes(ns, tokens)
@@ -241,7 +240,7 @@ class AsyncKVCacheClient:
         matched = T if exact else got_blocks * ns.block_size
         if matched == 0:
             return [None] * 5
-        out_roi = torch.zeros(len(token_array(input_tokens)), dtype=torch.bool)
+        out_roi = torch.zeros(n_all, dtype=torch.bool)
         out_roi[:matched] = True
         return [input_tokens, out_roi, key, value, hidden]
 
@@ -390,7 +389,8 @@ class AsyncKVCacheClient:
             raise InvalidInputError(f"{name} must be contiguous so pages can be received in place")
 
     @staticmethod
-    def _roi_prefix(input_tokens: Any, roi: Any) -> np.ndarray:
+    def _roi_prefix(input_tokens: Any, roi: Any) -> tuple[np.ndarray, int]:
+        """The tokens ``roi`` marks (which must be a prefix) and the total token count."""
         tokens = token_array(input_tokens)
         mask = np.asarray(roi.detach().cpu() if hasattr(roi, "detach") else roi)
         if mask.dtype != np.bool_ or mask.shape != tokens.shape:
@@ -400,7 +400,7 @@ class AsyncKVCacheClient:
             raise InvalidInputError("roi marks no tokens")
         if not mask[:m].all():
             raise InvalidInputError("roi must mark a prefix of the tokens (True values first, then only False)")
-        return tokens[:m]
+        return tokens[:m], len(tokens)
 
 
 def _token_prefix(t: Any, T: int, n_all: int, dim: int) -> Any:

@@ -222,8 +222,9 @@ class KVStoreConnector(KVConnectorBase_V1):
                     tracked.block_ids = list(new_blocks[0])
                 else:
                     tracked.block_ids.extend(new_blocks[0])
+            computed_after = self._computed_after_step(scheduler_output)
             for req_id, tracked in self._tracked.items():
-                computed = self._computed_after_step(scheduler_output, req_id)
+                computed = computed_after.get(req_id)
                 if tracked.saved or computed is None or computed < len(tracked.prompt):
                     continue
                 tracked.saved = True  # prefill complete (possibly over several chunks)
@@ -235,17 +236,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         return meta
 
     @staticmethod
-    def _computed_after_step(scheduler_output: SchedulerOutput, req_id: str) -> int | None:
-        scheduled = scheduler_output.num_scheduled_tokens.get(req_id)
-        if scheduled is None:
-            return None
-        for new in scheduler_output.scheduled_new_reqs:
-            if new.req_id == req_id:
-                return new.num_computed_tokens + scheduled
+    def _computed_after_step(scheduler_output: SchedulerOutput) -> dict[str, int]:
+        """Tokens each scheduled request will have computed once this step has run."""
+        before = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
-        if req_id in cached.req_ids:
-            return cached.num_computed_tokens[cached.req_ids.index(req_id)] + scheduled
-        return None
+        before.update(zip(cached.req_ids, cached.num_computed_tokens))
+        scheduled = scheduler_output.num_scheduled_tokens
+        return {req_id: done + scheduled[req_id] for req_id, done in before.items() if req_id in scheduled}
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._tracked.pop(request.request_id, None)

@@ -190,10 +190,6 @@ class _IndexSpecs:
         args = [keys.namespace_prefix(ns), node_id, epoch, int(respect_lease), _hexes(hashes, "remove")]
         return _Call("remove", [keys.meta_key(ns)], args, lambda raw: [bool(v) for v in raw])
 
-    def _spec_touch(self, namespace: Namespace | str, node_id: str, epoch: int, ttl_ms: int) -> _Call:
-        ns = _ns_hex(namespace)
-        return _Call("touch_alive", [keys.alive_key(ns)], [node_id, epoch, ttl_ms], int)
-
     def _spec_register(self, node_id: str, address: str, capacity: int, ttl_ms: int, epoch: int, extra: dict[str, str] | None) -> _Call:
         if not node_id or "|" in node_id or node_id == "_lease":
             raise InvalidInputError(f"node id {node_id!r} must be non-empty and contain no '|'")
@@ -309,8 +305,9 @@ class PageIndex(_IndexBase):
     def remove(self, namespace: Namespace | str, node_id: str, epoch: int, hashes: Sequence[bytes], respect_lease: bool = True) -> list[bool]:
         return self._call(self._spec_remove(namespace, node_id, epoch, hashes, respect_lease))
 
-    def touch_namespace(self, namespace: Namespace | str, node_id: str, epoch: int, ttl_ms: int) -> None:
-        self._call(self._spec_touch(namespace, node_id, epoch, ttl_ms))
+    def touch_namespaces(self, namespaces: Sequence[Namespace | str], node_id: str, epoch: int, ttl_ms: int) -> None:
+        """Refresh (ttl_ms > 0) or drop (0) a node's liveness in each namespace, in one round trip."""
+        self._pipe(lambda p: _fill_touch(p, namespaces, node_id, epoch, ttl_ms))
 
     def register_node(self, node_id: str, address: str, capacity: int, ttl_ms: int, epoch: int = 0, extra: dict[str, str] | None = None) -> int:
         """Register (epoch=0: new incarnation) or refresh a node; returns its epoch."""
@@ -371,8 +368,8 @@ class AsyncPageIndex(_IndexBase):
     async def remove(self, namespace: Namespace | str, node_id: str, epoch: int, hashes: Sequence[bytes], respect_lease: bool = True) -> list[bool]:
         return await self._call(self._spec_remove(namespace, node_id, epoch, hashes, respect_lease))
 
-    async def touch_namespace(self, namespace: Namespace | str, node_id: str, epoch: int, ttl_ms: int) -> None:
-        await self._call(self._spec_touch(namespace, node_id, epoch, ttl_ms))
+    async def touch_namespaces(self, namespaces: Sequence[Namespace | str], node_id: str, epoch: int, ttl_ms: int) -> None:
+        await self._pipe(lambda p: _fill_touch(p, namespaces, node_id, epoch, ttl_ms))
 
     async def register_node(self, node_id: str, address: str, capacity: int, ttl_ms: int, epoch: int = 0, extra: dict[str, str] | None = None) -> int:
         return await self._call(self._spec_register(node_id, address, capacity, ttl_ms, epoch, extra))
@@ -391,6 +388,13 @@ class AsyncPageIndex(_IndexBase):
 
     async def close(self) -> None:
         await self._redis.aclose()
+
+
+def _fill_touch(pipe: Any, namespaces: Sequence[Namespace | str], node_id: str, epoch: int, ttl_ms: int) -> None:
+    # EVAL (not EVALSHA) inside a pipeline: the server caches the compiled script, and a
+    # flushed script cache can never fail a heartbeat with NOSCRIPT.
+    for namespace in namespaces:
+        pipe.eval(_SCRIPTS["touch_alive"], 1, keys.alive_key(_ns_hex(namespace)), node_id, epoch, ttl_ms)
 
 
 def _fill_ensure(pipe: Any, namespace: Namespace) -> None:

@@ -55,7 +55,7 @@ class LocalCluster:
         args = [
             sys.executable, "-m", "server", "--redis-url", self.redis_url, "--capacity", self.capacity,
             "--slab-size", self.slab_size, "--host", "127.0.0.1", "--port", "0", "--node-id", node_id,
-            "--metrics-port", "0", "--metrics-host", "127.0.0.1", "--heartbeat-interval", "0.5", "--node-ttl", "2",
+            "--metrics-port", "0", "--metrics-host", "127.0.0.1",
             *self.extra_args, *(extra_args or []),
         ]
         out = subprocess.DEVNULL if self.quiet else None

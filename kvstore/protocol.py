@@ -26,8 +26,8 @@ DEFAULT_MAX_RUN_BYTES = 64 << 20
 # client's memory: one copy through a scratch buffer costs less than a message each.
 PACK_BELOW = 256 << 10
 
-HashHex = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
-NsHex = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+# page hashes and namespace digests: 16 bytes as lowercase hex
+Hex128 = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
 
 
 class FrameType(enum.IntEnum):
@@ -44,7 +44,7 @@ class _Frame(BaseModel):
 
 
 class PutPage(_Frame):
-    hash: HashHex
+    hash: Hex128
     size: int = Field(gt=0)
     checksum: int = Field(ge=0, lt=2**64)
     join: bool = Field(default=False, description="may share a message with the previous page")
@@ -53,7 +53,7 @@ class PutPage(_Frame):
 class PutRequest(_Frame):
     """Client -> server: pages the client offers to store."""
 
-    namespace: NsHex
+    namespace: Hex128
     token: str = ""
     pages: list[PutPage] = Field(min_length=1, max_length=MAX_PAGES_PER_REQUEST)
 
@@ -77,12 +77,12 @@ class PutResult(_Frame):
 
 
 class GetPage(_Frame):
-    hash: HashHex
+    hash: Hex128
     join: bool = Field(default=False, description="may share a message with the previous page")
 
 
 class GetRequest(_Frame):
-    namespace: NsHex
+    namespace: Hex128
     token: str = ""
     pages: list[GetPage] = Field(min_length=1, max_length=MAX_PAGES_PER_REQUEST)
     max_run_bytes: int = Field(default=DEFAULT_MAX_RUN_BYTES, gt=0)

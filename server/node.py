@@ -45,6 +45,7 @@ class StorageNode:
         self._stop = asyncio.Event()
         self.address = ""
         self.metrics_port: int | None = None
+        self._extra: dict[str, str] = {"pid": str(os.getpid())}  # published in the registry
 
     def ready(self) -> bool:
         """Registered, and the last heartbeat reached the index within the node TTL."""
@@ -62,12 +63,10 @@ class StorageNode:
             loop.add_signal_handler(sig, self._stop.set)
         listener = ucxx.create_listener(self.dataplane.serve, port=s.port)
         self.address = f"{s.host}:{listener.port}"
-        extra = {"pid": str(os.getpid())}
         if s.metrics_port is not None:
             http = start_health_server(s.metrics_host, s.metrics_port, self.metrics.registry, self.ready)
             self.metrics_port = http.server_port
-            extra["metrics"] = f"{s.host}:{self.metrics_port}"
-        self._extra = extra
+            self._extra["metrics"] = f"{s.host}:{self.metrics_port}"
         heartbeat = asyncio.create_task(self._heartbeat_loop())
         print(f"kvstore-server node={s.node_id} address={self.address} metrics_port={self.metrics_port} pool={self.pool.backing}", flush=True)
         await self._stop.wait()
@@ -93,8 +92,8 @@ class StorageNode:
                 if self.identity.epoch == 0:
                     log.info("registered as %s epoch %d at %s", self.identity.node_id, epoch, self.address)
                 self.identity.epoch = epoch
-                for ns in self.store.namespaces():
-                    await self.index.touch_namespace(ns, self.identity.node_id, epoch, self.node_ttl_ms)
+                if namespaces := self.store.namespaces():
+                    await self.index.touch_namespaces(namespaces, self.identity.node_id, epoch, self.node_ttl_ms)
                 self._last_heartbeat = time.monotonic()
             except KVStoreError as exc:
                 log.warning("heartbeat failed: %s", exc)
@@ -104,8 +103,8 @@ class StorageNode:
         if not self.identity.epoch:
             return
         try:
-            for ns in self.store.namespaces():
-                await self.index.touch_namespace(ns, self.identity.node_id, self.identity.epoch, 0)
+            if namespaces := self.store.namespaces():
+                await self.index.touch_namespaces(namespaces, self.identity.node_id, self.identity.epoch, 0)
             await self.index.deregister_node(self.identity.node_id, self.identity.epoch)
         except KVStoreError as exc:
             log.warning("could not deregister (pages expire with the node TTL): %s", exc)

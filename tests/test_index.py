@@ -73,19 +73,19 @@ def test_pages_of_dead_or_restarted_nodes_are_absent(index, namespace):
     commit(index, namespace, "a", ea, hashes)
     commit(index, namespace, "b", eb, hashes[:1])
     # b dies (its heartbeat mirror goes away): page 0 still has a's replica
-    index.touch_namespace(namespace, "b", eb, 0)
+    index.touch_namespaces([namespace], "b", eb, 0)
     result = index.lookup(namespace, hashes)
     assert result.matched == 3 and [l.node_id for l in result.locations[0]] == ["a"]
     # a restarts: a new epoch makes all of its old pages absent
     ea2 = index.register_node("a", "127.0.0.1:1", 10, TTL)
     assert ea2 == ea + 1
-    index.touch_namespace(namespace, "a", ea2, TTL)
+    index.touch_namespaces([namespace], "a", ea2, TTL)
     assert index.lookup(namespace, hashes).matched == 0
     # a heartbeat that lapses makes pages absent too
-    index.touch_namespace(namespace, "a", ea2, 1)
+    index.touch_namespaces([namespace], "a", ea2, 1)
     commit(index, namespace, "a", ea2, hashes[:1])
     assert index.lookup(namespace, hashes).matched == 1
-    index.touch_namespace(namespace, "a", ea2, 1)
+    index.touch_namespaces([namespace], "a", ea2, 1)
     time.sleep(0.01)
     assert index.lookup(namespace, hashes).matched == 0
 
@@ -146,11 +146,11 @@ def test_lookup_matches_model_under_random_interleavings(index, namespace, seed)
             index.remove(namespace, node, epochs[node], subset, respect_lease=False)
             model.committed[node].difference_update(subset)
         elif action == "kill":
-            index.touch_namespace(namespace, node, epochs[node], 0)
+            index.touch_namespaces([namespace], node, epochs[node], 0)
             model.alive[node] = False
         elif action == "restart":
             epochs[node] = index.register_node(node, "127.0.0.1:9", 10, TTL)
-            index.touch_namespace(namespace, node, epochs[node], TTL)
+            index.touch_namespaces([namespace], node, epochs[node], TTL)
             model.alive[node] = True
             model.committed[node] = set()
         elif action == "expire":
