@@ -277,3 +277,20 @@ def test_data_plane_token_is_enforced():
         with KVCacheClient(c.redis_url, ns, auth_token="wrong", timeout=3) as intruder:
             out = torch.empty(2, *ns.page_shape, dtype=torch.float16)
             assert intruder.get_pages(tokens, out) == 0
+
+
+def test_async_client_on_its_own_event_loop(cluster):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo"}
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "async_client_script.py"), cluster.redis_url],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    # 5 full blocks + 1 tail part, each on two replicas; lookup and get_pages ran concurrently
+    assert result == {"sent": 12, "matched": 83, "exact": True, "lookup": 80, "pages": 80, "pages_exact": True}

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -215,6 +216,7 @@ def test_sigterm_deregisters_and_exits_zero(clusters):
     tokens = list(range(4 * ns.block_size))
     run_worker(spec(cluster, ns, "put_pages", tokens=tokens))
     index = PageIndex(cluster.redis_url)
+    time.sleep(5.5)  # past the 5 s node TTL: only heartbeats keep the pages visible
     assert index.lookup(ns, block_hashes(ns, tokens), lease_ms=0).matched == 4
     node = cluster.nodes[0]
     node.process.send_signal(signal.SIGTERM)
@@ -236,6 +238,16 @@ def test_metrics_and_probes(clusters):
         assert name in m
     text = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
     assert "kvstore_request_seconds_bucket" in text
+
+    def ready() -> int:
+        try:
+            return urllib.request.urlopen(base + "/readyz", timeout=5).status
+        except urllib.error.HTTPError as err:
+            return err.code
+
+    cluster.valkey.stop()  # heartbeats fail: the node stops reporting ready
+    wait_for(lambda: ready() == 503, 20, "/readyz to turn 503")
+    assert urllib.request.urlopen(base + "/healthz", timeout=5).status == 200
 
 
 def test_bad_options_exit_with_a_message():
@@ -261,3 +273,11 @@ def test_putting_pages_again_heals_an_index_that_lost_them(clusters):
     assert report["sent"] == 0 and report["skipped"] == 5  # nothing travels again
     assert index.lookup(ns, block_hashes(ns, tokens), lease_ms=0).matched == 5
     assert run_worker(spec(cluster, ns, "get_pages", tokens=tokens))["results"] == [{"blocks": 5, "matched": 5, "exact": True}]
+
+
+def test_page_larger_than_a_slab_is_refused(clusters):
+    cluster = clusters(capacity="8MiB", slab="1MiB")
+    ns = namespace_for_page_size(2 << 20, tenant="too-big")
+    report = run_worker(spec(cluster, ns, "put_pages", count=2 * ns.block_size))["reports"][0]
+    assert report["stored"] == 0 and report["refused"] == 2
+    assert metrics(cluster, "node-0")["kvstore_refused_pages_total"] == 2

@@ -84,8 +84,9 @@ def test_two_storage_nodes_and_reuse_across_sessions(model_dir, baseline):
         assert a["tokens"] == baseline["A"]
         index = PageIndex(cluster.redis_url)
         ns = index.stats().namespaces[0].namespace
-        holders = {l.node_id for locs in index.lookup(ns, block_hashes(ns, PROMPT_A)).locations for l in locs}
-        assert holders == {"node-0", "node-1"}
+        found = index.lookup(ns, block_hashes(ns, PROMPT_A))
+        holders = {l.node_id for locs in found.locations for l in locs}
+        assert holders == {"node-0", "node-1"}, (found, index.live_nodes())
 
 
 def corrupt_stored_page(cluster: LocalCluster, ns, page_hash: bytes, capacity: int) -> None:
