@@ -28,12 +28,12 @@ def main() -> int:
     with EmbeddedValkey() as valkey:
         index = PageIndex(valkey.url)
         index.ensure_namespace(ns)
-        epochs = {n: index.register_node(n, f"127.0.0.1:{i + 1}", 1 << 30, 600_000) for i, n in enumerate(["a", "b"])}
+        incarnations = {n: index.register_node(n, f"127.0.0.1:{i + 1}", 1 << 30, 600_000) for i, n in enumerate(("a", "b"))}
         hashes = block_hashes(ns, list(range(8192 * ns.block_size)))
-        for node, epoch in epochs.items():
+        for node, inc in incarnations.items():
             mine = [h for i, h in enumerate(hashes) if (i % 2 == 0) == (node == "a")]
             for start in range(0, len(mine), 1024):
-                index.commit(ns, node, epoch, [CommitEntry(h, start + k, 2 << 20, k) for k, h in enumerate(mine[start : start + 1024])], 600_000)
+                index.commit(ns, node, inc, [CommitEntry(h, start + k, 2 << 20, k) for k, h in enumerate(mine[start : start + 1024])], 600_000)
         print(f"lookup latency, embedded Valkey on loopback, {args.iterations} iterations each")
         print(f"{'blocks':>7} {'p50 ms':>8} {'p99 ms':>8}")
         for count in (16, 128, 1024, 8192):

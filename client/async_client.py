@@ -4,9 +4,11 @@ Two APIs over one mechanism (publish pages, fetch a prefix of pages):
 - the lookup-buffer contract of vLLM's SimpleConnector: ``insert`` / ``select``;
 - a paged API for engines with paged caches: ``lookup`` / ``put_pages`` / ``get_pages``.
 
-Remote faults (a node that errors or times out, Redis gone, a wrong checksum) make
-the affected pages count as missing, so reads return a shorter prefix or a miss
-within ``timeout``. Misuse (bad shapes, dtypes, roi) raises ``InvalidInputError``."""
+Remote faults (``RemoteFault``: a node that errors or times out, Redis gone, a wrong
+checksum) make the affected pages count as missing, so reads return a shorter prefix
+or a miss within ``timeout``. Misuse (bad shapes, dtypes, roi, options) raises
+``InvalidInputError``. An index that rejects a script (a bug) is logged at ERROR,
+counted in ``stats.index_script_errors`` and read as a miss."""
 
 from __future__ import annotations
 
@@ -22,14 +24,14 @@ import torch
 
 from kvstore import codec
 from kvstore.checksum import page_checksum
-from kvstore.config import ClientSettings
-from kvstore.errors import InvalidInputError, KVStoreError, TransportError
+from kvstore.config import ClientOptions, ClientSettings, client_options
+from kvstore.errors import IndexScriptError, InvalidInputError, RemoteFault, UnknownNamespaceError
 from kvstore.hashing import block_hashes, part_hashes, sequence_hash, token_array
-from kvstore.index import AsyncPageIndex, NodeInfo, PageLocation
+from kvstore.index import AsyncPageIndex, LookupResult, NodeInfo, PageLocation
 from kvstore.namespace import Namespace
 from kvstore.transport import cuda_capable, ensure_ucx
 from client.buffers import Span, host_bytes, page_spans, split_spans
-from client.connection import NodeConnection, OutgoingPage, verify
+from client.connection import NodeConnection, NodeRefusedError, OutgoingPage, verify
 from client.placement import place, rank_nodes
 from client.stats import ClientStats
 
@@ -49,49 +51,38 @@ class PublishReport:
     bytes_sent: int
 
 
-def client_options_from_env() -> dict[str, Any]:
-    """Constructor keywords (plus ``redis_url``) from KVSTORE_* environment variables."""
-    s = ClientSettings()
-    return dict(
-        redis_url=s.redis_url, replicas=s.replicas, timeout=s.timeout, transfer_mode=s.transfer_mode,
-        auth_token=s.auth_token.get_secret_value(), progress_mode=s.ucx_progress_mode,
-        redis_password=s.redis_password.get_secret_value() or None,
-    )
+def split_options(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split constructor keywords into client options and namespace fields."""
+    options = {k: v for k, v in kwargs.items() if k in ClientOptions.model_fields}
+    return options, {k: v for k, v in kwargs.items() if k not in options}
 
 
 class AsyncKVCacheClient:
-    def __init__(
-        self,
-        redis_url: str,
-        namespace: Namespace | None = None,
-        *,
-        replicas: int = 1,
-        timeout: float = 5.0,
-        transfer_mode: TransferMode = "auto",
-        auth_token: str = "",
-        progress_mode: str = "blocking",
-        node_refresh: float = 1.0,
-        lease_ms: int = 5_000,
-        redis_password: str | None = None,
-        **namespace_fields: Any,
-    ) -> None:
+    """Options (``ClientOptions``: replicas, timeout, transfer_mode, auth_token, ...) come
+    as keywords or as ``options=``; other keywords are ``Namespace`` fields."""
+
+    def __init__(self, redis_url: str | None = None, namespace: Namespace | None = None, *, options: ClientOptions | None = None, **kwargs: Any) -> None:
+        overrides, namespace_fields = split_options(kwargs)
+        if redis_url is not None:
+            overrides["redis_url"] = redis_url
+        opts = client_options(options, **overrides)
         if namespace is None:
             namespace = Namespace(**namespace_fields)
         elif namespace_fields:
-            raise InvalidInputError("pass either a Namespace or namespace keyword fields, not both")
-        if replicas < 1:
-            raise InvalidInputError(f"replicas must be at least 1, got {replicas}")
-        if transfer_mode not in ("auto", "direct", "staged"):
-            raise InvalidInputError(f"transfer_mode must be auto, direct or staged, got {transfer_mode!r}")
+            raise InvalidInputError(f"unknown client options {sorted(namespace_fields)} (pass either a Namespace or namespace fields)")
+        self.options = opts
         self.namespace = namespace
-        self.replicas = replicas
-        self.timeout = timeout
-        self.transfer_mode = transfer_mode
+        self.replicas = opts.replicas
+        self.timeout = opts.timeout
+        self.transfer_mode: TransferMode = opts.transfer_mode
         self.stats = ClientStats()
-        self._token = auth_token
-        self._progress_mode = progress_mode
-        self._node_refresh = node_refresh
-        self.index = AsyncPageIndex(redis_url, timeout=min(timeout, 2.0), lease_ms=lease_ms, password=redis_password)
+        self._token = opts.auth_token.get_secret_value()
+        self._progress_mode = opts.ucx_progress_mode
+        self._node_refresh = opts.node_refresh
+        self.index = AsyncPageIndex(
+            opts.redis_url, timeout=min(opts.timeout, 2.0), lease_ms=opts.lease_ms,
+            password=opts.redis_password.get_secret_value() or None,
+        )
         self._ucxx: Any = None
         self._nodes: list[NodeInfo] = []
         self._nodes_at = 0.0
@@ -101,9 +92,7 @@ class AsyncKVCacheClient:
     @classmethod
     def from_env(cls, namespace: Namespace | None = None, **overrides: Any) -> AsyncKVCacheClient:
         """Build from KVSTORE_* variables (see ``ClientSettings``); keyword overrides win."""
-        options = client_options_from_env()
-        options.update(overrides)
-        return cls(options.pop("redis_url"), namespace, **options)
+        return cls(None, namespace, options=ClientSettings(), **overrides)
 
     async def start(self) -> AsyncKVCacheClient:
         """Initialise UCX and register the namespace; raises ``IndexUnavailableError`` if
@@ -247,26 +236,56 @@ class AsyncKVCacheClient:
     # ---- shared mechanism --------------------------------------------------------
 
     async def _lookup(self, hashes: list[bytes]) -> Any:
+        """The index's answer with replicas of stale incarnations dropped (an entry
+        counts only while the registry names the same incarnation of its node);
+        None on an index fault."""
         self.stats.lookups += 1
         try:
-            return await self.index.lookup(self.namespace, hashes)
-        except KVStoreError as exc:
+            result = await self.index.lookup(self.namespace, hashes)
+        except UnknownNamespaceError as exc:
+            # The index lost its data (or was never told): register the namespace again
+            # so this client's next puts and lookups work without a restart.
+            self.stats.index_errors += 1
+            log.warning("lookup missed: %s; registering the namespace again", exc)
+            await self._ensure_namespace()
+            return None
+        except RemoteFault as exc:
             self.stats.index_errors += 1
             log.warning("lookup failed, counting as a miss: %s", exc)
             return None
+        except IndexScriptError as exc:
+            self.stats.index_script_errors += 1
+            log.error("the index rejected a lookup (a bug, not a fault), counting as a miss: %s", exc)
+            return None
+        live = {n.node_id: n.incarnation for n in await self._live_nodes(include_suspect=True)}
+        locations = []
+        for locs in result.locations:
+            current = [loc for loc in locs if live.get(loc.node_id) == loc.incarnation]
+            if not current:
+                break
+            locations.append(current)
+        return LookupResult(len(locations), locations)
 
-    async def _live_nodes(self) -> list[NodeInfo]:
+    async def _ensure_namespace(self) -> None:
+        try:
+            await self.index.ensure_namespace(self.namespace)
+        except (RemoteFault, IndexScriptError) as exc:
+            log.warning("cannot register the namespace: %s", exc)
+
+    async def _live_nodes(self, include_suspect: bool = False) -> list[NodeInfo]:
+        """Registered nodes from a cache refreshed every ``node_refresh`` seconds; nodes
+        that failed recently are left out unless ``include_suspect``."""
         now = time.monotonic()
         if now - self._nodes_at > self._node_refresh or not self._nodes:
             try:
                 self._nodes = await self.index.live_nodes()
                 self._nodes_at = now
-            except KVStoreError as exc:
+            except RemoteFault as exc:
                 self.stats.index_errors += 1
                 log.warning("cannot list nodes: %s", exc)
         for node_id in [n for n, until in self._suspect.items() if until < now]:
             del self._suspect[node_id]
-        return [n for n in self._nodes if n.node_id not in self._suspect]
+        return [n for n in self._nodes if include_suspect or n.node_id not in self._suspect]
 
     def _conn(self, node: NodeInfo) -> NodeConnection:
         conn = self._conns.get(node.node_id)
@@ -298,7 +317,15 @@ class AsyncKVCacheClient:
             pages = [OutgoingPage(hashes[i], checksums[i], spans[i]) for i in idx]
             try:
                 return idx, await self._conn(nodes[node_id]).put(self.namespace.digest_hex, pages, self.timeout)
-            except TransportError as exc:
+            except NodeRefusedError as exc:
+                if exc.code != "unknown_namespace":
+                    self._node_failed(node_id, exc)
+                    return idx, None
+                # the index lost the namespace: register it again, so the next put works
+                log.warning("put refused: %s", exc)
+                await self._ensure_namespace()
+                return idx, None
+            except RemoteFault as exc:
                 self._node_failed(node_id, exc)
                 return idx, None
 
@@ -342,7 +369,7 @@ class AsyncKVCacheClient:
                     got = await self._conn(nodes[node_id]).get(
                         self.namespace.digest_hex, [hashes[i] for i in idx], [sinks[i] for i in idx], remaining
                     )
-                except TransportError as exc:
+                except RemoteFault as exc:
                     self._node_failed(node_id, exc)
                     return
                 for k, i in enumerate(idx):

@@ -1,8 +1,10 @@
 """One client's connection to one storage node: PUT and GET batches over ucxx.
 
 Requests on a connection are serialised (control frames and payloads must stay in
-order). Any failure closes the endpoint and raises ``TransportError``; the caller
-drops the connection and treats the node's pages as missing."""
+order). A clean refusal (an ERROR frame) raises ``NodeRefusedError`` and keeps the
+endpoint; any other failure, a timeout included, closes the endpoint before it
+raises ``TransportError``, so no receive can land in the caller's memory after the
+call has returned. The caller treats the node's pages as missing."""
 
 from __future__ import annotations
 
@@ -16,8 +18,16 @@ from kvstore import protocol as P
 from kvstore.checksum import page_checksum
 from kvstore.errors import ProtocolError, TransportError
 from kvstore.index import NodeInfo
-from kvstore.transport import with_timeout
+from kvstore.transport import recv_frame, send_frame, with_timeout
 from client.buffers import Span, adjacent, join_flags, joined
+
+
+class NodeRefusedError(TransportError):
+    """The node answered with an ERROR frame (``code`` says why); the connection stays usable."""
+
+    def __init__(self, node_id: str, code: str, message: str) -> None:
+        super().__init__(f"node {node_id} refused: {code}: {message}")
+        self.code = code
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +62,9 @@ class NodeConnection:
         return self._ep
 
     async def _recv_frame(self, expected: type) -> Any:
-        frame = P.decode(await self._ep.am_recv())
+        frame = P.decode(await recv_frame(self._ep))
         if isinstance(frame, P.ErrorFrame):
-            raise TransportError(f"node {self.node.node_id} refused: {frame.code}: {frame.message}")
+            raise NodeRefusedError(self.node.node_id, frame.code, frame.message)
         if not isinstance(frame, expected):
             raise ProtocolError(f"node {self.node.node_id} sent {type(frame).__name__}, expected {expected.__name__}")
         return frame
@@ -76,6 +86,8 @@ class NodeConnection:
             try:
                 await self._endpoint(timeout)
                 return await with_timeout(work, timeout, f"{what} on {self.node.node_id}")
+            except NodeRefusedError:
+                raise
             except BaseException as exc:
                 self.close()
                 if isinstance(exc, (TransportError, asyncio.CancelledError)):
@@ -89,14 +101,14 @@ class NodeConnection:
             pages=[P.PutPage(hash=p.hash.hex(), size=p.span.nbytes, checksum=p.checksum, join=j)
                    for p, j in zip(pages, join_flags([p.span for p in pages]))],
         )
-        await ep.am_send(P.encode(req))
+        await send_frame(ep, req)
         plan: P.PutPlan = await self._recv_frame(P.PutPlan)
         if sum(plan.runs) != len(plan.wanted) or any(not 0 <= i < len(pages) for i in plan.wanted):
             raise ProtocolError(f"node {self.node.node_id} sent an inconsistent put plan")
         pos, sent = 0, 0
         for run in plan.runs:
             buf = joined([pages[i].span for i in plan.wanted[pos : pos + run]])
-            await ep.send(buf)
+            await ep.send(buf, tag=P.DATA_TAG)
             sent += buf.nbytes
             pos += run
         result: P.PutResult = await self._recv_frame(P.PutResult)
@@ -106,7 +118,7 @@ class NodeConnection:
         ep = self._ep
         pages = [P.GetPage(hash=h.hex(), join=j) for h, j in zip(hashes, join_flags(sinks))]
         req = P.GetRequest(namespace=namespace, token=self.token, pages=pages)
-        await ep.am_send(P.encode(req))
+        await send_frame(ep, req)
         plan: P.GetPlan = await self._recv_frame(P.GetPlan)
         if sum(plan.runs) != len(plan.present) or len(plan.sizes) != len(plan.present):
             raise ProtocolError(f"node {self.node.node_id} sent an inconsistent get plan")
@@ -118,10 +130,10 @@ class NodeConnection:
             spans = [sinks[i] for i in idx]
             fits = all(s.nbytes == size for s, size in zip(spans, sizes))
             if fits and adjacent(spans):
-                await ep.recv(joined(spans))
+                await ep.recv(joined(spans), tag=P.DATA_TAG)
             else:
                 scratch = np.empty(sum(sizes), dtype=np.uint8)
-                await ep.recv(scratch)
+                await ep.recv(scratch, tag=P.DATA_TAG)
                 if not fits:  # a page of the wrong size can never be the page we asked for
                     pos += run
                     continue

@@ -17,6 +17,7 @@ class ClientStats:
     checksum_failures: int = 0
     node_errors: int = 0
     index_errors: int = 0
+    index_script_errors: int = 0
     direct_transfers: int = 0
     staged_transfers: int = 0
 

@@ -4,24 +4,32 @@ Every ``KVCacheClient`` in a process runs its ``AsyncKVCacheClient`` on one shar
 event loop in a daemon thread, which is also the only thread that drives UCX progress
 (a ucxx worker must not be progressed from two threads). Every call waits at most a
 bound derived from the client timeout, so a wedged transfer cannot hang the caller.
-Do not mix ``KVCacheClient`` and ``AsyncKVCacheClient`` on another loop in one process."""
+A call that passes its bound is cancelled, and it returns only once the cancelled
+work has unwound (its endpoints closed), so nothing lands in the caller's tensors
+after the call returned. Do not mix ``KVCacheClient`` and ``AsyncKVCacheClient`` on
+another loop in one process."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 from typing import Any
 
 import torch
 
+from kvstore.config import ClientSettings
 from kvstore.errors import TransportError
 from kvstore.namespace import Namespace
-from client.async_client import AsyncKVCacheClient, PublishReport, client_options_from_env
+from client.async_client import AsyncKVCacheClient, PublishReport
 from client.stats import ClientStats
 
 log = logging.getLogger(__name__)
 _MARGIN = 10.0
+# How long a cancelled call may take to unwind; it only closes endpoints, so this is
+# never reached in practice, and passing it is logged as a bug.
+_UNWIND_SECONDS = 30.0
 _shared_loop: asyncio.AbstractEventLoop | None = None
 _shared_lock = threading.Lock()
 
@@ -37,28 +45,37 @@ def _client_loop() -> asyncio.AbstractEventLoop:
 
 
 class KVCacheClient:
-    def __init__(self, redis_url: str, namespace: Namespace | None = None, **options: Any) -> None:
+    """Same constructor as ``AsyncKVCacheClient``: options as keywords or ``options=``."""
+
+    def __init__(self, redis_url: str | None = None, namespace: Namespace | None = None, **options: Any) -> None:
         self._loop = _client_loop()
         self._closed = False
-        self._async = self._run(self._create(redis_url, namespace, options), _MARGIN + 30)
-
-    @staticmethod
-    async def _create(redis_url: str, namespace: Namespace | None, options: dict[str, Any]) -> AsyncKVCacheClient:
-        return await AsyncKVCacheClient(redis_url, namespace, **options).start()
+        client = AsyncKVCacheClient(redis_url, namespace, **options)  # validates options here, in the caller
+        self._async = self._run(client.start(), _MARGIN + 30)
 
     @classmethod
     def from_env(cls, namespace: Namespace | None = None, **overrides: Any) -> KVCacheClient:
-        """Build from KVSTORE_* variables (see ``ClientSettings``)."""
-        options = client_options_from_env()
-        options.update(overrides)
-        return cls(options.pop("redis_url"), namespace, **options)
+        """Build from KVSTORE_* variables (see ``ClientSettings``); keyword overrides win."""
+        return cls(None, namespace, options=ClientSettings(), **overrides)
 
     def _run(self, coro: Any, timeout: float | None = None) -> Any:
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        task: list[asyncio.Task] = []
+
+        async def tracked() -> Any:
+            task.append(asyncio.current_task())
+            return await coro
+
+        future = asyncio.run_coroutine_threadsafe(tracked(), self._loop)
         try:
             return future.result(timeout)
-        except TimeoutError:
-            future.cancel()
+        except concurrent.futures.TimeoutError:
+            # Cancel the task itself (not just this future) and wait until it has
+            # unwound: cancellation closes the endpoints of every transfer the call
+            # started, so no receive can write into the caller's memory afterwards.
+            self._loop.call_soon_threadsafe(lambda: task and task[0].cancel())
+            done, _ = concurrent.futures.wait([future], _UNWIND_SECONDS)
+            if not done:
+                log.error("a cancelled client call has not unwound after %.0f s", _UNWIND_SECONDS)
             raise TransportError(f"client call did not finish within {timeout:.1f} s") from None
 
     @property

@@ -20,9 +20,11 @@ publishes them; blocks the store already holds are not sent again.
 
 The namespace comes from the vLLM config (model, dtype, layers, KV heads per rank,
 head size, block size, TP/PP rank) plus the KV layout detected from the registered
-cache tensors; ``kv_connector_extra_config`` may add ``tenant``, ``replicas``,
-``timeout``, ``redis_password``, ``auth_token`` and ``model`` (a name shared by
-engines that load the same weights from different paths). Failed loads are
+cache tensors. ``kv_connector_extra_config`` carries the client options
+(``ClientOptions``: ``redis_url``, ``replicas``, ``timeout``, ``auth_token``, ...; the
+same names as the KVSTORE_* environment variables, validated the same way) plus
+``tenant``, ``model`` (a name shared by engines that load the same weights from
+different paths) and ``load_failure_policy``. Failed loads are
 recomputed: the connector sets vLLM's ``kv_load_failure_policy`` to ``recompute``
 unless the extra config says ``"load_failure_policy": "fail"``."""
 
@@ -40,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from client.sync_client import KVCacheClient
+from kvstore.config import ClientOptions, client_options
 from kvstore.errors import KVStoreError
 from kvstore.namespace import Namespace
 
@@ -93,6 +96,10 @@ def engine_namespace(vllm_config: VllmConfig, extra: dict[str, Any], *, layout: 
     )
 
 
+# extra-config keys the connector reads itself; every other key is a client option
+CONNECTOR_KEYS = frozenset({"tenant", "model", "load_failure_policy"})
+
+
 @dataclass
 class LoadSpec:
     """Fill ``block_ids[start_block:]`` from the store (the first blocks are computed)."""
@@ -136,6 +143,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._extra: dict[str, Any] = dict(transfer.kv_connector_extra_config or {})
         if "redis_url" not in self._extra:
             raise KVStoreError("kv_connector_extra_config must carry redis_url for KVStoreConnector")
+        self._options: ClientOptions = client_options(**{k: v for k, v in self._extra.items() if k not in CONNECTOR_KEYS})
         # A store is a cache: a block that fails to load must be recomputed, not fail the
         # request (vLLM's default). The scheduler reads this right after creating us.
         if self._extra.get("load_failure_policy", "recompute") == "recompute":
@@ -157,11 +165,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     def _make_client(self, layout: str, tp_rank: int, pp_rank: int) -> KVCacheClient:
         ns = engine_namespace(self._vllm_config, self._extra, layout=layout, tp_rank=tp_rank, pp_rank=pp_rank)
         log.info("KVStoreConnector (%s) namespace %s: %s", self.role.name, ns.digest_hex, ns.canonical_json())
-        return KVCacheClient(
-            self._extra["redis_url"], ns, replicas=int(self._extra.get("replicas", 1)),
-            timeout=float(self._extra.get("timeout", 5.0)), redis_password=self._extra.get("redis_password"),
-            auth_token=str(self._extra.get("auth_token", "")),
-        )
+        return KVCacheClient(None, ns, options=self._options)
 
     def _scheduler_client(self) -> KVCacheClient:
         """Created on first use: by then the engine core has resolved the KV cache layout.

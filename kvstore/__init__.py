@@ -3,10 +3,14 @@ the Redis page index, the UCX wire protocol, configuration, the embedded Valkey
 launcher and the ``kvstore`` command line."""
 
 from kvstore.errors import (
+    FencedError,
+    IndexScriptError,
     IndexUnavailableError,
     InvalidInputError,
     KVStoreError,
+    NodeIdInUseError,
     ProtocolError,
+    RemoteFault,
     TransportError,
     UnknownNamespaceError,
 )
@@ -14,11 +18,15 @@ from kvstore.hashing import block_hashes, part_hashes, sequence_hash
 from kvstore.namespace import Namespace
 
 __all__ = [
+    "FencedError",
+    "IndexScriptError",
     "IndexUnavailableError",
     "InvalidInputError",
     "KVStoreError",
     "Namespace",
+    "NodeIdInUseError",
     "ProtocolError",
+    "RemoteFault",
     "TransportError",
     "UnknownNamespaceError",
     "block_hashes",

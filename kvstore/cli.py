@@ -39,7 +39,7 @@ def _stats(args: argparse.Namespace) -> int:
     stats = PageIndex(args.redis_url, password=os.environ.get("KVSTORE_REDIS_PASSWORD") or None).stats()
     print(f"{len(stats.nodes)} live node(s)")
     for n in stats.nodes:
-        print(f"  {n.node_id:20} {n.address:24} capacity {format_size(n.capacity)} epoch {n.epoch}")
+        print(f"  {n.node_id:20} {n.address:24} capacity {format_size(n.capacity)} incarnation {n.incarnation}")
     print(f"{len(stats.namespaces)} namespace(s)")
     for s in stats.namespaces:
         name = f"{s.namespace.model} {s.namespace.dtype} tp{s.namespace.tp_rank}/{s.namespace.tp_size} {s.namespace.tenant}" if s.namespace else "?"

@@ -4,11 +4,12 @@ variables through pydantic-settings (one mechanism for both)."""
 from __future__ import annotations
 
 import socket
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, SecretStr, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvstore.errors import InvalidInputError
 from kvstore.units import parse_size
 
 ByteSize = Annotated[int, BeforeValidator(parse_size)]
@@ -62,15 +63,38 @@ class ServerSettings(BaseSettings):
         return self
 
 
-class ClientSettings(BaseSettings):
+class ClientOptions(BaseModel):
+    """Every client option, in one place: ``AsyncKVCacheClient``/``KVCacheClient``
+    keywords, ``KVSTORE_<NAME>`` environment variables (``ClientSettings``) and the vLLM
+    connector's ``kv_connector_extra_config`` all validate through this model."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="index URL: redis://, rediss:// (TLS) or unix://")
+    redis_password: SecretStr = Field(SecretStr(""), description="index password (overrides one in the URL)")
+    replicas: int = Field(1, ge=1, le=16, description="storage nodes each page is written to")
+    timeout: float = Field(5.0, gt=0, le=3600, allow_inf_nan=False, description="seconds a call may take before missing pages count as absent")
+    transfer_mode: Literal["auto", "direct", "staged"] = Field("auto", description="receive straight into the destination, or through pinned host memory")
+    auth_token: SecretStr = Field(SecretStr(""), description="data-plane token")
+    ucx_progress_mode: ProgressMode = Field("blocking", description="ucxx progress mode")
+    node_refresh: float = Field(1.0, gt=0, le=60, allow_inf_nan=False, description="seconds between reads of the node registry")
+    lease_ms: int = Field(5_000, ge=0, le=600_000, description="read lease a lookup takes on the pages it returns")
+
+
+def client_options(base: ClientOptions | None = None, **overrides: Any) -> ClientOptions:
+    """``base`` (or the defaults) with ``overrides`` applied and validated; a bad value
+    raises ``InvalidInputError`` naming the option."""
+    values = {name: getattr(base, name) for name in ClientOptions.model_fields} if base else {}
+    values.update(overrides)
+    try:
+        return ClientOptions.model_validate(values)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        name = ".".join(map(str, err["loc"])) or "options"
+        raise InvalidInputError(f"invalid client option {name}={err.get('input')!r}: {err['msg']}") from None
+
+
+class ClientSettings(ClientOptions, BaseSettings):
     """Client options from KVSTORE_* environment variables (``KVCacheClient.from_env``)."""
 
-    model_config = SettingsConfigDict(env_prefix="KVSTORE_", extra="ignore")
-
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    redis_password: SecretStr = SecretStr("")
-    replicas: int = Field(1, ge=1)
-    timeout: float = Field(5.0, gt=0, description="seconds a select/get may take before missing pages count as absent")
-    transfer_mode: Literal["auto", "direct", "staged"] = "auto"
-    auth_token: SecretStr = SecretStr("")
-    ucx_progress_mode: ProgressMode = "blocking"
+    model_config = SettingsConfigDict(env_prefix="KVSTORE_", extra="ignore", frozen=True)

@@ -1,8 +1,14 @@
 """Exception types shared by the client, the server and the index.
 
-Misuse (bad arguments) raises ``InvalidInputError``, which is also a ``ValueError``
-so callers that only know the standard library can still catch it. Remote faults
-raise the other types; the client turns them into misses instead of raising."""
+Two families that callers must tell apart:
+- usage errors (``InvalidInputError``, also a ``ValueError``): the caller passed
+  something malformed. They always propagate.
+- remote faults (``RemoteFault`` and its subclasses): a node, the index or the
+  network failed. The client turns them into misses or shorter prefixes.
+
+``IndexScriptError`` is neither: the index rejected a script call, which means a bug
+or an incompatible server. Reads still count it as a miss (the engine must keep
+running), but it is logged at ERROR and counted separately."""
 
 
 class KVStoreError(Exception):
@@ -13,17 +19,34 @@ class InvalidInputError(KVStoreError, ValueError):
     """An argument is malformed: wrong shape, dtype, hash length, an empty list..."""
 
 
-class UnknownNamespaceError(KVStoreError, LookupError):
-    """The namespace digest was never registered in the index."""
+class RemoteFault(KVStoreError):
+    """A remote component (index, storage node, network) failed; never the caller's fault."""
 
 
-class IndexUnavailableError(KVStoreError, ConnectionError):
+class UnknownNamespaceError(RemoteFault, LookupError):
+    """The namespace digest is not registered in the index (never, or lost with its data)."""
+
+
+class IndexUnavailableError(RemoteFault, ConnectionError):
     """Redis/Valkey could not be reached or answered with a transport error."""
 
 
-class TransportError(KVStoreError):
-    """A storage node could not be reached, timed out or broke the protocol."""
+class FencedError(RemoteFault):
+    """A storage node acted under an incarnation the index no longer accepts (another
+    process took over its node id, or the index lost its registration)."""
 
 
-class ProtocolError(KVStoreError):
+class TransportError(RemoteFault):
+    """A storage node could not be reached, timed out or refused the request."""
+
+
+class ProtocolError(RemoteFault):
     """A frame on the data plane is malformed, truncated or too large."""
+
+
+class IndexScriptError(KVStoreError):
+    """The index answered a script call with an error: a bug, not a fault to hide."""
+
+
+class NodeIdInUseError(KVStoreError):
+    """Another live storage node is registered under the same node id."""

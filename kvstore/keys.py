@@ -30,5 +30,7 @@ def node_key(node_id: str) -> str:
     return REGISTRY_PREFIX + "node:" + node_id
 
 
-def epoch_key(node_id: str) -> str:
-    return REGISTRY_PREFIX + "epoch:" + node_id
+def incarnation_key(node_id: str) -> str:
+    """The node id's current incarnation (no TTL), so a stale one is fenced even after
+    its registry entry expired."""
+    return REGISTRY_PREFIX + "inc:" + node_id

@@ -2,7 +2,8 @@
 
 Used by ``kvstore up``, ``kvstore demo`` and the test fixtures. Node processes are
 started as ``python -m server`` with PDEATHSIG, so they stop if this process dies;
-``stop`` sends SIGTERM and waits, then SIGKILLs stragglers."""
+``stop`` sends SIGTERM and waits, then SIGKILLs stragglers. Unless ``quiet=False``
+(output inherited), each node's output goes to ``<log_dir>/<node_id>.log``."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvstore.errors import KVStoreError
 from kvstore.index import PageIndex
@@ -23,6 +26,11 @@ from kvstore.valkey import EmbeddedValkey
 class NodeProcess:
     node_id: str
     process: subprocess.Popen
+    log_path: Path | None = None
+
+    def log(self) -> str:
+        """What the node printed so far ('' when its output is inherited)."""
+        return self.log_path.read_text(errors="replace") if self.log_path else ""
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.process.poll() is None:
@@ -30,13 +38,15 @@ class NodeProcess:
 
 
 class LocalCluster:
-    def __init__(self, servers: int = 1, capacity: str = "256MiB", *, redis_url: str | None = None, slab_size: str = "16MiB", extra_args: list[str] | None = None, env: dict[str, str] | None = None, quiet: bool = True) -> None:
+    def __init__(self, servers: int = 1, capacity: str = "256MiB", *, redis_url: str | None = None, slab_size: str = "16MiB", extra_args: list[str] | None = None, env: dict[str, str] | None = None, quiet: bool = True, log_dir: str | None = None) -> None:
         self.num_servers = servers
         self.capacity = capacity
         self.slab_size = slab_size
         self.extra_args = extra_args or []
         self.env = {**os.environ, "UCX_NET_DEVICES": "lo", **(env or {})}
         self.quiet = quiet
+        self._tmp = None if log_dir or not quiet else tempfile.TemporaryDirectory(prefix="kvstore-nodes-")
+        self.log_dir = Path(log_dir or self._tmp.name) if quiet else None
         self.valkey: EmbeddedValkey | None = None
         self.redis_url = redis_url or ""
         self.nodes: list[NodeProcess] = []
@@ -58,9 +68,18 @@ class LocalCluster:
             "--metrics-port", "0", "--metrics-host", "127.0.0.1",
             *self.extra_args, *(extra_args or []),
         ]
-        out = subprocess.DEVNULL if self.quiet else None
-        proc = subprocess.Popen(args, env=self.env, stdout=out, stderr=out, preexec_fn=die_with_parent)
-        node = NodeProcess(node_id, proc)
+        log_path = None
+        out = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            log_path = self.log_dir / f"{node_id}.log"
+            out = open(log_path, "ab")  # noqa: SIM115 - the child keeps the descriptor
+        try:
+            proc = subprocess.Popen(args, env=self.env, stdout=out, stderr=subprocess.STDOUT if out else None, preexec_fn=die_with_parent)
+        finally:
+            if out:
+                out.close()
+        node = NodeProcess(node_id, proc, log_path)
         self.nodes.append(node)
         return node
 
@@ -75,7 +94,8 @@ class LocalCluster:
                     return
                 dead = [n.node_id for n in self.nodes if n.process.poll() is not None and n.node_id not in live]
                 if dead and len(dead) == len(self.nodes):
-                    raise KVStoreError(f"storage nodes exited during start: {dead}")
+                    reasons = "; ".join(f"{n.node_id}: {_last_line(n.log())}" for n in self.nodes if n.node_id in dead)
+                    raise KVStoreError(f"storage nodes exited during start ({reasons})")
                 if time.monotonic() > deadline:
                     raise KVStoreError(f"storage nodes did not register within {timeout:.0f} s")
                 time.sleep(0.05)
@@ -95,6 +115,9 @@ class LocalCluster:
         if self.valkey:
             self.valkey.stop()
             self.valkey = None
+        if self._tmp:
+            self._tmp.cleanup()
+            self._tmp = None
 
     def __enter__(self) -> LocalCluster:
         try:
@@ -105,3 +128,8 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"

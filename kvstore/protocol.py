@@ -1,8 +1,19 @@
 """The data-plane wire protocol (documented in docs/protocol.md).
 
-Control frames travel as UCX active messages: a 12-byte preamble (magic, version,
-frame type, body length) followed by a JSON body validated by a pydantic model.
-Page payloads travel as tagged UCX messages, one per *run* of pages that are
+Control frames are a 12-byte preamble (magic, version, frame type, body length)
+followed by a JSON body validated by a pydantic model. They travel as tagged UCX
+messages on ``CONTROL_TAG``: a first message of exactly ``FIRST_MESSAGE_BYTES``
+(preamble, body, zero padding) and, only for bodies that do not fit, a second
+message with the rest. The receiver checks the announced length against its limit
+before it allocates anything for the rest.
+
+Why not UCX active messages: ucxx 0.52 keeps an ``am_recv`` waiter that was
+cancelled (a client timeout) keyed by the endpoint handle, and the next endpoint
+that reuses the handle never receives a frame again; its AM receive pool also
+keeps about 2 KiB per closed endpoint. Tagged receives have neither problem
+(tests/test_faults.py reproduces both).
+
+Page payloads travel on ``DATA_TAG``, one message per *run* of pages that are
 contiguous in the server's pool, so small pages move in few messages and large
 pages move without copies."""
 
@@ -17,9 +28,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kvstore.errors import ProtocolError
 
 MAGIC = b"KVSP"
-VERSION = 1
+VERSION = 2
 PREAMBLE = struct.Struct("<4sHHI")
 MAX_BODY_BYTES = 8 << 20
+FIRST_MESSAGE_BYTES = 4096
+# ucxx mixes these with the endpoint's own tag, so they never match another endpoint.
+CONTROL_TAG = 0xC0
+DATA_TAG = 0xDA
 MAX_PAGES_PER_REQUEST = 65_536
 DEFAULT_MAX_RUN_BYTES = 64 << 20
 # Pages below this size may share a message even when they do not touch in the
@@ -119,20 +134,41 @@ def encode(frame: _Frame) -> bytes:
     return PREAMBLE.pack(MAGIC, VERSION, _TYPES[type(frame)], len(body)) + body
 
 
-def decode(data: bytes | bytearray | memoryview) -> _Frame:
-    """Parse one control frame; raises ``ProtocolError`` naming what is wrong."""
-    data = bytes(data)
-    if len(data) < PREAMBLE.size:
-        raise ProtocolError(f"frame of {len(data)} bytes is shorter than the {PREAMBLE.size}-byte preamble")
-    magic, version, ftype, length = PREAMBLE.unpack_from(data)
+def wire_messages(frame: _Frame) -> list[bytes]:
+    """The tagged messages that carry ``frame``: the padded first message, then the
+    rest of the body if it did not fit."""
+    data = encode(frame)
+    first = data[:FIRST_MESSAGE_BYTES]
+    messages = [first + bytes(FIRST_MESSAGE_BYTES - len(first))]
+    if len(data) > FIRST_MESSAGE_BYTES:
+        messages.append(data[FIRST_MESSAGE_BYTES:])
+    return messages
+
+
+def announced_length(first: bytes | bytearray | memoryview, max_body: int = MAX_BODY_BYTES) -> int:
+    """Body length announced by a first message, checked against ``max_body`` before
+    the receiver allocates anything; raises ``ProtocolError`` on a bad preamble."""
+    if len(first) < PREAMBLE.size:
+        raise ProtocolError(f"frame of {len(first)} bytes is shorter than the {PREAMBLE.size}-byte preamble")
+    magic, version, _, length = PREAMBLE.unpack_from(first)
     if magic != MAGIC:
-        raise ProtocolError(f"bad magic {magic!r}; expected {MAGIC!r}")
+        raise ProtocolError(f"bad magic {bytes(magic)!r}; expected {MAGIC!r}")
     if version != VERSION:
         raise ProtocolError(f"unsupported protocol version {version}; this build speaks {VERSION}")
-    if length > MAX_BODY_BYTES:
-        raise ProtocolError(f"frame body of {length} bytes exceeds the {MAX_BODY_BYTES}-byte limit")
-    if len(data) != PREAMBLE.size + length:
+    if length > max_body:
+        raise ProtocolError(f"frame body of {length} bytes exceeds the {max_body}-byte limit")
+    return length
+
+
+def decode(data: bytes | bytearray | memoryview, max_body: int = MAX_BODY_BYTES) -> _Frame:
+    """Parse one control frame (preamble and body; trailing padding is ignored);
+    raises ``ProtocolError`` naming what is wrong."""
+    data = bytes(data)
+    length = announced_length(data, max_body)
+    if len(data) < PREAMBLE.size + length:
         raise ProtocolError(f"truncated frame: preamble announces {length} body bytes, got {len(data) - PREAMBLE.size}")
+    ftype = PREAMBLE.unpack_from(data)[2]
+    data = data[: PREAMBLE.size + length]
     try:
         model = _MODELS[FrameType(ftype)]
     except ValueError:

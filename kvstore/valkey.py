@@ -92,6 +92,26 @@ class EmbeddedValkey:
             self._tmp.cleanup()
             self._tmp = None
 
+    def save(self) -> None:
+        """Write a snapshot (dump.rdb in the work dir) that the next ``start`` loads."""
+        client = redis.Redis.from_url(self.url, socket_timeout=10)
+        client.save()
+        client.close()
+
+    def crash(self) -> None:
+        """SIGKILL the server, as a crash would, keeping the work dir (fault tests)."""
+        if self.process and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def restart(self, keep_data: bool) -> None:
+        """Crash and start again on the same address: from the last ``save`` when
+        ``keep_data``, else empty (an index without persistence)."""
+        self.crash()
+        if not keep_data:
+            (self.workdir / "dump.rdb").unlink(missing_ok=True)
+        self.start()
+
     def __enter__(self) -> EmbeddedValkey:
         return self.start()
 

@@ -21,7 +21,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from server.node import StorageNode  # after logging is configured
 
-    asyncio.run(StorageNode(settings).run())
+    from kvstore.errors import NodeIdInUseError
+
+    try:
+        asyncio.run(StorageNode(settings).run())
+    except NodeIdInUseError as exc:
+        print(f"kvstore server: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -2,7 +2,11 @@
 
 Victims are removed from the index before their slots are freed, so the index never
 points at a freed slot; a page the index keeps (under a reader's lease) goes back
-into the LRU. Called by the data plane before it allocates slots for a PUT."""
+into the LRU. Called by the data plane before it allocates slots for a PUT.
+
+When the index cannot be reached the node evicts anyway (it must not run out of
+memory) and marks its identity ``index_stale``: the heartbeat loop then re-publishes
+everything the node holds under a new incarnation, which hides the stale entries."""
 
 from __future__ import annotations
 
@@ -10,21 +14,23 @@ import logging
 from collections import defaultdict
 from dataclasses import dataclass
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import RemoteFault
 from kvstore.index import AsyncPageIndex
 from server.allocator import size_class
 from server.metrics import NodeMetrics
-from server.store import PageKey, PageStore, StoredPage
+from server.store import PageStore, StoredPage
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class NodeIdentity:
-    """Who this node is in the index; ``epoch`` is set when it registers."""
+    """Who this node is in the index. ``incarnation`` is set when it registers;
+    ``index_stale`` says the index may advertise pages this node no longer holds."""
 
     node_id: str
-    epoch: int = 0
+    incarnation: str = ""
+    index_stale: bool = False
 
 
 class Evictor:
@@ -36,24 +42,17 @@ class Evictor:
         self.high = high
         self.low = low
 
-    async def allocate(self, items: list[tuple[PageKey, int, int]]) -> list[StoredPage | None]:
-        """Slots for incoming pages (key, size, checksum); None where even eviction
-        could not make room (the put of that page is refused)."""
+    async def allocate(self, pages: list[StoredPage]) -> None:
+        """Assign slots to claimed pages, evicting first when the batch would pass the
+        high watermark; a page left without a slot (``offset is None``) is refused."""
         store = self.store
-        needed = sum(size_class(size) for _, size, _ in items)
+        needed = sum(size_class(p.size) for p in pages)
         if store.used_bytes + needed > self.high * store.capacity:
             await self.evict(store.used_bytes + needed - int(self.low * store.capacity))
-        pages: list[StoredPage | None] = []
-        for key, size, checksum in items:
-            page = store.begin_put(key, size, checksum)
+        for page in pages:
             for _ in range(3):
-                if page is not None:
+                if store.assign_slot(page) or not await self.evict(size_class(page.size), size_class(page.size)):
                     break
-                if not await self.evict(size_class(size), size_class(size)):
-                    break
-                page = store.begin_put(key, size, checksum)
-            pages.append(page)
-        return pages
 
     async def evict(self, nbytes: int, slot_size: int | None = None) -> int:
         """Evict least-recently-used pages worth at least ``nbytes``; returns pages evicted."""
@@ -64,11 +63,13 @@ class Evictor:
         evicted = 0
         for ns, pages in by_ns.items():
             try:
-                gone = await self.index.remove(ns, self.identity.node_id, self.identity.epoch, [p.key[1] for p in pages])
-            except KVStoreError as exc:
+                gone = await self.index.remove(ns, self.identity.node_id, self.identity.incarnation, [p.key[1] for p in pages])
+            except RemoteFault as exc:
                 # Without the index we still must not run out of memory; readers of a
-                # stale entry get "missing" because the page table no longer has it.
+                # stale entry get "missing" because the page table no longer has it,
+                # and the next heartbeat re-publishes under a new incarnation.
                 log.warning("evicting without index update: %s", exc)
+                self.identity.index_stale = True
                 gone = [True] * len(pages)
             for page, removed in zip(pages, gone):
                 if removed:

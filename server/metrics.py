@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 class NodeMetrics:
+    """Counters are incremented by the data plane; gauges read live state through
+    ``watch`` when scraped, so they are never stale."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.capacity = Gauge("kvstore_capacity_bytes", "Bytes of page memory", registry=r)
         self.used = Gauge("kvstore_used_bytes", "Bytes of slots holding pages", registry=r)
         self.pages = Gauge("kvstore_pages", "Pages stored and visible", registry=r)
+        self.pins = Gauge("kvstore_pinned_pages", "Page pins held by transfers and puts in progress", registry=r)
+        self.in_flight = Gauge("kvstore_requests_in_flight", "Requests being served", registry=r)
         self.puts = Counter("kvstore_put_pages", "Pages stored by PUT requests", registry=r)
         self.put_skipped = Counter("kvstore_put_skipped_pages", "Offered pages already stored", registry=r)
         self.gets = Counter("kvstore_get_pages", "Pages sent by GET requests", registry=r)
@@ -35,3 +42,11 @@ class NodeMetrics:
             self.errors.labels(kind)
         for direction in ("in", "out"):
             self.messages.labels(direction)
+
+    def watch(self, store: Any, dataplane: Any) -> None:
+        """Read the gauges from the node's page table and data plane at scrape time
+        (plain int attributes, safe to read from the HTTP thread)."""
+        self.used.set_function(lambda: store.used_bytes)
+        self.pages.set_function(lambda: store.ready_pages)
+        self.pins.set_function(lambda: store.pins)
+        self.in_flight.set_function(lambda: dataplane.active)

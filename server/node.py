@@ -2,7 +2,14 @@
 
 ``StorageNode.run`` is what ``kvstore server`` and ``python -m server`` execute. On
 SIGTERM or SIGINT the node stops taking requests, lets transfers in flight finish
-(bounded by ``shutdown_grace``), deregisters so its pages stop matching, and returns."""
+(bounded by ``shutdown_grace``), deregisters so its pages stop matching, and returns.
+
+The index is kept in step with the page table by one mechanism: whenever the node
+cannot be sure the index matches what it holds (the index no longer accepts its
+incarnation because it lost its data or was restored from an old snapshot, or an
+eviction could not be removed from it), the node registers a new incarnation, which
+hides every entry of the old one at once, and re-publishes its namespaces and every
+page it holds."""
 
 from __future__ import annotations
 
@@ -13,15 +20,15 @@ import signal
 import time
 
 from kvstore.config import ServerSettings
-from kvstore.errors import KVStoreError
-from kvstore.index import AsyncPageIndex
+from kvstore.errors import FencedError, IndexScriptError, NodeIdInUseError, RemoteFault
+from kvstore.index import AsyncPageIndex, CommitEntry
 from kvstore.transport import ensure_ucx
 from server.dataplane import DataPlane
 from server.eviction import Evictor, NodeIdentity
 from server.health import start_health_server
 from server.metrics import NodeMetrics
 from server.pool import MemoryPool
-from server.store import PageStore
+from server.store import PageState, PageStore
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +48,17 @@ class StorageNode:
             self.store, self.index, self.evictor, self.metrics, self.identity,
             token=settings.auth_token.get_secret_value(), timeout=settings.transfer_timeout, node_ttl_ms=self.node_ttl_ms,
         )
+        self.metrics.watch(self.store, self.dataplane)
         self._last_heartbeat = 0.0
         self._stop = asyncio.Event()
         self.address = ""
         self.metrics_port: int | None = None
         self._extra: dict[str, str] = {"pid": str(os.getpid())}  # published in the registry
+        self.fatal: Exception | None = None  # why the node stopped by itself
 
     def ready(self) -> bool:
         """Registered, and the last heartbeat reached the index within the node TTL."""
-        return self.identity.epoch > 0 and time.monotonic() - self._last_heartbeat < self.settings.node_ttl
+        return bool(self.identity.incarnation) and time.monotonic() - self._last_heartbeat < self.settings.node_ttl
 
     async def run(self) -> None:
         s = self.settings
@@ -80,31 +89,91 @@ class StorageNode:
         heartbeat.cancel()
         await self._deregister()
         await self.index.close()
+        if self.fatal is not None:
+            raise self.fatal
 
     async def _heartbeat_loop(self) -> None:
-        """Register (new epoch) until it succeeds, then refresh the registry entry and
-        the liveness mirror of every namespace this node holds pages of."""
+        """Register until it succeeds, then refresh the registry entry and the liveness
+        mirror of every namespace this node holds pages of, re-registering (and
+        re-publishing) when the index says the incarnation is stale."""
+        started = time.monotonic()
+        index_run_id = ""
         while True:
             try:
-                epoch = await self.index.register_node(
-                    self.identity.node_id, self.address, self.store.capacity, self.node_ttl_ms, self.identity.epoch, self._extra
-                )
-                if self.identity.epoch == 0:
-                    log.info("registered as %s epoch %d at %s", self.identity.node_id, epoch, self.address)
-                self.identity.epoch = epoch
+                run_id = await self.index.server_id()
+                if index_run_id and run_id != index_run_id:
+                    log.warning("the index restarted: re-publishing under a new incarnation")
+                    self.identity.index_stale = True
+                index_run_id = run_id
+                if not self.identity.incarnation or self.identity.index_stale:
+                    await self._register_new()
+                else:
+                    try:
+                        await self._register(self.identity.incarnation)
+                    except FencedError as exc:
+                        log.warning("the index no longer accepts this node (%s): registering a new incarnation", exc)
+                        await self._register_new()
                 if namespaces := self.store.namespaces():
-                    await self.index.touch_namespaces(namespaces, self.identity.node_id, epoch, self.node_ttl_ms)
+                    await self.index.touch_namespaces(namespaces, self.identity.node_id, self.identity.incarnation, self.node_ttl_ms)
                 self._last_heartbeat = time.monotonic()
-            except KVStoreError as exc:
+            except NodeIdInUseError as exc:
+                # A pod restarted under the same name waits for its predecessor's entry
+                # to expire; a second live process with this id is refused for good.
+                if time.monotonic() - started > 2 * self.settings.node_ttl:
+                    log.error("%s", exc)
+                    self.fatal = exc
+                    self._stop.set()
+                    return
+                log.warning("%s; retrying until it expires", exc)
+            except (RemoteFault, IndexScriptError) as exc:
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(self.settings.heartbeat_interval)
 
+    async def _register(self, incarnation: str | None) -> str:
+        return await self.index.register_node(
+            self.identity.node_id, self.address, self.store.capacity, self.node_ttl_ms, incarnation,
+            replaces=self.identity.incarnation, extra=self._extra,
+        )
+
+    async def _register_new(self) -> None:
+        """Register a fresh incarnation; if this node held pages under an older one,
+        re-publish them (and their namespaces) under the new one."""
+        incarnation = await self._register(None)
+        republish = bool(self.identity.incarnation)
+        self.identity.incarnation = incarnation
+        self.identity.index_stale = False  # an eviction that fails from here on flags it again
+        log.info("registered as %s incarnation %s at %s", self.identity.node_id, incarnation, self.address)
+        if republish:
+            try:
+                await self._republish()
+            except BaseException:
+                self.identity.index_stale = True
+                raise
+
+    async def _republish(self) -> None:
+        """Publish every ready page under the current incarnation, namespace by namespace."""
+        by_ns: dict[str, list] = {}
+        for page in self.store.ready_items():
+            by_ns.setdefault(page.key[0], []).append(page)
+        inc = self.identity.incarnation
+        for digest, pages in by_ns.items():
+            if ns := self.dataplane.namespaces.get(digest):
+                await self.index.ensure_namespace(ns)
+            await self.index.touch_namespaces([digest], self.identity.node_id, inc, self.node_ttl_ms)
+            for start in range(0, len(pages), 4096):
+                chunk = pages[start : start + 4096]
+                await self.index.commit(digest, self.identity.node_id, inc, [CommitEntry(p.key[1], p.offset, p.size, p.checksum) for p in chunk], self.node_ttl_ms)
+                # pages evicted while the commit was on its way must not stay advertised
+                if gone := [p.key[1] for p in chunk if p.state is not PageState.READY]:
+                    await self.index.remove(digest, self.identity.node_id, inc, gone, respect_lease=False)
+        log.info("re-published %d pages in %d namespaces", sum(map(len, by_ns.values())), len(by_ns))
+
     async def _deregister(self) -> None:
-        if not self.identity.epoch:
+        if not self.identity.incarnation:
             return
         try:
             if namespaces := self.store.namespaces():
-                await self.index.touch_namespaces(namespaces, self.identity.node_id, self.identity.epoch, 0)
-            await self.index.deregister_node(self.identity.node_id, self.identity.epoch)
-        except KVStoreError as exc:
+                await self.index.touch_namespaces(namespaces, self.identity.node_id, self.identity.incarnation, 0)
+            await self.index.deregister_node(self.identity.node_id, self.identity.incarnation)
+        except (RemoteFault, IndexScriptError) as exc:
             log.warning("could not deregister (pages expire with the node TTL): %s", exc)

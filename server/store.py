@@ -1,14 +1,25 @@
 """The storage node's page table: which page sits in which slot, LRU order, pins.
 
-Owned by the node's event loop (no locks). A page is *receiving* until its bytes are
-verified and committed, then *ready*. Pins count transfers in progress; a slot is only
-returned to the allocator once its page is dropped and unpinned, so eviction can never
-free memory that is being sent or received."""
+Owned by the node's event loop (no locks). At most one ``StoredPage`` exists per key,
+and every state change happens without an ``await`` in between, so two requests
+can never both own a key:
+
+- *receiving*: claimed by one PUT; invisible to readers; a second PUT of the key
+  waits on ``settled`` instead of claiming it again;
+- *ready*: verified and committed; in the LRU; readers pin it;
+- *evicting*: taken out of the LRU while the index removes it; it ends ``ready``
+  again (a reader's lease kept it) or dropped;
+- *dropped*: out of the table; its slot is freed when the last pin goes.
+
+Pins count transfers in progress (and the claiming PUT), so eviction never frees
+memory that is being sent or received."""
 
 from __future__ import annotations
 
+import asyncio
+import enum
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -18,15 +29,23 @@ from server.pool import MemoryPool
 PageKey = tuple[str, bytes]  # (namespace digest hex, page hash)
 
 
+class PageState(enum.Enum):
+    RECEIVING = "receiving"
+    READY = "ready"
+    EVICTING = "evicting"
+    DROPPED = "dropped"
+
+
 @dataclass(slots=True, eq=False)
 class StoredPage:
     key: PageKey
-    offset: int
     size: int
     checksum: int
-    ready: bool = False
+    offset: int | None = None  # None until a slot is assigned
+    state: PageState = PageState.RECEIVING
     pins: int = 0
-    dropped: bool = False
+    # set whenever the page leaves a transitional state (receiving, evicting)
+    settled: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class PageStore:
@@ -36,6 +55,7 @@ class PageStore:
         self.pages: dict[PageKey, StoredPage] = {}
         self._lru: OrderedDict[PageKey, StoredPage] = OrderedDict()
         self.namespace_pages: Counter[str] = Counter()
+        self.pins = 0  # claims and transfers in progress, over all pages
 
     @property
     def capacity(self) -> int:
@@ -49,78 +69,103 @@ class PageStore:
     def ready_pages(self) -> int:
         return len(self._lru)
 
+
     def view(self, page: StoredPage) -> np.ndarray:
+        assert page.offset is not None
         return self.pool.view(page.offset, page.size)
 
     def find(self, key: PageKey) -> StoredPage | None:
-        """The page under ``key`` (ready or still receiving), if any."""
+        """The page under ``key`` in any state but dropped, if any."""
         return self.pages.get(key)
 
-    def begin_put(self, key: PageKey, size: int, checksum: int) -> StoredPage | None:
-        """Allocate a slot for an incoming page; None when no slot is free."""
-        offset = self.allocator.allocate(size)
-        if offset is None:
-            return None
-        page = StoredPage(key, offset, size, checksum, pins=1)
+    def ready_items(self) -> list[StoredPage]:
+        """Every ready page, least recently used first (for re-publishing after an index loss)."""
+        return list(self._lru.values())
+
+    def claim(self, key: PageKey, size: int, checksum: int) -> StoredPage:
+        """Make ``key`` *receiving* for the calling PUT. The caller checked ``find`` first
+        (no await in between) and must end with ``finish_put`` or ``abort_put``."""
+        assert key not in self.pages, "claim of a key that is already in the table"
+        page = StoredPage(key, size, checksum, pins=1)
+        self.pins += 1
         self.pages[key] = page
         return page
 
+    def assign_slot(self, page: StoredPage) -> bool:
+        """Give a claimed page a slot; False when no slot is free (evict and retry)."""
+        page.offset = self.allocator.allocate(page.size)
+        return page.offset is not None
+
     def finish_put(self, page: StoredPage) -> None:
-        page.ready = True
+        """The claimed page is verified and committed: it becomes ready."""
+        page.state = PageState.READY
         self._lru[page.key] = page
         self.namespace_pages[page.key[0]] += 1
+        page.settled.set()
         self.unpin(page)
 
     def abort_put(self, page: StoredPage) -> None:
-        self.pages.pop(page.key, None)
-        page.dropped = True
+        """The claimed page will not be stored: forget it; its slot is freed when unpinned."""
+        self._forget(page)
         self.unpin(page)
 
     def pin_for_read(self, key: PageKey) -> StoredPage | None:
         """Pin a ready page for sending and mark it most recently used."""
         page = self.pages.get(key)
-        if page is None or not page.ready:
+        if page is None or page.state is not PageState.READY:
             return None
         page.pins += 1
+        self.pins += 1
         self._lru.move_to_end(key)
         return page
 
     def unpin(self, page: StoredPage) -> None:
         page.pins -= 1
-        if page.pins == 0 and page.dropped:
-            self.allocator.free(page.offset)
+        self.pins -= 1
+        if page.pins == 0 and page.state is PageState.DROPPED:
+            if page.offset is not None:
+                self.allocator.free(page.offset)
+                page.offset = None
 
     def take_victims(self, nbytes: int, slot_size: int | None = None) -> list[StoredPage]:
-        """Remove least-recently-used ready pages worth ``nbytes`` of slots from the LRU
-        (preferring slot size ``slot_size`` when given) and hide them from readers. The
-        caller either ``drop``s or ``restore``s each one."""
+        """Move least-recently-used ready pages worth ``nbytes`` of slots (preferring slot
+        size ``slot_size`` when given) to *evicting*, hidden from readers. The caller
+        either ``drop``s or ``restore``s each one."""
         victims: list[StoredPage] = []
         freed = 0
         for pass_class in ((slot_size, None) if slot_size else (None,)):
             for page in self._lru.values():
                 if freed >= nbytes:
                     break
-                if page.ready and (pass_class is None or self.allocator.slot_size(page.offset) == pass_class):
-                    page.ready = False
+                if page.state is PageState.READY and (pass_class is None or self.allocator.slot_size(page.offset) == pass_class):
+                    page.state = PageState.EVICTING
+                    page.settled = asyncio.Event()
                     victims.append(page)
                     freed += self.allocator.slot_size(page.offset)
         for page in victims:
             del self._lru[page.key]
+            self.namespace_pages[page.key[0]] -= 1
         return victims
 
     def drop(self, page: StoredPage) -> None:
         """Forget an evicted page; its slot is freed now or when its last transfer ends."""
-        if self.pages.get(page.key) is page:
-            del self.pages[page.key]
-            self.namespace_pages[page.key[0]] -= 1
-        page.dropped = True
-        if page.pins == 0:
+        self._forget(page)
+        if page.pins == 0 and page.offset is not None:
             self.allocator.free(page.offset)
+            page.offset = None
 
     def restore(self, page: StoredPage) -> None:
         """Put back a victim the index refused to remove (it is leased by a reader)."""
-        page.ready = True
+        page.state = PageState.READY
         self._lru[page.key] = page
+        self.namespace_pages[page.key[0]] += 1
+        page.settled.set()
+
+    def _forget(self, page: StoredPage) -> None:
+        if self.pages.get(page.key) is page:
+            del self.pages[page.key]
+        page.state = PageState.DROPPED
+        page.settled.set()
 
     def namespaces(self) -> list[str]:
         return [ns for ns, count in self.namespace_pages.items() if count > 0]

@@ -29,6 +29,6 @@ def namespace(request) -> Namespace:
 
 @pytest.fixture()
 def index(valkey):
-    idx = PageIndex(valkey.url, dead_grace_ms=0, reserve_ttl_ms=200)
+    idx = PageIndex(valkey.url, dead_grace_ms=0)
     yield idx
     idx.close()

@@ -1,7 +1,8 @@
-"""Sends malformed frames to a storage node: ``python tests/raw_client.py HOST PORT``.
+"""Sends malformed frames to a storage node: ``python tests/raw_client.py HOST PORT NS``.
 
 Prints one JSON line: the error code answered to each bad frame, and what happened
-to a put whose payload was cut short."""
+to a put whose payload was cut short. A bad preamble leaves the stream out of step,
+so the node answers and closes the endpoint: those cases each use a fresh one."""
 
 from __future__ import annotations
 
@@ -13,44 +14,59 @@ import numpy as np
 
 from kvstore import protocol as P
 from kvstore.checksum import page_checksum
-from kvstore.transport import ensure_ucx
+from kvstore.transport import ensure_ucx, recv_frame
 
 
-async def ask(ep, payload: bytes) -> str:
-    await ep.am_send(payload)
-    frame = P.decode(await asyncio.wait_for(ep.am_recv(), 10))
+def first_message(data: bytes) -> np.ndarray:
+    """``data`` as a first control message (padded or cut to the fixed size)."""
+    data = data[: P.FIRST_MESSAGE_BYTES]
+    return np.frombuffer(data + bytes(P.FIRST_MESSAGE_BYTES - len(data)), dtype=np.uint8)
+
+
+async def ask(ep, data: bytes) -> str:
+    await ep.send(first_message(data), tag=P.CONTROL_TAG)
+    frame = P.decode(await asyncio.wait_for(recv_frame(ep), 10))
     return frame.code if isinstance(frame, P.ErrorFrame) else type(frame).__name__
 
 
-async def main(host: str, port: int) -> dict:
+async def main(host: str, port: int, ns_hex: str) -> dict:
     ucxx = ensure_ucx()
-    ep = await ucxx.create_endpoint(host, port)
     good = P.encode(P.GetRequest(namespace="0" * 32, pages=[P.GetPage(hash="1" * 32)]))
     body = good[P.PREAMBLE.size :]
-    cases = {
+    bad_preamble = {
         "garbage": b"\x00\xffnot a frame at all" * 3,
         "short": b"KV",
         "bad_magic": b"XXXX" + good[4:],
         "bad_version": P.PREAMBLE.pack(P.MAGIC, 99, P.FrameType.GET_REQUEST, len(body)) + body,
-        "truncated": good[:-5],
         "oversized": P.PREAMBLE.pack(P.MAGIC, P.VERSION, P.FrameType.GET_REQUEST, P.MAX_BODY_BYTES + 1),
+    }
+    bad_body = {
+        "truncated": P.PREAMBLE.pack(P.MAGIC, P.VERSION, P.FrameType.GET_REQUEST, len(body) + 40) + body,
         "unknown_type": P.PREAMBLE.pack(P.MAGIC, P.VERSION, 77, len(body)) + body,
         "bad_json": P.PREAMBLE.pack(P.MAGIC, P.VERSION, P.FrameType.GET_REQUEST, 5) + b"{nope",
         "server_frame": P.encode(P.PutResult(stored=[], corrupt=[])),
         "bad_hash": P.PREAMBLE.pack(P.MAGIC, P.VERSION, P.FrameType.GET_REQUEST, len(body)) + body.replace(b"1" * 32, b"Z" * 32),
     }
-    replies = {name: await ask(ep, payload) for name, payload in cases.items()}
+    replies = {}
+    for name, payload in bad_preamble.items():
+        ep = await ucxx.create_endpoint(host, port)
+        replies[name] = await ask(ep, payload)
+        ep.abort()
+    ep = await ucxx.create_endpoint(host, port)
+    for name, payload in bad_body.items():
+        replies[name] = await ask(ep, payload)
     replies["valid_get_after_garbage"] = await ask(ep, good)
 
     # A put whose payload arrives shorter than announced: the page must not be stored.
     page = np.arange(65536, dtype=np.uint8)
-    put = P.PutRequest(namespace=sys.argv[3], pages=[P.PutPage(hash="2" * 32, size=page.nbytes, checksum=page_checksum(page))])
-    await ep.am_send(P.encode(put))
-    plan = P.decode(await ep.am_recv())
+    put = P.PutRequest(namespace=ns_hex, pages=[P.PutPage(hash="2" * 32, size=page.nbytes, checksum=page_checksum(page))])
+    for message in P.wire_messages(put):
+        await ep.send(np.frombuffer(message, dtype=np.uint8), tag=P.CONTROL_TAG)
+    plan = P.decode(await recv_frame(ep))
     truncated_outcome = "closed"
     try:
-        await ep.send(page[:1000])
-        result = P.decode(await asyncio.wait_for(ep.am_recv(), 10))
+        await ep.send(page[:1000], tag=P.DATA_TAG)
+        result = P.decode(await asyncio.wait_for(recv_frame(ep), 10))
         truncated_outcome = f"stored={result.stored} corrupt={result.corrupt}"
     except Exception as exc:  # noqa: BLE001 - the server may close the endpoint instead
         truncated_outcome = f"closed: {type(exc).__name__}"
@@ -60,4 +76,4 @@ async def main(host: str, port: int) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(asyncio.run(main(sys.argv[1], int(sys.argv[2])))), flush=True)
+    print(json.dumps(asyncio.run(main(sys.argv[1], int(sys.argv[2]), sys.argv[3]))), flush=True)

@@ -62,10 +62,17 @@ def test_allocations_never_overlap_and_accounting_balances(ops):
     assert alloc.used_bytes == 0 and len(alloc._free_slabs) == alloc.num_slabs
 
 
+def put(store: PageStore, key, size: int, checksum: int = 0):
+    """A page through the PUT states: claimed, slotted, committed."""
+    page = store.claim(key, size, checksum)
+    assert store.assign_slot(page)
+    store.finish_put(page)
+    return page
+
+
 def test_pinned_victim_is_freed_only_after_its_transfer_ends():
     store = PageStore(MemoryPool(2 << 20, hugepages=False), 1 << 20)
-    page = store.begin_put(("ns", b"a" * 16), 65536, 1)
-    store.finish_put(page)
+    page = put(store, ("ns", b"a" * 16), 65536, 1)
     reader = store.pin_for_read(page.key)
     victims = store.take_victims(65536)
     assert victims == [page]
@@ -80,8 +87,30 @@ def test_lru_order_follows_reads():
     store = PageStore(MemoryPool(2 << 20, hugepages=False), 1 << 20)
     pages = []
     for i in range(3):
-        p = store.begin_put(("ns", bytes([i]) * 16), 4096, i)
-        store.finish_put(p)
-        pages.append(p)
+        pages.append(put(store, ("ns", bytes([i]) * 16), 4096, i))
     store.unpin(store.pin_for_read(pages[0].key))  # page 0 becomes most recent
     assert store.take_victims(4096) == [pages[1]]
+
+
+def test_a_claimed_key_is_invisible_and_an_aborted_claim_frees_its_slot():
+    store = PageStore(MemoryPool(2 << 20, hugepages=False), 1 << 20)
+    key = ("ns", b"k" * 16)
+    page = store.claim(key, 65536, 7)
+    assert store.assign_slot(page)
+    assert store.find(key) is page and store.pin_for_read(key) is None  # receiving: not readable
+    assert store.pins == 1
+    store.abort_put(page)
+    assert store.find(key) is None and store.used_bytes == 0 and store.pins == 0
+    assert page.settled.is_set()
+    again = put(store, key, 65536, 7)  # the key can be claimed again
+    assert store.pin_for_read(key) is again and store.ready_pages == 1
+
+
+def test_an_evicting_page_returns_to_the_lru_when_restored():
+    store = PageStore(MemoryPool(2 << 20, hugepages=False), 1 << 20)
+    key = ("ns", b"r" * 16)
+    page = put(store, key, 4096, 1)
+    assert store.take_victims(4096) == [page]
+    assert store.pin_for_read(key) is None and store.namespace_pages["ns"] == 0
+    store.restore(page)
+    assert store.pin_for_read(key) is page and store.namespace_pages["ns"] == 1 and page.settled.is_set()

@@ -168,7 +168,7 @@ def test_corrupt_checksum_counts_as_missing(cluster, ns, client):
     for node, entry in raw.hgetall(key).items():
         if node != b"_lease":
             parts = entry.decode().split("|")
-            parts[4] = str(int(parts[4]) ^ 1)
+            parts[3] = str(int(parts[3]) ^ 1)  # incarnation|slot|size|checksum
             raw.hset(key, node, "|".join(parts))
     out = torch.empty(6, *ns.page_shape, dtype=torch.float16)
     assert client.get_pages(tokens, out) == 2 * BLOCK

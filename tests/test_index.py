@@ -1,4 +1,4 @@
-"""The page index against a real Valkey: lookup semantics, publish phases, registry."""
+"""The page index against a real Valkey: lookup semantics, publish, counts, registry and fencing."""
 
 from __future__ import annotations
 
@@ -10,16 +10,35 @@ import time
 import pytest
 import redis
 
-from kvstore import IndexUnavailableError, InvalidInputError, UnknownNamespaceError, block_hashes
-from kvstore.index import AsyncPageIndex, CommitEntry, PageIndex, ReserveStatus
+from kvstore import FencedError, IndexUnavailableError, InvalidInputError, NodeIdInUseError, UnknownNamespaceError, block_hashes
+from kvstore.index import AsyncPageIndex, CommitEntry, PageIndex
 from kvstore.procutil import free_port
+from kvstore.valkey import EmbeddedValkey
 
 TTL = 60_000
 
 
-def commit(index, ns, node, epoch, hashes, slot0=0):
+@pytest.fixture(autouse=True)
+def fresh_registry(valkey):
+    """Node ids ("a", "b", ...) repeat across tests: start each test with an empty registry."""
+    raw = redis.Redis.from_url(valkey.url)
+    for key in raw.scan_iter("kvs:{registry}:*"):
+        raw.delete(key)
+    raw.close()
+
+
+def commit(index, ns, node, inc, hashes, slot0=0):
     entries = [CommitEntry(h, slot0 + i, 100 + i, 1000 + i) for i, h in enumerate(hashes)]
-    return index.commit(ns, node, epoch, entries, TTL)
+    return index.commit(ns, node, inc, entries, TTL)
+
+
+def register(index, node, address="127.0.0.1:1", replaces="", ttl=TTL):
+    """Register a fresh incarnation of ``node`` and return it."""
+    return index.register_node(node, address, 10, ttl, replaces=replaces)
+
+
+def pages_of(index, ns):
+    return {s.digest: s for s in index.stats().namespaces}[ns.digest_hex]
 
 
 def chain(ns, n):
@@ -28,47 +47,51 @@ def chain(ns, n):
 
 def test_lookup_returns_longest_committed_prefix_with_locations(index, namespace):
     index.ensure_namespace(namespace)
-    epoch = index.register_node("a", "127.0.0.1:1", 10, TTL)
+    inc = register(index, "a")
     hashes = chain(namespace, 6)
-    commit(index, namespace, "a", epoch, hashes[:2] + hashes[3:])  # hole at 2
+    commit(index, namespace, "a", inc, hashes[:2] + hashes[3:])  # hole at 2
     result = index.lookup(namespace, hashes)
     assert result.matched == 2
-    assert [[(l.node_id, l.slot, l.size, l.checksum) for l in locs] for locs in result.locations] == [
-        [("a", 0, 100, 1000)], [("a", 1, 101, 1001)]
+    assert [[(l.node_id, l.incarnation, l.slot, l.size, l.checksum) for l in locs] for locs in result.locations] == [
+        [("a", inc, 0, 100, 1000)], [("a", inc, 1, 101, 1001)]
     ]
-
-
-def test_reservations_are_invisible_and_expire(index, namespace, valkey):
-    index.ensure_namespace(namespace)
-    epoch = index.register_node("a", "127.0.0.1:1", 10, TTL)
-    hashes = chain(namespace, 3)
-    assert index.reserve(namespace, "a", epoch, hashes) == [ReserveStatus.RESERVED] * 3
-    assert index.reserve(namespace, "a", epoch, hashes[:1]) == [ReserveStatus.IN_FLIGHT]
-    assert index.lookup(namespace, hashes).matched == 0
-    time.sleep(0.5)  # reserve TTL is 200 ms in this fixture; keys of bare reservations expire at 2x
-    assert index.lookup(namespace, hashes).matched == 0
-    raw = redis.Redis.from_url(valkey.url)
-    assert not raw.keys(f"kvs:{{{namespace.digest_hex}}}:p:*")
-    assert index.reserve(namespace, "a", epoch, hashes[:1]) == [ReserveStatus.RESERVED]
 
 
 def test_commit_is_idempotent_and_counts_pages(index, namespace):
     index.ensure_namespace(namespace)
-    epoch = index.register_node("a", "127.0.0.1:1", 10, TTL)
+    inc = register(index, "a")
     hashes = chain(namespace, 4)
-    index.reserve(namespace, "a", epoch, hashes)
-    assert commit(index, namespace, "a", epoch, hashes) == [True] * 4
-    assert commit(index, namespace, "a", epoch, hashes) == [False] * 4
-    assert index.reserve(namespace, "a", epoch, hashes[:1]) == [ReserveStatus.PRESENT]
-    stats = {s.digest: s for s in index.stats().namespaces}
-    assert stats[namespace.digest_hex].pages == 4
-    assert stats[namespace.digest_hex].namespace == namespace
+    assert commit(index, namespace, "a", inc, hashes) == 4
+    assert commit(index, namespace, "a", inc, hashes) == 0
+    stats = pages_of(index, namespace)
+    assert stats.pages == 4 and stats.per_node == {"a": 4}
+    assert stats.namespace == namespace
+
+
+def test_counts_equal_pages_held_through_removes_restarts_and_deaths(index, namespace):
+    """Finding 4: counts only grew. They must equal what live incarnations hold."""
+    index.ensure_namespace(namespace)
+    inc = register(index, "a")
+    inc_b = register(index, "b", "127.0.0.1:2")
+    hashes = chain(namespace, 6)
+    commit(index, namespace, "a", inc, hashes)
+    commit(index, namespace, "b", inc_b, hashes[:2])
+    index.remove(namespace, "a", inc, hashes[:2], respect_lease=False)
+    assert pages_of(index, namespace).per_node == {"a": 4, "b": 2}
+    # a restarts: the new incarnation starts from zero and overwrites the old entries
+    inc2 = register(index, "a", replaces=inc)
+    assert pages_of(index, namespace).per_node == {"b": 2}
+    commit(index, namespace, "a", inc2, hashes[:3])
+    assert pages_of(index, namespace).per_node == {"a": 3, "b": 2}
+    # b goes away: its pages no longer count
+    index.deregister_node("b", inc_b)
+    assert pages_of(index, namespace).pages == 3
 
 
 def test_pages_of_dead_or_restarted_nodes_are_absent(index, namespace):
     index.ensure_namespace(namespace)
-    ea = index.register_node("a", "127.0.0.1:1", 10, TTL)
-    eb = index.register_node("b", "127.0.0.1:2", 10, TTL)
+    ea = register(index, "a")
+    eb = register(index, "b", "127.0.0.1:2")
     hashes = chain(namespace, 3)
     commit(index, namespace, "a", ea, hashes)
     commit(index, namespace, "b", eb, hashes[:1])
@@ -76,9 +99,9 @@ def test_pages_of_dead_or_restarted_nodes_are_absent(index, namespace):
     index.touch_namespaces([namespace], "b", eb, 0)
     result = index.lookup(namespace, hashes)
     assert result.matched == 3 and [l.node_id for l in result.locations[0]] == ["a"]
-    # a restarts: a new epoch makes all of its old pages absent
-    ea2 = index.register_node("a", "127.0.0.1:1", 10, TTL)
-    assert ea2 == ea + 1
+    # a restarts: a new incarnation makes all of its old pages absent
+    ea2 = register(index, "a", replaces=ea)
+    assert ea2 != ea
     index.touch_namespaces([namespace], "a", ea2, TTL)
     assert index.lookup(namespace, hashes).matched == 0
     # a heartbeat that lapses makes pages absent too
@@ -92,15 +115,55 @@ def test_pages_of_dead_or_restarted_nodes_are_absent(index, namespace):
 
 def test_remove_respects_read_leases(index, namespace):
     index.ensure_namespace(namespace)
-    epoch = index.register_node("a", "127.0.0.1:1", 10, TTL)
+    inc = register(index, "a")
     hashes = chain(namespace, 2)
-    commit(index, namespace, "a", epoch, hashes)
+    commit(index, namespace, "a", inc, hashes)
     index.lookup(namespace, hashes[:1], lease_ms=5_000)
-    assert index.remove(namespace, "a", epoch, hashes) == [False, True]
+    assert index.remove(namespace, "a", inc, hashes) == [False, True]
     assert index.lookup(namespace, hashes, lease_ms=0).matched == 1
-    assert index.remove(namespace, "a", epoch, hashes[:1], respect_lease=False) == [True]
+    assert index.remove(namespace, "a", inc, hashes[:1], respect_lease=False) == [True]
     assert index.lookup(namespace, hashes).matched == 0
 
+
+def test_a_live_node_id_cannot_be_registered_twice(index):
+    """Finding 7: a second process with the same node id is refused while the first lives."""
+    first = register(index, "dup", "127.0.0.1:7", ttl=300)
+    with pytest.raises(NodeIdInUseError, match="127.0.0.1:7"):
+        register(index, "dup", "127.0.0.1:8")
+    # the first keeps heartbeating; once it stops, its entry expires and the id is free
+    index.register_node("dup", "127.0.0.1:7", 10, 300, first)
+    time.sleep(0.35)
+    second = register(index, "dup", "127.0.0.1:8")
+    # the superseded incarnation is fenced: its heartbeat and its commits fail
+    with pytest.raises(FencedError):
+        index.register_node("dup", "127.0.0.1:7", 10, TTL, first)
+    assert {n.node_id: n.incarnation for n in index.live_nodes()}["dup"] == second
+
+
+def test_commit_of_a_superseded_incarnation_is_fenced(index, namespace):
+    index.ensure_namespace(namespace)
+    old = register(index, "f")
+    time.sleep(0.002)  # incarnations order by registration time in ms
+    new = register(index, "f", replaces=old)
+    index.touch_namespaces([namespace], "f", new, TTL)
+    with pytest.raises(FencedError, match=old):
+        commit(index, namespace, "f", old, chain(namespace, 1))
+    assert index.lookup(namespace, chain(namespace, 1)).matched == 0
+
+
+def test_an_index_that_lost_its_data_fences_every_heartbeat_and_never_repeats_an_incarnation(namespace):
+    """Finding 5: epochs from INCR repeated after a data loss and old entries came back."""
+    with EmbeddedValkey() as server:
+        idx = PageIndex(server.url)
+        idx.ensure_namespace(namespace)
+        inc = register(idx, "n")
+        commit(idx, namespace, "n", inc, chain(namespace, 2))
+        redis.Redis.from_url(server.url).flushall()
+        with pytest.raises(FencedError):
+            idx.register_node("n", "127.0.0.1:1", 10, TTL, inc)
+        again = register(idx, "n", replaces=inc)
+        assert again != inc
+        idx.close()
 
 class Model:
     """Pure-Python model of what lookups must see."""
@@ -126,7 +189,7 @@ def test_lookup_matches_model_under_random_interleavings(index, namespace, seed)
     index.ensure_namespace(namespace)
     universe = chain(namespace, 10)
     nodes = ["n0", "n1", "n2"]
-    epochs = {n: index.register_node(n, f"127.0.0.1:{i + 1}", 10, TTL) for i, n in enumerate(nodes)}
+    epochs = {n: register(index, n, f"127.0.0.1:{i + 1}") for i, n in enumerate(nodes)}
     model = Model()
     for n in nodes:
         model.committed[n] = set()
@@ -134,12 +197,10 @@ def test_lookup_matches_model_under_random_interleavings(index, namespace, seed)
     for _ in range(120):
         node = rng.choice(nodes)
         subset = rng.sample(universe, rng.randint(1, 5))
-        action = rng.choice(["reserve", "commit", "commit", "remove", "kill", "restart", "lookup", "lookup", "expire"])
-        if action in ("reserve", "commit") and not model.alive[node]:
+        action = rng.choice(["commit", "commit", "remove", "kill", "restart", "lookup", "lookup"])
+        if action == "commit" and not model.alive[node]:
             action = "restart"
-        if action == "reserve":
-            index.reserve(namespace, node, epochs[node], subset)
-        elif action == "commit":
+        if action == "commit":
             commit(index, namespace, node, epochs[node], subset)
             model.committed[node].update(subset)
         elif action == "remove":
@@ -149,12 +210,10 @@ def test_lookup_matches_model_under_random_interleavings(index, namespace, seed)
             index.touch_namespaces([namespace], node, epochs[node], 0)
             model.alive[node] = False
         elif action == "restart":
-            epochs[node] = index.register_node(node, "127.0.0.1:9", 10, TTL)
+            epochs[node] = register(index, node, "127.0.0.1:9", replaces=epochs[node])
             index.touch_namespaces([namespace], node, epochs[node], TTL)
             model.alive[node] = True
             model.committed[node] = set()
-        elif action == "expire":
-            time.sleep(0.21)  # every reservation made so far is now past its deadline
         else:
             query = universe[: rng.randint(1, 10)] if rng.random() < 0.7 else rng.sample(universe, 5)
             result = index.lookup(namespace, query, lease_ms=0)
@@ -163,14 +222,18 @@ def test_lookup_matches_model_under_random_interleavings(index, namespace, seed)
             assert [{l.node_id for l in locs} for locs in result.locations] == holders
     final = index.lookup(namespace, universe, lease_ms=0)
     assert final.matched == model.lookup(universe)[0]
+    # every node stays registered here ("kill" only drops its liveness mirror): counts
+    # must equal what each current incarnation committed and did not remove
+    counts = {n: c for n, c in pages_of(index, namespace).per_node.items() if c}
+    assert counts == {n: len(pages) for n, pages in model.committed.items() if pages}
 
 
 @pytest.mark.parametrize("count", [1, 16, 1024, 8192])
 def test_lookup_is_one_command_on_the_server(index, namespace, valkey, count):
     index.ensure_namespace(namespace)
-    epoch = index.register_node("a", "127.0.0.1:1", 10, TTL)
+    inc = register(index, "a")
     hashes = block_hashes(namespace, list(range(count * namespace.block_size)))
-    commit(index, namespace, "a", epoch, hashes)
+    commit(index, namespace, "a", inc, hashes)
     index.lookup(namespace, hashes[:1])  # loads the script (EVALSHA miss, SCRIPT LOAD)
     admin = redis.Redis.from_url(valkey.url)
     seen: list[dict] = []
@@ -237,8 +300,8 @@ def test_url_forms_password_acl_user_and_db(valkey, namespace):
 
 def test_every_namespace_key_shares_one_hash_tag(index, namespace, valkey):
     index.ensure_namespace(namespace)
-    epoch = index.register_node("a", "127.0.0.1:1", 10, TTL)
-    commit(index, namespace, "a", epoch, chain(namespace, 3))
+    inc = register(index, "a")
+    commit(index, namespace, "a", inc, chain(namespace, 3))
     raw = redis.Redis.from_url(valkey.url)
     keys = [k.decode() for k in raw.keys(f"*{namespace.digest_hex}*")]
     assert len(keys) >= 5
@@ -250,13 +313,12 @@ def test_async_index_has_the_same_semantics(valkey, namespace):
     async def scenario():
         idx = AsyncPageIndex(valkey.url)
         await idx.ensure_namespace(namespace)
-        epoch = await idx.register_node("async-node", "127.0.0.1:5", 10, TTL)
+        inc = await idx.register_node("async-node", "127.0.0.1:5", 10, TTL)
         hashes = chain(namespace, 3)
-        assert await idx.reserve(namespace, "async-node", epoch, hashes) == [ReserveStatus.RESERVED] * 3
-        await idx.commit(namespace, "async-node", epoch, [CommitEntry(h, 0, 1, 2) for h in hashes[:2]], TTL)
+        assert await idx.commit(namespace, "async-node", inc, [CommitEntry(h, 0, 1, 2) for h in hashes[:2]], TTL) == 2
         result = await idx.lookup(namespace, hashes)
         nodes = [n.node_id for n in await idx.live_nodes()]
-        assert await idx.deregister_node("async-node", epoch)
+        assert await idx.deregister_node("async-node", inc)
         after = [n.node_id for n in await idx.live_nodes()]
         await idx.close()
         return result.matched, nodes, after

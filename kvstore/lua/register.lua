@@ -1,12 +1,33 @@
--- Register or heartbeat a storage node. ARGV[2] = 0 asks for a new incarnation (epoch).
--- KEYS: nodes zset, node hash, epoch counter.  ARGV: node id, epoch, ttl_ms, field, value, ...
-local epoch = tonumber(ARGV[2])
-if epoch == 0 then epoch = redis.call('INCR', KEYS[3]) end
-local ttl = tonumber(ARGV[3])
-local fields = {'epoch', epoch}
-for i = 4, #ARGV, 2 do fields[#fields + 1] = ARGV[i]; fields[#fields + 1] = ARGV[i + 1] end
+-- Register a new incarnation of a storage node (ARGV[2] = '') or heartbeat one (its id).
+-- KEYS: nodes zset, node hash, incarnation record.  ARGV: node id, incarnation or '',
+-- ttl_ms, random hex suffix, replaces (the caller's own previous incarnation, or ''),
+-- "address", address, field, value, ...
+-- A new incarnation is "<Redis time in ms, 12 hex digits><random suffix>": fixed width,
+-- so comparing two as strings orders them by registration time, and it never repeats,
+-- not even after the index lost its data. The record (no TTL) names the node id's
+-- current incarnation, so a stale one is told apart even after its registry entry
+-- expired. A new incarnation at the holder's own address takes over at once: the caller
+-- bound that address, so the holder is gone (a pod restarted on its port). Returns
+-- {1, incarnation}, or {0, reason, holder address} when refused: 'in_use' (another
+-- incarnation of this node id is alive) or 'fenced' (this incarnation was superseded or
+-- the index lost it).
+local inc, ttl, replaces = ARGV[2], tonumber(ARGV[3]), ARGV[5]
+local record = redis.call('GET', KEYS[3])
+local now = now_ms()
+if inc == '' then
+  local holder = redis.call('HGET', KEYS[2], 'address')
+  if record and record ~= replaces and holder and holder ~= ARGV[7] then
+    return {0, 'in_use', holder}
+  end
+  inc = string.format('%012x', now) .. ARGV[4]
+  redis.call('SET', KEYS[3], inc)
+elseif record ~= inc then
+  return {0, 'fenced', ''}
+end
+local fields = {'inc', inc}
+for i = 6, #ARGV, 2 do fields[#fields + 1] = ARGV[i]; fields[#fields + 1] = ARGV[i + 1] end
 redis.call('DEL', KEYS[2])
 redis.call('HSET', KEYS[2], unpack(fields))
 redis.call('PEXPIRE', KEYS[2], ttl)
-redis.call('ZADD', KEYS[1], now_ms() + ttl, ARGV[1])
-return epoch
+redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
+return {1, inc}
