@@ -24,7 +24,7 @@ import torch
 
 from kvstore import codec
 from kvstore.checksum import page_checksum
-from kvstore.config import ClientOptions, ClientSettings, client_options
+from kvstore.config import ClientOptions, client_options, client_options_from_env
 from kvstore.errors import IndexScriptError, InvalidInputError, RemoteFault, UnknownNamespaceError
 from kvstore.hashing import block_hashes, part_hashes, sequence_hash, token_array
 from kvstore.index import AsyncPageIndex, LookupResult, NodeInfo, PageLocation
@@ -37,7 +37,11 @@ from client.stats import ClientStats
 
 log = logging.getLogger(__name__)
 TransferMode = Literal["auto", "direct", "staged"]
-SUSPECT_SECONDS = 5.0
+# A node that failed is skipped for SUSPECT_FIRST seconds, doubling with every further
+# failure up to SUSPECT_MAX, and forgiven on its first success: a node back from a
+# stall serves again within about a second, one that stays dead is not hammered.
+SUSPECT_FIRST = 0.5
+SUSPECT_MAX = 8.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,12 +91,13 @@ class AsyncKVCacheClient:
         self._nodes: list[NodeInfo] = []
         self._nodes_at = 0.0
         self._conns: dict[str, NodeConnection] = {}
-        self._suspect: dict[str, float] = {}
+        self._suspect: dict[str, float] = {}  # node id -> skipped until (monotonic)
+        self._strikes: dict[str, int] = {}  # node id -> failures since its last success
 
     @classmethod
     def from_env(cls, namespace: Namespace | None = None, **overrides: Any) -> AsyncKVCacheClient:
         """Build from KVSTORE_* variables (see ``ClientSettings``); keyword overrides win."""
-        return cls(None, namespace, options=ClientSettings(), **overrides)
+        return cls(None, namespace, options=client_options_from_env(), **overrides)
 
     async def start(self) -> AsyncKVCacheClient:
         """Initialise UCX and register the namespace; raises ``IndexUnavailableError`` if
@@ -296,9 +301,14 @@ class AsyncKVCacheClient:
 
     def _node_failed(self, node_id: str, exc: Exception) -> None:
         self.stats.node_errors += 1
-        self._suspect[node_id] = time.monotonic() + SUSPECT_SECONDS
+        strikes = self._strikes.get(node_id, 0) + 1
+        self._strikes[node_id] = strikes
+        self._suspect[node_id] = time.monotonic() + min(SUSPECT_FIRST * 2 ** (strikes - 1), SUSPECT_MAX)
         self._nodes_at = 0.0  # re-read the registry on the next call
         log.warning("node %s failed, its pages count as missing: %s", node_id, exc)
+
+    def _node_ok(self, node_id: str) -> None:
+        self._strikes.pop(node_id, None)
 
     async def _publish(self, hashes: list[bytes], spans: list[Span]) -> PublishReport:
         """Store each page on its ``replicas`` rendezvous nodes; a page counts as stored
@@ -316,7 +326,9 @@ class AsyncKVCacheClient:
         async def one(node_id: str, idx: list[int]) -> tuple[list[int], Any]:
             pages = [OutgoingPage(hashes[i], checksums[i], spans[i]) for i in idx]
             try:
-                return idx, await self._conn(nodes[node_id]).put(self.namespace.digest_hex, pages, self.timeout)
+                outcome = await self._conn(nodes[node_id]).put(self.namespace.digest_hex, pages, self.timeout)
+                self._node_ok(node_id)
+                return idx, outcome
             except NodeRefusedError as exc:
                 if exc.code != "unknown_namespace":
                     self._node_failed(node_id, exc)
@@ -372,6 +384,7 @@ class AsyncKVCacheClient:
                 except RemoteFault as exc:
                     self._node_failed(node_id, exc)
                     return
+                self._node_ok(node_id)
                 for k, i in enumerate(idx):
                     expected = next(l.checksum for l in locations[i] if l.node_id == node_id)
                     if k in got and got[k] == expected and verify(sinks[i], expected):

@@ -89,6 +89,7 @@ class NodeConnection:
             except NodeRefusedError:
                 raise
             except BaseException as exc:
+                work.close()  # not started when the connect failed; a no-op otherwise
                 self.close()
                 if isinstance(exc, (TransportError, asyncio.CancelledError)):
                     raise

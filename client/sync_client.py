@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kvstore.config import ClientSettings
+from kvstore.config import client_options_from_env
 from kvstore.errors import TransportError
 from kvstore.namespace import Namespace
 from client.async_client import AsyncKVCacheClient, PublishReport
@@ -56,7 +56,7 @@ class KVCacheClient:
     @classmethod
     def from_env(cls, namespace: Namespace | None = None, **overrides: Any) -> KVCacheClient:
         """Build from KVSTORE_* variables (see ``ClientSettings``); keyword overrides win."""
-        return cls(None, namespace, options=ClientSettings(), **overrides)
+        return cls(None, namespace, options=client_options_from_env(), **overrides)
 
     def _run(self, coro: Any, timeout: float | None = None) -> Any:
         task: list[asyncio.Task] = []

@@ -98,3 +98,14 @@ class ClientSettings(ClientOptions, BaseSettings):
     """Client options from KVSTORE_* environment variables (``KVCacheClient.from_env``)."""
 
     model_config = SettingsConfigDict(env_prefix="KVSTORE_", extra="ignore", frozen=True)
+
+
+def client_options_from_env() -> ClientOptions:
+    """``ClientSettings`` read from the environment; a bad value raises
+    ``InvalidInputError`` naming the variable."""
+    try:
+        return ClientSettings()
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        name = "KVSTORE_" + ".".join(map(str, err["loc"])).upper()
+        raise InvalidInputError(f"invalid {name}={err.get('input')!r}: {err['msg']}") from None

@@ -57,7 +57,8 @@ class LocalCluster:
             self.redis_url = self.valkey.url
         for i in range(self.num_servers):
             self.add_node(f"node-{i}")
-        self.wait_registered(timeout)
+        if self.num_servers:
+            self.wait_registered(timeout)
         return self
 
     def add_node(self, node_id: str, extra_args: list[str] | None = None) -> NodeProcess:

@@ -38,7 +38,7 @@ class NodeMetrics:
         # Export every labelled series from the start so dashboards see zeros, not gaps.
         for op in ("put", "get"):
             self.latency.labels(op)
-        for kind in ("protocol", "transfer", "auth"):
+        for kind in ("protocol", "transfer", "auth", "index_script"):
             self.errors.labels(kind)
         for direction in ("in", "out"):
             self.messages.labels(direction)

@@ -14,6 +14,7 @@ page it holds."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import signal
@@ -31,6 +32,18 @@ from server.pool import MemoryPool
 from server.store import PageState, PageStore
 
 log = logging.getLogger(__name__)
+# Every client connection leaves freed but unreturned heap behind in UCX and ucxx
+# (measured: node RSS +370 B per connect/disconnect, of which malloc_trim gives back
+# about 85 %), so the node hands free heap back to the kernel now and then.
+TRIM_INTERVAL = 30.0
+_LIBC = ctypes.CDLL(None)
+
+
+def release_free_heap() -> None:
+    """glibc's malloc_trim: return free heap pages to the kernel (no-op elsewhere)."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 class StorageNode:
@@ -55,6 +68,7 @@ class StorageNode:
         self.metrics_port: int | None = None
         self._extra: dict[str, str] = {"pid": str(os.getpid())}  # published in the registry
         self.fatal: Exception | None = None  # why the node stopped by itself
+        self._trimmed = 0.0
 
     def ready(self) -> bool:
         """Registered, and the last heartbeat reached the index within the node TTL."""
@@ -116,6 +130,9 @@ class StorageNode:
                 if namespaces := self.store.namespaces():
                     await self.index.touch_namespaces(namespaces, self.identity.node_id, self.identity.incarnation, self.node_ttl_ms)
                 self._last_heartbeat = time.monotonic()
+                if self._last_heartbeat - self._trimmed > TRIM_INTERVAL and not self.dataplane.active:
+                    self._trimmed = self._last_heartbeat
+                    release_free_heap()
             except NodeIdInUseError as exc:
                 # A pod restarted under the same name waits for its predecessor's entry
                 # to expire; a second live process with this id is refused for good.

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from kvstore.index import PageIndex
+from kvstore.launcher import LocalCluster
 from kvstore.namespace import Namespace
 from kvstore.valkey import EmbeddedValkey
 
@@ -32,3 +33,18 @@ def index(valkey):
     idx = PageIndex(valkey.url, dead_grace_ms=0)
     yield idx
     idx.close()
+
+
+@pytest.fixture()
+def clusters():
+    """Factory of local stores (embedded Valkey + node processes), stopped after the test."""
+    made: list[LocalCluster] = []
+
+    def make(servers: int = 1, capacity: str = "256MiB", slab: str = "16MiB", extra: list[str] | None = None) -> LocalCluster:
+        cluster = LocalCluster(servers, capacity, slab_size=slab, extra_args=extra)
+        made.append(cluster)
+        return cluster.start()
+
+    yield make
+    for cluster in made:
+        cluster.stop()

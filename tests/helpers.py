@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +20,7 @@ import torch
 
 from kvstore import Namespace, block_hashes
 from kvstore.codec import pages_to_kv
+from kvstore.index import PageIndex
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,7 +73,10 @@ def run_worker(spec: dict, timeout: float = 120, background: bool = False):
     """Run tests/worker.py with ``spec`` in a fresh process; returns its JSON result
     (or the Popen when ``background``)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo"}
-    args = [sys.executable, str(ROOT / "tests" / "worker.py"), json.dumps(spec)]
+    # the spec goes through a file: token lists can pass the kernel's argument limit
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="kvstore-worker-", delete=False) as f:
+        json.dump(spec, f)
+    args = [sys.executable, str(ROOT / "tests" / "worker.py"), "@" + f.name]
     if background:
         return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
@@ -82,3 +90,33 @@ def worker_result(proc: subprocess.Popen, timeout: float = 120) -> dict:
     if proc.returncode != 0:
         raise AssertionError(f"worker failed ({proc.returncode}): {err[-3000:]}")
     return json.loads(out.strip().splitlines()[-1])
+
+
+def metrics(cluster, node_id: str) -> dict[str, float]:
+    """A node's Prometheus metrics, found through its registry entry."""
+    index = PageIndex(cluster.redis_url)
+    try:
+        node = next(n for n in index.live_nodes() if n.node_id == node_id)
+    finally:
+        index.close()
+    text = urllib.request.urlopen(f"http://{node.extra['metrics']}/metrics", timeout=5).read().decode()
+    values = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
+        if m:
+            values[m.group(1)] = float(m.group(2))
+    return values
+
+
+def spec(cluster, ns, op, **kw):
+    """A tests/worker.py spec against ``cluster``."""
+    return {"op": op, "redis_url": cluster.redis_url, "namespace": ns.model_dump(), **kw}
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -17,46 +16,7 @@ import pytest
 
 from kvstore import block_hashes
 from kvstore.index import PageIndex
-from kvstore.launcher import LocalCluster
-from tests.helpers import ROOT, namespace_for_page_size, run_worker, worker_result
-
-
-@pytest.fixture()
-def clusters():
-    made: list[LocalCluster] = []
-
-    def make(servers: int = 1, capacity: str = "256MiB", slab: str = "16MiB", extra: list[str] | None = None) -> LocalCluster:
-        cluster = LocalCluster(servers, capacity, slab_size=slab, extra_args=extra)
-        made.append(cluster)
-        return cluster.start()
-
-    yield make
-    for cluster in made:
-        cluster.stop()
-
-
-def metrics(cluster: LocalCluster, node_id: str) -> dict[str, float]:
-    node = next(n for n in PageIndex(cluster.redis_url).live_nodes() if n.node_id == node_id)
-    text = urllib.request.urlopen(f"http://{node.extra['metrics']}/metrics", timeout=5).read().decode()
-    values = {}
-    for line in text.splitlines():
-        m = re.match(r"^([a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
-        if m:
-            values[m.group(1)] = float(m.group(2))
-    return values
-
-
-def spec(cluster, ns, op, **kw):
-    return {"op": op, "redis_url": cluster.redis_url, "namespace": ns.model_dump(), **kw}
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
+from tests.helpers import ROOT, metrics, namespace_for_page_size, run_worker, spec, wait_for, worker_result
 
 
 @pytest.mark.parametrize("page_size", [4 << 10, 64 << 10, 2 << 20, 8 << 20])

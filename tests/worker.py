@@ -1,4 +1,4 @@
-"""A separate client process for tests: ``python tests/worker.py '<json spec>'``.
+"""A separate client process for tests: ``python tests/worker.py '<json spec>'|@spec.json``.
 
 Prints one JSON line with what it did and whether every byte it read was right."""
 
@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from dataclasses import asdict
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from client import KVCacheClient
@@ -25,8 +28,27 @@ def tokens_of(spec: dict) -> list[int]:
     return spec["tokens"] if "tokens" in spec else list(range(spec.get("start", 0), spec.get("start", 0) + spec["count"]))
 
 
+async def reconnect_cycles(client: KVCacheClient, ns: Namespace, cycles: int) -> int:
+    from client.buffers import Span
+    from client.connection import NodeConnection
+
+    inner = client._async
+    node = (await inner.index.live_nodes())[0]
+    sink = [Span(np.zeros(ns.page_nbytes, dtype=np.uint8), 0, ns.page_nbytes)]
+    for _ in range(cycles):
+        conn = NodeConnection(node, "", inner._ucxx)
+        await conn.get(ns.digest_hex, [bytes(16)], sink, 10.0)
+        conn.close()
+    return cycles
+
+
 def main() -> int:
-    spec = json.loads(sys.argv[1])
+    arg = sys.argv[1]
+    if arg.startswith("@"):  # a spec file (tests/helpers.py run_worker), removed once read
+        path = Path(arg[1:])
+        arg = path.read_text()
+        path.unlink()
+    spec = json.loads(arg)
     ns = Namespace(**spec["namespace"])
     options = spec.get("options", {})
     client = KVCacheClient(spec["redis_url"], ns, **options)
@@ -43,11 +65,35 @@ def main() -> int:
             for tokens in (spec["token_lists"] if "token_lists" in spec else [tokens_of(spec)]):
                 expected = pages_for(ns, tokens)
                 buf = torch.empty_like(expected)
+                t = time.time()
                 n = client.get_pages(tokens, buf) // ns.block_size
-                results.append({"blocks": len(expected), "matched": n, "exact": same_bytes(buf[:n], expected[:n])})
+                results.append({"blocks": len(expected), "matched": n, "exact": same_bytes(buf[:n], expected[:n]), "t": t, "took": time.time() - t})
             if time.monotonic() >= deadline:
                 break
         out["results"] = results
+    elif spec["op"] == "concurrent_puts":
+        # rounds of N clients putting the same pages at the same instant
+        clients = [KVCacheClient(spec["redis_url"], ns, **options) for _ in range(spec["clients"])]
+        for tokens in spec["token_lists"]:
+            pages = pages_for(ns, tokens)
+            barrier = threading.Barrier(len(clients))
+            reports: list = [None] * len(clients)
+
+            def put(k: int) -> None:
+                barrier.wait()
+                reports[k] = asdict(clients[k].put_pages(tokens, pages))
+
+            threads = [threading.Thread(target=put, args=(k,)) for k in range(len(clients))]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            out.setdefault("rounds", []).append(reports)
+        for c in clients:
+            c.close()
+    elif spec["op"] == "reconnects":
+        # connect, ask for one page, disconnect: over and over (per-connection leaks)
+        out["cycles"] = client._run(reconnect_cycles(client, ns, spec["cycles"]))
     elif spec["op"] == "insert":
         tokens = tokens_of(spec)
         key, value, hidden = kv_for(ns, tokens)
