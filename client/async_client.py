@@ -93,6 +93,7 @@ class AsyncKVCacheClient:
         self._conns: dict[str, NodeConnection] = {}
         self._suspect: dict[str, float] = {}  # node id -> skipped until (monotonic)
         self._strikes: dict[str, int] = {}  # node id -> failures since its last success
+        self._namespace_registered = False
 
     @classmethod
     def from_env(cls, namespace: Namespace | None = None, **overrides: Any) -> AsyncKVCacheClient:
@@ -100,10 +101,12 @@ class AsyncKVCacheClient:
         return cls(None, namespace, options=client_options_from_env(), **overrides)
 
     async def start(self) -> AsyncKVCacheClient:
-        """Initialise UCX and register the namespace; raises ``IndexUnavailableError`` if
-        Redis cannot be reached."""
+        """Initialise UCX and register the namespace. An unreachable index is not an
+        error here: the client starts, reads miss, and the namespace is registered on
+        the first call that reaches the index (an engine must not fail to boot because
+        its cache is down)."""
         self._ucxx = ensure_ucx(self._progress_mode)
-        await self.index.ensure_namespace(self.namespace)
+        await self._ensure_namespace()
         return self
 
     async def __aenter__(self) -> AsyncKVCacheClient:
@@ -245,6 +248,8 @@ class AsyncKVCacheClient:
         counts only while the registry names the same incarnation of its node);
         None on an index fault."""
         self.stats.lookups += 1
+        if not self._namespace_registered:
+            await self._ensure_namespace()
         try:
             result = await self.index.lookup(self.namespace, hashes)
         except UnknownNamespaceError as exc:
@@ -274,8 +279,10 @@ class AsyncKVCacheClient:
     async def _ensure_namespace(self) -> None:
         try:
             await self.index.ensure_namespace(self.namespace)
+            self._namespace_registered = True
         except (RemoteFault, IndexScriptError) as exc:
-            log.warning("cannot register the namespace: %s", exc)
+            self._namespace_registered = False
+            log.warning("cannot register the namespace (retried on the next call): %s", exc)
 
     async def _live_nodes(self, include_suspect: bool = False) -> list[NodeInfo]:
         """Registered nodes from a cache refreshed every ``node_refresh`` seconds; nodes
@@ -313,6 +320,8 @@ class AsyncKVCacheClient:
     async def _publish(self, hashes: list[bytes], spans: list[Span]) -> PublishReport:
         """Store each page on its ``replicas`` rendezvous nodes; a page counts as stored
         when at least one replica holds it."""
+        if not self._namespace_registered:
+            await self._ensure_namespace()
         nodes = {n.node_id: n for n in await self._live_nodes()}
         if not nodes or not hashes:
             self.stats.pages_refused += len(hashes)

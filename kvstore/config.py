@@ -107,5 +107,5 @@ def client_options_from_env() -> ClientOptions:
         return ClientSettings()
     except ValidationError as exc:
         err = exc.errors()[0]
-        name = "KVSTORE_" + ".".join(map(str, err["loc"])).upper()
-        raise InvalidInputError(f"invalid {name}={err.get('input')!r}: {err['msg']}") from None
+        name = ".".join(map(str, err["loc"]))
+        raise InvalidInputError(f"invalid KVSTORE_{name.upper()}={err.get('input')!r} (client option {name}): {err['msg']}") from None

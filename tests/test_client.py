@@ -248,6 +248,13 @@ def test_redis_gone_turns_into_a_miss_not_an_exception():
             assert cl.lookup(tokens) == 0
             assert time.monotonic() - start < 15
             assert cl.stats.index_errors >= 2
+        # a client may even start while the index is down: it misses until it is back
+        with KVCacheClient(c.redis_url, ns, timeout=2) as cl:
+            assert cl.lookup(tokens) == 0
+            c.valkey.start()
+            c.wait_registered()
+            insert(cl, tokens)
+            assert cl.lookup(tokens) == 3 * BLOCK
 
 
 def test_client_from_environment(cluster, ns, monkeypatch):
