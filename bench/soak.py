@@ -36,6 +36,7 @@ from kvstore import Namespace, block_hashes  # noqa: E402
 from kvstore.procutil import die_with_parent, free_port  # noqa: E402
 
 PROBE_SEED = 0  # the prompt every reader reads and every writer keeps stored
+FAULTS = ("kill", "stop", "index-empty", "index-snapshot")
 
 
 def namespace(page_kib: int) -> Namespace:
@@ -136,6 +137,7 @@ def main() -> int:
     parser.add_argument("--prefixes", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=2.0, help="client timeout (s)")
     parser.add_argument("--fault-every", type=float, default=30.0, help="seconds between faults")
+    parser.add_argument("--faults", default=",".join(FAULTS), help="comma-separated kinds, in turn: " + ", ".join(FAULTS))
     parser.add_argument("--role", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -164,8 +166,8 @@ def main() -> int:
         cfg_path.write_text(json.dumps(cfg))
         env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo"}
         for role in ["writer"] * args.writers + ["reader"] * args.readers:
-            procs.append(subprocess.Popen([sys.executable, __file__, "--role", role, "--config", str(cfg_path)], env=env, preexec_fn=die_with_parent))
-        kinds = ["kill -9 node", "stop node", "index restart, empty", "index restart, from snapshot"]
+            procs.append(subprocess.Popen([sys.executable, "-X", "faulthandler", __file__, "--role", role, "--config", str(cfg_path)], env=env, preexec_fn=die_with_parent))
+        kinds = args.faults.split(",")
         rng = random.Random(7)
         next_fault = time.time() + args.fault_every / 2
         k = 0
@@ -178,26 +180,25 @@ def main() -> int:
             began = time.time()
             live = [n for n in cluster.nodes if n.process.poll() is None]
             victim = rng.choice(live)
-            if kind == "kill -9 node":
+            if kind == "kill":
                 victim.kill()
                 victim.process.wait()
                 time.sleep(1.0)
                 cluster.add_node(victim.node_id, ["--port", str(ports[victim.node_id])])
-            elif kind == "stop node":
+            elif kind == "stop":
                 victim.kill(signal.SIGSTOP)
                 time.sleep(2.5 * args.timeout)
                 victim.kill(signal.SIGCONT)
-            elif kind == "index restart, empty":
+            elif kind == "index-empty":
                 cluster.valkey.restart(keep_data=False)
             else:
                 cluster.valkey.save()
                 time.sleep(2.0)
                 cluster.valkey.restart(keep_data=True)
-            faults.append({"kind": kind, "node": victim.node_id if "node" in kind else "", "began": began, "ended": time.time()})
+            faults.append({"kind": kind, "node": victim.node_id if kind in ("kill", "stop") else "", "began": began, "ended": time.time()})
             print(f"[{time.time() - start:6.1f}s] {kind} {faults[-1]['node']}", flush=True)
             next_fault = time.time() + args.fault_every
-        for p in procs:
-            p.wait(timeout=max(60, deadline - time.time() + 120))
+        exit_codes = [p.wait(timeout=max(60, deadline - time.time() + 120)) for p in procs]
         checks = settle_and_check(cluster, ns)
         logs = "".join(n.log() for n in cluster.nodes)
     finally:
@@ -223,6 +224,7 @@ def main() -> int:
         "longest_read_s": max((e["took"] for e in reads), default=0.0),
         # frames of this project's code in node tracebacks (ucxx logs its own handshake
         # failures when a client gives up on a stalled node; those are not counted)
+        "client_crashes": sum(code != 0 for code in exit_codes),
         "node_code_tracebacks": len(re.findall(r'File "[^"]*/(?:server|kvstore|client)/', logs)),
         **checks,
     }
@@ -241,7 +243,7 @@ def main() -> int:
         print("  exception:", e["exception"])
     (workdir / "summary.json").write_text(json.dumps({"summary": summary, "faults": faults}, indent=1))
     print(f"  details: {workdir}/summary.json")
-    bad = any(summary[k] for k in ("wrong_bytes", "exceptions", "leaked_slots", "pins", "drift", "node_code_tracebacks"))
+    bad = any(summary[k] for k in ("wrong_bytes", "exceptions", "client_crashes", "leaked_slots", "pins", "drift", "node_code_tracebacks"))
     return 1 if bad else 0
 
 

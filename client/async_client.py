@@ -117,7 +117,7 @@ class AsyncKVCacheClient:
 
     async def close(self) -> None:
         for conn in self._conns.values():
-            conn.close()
+            await conn.close()
         self._conns.clear()
         await self.index.close()
 

@@ -18,7 +18,7 @@ from kvstore import protocol as P
 from kvstore.checksum import page_checksum
 from kvstore.errors import ProtocolError, TransportError
 from kvstore.index import NodeInfo
-from kvstore.transport import recv_frame, send_frame, with_timeout
+from kvstore.transport import Channel, connect, with_timeout
 from client.buffers import Span, adjacent, join_flags, joined
 
 
@@ -50,19 +50,17 @@ class NodeConnection:
         self.node = node
         self.token = token
         self._ucxx = ucxx
-        self._ep: Any = None
+        self._ep: Channel | None = None
         self._lock = asyncio.Lock()
         self.broken = False
 
-    async def _endpoint(self, timeout: float) -> Any:
+    async def _endpoint(self, timeout: float) -> Channel:
         if self._ep is None:
-            self._ep = await with_timeout(
-                self._ucxx.create_endpoint(self.node.host, self.node.port), timeout, f"connect to {self.node.node_id}"
-            )
+            self._ep = await connect(self._ucxx, self.node.host, self.node.port, timeout, f"connect to {self.node.node_id}")
         return self._ep
 
     async def _recv_frame(self, expected: type) -> Any:
-        frame = P.decode(await recv_frame(self._ep))
+        frame = P.decode(await self._ep.recv_frame())
         if isinstance(frame, P.ErrorFrame):
             raise NodeRefusedError(self.node.node_id, frame.code, frame.message)
         if not isinstance(frame, expected):
@@ -90,7 +88,7 @@ class NodeConnection:
                 raise
             except BaseException as exc:
                 work.close()  # not started when the connect failed; a no-op otherwise
-                self.close()
+                await self.close()  # every request of the call has finished: nothing lands later
                 if isinstance(exc, (TransportError, asyncio.CancelledError)):
                     raise
                 raise TransportError(f"{what} on {self.node.node_id} failed: {exc!r}") from exc
@@ -102,14 +100,14 @@ class NodeConnection:
             pages=[P.PutPage(hash=p.hash.hex(), size=p.span.nbytes, checksum=p.checksum, join=j)
                    for p, j in zip(pages, join_flags([p.span for p in pages]))],
         )
-        await send_frame(ep, req)
+        await ep.send_frame(req)
         plan: P.PutPlan = await self._recv_frame(P.PutPlan)
         if sum(plan.runs) != len(plan.wanted) or any(not 0 <= i < len(pages) for i in plan.wanted):
             raise ProtocolError(f"node {self.node.node_id} sent an inconsistent put plan")
         pos, sent = 0, 0
         for run in plan.runs:
             buf = joined([pages[i].span for i in plan.wanted[pos : pos + run]])
-            await ep.send(buf, tag=P.DATA_TAG)
+            await ep.send(buf, P.DATA_TAG)
             sent += buf.nbytes
             pos += run
         result: P.PutResult = await self._recv_frame(P.PutResult)
@@ -119,7 +117,7 @@ class NodeConnection:
         ep = self._ep
         pages = [P.GetPage(hash=h.hex(), join=j) for h, j in zip(hashes, join_flags(sinks))]
         req = P.GetRequest(namespace=namespace, token=self.token, pages=pages)
-        await send_frame(ep, req)
+        await ep.send_frame(req)
         plan: P.GetPlan = await self._recv_frame(P.GetPlan)
         if sum(plan.runs) != len(plan.present) or len(plan.sizes) != len(plan.present):
             raise ProtocolError(f"node {self.node.node_id} sent an inconsistent get plan")
@@ -131,10 +129,10 @@ class NodeConnection:
             spans = [sinks[i] for i in idx]
             fits = all(s.nbytes == size for s, size in zip(spans, sizes))
             if fits and adjacent(spans):
-                await ep.recv(joined(spans), tag=P.DATA_TAG)
+                await ep.recv(joined(spans), P.DATA_TAG)
             else:
                 scratch = np.empty(sum(sizes), dtype=np.uint8)
-                await ep.recv(scratch, tag=P.DATA_TAG)
+                await ep.recv(scratch, P.DATA_TAG)
                 if not fits:  # a page of the wrong size can never be the page we asked for
                     pos += run
                     continue
@@ -147,14 +145,12 @@ class NodeConnection:
             pos += run
         return received
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        """Abort the endpoint and wait until none of its requests can still touch memory."""
         self.broken = True
-        if self._ep is not None:
-            try:
-                self._ep.abort()
-            except Exception:  # noqa: BLE001 - already closed
-                pass
-            self._ep = None
+        ep, self._ep = self._ep, None
+        if ep is not None:
+            await ep.close()
 
 
 def verify(span: Span, expected: int) -> bool:

@@ -65,24 +65,104 @@ async def with_timeout(awaitable: Any, seconds: float, what: str) -> Any:
         raise TransportError(f"{what} timed out after {seconds:.1f} s") from None
 
 
-async def send_frame(ep: Any, frame: Any) -> None:
-    """Send one control frame as tagged messages (see ``kvstore.protocol``)."""
-    for message in P.wire_messages(frame):
-        await ep.send(np.frombuffer(message, dtype=np.uint8), tag=P.CONTROL_TAG)
+class Channel:
+    """One UCX endpoint whose requests are never cancelled from asyncio.
+
+    Cancelling the asyncio side of a pending ucxx request (a timeout) leaves UCX
+    holding the buffer and the request: when the endpoint is closed later, UCX
+    completes that request into memory Python may already have freed, and clients
+    crashed in ``worker.progress()`` (bench/soak.py, nodes stopped past the client
+    timeout). So every send and receive runs as its own task behind
+    ``asyncio.shield``: a timeout or cancellation only stops the caller's wait, and
+    ``close`` aborts the endpoint, which makes UCX cancel every pending request
+    (measured: within a millisecond), then waits until each one has finished. After
+    ``close`` returns nothing can land in any buffer the channel was given.
+
+    Node and client both use it; ``send_frame``/``recv_frame`` carry control frames
+    (see ``kvstore.protocol``), ``send``/``recv`` payloads."""
+
+    CLOSE_WAIT = 5.0  # seconds close waits for cancelled requests (they finish at once)
+
+    def __init__(self, ep: Any) -> None:
+        self.ep = ep
+        self._inflight: set[asyncio.Future] = set()
+
+    @property
+    def closed(self) -> bool:
+        return self.ep is None or self.ep.closed
+
+    async def _request(self, op: Any) -> Any:
+        task = asyncio.ensure_future(op)
+        self._inflight.add(task)
+        task.add_done_callback(self._finished)
+        return await asyncio.shield(task)
+
+    def _finished(self, task: asyncio.Future) -> None:
+        self._inflight.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a request nobody waits for any more may fail quietly
+
+    async def send(self, buffer: Any, tag: int) -> None:
+        await self._request(self.ep.send(buffer, tag=tag))
+
+    async def recv(self, buffer: Any, tag: int) -> None:
+        await self._request(self.ep.recv(buffer, tag=tag))
+
+    async def send_frame(self, frame: Any) -> None:
+        """Send one control frame as tagged messages (see ``kvstore.protocol``)."""
+        for message in P.wire_messages(frame):
+            await self.send(np.frombuffer(message, dtype=np.uint8), P.CONTROL_TAG)
+
+    async def recv_frame(self, max_body: int = P.MAX_BODY_BYTES) -> bytes:
+        """Receive one control frame's bytes (preamble and body, for ``P.decode``).
+
+        The announced body length is checked against ``max_body`` before anything is
+        allocated for it; a bad preamble raises ``ProtocolError`` and leaves the stream
+        out of step, so callers close the channel."""
+        first = np.zeros(P.FIRST_MESSAGE_BYTES, dtype=np.uint8)
+        await self.recv(first, P.CONTROL_TAG)
+        total = P.PREAMBLE.size + P.announced_length(first.data, max_body)
+        if total <= P.FIRST_MESSAGE_BYTES:
+            return first[:total].tobytes()
+        rest = np.empty(total - P.FIRST_MESSAGE_BYTES, dtype=np.uint8)
+        await self.recv(rest, P.CONTROL_TAG)
+        return first.tobytes() + rest.tobytes()
+
+    def abort(self) -> None:
+        """Abort the endpoint; UCX cancels its pending requests (``close`` waits for them)."""
+        ep, self.ep = self.ep, None
+        if ep is not None:
+            try:
+                ep.abort()
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+    async def close(self) -> None:
+        """Abort the endpoint and wait until every request it had in flight finished."""
+        self.abort()
+        pending = set(self._inflight)
+        if pending:
+            await asyncio.shield(asyncio.wait(pending, timeout=self.CLOSE_WAIT))
 
 
-async def recv_frame(ep: Any, max_body: int = P.MAX_BODY_BYTES) -> bytes:
-    """Receive one control frame's bytes (preamble and body, for ``P.decode``).
+async def connect(ucxx: Any, host: str, port: int, seconds: float, what: str) -> Channel:
+    """A channel to ``host:port`` within ``seconds``. On a timeout or cancellation the
+    handshake is left to finish (ucxx's own receive must not be cancelled either) and
+    an endpoint it produces late is aborted."""
+    task = asyncio.ensure_future(ucxx.create_endpoint(host, port))
+    try:
+        return Channel(await asyncio.wait_for(asyncio.shield(task), seconds))
+    except BaseException as exc:
+        task.add_done_callback(_abort_late_endpoint)
+        if isinstance(exc, asyncio.TimeoutError):
+            raise TransportError(f"{what} timed out after {seconds:.1f} s") from None
+        raise
 
-    The announced body length is checked against ``max_body`` before anything is
-    allocated for it; a bad preamble raises ``ProtocolError`` and leaves the stream
-    out of step, so callers close the endpoint. Cancelling this receive is safe only
-    if the endpoint is closed afterwards (every caller does)."""
-    first = np.zeros(P.FIRST_MESSAGE_BYTES, dtype=np.uint8)
-    await ep.recv(first, tag=P.CONTROL_TAG)
-    total = P.PREAMBLE.size + P.announced_length(first.data, max_body)
-    if total <= P.FIRST_MESSAGE_BYTES:
-        return first[:total].tobytes()
-    rest = np.empty(total - P.FIRST_MESSAGE_BYTES, dtype=np.uint8)
-    await ep.recv(rest, tag=P.CONTROL_TAG)
-    return first.tobytes() + rest.tobytes()
+
+def _abort_late_endpoint(task: asyncio.Future) -> None:
+    if task.cancelled() or task.exception() is not None:
+        return
+    try:
+        task.result().abort()
+    except Exception:  # noqa: BLE001 - already gone
+        pass

@@ -18,7 +18,7 @@ from kvstore.checksum import page_checksum
 from kvstore.errors import IndexScriptError, ProtocolError, RemoteFault
 from kvstore.index import AsyncPageIndex, CommitEntry
 from kvstore.namespace import Namespace
-from kvstore.transport import recv_frame, send_frame, with_timeout
+from kvstore.transport import Channel, with_timeout
 from server.eviction import Evictor, NodeIdentity
 from server.metrics import NodeMetrics
 from server.store import PageState, PageStore, StoredPage
@@ -75,12 +75,13 @@ class DataPlane:
         self.idle = asyncio.Event()
         self.idle.set()
 
-    async def serve(self, ep: Any) -> None:
+    async def serve(self, endpoint: Any) -> None:
         """Listener callback: serve one client endpoint until it goes away."""
+        ep = Channel(endpoint)
         try:
             while True:
                 try:
-                    raw = await recv_frame(ep)
+                    raw = await ep.recv_frame()
                 except ProtocolError as exc:  # a bad preamble: the stream is out of step
                     self.metrics.errors.labels("protocol").inc()
                     await self._reply_error(ep, "protocol", str(exc))
@@ -103,9 +104,9 @@ class DataPlane:
                     if self.active == 0:
                         self.idle.set()
         finally:
-            await self._close(ep)
+            await ep.close()
 
-    async def _dispatch(self, ep: Any, raw: bytes) -> None:
+    async def _dispatch(self, ep: Channel, raw: bytes) -> None:
         try:
             frame = P.decode(raw)
             if not isinstance(frame, (P.PutRequest, P.GetRequest)):
@@ -125,13 +126,13 @@ class DataPlane:
         except _Refused as exc:
             await self._reply_error(ep, exc.code, str(exc))
 
-    async def _send(self, ep: Any, frame: Any) -> None:
+    async def _send(self, ep: Channel, frame: Any) -> None:
         try:
-            await with_timeout(send_frame(ep, frame), self.timeout, "control reply")
+            await with_timeout(ep.send_frame(frame), self.timeout, "control reply")
         except Exception as exc:  # noqa: BLE001
             raise _Broken(f"cannot reply: {exc}") from exc
 
-    async def _reply_error(self, ep: Any, code: str, message: str) -> None:
+    async def _reply_error(self, ep: Channel, code: str, message: str) -> None:
         try:
             await self._send(ep, P.ErrorFrame(code=code, message=message))
         except _Broken:
@@ -152,7 +153,7 @@ class DataPlane:
 
     # ---- PUT: plan, receive, commit ----------------------------------------------
 
-    async def _put(self, ep: Any, req: P.PutRequest) -> None:
+    async def _put(self, ep: Channel, req: P.PutRequest) -> None:
         await self._namespace(req.namespace)
         batch = self._plan_put(req)
         try:
@@ -161,7 +162,7 @@ class DataPlane:
             try:
                 await self._move_runs(ep.recv, batch.pages, batch.runs, "page receive")
             except BaseException:
-                await self._close(ep)  # no late writes into slots that are about to be reused
+                await ep.close()  # no late writes into slots that are about to be reused
                 raise
             await self._commit(batch)
         finally:
@@ -242,13 +243,13 @@ class DataPlane:
             pos += run
             view = self.store.pool.view(group[0].offset, group[-1].offset + group[-1].size - group[0].offset)
             try:
-                await with_timeout(op(view, tag=P.DATA_TAG), self.timeout, what)
+                await with_timeout(op(view, P.DATA_TAG), self.timeout, what)
             except Exception as exc:  # noqa: BLE001 - UCX errors, timeouts, cancellation by a dead peer
                 raise _Broken(f"{what} of {run} pages failed: {exc}") from exc
 
     # ---- GET -------------------------------------------------------------------------
 
-    async def _get(self, ep: Any, req: P.GetRequest) -> None:
+    async def _get(self, ep: Channel, req: P.GetRequest) -> None:
         store = self.store
         pages: list[StoredPage] = []
         try:
@@ -263,6 +264,9 @@ class DataPlane:
             plan = P.GetPlan(present=present, sizes=[p.size for p in pages], checksums=[p.checksum for p in pages], runs=runs)
             await self._send(ep, plan)
             await self._move_runs(ep.send, pages, runs, "page send")
+        except BaseException:
+            await ep.close()  # no send may still read from slots that are unpinned next
+            raise
         finally:
             for page in pages:
                 store.unpin(page)
@@ -270,14 +274,6 @@ class DataPlane:
         self.metrics.gets.inc(len(pages))
         self.metrics.get_missing.inc(len(req.pages) - len(pages))
         self.metrics.bytes_out.inc(sum(p.size for p in pages))
-
-    @staticmethod
-    async def _close(ep: Any) -> None:
-        try:
-            if not ep.closed:
-                ep.abort()
-        except Exception:  # noqa: BLE001 - already gone
-            pass
 
 
 def _joinable(flags: list[bool], indexes: list[int], sizes: list[int]) -> list[bool]:

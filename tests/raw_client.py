@@ -14,7 +14,7 @@ import numpy as np
 
 from kvstore import protocol as P
 from kvstore.checksum import page_checksum
-from kvstore.transport import ensure_ucx, recv_frame
+from kvstore.transport import Channel, ensure_ucx
 
 
 def first_message(data: bytes) -> np.ndarray:
@@ -23,9 +23,9 @@ def first_message(data: bytes) -> np.ndarray:
     return np.frombuffer(data + bytes(P.FIRST_MESSAGE_BYTES - len(data)), dtype=np.uint8)
 
 
-async def ask(ep, data: bytes) -> str:
-    await ep.send(first_message(data), tag=P.CONTROL_TAG)
-    frame = P.decode(await asyncio.wait_for(recv_frame(ep), 10))
+async def ask(ep: Channel, data: bytes) -> str:
+    await ep.send(first_message(data), P.CONTROL_TAG)
+    frame = P.decode(await asyncio.wait_for(ep.recv_frame(), 10))
     return frame.code if isinstance(frame, P.ErrorFrame) else type(frame).__name__
 
 
@@ -49,10 +49,10 @@ async def main(host: str, port: int, ns_hex: str) -> dict:
     }
     replies = {}
     for name, payload in bad_preamble.items():
-        ep = await ucxx.create_endpoint(host, port)
+        ep = Channel(await ucxx.create_endpoint(host, port))
         replies[name] = await ask(ep, payload)
-        ep.abort()
-    ep = await ucxx.create_endpoint(host, port)
+        await ep.close()
+    ep = Channel(await ucxx.create_endpoint(host, port))
     for name, payload in bad_body.items():
         replies[name] = await ask(ep, payload)
     replies["valid_get_after_garbage"] = await ask(ep, good)
@@ -60,13 +60,12 @@ async def main(host: str, port: int, ns_hex: str) -> dict:
     # A put whose payload arrives shorter than announced: the page must not be stored.
     page = np.arange(65536, dtype=np.uint8)
     put = P.PutRequest(namespace=ns_hex, pages=[P.PutPage(hash="2" * 32, size=page.nbytes, checksum=page_checksum(page))])
-    for message in P.wire_messages(put):
-        await ep.send(np.frombuffer(message, dtype=np.uint8), tag=P.CONTROL_TAG)
-    plan = P.decode(await recv_frame(ep))
+    await ep.send_frame(put)
+    plan = P.decode(await ep.recv_frame())
     truncated_outcome = "closed"
     try:
-        await ep.send(page[:1000], tag=P.DATA_TAG)
-        result = P.decode(await asyncio.wait_for(recv_frame(ep), 10))
+        await ep.send(page[:1000], P.DATA_TAG)
+        result = P.decode(await asyncio.wait_for(ep.recv_frame(), 10))
         truncated_outcome = f"stored={result.stored} corrupt={result.corrupt}"
     except Exception as exc:  # noqa: BLE001 - the server may close the endpoint instead
         truncated_outcome = f"closed: {type(exc).__name__}"

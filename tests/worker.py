@@ -38,7 +38,7 @@ async def reconnect_cycles(client: KVCacheClient, ns: Namespace, cycles: int) ->
     for _ in range(cycles):
         conn = NodeConnection(node, "", inner._ucxx)
         await conn.get(ns.digest_hex, [bytes(16)], sink, 10.0)
-        conn.close()
+        await conn.close()
     return cycles
 
 
