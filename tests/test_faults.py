@@ -70,7 +70,7 @@ def test_a_client_that_timed_out_on_a_stalled_node_reads_from_it_again(clusters)
     ns = namespace_for_page_size(2 << 20, tenant="stall")
     tokens = list(range(16 * ns.block_size))
     run_worker(spec(cluster, ns, "put_pages", tokens=tokens))
-    reader = run_worker(spec(cluster, ns, "get_pages", tokens=tokens, loop_seconds=24, options={"timeout": 1.0}), background=True)
+    reader = run_worker(spec(cluster, ns, "get_pages", tokens=tokens, loop_seconds=24, timestamps=True, options={"timeout": 1.0}), background=True)
     node = cluster.nodes[0].process
     wait_for(lambda: metrics(cluster, "node-0")["kvstore_get_pages_total"] > 0, 60, "the reader to start", 0.2)
     resumed = []
@@ -147,7 +147,7 @@ def test_nodes_republish_after_the_index_restarts(clusters, keep_data):
     if keep_data:
         cluster.valkey.save()  # the snapshot knows only the early pages
     run_worker(spec(cluster, ns, "put_pages", tokens=late))
-    reader = run_worker(spec(cluster, ns, "get_pages", token_lists=[early, late], loop_seconds=20, options={"timeout": 2.0}), background=True)
+    reader = run_worker(spec(cluster, ns, "get_pages", token_lists=[early, late], loop_seconds=20, timestamps=True, options={"timeout": 2.0}), background=True)
     wait_for(lambda: metrics(cluster, "node-0")["kvstore_get_pages_total"] + metrics(cluster, "node-1")["kvstore_get_pages_total"] > 0, 60, "the reader to start", 0.2)
     cluster.valkey.restart(keep_data=keep_data)
     restarted = time.time()
