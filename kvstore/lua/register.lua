@@ -2,8 +2,9 @@
 -- KEYS: nodes zset, node hash, incarnation record.  ARGV: node id, incarnation or '',
 -- ttl_ms, random hex suffix, replaces (the caller's own previous incarnation, or ''),
 -- "address", address, field, value, ...
--- A new incarnation is "<Redis time in ms, 12 hex digits><random suffix>": fixed width,
--- so comparing two as strings orders them by registration time, and it never repeats,
+-- A new incarnation is "<Redis time in ms, 12 hex digits><random suffix>", its time
+-- part strictly after the node id's recorded one: fixed width, so comparing two of one
+-- node id as strings orders them by registration, and it never repeats,
 -- not even after the index lost its data. The record (no TTL) names the node id's
 -- current incarnation, so a stale one is told apart even after its registry entry
 -- expired. A new incarnation at the holder's own address takes over at once: the caller
@@ -19,7 +20,10 @@ if inc == '' then
   if record and record ~= replaces and holder and holder ~= ARGV[7] then
     return {0, 'in_use', holder}
   end
-  inc = string.format('%012x', now) .. ARGV[4]
+  -- strictly after the recorded incarnation, even within one millisecond
+  local ts = now
+  if record then ts = math.max(ts, (tonumber(string.sub(record, 1, 12), 16) or 0) + 1) end
+  inc = string.format('%012x', ts) .. ARGV[4]
   redis.call('SET', KEYS[3], inc)
 elseif record ~= inc then
   return {0, 'fenced', ''}
