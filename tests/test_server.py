@@ -225,3 +225,16 @@ def test_page_larger_than_a_slab_is_refused(clusters):
     report = run_worker(spec(cluster, ns, "put_pages", count=2 * ns.block_size))["reports"][0]
     assert report["stored"] == 0 and report["refused"] == 2
     assert metrics(cluster, "node-0")["kvstore_refused_pages_total"] == 2
+
+
+def test_thread_progress_mode_serves_and_exits_on_sigterm(clusters):
+    """ucxx's notifier thread (thread mode) is not a daemon: without the exit hook in
+    kvstore.transport the node hung at exit."""
+    cluster = clusters(extra=["--ucx-progress-mode", "thread"])
+    ns = namespace_for_page_size(64 << 10, tenant="thread-mode")
+    tokens = list(range(8 * ns.block_size))
+    assert run_worker(spec(cluster, ns, "put_pages", tokens=tokens, options={"ucx_progress_mode": "thread"}))["reports"][0]["stored"] == 8
+    assert run_worker(spec(cluster, ns, "get_pages", tokens=tokens))["results"] == [{"blocks": 8, "matched": 8, "exact": True}]
+    node = cluster.nodes[0].process
+    node.send_signal(signal.SIGTERM)
+    assert node.wait(15) == 0
