@@ -108,10 +108,6 @@ class Channel:
         self.ep = ep
         self._inflight: set[asyncio.Future] = set()
 
-    @property
-    def closed(self) -> bool:
-        return self.ep is None or self.ep.closed
-
     async def _request(self, op: Any) -> Any:
         task = asyncio.ensure_future(op)
         self._inflight.add(task)

@@ -52,11 +52,11 @@ class PutBatch:
     pages: list[StoredPage] = field(default_factory=list)
     runs: list[int] = field(default_factory=list)
     corrupt: list[int] = field(default_factory=list)
-    committed: set[int] = field(default_factory=set)  # ids of committed pages
+    committed: set[StoredPage] = field(default_factory=set)
 
     @property
     def stored(self) -> list[int]:
-        return [i for i, p in zip(self.wanted, self.pages) if id(p) in self.committed]
+        return [i for i, p in zip(self.wanted, self.pages) if p in self.committed]
 
 
 class DataPlane:
@@ -167,7 +167,7 @@ class DataPlane:
             await self._commit(batch)
         finally:
             for page in batch.pages:
-                if id(page) not in batch.committed:
+                if page not in batch.committed:
                     self.store.abort_put(page)
         self.metrics.messages.labels("in").inc(len(batch.runs))
         self.metrics.puts.inc(len(batch.committed))
@@ -232,7 +232,7 @@ class DataPlane:
             return
         for page in good:
             self.store.finish_put(page)
-            batch.committed.add(id(page))
+            batch.committed.add(page)
 
     async def _move_runs(self, op: Any, pages: list[StoredPage], runs: list[int], what: str) -> None:
         """Move each run of pages as one message straight into (``ep.recv``) or out of

@@ -5,7 +5,7 @@ and every state change happens without an ``await`` in between, so two requests
 can never both own a key:
 
 - *receiving*: claimed by one PUT; invisible to readers; a second PUT of the key
-  waits on ``settled`` instead of claiming it again;
+  finds it here and does not claim it again;
 - *ready*: verified and committed; in the LRU; readers pin it;
 - *evicting*: taken out of the LRU while the index removes it; it ends ``ready``
   again (a reader's lease kept it) or dropped;
@@ -16,10 +16,9 @@ memory that is being sent or received."""
 
 from __future__ import annotations
 
-import asyncio
 import enum
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -44,8 +43,6 @@ class StoredPage:
     offset: int | None = None  # None until a slot is assigned
     state: PageState = PageState.RECEIVING
     pins: int = 0
-    # set whenever the page leaves a transitional state (receiving, evicting)
-    settled: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class PageStore:
@@ -68,7 +65,6 @@ class PageStore:
     @property
     def ready_pages(self) -> int:
         return len(self._lru)
-
 
     def view(self, page: StoredPage) -> np.ndarray:
         assert page.offset is not None
@@ -101,7 +97,6 @@ class PageStore:
         page.state = PageState.READY
         self._lru[page.key] = page
         self.namespace_pages[page.key[0]] += 1
-        page.settled.set()
         self.unpin(page)
 
     def abort_put(self, page: StoredPage) -> None:
@@ -122,10 +117,8 @@ class PageStore:
     def unpin(self, page: StoredPage) -> None:
         page.pins -= 1
         self.pins -= 1
-        if page.pins == 0 and page.state is PageState.DROPPED:
-            if page.offset is not None:
-                self.allocator.free(page.offset)
-                page.offset = None
+        if page.state is PageState.DROPPED:
+            self._release_slot(page)
 
     def take_victims(self, nbytes: int, slot_size: int | None = None) -> list[StoredPage]:
         """Move least-recently-used ready pages worth ``nbytes`` of slots (preferring slot
@@ -139,7 +132,6 @@ class PageStore:
                     break
                 if page.state is PageState.READY and (pass_class is None or self.allocator.slot_size(page.offset) == pass_class):
                     page.state = PageState.EVICTING
-                    page.settled = asyncio.Event()
                     victims.append(page)
                     freed += self.allocator.slot_size(page.offset)
         for page in victims:
@@ -150,22 +142,24 @@ class PageStore:
     def drop(self, page: StoredPage) -> None:
         """Forget an evicted page; its slot is freed now or when its last transfer ends."""
         self._forget(page)
-        if page.pins == 0 and page.offset is not None:
-            self.allocator.free(page.offset)
-            page.offset = None
+        self._release_slot(page)
 
     def restore(self, page: StoredPage) -> None:
         """Put back a victim the index refused to remove (it is leased by a reader)."""
         page.state = PageState.READY
         self._lru[page.key] = page
         self.namespace_pages[page.key[0]] += 1
-        page.settled.set()
 
     def _forget(self, page: StoredPage) -> None:
         if self.pages.get(page.key) is page:
             del self.pages[page.key]
         page.state = PageState.DROPPED
-        page.settled.set()
+
+    def _release_slot(self, page: StoredPage) -> None:
+        """Free a dropped page's slot once no transfer holds it (at most once)."""
+        if page.pins == 0 and page.offset is not None:
+            self.allocator.free(page.offset)
+            page.offset = None
 
     def namespaces(self) -> list[str]:
         return [ns for ns, count in self.namespace_pages.items() if count > 0]
