@@ -29,9 +29,10 @@ from kvstore.errors import IndexScriptError, InvalidInputError, RemoteFault, Unk
 from kvstore.hashing import block_hashes, part_hashes, sequence_hash, token_array
 from kvstore.index import AsyncPageIndex, LookupResult, NodeInfo, PageLocation
 from kvstore.namespace import Namespace
+from kvstore.shm import host_id
 from kvstore.transport import cuda_capable, ensure_ucx
 from client.buffers import Span, host_bytes, page_spans, split_spans
-from client.connection import NodeConnection, NodeRefusedError, OutgoingPage, verify
+from client.connection import NodeConnection, NodeRefusedError, OutgoingPage, SameHostUnavailableError, ShmConnection
 from client.placement import place, rank_nodes
 from client.stats import ClientStats
 
@@ -90,7 +91,9 @@ class AsyncKVCacheClient:
         self._ucxx: Any = None
         self._nodes: list[NodeInfo] = []
         self._nodes_at = 0.0
-        self._conns: dict[str, NodeConnection] = {}
+        self._conns: dict[str, NodeConnection | ShmConnection] = {}
+        self._same_host = opts.same_host
+        self._shm_failed: dict[str, str] = {}  # node id -> incarnation whose Unix socket failed
         self._suspect: dict[str, float] = {}  # node id -> skipped until (monotonic)
         self._strikes: dict[str, int] = {}  # node id -> failures since its last success
         self._namespace_registered = False
@@ -299,14 +302,26 @@ class AsyncKVCacheClient:
             del self._suspect[node_id]
         return [n for n in self._nodes if include_suspect or n.node_id not in self._suspect]
 
-    def _conn(self, node: NodeInfo) -> NodeConnection:
+    def _conn(self, node: NodeInfo) -> NodeConnection | ShmConnection:
+        """The connection to ``node``: shared memory when it runs on this host (same
+        kernel) and its Unix socket has not failed for this incarnation, else UCX."""
         conn = self._conns.get(node.node_id)
-        if conn is None or conn.broken or conn.node.address != node.address:
-            conn = NodeConnection(node, self._token, self._ucxx)
+        if conn is None or conn.broken or conn.node.address != node.address or conn.node.incarnation != node.incarnation:
+            same_host = self._same_host and node.extra.get("shm") and node.extra.get("host") == host_id()
+            if same_host and self._shm_failed.get(node.node_id) != node.incarnation:
+                conn = ShmConnection(node, self._token)
+            else:
+                conn = NodeConnection(node, self._token, self._ucxx)
             self._conns[node.node_id] = conn
         return conn
 
-    def _node_failed(self, node_id: str, exc: Exception) -> None:
+    def _node_failed(self, node_id: str, exc: Exception, conn: NodeConnection | ShmConnection | None = None) -> None:
+        if isinstance(exc, SameHostUnavailableError) and conn is not None:
+            # UCX is used from now on: a socket directory not shared with this container,
+            # say, must not make a healthy node look dead.
+            self._shm_failed[node_id] = conn.node.incarnation
+            log.warning("same-host path to %s unavailable, using UCX: %s", node_id, exc)
+            return
         self.stats.node_errors += 1
         strikes = self._strikes.get(node_id, 0) + 1
         self._strikes[node_id] = strikes
@@ -326,17 +341,26 @@ class AsyncKVCacheClient:
         if not nodes or not hashes:
             self.stats.pages_refused += len(hashes)
             return PublishReport(0, 0, 0, len(hashes), 0)
-        checksums = [page_checksum(s.view()) for s in spans]
+        memo: dict[int, int] = {}
+
+        def checksum(page: OutgoingPage) -> int:  # only pages some node asks for, once each
+            if page.index not in memo:
+                memo[page.index] = page_checksum(page.span.view())
+            return memo[page.index]
+
         per_node: dict[str, list[int]] = defaultdict(list)
         for i, h in enumerate(hashes):
             for node_id in place(h, list(nodes), self.replicas):
                 per_node[node_id].append(i)
 
         async def one(node_id: str, idx: list[int]) -> tuple[list[int], Any]:
-            pages = [OutgoingPage(hashes[i], checksums[i], spans[i]) for i in idx]
+            pages = [OutgoingPage(hashes[i], spans[i], i) for i in idx]
+            conn = self._conn(nodes[node_id])
             try:
-                outcome = await self._conn(nodes[node_id]).put(self.namespace.digest_hex, pages, self.timeout)
+                outcome = await conn.put(self.namespace.digest_hex, pages, checksum, self.timeout)
                 self._node_ok(node_id)
+                if conn.path == "shm":
+                    self.stats.same_host_transfers += 1
                 return idx, outcome
             except NodeRefusedError as exc:
                 if exc.code != "unknown_namespace":
@@ -347,7 +371,7 @@ class AsyncKVCacheClient:
                 await self._ensure_namespace()
                 return idx, None
             except RemoteFault as exc:
-                self._node_failed(node_id, exc)
+                self._node_failed(node_id, exc, conn)
                 return idx, None
 
         held, sent, skipped, nbytes = set(), 0, 0, 0
@@ -386,22 +410,21 @@ class AsyncKVCacheClient:
                 break
 
             async def one(node_id: str, idx: list[int]) -> None:
+                expected = [next(l.checksum for l in locations[i] if l.node_id == node_id) for i in idx]
+                conn = self._conn(nodes[node_id])
                 try:
-                    got = await self._conn(nodes[node_id]).get(
-                        self.namespace.digest_hex, [hashes[i] for i in idx], [sinks[i] for i in idx], remaining
-                    )
+                    got = await conn.get(self.namespace.digest_hex, [hashes[i] for i in idx], [sinks[i] for i in idx], expected, remaining)
                 except RemoteFault as exc:
-                    self._node_failed(node_id, exc)
+                    self._node_failed(node_id, exc, conn)
                     return
                 self._node_ok(node_id)
-                for k, i in enumerate(idx):
-                    expected = next(l.checksum for l in locations[i] if l.node_id == node_id)
-                    if k in got and got[k] == expected and verify(sinks[i], expected):
-                        ok[i] = True
-                        self.stats.pages_received += 1
-                        self.stats.bytes_received += sinks[i].nbytes
-                    elif k in got:
-                        self.stats.checksum_failures += 1
+                for k in got.ok:
+                    ok[idx[k]] = True
+                    self.stats.pages_received += 1
+                    self.stats.bytes_received += sinks[idx[k]].nbytes
+                self.stats.checksum_failures += got.corrupt
+                if conn.path == "shm":
+                    self.stats.same_host_transfers += 1
 
             await asyncio.gather(*(one(n, idx) for n, idx in per_node.items()))
             if all(ok):

@@ -1,20 +1,30 @@
-"""One client's connection to one storage node: PUT and GET batches over ucxx.
+"""One client's connection to one storage node: PUT and GET batches.
+
+``NodeConnection`` speaks UCX (any host); ``ShmConnection`` speaks the same frames
+over a Unix socket to a node on this host and moves pages through shared memory
+(kvstore.shm). Both verify every page they receive against the index's checksum,
+and hash only the pages a node asks for on a put.
 
 Requests on a connection are serialised (control frames and payloads must stay in
 order). A clean refusal (an ERROR frame) raises ``NodeRefusedError`` and keeps the
-endpoint; any other failure, a timeout included, closes the endpoint before it
-raises ``TransportError``, so no receive can land in the caller's memory after the
-call has returned. The caller treats the node's pages as missing."""
+connection; any other failure, a timeout included, closes it before it raises
+``TransportError``, so nothing can land in the caller's memory after the call has
+returned. The caller treats the node's pages as missing."""
 
 from __future__ import annotations
 
 import asyncio
+import mmap
+import os
+import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvstore import protocol as P
+from kvstore import shm
 from kvstore.checksum import page_checksum
 from kvstore.errors import ProtocolError, TransportError
 from kvstore.index import NodeInfo
@@ -30,11 +40,16 @@ class NodeRefusedError(TransportError):
         self.code = code
 
 
+class SameHostUnavailableError(TransportError):
+    """The node's Unix socket cannot be reached from here (another container's
+    filesystem, permissions): the client uses UCX for that node instead."""
+
+
 @dataclass(frozen=True, slots=True)
 class OutgoingPage:
     hash: bytes
-    checksum: int
     span: Span
+    index: int  # position in the caller's batch (keys its checksum memo)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,36 +60,37 @@ class PutOutcome:
     bytes_sent: int
 
 
-class NodeConnection:
-    def __init__(self, node: NodeInfo, token: str, ucxx: Any) -> None:
+@dataclass(slots=True)
+class GetOutcome:
+    """Request positions whose bytes arrived and match the expected checksum, and how
+    many arrived with a wrong one."""
+
+    ok: list[int]
+    corrupt: int
+
+
+Checksums = Callable[[OutgoingPage], int]  # a page's xxh3-64, computed at most once per put
+
+
+class _Connection:
+    """What both data paths share: the lock, the guard that closes on failure, frames."""
+
+    path = ""
+
+    def __init__(self, node: NodeInfo, token: str) -> None:
         self.node = node
         self.token = token
-        self._ucxx = ucxx
-        self._ep: Channel | None = None
         self._lock = asyncio.Lock()
         self.broken = False
 
-    async def _endpoint(self, timeout: float) -> Channel:
-        if self._ep is None:
-            self._ep = await connect(self._ucxx, self.node.host, self.node.port, timeout, f"connect to {self.node.node_id}")
-        return self._ep
+    async def put(self, namespace: str, pages: list[OutgoingPage], checksum: Checksums, timeout: float) -> PutOutcome:
+        """Offer ``pages``; send only those the node wants (hashed only then)."""
+        return await self._guarded(self._put(namespace, pages, checksum), timeout, "put")
 
-    async def _recv_frame(self, expected: type) -> Any:
-        frame = P.decode(await self._ep.recv_frame())
-        if isinstance(frame, P.ErrorFrame):
-            raise NodeRefusedError(self.node.node_id, frame.code, frame.message)
-        if not isinstance(frame, expected):
-            raise ProtocolError(f"node {self.node.node_id} sent {type(frame).__name__}, expected {expected.__name__}")
-        return frame
-
-    async def put(self, namespace: str, pages: list[OutgoingPage], timeout: float) -> PutOutcome:
-        """Offer ``pages``; send only those the node wants, in the runs it asks for."""
-        return await self._guarded(self._put(namespace, pages), timeout, "put")
-
-    async def get(self, namespace: str, hashes: list[bytes], sinks: list[Span], timeout: float) -> dict[int, int]:
-        """Fetch pages into ``sinks``; returns {request index: checksum the node recorded}
-        for every page received whole. Callers verify the bytes."""
-        return await self._guarded(self._get(namespace, hashes, sinks), timeout, "get")
+    async def get(self, namespace: str, hashes: list[bytes], sinks: list[Span], expected: list[int], timeout: float) -> GetOutcome:
+        """Fetch pages into ``sinks`` and verify each against ``expected`` (the index's
+        checksums)."""
+        return await self._guarded(self._get(namespace, hashes, sinks, expected), timeout, "get")
 
     async def _guarded(self, work: Any, timeout: float, what: str) -> Any:
         async with self._lock:
@@ -82,7 +98,7 @@ class NodeConnection:
                 work.close()
                 raise TransportError(f"connection to {self.node.node_id} is closed")
             try:
-                await self._endpoint(timeout)
+                await self._open(timeout)
                 return await with_timeout(work, timeout, f"{what} on {self.node.node_id}")
             except NodeRefusedError:
                 raise
@@ -93,57 +109,119 @@ class NodeConnection:
                     raise
                 raise TransportError(f"{what} on {self.node.node_id} failed: {exc!r}") from exc
 
-    async def _put(self, namespace: str, pages: list[OutgoingPage]) -> PutOutcome:
-        ep = self._ep
-        req = P.PutRequest(
-            namespace=namespace, token=self.token,
-            pages=[P.PutPage(hash=p.hash.hex(), size=p.span.nbytes, checksum=p.checksum, join=j)
-                   for p, j in zip(pages, join_flags([p.span for p in pages]))],
-        )
-        await ep.send_frame(req)
-        plan: P.PutPlan = await self._recv_frame(P.PutPlan)
-        if sum(plan.runs) != len(plan.wanted) or any(not 0 <= i < len(pages) for i in plan.wanted):
+    def _check_frame(self, frame: Any, expected: type) -> Any:
+        if isinstance(frame, P.ErrorFrame):
+            raise NodeRefusedError(self.node.node_id, frame.code, frame.message)
+        if not isinstance(frame, expected):
+            raise ProtocolError(f"node {self.node.node_id} sent {type(frame).__name__}, expected {expected.__name__}")
+        return frame
+
+    def _check_put_plan(self, plan: P.PutPlan, count: int) -> list[int]:
+        wanted = plan.ints("wanted")
+        if any(not 0 <= i < count for i in wanted) or (plan.runs.size and int(plan.runs.sum()) != len(wanted)):
             raise ProtocolError(f"node {self.node.node_id} sent an inconsistent put plan")
+        return wanted
+
+    async def _open(self, timeout: float) -> None:
+        raise NotImplementedError
+
+    async def _put(self, namespace: str, pages: list[OutgoingPage], checksum: Checksums) -> PutOutcome:
+        raise NotImplementedError
+
+    async def _get(self, namespace: str, hashes: list[bytes], sinks: list[Span], expected: list[int]) -> GetOutcome:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+
+def _put_request(namespace: str, token: str, pages: list[OutgoingPage]) -> P.PutRequest:
+    return P.PutRequest(
+        namespace=namespace, token=token, hashes=[p.hash for p in pages],
+        sizes=np.fromiter((p.span.nbytes for p in pages), dtype=np.uint64, count=len(pages)),
+        join=join_flags([p.span for p in pages]),
+    )
+
+
+def _get_request(namespace: str, token: str, hashes: list[bytes], sinks: list[Span]) -> P.GetRequest:
+    return P.GetRequest(namespace=namespace, token=token, hashes=hashes, join=join_flags(sinks))
+
+
+class NodeConnection(_Connection):
+    """A node over UCX."""
+
+    path = "ucx"
+
+    def __init__(self, node: NodeInfo, token: str, ucxx: Any) -> None:
+        super().__init__(node, token)
+        self._ucxx = ucxx
+        self._ep: Channel | None = None
+
+    async def _open(self, timeout: float) -> None:
+        if self._ep is None:
+            self._ep = await connect(self._ucxx, self.node.host, self.node.port, timeout, f"connect to {self.node.node_id}")
+
+    async def _recv_frame(self, expected: type) -> Any:
+        return self._check_frame(P.decode(await self._ep.recv_frame()), expected)
+
+    async def _put(self, namespace: str, pages: list[OutgoingPage], checksum: Checksums) -> PutOutcome:
+        ep = self._ep
+        await ep.send_frame(_put_request(namespace, self.token, pages))
+        plan: P.PutPlan = await self._recv_frame(P.PutPlan)
+        wanted = self._check_put_plan(plan, len(pages))
+        await ep.send_frame(P.PutChecksums(checksums=np.fromiter((checksum(pages[i]) for i in wanted), dtype=np.uint64, count=len(wanted))))
         pos, sent = 0, 0
-        for run in plan.runs:
-            buf = joined([pages[i].span for i in plan.wanted[pos : pos + run]])
+        for run in plan.ints("runs"):
+            buf = joined([pages[i].span for i in wanted[pos : pos + run]])
             await ep.send(buf, P.DATA_TAG)
             sent += buf.nbytes
             pos += run
         result: P.PutResult = await self._recv_frame(P.PutResult)
-        return PutOutcome(result.stored, plan.present, plan.refused, sent)
+        return PutOutcome(result.ints("stored"), plan.ints("present"), plan.ints("refused"), sent)
 
-    async def _get(self, namespace: str, hashes: list[bytes], sinks: list[Span]) -> dict[int, int]:
+    async def _get(self, namespace: str, hashes: list[bytes], sinks: list[Span], expected: list[int]) -> GetOutcome:
         ep = self._ep
-        pages = [P.GetPage(hash=h.hex(), join=j) for h, j in zip(hashes, join_flags(sinks))]
-        req = P.GetRequest(namespace=namespace, token=self.token, pages=pages)
-        await ep.send_frame(req)
+        await ep.send_frame(_get_request(namespace, self.token, hashes, sinks))
         plan: P.GetPlan = await self._recv_frame(P.GetPlan)
-        if sum(plan.runs) != len(plan.present) or len(plan.sizes) != len(plan.present):
+        present, sizes, sums, runs = plan.ints("present"), plan.ints("sizes"), plan.ints("checksums"), plan.ints("runs")
+        if sum(runs) != len(present) or len(sizes) != len(present) or len(sums) != len(present) or any(not 0 <= i < len(hashes) for i in present):
             raise ProtocolError(f"node {self.node.node_id} sent an inconsistent get plan")
-        received: dict[int, int] = {}
-        pos = 0
-        for run in plan.runs:
-            idx = plan.present[pos : pos + run]
-            sizes = plan.sizes[pos : pos + run]
-            spans = [sinks[i] for i in idx]
-            fits = all(s.nbytes == size for s, size in zip(spans, sizes))
+        outcome = GetOutcome([], 0)
+        starts = np.cumsum([0] + runs).tolist()
+        # Each run is verified while the next one arrives (UCX progresses in its own thread).
+        pending = self._receive(ep, sinks, present, sizes, starts, 0) if runs else None
+        for r in range(len(runs)):
+            landed = await pending
+            pending = self._receive(ep, sinks, present, sizes, starts, r + 1) if r + 1 < len(runs) else None
+            if landed:
+                for k in range(starts[r], starts[r + 1]):
+                    _accept(outcome, present[k], sinks[present[k]], sums[k], expected[present[k]])
+        return outcome
+
+    def _receive(self, ep: Channel, sinks: list[Span], present: list[int], sizes: list[int], starts: list[int], r: int) -> asyncio.Future:
+        """Start receiving run ``r``: in place when its pages touch in the caller's
+        memory, else through a scratch buffer scattered on arrival. The future says
+        whether the pages landed (a page of the wrong size never can be the one asked for)."""
+        idx = present[starts[r] : starts[r + 1]]
+        spans = [sinks[i] for i in idx]
+        fits = all(s.nbytes == size for s, size in zip(spans, sizes[starts[r] : starts[r + 1]]))
+
+        async def receive() -> bool:
             if fits and adjacent(spans):
                 await ep.recv(joined(spans), P.DATA_TAG)
-            else:
-                scratch = np.empty(sum(sizes), dtype=np.uint8)
-                await ep.recv(scratch, P.DATA_TAG)
-                if not fits:  # a page of the wrong size can never be the page we asked for
-                    pos += run
-                    continue
+                return True
+            scratch = np.empty(sum(sizes[starts[r] : starts[r + 1]]), dtype=np.uint8)
+            await ep.recv(scratch, P.DATA_TAG)
+            if fits:
                 off = 0
                 for s in spans:
                     s.view()[:] = scratch[off : off + s.nbytes]
                     off += s.nbytes
-            for k, i in enumerate(idx):
-                received[i] = plan.checksums[pos + k]
-            pos += run
-        return received
+            return fits
+
+        task = asyncio.ensure_future(receive())
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved when abandoned
+        return task
 
     async def close(self) -> None:
         """Abort the endpoint and wait until none of its requests can still touch memory."""
@@ -153,5 +231,116 @@ class NodeConnection:
             await ep.close()
 
 
-def verify(span: Span, expected: int) -> bool:
-    return page_checksum(span.view()) == expected
+class ShmConnection(_Connection):
+    """A node on this host, over its Unix socket and shared memory (kvstore.shm)."""
+
+    path = "shm"
+
+    def __init__(self, node: NodeInfo, token: str) -> None:
+        super().__init__(node, token)
+        self._ch: shm.UnixChannel | None = None
+        self._maps: dict[int, tuple[int, np.ndarray]] = {}  # slab -> (generation, read-only view)
+        self._staging = shm.Staging()
+
+    async def _open(self, timeout: float) -> None:
+        if self._ch is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                await with_timeout(asyncio.get_running_loop().sock_connect(sock, self.node.extra["shm"]), timeout, f"connect to {self.node.node_id}")
+            except BaseException as exc:
+                sock.close()
+                if isinstance(exc, OSError):
+                    raise SameHostUnavailableError(f"cannot reach {self.node.node_id} on {self.node.extra['shm']}: {exc}") from None
+                raise
+            self._ch = shm.UnixChannel(sock)
+
+    async def _recv_frame(self, expected: type) -> tuple[Any, list[int]]:
+        raw, fds = await self._ch.recv_frame()
+        try:
+            return self._check_frame(P.decode(raw), expected), fds
+        except BaseException:
+            _close_fds(fds)
+            raise
+
+    async def _put(self, namespace: str, pages: list[OutgoingPage], checksum: Checksums) -> PutOutcome:
+        await self._ch.send_frame(_put_request(namespace, self.token, pages))
+        plan, _ = await self._recv_frame(P.PutPlan)
+        wanted = self._check_put_plan(plan, len(pages))
+        offsets = plan.ints("offsets")
+        if len(offsets) != len(wanted):
+            raise ProtocolError(f"node {self.node.node_id} sent a put plan without staging offsets")
+        total = max((off + pages[i].span.nbytes for off, i in zip(offsets, wanted)), default=0)
+        staging = np.frombuffer(self._staging.ensure(total), dtype=np.uint8) if total else None
+        sums = np.empty(len(wanted), dtype=np.uint64)
+        for k, (off, i) in enumerate(zip(offsets, wanted)):
+            dst = staging[off : off + pages[i].span.nbytes]
+            dst[:] = pages[i].span.view()
+            sums[k] = page_checksum(dst)  # of the bytes the node will read, hot in cache
+        staging = dst = None  # no view may outlive the mapping (Staging.close)
+        fds = [self._staging.fd] if self._staging.fresh and total else []
+        await self._ch.send_frame(P.PutChecksums(checksums=sums), fds)
+        self._staging.fresh = self._staging.fresh and not fds
+        result, _ = await self._recv_frame(P.PutResult)
+        return PutOutcome(result.ints("stored"), plan.ints("present"), plan.ints("refused"), sum(pages[i].span.nbytes for i in wanted))
+
+    async def _get(self, namespace: str, hashes: list[bytes], sinks: list[Span], expected: list[int]) -> GetOutcome:
+        await self._ch.send_frame(_get_request(namespace, self.token, hashes, sinks))
+        while True:
+            plan, fds = await self._recv_frame(P.GetPlan)
+            self._map(plan.mapped, fds)
+            if not plan.more:
+                break
+        present, sizes, sums = plan.ints("present"), plan.ints("sizes"), plan.ints("checksums")
+        regions, offsets = plan.ints("regions"), plan.ints("offsets")
+        if not len(present) == len(sizes) == len(sums) == len(regions) == len(offsets) or any(not 0 <= i < len(hashes) for i in present):
+            raise ProtocolError(f"node {self.node.node_id} sent an inconsistent get plan")
+        copied = []
+        for i, size, region, off in zip(present, sizes, regions, offsets):
+            mapped = self._maps.get(region)
+            if mapped is None or sinks[i].nbytes != size or off + size > mapped[1].size:
+                continue  # a page of the wrong size can never be the one asked for
+            sinks[i].view()[:] = mapped[1][off : off + size]  # the one copy
+            copied.append(i)
+        await self._ch.send_frame(P.GetDone())  # the node unpins; verification needs only our copy
+        outcome = GetOutcome([], 0)
+        node_sums = dict(zip(present, sums))
+        for i in copied:
+            _accept(outcome, i, sinks[i], node_sums[i], expected[i])
+        return outcome
+
+    def _map(self, mapped: list[tuple[int, int]], fds: list[int]) -> None:
+        """Map the slabs whose read-only descriptors came with a plan (replacing stale
+        generations); the descriptors are closed, the mappings stay."""
+        try:
+            if len(mapped) != len(fds):
+                raise ProtocolError(f"node {self.node.node_id} sent {len(fds)} descriptors for {len(mapped)} slabs")
+            for (region, generation), fd in zip(mapped, fds):
+                size = os.fstat(fd).st_size
+                view = np.frombuffer(mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ), dtype=np.uint8)
+                self._maps[region] = (generation, view)
+        finally:
+            _close_fds(fds)
+
+    async def close(self) -> None:
+        self.broken = True
+        ch, self._ch = self._ch, None
+        if ch is not None:
+            ch.close()
+        self._maps.clear()
+        self._staging.close()
+
+
+def _accept(outcome: GetOutcome, i: int, sink: Span, node_checksum: int, expected: int) -> None:
+    if node_checksum == expected and page_checksum(sink.view()) == expected:
+        outcome.ok.append(i)
+    else:
+        outcome.corrupt += 1
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass

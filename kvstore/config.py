@@ -4,6 +4,7 @@ variables through pydantic-settings (one mechanism for both)."""
 from __future__ import annotations
 
 import socket
+import tempfile
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, model_validator
@@ -47,9 +48,10 @@ class ServerSettings(BaseSettings):
     transfer_timeout: float = Field(30.0, gt=0, description="seconds one request may take on the data plane")
     shutdown_grace: float = Field(10.0, ge=0, description="seconds to finish in-flight transfers on SIGTERM")
     auth_token: SecretStr = Field(SecretStr(""), description="data-plane token clients must present")
-    ucx_progress_mode: ProgressMode = Field("blocking", description="ucxx progress mode (figures for each in kvstore/transport.py)")
+    ucx_progress_mode: ProgressMode = Field("thread", description="ucxx progress mode (figures for each in kvstore/transport.py)")
     ucx_net_devices: str | None = Field(None, description="sets UCX_NET_DEVICES (e.g. lo, eth0, mlx5_0:1)")
     ucx_tls: str | None = Field(None, description="sets UCX_TLS (e.g. rc,cuda_copy or tcp)")
+    shm_dir: str = Field(default_factory=tempfile.gettempdir, description="directory of the Unix socket same-host clients use (shared memory path); empty disables it")
     log_level: str = Field("INFO")
 
     @model_validator(mode="after")
@@ -76,9 +78,10 @@ class ClientOptions(BaseModel):
     timeout: float = Field(5.0, gt=0, le=3600, allow_inf_nan=False, description="seconds a call may take before missing pages count as absent")
     transfer_mode: Literal["auto", "direct", "staged"] = Field("auto", description="receive straight into the destination, or through pinned host memory")
     auth_token: SecretStr = Field(SecretStr(""), description="data-plane token")
-    ucx_progress_mode: ProgressMode = Field("blocking", description="ucxx progress mode (figures for each in kvstore/transport.py)")
+    ucx_progress_mode: ProgressMode = Field("thread", description="ucxx progress mode (figures for each in kvstore/transport.py)")
     node_refresh: float = Field(1.0, gt=0, le=60, allow_inf_nan=False, description="seconds between reads of the node registry")
     lease_ms: int = Field(5_000, ge=0, le=600_000, description="read lease a lookup takes on the pages it returns")
+    same_host: bool = Field(True, description="reach nodes on this host through shared memory (kvstore.shm) instead of UCX")
 
 
 def client_options(base: ClientOptions | None = None, **overrides: Any) -> ClientOptions:

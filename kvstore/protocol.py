@@ -20,10 +20,12 @@ pages move without copies."""
 from __future__ import annotations
 
 import enum
+import json
 import struct
-from typing import Annotated
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvstore.errors import ProtocolError
 
@@ -41,8 +43,11 @@ DEFAULT_MAX_RUN_BYTES = 64 << 20
 # client's memory: one copy through a scratch buffer costs less than a message each.
 PACK_BELOW = 256 << 10
 
-# page hashes and namespace digests: 16 bytes as lowercase hex
+# namespace digests: 16 bytes as lowercase hex
 Hex128 = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+HASH_BYTES = 16
+# Kinds of binary array that follow a frame's JSON header: (numpy dtype, bytes per row).
+_ARRAY_TYPES: dict[str, tuple[str, int]] = {"u32": ("<u4", 4), "u64": ("<u8", 8), "bool": ("u1", 1), "hash": ("u1", HASH_BYTES)}
 
 
 class FrameType(enum.IntEnum):
@@ -51,66 +56,150 @@ class FrameType(enum.IntEnum):
     PUT_RESULT = 3
     GET_REQUEST = 4
     GET_PLAN = 5
+    PUT_CHECKSUMS = 6
+    GET_DONE = 7
     ERROR = 15
 
 
+def _as_array(name: str, value: Any, kind: str) -> np.ndarray:
+    dtype, _ = _ARRAY_TYPES[kind]
+    if kind == "hash":
+        if isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim == 2 and value.shape[1] == HASH_BYTES:
+            return value
+        try:
+            joined = b"".join(value)
+        except TypeError:
+            joined = b""
+        if len(joined) != HASH_BYTES * len(value):
+            raise ValueError(f"{name} must be {HASH_BYTES}-byte hashes")
+        return np.frombuffer(joined, dtype=np.uint8).reshape(-1, HASH_BYTES)
+    arr = np.asarray(value)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iub"):
+        raise ValueError(f"{name} must be a flat integer array")
+    if arr.size and (int(arr.min()) < 0 or (kind == "u32" and int(arr.max()) >= 2**32)):
+        raise ValueError(f"{name} holds a value out of range for {kind}")
+    return arr.astype(dtype, copy=False)
+
+
 class _Frame(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """A control frame: scalar fields travel as a JSON header, the per-page fields
+    named in ``ARRAYS`` as packed little-endian arrays after it (numpy arrays here,
+    built from lists, tuples or arrays)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+    ARRAYS: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _arrays(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = dict(data)
+            for name, kind in cls.ARRAYS.items():
+                data[name] = _as_array(name, data.get(name, ()), kind)
+        return data
+
+    def ints(self, name: str) -> list[int]:
+        """A numeric array field as a list of Python ints."""
+        return getattr(self, name).tolist()
 
 
-class PutPage(_Frame):
-    hash: Hex128
-    size: int = Field(gt=0)
-    checksum: int = Field(ge=0, lt=2**64)
-    join: bool = Field(default=False, description="may share a message with the previous page")
+def _same_length(frame: _Frame, *names: str) -> None:
+    if len({len(getattr(frame, n)) for n in names}) > 1:
+        raise ValueError(f"{', '.join(names)} must have the same length")
+
+
+Array = Any  # a numpy array, checked by _Frame._arrays
 
 
 class PutRequest(_Frame):
-    """Client -> server: pages the client offers to store."""
+    """Client -> server: pages the client offers to store (hash, size, and whether each
+    page may share a message with the one before it)."""
 
+    ARRAYS = {"hashes": "hash", "sizes": "u64", "join": "bool"}
     namespace: Hex128
     token: str = ""
-    pages: list[PutPage] = Field(min_length=1, max_length=MAX_PAGES_PER_REQUEST)
+    hashes: Array
+    sizes: Array
+    join: Array
+
+    @model_validator(mode="after")
+    def _check(self) -> PutRequest:
+        _same_length(self, "hashes", "sizes", "join")
+        if not 1 <= len(self.hashes) <= MAX_PAGES_PER_REQUEST:
+            raise ValueError(f"a put offers 1 to {MAX_PAGES_PER_REQUEST} pages, got {len(self.hashes)}")
+        if int(self.sizes.min()) == 0:
+            raise ValueError("page sizes must be positive")
+        return self
 
 
 class PutPlan(_Frame):
     """Server -> client: which offered pages to send, grouped into runs (lengths, in order
     of ``wanted``) that each travel as one message; ``present`` were already stored;
-    ``refused`` did not fit."""
+    ``refused`` did not fit. Same-host puts move no messages: ``offsets`` say where in
+    the client's staging memory the node reads each wanted page (see kvstore.shm)."""
 
-    wanted: list[int]
-    runs: list[int]
-    present: list[int]
-    refused: list[int]
+    ARRAYS = {"wanted": "u32", "runs": "u32", "present": "u32", "refused": "u32", "offsets": "u64"}
+    wanted: Array
+    runs: Array
+    present: Array
+    refused: Array
+    offsets: Array
+
+
+class PutChecksums(_Frame):
+    """Client -> server, after PUT_PLAN: the xxh3-64 of each wanted page, in the order
+    of ``wanted``. Pages the node did not ask for are never hashed."""
+
+    ARRAYS = {"checksums": "u64"}
+    checksums: Array
 
 
 class PutResult(_Frame):
     """Server -> client after the payloads: which wanted pages are now committed."""
 
-    stored: list[int]
-    corrupt: list[int]
-
-
-class GetPage(_Frame):
-    hash: Hex128
-    join: bool = Field(default=False, description="may share a message with the previous page")
+    ARRAYS = {"stored": "u32", "corrupt": "u32"}
+    stored: Array
+    corrupt: Array
 
 
 class GetRequest(_Frame):
+    ARRAYS = {"hashes": "hash", "join": "bool"}
     namespace: Hex128
     token: str = ""
-    pages: list[GetPage] = Field(min_length=1, max_length=MAX_PAGES_PER_REQUEST)
+    hashes: Array
+    join: Array
     max_run_bytes: int = Field(default=DEFAULT_MAX_RUN_BYTES, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> GetRequest:
+        _same_length(self, "hashes", "join")
+        if not 1 <= len(self.hashes) <= MAX_PAGES_PER_REQUEST:
+            raise ValueError(f"a get asks for 1 to {MAX_PAGES_PER_REQUEST} pages, got {len(self.hashes)}")
+        return self
 
 
 class GetPlan(_Frame):
     """Server -> client: ``present`` pages follow as runs (lengths, in order of ``present``);
-    ``sizes`` and ``checksums`` are the server's record of each present page."""
+    ``sizes`` and ``checksums`` are the server's record of each present page. Same-host
+    gets move no messages: ``regions`` (slab indexes) and ``offsets`` (within the slab)
+    say where each page lies in the node's shared memory, and the frame carries a
+    read-only descriptor for each ``mapped`` [slab, generation] the client lacks; with
+    more descriptors than one frame can carry, frames with ``more`` set come first
+    (see kvstore.shm)."""
 
-    present: list[int]
-    sizes: list[int]
-    checksums: list[int]
-    runs: list[int]
+    ARRAYS = {"present": "u32", "sizes": "u64", "checksums": "u64", "runs": "u32", "regions": "u32", "offsets": "u64"}
+    mapped: list[tuple[int, int]] = []
+    more: bool = False
+    present: Array
+    sizes: Array
+    checksums: Array
+    runs: Array
+    regions: Array
+    offsets: Array
+
+
+class GetDone(_Frame):
+    """Client -> server after a same-host GET_PLAN: the pages are copied; unpin them."""
 
 
 class ErrorFrame(_Frame):
@@ -121,17 +210,27 @@ class ErrorFrame(_Frame):
 _MODELS: dict[FrameType, type[_Frame]] = {
     FrameType.PUT_REQUEST: PutRequest,
     FrameType.PUT_PLAN: PutPlan,
+    FrameType.PUT_CHECKSUMS: PutChecksums,
     FrameType.PUT_RESULT: PutResult,
     FrameType.GET_REQUEST: GetRequest,
     FrameType.GET_PLAN: GetPlan,
+    FrameType.GET_DONE: GetDone,
     FrameType.ERROR: ErrorFrame,
 }
 _TYPES = {model: ftype for ftype, model in _MODELS.items()}
+_COUNT = struct.Struct("<I")
 
 
 def encode(frame: _Frame) -> bytes:
-    body = frame.model_dump_json().encode()
-    return PREAMBLE.pack(MAGIC, VERSION, _TYPES[type(frame)], len(body)) + body
+    """Preamble, then the body: a u32 header length, the JSON header, then for each
+    field of ``ARRAYS`` in order a u32 row count and the packed rows."""
+    header = frame.model_dump_json(exclude=set(frame.ARRAYS)).encode()
+    parts = [b"", _COUNT.pack(len(header)), header]
+    for name in frame.ARRAYS:
+        arr = np.ascontiguousarray(getattr(frame, name))
+        parts += [_COUNT.pack(len(arr)), arr.tobytes()]
+    parts[0] = PREAMBLE.pack(MAGIC, VERSION, _TYPES[type(frame)], sum(len(p) for p in parts))
+    return b"".join(parts)
 
 
 def wire_messages(frame: _Frame) -> list[bytes]:
@@ -163,20 +262,45 @@ def announced_length(first: bytes | bytearray | memoryview, max_body: int = MAX_
 def decode(data: bytes | bytearray | memoryview, max_body: int = MAX_BODY_BYTES) -> _Frame:
     """Parse one control frame (preamble and body; trailing padding is ignored);
     raises ``ProtocolError`` naming what is wrong."""
-    data = bytes(data)
+    data = memoryview(data).cast("B")
     length = announced_length(data, max_body)
     if len(data) < PREAMBLE.size + length:
         raise ProtocolError(f"truncated frame: preamble announces {length} body bytes, got {len(data) - PREAMBLE.size}")
     ftype = PREAMBLE.unpack_from(data)[2]
-    data = data[: PREAMBLE.size + length]
+    body = data[PREAMBLE.size : PREAMBLE.size + length]
     try:
         model = _MODELS[FrameType(ftype)]
     except ValueError:
         raise ProtocolError(f"unknown frame type {ftype}") from None
+    pos = 0
+
+    def take(n: int, what: str) -> memoryview:
+        nonlocal pos
+        if pos + n > len(body):
+            raise ProtocolError(f"truncated {model.__name__}: {what} runs past the end of the body")
+        pos += n
+        return body[pos - n : pos]
+
     try:
-        return model.model_validate_json(data[PREAMBLE.size :])
+        (hlen,) = _COUNT.unpack(take(_COUNT.size, "header length"))
+        fields = json.loads(bytes(take(hlen, "header")))
+        if not isinstance(fields, dict):
+            raise ProtocolError(f"invalid {model.__name__}: the header is not a JSON object")
+        for name, kind in model.ARRAYS.items():
+            dtype, width = _ARRAY_TYPES[kind]
+            (rows,) = _COUNT.unpack(take(_COUNT.size, f"{name} count"))
+            if rows > MAX_PAGES_PER_REQUEST:
+                raise ProtocolError(f"invalid {model.__name__}: {name} has {rows} rows, more than {MAX_PAGES_PER_REQUEST}")
+            arr = np.frombuffer(take(rows * width, name), dtype=dtype)
+            fields[name] = arr.reshape(rows, HASH_BYTES) if kind == "hash" else arr
+        if pos != len(body):
+            raise ProtocolError(f"invalid {model.__name__}: {len(body) - pos} bytes after the last field")
+        return model.model_validate(fields)
     except ValidationError as exc:
-        raise ProtocolError(f"invalid {model.__name__}: {exc.errors()[0]['loc']} {exc.errors()[0]['msg']}") from None
+        err = exc.errors()[0]
+        raise ProtocolError(f"invalid {model.__name__}: {err['loc']} {err['msg']}") from None
+    except ValueError as exc:  # malformed JSON
+        raise ProtocolError(f"invalid {model.__name__}: {exc}") from None
 
 
 def plan_runs(offsets: list[int], sizes: list[int], joinable: list[bool], max_run_bytes: int) -> list[int]:

@@ -1,12 +1,14 @@
 """Slab allocator for page slots of many sizes at once.
 
-The pool is cut into equal slabs; a slab serves one size class. Size classes grow
+The pool is cut into equal slabs; a slab serves one size class of one owner (a
+tenant: same-host clients map whole slabs, see server/pool.py). Size classes grow
 geometrically (four per doubling above 64 KiB), so pages of different namespaces
-share slabs of their class and a slab whose last slot is freed returns to the
-common free list for any class to take. Allocate and free are O(1)."""
+of a tenant share slabs of their class, and a slab whose last slot is freed returns
+to the common free list for any class and owner to take. Allocate and free are O(1)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 GRANULE = 4096
@@ -29,6 +31,7 @@ class _Slab:
     index: int
     slot_size: int
     slots: int
+    owner: str
     bump: int = 0
     free: list[int] = field(default_factory=list)
     used: int = 0
@@ -48,7 +51,7 @@ class _Slab:
 class SlabAllocator:
     """Hands out byte offsets into the pool. Not thread-safe: one event loop owns it."""
 
-    def __init__(self, total_bytes: int, slab_size: int) -> None:
+    def __init__(self, total_bytes: int, slab_size: int, on_new_slab: Callable[[int, str], None] | None = None) -> None:
         if slab_size % GRANULE:
             raise ValueError(f"slab size {slab_size} must be a multiple of {GRANULE}")
         self.slab_size = slab_size
@@ -56,21 +59,26 @@ class SlabAllocator:
         self.capacity = self.num_slabs * slab_size
         self._free_slabs = list(range(self.num_slabs - 1, -1, -1))
         self._slabs: dict[int, _Slab] = {}
-        self._partial: dict[int, dict[int, _Slab]] = {}  # class -> slabs with free slots
+        self._partial: dict[tuple[str, int], dict[int, _Slab]] = {}  # (owner, class) -> slabs with free slots
+        self._on_new_slab = on_new_slab  # told which owner a free slab now serves
         self.used_bytes = 0
 
-    def allocate(self, nbytes: int) -> int | None:
-        """Offset of a free slot for ``nbytes``, or None when the class is full and no
-        slab is free (the caller evicts and retries)."""
+    def allocate(self, nbytes: int, owner: str = "") -> int | None:
+        """Offset of a free slot for ``nbytes`` in a slab of ``owner``, or None when the
+        owner's slabs of that class are full and no slab is free (the caller evicts and
+        retries)."""
         cls = size_class(nbytes)
         if cls > self.slab_size:
             raise ValueError(f"page of {nbytes} bytes exceeds the largest slot ({self.slab_size} bytes)")
-        partial = self._partial.setdefault(cls, {})
+        partial = self._partial.setdefault((owner, cls), {})
         if partial:
             slab = partial[next(reversed(partial))]
         elif self._free_slabs:
-            index = self._free_slabs.pop()
-            slab = _Slab(index, cls, self.slab_size // cls)
+            index = self._free_slabs[-1]
+            if self._on_new_slab is not None:
+                self._on_new_slab(index, owner)
+            self._free_slabs.pop()
+            slab = _Slab(index, cls, self.slab_size // cls, owner)
             self._slabs[index] = slab
             partial[index] = slab
         else:
@@ -86,7 +94,7 @@ class SlabAllocator:
         slot, rem = divmod(offset - slab.index * self.slab_size, slab.slot_size)
         if rem:
             raise ValueError(f"offset {offset} is not the start of a slot")
-        partial = self._partial[slab.slot_size]
+        partial = self._partial[(slab.owner, slab.slot_size)]
         slab.used -= 1
         slab.free.append(slot)
         self.used_bytes -= slab.slot_size
@@ -99,3 +107,6 @@ class SlabAllocator:
 
     def slot_size(self, offset: int) -> int:
         return self._slabs[offset // self.slab_size].slot_size
+
+    def owner(self, offset: int) -> str:
+        return self._slabs[offset // self.slab_size].owner

@@ -1,19 +1,27 @@
-"""Serving PUT and GET requests over UCX (the protocol is in docs/protocol.md).
+"""Serving PUT and GET requests (the protocol is in docs/protocol.md).
 
-One coroutine per client endpoint reads control frames and handles one request at
-a time. Payloads are received straight into pool slots and sent straight from them.
-A malformed frame body gets an ERROR reply; a bad preamble or a broken transfer
-closes that endpoint only."""
+Two data paths share one request logic: UCX endpoints (any host; payloads are
+received straight into pool slots and sent straight from them) and Unix sockets
+for clients on the node's host (kvstore.shm: pages move through shared memory with
+one copy). One coroutine per connection reads control frames and handles one
+request at a time. A malformed frame body gets an ERROR reply; a bad preamble or a
+broken transfer closes that connection only."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
 import logging
+import mmap
+import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvstore import protocol as P
+from kvstore import shm
 from kvstore.checksum import page_checksum
 from kvstore.errors import IndexScriptError, ProtocolError, RemoteFault
 from kvstore.index import AsyncPageIndex, CommitEntry
@@ -27,23 +35,66 @@ log = logging.getLogger(__name__)
 
 
 class _Broken(Exception):
-    """The endpoint can no longer be trusted to be in step; close it."""
+    """The connection can no longer be trusted to be in step; close it."""
 
 
 class _Refused(Exception):
-    """The request cannot be served; answered with an ERROR frame, endpoint kept."""
+    """The request cannot be served; answered with an ERROR frame, connection kept."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
 
 
+class _UcxConn:
+    """A client over a UCX endpoint."""
+
+    path = "ucx"
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+
+    async def recv(self) -> tuple[bytes, list[int]]:
+        return await self.channel.recv_frame(), []
+
+    async def send(self, frame: Any, fds: list[int] = ()) -> None:
+        await self.channel.send_frame(frame)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class _ShmConn:
+    """A same-host client over a Unix socket; remembers which slab descriptors it was
+    sent (by generation) and the client's staging memfd."""
+
+    path = "shm"
+
+    def __init__(self, channel: shm.UnixChannel) -> None:
+        self.channel = channel
+        self.sent: dict[int, int] = {}  # slab index -> generation whose descriptor the client has
+        self.staging: mmap.mmap | None = None
+
+    async def recv(self) -> tuple[bytes, list[int]]:
+        return await self.channel.recv_frame()
+
+    async def send(self, frame: Any, fds: list[int] = ()) -> None:
+        await self.channel.send_frame(frame, fds)
+
+    async def close(self) -> None:
+        self.channel.close()
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
+
+
 @dataclass
 class PutBatch:
     """One PUT request as it moves through plan, receive and commit.
 
-    ``pages`` are the slots this request claimed (parallel to ``wanted``); whatever
-    is not in ``committed`` when the request ends is released."""
+    ``pages`` are the slots this request claimed (parallel to ``wanted``); ``good``
+    are those received and verified; whatever is not in ``committed`` when the
+    request ends is released."""
 
     req: P.PutRequest
     present: list[int] = field(default_factory=list)
@@ -51,6 +102,7 @@ class PutBatch:
     wanted: list[int] = field(default_factory=list)
     pages: list[StoredPage] = field(default_factory=list)
     runs: list[int] = field(default_factory=list)
+    good: list[StoredPage] = field(default_factory=list)
     corrupt: list[int] = field(default_factory=list)
     committed: set[StoredPage] = field(default_factory=set)
 
@@ -76,65 +128,87 @@ class DataPlane:
         self.idle.set()
 
     async def serve(self, endpoint: Any) -> None:
-        """Listener callback: serve one client endpoint until it goes away."""
-        ep = Channel(endpoint)
+        """UCX listener callback: serve one client endpoint until it goes away."""
+        await self._serve(_UcxConn(Channel(endpoint)))
+
+    async def serve_unix(self, sock: socket.socket) -> None:
+        """Serve one same-host client on an accepted Unix socket until it goes away."""
+        await self._serve(_ShmConn(shm.UnixChannel(sock)))
+
+    async def _serve(self, conn: _UcxConn | _ShmConn) -> None:
         try:
             while True:
                 try:
-                    raw = await ep.recv_frame()
+                    raw, fds = await conn.recv()
                 except ProtocolError as exc:  # a bad preamble: the stream is out of step
                     self.metrics.errors.labels("protocol").inc()
-                    await self._reply_error(ep, "protocol", str(exc))
+                    await self._reply_error(conn, "protocol", str(exc))
                     return
                 except Exception:  # noqa: BLE001 - any receive failure means the peer is gone
                     return
+                _close_fds(fds)  # a request frame carries none
                 if self.closing:
-                    await self._reply_error(ep, "shutting_down", "node is shutting down")
+                    await self._reply_error(conn, "shutting_down", "node is shutting down")
                     return
                 self.active += 1
                 self.idle.clear()
                 try:
-                    await self._dispatch(ep, raw)
+                    await self._dispatch(conn, raw)
                 except _Broken as exc:
                     self.metrics.errors.labels("transfer").inc()
-                    log.info("closing endpoint after a broken transfer: %s", exc)
+                    log.info("closing a %s connection after a broken transfer: %s", conn.path, exc)
                     return
                 finally:
                     self.active -= 1
                     if self.active == 0:
                         self.idle.set()
         finally:
-            await ep.close()
+            await conn.close()
 
-    async def _dispatch(self, ep: Channel, raw: bytes) -> None:
+    async def _dispatch(self, conn: _UcxConn | _ShmConn, raw: bytes) -> None:
         try:
             frame = P.decode(raw)
             if not isinstance(frame, (P.PutRequest, P.GetRequest)):
-                raise ProtocolError(f"a client may not send {type(frame).__name__}")
+                raise ProtocolError(f"a request may not start with {type(frame).__name__}")
             if not hmac.compare_digest(frame.token.encode(), self.token.encode()):
                 self.metrics.errors.labels("auth").inc()
                 raise _Refused("unauthorized", "data-plane token does not match")
-            if isinstance(frame, P.PutRequest):
-                with self.metrics.latency.labels("put").time():
-                    await self._put(ep, frame)
-            else:
-                with self.metrics.latency.labels("get").time():
-                    await self._get(ep, frame)
+            op = "put" if isinstance(frame, P.PutRequest) else "get"
+            self.metrics.requests.labels(op, conn.path).inc()
+            with self.metrics.latency.labels(op).time():
+                await (self._put(conn, frame) if op == "put" else self._get(conn, frame))
         except ProtocolError as exc:
             self.metrics.errors.labels("protocol").inc()
-            await self._reply_error(ep, "protocol", str(exc))
+            await self._reply_error(conn, "protocol", str(exc))
         except _Refused as exc:
-            await self._reply_error(ep, exc.code, str(exc))
+            await self._reply_error(conn, exc.code, str(exc))
 
-    async def _send(self, ep: Channel, frame: Any) -> None:
+    async def _send(self, conn: _UcxConn | _ShmConn, frame: Any, fds: list[int] = ()) -> None:
         try:
-            await with_timeout(ep.send_frame(frame), self.timeout, "control reply")
+            await with_timeout(conn.send(frame, fds), self.timeout, "control reply")
         except Exception as exc:  # noqa: BLE001
             raise _Broken(f"cannot reply: {exc}") from exc
 
-    async def _reply_error(self, ep: Channel, code: str, message: str) -> None:
+    async def _expect(self, conn: _UcxConn | _ShmConn, kind: type, what: str) -> tuple[Any, list[int]]:
+        """The next frame, which must be ``kind``: anything else (or nothing within the
+        timeout) leaves the connection out of step."""
         try:
-            await self._send(ep, P.ErrorFrame(code=code, message=message))
+            raw, fds = await with_timeout(conn.recv(), self.timeout, what)
+        except Exception as exc:  # noqa: BLE001
+            raise _Broken(f"no {what}: {exc}") from exc
+        try:
+            frame = P.decode(raw)
+        except ProtocolError as exc:
+            _close_fds(fds)
+            raise _Broken(f"bad {what}: {exc}") from exc
+        if not isinstance(frame, kind):
+            _close_fds(fds)
+            raise _Broken(f"expected {kind.__name__}, got {type(frame).__name__}")
+        return frame, fds
+
+    async def _reply_error(self, conn: _UcxConn | _ShmConn, code: str, message: str) -> None:
+        try:
+            await self._send(conn, P.ErrorFrame(code=code, message=message))
         except _Broken:
             pass
 
@@ -151,19 +225,31 @@ class DataPlane:
             self.namespaces[digest] = ns
         return ns
 
-    # ---- PUT: plan, receive, commit ----------------------------------------------
+    # ---- PUT: plan, receive, verify, commit -----------------------------------------
 
-    async def _put(self, ep: Channel, req: P.PutRequest) -> None:
-        await self._namespace(req.namespace)
-        batch = self._plan_put(req)
+    async def _put(self, conn: _UcxConn | _ShmConn, req: P.PutRequest) -> None:
+        ns = await self._namespace(req.namespace)
+        batch = self._plan_put(req, ns.tenant)
         try:
-            await self._assign_slots(batch)
-            await self._send(ep, P.PutPlan(wanted=batch.wanted, runs=batch.runs, present=batch.present, refused=sorted(batch.refused)))
+            await self._assign_slots(batch, ucx=conn.path == "ucx")
+            sizes = [p.size for p in batch.pages]
+            offsets = np.cumsum([0] + sizes[:-1]) if conn.path == "shm" and sizes else []
+            await self._send(conn, P.PutPlan(wanted=batch.wanted, runs=batch.runs, present=batch.present, refused=sorted(batch.refused), offsets=offsets))
+            sums, fds = await self._expect(conn, P.PutChecksums, "put checksums")
             try:
-                await self._move_runs(ep.recv, batch.pages, batch.runs, "page receive")
+                if len(sums.checksums) != len(batch.pages):
+                    raise _Broken(f"{len(sums.checksums)} checksums for {len(batch.pages)} wanted pages")
+                for page, checksum in zip(batch.pages, sums.ints("checksums")):
+                    page.checksum = checksum
+                if conn.path == "shm":
+                    self._copy_from_staging(conn, batch, fds, offsets)
+                else:
+                    await self._receive_runs(conn.channel, batch)
             except BaseException:
-                await ep.close()  # no late writes into slots that are about to be reused
+                await conn.close()  # no late writes into slots that are about to be reused
                 raise
+            finally:
+                _close_fds(fds)
             await self._commit(batch)
         finally:
             for page in batch.pages:
@@ -175,29 +261,31 @@ class DataPlane:
         self.metrics.put_skipped.inc(len(batch.present))
         self.metrics.corrupt.inc(len(batch.corrupt))
         self.metrics.bytes_in.inc(sum(p.size for p in batch.pages))
-        await self._send(ep, P.PutResult(stored=batch.stored, corrupt=batch.corrupt))
+        await self._send(conn, P.PutResult(stored=batch.stored, corrupt=batch.corrupt))
 
-    def _plan_put(self, req: P.PutRequest) -> PutBatch:
+    def _plan_put(self, req: P.PutRequest, owner: str) -> PutBatch:
         """Sort offered pages into present, refused and wanted, claiming the wanted ones.
 
         Runs without an await, so no other request can claim a key between the check
         and the claim. A page another PUT is receiving right now counts as present:
         that PUT stores it (or the page is a miss later, never wrong bytes)."""
         batch = PutBatch(req)
-        for i, offered in enumerate(req.pages):
-            key = (req.namespace, bytes.fromhex(offered.hash))
+        slab = self.store.allocator.slab_size
+        for i, (h, size) in enumerate(zip(req.hashes, req.ints("sizes"))):
+            key = (req.namespace, h.tobytes())
             current = self.store.find(key)
             if current is not None:
                 (batch.refused if current.state is PageState.EVICTING else batch.present).append(i)
-            elif offered.size > self.store.allocator.slab_size:
+            elif size > slab:
                 batch.refused.append(i)
             else:
                 batch.wanted.append(i)
-                batch.pages.append(self.store.claim(key, offered.size, offered.checksum))
+                batch.pages.append(self.store.claim(key, size, owner=owner))
         return batch
 
-    async def _assign_slots(self, batch: PutBatch) -> None:
-        """Slots for the claimed pages; pages that got none are released and refused."""
+    async def _assign_slots(self, batch: PutBatch, ucx: bool) -> None:
+        """Slots for the claimed pages; pages that got none are released and refused.
+        UCX puts also group the pages into runs (one message each)."""
         if batch.pages:
             await self.evictor.allocate(batch.pages)
         kept = [(i, p) for i, p in zip(batch.wanted, batch.pages) if p.offset is not None]
@@ -206,18 +294,53 @@ class DataPlane:
                 self.store.abort_put(page)
                 batch.refused.append(i)
         batch.wanted, batch.pages = [i for i, _ in kept], [p for _, p in kept]
-        joinable = _joinable([batch.req.pages[i].join for i in batch.wanted], batch.wanted, [p.size for p in batch.pages])
-        batch.runs = P.plan_runs([p.offset for p in batch.pages], [p.size for p in batch.pages], joinable, P.DEFAULT_MAX_RUN_BYTES)
+        if ucx:
+            joinable = _joinable([bool(batch.req.join[i]) for i in batch.wanted], batch.wanted, [p.size for p in batch.pages])
+            batch.runs = P.plan_runs([p.offset for p in batch.pages], [p.size for p in batch.pages], joinable, P.DEFAULT_MAX_RUN_BYTES)
+
+    def _verify(self, batch: PutBatch, k: int) -> None:
+        """Check the k-th wanted page against the writer's checksum."""
+        page = batch.pages[k]
+        if page_checksum(self.store.view(page)) == page.checksum:
+            batch.good.append(page)
+        else:
+            batch.corrupt.append(batch.wanted[k])
+
+    async def _receive_runs(self, ch: Channel, batch: PutBatch) -> None:
+        """Receive each run straight into its slots; a run is verified while the next
+        one is arriving (UCX progresses in its own thread)."""
+        starts = np.cumsum([0] + batch.runs).tolist()
+        pending = self._move_run(ch.recv, batch.pages, starts, 0, "page receive") if batch.runs else None
+        for r in range(len(batch.runs)):
+            current = pending
+            await current
+            pending = self._move_run(ch.recv, batch.pages, starts, r + 1, "page receive") if r + 1 < len(batch.runs) else None
+            for k in range(starts[r], starts[r + 1]):
+                self._verify(batch, k)
+
+    def _copy_from_staging(self, conn: _ShmConn, batch: PutBatch, fds: list[int], offsets: Any) -> None:
+        """Copy each wanted page from the client's staging memfd into its slot and verify it."""
+        if fds:  # a new staging memfd
+            if conn.staging is not None:
+                conn.staging.close()
+                conn.staging = None
+            try:
+                conn.staging = shm.map_client_staging(fds[0], int(offsets[-1]) + batch.pages[-1].size if batch.pages else 0)
+            except ProtocolError as exc:
+                raise _Broken(str(exc)) from exc
+        if not batch.pages:
+            return
+        if conn.staging is None or conn.staging.size() < int(offsets[-1]) + batch.pages[-1].size:
+            raise _Broken("the put plan needs a staging memfd the client did not send")
+        src = np.frombuffer(conn.staging, dtype=np.uint8)
+        for k, (page, off) in enumerate(zip(batch.pages, offsets.tolist())):
+            self.store.view(page)[:] = src[off : off + page.size]
+            self._verify(batch, k)
+        del src
 
     async def _commit(self, batch: PutBatch) -> None:
-        """Verify each received page against the writer's checksum and publish the good
-        ones; they become ready only once the index has them."""
-        good: list[StoredPage] = []
-        for i, page in zip(batch.wanted, batch.pages):
-            if page_checksum(self.store.view(page)) == page.checksum:
-                good.append(page)
-            else:
-                batch.corrupt.append(i)
+        """Publish the verified pages; they become ready only once the index has them."""
+        good = batch.good
         if not good:
             return
         entries = [CommitEntry(p.key[1], p.offset, p.size, p.checksum) for p in good]
@@ -234,46 +357,91 @@ class DataPlane:
             self.store.finish_put(page)
             batch.committed.add(page)
 
-    async def _move_runs(self, op: Any, pages: list[StoredPage], runs: list[int], what: str) -> None:
-        """Move each run of pages as one message straight into (``ep.recv``) or out of
-        (``ep.send``) their pool slots; any failure breaks the endpoint."""
-        pos = 0
-        for run in runs:
-            group = pages[pos : pos + run]
-            pos += run
-            view = self.store.pool.view(group[0].offset, group[-1].offset + group[-1].size - group[0].offset)
+    def _move_run(self, op: Any, pages: list[StoredPage], starts: list[int], r: int, what: str) -> asyncio.Future:
+        """Start moving run ``r`` as one message straight into (``ch.recv``) or out of
+        (``ch.send``) its pool slots; the future raises ``_Broken`` on any failure."""
+        group = pages[starts[r] : starts[r + 1]]
+        view = self.store.pool.view(group[0].offset, group[-1].offset + group[-1].size - group[0].offset)
+
+        async def move() -> None:
             try:
                 await with_timeout(op(view, P.DATA_TAG), self.timeout, what)
             except Exception as exc:  # noqa: BLE001 - UCX errors, timeouts, cancellation by a dead peer
-                raise _Broken(f"{what} of {run} pages failed: {exc}") from exc
+                raise _Broken(f"{what} of {len(group)} pages failed: {exc}") from exc
+
+        task = asyncio.ensure_future(move())
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved when abandoned
+        return task
 
     # ---- GET -------------------------------------------------------------------------
 
-    async def _get(self, ep: Channel, req: P.GetRequest) -> None:
+    async def _get(self, conn: _UcxConn | _ShmConn, req: P.GetRequest) -> None:
         store = self.store
         pages: list[StoredPage] = []
+        runs: list[int] = []
         try:
             present = []
-            for i, p in enumerate(req.pages):
-                page = store.pin_for_read((req.namespace, bytes.fromhex(p.hash)))
+            for i, h in enumerate(req.hashes):
+                page = store.pin_for_read((req.namespace, h.tobytes()))
                 if page is not None:
                     present.append(i)
                     pages.append(page)
-            joinable = _joinable([req.pages[i].join for i in present], present, [p.size for p in pages])
-            runs = P.plan_runs([p.offset for p in pages], [p.size for p in pages], joinable, req.max_run_bytes)
-            plan = P.GetPlan(present=present, sizes=[p.size for p in pages], checksums=[p.checksum for p in pages], runs=runs)
-            await self._send(ep, plan)
-            await self._move_runs(ep.send, pages, runs, "page send")
+            sizes = [p.size for p in pages]
+            checksums = np.array([p.checksum for p in pages], dtype=np.uint64)
+            if conn.path == "shm":
+                await self._lend_pages(conn, present, pages, sizes, checksums)
+            else:
+                joinable = _joinable([bool(req.join[i]) for i in present], present, sizes)
+                runs = P.plan_runs([p.offset for p in pages], sizes, joinable, req.max_run_bytes)
+                await self._send(conn, P.GetPlan(present=present, sizes=sizes, checksums=checksums, runs=runs))
+                starts = np.cumsum([0] + runs).tolist()
+                for r in range(len(runs)):
+                    await self._move_run(conn.channel.send, pages, starts, r, "page send")
         except BaseException:
-            await ep.close()  # no send may still read from slots that are unpinned next
+            await conn.close()  # no send may still read from slots that are unpinned next
             raise
         finally:
             for page in pages:
                 store.unpin(page)
         self.metrics.messages.labels("out").inc(len(runs))
         self.metrics.gets.inc(len(pages))
-        self.metrics.get_missing.inc(len(req.pages) - len(pages))
+        self.metrics.get_missing.inc(len(req.hashes) - len(pages))
         self.metrics.bytes_out.inc(sum(p.size for p in pages))
+
+    async def _lend_pages(self, conn: _ShmConn, present: list[int], pages: list[StoredPage], sizes: list[int], checksums: Any) -> None:
+        """Same-host GET: tell the client where the pinned pages lie, pass read-only
+        descriptors of slabs it has not mapped at their current generation, and keep
+        the pins until it says GET_DONE (or the timeout closes the connection)."""
+        slab = self.store.allocator.slab_size
+        regions = [p.offset // slab for p in pages]
+        pool = self.store.pool
+        fresh = sorted({r for r in regions if conn.sent.get(r) != pool.regions[r].generation})
+        fds: list[int] = []
+        try:
+            for r in fresh:
+                fds.append(shm.read_only_fd(pool.regions[r].fd))
+            for start in range(0, max(len(fresh), 1), shm.MAX_FDS_PER_FRAME):
+                chunk = fresh[start : start + shm.MAX_FDS_PER_FRAME]
+                last = start + shm.MAX_FDS_PER_FRAME >= len(fresh)
+                plan = P.GetPlan(
+                    present=present if last else [], sizes=sizes if last else [], checksums=checksums if last else [],
+                    regions=regions if last else [], offsets=[p.offset % slab for p in pages] if last else [],
+                    mapped=[[r, pool.regions[r].generation] for r in chunk], more=not last,
+                )
+                await self._send(conn, plan, fds[start : start + shm.MAX_FDS_PER_FRAME])
+        finally:
+            _close_fds(fds)
+        for r in fresh:
+            conn.sent[r] = pool.regions[r].generation
+        await self._expect(conn, P.GetDone, "get done")
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def _joinable(flags: list[bool], indexes: list[int], sizes: list[int]) -> list[bool]:

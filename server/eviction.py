@@ -51,12 +51,13 @@ class Evictor:
             await self.evict(store.used_bytes + needed - int(self.low * store.capacity))
         for page in pages:
             for _ in range(3):
-                if store.assign_slot(page) or not await self.evict(size_class(page.size), size_class(page.size)):
+                if store.assign_slot(page) or not await self.evict(size_class(page.size), size_class(page.size), page.owner):
                     break
 
-    async def evict(self, nbytes: int, slot_size: int | None = None) -> int:
-        """Evict least-recently-used pages worth at least ``nbytes``; returns pages evicted."""
-        victims = self.store.take_victims(nbytes, slot_size)
+    async def evict(self, nbytes: int, slot_size: int | None = None, owner: str = "") -> int:
+        """Evict least-recently-used pages worth at least ``nbytes`` (of ``slot_size`` and
+        ``owner`` first, when given); returns pages evicted."""
+        victims = self.store.take_victims(nbytes, slot_size, owner)
         by_ns: dict[str, list[StoredPage]] = defaultdict(list)
         for page in victims:
             by_ns[page.key[0]].append(page)

@@ -27,6 +27,7 @@ class NodeMetrics:
         self.get_missing = Counter("kvstore_get_missing_pages", "Requested pages not held", registry=r)
         self.bytes_in = Counter("kvstore_bytes_in", "Payload bytes received", registry=r)
         self.bytes_out = Counter("kvstore_bytes_out", "Payload bytes sent", registry=r)
+        self.requests = Counter("kvstore_transfer_requests", "PUT and GET requests served, by data path", ["op", "path"], registry=r)
         self.messages = Counter("kvstore_payload_messages", "UCX payload messages", ["direction"], registry=r)
         self.evictions = Counter("kvstore_evicted_pages", "Pages evicted", registry=r)
         self.refused = Counter("kvstore_refused_pages", "Pages refused for lack of space", registry=r)

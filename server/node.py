@@ -17,12 +17,15 @@ import asyncio
 import ctypes
 import logging
 import os
+import re
+import socket
 import signal
 import time
 
 from kvstore.config import ServerSettings
 from kvstore.errors import FencedError, IndexScriptError, NodeIdInUseError, RemoteFault
 from kvstore.index import AsyncPageIndex, CommitEntry
+from kvstore.shm import host_id
 from kvstore.transport import ensure_ucx
 from server.dataplane import DataPlane
 from server.eviction import Evictor, NodeIdentity
@@ -51,8 +54,8 @@ class StorageNode:
         self.settings = settings
         self.identity = NodeIdentity(settings.node_id)
         self.metrics = NodeMetrics()
-        self.pool = MemoryPool(settings.capacity, settings.hugepages)
-        self.store = PageStore(self.pool, settings.slab_size)
+        self.pool = MemoryPool(settings.capacity, settings.slab_size, settings.hugepages)
+        self.store = PageStore(self.pool)
         self.metrics.capacity.set(self.store.capacity)
         self.index = AsyncPageIndex(settings.redis_url, password=settings.redis_password.get_secret_value() or None)
         self.node_ttl_ms = int(settings.node_ttl * 1000)
@@ -86,6 +89,7 @@ class StorageNode:
             loop.add_signal_handler(sig, self._stop.set)
         listener = ucxx.create_listener(self.dataplane.serve, port=s.port)
         self.address = f"{s.host}:{listener.port}"
+        unix = self._listen_unix() if s.shm_dir else None
         if s.metrics_port is not None:
             http = start_health_server(s.metrics_host, s.metrics_port, self.metrics.registry, self.ready)
             self.metrics_port = http.server_port
@@ -96,6 +100,8 @@ class StorageNode:
         log.info("shutting down: %d requests in flight", self.dataplane.active)
         self.dataplane.closing = True
         listener.close()
+        if unix is not None:
+            unix.cancel()
         try:
             await asyncio.wait_for(self.dataplane.idle.wait(), s.shutdown_grace)
         except asyncio.TimeoutError:
@@ -105,6 +111,38 @@ class StorageNode:
         await self.index.close()
         if self.fatal is not None:
             raise self.fatal
+
+    def _listen_unix(self) -> asyncio.Task | None:
+        """Listen for same-host clients (kvstore.shm) on a Unix socket in ``shm_dir``; its
+        path and this host's identity go into the registry entry."""
+        path = os.path.join(self.settings.shm_dir, f"kvstore-{re.sub(r'[^A-Za-z0-9_.-]', '_', self.settings.node_id)}.sock")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            if os.path.exists(path):
+                os.unlink(path)  # left by a node that was killed; node ids are unique
+            sock.bind(path)
+            sock.listen(128)
+        except OSError as exc:
+            sock.close()
+            log.warning("same-host path off: cannot listen on %s: %s", path, exc)
+            return None
+        sock.setblocking(False)
+        self._extra.update(shm=path, host=host_id())
+        loop = asyncio.get_running_loop()
+
+        async def accept() -> None:
+            try:
+                while True:
+                    conn, _ = await loop.sock_accept(sock)
+                    loop.create_task(self.dataplane.serve_unix(conn))
+            finally:
+                sock.close()
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+
+        return loop.create_task(accept())
 
     async def _heartbeat_loop(self) -> None:
         """Register until it succeeds, then refresh the registry entry and the liveness

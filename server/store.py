@@ -40,15 +40,16 @@ class StoredPage:
     key: PageKey
     size: int
     checksum: int
+    owner: str = ""  # the tenant whose slabs may hold it (server/pool.py)
     offset: int | None = None  # None until a slot is assigned
     state: PageState = PageState.RECEIVING
     pins: int = 0
 
 
 class PageStore:
-    def __init__(self, pool: MemoryPool, slab_size: int) -> None:
+    def __init__(self, pool: MemoryPool) -> None:
         self.pool = pool
-        self.allocator = SlabAllocator(pool.capacity, slab_size)
+        self.allocator = SlabAllocator(pool.capacity, pool.slab_size, pool.claim_slab)
         self.pages: dict[PageKey, StoredPage] = {}
         self._lru: OrderedDict[PageKey, StoredPage] = OrderedDict()
         self.namespace_pages: Counter[str] = Counter()
@@ -78,18 +79,18 @@ class PageStore:
         """Every ready page, least recently used first (for re-publishing after an index loss)."""
         return list(self._lru.values())
 
-    def claim(self, key: PageKey, size: int, checksum: int) -> StoredPage:
+    def claim(self, key: PageKey, size: int, checksum: int = 0, owner: str = "") -> StoredPage:
         """Make ``key`` *receiving* for the calling PUT. The caller checked ``find`` first
         (no await in between) and must end with ``finish_put`` or ``abort_put``."""
         assert key not in self.pages, "claim of a key that is already in the table"
-        page = StoredPage(key, size, checksum, pins=1)
+        page = StoredPage(key, size, checksum, owner, pins=1)
         self.pins += 1
         self.pages[key] = page
         return page
 
     def assign_slot(self, page: StoredPage) -> bool:
         """Give a claimed page a slot; False when no slot is free (evict and retry)."""
-        page.offset = self.allocator.allocate(page.size)
+        page.offset = self.allocator.allocate(page.size, page.owner)
         return page.offset is not None
 
     def finish_put(self, page: StoredPage) -> None:
@@ -120,17 +121,19 @@ class PageStore:
         if page.state is PageState.DROPPED:
             self._release_slot(page)
 
-    def take_victims(self, nbytes: int, slot_size: int | None = None) -> list[StoredPage]:
+    def take_victims(self, nbytes: int, slot_size: int | None = None, owner: str = "") -> list[StoredPage]:
         """Move least-recently-used ready pages worth ``nbytes`` of slots (preferring slot
-        size ``slot_size`` when given) to *evicting*, hidden from readers. The caller
-        either ``drop``s or ``restore``s each one."""
+        size ``slot_size`` of ``owner`` when given: their slots are the ones a new page
+        can use) to *evicting*, hidden from readers. The caller either ``drop``s or
+        ``restore``s each one."""
         victims: list[StoredPage] = []
         freed = 0
+        alloc = self.allocator
         for pass_class in ((slot_size, None) if slot_size else (None,)):
             for page in self._lru.values():
                 if freed >= nbytes:
                     break
-                if page.state is PageState.READY and (pass_class is None or self.allocator.slot_size(page.offset) == pass_class):
+                if page.state is PageState.READY and (pass_class is None or (alloc.slot_size(page.offset) == pass_class and alloc.owner(page.offset) == owner)):
                     page.state = PageState.EVICTING
                     victims.append(page)
                     freed += self.allocator.slot_size(page.offset)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import struct
 import sys
 
 import numpy as np
@@ -31,8 +32,10 @@ async def ask(ep: Channel, data: bytes) -> str:
 
 async def main(host: str, port: int, ns_hex: str) -> dict:
     ucxx = ensure_ucx()
-    good = P.encode(P.GetRequest(namespace="0" * 32, pages=[P.GetPage(hash="1" * 32)]))
+    good = P.encode(P.GetRequest(namespace="0" * 32, hashes=[b"1" * 16], join=[False]))
     body = good[P.PREAMBLE.size :]
+    hlen = struct.unpack_from("<I", body)[0]
+    too_many_rows = body[: 4 + hlen] + struct.pack("<I", 5) + body[4 + hlen + 4 :]  # 5 hashes announced, 1 sent
     bad_preamble = {
         "garbage": b"\x00\xffnot a frame at all" * 3,
         "short": b"KV",
@@ -43,9 +46,9 @@ async def main(host: str, port: int, ns_hex: str) -> dict:
     bad_body = {
         "truncated": P.PREAMBLE.pack(P.MAGIC, P.VERSION, P.FrameType.GET_REQUEST, len(body) + 40) + body,
         "unknown_type": P.PREAMBLE.pack(P.MAGIC, P.VERSION, 77, len(body)) + body,
-        "bad_json": P.PREAMBLE.pack(P.MAGIC, P.VERSION, P.FrameType.GET_REQUEST, 5) + b"{nope",
+        "bad_json": P.PREAMBLE.pack(P.MAGIC, P.VERSION, P.FrameType.GET_REQUEST, 9) + struct.pack("<I", 5) + b"{nope",
         "server_frame": P.encode(P.PutResult(stored=[], corrupt=[])),
-        "bad_hash": P.PREAMBLE.pack(P.MAGIC, P.VERSION, P.FrameType.GET_REQUEST, len(body)) + body.replace(b"1" * 32, b"Z" * 32),
+        "bad_rows": P.PREAMBLE.pack(P.MAGIC, P.VERSION, P.FrameType.GET_REQUEST, len(too_many_rows)) + too_many_rows,
     }
     replies = {}
     for name, payload in bad_preamble.items():
@@ -59,9 +62,10 @@ async def main(host: str, port: int, ns_hex: str) -> dict:
 
     # A put whose payload arrives shorter than announced: the page must not be stored.
     page = np.arange(65536, dtype=np.uint8)
-    put = P.PutRequest(namespace=ns_hex, pages=[P.PutPage(hash="2" * 32, size=page.nbytes, checksum=page_checksum(page))])
+    put = P.PutRequest(namespace=ns_hex, hashes=[bytes.fromhex("2" * 32)], sizes=[page.nbytes], join=[False])
     await ep.send_frame(put)
     plan = P.decode(await ep.recv_frame())
+    await ep.send_frame(P.PutChecksums(checksums=[page_checksum(page)]))
     truncated_outcome = "closed"
     try:
         await ep.send(page[:1000], P.DATA_TAG)

@@ -71,7 +71,7 @@ def put(store: PageStore, key, size: int, checksum: int = 0):
 
 
 def test_pinned_victim_is_freed_only_after_its_transfer_ends():
-    store = PageStore(MemoryPool(2 << 20, hugepages=False), 1 << 20)
+    store = PageStore(MemoryPool(2 << 20, 1 << 20, hugepages=False))
     page = put(store, ("ns", b"a" * 16), 65536, 1)
     reader = store.pin_for_read(page.key)
     victims = store.take_victims(65536)
@@ -84,7 +84,7 @@ def test_pinned_victim_is_freed_only_after_its_transfer_ends():
 
 
 def test_lru_order_follows_reads():
-    store = PageStore(MemoryPool(2 << 20, hugepages=False), 1 << 20)
+    store = PageStore(MemoryPool(2 << 20, 1 << 20, hugepages=False))
     pages = []
     for i in range(3):
         pages.append(put(store, ("ns", bytes([i]) * 16), 4096, i))
@@ -93,7 +93,7 @@ def test_lru_order_follows_reads():
 
 
 def test_a_claimed_key_is_invisible_and_an_aborted_claim_frees_its_slot():
-    store = PageStore(MemoryPool(2 << 20, hugepages=False), 1 << 20)
+    store = PageStore(MemoryPool(2 << 20, 1 << 20, hugepages=False))
     key = ("ns", b"k" * 16)
     page = store.claim(key, 65536, 7)
     assert store.assign_slot(page)
@@ -106,10 +106,33 @@ def test_a_claimed_key_is_invisible_and_an_aborted_claim_frees_its_slot():
 
 
 def test_an_evicting_page_returns_to_the_lru_when_restored():
-    store = PageStore(MemoryPool(2 << 20, hugepages=False), 1 << 20)
+    store = PageStore(MemoryPool(2 << 20, 1 << 20, hugepages=False))
     key = ("ns", b"r" * 16)
     page = put(store, key, 4096, 1)
     assert store.take_victims(4096) == [page]
     assert store.pin_for_read(key) is None and store.namespace_pages["ns"] == 0
     store.restore(page)
     assert store.pin_for_read(key) is page and store.namespace_pages["ns"] == 1
+
+
+def test_a_slab_changing_owner_gets_fresh_memory_and_the_old_mapping_reads_zeros():
+    """Same-host clients map whole slabs: a slab must never show one tenant's bytes to
+    a client of another (server/pool.py)."""
+    import mmap
+
+    store = PageStore(MemoryPool(1 << 20, 1 << 20, hugepages=False))
+    page = store.claim(("ns-a", b"a" * 16), 4096, owner="tenant-a")
+    assert store.assign_slot(page)
+    store.view(page)[:] = 7
+    region = store.pool.regions[0]
+    old = mmap.mmap(region.fd, 1 << 20, prot=mmap.PROT_READ)  # what a tenant-a client maps
+    generation = region.generation
+    store.finish_put(page)
+    store.drop(store.take_victims(4096)[0])
+    other = store.claim(("ns-b", b"b" * 16), 4096, owner="tenant-b")
+    assert store.assign_slot(other) and other.offset == 0
+    store.view(other)[:] = 9
+    assert region.generation == generation + 1
+    assert old[:4096] == bytes(4096)  # the old memfd was emptied, not shared with tenant-b
+    again = store.claim(("ns-b", b"c" * 16), 4096, owner="tenant-b")
+    assert store.assign_slot(again) and region.generation == generation + 1  # same owner: kept

@@ -12,9 +12,12 @@ import time
 import urllib.error
 import urllib.request
 
+import numpy as np
 import pytest
 
 from kvstore import block_hashes
+from kvstore import protocol as P
+from kvstore.checksum import page_checksum
 from kvstore.index import PageIndex
 from tests.helpers import ROOT, metrics, namespace_for_page_size, run_worker, spec, wait_for, worker_result
 
@@ -161,7 +164,7 @@ def test_garbage_and_truncated_frames_do_not_take_the_server_down(clusters):
     out = subprocess.run([sys.executable, str(ROOT / "tests" / "raw_client.py"), node.host, str(node.port), ns.digest_hex], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     replies = json.loads(out.stdout.strip().splitlines()[-1])
-    for case in ("garbage", "short", "bad_magic", "bad_version", "truncated", "oversized", "unknown_type", "bad_json", "server_frame", "bad_hash"):
+    for case in ("garbage", "short", "bad_magic", "bad_version", "truncated", "oversized", "unknown_type", "bad_json", "server_frame", "bad_rows"):
         assert replies[case] == "protocol", (case, replies[case])
     assert replies["valid_get_after_garbage"] == "GetPlan"
     assert replies["truncated_payload_plan"] == "PutPlan"
@@ -238,3 +241,40 @@ def test_thread_progress_mode_serves_and_exits_on_sigterm(clusters):
     node = cluster.nodes[0].process
     node.send_signal(signal.SIGTERM)
     assert node.wait(15) == 0
+
+
+def test_bad_same_host_frames_and_an_unsealed_staging_memfd_do_not_hurt_the_node(clusters):
+    """The Unix-socket path (kvstore.shm): garbage gets a protocol error; a staging
+    memfd that could be truncated under the node (SIGBUS) is refused; the node serves on."""
+    import array
+
+    cluster = clusters()
+    node = PageIndex(cluster.redis_url).live_nodes()[0]
+    assert node.extra["host"] and os.path.exists(node.extra["shm"])
+    ns = namespace_for_page_size(64 << 10, tenant="shm-garbage")
+    PageIndex(cluster.redis_url).ensure_namespace(ns)
+
+    def reply(sock: socket.socket) -> P._Frame:
+        head = sock.recv(P.PREAMBLE.size, socket.MSG_WAITALL)
+        return P.decode(head + sock.recv(P.announced_length(head), socket.MSG_WAITALL))
+
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(10)
+        sock.connect(node.extra["shm"])
+        sock.sendall(b"\x00\xffnot a frame at all" * 3)
+        assert reply(sock).code == "protocol"
+    page = np.arange(65536, dtype=np.uint8)
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(10)
+        sock.connect(node.extra["shm"])
+        sock.sendall(P.encode(P.PutRequest(namespace=ns.digest_hex, hashes=[b"3" * 16], sizes=[page.nbytes], join=[False])))
+        assert isinstance(reply(sock), P.PutPlan)
+        fd = os.memfd_create("unsealed")
+        os.write(fd, page.tobytes())
+        sock.sendmsg([P.encode(P.PutChecksums(checksums=[page_checksum(page)]))], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+        os.close(fd)
+        assert sock.recv(1) == b""  # the node closed the connection instead of mapping it
+    assert PageIndex(cluster.redis_url).lookup(ns, [b"3" * 16], lease_ms=0).matched == 0
+    tokens = list(range(4 * ns.block_size))
+    assert run_worker(spec(cluster, ns, "put_pages", tokens=tokens))["reports"][0]["stored"] == 4
+    assert cluster.nodes[0].process.poll() is None

@@ -1,0 +1,177 @@
+"""The same-host data path: control frames over a Unix socket, pages through shared memory.
+
+When a client runs on the node's host (the DaemonSet deployment), UCX's loopback
+TCP would copy every byte through the kernel twice and cap transfers near a
+quarter of memcpy. Instead:
+
+- **GET**: the node's pool slabs are memfds (server/pool.py). The node answers a
+  GET with where each page lies and passes the client a *read-only* descriptor of
+  each slab it has not sent yet (SCM_RIGHTS); the client maps it, copies each page
+  straight into the caller's memory (the one copy), verifies the checksum, and says
+  GET_DONE so the node unpins. A slab only ever holds one tenant's pages and gets a
+  fresh memfd when it changes tenant, so a client never maps another tenant's bytes.
+- **PUT**: the client gathers the pages the node wants into its own sealed memfd
+  (the gather that a put needs anyway) and passes its descriptor; the node copies
+  each page into its slot and verifies it before commit. The memfd is sealed against
+  shrinking so a client cannot make the node fault (SIGBUS) by truncating it.
+
+Why not UCX's own shared-memory or CMA transports: listener endpoints use error
+handling, which keeps UCX on TCP; and CMA would let the reader ``process_vm_readv``
+the node, that is, every tenant's pages. Why not have the node write into the
+client (process_vm_writev): a node stalled past the client's timeout could write
+into memory the caller already reused; here the node never writes into a client.
+
+A client whose copy runs past its timeout closes the socket; a page the node
+evicted meanwhile reads as zeros or other bytes and fails its checksum: a miss.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import fcntl
+import mmap
+import os
+import socket
+from functools import lru_cache
+from typing import Any
+
+from kvstore import protocol as P
+from kvstore.errors import ProtocolError, TransportError
+
+MAX_FDS_PER_FRAME = 253  # SCM_MAX_FD
+
+
+@lru_cache(maxsize=1)
+def host_id() -> str:
+    """Identity of the running kernel: processes with the same value can share memfds."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+class UnixChannel:
+    """A connected, non-blocking Unix stream socket carrying control frames, each with
+    optional file descriptors. One request at a time per channel (callers serialise)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self._loop = asyncio.get_running_loop()
+        self._fds: list[int] = []  # received, not yet claimed by a frame
+
+    async def _wait(self, writable: bool) -> None:
+        fut = self._loop.create_future()
+        fd = self.sock.fileno()
+        add, remove = (self._loop.add_writer, self._loop.remove_writer) if writable else (self._loop.add_reader, self._loop.remove_reader)
+        add(fd, lambda: fut.done() or fut.set_result(None))
+        try:
+            await fut
+        finally:
+            remove(fd)
+
+    async def send_frame(self, frame: Any, fds: list[int] = ()) -> None:
+        data = memoryview(P.encode(frame))
+        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+        while data:
+            try:
+                sent = self.sock.sendmsg([data], ancillary)
+            except (BlockingIOError, InterruptedError):
+                await self._wait(writable=True)
+                continue
+            except OSError as exc:
+                raise TransportError(f"unix socket send failed: {exc}") from None
+            data, ancillary = data[sent:], []
+
+    async def _recv_exact(self, n: int) -> bytes:
+        out = bytearray()
+        space = socket.CMSG_SPACE(MAX_FDS_PER_FRAME * array.array("i").itemsize)
+        while len(out) < n:
+            try:
+                data, ancdata, flags, _ = self.sock.recvmsg(n - len(out), space)
+            except (BlockingIOError, InterruptedError):
+                await self._wait(writable=False)
+                continue
+            except OSError as exc:
+                raise TransportError(f"unix socket receive failed: {exc}") from None
+            for level, kind, payload in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds = array.array("i")
+                    fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+                    self._fds.extend(fds)
+            if flags & socket.MSG_CTRUNC:
+                raise ProtocolError("descriptors were truncated")
+            if not data:
+                raise TransportError("peer closed the unix socket")
+            out += data
+        return bytes(out)
+
+    async def recv_frame(self, max_body: int = P.MAX_BODY_BYTES) -> tuple[bytes, list[int]]:
+        """One frame's bytes (for ``P.decode``) and the descriptors that came with it;
+        the caller owns (and must close) the descriptors."""
+        head = await self._recv_exact(P.PREAMBLE.size)
+        body = await self._recv_exact(P.announced_length(head, max_body))
+        fds, self._fds = self._fds, []
+        return head + body, fds
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def read_only_fd(fd: int) -> int:
+    """A new read-only descriptor of the same memfd: whoever receives it can map the
+    memory for reading only."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+
+class Staging:
+    """A client's sealed memfd that puts gather pages into; grown by replacing it."""
+
+    def __init__(self) -> None:
+        self.fd = -1
+        self.size = 0
+        self.map: mmap.mmap | None = None
+        self.fresh = False  # the node has not been sent this descriptor yet
+
+    def ensure(self, nbytes: int) -> memoryview:
+        if nbytes > self.size:
+            self.close()
+            size = max(nbytes, 1 << 20)
+            fd = os.memfd_create("kvstore-put-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+            self.fd, self.size, self.fresh = fd, size, True
+            self.map = mmap.mmap(fd, size)
+        return memoryview(self.map)
+
+    def close(self) -> None:
+        if self.map is not None:
+            try:
+                self.map.close()
+            except BufferError:  # a view is still alive; the mapping goes with it
+                pass
+            os.close(self.fd)
+        self.map, self.fd, self.size = None, -1, 0
+
+
+def map_client_staging(fd: int, needed: int) -> mmap.mmap:
+    """Map a client's staging memfd read-only after checking it cannot shrink under
+    the node (which would kill the node with SIGBUS) and holds ``needed`` bytes."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        raise ProtocolError("the staging descriptor is not a sealable memfd") from None
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise ProtocolError("the staging memfd is not sealed against shrinking")
+    size = os.fstat(fd).st_size
+    if size < needed:
+        raise ProtocolError(f"the staging memfd holds {size} bytes, the plan needs {needed}")
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
