@@ -1,87 +1,307 @@
-"""Put and get throughput between a client process and a storage-node process.
+"""Data-plane throughput and CPU, side by side with memcpy and Valkey, in one run.
 
-    python bench/transfer.py [--total 512MiB] [--sizes 64KiB,2MiB,16MiB] [--repeat 5]
+    python bench/transfer.py [--total 64MiB] [--sizes 64KiB,2MiB,16MiB] [--repeat 5]
+                             [--readers 4] [--plot bench/transfer.png]
 
-Prints GB/s (median of --repeat runs) for put_pages and get_pages at each page size,
-next to a numpy memcpy of the same bytes measured in the same run."""
+Separate processes: one storage node, one writer, ``--readers`` readers (all on
+this host), the embedded Valkey. For each page size it moves the same pages with:
+
+- memcpy: a single-thread numpy copy of the same bytes, page by page (the baseline);
+- valkey: Valkey as a blob store, pipelined SET (put) and GET (get, copied into the
+  destination array as a kvstore get lands in the caller's tensor);
+- kvstore shm: ``put_pages``/``get_pages`` through the same-host path (kvstore.shm);
+- kvstore ucx: the same calls over UCX (loopback TCP here), ``same_host=False``.
+
+Systems are interleaved (memcpy, valkey, shm, ucx, then again) for ``--repeat``
+rounds, first with one reader, then with ``--readers`` readers at once (aggregate
+GB/s), then with one reader while two CPU-burning processes run. Each figure is a
+median with min-max, and a ratio to the quiet memcpy of the same size. Gets are
+end to end (hash the tokens, one index lookup, transfer, verify) and are checked
+bit-exact against the pages put. CPU seconds per GB moved are read from
+/proc for the node (or Valkey) and the client process. Last, the idle CPU of the
+node, a client that has used both paths, and Valkey, over 5 s."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from client import KVCacheClient  # noqa: E402
 from kvstore import Namespace  # noqa: E402
-from kvstore.launcher import LocalCluster  # noqa: E402
 from kvstore.units import parse_size  # noqa: E402
 
-
-def namespace_for(nbytes: int, tenant: str) -> Namespace:
-    # float16 kv_lbhd pages of 32 layers x 8 heads x D dims x B tokens
-    head, block = 128, nbytes // (2 * 32 * 8 * 128 * 2)
-    if block == 0:
-        head, block = 32, max(1, nbytes // (2 * 32 * 8 * 32 * 2))
-    ns = Namespace(model="bench", dtype="float16", num_layers=32, num_kv_heads=8, head_size=head, block_size=block, tenant=tenant)
-    if ns.page_nbytes != nbytes:
-        ns = Namespace(model="bench", dtype="float16", num_layers=1, num_kv_heads=1, head_size=32, block_size=nbytes // 128, tenant=tenant)
-    return ns
+SYSTEMS = ("memcpy", "valkey", "shm", "ucx")
 
 
-def memcpy_gbps(nbytes: int) -> float:
-    src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
-    times = []
-    for _ in range(5):
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - t)
-    return nbytes / statistics.median(times) / 1e9
+def namespace_for(nbytes: int) -> Namespace:
+    """A float16 namespace whose page is exactly ``nbytes`` (2 MiB: one 16-token page of
+    a Llama-3-8B-like model, 32 layers x 8 KV heads x 128 dims)."""
+    if nbytes % (2 * 32 * 8 * 128 * 2) == 0:
+        return Namespace(model="bench", dtype="float16", num_layers=32, num_kv_heads=8, head_size=128, block_size=nbytes // (2 * 32 * 8 * 128 * 2), tenant="bench")
+    return Namespace(model="bench", dtype="float16", num_layers=1, num_kv_heads=1, head_size=32, block_size=nbytes // 128, tenant="bench")
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# ---- worker process: runs one operation per command line on stdin ----------------------
+
+
+class Worker:
+    """Holds clients and pages; each command returns wall time, own CPU and a check."""
+
+    def __init__(self, redis_url: str, total: int) -> None:
+        import redis
+
+        self.redis_url = redis_url
+        self.total = total
+        self.valkey = redis.Redis.from_url(redis_url)
+        self.clients: dict[tuple[int, str], object] = {}
+        self.pages: dict[int, object] = {}
+
+    def client(self, size: int, path: str):
+        from client import KVCacheClient
+
+        key = (size, path)
+        if key not in self.clients:
+            self.clients[key] = KVCacheClient(self.redis_url, namespace_for(size), timeout=120, lease_ms=0, same_host=path == "shm")
+        return self.clients[key]
+
+    def data(self, size: int):
+        import torch
+
+        if size not in self.pages:
+            ns = namespace_for(size)
+            gen = torch.Generator().manual_seed(size)
+            pages = torch.randint(-30000, 30000, (self.total // size, *ns.page_shape), dtype=torch.int16, generator=gen).view(torch.float16)
+            self.pages[size] = (pages, torch.empty_like(pages))
+        return self.pages[size]
+
+    def run(self, cmd: dict) -> dict:
+        import torch
+
+        size, op, system, tag = cmd["size"], cmd["op"], cmd["system"], cmd.get("tag", 0)
+        pages, out = self.data(size)
+        count = pages.shape[0]
+        ns = namespace_for(size)
+        tokens = list(range(tag * 10_000_000, tag * 10_000_000 + count * ns.block_size))
+        src, dst = pages.view(torch.uint8).reshape(-1).numpy(), out.view(torch.uint8).reshape(-1).numpy()
+        out.zero_()
+        cpu0, start = time.process_time(), time.time()
+        ok = True
+        if system == "memcpy":
+            for i in range(count):
+                np.copyto(dst[i * size : (i + 1) * size], src[i * size : (i + 1) * size])
+        elif system == "valkey" and op == "put":
+            pipe = self.valkey.pipeline(transaction=False)
+            for i in range(count):
+                pipe.set(f"bench:{size}:{tag}:{i}", memoryview(src[i * size : (i + 1) * size]))
+            pipe.execute()
+        elif system == "valkey":
+            pipe = self.valkey.pipeline(transaction=False)
+            for i in range(count):
+                pipe.get(f"bench:{size}:{tag}:{i}")
+            for i, blob in enumerate(pipe.execute()):
+                dst[i * size : (i + 1) * size] = np.frombuffer(blob, dtype=np.uint8)
+        elif op == "put":
+            ok = self.client(size, system).put_pages(tokens, pages).stored == count
+        else:
+            ok = self.client(size, system).get_pages(tokens, out) == count * ns.block_size
+        end, cpu = time.time(), time.process_time() - cpu0
+        if op == "get":
+            ok = ok and bool(np.array_equal(src, dst))  # bit-exact, outside the timing
+        return {"start": start, "end": end, "cpu": cpu, "ok": ok, "bytes": count * size}
+
+
+def worker_main(redis_url: str, total: int) -> None:
+    worker = Worker(redis_url, total)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd.get("op") == "quit":
+            break
+        print(json.dumps(worker.run(cmd)), flush=True)
+    for c in worker.clients.values():
+        c.close()
+
+
+class WorkerProcess:
+    def __init__(self, redis_url: str, total: int) -> None:
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", redis_url, str(total)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+    def send(self, **cmd) -> None:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def result(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("a benchmark worker died")
+        return json.loads(line)
+
+    def close(self) -> None:
+        try:
+            self.send(op="quit")
+            self.proc.wait(60)
+        except (BrokenPipeError, subprocess.TimeoutExpired):
+            self.proc.kill()
+
+
+# ---- the run -------------------------------------------------------------------------
+
+
+def burners(n: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def measure(readers: list[WorkerProcess], op: str, system: str, size: int, tag: int, server_pid: int) -> dict:
+    """One operation on every given worker at once: aggregate GB/s and CPU per GB."""
+    server0 = cpu_seconds(server_pid)
+    for w in readers:
+        w.send(op=op, system=system, size=size, tag=tag)
+    results = [w.result() for w in readers]
+    server = cpu_seconds(server_pid) - server0
+    moved = sum(r["bytes"] for r in results)
+    wall = max(r["end"] for r in results) - min(r["start"] for r in results)
+    if not all(r["ok"] for r in results):
+        raise SystemExit(f"{system} {op} of {size}-byte pages was not complete and bit-exact")
+    return {"gbps": moved / wall / 1e9, "client_cpu_per_gb": sum(r["cpu"] for r in results) / (moved / 1e9), "server_cpu_per_gb": server / (moved / 1e9)}
+
+
+def summarise(samples: list[dict], key: str) -> tuple[float, float, float]:
+    values = [s[key] for s in samples]
+    return statistics.median(values), min(values), max(values)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--total", default="512MiB", help="bytes moved per measurement")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--total", default="64MiB", help="bytes moved per measurement and reader")
     parser.add_argument("--sizes", default="64KiB,2MiB,16MiB")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--readers", type=int, default=4)
+    parser.add_argument("--plot", default=str(Path(__file__).with_name("transfer.png")))
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    total = parse_size(args.total)
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
-    capacity = total * (args.repeat + 1) + (256 << 20)
-    print(f"one storage node, one client process, loopback; {args.total} per run, median of {args.repeat}")
-    print(f"{'page size':>10} {'pages':>7} {'put GB/s':>9} {'get GB/s':>9} {'memcpy GB/s':>12}")
+    if args.worker:
+        worker_main(args.worker[0], int(args.worker[1]))
+        return 0
+
+    from kvstore.launcher import LocalCluster
+
+    total, sizes = parse_size(args.total), [parse_size(s) for s in args.sizes.split(",")]
+    puts_per_size = 2 * (args.repeat * 2)  # shm and ucx, quiet and with burners: all kept
+    capacity = total * len(sizes) * puts_per_size + (256 << 20)
+    rows: list[tuple[int, str, str, str, dict]] = []  # size, condition, system, op, samples summary
+    print(f"one node, one writer, {args.readers} readers, all separate processes on this host; "
+          f"{args.total} per measurement and reader; median (min-max) of {args.repeat} interleaved rounds", flush=True)
     with LocalCluster(servers=1, capacity=str(capacity), slab_size="64MiB") as cluster:
-        for size in sizes:
-            ns = namespace_for(size, tenant=f"bench-{size}")
-            count = total // size
-            with KVCacheClient(cluster.redis_url, ns, timeout=60, lease_ms=0) as client:
-                pages = torch.randint(-1000, 1000, (count, *ns.page_shape), dtype=torch.int16).view(torch.float16)
-                out = torch.empty_like(pages)
-                put_t, get_t = [], []
-                for r in range(args.repeat):
-                    tokens = list(range(r * 10_000_000, r * 10_000_000 + count * ns.block_size))
-                    t = time.perf_counter()
-                    report = client.put_pages(tokens, pages)
-                    put_t.append(time.perf_counter() - t)
-                    assert report.stored == count, report
-                    t = time.perf_counter()
-                    got = client.get_pages(tokens, out)
-                    get_t.append(time.perf_counter() - t)
-                    assert got == count * ns.block_size
-                assert torch.equal(out.view(torch.int16), pages.view(torch.int16))
-            nbytes = count * size
-            print(f"{size >> 10:>8}Ki {count:>7} {nbytes / statistics.median(put_t) / 1e9:>9.2f} "
-                  f"{nbytes / statistics.median(get_t) / 1e9:>9.2f} {memcpy_gbps(nbytes):>12.2f}", flush=True)
+        node_pid, valkey_pid = cluster.nodes[0].process.pid, cluster.valkey.process.pid
+        writer = WorkerProcess(cluster.redis_url, total)
+        readers = [WorkerProcess(cluster.redis_url, total) for _ in range(args.readers)]
+        tag = 0
+
+        def server_of(system: str) -> int:
+            return valkey_pid if system == "valkey" else node_pid
+
+        try:
+            for size in sizes:
+                samples: dict[tuple[str, str, str], list[dict]] = {}
+                last_put: dict[str, int] = {}
+                for system in SYSTEMS[1:]:  # warm up: connections, mappings, namespaces (not counted)
+                    tag += 1
+                    measure([writer], "put", system, size, tag, server_of(system))
+                    measure(readers, "get", system, size, tag, server_of(system))
+                for condition in ("1 reader", f"{args.readers} readers", "1 reader + 2 burners"):
+                    single = condition.startswith("1 ")
+                    hogs = burners(2) if "burners" in condition else []
+                    try:
+                        for _ in range(args.repeat):
+                            for system in SYSTEMS:
+                                if system == "memcpy":
+                                    if single:
+                                        samples.setdefault((condition, system, "copy"), []).append(measure(readers[:1], "copy", system, size, 0, node_pid))
+                                    continue
+                                if single:  # fresh pages (new token ids, same bytes): every put sends
+                                    tag += 1
+                                    last_put[system] = tag
+                                    samples.setdefault((condition, system, "put"), []).append(measure([writer], "put", system, size, tag, server_of(system)))
+                                group = readers[:1] if single else readers  # concurrent readers re-read the last pages put
+                                samples.setdefault((condition, system, "get"), []).append(measure(group, "get", system, size, last_put[system], server_of(system)))
+                    finally:
+                        for hog in hogs:
+                            hog.kill()
+                            hog.wait()
+                for (condition, system, op), s in samples.items():
+                    rows.append((size, condition, system, op, {k: summarise(s, k) for k in s[0]}))
+                print_table([r for r in rows if r[0] == size], size)
+            time.sleep(1)
+            idle = idle_cpu({"node": node_pid, "client": readers[0].proc.pid, "valkey": valkey_pid})
+            print("idle CPU (share of one core, 5 s): " + ", ".join(f"{k} {v:.3f}" for k, v in idle.items()), flush=True)
+        finally:
+            for w in [writer, *readers]:
+                w.close()
+    plot(rows, args.plot)
+    print(f"plot: {args.plot}")
     return 0
+
+
+def idle_cpu(pids: dict[str, int], seconds: float = 5.0) -> dict[str, float]:
+    before = {k: cpu_seconds(p) for k, p in pids.items()}
+    time.sleep(seconds)
+    return {k: (cpu_seconds(p) - before[k]) / seconds for k, p in pids.items()}
+
+
+def print_table(rows: list, size: int) -> None:
+    base = next(r[4]["gbps"][0] for r in rows if r[2] == "memcpy" and r[1] == "1 reader")
+    print(f"\n| {size >> 10} KiB pages | system | op | GB/s | min-max | x memcpy | client CPU s/GB | server CPU s/GB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for _, condition, system, op, fig in rows:
+        med, lo, hi = fig["gbps"]
+        server = "" if system == "memcpy" else f"{fig['server_cpu_per_gb'][0]:.2f}"
+        print(f"| {condition} | {system} | {op} | {med:.2f} | {lo:.2f}-{hi:.2f} | {med / base:.2f} | {fig['client_cpu_per_gb'][0]:.2f} | {server} |")
+    print(flush=True)
+
+
+def plot(rows: list, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no plot")
+        return
+    sizes = sorted({r[0] for r in rows})
+    conditions = list(dict.fromkeys(r[1] for r in rows))
+    series = list(dict.fromkeys((r[2], r[3]) for r in rows))
+    fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4.5), sharey=True, squeeze=False)
+    width = 0.8 / len(series)
+    for ax, size in zip(axes[0], sizes):
+        for k, (system, op) in enumerate(series):
+            figs = {r[1]: r[4]["gbps"] for r in rows if r[0] == size and (r[2], r[3]) == (system, op)}
+            xs = [c + k * width for c, cond in enumerate(conditions) if cond in figs]
+            med = [figs[cond][0] for cond in conditions if cond in figs]
+            err = [[m - figs[cond][1] for m, cond in zip(med, [c for c in conditions if c in figs])],
+                   [figs[cond][2] - m for m, cond in zip(med, [c for c in conditions if c in figs])]]
+            ax.bar(xs, med, width, yerr=err, label=f"{system} {op}", capsize=2)
+        ax.set_xticks([c + 0.4 - width / 2 for c in range(len(conditions))], conditions, fontsize=8)
+        ax.set_title(f"{size >> 10} KiB pages")
+        ax.set_ylabel("GB/s (median, min-max)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -115,12 +115,14 @@ class StorageNode:
     def _listen_unix(self) -> asyncio.Task | None:
         """Listen for same-host clients (kvstore.shm) on a Unix socket in ``shm_dir``; its
         path and this host's identity go into the registry entry."""
-        path = os.path.join(self.settings.shm_dir, f"kvstore-{re.sub(r'[^A-Za-z0-9_.-]', '_', self.settings.node_id)}.sock")
+        stem = f"kvstore-{re.sub(r'[^A-Za-z0-9_.-]', '_', self.settings.node_id)}"
+        _remove_stale_sockets(self.settings.shm_dir, stem)
+        # The pid keeps two stores on one host apart (tests, a second registry).
+        path = os.path.join(self.settings.shm_dir, f"{stem}-{os.getpid()}.sock")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            if os.path.exists(path):
-                os.unlink(path)  # left by a node that was killed; node ids are unique
             sock.bind(path)
+            os.chmod(path, 0o660)  # owner and group: share the group with engine pods
             sock.listen(128)
         except OSError as exc:
             sock.close()
@@ -232,3 +234,18 @@ class StorageNode:
             await self.index.deregister_node(self.identity.node_id, self.identity.incarnation)
         except (RemoteFault, IndexScriptError) as exc:
             log.warning("could not deregister (pages expire with the node TTL): %s", exc)
+
+
+def _remove_stale_sockets(directory: str, stem: str) -> None:
+    """Unlink Unix sockets that killed nodes of this node id left behind."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(stem) + 1 : -len(".sock")]
+        if name.startswith(stem + "-") and name.endswith(".sock") and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass
