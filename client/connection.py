@@ -14,6 +14,7 @@ returned. The caller treats the node's pages as missing."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import mmap
 import os
 import socket
@@ -239,8 +240,7 @@ class ShmConnection(_Connection):
     def __init__(self, node: NodeInfo, token: str) -> None:
         super().__init__(node, token)
         self._ch: shm.UnixChannel | None = None
-        self._maps: dict[int, tuple[int, np.ndarray]] = {}  # slab -> (generation, read-only view)
-        self._staging = shm.Staging()
+        self._maps: dict[int, tuple[int, np.ndarray]] = {}  # slab -> (generation, view; writable once a put lent it)
 
     async def _open(self, timeout: float) -> None:
         if self._ch is None:
@@ -263,34 +263,38 @@ class ShmConnection(_Connection):
             _close_fds(fds)
             raise
 
+    async def _plan(self, kind: type) -> Any:
+        """A same-host plan, mapping the slab descriptors that come with it (and with
+        any earlier frames marked ``more``)."""
+        while True:
+            plan, fds = await self._recv_frame(kind)
+            self._map(plan.mapped, fds)
+            if not plan.more:
+                return plan
+
     async def _put(self, namespace: str, pages: list[OutgoingPage], checksum: Checksums) -> PutOutcome:
         await self._ch.send_frame(_put_request(namespace, self.token, pages))
-        plan, _ = await self._recv_frame(P.PutPlan)
+        plan = await self._plan(P.PutPlan)
         wanted = self._check_put_plan(plan, len(pages))
-        offsets = plan.ints("offsets")
-        if len(offsets) != len(wanted):
-            raise ProtocolError(f"node {self.node.node_id} sent a put plan without staging offsets")
-        total = max((off + pages[i].span.nbytes for off, i in zip(offsets, wanted)), default=0)
-        staging = np.frombuffer(self._staging.ensure(total), dtype=np.uint8) if total else None
+        regions, offsets = plan.ints("regions"), plan.ints("offsets")
+        if not len(regions) == len(offsets) == len(wanted):
+            raise ProtocolError(f"node {self.node.node_id} sent a put plan without slots")
         sums = np.empty(len(wanted), dtype=np.uint64)
-        for k, (off, i) in enumerate(zip(offsets, wanted)):
-            dst = staging[off : off + pages[i].span.nbytes]
-            dst[:] = pages[i].span.view()
-            sums[k] = page_checksum(dst)  # of the bytes the node will read, hot in cache
-        staging = dst = None  # no view may outlive the mapping (Staging.close)
-        fds = [self._staging.fd] if self._staging.fresh and total else []
-        await self._ch.send_frame(P.PutChecksums(checksums=sums), fds)
-        self._staging.fresh = self._staging.fresh and not fds
+        for k, (i, region, off) in enumerate(zip(wanted, regions, offsets)):
+            mapped = self._maps.get(region)
+            size = pages[i].span.nbytes
+            if mapped is None or not mapped[1].flags.writeable or off + size > mapped[1].size:
+                raise ProtocolError(f"node {self.node.node_id} lent a slot outside the slabs it mapped")
+            slot = mapped[1][off : off + size]
+            slot[:] = pages[i].span.view()  # the one copy, straight into the node's slot
+            sums[k] = checksum(pages[i])
+        await self._ch.send_frame(P.PutChecksums(checksums=sums))
         result, _ = await self._recv_frame(P.PutResult)
         return PutOutcome(result.ints("stored"), plan.ints("present"), plan.ints("refused"), sum(pages[i].span.nbytes for i in wanted))
 
     async def _get(self, namespace: str, hashes: list[bytes], sinks: list[Span], expected: list[int]) -> GetOutcome:
         await self._ch.send_frame(_get_request(namespace, self.token, hashes, sinks))
-        while True:
-            plan, fds = await self._recv_frame(P.GetPlan)
-            self._map(plan.mapped, fds)
-            if not plan.more:
-                break
+        plan = await self._plan(P.GetPlan)
         present, sizes, sums = plan.ints("present"), plan.ints("sizes"), plan.ints("checksums")
         regions, offsets = plan.ints("regions"), plan.ints("offsets")
         if not len(present) == len(sizes) == len(sums) == len(regions) == len(offsets) or any(not 0 <= i < len(hashes) for i in present):
@@ -310,14 +314,17 @@ class ShmConnection(_Connection):
         return outcome
 
     def _map(self, mapped: list[tuple[int, int]], fds: list[int]) -> None:
-        """Map the slabs whose read-only descriptors came with a plan (replacing stale
-        generations); the descriptors are closed, the mappings stay."""
+        """Map the slabs whose descriptors came with a plan (replacing stale generations
+        and read-only mappings of slabs now lent for writing); the descriptors are
+        closed, the mappings stay."""
         try:
             if len(mapped) != len(fds):
                 raise ProtocolError(f"node {self.node.node_id} sent {len(fds)} descriptors for {len(mapped)} slabs")
             for (region, generation), fd in zip(mapped, fds):
                 size = os.fstat(fd).st_size
-                view = np.frombuffer(mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ), dtype=np.uint8)
+                writable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
+                prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+                view = np.frombuffer(mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=prot), dtype=np.uint8)
                 self._maps[region] = (generation, view)
         finally:
             _close_fds(fds)
@@ -328,7 +335,6 @@ class ShmConnection(_Connection):
         if ch is not None:
             ch.close()
         self._maps.clear()
-        self._staging.close()
 
 
 def _accept(outcome: GetOutcome, i: int, sink: Span, node_checksum: int, expected: int) -> None:

@@ -138,15 +138,19 @@ class PutRequest(_Frame):
 class PutPlan(_Frame):
     """Server -> client: which offered pages to send, grouped into runs (lengths, in order
     of ``wanted``) that each travel as one message; ``present`` were already stored;
-    ``refused`` did not fit. Same-host puts move no messages: ``offsets`` say where in
-    the client's staging memory the node reads each wanted page (see kvstore.shm)."""
+    ``refused`` did not fit. Same-host puts move no messages: ``regions`` (slab indexes)
+    and ``offsets`` (within the slab) say which slot the client writes each wanted page
+    into, with writable descriptors as in ``GetPlan`` (see kvstore.shm)."""
 
-    ARRAYS = {"wanted": "u32", "runs": "u32", "present": "u32", "refused": "u32", "offsets": "u64"}
+    ARRAYS = {"wanted": "u32", "runs": "u32", "present": "u32", "refused": "u32", "regions": "u32", "offsets": "u64"}
     wanted: Array
     runs: Array
     present: Array
     refused: Array
+    regions: Array
     offsets: Array
+    mapped: list[tuple[int, int]] = []
+    more: bool = False
 
 
 class PutChecksums(_Frame):

@@ -10,10 +10,14 @@ quarter of memcpy. Instead:
   straight into the caller's memory (the one copy), verifies the checksum, and says
   GET_DONE so the node unpins. A slab only ever holds one tenant's pages and gets a
   fresh memfd when it changes tenant, so a client never maps another tenant's bytes.
-- **PUT**: the client gathers the pages the node wants into its own sealed memfd
-  (the gather that a put needs anyway) and passes its descriptor; the node copies
-  each page into its slot and verifies it before commit. The memfd is sealed against
-  shrinking so a client cannot make the node fault (SIGBUS) by truncating it.
+- **PUT**: the node answers with the slots it assigned to the wanted pages and a
+  *writable* descriptor of each of those slabs the client lacks (slabs of the
+  client's tenant only); the client copies each page into its slot (the one copy),
+  hashes it, and the node verifies every page before commit. The memfds are sealed
+  against shrinking and growing, so a client cannot make the node fault (SIGBUS).
+  A writer could scribble on its own tenant's pages later, but a writer can already
+  publish wrong bytes under any hash of its tenant; readers verify the index's
+  checksum either way, so a scribbled page is a miss, never wrong KV.
 
 Why not UCX's own shared-memory or CMA transports: listener endpoints use error
 handling, which keeps UCX on TCP; and CMA would let the reader ``process_vm_readv``
@@ -29,8 +33,6 @@ from __future__ import annotations
 
 import array
 import asyncio
-import fcntl
-import mmap
 import os
 import socket
 from functools import lru_cache
@@ -126,52 +128,7 @@ class UnixChannel:
             pass
 
 
-def read_only_fd(fd: int) -> int:
-    """A new read-only descriptor of the same memfd: whoever receives it can map the
-    memory for reading only."""
-    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-
-
-class Staging:
-    """A client's sealed memfd that puts gather pages into; grown by replacing it."""
-
-    def __init__(self) -> None:
-        self.fd = -1
-        self.size = 0
-        self.map: mmap.mmap | None = None
-        self.fresh = False  # the node has not been sent this descriptor yet
-
-    def ensure(self, nbytes: int) -> memoryview:
-        if nbytes > self.size:
-            self.close()
-            size = max(nbytes, 1 << 20)
-            fd = os.memfd_create("kvstore-put-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-            os.ftruncate(fd, size)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
-            self.fd, self.size, self.fresh = fd, size, True
-            self.map = mmap.mmap(fd, size)
-        return memoryview(self.map)
-
-    def close(self) -> None:
-        if self.map is not None:
-            try:
-                self.map.close()
-            except BufferError:  # a view is still alive; the mapping goes with it
-                pass
-            os.close(self.fd)
-        self.map, self.fd, self.size = None, -1, 0
-
-
-def map_client_staging(fd: int, needed: int) -> mmap.mmap:
-    """Map a client's staging memfd read-only after checking it cannot shrink under
-    the node (which would kill the node with SIGBUS) and holds ``needed`` bytes."""
-    try:
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    except OSError:
-        raise ProtocolError("the staging descriptor is not a sealable memfd") from None
-    if not seals & fcntl.F_SEAL_SHRINK:
-        raise ProtocolError("the staging memfd is not sealed against shrinking")
-    size = os.fstat(fd).st_size
-    if size < needed:
-        raise ProtocolError(f"the staging memfd holds {size} bytes, the plan needs {needed}")
-    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+def reopen(fd: int, writable: bool) -> int:
+    """A new descriptor of the same memfd, writable or read-only: whoever receives a
+    read-only one can map the memory for reading only."""
+    return os.open(f"/proc/self/fd/{fd}", (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import mmap
 import os
 import socket
 from dataclasses import dataclass, field
@@ -66,14 +65,13 @@ class _UcxConn:
 
 class _ShmConn:
     """A same-host client over a Unix socket; remembers which slab descriptors it was
-    sent (by generation) and the client's staging memfd."""
+    sent (generation, and whether writable)."""
 
     path = "shm"
 
     def __init__(self, channel: shm.UnixChannel) -> None:
         self.channel = channel
-        self.sent: dict[int, int] = {}  # slab index -> generation whose descriptor the client has
-        self.staging: mmap.mmap | None = None
+        self.sent: dict[int, tuple[int, bool]] = {}  # slab index -> (generation, writable) the client has
 
     async def recv(self) -> tuple[bytes, list[int]]:
         return await self.channel.recv_frame()
@@ -83,9 +81,6 @@ class _ShmConn:
 
     async def close(self) -> None:
         self.channel.close()
-        if self.staging is not None:
-            self.staging.close()
-            self.staging = None
 
 
 @dataclass
@@ -232,24 +227,26 @@ class DataPlane:
         batch = self._plan_put(req, ns.tenant)
         try:
             await self._assign_slots(batch, ucx=conn.path == "ucx")
-            sizes = [p.size for p in batch.pages]
-            offsets = np.cumsum([0] + sizes[:-1]) if conn.path == "shm" and sizes else []
-            await self._send(conn, P.PutPlan(wanted=batch.wanted, runs=batch.runs, present=batch.present, refused=sorted(batch.refused), offsets=offsets))
+            fields = dict(wanted=batch.wanted, runs=batch.runs, present=batch.present, refused=sorted(batch.refused))
+            if conn.path == "shm":
+                await self._lend(conn, P.PutPlan, fields, batch.pages, writable=True)
+            else:
+                await self._send(conn, P.PutPlan(**fields))
             sums, fds = await self._expect(conn, P.PutChecksums, "put checksums")
+            _close_fds(fds)
             try:
                 if len(sums.checksums) != len(batch.pages):
                     raise _Broken(f"{len(sums.checksums)} checksums for {len(batch.pages)} wanted pages")
                 for page, checksum in zip(batch.pages, sums.ints("checksums")):
                     page.checksum = checksum
-                if conn.path == "shm":
-                    self._copy_from_staging(conn, batch, fds, offsets)
+                if conn.path == "shm":  # the client wrote the pages into their slots
+                    for k in range(len(batch.pages)):
+                        self._verify(batch, k)
                 else:
                     await self._receive_runs(conn.channel, batch)
             except BaseException:
                 await conn.close()  # no late writes into slots that are about to be reused
                 raise
-            finally:
-                _close_fds(fds)
             await self._commit(batch)
         finally:
             for page in batch.pages:
@@ -318,26 +315,6 @@ class DataPlane:
             for k in range(starts[r], starts[r + 1]):
                 self._verify(batch, k)
 
-    def _copy_from_staging(self, conn: _ShmConn, batch: PutBatch, fds: list[int], offsets: Any) -> None:
-        """Copy each wanted page from the client's staging memfd into its slot and verify it."""
-        if fds:  # a new staging memfd
-            if conn.staging is not None:
-                conn.staging.close()
-                conn.staging = None
-            try:
-                conn.staging = shm.map_client_staging(fds[0], int(offsets[-1]) + batch.pages[-1].size if batch.pages else 0)
-            except ProtocolError as exc:
-                raise _Broken(str(exc)) from exc
-        if not batch.pages:
-            return
-        if conn.staging is None or conn.staging.size() < int(offsets[-1]) + batch.pages[-1].size:
-            raise _Broken("the put plan needs a staging memfd the client did not send")
-        src = np.frombuffer(conn.staging, dtype=np.uint8)
-        for k, (page, off) in enumerate(zip(batch.pages, offsets.tolist())):
-            self.store.view(page)[:] = src[off : off + page.size]
-            self._verify(batch, k)
-        del src
-
     async def _commit(self, batch: PutBatch) -> None:
         """Publish the verified pages; they become ready only once the index has them."""
         good = batch.good
@@ -389,7 +366,8 @@ class DataPlane:
             sizes = [p.size for p in pages]
             checksums = np.array([p.checksum for p in pages], dtype=np.uint64)
             if conn.path == "shm":
-                await self._lend_pages(conn, present, pages, sizes, checksums)
+                await self._lend(conn, P.GetPlan, dict(present=present, sizes=sizes, checksums=checksums), pages, writable=False)
+                await self._expect(conn, P.GetDone, "get done")
             else:
                 joinable = _joinable([bool(req.join[i]) for i in present], present, sizes)
                 runs = P.plan_runs([p.offset for p in pages], sizes, joinable, req.max_run_bytes)
@@ -408,32 +386,34 @@ class DataPlane:
         self.metrics.get_missing.inc(len(req.hashes) - len(pages))
         self.metrics.bytes_out.inc(sum(p.size for p in pages))
 
-    async def _lend_pages(self, conn: _ShmConn, present: list[int], pages: list[StoredPage], sizes: list[int], checksums: Any) -> None:
-        """Same-host GET: tell the client where the pinned pages lie, pass read-only
-        descriptors of slabs it has not mapped at their current generation, and keep
-        the pins until it says GET_DONE (or the timeout closes the connection)."""
+    async def _lend(self, conn: _ShmConn, kind: type, fields: dict, pages: list[StoredPage], writable: bool) -> None:
+        """Same-host plan: where each page's slot lies (slab and offset), with descriptors
+        of the slabs the client lacks at their current generation: read-only for a GET,
+        writable for a PUT (the client writes the wanted pages into their slots). More
+        descriptors than one frame carries go in earlier frames marked ``more``."""
         slab = self.store.allocator.slab_size
         regions = [p.offset // slab for p in pages]
         pool = self.store.pool
-        fresh = sorted({r for r in regions if conn.sent.get(r) != pool.regions[r].generation})
+
+        def lacks(r: int) -> bool:
+            generation, has_write = conn.sent.get(r, (-1, False))
+            return generation != pool.regions[r].generation or (writable and not has_write)
+
+        fresh = sorted({r for r in regions if lacks(r)})
         fds: list[int] = []
         try:
             for r in fresh:
-                fds.append(shm.read_only_fd(pool.regions[r].fd))
+                fds.append(shm.reopen(pool.regions[r].fd, writable))
             for start in range(0, max(len(fresh), 1), shm.MAX_FDS_PER_FRAME):
                 chunk = fresh[start : start + shm.MAX_FDS_PER_FRAME]
                 last = start + shm.MAX_FDS_PER_FRAME >= len(fresh)
-                plan = P.GetPlan(
-                    present=present if last else [], sizes=sizes if last else [], checksums=checksums if last else [],
-                    regions=regions if last else [], offsets=[p.offset % slab for p in pages] if last else [],
-                    mapped=[[r, pool.regions[r].generation] for r in chunk], more=not last,
-                )
-                await self._send(conn, plan, fds[start : start + shm.MAX_FDS_PER_FRAME])
+                mapped = [[r, pool.regions[r].generation] for r in chunk]
+                frame = kind(**fields, regions=regions, offsets=[p.offset % slab for p in pages], mapped=mapped) if last else kind(mapped=mapped, more=True)
+                await self._send(conn, frame, fds[start : start + shm.MAX_FDS_PER_FRAME])
         finally:
             _close_fds(fds)
         for r in fresh:
-            conn.sent[r] = pool.regions[r].generation
-        await self._expect(conn, P.GetDone, "get done")
+            conn.sent[r] = (pool.regions[r].generation, writable)
 
 
 def _close_fds(fds: list[int]) -> None:

@@ -16,6 +16,7 @@ otherwise the node asks for transparent huge pages."""
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import logging
 import mmap
 import os
@@ -48,6 +49,13 @@ class Region:
     fd: int
     owner: str | None = None
     generation: int = 0
+
+
+def _sealed(fd: int) -> int:
+    """Seal a slab memfd's size: a same-host client holding a writable descriptor
+    could otherwise shrink it (the node would die of SIGBUS) or grow it."""
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    return fd
 
 
 def _check(result: int, what: str) -> int:
@@ -93,16 +101,16 @@ class MemoryPool:
     def _new_memfd(self, index: int) -> int:
         if self.hugetlb:
             try:
-                fd = os.memfd_create(f"kvstore-slab-{index}", os.MFD_CLOEXEC | os.MFD_HUGETLB)
+                fd = os.memfd_create(f"kvstore-slab-{index}", os.MFD_CLOEXEC | os.MFD_HUGETLB | os.MFD_ALLOW_SEALING)
                 os.ftruncate(fd, self.slab_size)
                 os.posix_fallocate(fd, 0, self.slab_size)
-                return fd
+                return _sealed(fd)
             except OSError:  # no (or too few) hugetlb pages reserved: use normal pages from now on
                 self.hugetlb = False
-        fd = os.memfd_create(f"kvstore-slab-{index}", os.MFD_CLOEXEC)
+        fd = os.memfd_create(f"kvstore-slab-{index}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, self.slab_size)
         os.posix_fallocate(fd, 0, self.slab_size)  # faults the memory in now
-        return fd
+        return _sealed(fd)
 
     def claim_slab(self, index: int, owner: str) -> None:
         """Called by the allocator when a free slab starts serving ``owner``: a slab that

@@ -147,6 +147,26 @@ def test_paged_api_staged_and_direct_give_identical_tensors(cluster, ns):
         assert direct.stats.direct_transfers == 1 and staged.stats.staged_transfers == 1 and direct.stats.staged_transfers == 0
 
 
+@pytest.mark.parametrize("same_host", [True, False], ids=["shared-memory", "ucx"])
+@pytest.mark.parametrize("page_kib", [64, 2048])
+def test_every_data_path_moves_pages_bit_exact_across_processes(cluster, same_host, page_kib):
+    """Put in one process, get in another, over shared memory (kvstore.shm) and over
+    UCX, straight into the caller's tensor and through staging, with pages the node
+    does not hold mixed in (a shorter prefix)."""
+    from tests.helpers import namespace_for_page_size, spec
+
+    ns = namespace_for_page_size(page_kib << 10, tenant=f"paths-{same_host}-{page_kib}")
+    tokens = list(range(12 * ns.block_size))
+    options = {"same_host": same_host}
+    stored = run_worker(spec(cluster, ns, "put_pages", tokens=tokens[: 8 * ns.block_size], options=options))
+    assert stored["reports"][0]["stored"] == 8 and (stored["stats"]["same_host_transfers"] > 0) == same_host
+    for mode in ("direct", "staged"):
+        got = run_worker(spec(cluster, ns, "get_pages", tokens=tokens, options={**options, "transfer_mode": mode}))
+        assert got["results"] == [{"blocks": 12, "matched": 8, "exact": True}]
+        assert (got["stats"]["same_host_transfers"] > 0) == same_host
+        assert got["stats"][f"{mode}_transfers"] == 1
+
+
 def test_namespaces_never_match_each_other(cluster, ns):
     tokens = list(range(4 * BLOCK))
     with KVCacheClient(cluster.redis_url, ns) as writer:

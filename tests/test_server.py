@@ -243,10 +243,12 @@ def test_thread_progress_mode_serves_and_exits_on_sigterm(clusters):
     assert node.wait(15) == 0
 
 
-def test_bad_same_host_frames_and_an_unsealed_staging_memfd_do_not_hurt_the_node(clusters):
-    """The Unix-socket path (kvstore.shm): garbage gets a protocol error; a staging
-    memfd that could be truncated under the node (SIGBUS) is refused; the node serves on."""
+def test_bad_same_host_frames_and_a_hostile_writer_do_not_hurt_the_node(clusters):
+    """The Unix-socket path (kvstore.shm): garbage gets a protocol error; a client lent a
+    writable slab cannot shrink it (the node would die of SIGBUS); bytes that do not
+    match their checksum are not stored; the node serves on."""
     import array
+    import mmap
 
     cluster = clusters()
     node = PageIndex(cluster.redis_url).live_nodes()[0]
@@ -254,27 +256,35 @@ def test_bad_same_host_frames_and_an_unsealed_staging_memfd_do_not_hurt_the_node
     ns = namespace_for_page_size(64 << 10, tenant="shm-garbage")
     PageIndex(cluster.redis_url).ensure_namespace(ns)
 
-    def reply(sock: socket.socket) -> P._Frame:
-        head = sock.recv(P.PREAMBLE.size, socket.MSG_WAITALL)
-        return P.decode(head + sock.recv(P.announced_length(head), socket.MSG_WAITALL))
+    def reply(sock: socket.socket) -> tuple[P._Frame, list[int]]:
+        head, fds, _, _ = socket.recv_fds(sock, P.PREAMBLE.size, 8, socket.MSG_WAITALL)
+        return P.decode(head + sock.recv(P.announced_length(head), socket.MSG_WAITALL)), fds
 
     with socket.socket(socket.AF_UNIX) as sock:
         sock.settimeout(10)
         sock.connect(node.extra["shm"])
         sock.sendall(b"\x00\xffnot a frame at all" * 3)
-        assert reply(sock).code == "protocol"
+        assert reply(sock)[0].code == "protocol"
     page = np.arange(65536, dtype=np.uint8)
     with socket.socket(socket.AF_UNIX) as sock:
         sock.settimeout(10)
         sock.connect(node.extra["shm"])
         sock.sendall(P.encode(P.PutRequest(namespace=ns.digest_hex, hashes=[b"3" * 16], sizes=[page.nbytes], join=[False])))
-        assert isinstance(reply(sock), P.PutPlan)
-        fd = os.memfd_create("unsealed")
-        os.write(fd, page.tobytes())
-        sock.sendmsg([P.encode(P.PutChecksums(checksums=[page_checksum(page)]))], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
-        os.close(fd)
-        assert sock.recv(1) == b""  # the node closed the connection instead of mapping it
+        plan, fds = reply(sock)
+        assert isinstance(plan, P.PutPlan) and len(fds) == 1 and plan.ints("wanted") == [0]
+        with pytest.raises(PermissionError):
+            os.ftruncate(fds[0], 0)  # sealed
+        slab = mmap.mmap(fds[0], os.fstat(fds[0]).st_size)
+        off = plan.ints("offsets")[0]
+        slab[off : off + page.nbytes] = page.tobytes()
+        sock.sendall(P.encode(P.PutChecksums(checksums=[page_checksum(page) ^ 1])))  # a lie
+        result, _ = reply(sock)
+        assert result.ints("stored") == [] and result.ints("corrupt") == [0]
+        slab.close()
+        os.close(fds[0])
     assert PageIndex(cluster.redis_url).lookup(ns, [b"3" * 16], lease_ms=0).matched == 0
     tokens = list(range(4 * ns.block_size))
     assert run_worker(spec(cluster, ns, "put_pages", tokens=tokens))["reports"][0]["stored"] == 4
+    assert run_worker(spec(cluster, ns, "get_pages", tokens=tokens))["results"] == [{"blocks": 4, "matched": 4, "exact": True}]
+    assert metrics(cluster, "node-0")['kvstore_transfer_requests_total{op="get",path="shm"}'] >= 1
     assert cluster.nodes[0].process.poll() is None
