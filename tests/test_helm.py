@@ -149,6 +149,17 @@ def test_daemonset_mode():
     assert "replicas" not in daemonset["spec"]
     assert daemonset["spec"]["template"]["spec"]["nodeSelector"] == {"node.kubernetes.io/kvstore": "true"}
     assert "PodDisruptionBudget" not in objects
+    # the same-host path: a host directory for the Unix socket, and the node told to use it
+    pod = daemonset["spec"]["template"]["spec"]
+    assert {"name": "same-host", "hostPath": {"path": "/run/kvstore", "type": "DirectoryOrCreate"}} in pod["volumes"]
+    assert {"name": "same-host", "mountPath": "/run/kvstore"} in pod["containers"][0]["volumeMounts"]
+    assert objects["ConfigMap"][0]["data"]["KVSTORE_SHM_DIR"] == "/run/kvstore"
+
+
+def test_a_statefulset_turns_the_same_host_path_off():
+    objects = render({})
+    assert objects["ConfigMap"][0]["data"]["KVSTORE_SHM_DIR"] == ""
+    assert "volumes" not in objects["StatefulSet"][0]["spec"]["template"]["spec"]
 
 
 @pytest.mark.parametrize(
