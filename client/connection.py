@@ -287,7 +287,7 @@ class ShmConnection(_Connection):
                 raise ProtocolError(f"node {self.node.node_id} lent a slot outside the slabs it mapped")
             slot = mapped[1][off : off + size]
             slot[:] = pages[i].span.view()  # the one copy, straight into the node's slot
-            sums[k] = checksum(pages[i])
+            sums[k] = page_checksum(slot)  # while the page is still in cache
         await self._ch.send_frame(P.PutChecksums(checksums=sums))
         result, _ = await self._recv_frame(P.PutResult)
         return PutOutcome(result.ints("stored"), plan.ints("present"), plan.ints("refused"), sum(pages[i].span.nbytes for i in wanted))
@@ -299,18 +299,14 @@ class ShmConnection(_Connection):
         regions, offsets = plan.ints("regions"), plan.ints("offsets")
         if not len(present) == len(sizes) == len(sums) == len(regions) == len(offsets) or any(not 0 <= i < len(hashes) for i in present):
             raise ProtocolError(f"node {self.node.node_id} sent an inconsistent get plan")
-        copied = []
-        for i, size, region, off in zip(present, sizes, regions, offsets):
+        outcome = GetOutcome([], 0)
+        for i, size, region, off, node_sum in zip(present, sizes, regions, offsets, sums):
             mapped = self._maps.get(region)
             if mapped is None or sinks[i].nbytes != size or off + size > mapped[1].size:
                 continue  # a page of the wrong size can never be the one asked for
             sinks[i].view()[:] = mapped[1][off : off + size]  # the one copy
-            copied.append(i)
-        await self._ch.send_frame(P.GetDone())  # the node unpins; verification needs only our copy
-        outcome = GetOutcome([], 0)
-        node_sums = dict(zip(present, sums))
-        for i in copied:
-            _accept(outcome, i, sinks[i], node_sums[i], expected[i])
+            _accept(outcome, i, sinks[i], node_sum, expected[i])  # verified while still in cache
+        await self._ch.send_frame(P.GetDone())  # the node unpins
         return outcome
 
     def _map(self, mapped: list[tuple[int, int]], fds: list[int]) -> None:
