@@ -438,11 +438,15 @@ class AsyncKVCacheClient:
     def _mode_for(self, out: torch.Tensor) -> str:
         if out.device.type == "cpu":
             return "staged" if self.transfer_mode == "staged" else "direct"
+        # Device memory cannot be mapped from a node's shared memory: with the same-host
+        # path on, pages reach the device through pinned host staging.
         if self.transfer_mode == "direct":
             if not cuda_capable():
                 raise InvalidInputError("transfer_mode='direct' into CUDA memory needs a UCX build with CUDA transports; use 'auto' or 'staged'")
+            if self._same_host:
+                raise InvalidInputError("transfer_mode='direct' into CUDA memory needs same_host=False (shared memory is host memory); use 'auto' or 'staged'")
             return "direct"
-        if self.transfer_mode == "auto" and cuda_capable():
+        if self.transfer_mode == "auto" and cuda_capable() and not self._same_host:
             return "direct"
         return "staged"
 

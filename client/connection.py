@@ -26,7 +26,7 @@ import numpy as np
 
 from kvstore import protocol as P
 from kvstore import shm
-from kvstore.checksum import page_checksum
+from kvstore.checksum import checksum_later, page_checksum
 from kvstore.errors import ProtocolError, TransportError
 from kvstore.index import NodeInfo
 from kvstore.transport import Channel, connect, with_timeout
@@ -279,15 +279,16 @@ class ShmConnection(_Connection):
         regions, offsets = plan.ints("regions"), plan.ints("offsets")
         if not len(regions) == len(offsets) == len(wanted):
             raise ProtocolError(f"node {self.node.node_id} sent a put plan without slots")
-        sums = np.empty(len(wanted), dtype=np.uint64)
-        for k, (i, region, off) in enumerate(zip(wanted, regions, offsets)):
+        digests = []
+        for i, region, off in zip(wanted, regions, offsets):
             mapped = self._maps.get(region)
             size = pages[i].span.nbytes
             if mapped is None or not mapped[1].flags.writeable or off + size > mapped[1].size:
                 raise ProtocolError(f"node {self.node.node_id} lent a slot outside the slabs it mapped")
             slot = mapped[1][off : off + size]
             slot[:] = pages[i].span.view()  # the one copy, straight into the node's slot
-            sums[k] = page_checksum(slot)  # while the page is still in cache
+            digests.append(checksum_later(pages[i].span.view()))  # hashed while the next page copies
+        sums = np.fromiter((d.result() for d in digests), dtype=np.uint64, count=len(digests))
         await self._ch.send_frame(P.PutChecksums(checksums=sums))
         result, _ = await self._recv_frame(P.PutResult)
         return PutOutcome(result.ints("stored"), plan.ints("present"), plan.ints("refused"), sum(pages[i].span.nbytes for i in wanted))
@@ -299,14 +300,21 @@ class ShmConnection(_Connection):
         regions, offsets = plan.ints("regions"), plan.ints("offsets")
         if not len(present) == len(sizes) == len(sums) == len(regions) == len(offsets) or any(not 0 <= i < len(hashes) for i in present):
             raise ProtocolError(f"node {self.node.node_id} sent an inconsistent get plan")
-        outcome = GetOutcome([], 0)
+        copied = []
         for i, size, region, off, node_sum in zip(present, sizes, regions, offsets, sums):
             mapped = self._maps.get(region)
             if mapped is None or sinks[i].nbytes != size or off + size > mapped[1].size:
                 continue  # a page of the wrong size can never be the one asked for
-            sinks[i].view()[:] = mapped[1][off : off + size]  # the one copy
-            _accept(outcome, i, sinks[i], node_sum, expected[i])  # verified while still in cache
+            sink = sinks[i].view()
+            sink[:] = mapped[1][off : off + size]  # the one copy
+            copied.append((i, node_sum, checksum_later(sink)))  # hashed while the next page copies
         await self._ch.send_frame(P.GetDone())  # the node unpins
+        outcome = GetOutcome([], 0)
+        for i, node_sum, digest in copied:
+            if node_sum == expected[i] and digest.result() == expected[i]:
+                outcome.ok.append(i)
+            else:
+                outcome.corrupt += 1
         return outcome
 
     def _map(self, mapped: list[tuple[int, int]], fds: list[int]) -> None:

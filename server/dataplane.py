@@ -21,7 +21,7 @@ import numpy as np
 
 from kvstore import protocol as P
 from kvstore import shm
-from kvstore.checksum import page_checksum
+from kvstore.checksum import checksum_later, page_checksum
 from kvstore.errors import IndexScriptError, ProtocolError, RemoteFault
 from kvstore.index import AsyncPageIndex, CommitEntry
 from kvstore.namespace import Namespace
@@ -240,8 +240,10 @@ class DataPlane:
                 for page, checksum in zip(batch.pages, sums.ints("checksums")):
                     page.checksum = checksum
                 if conn.path == "shm":  # the client wrote the pages into their slots
-                    for k in range(len(batch.pages)):
-                        self._verify(batch, k)
+                    # two threads hash: every other page on the hashing thread
+                    later = {k: checksum_later(self.store.view(p)) for k, p in enumerate(batch.pages) if k % 2}
+                    for k, page in enumerate(batch.pages):
+                        self._verified(batch, k, later[k].result() if k % 2 else page_checksum(self.store.view(page)))
                 else:
                     await self._receive_runs(conn.channel, batch)
             except BaseException:
@@ -297,8 +299,11 @@ class DataPlane:
 
     def _verify(self, batch: PutBatch, k: int) -> None:
         """Check the k-th wanted page against the writer's checksum."""
+        self._verified(batch, k, page_checksum(self.store.view(batch.pages[k])))
+
+    def _verified(self, batch: PutBatch, k: int, digest: int) -> None:
         page = batch.pages[k]
-        if page_checksum(self.store.view(page)) == page.checksum:
+        if digest == page.checksum:
             batch.good.append(page)
         else:
             batch.corrupt.append(batch.wanted[k])
