@@ -102,12 +102,15 @@ class MemoryPool:
 
     def _new_memfd(self, index: int) -> int:
         if self.hugetlb:
+            fd = -1
             try:
                 fd = os.memfd_create(f"kvstore-slab-{index}", os.MFD_CLOEXEC | os.MFD_HUGETLB | os.MFD_ALLOW_SEALING)
                 os.ftruncate(fd, self.slab_size)
                 os.posix_fallocate(fd, 0, self.slab_size)
                 return _sealed(fd)
             except OSError:  # no (or too few) hugetlb pages reserved: use normal pages from now on
+                if fd >= 0:
+                    os.close(fd)
                 self.hugetlb = False
         fd = os.memfd_create(f"kvstore-slab-{index}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, self.slab_size)

@@ -4,10 +4,12 @@ separate processes. Skipped when vLLM is not installed (``pip install -e '.[vllm
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,27 +91,29 @@ def test_two_storage_nodes_and_reuse_across_sessions(model_dir, baseline):
         assert holders == {"node-0", "node-1"}, (found, index.live_nodes())
 
 
-def corrupt_stored_page(cluster: LocalCluster, ns, page_hash: bytes, capacity: int) -> None:
-    """Overwrite a page's bytes inside the storage node's pool (via /proc/<pid>/mem), as
-    a memory fault would: the node keeps serving it with the checksum taken at put time."""
+def corrupt_stored_page(cluster: LocalCluster, ns, page_hash: bytes, slab_size: int) -> None:
+    """Overwrite a page's bytes inside the storage node's pool (through the slab's memfd,
+    /proc/<pid>/fd), as a memory fault would: the node keeps serving it with the
+    checksum taken at put time."""
     index = PageIndex(cluster.redis_url)
     location = index.lookup(ns, [page_hash], lease_ms=0).locations[0][0]
     node = next(n for n in index.live_nodes() if n.node_id == location.node_id)
-    pid = int(node.extra["pid"])
-    with open(f"/proc/{pid}/maps") as maps:
-        regions = [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in maps]
-    (base,) = [start for start, end in regions if end - start == capacity]
-    with open(f"/proc/{pid}/mem", "r+b") as mem:
-        mem.seek(base + location.slot)
-        mem.write(random.Random(5).randbytes(location.size))
+    fds = Path(f"/proc/{node.extra['pid']}/fd")
+    slab = next(fd for fd in fds.iterdir() if os.readlink(fd).startswith(f"/memfd:kvstore-slab-{location.slot // slab_size} "))
+    fd = os.open(slab, os.O_RDWR)
+    try:  # mapped, not written: hugetlbfs memfds support only mmap
+        with mmap.mmap(fd, slab_size) as mem:
+            start = location.slot % slab_size
+            mem[start : start + location.size] = random.Random(5).randbytes(location.size)
+    finally:
+        os.close(fd)
 
 
 def test_corrupted_page_is_not_used(model_dir, baseline):
-    capacity = 208 << 20  # a size no other mapping of the node has
-    with LocalCluster(servers=1, capacity=str(capacity), slab_size="16MiB") as cluster:
+    with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
         run_engine(model_dir, [PROMPT_A], cluster.redis_url, role="kv_producer")
         ns = PageIndex(cluster.redis_url).stats().namespaces[0].namespace
-        corrupt_stored_page(cluster, ns, block_hashes(ns, PROMPT_A)[2], capacity)
+        corrupt_stored_page(cluster, ns, block_hashes(ns, PROMPT_A)[2], 16 << 20)
         (consumer,) = run_engine(model_dir, [PROMPT_B], cluster.redis_url, role="kv_consumer")
         assert consumer["tokens"] == baseline["B"]
 
