@@ -69,6 +69,14 @@ class GetOutcome:
     ok: list[int]
     corrupt: int
 
+    def check(self, i: int, node_checksum: int, expected: int, digest: int) -> None:
+        """Count page ``i``: good only if the node's record and the bytes' ``digest``
+        both equal the index's checksum."""
+        if node_checksum == expected == digest:
+            self.ok.append(i)
+        else:
+            self.corrupt += 1
+
 
 Checksums = Callable[[OutgoingPage], int]  # a page's xxh3-64, computed at most once per put
 
@@ -196,7 +204,8 @@ class NodeConnection(_Connection):
             pending = self._receive(ep, sinks, present, sizes, starts, r + 1) if r + 1 < len(runs) else None
             if landed:
                 for k in range(starts[r], starts[r + 1]):
-                    _accept(outcome, present[k], sinks[present[k]], sums[k], expected[present[k]])
+                    i = present[k]
+                    outcome.check(i, sums[k], expected[i], page_checksum(sinks[i].view()))
         return outcome
 
     def _receive(self, ep: Channel, sinks: list[Span], present: list[int], sizes: list[int], starts: list[int], r: int) -> asyncio.Future:
@@ -240,7 +249,7 @@ class ShmConnection(_Connection):
     def __init__(self, node: NodeInfo, token: str) -> None:
         super().__init__(node, token)
         self._ch: shm.UnixChannel | None = None
-        self._maps: dict[int, tuple[int, np.ndarray]] = {}  # slab -> (generation, view; writable once a put lent it)
+        self._maps: dict[int, np.ndarray] = {}  # slab -> its mapping (writable once a put lent it); the node tracks generations
 
     async def _open(self, timeout: float) -> None:
         if self._ch is None:
@@ -260,7 +269,7 @@ class ShmConnection(_Connection):
         try:
             return self._check_frame(P.decode(raw), expected), fds
         except BaseException:
-            _close_fds(fds)
+            shm.close_fds(fds)
             raise
 
     async def _plan(self, kind: type) -> Any:
@@ -283,9 +292,9 @@ class ShmConnection(_Connection):
         for i, region, off in zip(wanted, regions, offsets):
             mapped = self._maps.get(region)
             size = pages[i].span.nbytes
-            if mapped is None or not mapped[1].flags.writeable or off + size > mapped[1].size:
+            if mapped is None or not mapped.flags.writeable or off + size > mapped.size:
                 raise ProtocolError(f"node {self.node.node_id} lent a slot outside the slabs it mapped")
-            slot = mapped[1][off : off + size]
+            slot = mapped[off : off + size]
             slot[:] = pages[i].span.view()  # the one copy, straight into the node's slot
             digests.append(checksum_later(pages[i].span.view()))  # hashed while the next page copies
         sums = np.fromiter((d.result() for d in digests), dtype=np.uint64, count=len(digests))
@@ -303,18 +312,15 @@ class ShmConnection(_Connection):
         copied = []
         for i, size, region, off, node_sum in zip(present, sizes, regions, offsets, sums):
             mapped = self._maps.get(region)
-            if mapped is None or sinks[i].nbytes != size or off + size > mapped[1].size:
+            if mapped is None or sinks[i].nbytes != size or off + size > mapped.size:
                 continue  # a page of the wrong size can never be the one asked for
             sink = sinks[i].view()
-            sink[:] = mapped[1][off : off + size]  # the one copy
+            sink[:] = mapped[off : off + size]  # the one copy
             copied.append((i, node_sum, checksum_later(sink)))  # hashed while the next page copies
         await self._ch.send_frame(P.GetDone())  # the node unpins
         outcome = GetOutcome([], 0)
         for i, node_sum, digest in copied:
-            if node_sum == expected[i] and digest.result() == expected[i]:
-                outcome.ok.append(i)
-            else:
-                outcome.corrupt += 1
+            outcome.check(i, node_sum, expected[i], digest.result())
         return outcome
 
     def _map(self, mapped: list[tuple[int, int]], fds: list[int]) -> None:
@@ -324,14 +330,14 @@ class ShmConnection(_Connection):
         try:
             if len(mapped) != len(fds):
                 raise ProtocolError(f"node {self.node.node_id} sent {len(fds)} descriptors for {len(mapped)} slabs")
-            for (region, generation), fd in zip(mapped, fds):
+            for (region, _generation), fd in zip(mapped, fds):
                 size = os.fstat(fd).st_size
                 writable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
                 prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
                 view = np.frombuffer(mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=prot), dtype=np.uint8)
-                self._maps[region] = (generation, view)
+                self._maps[region] = view
         finally:
-            _close_fds(fds)
+            shm.close_fds(fds)
 
     async def close(self) -> None:
         self.broken = True
@@ -340,17 +346,3 @@ class ShmConnection(_Connection):
             ch.close()
         self._maps.clear()
 
-
-def _accept(outcome: GetOutcome, i: int, sink: Span, node_checksum: int, expected: int) -> None:
-    if node_checksum == expected and page_checksum(sink.view()) == expected:
-        outcome.ok.append(i)
-    else:
-        outcome.corrupt += 1
-
-
-def _close_fds(fds: list[int]) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass

@@ -119,11 +119,19 @@ class UnixChannel:
         return head + body, fds
 
     def close(self) -> None:
-        for fd in self._fds:
-            os.close(fd)
+        close_fds(self._fds)
         self._fds = []
         try:
             self.sock.close()
+        except OSError:
+            pass
+
+
+def close_fds(fds: list[int]) -> None:
+    """Close received or created descriptors, ignoring ones already closed."""
+    for fd in fds:
+        try:
+            os.close(fd)
         except OSError:
             pass
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import os
 import socket
 from dataclasses import dataclass, field
 from typing import Any
@@ -141,7 +140,7 @@ class DataPlane:
                     return
                 except Exception:  # noqa: BLE001 - any receive failure means the peer is gone
                     return
-                _close_fds(fds)  # a request frame carries none
+                shm.close_fds(fds)  # a request frame carries none
                 if self.closing:
                     await self._reply_error(conn, "shutting_down", "node is shutting down")
                     return
@@ -194,10 +193,10 @@ class DataPlane:
         try:
             frame = P.decode(raw)
         except ProtocolError as exc:
-            _close_fds(fds)
+            shm.close_fds(fds)
             raise _Broken(f"bad {what}: {exc}") from exc
         if not isinstance(frame, kind):
-            _close_fds(fds)
+            shm.close_fds(fds)
             raise _Broken(f"expected {kind.__name__}, got {type(frame).__name__}")
         return frame, fds
 
@@ -233,7 +232,7 @@ class DataPlane:
             else:
                 await self._send(conn, P.PutPlan(**fields))
             sums, fds = await self._expect(conn, P.PutChecksums, "put checksums")
-            _close_fds(fds)
+            shm.close_fds(fds)
             try:
                 if len(sums.checksums) != len(batch.pages):
                     raise _Broken(f"{len(sums.checksums)} checksums for {len(batch.pages)} wanted pages")
@@ -416,17 +415,9 @@ class DataPlane:
                 frame = kind(**fields, regions=regions, offsets=[p.offset % slab for p in pages], mapped=mapped) if last else kind(mapped=mapped, more=True)
                 await self._send(conn, frame, fds[start : start + shm.MAX_FDS_PER_FRAME])
         finally:
-            _close_fds(fds)
+            shm.close_fds(fds)
         for r in fresh:
             conn.sent[r] = (pool.regions[r].generation, writable)
-
-
-def _close_fds(fds: list[int]) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
 
 
 def _joinable(flags: list[bool], indexes: list[int], sizes: list[int]) -> list[bool]:

@@ -131,8 +131,3 @@ class MemoryPool:
 
     def view(self, offset: int, size: int) -> np.ndarray:
         return self.array[offset : offset + size]
-
-    def close(self) -> None:
-        for region in self.regions:
-            os.close(region.fd)
-        self.regions.clear()

@@ -247,7 +247,6 @@ def test_bad_same_host_frames_and_a_hostile_writer_do_not_hurt_the_node(clusters
     """The Unix-socket path (kvstore.shm): garbage gets a protocol error; a client lent a
     writable slab cannot shrink it (the node would die of SIGBUS); bytes that do not
     match their checksum are not stored; the node serves on."""
-    import array
     import mmap
 
     cluster = clusters()
