@@ -315,13 +315,21 @@ class AsyncKVCacheClient:
             self._conns[node.node_id] = conn
         return conn
 
-    def _node_failed(self, node_id: str, exc: Exception, conn: NodeConnection | ShmConnection | None = None) -> None:
-        if isinstance(exc, SameHostUnavailableError) and conn is not None:
-            # UCX is used from now on: a socket directory not shared with this container,
-            # say, must not make a healthy node look dead.
-            self._shm_failed[node_id] = conn.node.incarnation
-            log.warning("same-host path to %s unavailable, using UCX: %s", node_id, exc)
-            return
+    async def _on_node(self, node: NodeInfo, work: Any) -> tuple[Any, NodeConnection | ShmConnection]:
+        """``await work(conn)`` on the connection to ``node``. When the node's Unix socket
+        cannot be reached from here (a directory not shared with this container, say),
+        the same call goes over UCX, as does every later one to this incarnation: a
+        healthy node must not look dead."""
+        conn = self._conn(node)
+        try:
+            return await work(conn), conn
+        except SameHostUnavailableError as exc:
+            self._shm_failed[node.node_id] = node.incarnation
+            log.warning("same-host path to %s unavailable, using UCX: %s", node.node_id, exc)
+            conn = self._conn(node)
+            return await work(conn), conn
+
+    def _node_failed(self, node_id: str, exc: Exception) -> None:
         self.stats.node_errors += 1
         strikes = self._strikes.get(node_id, 0) + 1
         self._strikes[node_id] = strikes
@@ -355,9 +363,8 @@ class AsyncKVCacheClient:
 
         async def one(node_id: str, idx: list[int]) -> tuple[list[int], Any]:
             pages = [OutgoingPage(hashes[i], spans[i], i) for i in idx]
-            conn = self._conn(nodes[node_id])
             try:
-                outcome = await conn.put(self.namespace.digest_hex, pages, checksum, self.timeout)
+                outcome, conn = await self._on_node(nodes[node_id], lambda c: c.put(self.namespace.digest_hex, pages, checksum, self.timeout))
                 self._node_ok(node_id)
                 if conn.path == "shm":
                     self.stats.same_host_transfers += 1
@@ -371,7 +378,7 @@ class AsyncKVCacheClient:
                 await self._ensure_namespace()
                 return idx, None
             except RemoteFault as exc:
-                self._node_failed(node_id, exc, conn)
+                self._node_failed(node_id, exc)
                 return idx, None
 
         held, sent, skipped, nbytes = set(), 0, 0, 0
@@ -411,11 +418,10 @@ class AsyncKVCacheClient:
 
             async def one(node_id: str, idx: list[int]) -> None:
                 expected = [next(l.checksum for l in locations[i] if l.node_id == node_id) for i in idx]
-                conn = self._conn(nodes[node_id])
                 try:
-                    got = await conn.get(self.namespace.digest_hex, [hashes[i] for i in idx], [sinks[i] for i in idx], expected, remaining)
+                    got, conn = await self._on_node(nodes[node_id], lambda c: c.get(self.namespace.digest_hex, [hashes[i] for i in idx], [sinks[i] for i in idx], expected, remaining))
                 except RemoteFault as exc:
-                    self._node_failed(node_id, exc, conn)
+                    self._node_failed(node_id, exc)
                     return
                 self._node_ok(node_id)
                 for k in got.ok:

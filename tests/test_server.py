@@ -287,3 +287,31 @@ def test_bad_same_host_frames_and_a_hostile_writer_do_not_hurt_the_node(clusters
     assert run_worker(spec(cluster, ns, "get_pages", tokens=tokens))["results"] == [{"blocks": 4, "matched": 4, "exact": True}]
     assert metrics(cluster, "node-0")['kvstore_transfer_requests_total{op="get",path="shm"}'] >= 1
     assert cluster.nodes[0].process.poll() is None
+
+
+def test_more_slabs_than_one_frame_can_carry_descriptors_for(clusters):
+    """A same-host get that touches more slabs than SCM_RIGHTS carries at once (253)
+    gets its descriptors over several frames marked ``more``, bit-exact."""
+    cluster = clusters(capacity="20MiB", slab="64KiB")  # one 64 KiB page per slab
+    ns = namespace_for_page_size(64 << 10, tenant="many-slabs")
+    tokens = list(range(300 * ns.block_size))
+    put = run_worker(spec(cluster, ns, "put_pages", tokens=tokens))
+    assert put["reports"][0]["stored"] == 300 and put["stats"]["same_host_transfers"] == 1
+    got = run_worker(spec(cluster, ns, "get_pages", tokens=tokens))
+    assert got["results"] == [{"blocks": 300, "matched": 300, "exact": True}] and got["stats"]["same_host_transfers"] == 1
+
+
+def test_a_client_that_cannot_reach_the_socket_falls_back_to_ucx(clusters):
+    """A node whose Unix socket is not reachable from the client (another container's
+    directory) is served over UCX, bit-exact, instead of looking dead."""
+    cluster = clusters()
+    node = PageIndex(cluster.redis_url).live_nodes()[0]
+    os.unlink(node.extra["shm"])
+    ns = namespace_for_page_size(64 << 10, tenant="fallback")
+    tokens = list(range(4 * ns.block_size))
+    result = run_worker(spec(cluster, ns, "put_pages", tokens=tokens))
+    assert result["reports"][0]["stored"] == 4 and result["stats"]["same_host_transfers"] == 0
+    assert result["stats"]["node_errors"] == 0  # not counted as a node failure
+    got = run_worker(spec(cluster, ns, "get_pages", tokens=tokens))
+    assert got["results"] == [{"blocks": 4, "matched": 4, "exact": True}] and got["stats"]["same_host_transfers"] == 0
+    assert metrics(cluster, "node-0")['kvstore_transfer_requests_total{op="get",path="ucx"}'] >= 1
