@@ -1,53 +1,183 @@
-"""Index lookup latency against the embedded Valkey.
+"""Prefix lookups: kvstore's index against plain Redis commands, on the embedded Valkey.
 
-    python bench/lookup.py [--iterations 200]
+    python bench/lookup.py [--iterations 60] [--cluster]
 
-Prints p50 and p99 of one lookup (a single EVALSHA) for 16, 128, 1024 and 8192
-committed blocks, each block held by one of two live nodes."""
+One prompt of 8,192 blocks (16 tokens each) is committed, its blocks spread over two
+live nodes. Each figure is a lookup of the first 16, 128, 1,024 or 8,192 blocks of a
+prompt whose first 100 %, 50 % or 0 % of blocks are stored, end to end: from a list of
+token ids (as an engine hands them over) through hashing and the index round trip to
+the matched length and each matched page's live replicas (node, slot, size, checksum).
+
+- kvstore: ``PageIndex.lookup`` + ``IndexLookup.resolve`` (one script call per shard,
+  one key per 64 blocks, liveness checked against the cached registry);
+- plain: the same question asked with plain commands, one key per page (a hash of
+  node -> location) and one pipelined ``HGETALL`` per block, the prefix found client
+  side; no liveness check and no lease, so it does less than kvstore does.
+
+The two are interleaved (A B A B ...) and reported as median and min-max in ms, with
+kvstore's figure as a ratio of plain's. Valkey CPU per looked-up block comes from
+``INFO commandstats`` (usec of the commands each system sent). ``--cluster`` adds
+kvstore on a 3-shard embedded Valkey cluster (shards looked up in parallel)."""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvstore import Namespace, block_hashes  # noqa: E402
+from kvstore import Namespace, block_hashes, keys  # noqa: E402
 from kvstore.index import CommitEntry, PageIndex  # noqa: E402
-from kvstore.valkey import EmbeddedValkey  # noqa: E402
+from kvstore.valkey import EmbeddedValkey, EmbeddedValkeyCluster  # noqa: E402
+
+BLOCKS = 8192
+COUNTS = (16, 128, 1024, 8192)
+HITS = (1.0, 0.5, 0.0)
+
+
+def python_chain(ns: Namespace, tokens: list[int]) -> list[bytes]:
+    """The block hashes with hashlib in a Python loop: the baseline for the C loop."""
+    data, size, prev, out = np.asarray(tokens, dtype="<u4").tobytes(), 4 * ns.block_size, bytes(16), []
+    for start in range(0, len(data) - size + 1, size):
+        prev = hashlib.blake2b(ns.digest + prev + data[start : start + size], digest_size=16, person=b"kvs-block-v1").digest()
+        out.append(prev)
+    return out
+
+
+def query(ns: Namespace, stored: list[int], count: int, hit: float, salt: int) -> list[int]:
+    """Token ids of ``count`` blocks whose first ``hit`` share are the stored prompt's."""
+    keep = int(count * hit) * ns.block_size
+    fresh = list(range(10_000_000 + salt * BLOCKS * ns.block_size, 10_000_000 + salt * BLOCKS * ns.block_size + count * ns.block_size - keep))
+    return stored[:keep] + fresh
+
+
+def publish(index: PageIndex, ns: Namespace, hashes: list[bytes]) -> None:
+    index.ensure_namespace(ns)
+    anchors, positions = keys.placement(hashes)
+    for node in ("a", "b"):
+        reg = index.register_node(node, f"127.0.0.1:{1 + (node == 'b')}", 1 << 30, 3_600_000)
+        mine = [i for i in range(len(hashes)) if (i % 2 == 0) == (node == "a")]
+        for start in range(0, len(mine), 2048):
+            chunk = mine[start : start + 2048]
+            index.commit(ns, reg.number, reg.incarnation, [CommitEntry(hashes[i], anchors[i], positions[i], i << 21, 2 << 20, i) for i in chunk])
+
+
+def publish_plain(r: redis.Redis, hashes: list[bytes]) -> None:
+    pipe = r.pipeline(transaction=False)
+    for i, h in enumerate(hashes):
+        pipe.hset(b"bench:p:" + h, "a" if i % 2 == 0 else "b", f"0123456789abcdef|{i << 21}|{2 << 20}|{i}")
+    pipe.execute()
+
+
+def plain_lookup(r: redis.Redis, ns: Namespace, tokens: list[int]) -> int:
+    hashes = block_hashes(ns, tokens)
+    pipe = r.pipeline(transaction=False)
+    for h in hashes:
+        pipe.hgetall(b"bench:p:" + h)
+    replies = pipe.execute()
+    return next((i for i, v in enumerate(replies) if not v), len(replies))
+
+
+def server_usec(servers: list[Any], commands: tuple[str, ...]) -> float:
+    total = 0.0
+    for server in servers:
+        stats = redis.Redis.from_url(server.url).info("commandstats")
+        total += sum(stats.get(f"cmdstat_{c}", {}).get("usec", 0) for c in commands)
+    return total
+
+
+def reset(servers: list[Any]) -> None:
+    for server in servers:
+        redis.Redis.from_url(server.url).config_resetstat()
+
+
+def fmt(samples: list[float]) -> str:
+    return f"{statistics.median(samples):7.3f} ({min(samples):.3f}-{max(samples):.3f})"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--iterations", type=int, default=200)
+    parser.add_argument("--iterations", type=int, default=60)
+    parser.add_argument("--cluster", action="store_true", help="also kvstore on a 3-shard Valkey cluster")
     args = parser.parse_args()
     ns = Namespace(model="bench", dtype="float16", num_layers=32, num_kv_heads=8, head_size=128, block_size=16)
-    with EmbeddedValkey() as valkey:
-        index = PageIndex(valkey.url)
-        index.ensure_namespace(ns)
-        incarnations = {n: index.register_node(n, f"127.0.0.1:{i + 1}", 1 << 30, 600_000) for i, n in enumerate(("a", "b"))}
-        hashes = block_hashes(ns, list(range(8192 * ns.block_size)))
-        for node, inc in incarnations.items():
-            mine = [h for i, h in enumerate(hashes) if (i % 2 == 0) == (node == "a")]
-            for start in range(0, len(mine), 1024):
-                index.commit(ns, node, inc, [CommitEntry(h, start + k, 2 << 20, k) for k, h in enumerate(mine[start : start + 1024])], 600_000)
-        print(f"lookup latency, embedded Valkey on loopback, {args.iterations} iterations each")
-        print(f"{'blocks':>7} {'p50 ms':>8} {'p99 ms':>8}")
-        for count in (16, 128, 1024, 8192):
-            query = hashes[:count]
-            assert index.lookup(ns, query).matched == count
-            samples = []
-            for _ in range(args.iterations):
-                t = time.perf_counter()
-                index.lookup(ns, query)
-                samples.append((time.perf_counter() - t) * 1000)
-            samples.sort()
-            p99 = samples[min(len(samples) - 1, int(len(samples) * 0.99))]
-            print(f"{count:>7} {statistics.median(samples):>8.3f} {p99:>8.3f}", flush=True)
-        index.close()
+    stored = list(range(BLOCKS * ns.block_size))
+    hashes = block_hashes(ns, stored)
+
+    # hashing, interleaved
+    c_ms, py_ms = [], []
+    for _ in range(30):
+        t = time.perf_counter()
+        block_hashes(ns, stored)
+        c_ms.append((time.perf_counter() - t) * 1e3)
+        t = time.perf_counter()
+        python_chain(ns, stored)
+        py_ms.append((time.perf_counter() - t) * 1e3)
+    assert python_chain(ns, stored) == hashes
+    print(f"hashing {BLOCKS} blocks from a token list, ms, median (min-max) over 30, interleaved")
+    print(f"  kvstore (C chain)       {fmt(c_ms)}")
+    print(f"  hashlib in a Python loop {fmt(py_ms)}")
+    print(f"  ratio {statistics.median(c_ms) / statistics.median(py_ms):.2f}\n")
+
+    single = EmbeddedValkey().start()
+    cluster = EmbeddedValkeyCluster(3).start() if args.cluster else None
+    try:
+        index = PageIndex(single.url)
+        publish(index, ns, hashes)
+        nodes = index.live_nodes()
+        plain = redis.Redis.from_url(single.url)
+        publish_plain(plain, hashes)
+        systems: list[tuple[str, Callable[[list[int]], int], list[Any], tuple[str, ...]]] = [
+            ("kvstore", lambda t: index.lookup(ns, block_hashes(ns, t)).resolve(nodes).matched, [single], ("evalsha",)),
+            ("plain", lambda t: plain_lookup(plain, ns, t), [single], ("hgetall",)),
+        ]
+        if cluster is not None:
+            cindex = PageIndex(cluster.url)
+            publish(cindex, ns, hashes)
+            cnodes = cindex.live_nodes()
+            systems.append(("kvstore 3-shard cluster", lambda t: cindex.lookup(ns, block_hashes(ns, t)).resolve(cnodes).matched, cluster.shards, ("evalsha",)))
+
+        print(f"lookup latency, token ids -> locations, ms, median (min-max); Valkey CPU per looked-up block, us")
+        head = f"{'blocks':>6} {'hit':>4} | " + " | ".join(f"{name:^30}" for name, *_ in systems) + " | kvstore/plain | " + " | ".join(f"{name[:14] + ' us/blk':>20}" for name, *_ in systems)
+        print(head)
+        print("-" * len(head))
+        per_call: dict[tuple[str, int, float], float] = {}
+        for count in COUNTS:
+            iterations = args.iterations if count < 8192 else max(10, args.iterations // 3)
+            for hit in HITS:
+                salt = COUNTS.index(count) * 3 + HITS.index(hit)
+                tokens = query(ns, stored, count, hit, salt)
+                samples: dict[str, list[float]] = {name: [] for name, *_ in systems}
+                usec: dict[str, float] = {}
+                for name, fn, servers, _ in systems:  # warm up; check every system agrees
+                    assert fn(tokens) == int(count * hit), (name, count, hit)
+                for name, *_ in systems:
+                    usec[name] = 0.0
+                for _ in range(iterations):
+                    for name, fn, servers, commands in systems:
+                        reset(servers)
+                        t = time.perf_counter()
+                        fn(tokens)
+                        samples[name].append((time.perf_counter() - t) * 1e3)
+                        usec[name] += server_usec(servers, commands)
+                per_call.update({(name, count, hit): usec[name] / iterations for name in usec})
+                ratio = statistics.median(samples["kvstore"]) / statistics.median(samples["plain"])
+                cpu = " | ".join(f"{usec[name] / iterations / count:>20.3f}" for name, *_ in systems)
+                print(f"{count:>6} {int(hit * 100):>3}% | " + " | ".join(f"{fmt(samples[name]):>30}" for name, *_ in systems) + f" | {ratio:>13.2f} | {cpu}", flush=True)
+        print(f"\none Valkey core answers about {1e6 / per_call[('kvstore', 8192, 1.0)]:,.0f} kvstore lookups of 8192 stored blocks a second "
+              f"(plain commands: {1e6 / per_call[('plain', 8192, 1.0)]:,.0f})")
+    finally:
+        single.stop()
+        if cluster is not None:
+            cluster.stop()
     return 0
 
 

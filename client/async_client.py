@@ -17,15 +17,15 @@ import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 import numpy as np
 import torch
 
-from kvstore import codec
+from kvstore import codec, keys
 from kvstore.checksum import page_checksum
 from kvstore.config import ClientOptions, client_options, client_options_from_env
-from kvstore.errors import IndexScriptError, InvalidInputError, RemoteFault, UnknownNamespaceError
+from kvstore.errors import IndexScriptError, InvalidInputError, RemoteFault
 from kvstore.hashing import block_hashes, part_hashes, sequence_hash, token_array
 from kvstore.index import AsyncPageIndex, LookupResult, NodeInfo, PageLocation
 from kvstore.namespace import Namespace
@@ -198,7 +198,7 @@ class AsyncKVCacheClient:
         part_sizes = codec.tail_part_sizes(ns, T, hidden is not None)
         seq = sequence_hash(ns, tokens, hashes)
         spans = page_spans(host_bytes(pages), len(hashes), ns.page_nbytes) + split_spans(tail, part_sizes)
-        return await self._publish(hashes + part_hashes(seq, len(part_sizes)), spans)
+        return await self._publish(hashes + part_hashes(seq, len(part_sizes)), spans, breaks=[len(hashes)])
 
     async def select(self, input_tokens: Any, roi: Any) -> list[Any]:
         """``[input_tokens, roi, key, value, hidden]`` for the longest stored prefix of the
@@ -213,7 +213,7 @@ class AsyncKVCacheClient:
         sizes_h = codec.tail_part_sizes(ns, T, ns.hidden_size > 0)
         sizes_nh = codec.tail_part_sizes(ns, T, False)
         parts = part_hashes(seq, max(len(sizes_h), len(sizes_nh)))
-        result = await self._lookup(hashes + parts)
+        result = await self._lookup(hashes + parts, breaks=[len(hashes)])
         if not result or result.matched == 0:
             return [None] * 5
         nblocks = min(result.matched, len(hashes))
@@ -246,7 +246,7 @@ class AsyncKVCacheClient:
 
     # ---- shared mechanism --------------------------------------------------------
 
-    async def _lookup(self, hashes: list[bytes]) -> Any:
+    async def _lookup(self, hashes: list[bytes], breaks: Sequence[int] = ()) -> LookupResult | None:
         """The index's answer with replicas of stale incarnations dropped (an entry
         counts only while the registry names the same incarnation of its node);
         None on an index fault."""
@@ -254,14 +254,7 @@ class AsyncKVCacheClient:
         if not self._namespace_registered:
             await self._ensure_namespace()
         try:
-            result = await self.index.lookup(self.namespace, hashes)
-        except UnknownNamespaceError as exc:
-            # The index lost its data (or was never told): register the namespace again
-            # so this client's next puts and lookups work without a restart.
-            self.stats.index_errors += 1
-            log.warning("lookup missed: %s; registering the namespace again", exc)
-            await self._ensure_namespace()
-            return None
+            found = await self.index.lookup(self.namespace, hashes, breaks=breaks)
         except RemoteFault as exc:
             self.stats.index_errors += 1
             log.warning("lookup failed, counting as a miss: %s", exc)
@@ -270,14 +263,10 @@ class AsyncKVCacheClient:
             self.stats.index_script_errors += 1
             log.error("the index rejected a lookup (a bug, not a fault), counting as a miss: %s", exc)
             return None
-        live = {n.node_id: n.incarnation for n in await self._live_nodes(include_suspect=True)}
-        locations = []
-        for locs in result.locations:
-            current = [loc for loc in locs if live.get(loc.node_id) == loc.incarnation]
-            if not current:
-                break
-            locations.append(current)
-        return LookupResult(len(locations), locations)
+        if found.unavailable is not None:
+            self.stats.index_errors += 1
+            log.warning("an index shard failed, the prefix ends before its segments: %s", found.unavailable)
+        return found.resolve(await self._live_nodes(include_suspect=True))
 
     async def _ensure_namespace(self) -> None:
         try:
@@ -340,9 +329,10 @@ class AsyncKVCacheClient:
     def _node_ok(self, node_id: str) -> None:
         self._strikes.pop(node_id, None)
 
-    async def _publish(self, hashes: list[bytes], spans: list[Span]) -> PublishReport:
+    async def _publish(self, hashes: list[bytes], spans: list[Span], breaks: Sequence[int] = ()) -> PublishReport:
         """Store each page on its ``replicas`` rendezvous nodes; a page counts as stored
-        when at least one replica holds it."""
+        when at least one replica holds it. ``hashes`` are chains that start at 0 and at
+        each of ``breaks`` (they place the pages in the index's segments)."""
         if not self._namespace_registered:
             await self._ensure_namespace()
         nodes = {n.node_id: n for n in await self._live_nodes()}
@@ -356,13 +346,14 @@ class AsyncKVCacheClient:
                 memo[page.index] = page_checksum(page.span.view())
             return memo[page.index]
 
+        anchors, positions = keys.placement(hashes, breaks)
         per_node: dict[str, list[int]] = defaultdict(list)
         for i, h in enumerate(hashes):
             for node_id in place(h, list(nodes), self.replicas):
                 per_node[node_id].append(i)
 
         async def one(node_id: str, idx: list[int]) -> tuple[list[int], Any]:
-            pages = [OutgoingPage(hashes[i], spans[i], i) for i in idx]
+            pages = [OutgoingPage(hashes[i], spans[i], i, anchors[i], positions[i]) for i in idx]
             try:
                 outcome, conn = await self._on_node(nodes[node_id], lambda c: c.put(self.namespace.digest_hex, pages, checksum, self.timeout))
                 self._node_ok(node_id)

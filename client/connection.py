@@ -51,6 +51,8 @@ class OutgoingPage:
     hash: bytes
     span: Span
     index: int  # position in the caller's batch (keys its checksum memo)
+    anchor: bytes  # its segment in the index and its place there (kvstore.keys.placement)
+    position: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +151,7 @@ def _put_request(namespace: str, token: str, pages: list[OutgoingPage]) -> P.Put
         namespace=namespace, token=token, hashes=[p.hash for p in pages],
         sizes=np.fromiter((p.span.nbytes for p in pages), dtype=np.uint64, count=len(pages)),
         join=join_flags([p.span for p in pages]),
+        anchors=[p.anchor for p in pages], positions=[p.position for p in pages],
     )
 
 

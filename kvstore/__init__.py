@@ -12,7 +12,6 @@ from kvstore.errors import (
     ProtocolError,
     RemoteFault,
     TransportError,
-    UnknownNamespaceError,
 )
 from kvstore.hashing import block_hashes, part_hashes, sequence_hash
 from kvstore.namespace import Namespace
@@ -28,7 +27,6 @@ __all__ = [
     "ProtocolError",
     "RemoteFault",
     "TransportError",
-    "UnknownNamespaceError",
     "block_hashes",
     "part_hashes",
     "sequence_hash",

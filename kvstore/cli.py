@@ -17,12 +17,19 @@ from kvstore.units import format_size
 def _up(args: argparse.Namespace) -> int:
     from kvstore.launcher import LocalCluster
 
-    cluster = LocalCluster(args.servers, args.capacity, redis_url=args.redis_url, slab_size=args.slab_size, quiet=not args.verbose)
+    if args.index_shards < 1:
+        print(f"kvstore up: --index-shards must be at least 1, got {args.index_shards}", file=sys.stderr)
+        return 2
+    if args.redis_url and args.index_shards > 1:
+        print("kvstore up: --index-shards starts an embedded index; it cannot be used with --redis-url", file=sys.stderr)
+        return 2
+    cluster = LocalCluster(args.servers, args.capacity, redis_url=args.redis_url, index_shards=args.index_shards, slab_size=args.slab_size, quiet=not args.verbose)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     with cluster:
-        print(f"kvstore up: {args.servers} storage node(s) of {args.capacity} on loopback")
+        index = f"a {args.index_shards}-shard Valkey cluster" if args.index_shards > 1 else "Valkey"
+        print(f"kvstore up: {args.servers} storage node(s) of {args.capacity} and {index} on loopback")
         print(f"KVSTORE_REDIS_URL={cluster.redis_url}", flush=True)
         print("press Ctrl-C to stop", flush=True)
         while not stop.wait(0.5):
@@ -36,7 +43,10 @@ def _up(args: argparse.Namespace) -> int:
 def _stats(args: argparse.Namespace) -> int:
     from kvstore.index import PageIndex
 
-    stats = PageIndex(args.redis_url, password=os.environ.get("KVSTORE_REDIS_PASSWORD") or None).stats()
+    index = PageIndex(args.redis_url, password=os.environ.get("KVSTORE_REDIS_PASSWORD") or None)
+    stats = index.stats()
+    if index.cluster:
+        print(f"index: a cluster of {index.shards} shard(s)")
     print(f"{len(stats.nodes)} live node(s)")
     for n in stats.nodes:
         print(f"  {n.node_id:20} {n.address:24} capacity {format_size(n.capacity)} incarnation {n.incarnation}")
@@ -59,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--capacity", default="1GiB", help="per storage node")
     up.add_argument("--slab-size", default="64MiB")
     up.add_argument("--redis-url", default=None, help="use this Redis/Valkey instead of starting one")
+    up.add_argument("--index-shards", type=int, default=1, help="start the embedded index as a Valkey cluster of this many shards (prints a redis+cluster:// URL)")
     up.add_argument("--verbose", action="store_true", help="show the storage nodes' logs")
     demo = sub.add_parser("demo", help="prefill and decode processes sharing KV through a local store")
     demo.add_argument("--servers", type=int, default=2)

@@ -23,10 +23,6 @@ class RemoteFault(KVStoreError):
     """A remote component (index, storage node, network) failed; never the caller's fault."""
 
 
-class UnknownNamespaceError(RemoteFault, LookupError):
-    """The namespace digest is not registered in the index (never, or lost with its data)."""
-
-
 class IndexUnavailableError(RemoteFault, ConnectionError):
     """Redis/Valkey could not be reached or answered with a transport error."""
 

@@ -1,29 +1,36 @@
-"""Redis key names; the format is documented in docs/key-format.md.
+"""Redis key names and page segments; the format is documented in docs/key-format.md.
 
-Every key of one namespace carries the namespace digest as its hash tag, so a
-namespace's pages, liveness mirror and metadata live in one Redis Cluster slot and
-each Lua script touches a single slot. Node registry keys share the tag {registry}."""
+Pages are indexed by *segment*: the pages at positions [s, s + SEGMENT_PAGES) of one hash
+chain share one Redis string, keyed by the chain's hash at position s (the segment's
+anchor). A lookup of n pages reads n / SEGMENT_PAGES keys, and each segment key is its
+own Redis Cluster hash tag, so one namespace spreads over every shard. Registry keys
+share the tag {registry}; a namespace's metadata is tagged with its digest."""
+
+from __future__ import annotations
+
+from typing import Sequence
 
 REGISTRY_PREFIX = "kvs:{registry}:"
 NODES_ZSET = REGISTRY_PREFIX + "nodes"
 NAMESPACES_SET = REGISTRY_PREFIX + "namespaces"
-
-
-def namespace_prefix(ns_hex: str) -> str:
-    """Prefix of every key of one namespace: ``kvs:{<digest hex>}:``."""
-    return f"kvs:{{{ns_hex}}}:"
+NODE_NUMBERS = REGISTRY_PREFIX + "numbers"
+NODE_NUMBER_COUNTER = REGISTRY_PREFIX + "next_number"
+# Pages per segment: a lookup of 8,192 pages reads 128 keys.
+SEGMENT_PAGES = 64
 
 
 def meta_key(ns_hex: str) -> str:
-    return namespace_prefix(ns_hex) + "meta"
+    """The namespace's metadata hash (field ``json``: the canonical namespace)."""
+    return f"kvs:{{{ns_hex}}}:meta"
 
 
-def alive_key(ns_hex: str) -> str:
-    return namespace_prefix(ns_hex) + "alive"
+def segment_key(ns_hex: str, anchor: bytes) -> str:
+    return f"kvs:{ns_hex}:s:{{{anchor.hex()}}}"
 
 
-def page_key(ns_hex: str, page_hash_hex: str) -> str:
-    return namespace_prefix(ns_hex) + "p:" + page_hash_hex
+def lease_key(ns_hex: str, anchor: bytes) -> str:
+    """Exists while a reader holds a lease on the segment (its TTL is the lease)."""
+    return f"kvs:{ns_hex}:l:{{{anchor.hex()}}}"
 
 
 def node_key(node_id: str) -> str:
@@ -34,3 +41,23 @@ def incarnation_key(node_id: str) -> str:
     """The node id's current incarnation (no TTL), so a stale one is fenced even after
     its registry entry expired."""
     return REGISTRY_PREFIX + "inc:" + node_id
+
+
+def segments(count: int, breaks: Sequence[int] = ()) -> list[tuple[int, int]]:
+    """``(start, end)`` of every segment of ``count`` hashes made of chains that begin at
+    position 0 and at each of ``breaks`` (a select's tail parts form a second chain)."""
+    starts = sorted({0, *(b for b in breaks if 0 < b < count)})
+    out = []
+    for first, stop in zip(starts, starts[1:] + [count]):
+        out.extend((s, min(s + SEGMENT_PAGES, stop)) for s in range(first, stop, SEGMENT_PAGES))
+    return out
+
+
+def placement(hashes: Sequence[bytes], breaks: Sequence[int] = ()) -> tuple[list[bytes], list[int]]:
+    """Every hash's segment anchor and position within its segment (see ``segments``)."""
+    anchors: list[bytes] = []
+    positions: list[int] = []
+    for start, end in segments(len(hashes), breaks):
+        anchors.extend([hashes[start]] * (end - start))
+        positions.extend(range(end - start))
+    return anchors, positions

@@ -19,7 +19,7 @@ from pathlib import Path
 from kvstore.errors import KVStoreError
 from kvstore.index import PageIndex
 from kvstore.procutil import die_with_parent
-from kvstore.valkey import EmbeddedValkey
+from kvstore.valkey import EmbeddedValkey, EmbeddedValkeyCluster
 
 
 @dataclass
@@ -38,8 +38,12 @@ class NodeProcess:
 
 
 class LocalCluster:
-    def __init__(self, servers: int = 1, capacity: str = "256MiB", *, redis_url: str | None = None, slab_size: str = "16MiB", extra_args: list[str] | None = None, env: dict[str, str] | None = None, quiet: bool = True, log_dir: str | None = None) -> None:
+    """``servers`` storage nodes and, unless ``redis_url`` names one, an embedded index:
+    one Valkey, or a Valkey cluster of ``index_shards`` primaries when that is above 1."""
+
+    def __init__(self, servers: int = 1, capacity: str = "256MiB", *, redis_url: str | None = None, index_shards: int = 1, slab_size: str = "16MiB", extra_args: list[str] | None = None, env: dict[str, str] | None = None, quiet: bool = True, log_dir: str | None = None) -> None:
         self.num_servers = servers
+        self.index_shards = index_shards
         self.capacity = capacity
         self.slab_size = slab_size
         self.extra_args = extra_args or []
@@ -47,13 +51,13 @@ class LocalCluster:
         self.quiet = quiet
         self._tmp = None if log_dir or not quiet else tempfile.TemporaryDirectory(prefix="kvstore-nodes-")
         self.log_dir = Path(log_dir or self._tmp.name) if quiet else None
-        self.valkey: EmbeddedValkey | None = None
+        self.valkey: EmbeddedValkey | EmbeddedValkeyCluster | None = None
         self.redis_url = redis_url or ""
         self.nodes: list[NodeProcess] = []
 
     def start(self, timeout: float = 30.0) -> LocalCluster:
         if not self.redis_url:
-            self.valkey = EmbeddedValkey().start()
+            self.valkey = (EmbeddedValkeyCluster(self.index_shards) if self.index_shards > 1 else EmbeddedValkey()).start()
             self.redis_url = self.valkey.url
         for i in range(self.num_servers):
             self.add_node(f"node-{i}")

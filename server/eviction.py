@@ -30,6 +30,7 @@ class NodeIdentity:
 
     node_id: str
     incarnation: str = ""
+    number: int = 0  # the node id's number in the registry; index entries name it
     index_stale: bool = False
 
 
@@ -64,7 +65,7 @@ class Evictor:
         evicted = 0
         for ns, pages in by_ns.items():
             try:
-                gone = await self.index.remove(ns, self.identity.node_id, self.identity.incarnation, [p.key[1] for p in pages])
+                gone = await self.index.remove(ns, self.identity.number, [p.key[1] for p in pages], [p.anchor for p in pages])
             except RemoteFault as exc:
                 # Without the index we still must not run out of memory; readers of a
                 # stale entry get "missing" because the page table no longer has it,
@@ -72,8 +73,11 @@ class Evictor:
                 log.warning("evicting without index update: %s", exc)
                 self.identity.index_stale = True
                 gone = [True] * len(pages)
+            if None in gone:  # a shard failed: same as above for its pages
+                log.warning("evicting without index update: %d pages on an unreachable index shard", gone.count(None))
+                self.identity.index_stale = True
             for page, removed in zip(pages, gone):
-                if removed:
+                if removed is not False:
                     self.store.drop(page)
                     evicted += 1
                 else:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import json
 import logging
 import os
 import re
@@ -23,8 +24,8 @@ import signal
 import time
 
 from kvstore.config import ServerSettings
-from kvstore.errors import FencedError, IndexScriptError, NodeIdInUseError, RemoteFault
-from kvstore.index import AsyncPageIndex, CommitEntry
+from kvstore.errors import FencedError, IndexScriptError, IndexUnavailableError, NodeIdInUseError, RemoteFault
+from kvstore.index import AsyncPageIndex, Registration
 from kvstore.shm import host_id
 from kvstore.transport import ensure_ucx
 from server.dataplane import DataPlane
@@ -32,7 +33,7 @@ from server.eviction import Evictor, NodeIdentity
 from server.health import start_health_server
 from server.metrics import NodeMetrics
 from server.pool import MemoryPool
-from server.store import PageState, PageStore
+from server.store import PageState, PageStore, commit_entry
 
 log = logging.getLogger(__name__)
 # Every client connection leaves freed but unreturned heap behind in UCX and ucxx
@@ -62,7 +63,7 @@ class StorageNode:
         self.evictor = Evictor(self.store, self.index, self.metrics, self.identity, settings.high_watermark, settings.low_watermark)
         self.dataplane = DataPlane(
             self.store, self.index, self.evictor, self.metrics, self.identity,
-            token=settings.auth_token.get_secret_value(), timeout=settings.transfer_timeout, node_ttl_ms=self.node_ttl_ms,
+            token=settings.auth_token.get_secret_value(), timeout=settings.transfer_timeout,
         )
         self.metrics.watch(self.store, self.dataplane)
         self._last_heartbeat = 0.0
@@ -147,18 +148,23 @@ class StorageNode:
         return loop.create_task(accept())
 
     async def _heartbeat_loop(self) -> None:
-        """Register until it succeeds, then refresh the registry entry and the liveness
-        mirror of every namespace this node holds pages of, re-registering (and
-        re-publishing) when the index says the incarnation is stale."""
+        """Register until it succeeds, then refresh the registry entry (with the pages
+        held per namespace), re-registering (and re-publishing) when the index says the
+        incarnation is stale or an index shard restarted."""
         started = time.monotonic()
-        index_run_id = ""
+        run_ids: dict[str, str] = {}  # index shard address -> run id, as last seen
         while True:
             try:
-                run_id = await self.index.server_id()
-                if index_run_id and run_id != index_run_id:
-                    log.warning("the index restarted: re-publishing under a new incarnation")
-                    self.identity.index_stale = True
-                index_run_id = run_id
+                # A shard that is down only shortens prefixes: the heartbeat goes on. One
+                # that restarted (new run id) or a new primary (new address) may have lost
+                # what this node published there.
+                for address, run_id in (await self.index.server_ids()).items():
+                    if run_id is None:
+                        continue
+                    if run_ids and run_ids.get(address) != run_id:
+                        log.warning("index shard %s restarted or took over: re-publishing under a new incarnation", address)
+                        self.identity.index_stale = True
+                    run_ids[address] = run_id
                 if not self.identity.incarnation or self.identity.index_stale:
                     await self._register_new()
                 else:
@@ -167,8 +173,6 @@ class StorageNode:
                     except FencedError as exc:
                         log.warning("the index no longer accepts this node (%s): registering a new incarnation", exc)
                         await self._register_new()
-                if namespaces := self.store.namespaces():
-                    await self.index.touch_namespaces(namespaces, self.identity.node_id, self.identity.incarnation, self.node_ttl_ms)
                 self._last_heartbeat = time.monotonic()
                 if self._last_heartbeat - self._trimmed > TRIM_INTERVAL and not self.dataplane.active:
                     self._trimmed = self._last_heartbeat
@@ -186,18 +190,21 @@ class StorageNode:
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(self.settings.heartbeat_interval)
 
-    async def _register(self, incarnation: str | None) -> str:
+    async def _register(self, incarnation: str | None) -> Registration:
+        # the registry carries what this node holds, so `kvstore stats` needs no index scan
+        pages = json.dumps({ns: n for ns, n in sorted(self.store.namespace_pages.items()) if n > 0}, separators=(",", ":"))
         return await self.index.register_node(
             self.identity.node_id, self.address, self.store.capacity, self.node_ttl_ms, incarnation,
-            replaces=self.identity.incarnation, extra=self._extra,
+            replaces=self.identity.incarnation, extra={**self._extra, "pages": pages},
         )
 
     async def _register_new(self) -> None:
         """Register a fresh incarnation; if this node held pages under an older one,
         re-publish them (and their namespaces) under the new one."""
-        incarnation = await self._register(None)
+        registration = await self._register(None)
         republish = bool(self.identity.incarnation)
-        self.identity.incarnation = incarnation
+        self.identity.incarnation, self.identity.number = registration.incarnation, registration.number
+        incarnation = registration.incarnation
         self.identity.index_stale = False  # an eviction that fails from here on flags it again
         log.info("registered as %s incarnation %s at %s", self.identity.node_id, incarnation, self.address)
         if republish:
@@ -216,21 +223,20 @@ class StorageNode:
         for digest, pages in by_ns.items():
             if ns := self.dataplane.namespaces.get(digest):
                 await self.index.ensure_namespace(ns)
-            await self.index.touch_namespaces([digest], self.identity.node_id, inc, self.node_ttl_ms)
             for start in range(0, len(pages), 4096):
                 chunk = pages[start : start + 4096]
-                await self.index.commit(digest, self.identity.node_id, inc, [CommitEntry(p.key[1], p.offset, p.size, p.checksum) for p in chunk], self.node_ttl_ms)
+                written = await self.index.commit(digest, self.identity.number, inc, [commit_entry(p) for p in chunk])
+                if not all(written):
+                    raise IndexUnavailableError(f"an index shard failed while re-publishing {digest}")
                 # pages evicted while the commit was on its way must not stay advertised
-                if gone := [p.key[1] for p in chunk if p.state is not PageState.READY]:
-                    await self.index.remove(digest, self.identity.node_id, inc, gone, respect_lease=False)
+                if gone := [p for p in chunk if p.state is not PageState.READY]:
+                    await self.index.remove(digest, self.identity.number, [p.key[1] for p in gone], [p.anchor for p in gone], respect_lease=False)
         log.info("re-published %d pages in %d namespaces", sum(map(len, by_ns.values())), len(by_ns))
 
     async def _deregister(self) -> None:
         if not self.identity.incarnation:
             return
         try:
-            if namespaces := self.store.namespaces():
-                await self.index.touch_namespaces(namespaces, self.identity.node_id, self.identity.incarnation, 0)
             await self.index.deregister_node(self.identity.node_id, self.identity.incarnation)
         except (RemoteFault, IndexScriptError) as exc:
             log.warning("could not deregister (pages expire with the node TTL): %s", exc)

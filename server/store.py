@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvstore.index import CommitEntry
 from server.allocator import SlabAllocator
 from server.pool import MemoryPool
 
@@ -41,9 +42,17 @@ class StoredPage:
     size: int
     checksum: int
     owner: str = ""  # the tenant whose slabs may hold it (server/pool.py)
+    anchor: bytes = b""  # its segment in the index (kvstore.keys), and its place there
+    position: int = 0
     offset: int | None = None  # None until a slot is assigned
     state: PageState = PageState.RECEIVING
     pins: int = 0
+
+
+def commit_entry(page: StoredPage) -> CommitEntry:
+    """What the index records for a verified page of this node."""
+    assert page.offset is not None
+    return CommitEntry(page.key[1], page.anchor, page.position, page.offset, page.size, page.checksum)
 
 
 class PageStore:
@@ -79,11 +88,11 @@ class PageStore:
         """Every ready page, least recently used first (for re-publishing after an index loss)."""
         return list(self._lru.values())
 
-    def claim(self, key: PageKey, size: int, checksum: int = 0, owner: str = "") -> StoredPage:
+    def claim(self, key: PageKey, size: int, checksum: int = 0, owner: str = "", anchor: bytes = b"", position: int = 0) -> StoredPage:
         """Make ``key`` *receiving* for the calling PUT. The caller checked ``find`` first
         (no await in between) and must end with ``finish_put`` or ``abort_put``."""
         assert key not in self.pages, "claim of a key that is already in the table"
-        page = StoredPage(key, size, checksum, owner, pins=1)
+        page = StoredPage(key, size, checksum, owner, anchor, position, pins=1)
         self.pins += 1
         self.pages[key] = page
         return page
@@ -164,5 +173,3 @@ class PageStore:
             self.allocator.free(page.offset)
             page.offset = None
 
-    def namespaces(self) -> list[str]:
-        return [ns for ns, count in self.namespace_pages.items() if count > 0]

@@ -30,18 +30,25 @@ def namespace(request) -> Namespace:
 
 @pytest.fixture()
 def index(valkey):
-    idx = PageIndex(valkey.url, dead_grace_ms=0)
+    idx = PageIndex(valkey.url)
     yield idx
     idx.close()
 
 
 @pytest.fixture()
-def clusters():
+def index_shards() -> int:
+    """Shards of the embedded index ``clusters`` starts (1: a single Valkey). A module
+    overrides this fixture to run its tests against a Valkey cluster too."""
+    return 1
+
+
+@pytest.fixture()
+def clusters(index_shards):
     """Factory of local stores (embedded Valkey + node processes), stopped after the test."""
     made: list[LocalCluster] = []
 
     def make(servers: int = 1, capacity: str = "256MiB", slab: str = "16MiB", extra: list[str] | None = None) -> LocalCluster:
-        cluster = LocalCluster(servers, capacity, slab_size=slab, extra_args=extra)
+        cluster = LocalCluster(servers, capacity, slab_size=slab, extra_args=extra, index_shards=index_shards)
         made.append(cluster)
         return cluster.start()
 

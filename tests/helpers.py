@@ -120,3 +120,36 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.02):
             return
         time.sleep(interval)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def raw_index(url: str):
+    """Plain redis-py access to the index under test (a cluster client for a cluster URL)."""
+    import redis
+
+    from kvstore.routing import CLUSTER_SCHEMES, seed_urls
+
+    if url.split("://", 1)[0] in CLUSTER_SCHEMES:
+        return redis.RedisCluster.from_url(seed_urls(url)[0])
+    return redis.Redis.from_url(url)
+
+
+def corrupt_entry_checksums(url: str, ns: Namespace, hashes: list[bytes], i: int) -> int:
+    """Flip a bit of the checksum in every index entry of page ``hashes[i]`` (a chain from
+    block 0); returns how many entries changed."""
+    from kvstore import keys
+    from kvstore.index import ENTRY, HASH_PAIR
+
+    raw = raw_index(url)
+    key = keys.segment_key(ns.digest_hex, keys.placement(hashes)[0][i])
+    entries = np.frombuffer(raw.get(key), dtype=ENTRY).copy()
+    want = np.frombuffer(hashes[i], dtype=HASH_PAIR)[0]
+    hit = (entries["h0"] == want["h0"]) & (entries["h1"] == want["h1"])
+    entries["checksum"][hit] ^= 1
+    raw.set(key, entries.tobytes(), keepttl=True)
+    raw.close()
+    return int(hit.sum())
+
+
+def advertised_prefix(index: PageIndex, ns: Namespace, hashes: list[bytes], **kw) -> int:
+    """Leading pages of ``hashes`` the index advertises on a live node."""
+    return index.lookup(ns, hashes, **kw).resolve(index.live_nodes()).matched

@@ -62,7 +62,7 @@ async def main(host: str, port: int, ns_hex: str) -> dict:
 
     # A put whose payload arrives shorter than announced: the page must not be stored.
     page = np.arange(65536, dtype=np.uint8)
-    put = P.PutRequest(namespace=ns_hex, hashes=[bytes.fromhex("2" * 32)], sizes=[page.nbytes], join=[False])
+    put = P.PutRequest(namespace=ns_hex, hashes=[bytes.fromhex("2" * 32)], sizes=[page.nbytes], join=[False], anchors=[bytes.fromhex("2" * 32)], positions=[0])
     await ep.send_frame(put)
     plan = P.decode(await ep.recv_frame())
     await ep.send_frame(P.PutChecksums(checksums=[page_checksum(page)]))

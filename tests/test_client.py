@@ -6,22 +6,22 @@ from __future__ import annotations
 import time
 
 import pytest
-import redis
 import torch
 
 from client import KVCacheClient
 from client.placement import place
-from kvstore import InvalidInputError, Namespace, block_hashes, keys
+from kvstore import InvalidInputError, Namespace, block_hashes
 from kvstore.index import PageIndex
 from kvstore.launcher import LocalCluster
-from tests.helpers import kv_for, pages_for, run_worker
+from tests.helpers import corrupt_entry_checksums, kv_for, pages_for, run_worker
 
 BLOCK = 16
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(servers=2, capacity="512MiB", slab_size="16MiB") as c:
+@pytest.fixture(scope="module", params=[1, 3], ids=["valkey", "cluster3"])
+def cluster(request):
+    """Two storage nodes on a single Valkey, then on a 3-shard Valkey cluster."""
+    with LocalCluster(servers=2, capacity="512MiB", slab_size="16MiB", index_shards=request.param) as c:
         yield c
 
 
@@ -183,13 +183,7 @@ def test_namespaces_never_match_each_other(cluster, ns):
 def test_corrupt_checksum_counts_as_missing(cluster, ns, client):
     tokens = list(range(6 * BLOCK))
     client.put_pages(tokens, pages_for(ns, tokens))
-    raw = redis.Redis.from_url(cluster.redis_url)
-    key = keys.page_key(ns.digest_hex, block_hashes(ns, tokens)[2].hex())
-    for node, entry in raw.hgetall(key).items():
-        if node != b"_lease":
-            parts = entry.decode().split("|")
-            parts[3] = str(int(parts[3]) ^ 1)  # incarnation|slot|size|checksum
-            raw.hset(key, node, "|".join(parts))
+    assert corrupt_entry_checksums(cluster.redis_url, ns, block_hashes(ns, tokens), 2) >= 1
     out = torch.empty(6, *ns.page_shape, dtype=torch.float16)
     assert client.get_pages(tokens, out) == 2 * BLOCK
     assert client.stats.checksum_failures == 1
@@ -225,7 +219,8 @@ def test_nodes_joining_are_picked_up_without_restarting_clients():
             time.sleep(1.2)  # the client re-reads the registry every second
             tokens = list(range(100_000, 100_000 + 40 * BLOCK))
             assert cl.put_pages(tokens, pages_for(ns, tokens)).stored == 40
-            result = PageIndex(c.redis_url).lookup(ns, block_hashes(ns, tokens), lease_ms=0)
+            index = PageIndex(c.redis_url)
+            result = index.lookup(ns, block_hashes(ns, tokens), lease_ms=0).resolve(index.live_nodes())
             holders = {loc.node_id for locs in result.locations for loc in locs}
             assert holders == {"node-0", "node-late"}
 

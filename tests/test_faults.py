@@ -15,11 +15,12 @@ import redis
 import torch
 
 from client import AsyncKVCacheClient, KVCacheClient
-from kvstore import InvalidInputError, TransportError, block_hashes, keys
+from kvstore import InvalidInputError, Namespace, TransportError, block_hashes, keys, part_hashes, sequence_hash
 from kvstore.config import client_options
 from kvstore.index import PageIndex
+from kvstore.launcher import LocalCluster
 from kvstore.procutil import free_port
-from tests.helpers import metrics, namespace_for_page_size, pages_for, run_worker, spec, wait_for, worker_result
+from tests.helpers import advertised_prefix, kv_for, metrics, namespace_for_page_size, pages_for, run_worker, spec, wait_for, worker_result
 
 
 def index_pages(cluster, ns) -> dict[str, int]:
@@ -181,7 +182,7 @@ def test_pages_evicted_while_the_index_was_unreachable_stop_matching(clusters):
     assert metrics(cluster, "node-0")["kvstore_evicted_pages_total"] > 0
     wait_for(lambda: index_pages(cluster, ns) == node_pages(cluster), 20, "the node to reconcile with the index", 0.2)
     index = PageIndex(cluster.redis_url)
-    advertised = index.lookup(ns, block_hashes(ns, first), lease_ms=0).matched
+    advertised = advertised_prefix(index, ns, block_hashes(ns, first), lease_ms=0)
     index.close()
     got = run_worker(spec(cluster, ns, "get_pages", tokens=first))["results"][0]
     assert got["exact"] and got["matched"] == advertised  # every advertised page is really there
@@ -270,8 +271,9 @@ def test_a_script_error_is_a_bug_logged_at_error_not_an_unavailable_index(cluste
     raw = redis.Redis.from_url(cluster.redis_url)
     with KVCacheClient(cluster.redis_url, ns) as client:
         client.put_pages(tokens, pages_for(ns, tokens))
-        raw.delete(keys.alive_key(ns.digest_hex))
-        raw.set(keys.alive_key(ns.digest_hex), "not a hash")  # every script on it now fails
+        segment = keys.segment_key(ns.digest_hex, block_hashes(ns, tokens)[0])
+        raw.delete(segment)
+        raw.hset(segment, "not", "a string")  # every script that reads it now fails
         out = torch.empty(4, *ns.page_shape, dtype=torch.float16)
         with caplog.at_level(logging.ERROR):
             assert client.get_pages(tokens, out) == 0
@@ -279,8 +281,10 @@ def test_a_script_error_is_a_bug_logged_at_error_not_an_unavailable_index(cluste
         assert any(r.levelno == logging.ERROR and "rejected" in r.getMessage() for r in caplog.records)
         with pytest.raises(InvalidInputError):  # usage errors still propagate
             client.get_pages(tokens, out.to(torch.float32))
-        more = list(range(10_000, 10_000 + 2 * ns.block_size))
-        assert client.put_pages(more, pages_for(ns, more)).stored == 0
+        # a new page in the broken segment: the node's commit is refused, it stores nothing
+        more = tokens[: ns.block_size] + list(range(10_000, 10_000 + ns.block_size))
+        report = client.put_pages(more, pages_for(ns, more))
+        assert report.sent == 0 and report.stored == 1  # only the block it already held
     assert metrics(cluster, "node-0")['kvstore_errors_total{kind="index_script"}'] >= 1
 
 
@@ -299,3 +303,53 @@ def test_connect_and_disconnect_do_not_grow_node_memory(clusters):
     run_worker(spec(cluster, ns, "reconnects", cycles=2000), timeout=300)
     grown = (rss_kib() - before) * 1024
     assert grown / 2000 < 1024, f"{grown / 2000:.0f} bytes per connection"
+
+
+def test_a_stopped_index_shard_shortens_prefixes_for_every_client():
+    """Two storage nodes on a 3-shard index cluster; two clients (this process and a
+    worker process) publish prompts long enough that their segments live on every shard,
+    then select them; one shard stops in the middle: every select returns a shorter
+    prefix, bit-exact, without an exception and within the timeout."""
+    ns = Namespace(model="shard-fault", dtype="float16", num_layers=1, num_kv_heads=1, head_size=32, block_size=4)
+    per_segment = keys.SEGMENT_PAGES * ns.block_size
+    first = list(range(12 * per_segment + 2))  # 12 segments and a tail part
+    second = first[: 5 * per_segment] + list(range(500_000, 500_000 + 7 * per_segment + 3))
+    with LocalCluster(servers=2, capacity="64MiB", slab_size="4MiB", index_shards=3) as cluster:
+        with KVCacheClient(cluster.redis_url, ns, timeout=3) as mine:
+            writer = run_worker(spec(cluster, ns, "insert", tokens=first, hidden=False))
+            assert writer["report"]["stored"] == 12 * keys.SEGMENT_PAGES + 1
+            assert insert_tokens(mine, ns, second).stored == 12 * keys.SEGMENT_PAGES + 1
+            for tokens in (first, second):
+                got = run_worker(spec(cluster, ns, "select", tokens=tokens))
+                assert got["matched"] == len(tokens) and got["exact"]
+            index = PageIndex(cluster.redis_url)
+            index.ping()
+            topology = index._router.topology
+            shard_of = lambda tokens: [topology.shard_of(keys.segment_key(ns.digest_hex, block_hashes(ns, tokens)[s])) for s, _ in keys.segments(len(tokens) // ns.block_size)]
+            registry = topology.shard_of(keys.NODES_ZSET)
+            victim = next(s for s in range(3) if s not in (registry, shard_of(first)[0]))
+            cluster.valkey.shards[victim].stop()
+            for tokens in (first, second):
+                expected = shard_of(tokens).index(victim) * per_segment if victim in shard_of(tokens) else len(tokens)
+                start = time.monotonic()
+                got = run_worker(spec(cluster, ns, "select", tokens=tokens, options={"timeout": 3}))  # a new process: seeds, one dead
+                assert got["matched"] == expected and got["exact"] and expected < len(tokens)
+                key, value, _ = kv_for(ns, tokens)
+                _, roi, k, v, h = mine.select(torch.tensor(tokens), torch.ones(len(tokens), dtype=torch.bool))
+                assert roi is not None and int(roi.sum()) == expected and h is None, (mine.stats, expected, shard_of(tokens), victim)
+                assert torch.equal(k.view(torch.uint8), key[:, :expected].contiguous().view(torch.uint8))
+                assert time.monotonic() - start < 60
+            assert mine.stats.index_errors >= 2
+            # writes go on: pages whose segments live on the stopped shard are not stored
+            third = list(range(900_000, 900_000 + 3 * per_segment))
+            report = insert_tokens(mine, ns, third)
+            lost = shard_of(third).count(victim) * keys.SEGMENT_PAGES
+            tail = keys.segment_key(ns.digest_hex, part_hashes(sequence_hash(ns, third), 1)[0])
+            lost += topology.shard_of(tail) == victim
+            assert report.stored == 3 * keys.SEGMENT_PAGES + 1 - lost
+        no_tracebacks(cluster)
+
+
+def insert_tokens(client, ns, tokens):
+    key, value, _ = kv_for(ns, tokens)
+    return client.insert(torch.tensor(tokens), torch.ones(len(tokens), dtype=torch.bool), key, value)

@@ -87,6 +87,16 @@ def test_external_redis_uses_the_existing_secret():
     assert objects["ServiceMonitor"] and objects["NetworkPolicy"]
 
 
+def test_an_external_valkey_cluster_is_one_url():
+    objects = render(load_values(CHART / "ci" / "external-cluster-values.yaml"))
+    url = objects["ConfigMap"][0]["data"]["KVSTORE_REDIS_URL"]
+    assert url.startswith("redis+cluster://valkey-0.valkey.infra.svc:6379,")
+    assert [s["metadata"]["name"] for s in objects["StatefulSet"]] == ["kv-kvstore-storage"]  # no built-in Valkey
+    from kvstore.routing import seed_urls
+
+    assert len(seed_urls(url)) == 3  # the client reads it as three seeds
+
+
 def test_external_redis_without_url_fails_with_a_message():
     with pytest.raises(Exception, match="index.external.url is required"):
         render({"index": {"valkey": {"enabled": False}}})

@@ -19,7 +19,7 @@ from kvstore import block_hashes
 from kvstore import protocol as P
 from kvstore.checksum import page_checksum
 from kvstore.index import PageIndex
-from tests.helpers import ROOT, metrics, namespace_for_page_size, run_worker, spec, wait_for, worker_result
+from tests.helpers import ROOT, advertised_prefix, metrics, namespace_for_page_size, run_worker, spec, wait_for, worker_result
 
 
 @pytest.mark.parametrize("page_size", [4 << 10, 64 << 10, 2 << 20, 8 << 20])
@@ -33,6 +33,10 @@ def test_put_then_get_from_another_process_is_bit_exact(clusters, page_size):
     assert got["results"] == [{"blocks": 6, "matched": 6, "exact": True}]
     assert got["stats"]["direct_transfers"] == 1
 
+
+# The tests whose node behaviour goes through the index (commit, eviction under read
+# leases, deregistration) run on a single Valkey and on a 3-shard Valkey cluster.
+ON_BOTH_INDEXES = pytest.mark.parametrize("index_shards", [1, 3], ids=["valkey", "cluster3"])
 
 def test_batch_of_1024_small_pages_moves_in_few_messages(clusters):
     cluster = clusters()
@@ -48,6 +52,7 @@ def test_batch_of_1024_small_pages_moves_in_few_messages(clusters):
     assert m["kvstore_put_pages_total"] == 1024 and m["kvstore_get_pages_total"] == 1024
 
 
+@ON_BOTH_INDEXES
 def test_filling_past_capacity_evicts_least_recently_used(clusters):
     cluster = clusters(capacity="8MiB", slab="1MiB")
     ns = namespace_for_page_size(64 << 10, tenant="evict")
@@ -59,7 +64,7 @@ def test_filling_past_capacity_evicts_least_recently_used(clusters):
     assert run_worker(spec(cluster, ns, "get_pages", tokens=batches[0], options=opts))["results"][0]["matched"] == 32
     assert run_worker(spec(cluster, ns, "put_pages", tokens=batches[3], options=opts))["reports"][0]["stored"] == 32
     index = PageIndex(cluster.redis_url)
-    prefixes = [index.lookup(ns, block_hashes(ns, b), lease_ms=0).matched for b in batches]
+    prefixes = [advertised_prefix(index, ns, block_hashes(ns, b), lease_ms=0) for b in batches]
     assert prefixes[0] == 32 and prefixes[1] == 0 and prefixes[2] == 32 and prefixes[3] == 32
     # whatever the index shows is really there, byte for byte
     got = run_worker(spec(cluster, ns, "get_pages", token_lists=batches, options=opts))["results"]
@@ -69,6 +74,7 @@ def test_filling_past_capacity_evicts_least_recently_used(clusters):
     assert m["kvstore_evicted_pages_total"] >= 24
 
 
+@ON_BOTH_INDEXES
 def test_put_that_cannot_fit_is_refused_cleanly(clusters):
     cluster = clusters(capacity="2MiB", slab="1MiB")
     ns = namespace_for_page_size(64 << 10, tenant="refuse")
@@ -82,6 +88,7 @@ def test_put_that_cannot_fit_is_refused_cleanly(clusters):
     assert metrics(cluster, "node-0")["kvstore_refused_pages_total"] == 8
 
 
+@ON_BOTH_INDEXES
 def test_four_concurrent_clients_read_only_correct_bytes(clusters):
     cluster = clusters(servers=2)
     ns = namespace_for_page_size(64 << 10, tenant="concurrent")
@@ -103,6 +110,7 @@ def _put_in_progress(cluster) -> bool:
         return False
 
 
+@ON_BOTH_INDEXES
 def test_client_killed_mid_put_leaves_nothing_visible(clusters):
     cluster = clusters(capacity="1GiB", slab="16MiB")
     ns = namespace_for_page_size(2 << 20, tenant="kill-client")
@@ -113,7 +121,7 @@ def test_client_killed_mid_put_leaves_nothing_visible(clusters):
     proc.wait()
     index = PageIndex(cluster.redis_url)
     time.sleep(0.5)
-    assert index.lookup(ns, block_hashes(ns, tokens), lease_ms=0).matched == 0
+    assert advertised_prefix(index, ns, block_hashes(ns, tokens), lease_ms=0) == 0
     wait_for(lambda: metrics(cluster, "node-0")["kvstore_used_bytes"] == 0, 20, "slots of the broken put to be freed")
     assert metrics(cluster, "node-0")["kvstore_pinned_pages"] == 0
     small = namespace_for_page_size(64 << 10, tenant="after-kill")
@@ -130,7 +138,7 @@ def test_server_killed_mid_put_gives_client_an_error_in_time(clusters):
     result = worker_result(proc, timeout=60)
     assert result["reports"][0]["stored"] == 0
     assert result["stats"]["node_errors"] >= 1
-    assert PageIndex(cluster.redis_url).lookup(ns, block_hashes(ns, tokens), lease_ms=0).matched == 0
+    assert advertised_prefix(PageIndex(cluster.redis_url), ns, block_hashes(ns, tokens), lease_ms=0) == 0
 
 
 def test_server_killed_mid_get_gives_miss_never_wrong_bytes(clusters):
@@ -169,12 +177,13 @@ def test_garbage_and_truncated_frames_do_not_take_the_server_down(clusters):
     assert replies["valid_get_after_garbage"] == "GetPlan"
     assert replies["truncated_payload_plan"] == "PutPlan"
     assert replies["truncated_payload"].startswith(("closed", "stored=[] corrupt=[0]"))
-    assert index.lookup(ns, [bytes.fromhex("2" * 32)], lease_ms=0).matched == 0
+    assert advertised_prefix(index, ns, [bytes.fromhex("2" * 32)], lease_ms=0) == 0
     assert cluster.nodes[0].process.poll() is None
     assert run_worker(spec(cluster, ns, "put_pages", count=4 * ns.block_size))["reports"][0]["stored"] == 4
     assert metrics(cluster, "node-0")['kvstore_errors_total{kind="protocol"}'] >= 10
 
 
+@ON_BOTH_INDEXES
 def test_sigterm_deregisters_and_exits_zero(clusters):
     cluster = clusters()
     ns = namespace_for_page_size(64 << 10, tenant="sigterm")
@@ -182,12 +191,12 @@ def test_sigterm_deregisters_and_exits_zero(clusters):
     run_worker(spec(cluster, ns, "put_pages", tokens=tokens))
     index = PageIndex(cluster.redis_url)
     time.sleep(5.5)  # past the 5 s node TTL: only heartbeats keep the pages visible
-    assert index.lookup(ns, block_hashes(ns, tokens), lease_ms=0).matched == 4
+    assert advertised_prefix(index, ns, block_hashes(ns, tokens), lease_ms=0) == 4
     node = cluster.nodes[0]
     node.process.send_signal(signal.SIGTERM)
     assert node.process.wait(20) == 0
     assert index.live_nodes() == []
-    assert index.lookup(ns, block_hashes(ns, tokens), lease_ms=0).matched == 0
+    assert advertised_prefix(index, ns, block_hashes(ns, tokens), lease_ms=0) == 0
 
 
 def test_metrics_and_probes(clusters):
@@ -268,7 +277,7 @@ def test_bad_same_host_frames_and_a_hostile_writer_do_not_hurt_the_node(clusters
     with socket.socket(socket.AF_UNIX) as sock:
         sock.settimeout(10)
         sock.connect(node.extra["shm"])
-        sock.sendall(P.encode(P.PutRequest(namespace=ns.digest_hex, hashes=[b"3" * 16], sizes=[page.nbytes], join=[False])))
+        sock.sendall(P.encode(P.PutRequest(namespace=ns.digest_hex, hashes=[b"3" * 16], sizes=[page.nbytes], join=[False], anchors=[b"3" * 16], positions=[0])))
         plan, fds = reply(sock)
         assert isinstance(plan, P.PutPlan) and len(fds) == 1 and plan.ints("wanted") == [0]
         with pytest.raises(PermissionError):
@@ -281,7 +290,7 @@ def test_bad_same_host_frames_and_a_hostile_writer_do_not_hurt_the_node(clusters
         assert result.ints("stored") == [] and result.ints("corrupt") == [0]
         slab.close()
         os.close(fds[0])
-    assert PageIndex(cluster.redis_url).lookup(ns, [b"3" * 16], lease_ms=0).matched == 0
+    assert advertised_prefix(PageIndex(cluster.redis_url), ns, [b"3" * 16], lease_ms=0) == 0
     tokens = list(range(4 * ns.block_size))
     assert run_worker(spec(cluster, ns, "put_pages", tokens=tokens))["reports"][0]["stored"] == 4
     assert run_worker(spec(cluster, ns, "get_pages", tokens=tokens))["results"] == [{"blocks": 4, "matched": 4, "exact": True}]

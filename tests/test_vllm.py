@@ -20,7 +20,7 @@ from client import KVCacheClient  # noqa: E402
 from kvstore import Namespace, block_hashes  # noqa: E402
 from kvstore.index import PageIndex  # noqa: E402
 from kvstore.launcher import LocalCluster  # noqa: E402
-from tests.helpers import ROOT  # noqa: E402
+from tests.helpers import ROOT, wait_for  # noqa: E402
 
 BLOCK = 32
 rng = random.Random(7)
@@ -69,7 +69,7 @@ def test_chunked_prefill_saves_the_whole_prompt(model_dir, baseline):
         (producer,) = run_engine(model_dir, [PROMPT_A], cluster.redis_url, role="kv_producer",
                                  enable_chunked_prefill=True, max_num_batched_tokens=64, max_num_seqs=4)
         assert producer["tokens"] == baseline["A"]
-        assert sum(s.pages for s in PageIndex(cluster.redis_url).stats().namespaces) == 6
+        wait_for(lambda: stored_pages(cluster) == 6, 5, "the node to report its pages")  # heartbeats carry the counts
         (consumer,) = run_engine(model_dir, [PROMPT_A], cluster.redis_url, role="kv_consumer")
         assert consumer["num_cached_tokens"] == 6 * BLOCK and consumer["tokens"] == baseline["A"]
 
@@ -77,8 +77,7 @@ def test_chunked_prefill_saves_the_whole_prompt(model_dir, baseline):
 def test_two_storage_nodes_and_reuse_across_sessions(model_dir, baseline):
     with LocalCluster(servers=2, capacity="256MiB", slab_size="16MiB") as cluster:
         run_engine(model_dir, [PROMPT_A], cluster.redis_url, role="kv_producer")
-        stats = PageIndex(cluster.redis_url).stats()
-        assert sum(s.pages for s in stats.namespaces) == 6
+        wait_for(lambda: stored_pages(cluster) == 6, 5, "the nodes to report their pages")
         # a fresh engine (another process) runs B, then A again: all of A's full blocks load
         b, a = run_engine(model_dir, [PROMPT_B, PROMPT_A], cluster.redis_url, role="kv_both")
         assert b["num_cached_tokens"] == SHARED_BLOCKS * BLOCK and b["tokens"] == baseline["B"]
@@ -86,9 +85,13 @@ def test_two_storage_nodes_and_reuse_across_sessions(model_dir, baseline):
         assert a["tokens"] == baseline["A"]
         index = PageIndex(cluster.redis_url)
         ns = index.stats().namespaces[0].namespace
-        found = index.lookup(ns, block_hashes(ns, PROMPT_A))
+        found = index.lookup(ns, block_hashes(ns, PROMPT_A)).resolve(index.live_nodes())
         holders = {l.node_id for locs in found.locations for l in locs}
         assert holders == {"node-0", "node-1"}, (found, index.live_nodes())
+
+
+def stored_pages(cluster: LocalCluster) -> int:
+    return sum(s.pages for s in PageIndex(cluster.redis_url).stats().namespaces)
 
 
 def corrupt_stored_page(cluster: LocalCluster, ns, page_hash: bytes, slab_size: int) -> None:
@@ -96,7 +99,7 @@ def corrupt_stored_page(cluster: LocalCluster, ns, page_hash: bytes, slab_size: 
     /proc/<pid>/fd), as a memory fault would: the node keeps serving it with the
     checksum taken at put time."""
     index = PageIndex(cluster.redis_url)
-    location = index.lookup(ns, [page_hash], lease_ms=0).locations[0][0]
+    location = index.lookup(ns, [page_hash], lease_ms=0).resolve(index.live_nodes()).locations[0][0]
     node = next(n for n in index.live_nodes() if n.node_id == location.node_id)
     fds = Path(f"/proc/{node.extra['pid']}/fd")
     slab = next(fd for fd in fds.iterdir() if os.readlink(fd).startswith(f"/memfd:kvstore-slab-{location.slot // slab_size} "))

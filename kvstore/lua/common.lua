@@ -3,27 +3,15 @@ local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
--- A page entry (field = node id) is "<incarnation>|<slot>|<size>|<checksum>";
--- it exists only once the node has verified the bytes (phase two of a put).
-local function parse_entry(v)
-  return string.match(v, '^(%x+)|(%d+)|(%d+)|(%w+)$')
-end
--- A liveness mirror value (alive hash, field = node id) is "<incarnation>:<deadline_ms>".
-local function parse_alive(v)
-  local inc, deadline = string.match(v or '', '^(%x+):(%d+)$')
-  return inc, tonumber(deadline or '0')
-end
--- A node's page count in a namespace (meta field "c:<node>") is "<incarnation>|<count>":
--- counts of an older incarnation are void.
-local function read_count(meta, node, inc)
-  local v = redis.call('HGET', meta, 'c:' .. node)
-  if not v then return 0 end
-  local ci, cn = string.match(v, '^(%x+)|(%-?%d+)$')
-  if ci ~= inc then return 0 end
-  return tonumber(cn)
-end
-local function node_fields_left(key)
-  local n = redis.call('HLEN', key)
-  if redis.call('HEXISTS', key, '_lease') == 1 then n = n - 1 end
-  return n
+-- A segment (docs/key-format.md) is a string of 48-byte entries; an entry starts with
+-- the page hash (16 bytes) and the node number (4 bytes): that pair names it.
+local ENTRY = 48
+-- The entries of `value` whose name is not in `drop`.
+local function entries_except(value, drop)
+  local keep = {}
+  for p = 1, #value, ENTRY do
+    local e = string.sub(value, p, p + ENTRY - 1)
+    if not drop[string.sub(e, 1, 20)] then keep[#keep + 1] = e end
+  end
+  return keep
 end

@@ -1,26 +1,28 @@
--- Drop one node's copy of pages (eviction). A page under a read lease is kept when
--- ARGV[4] is 1. KEYS: meta.  ARGV: prefix, node, incarnation, respect_lease, hex hashes.
--- Returns per page: 1 gone from the index (the slot may be freed), 0 kept (leased).
-local prefix, node, inc, respect = ARGV[1], ARGV[2], ARGV[3], ARGV[4] == '1'
-local hexes = ARGV[5]
-local now = now_ms()
-local out, dropped = {}, 0
-for i = 0, #hexes / 32 - 1 do
-  local key = prefix .. 'p:' .. string.sub(hexes, i * 32 + 1, i * 32 + 32)
-  local v = redis.call('HGET', key, node)
-  if not v then
-    out[#out + 1] = 1
-  elseif respect and tonumber(redis.call('HGET', key, '_lease') or '0') > now then
-    out[#out + 1] = 0
+-- Drop one node's entries of pages (eviction). With ARGV[1] = '1' a segment under a read
+-- lease keeps them. KEYS: per segment, its key then its lease key.  ARGV: respect_lease,
+-- node number (4 bytes), one byte per segment (its page count), page hashes (16 bytes
+-- each, in segment order). Returns one character per page: '1' gone from the index (the
+-- slot may be freed), '0' kept under a lease.
+local respect, me, counts, hashes = ARGV[1] == '1', ARGV[2], ARGV[3], ARGV[4]
+local out, done = {}, 0
+for k = 1, #KEYS, 2 do
+  local m = string.byte(counts, (k + 1) / 2)
+  if respect and redis.call('PTTL', KEYS[k + 1]) > 0 then
+    out[#out + 1] = string.rep('0', m)
   else
-    -- an entry of an older incarnation of this node is stale anyway: drop it too
-    if parse_entry(v) == inc then dropped = dropped + 1 end
-    redis.call('HDEL', key, node)
-    if node_fields_left(key) == 0 then redis.call('DEL', key) end
-    out[#out + 1] = 1
+    local drop = {}
+    for j = 1, m do drop[string.sub(hashes, 16 * (done + j) - 15, 16 * (done + j)) .. me] = true end
+    local value = redis.call('GET', KEYS[k])
+    if value then
+      local keep = entries_except(value, drop)
+      if #keep == 0 then
+        redis.call('DEL', KEYS[k])
+      elseif #keep * ENTRY < #value then
+        redis.call('SET', KEYS[k], table.concat(keep), 'KEEPTTL')
+      end
+    end
+    out[#out + 1] = string.rep('1', m)
   end
+  done = done + m
 end
-if dropped > 0 then
-  redis.call('HSET', KEYS[1], 'c:' .. node, inc .. '|' .. (read_count(KEYS[1], node, inc) - dropped))
-end
-return out
+return table.concat(out)

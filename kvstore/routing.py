@@ -1,0 +1,364 @@
+"""Which index server holds a key, and one round trip per server for a batch of commands.
+
+``kvstore.index`` builds every request as a list of ``Cmd``; a router sends them.
+
+URL forms (docs/key-format.md "Index URL"):
+
+- ``redis://[user:password@]host:port/db``, ``rediss://...`` (TLS), ``unix:///path``:
+  one Redis/Valkey server;
+- ``redis+cluster://[user:password@]host:port[,host:port...]`` and ``rediss+cluster://``:
+  a Redis/Valkey Cluster. The hosts are seeds; the router reads the slot map from the
+  first that answers (``CLUSTER SLOTS``) and talks to every shard's primary directly.
+
+``run`` groups a batch by shard, sends each shard's commands as one pipeline, all
+shards at once (threads for ``SyncRouter``, tasks for ``AsyncRouter``), and returns the
+replies in batch order. A shard that fails (unreachable, timed out, moved slots) turns
+into ``IndexUnavailableError`` values in place of its replies, so a caller can keep what
+the other shards answered; the slot map is read again on the next batch."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+import redis.asyncio as aioredis
+from redis.backoff import NoBackoff
+from redis.crc import key_slot
+from redis.retry import Retry
+
+from kvstore.errors import FencedError, IndexScriptError, IndexUnavailableError, InvalidInputError, KVStoreError
+
+SINGLE_SCHEMES = ("redis", "rediss", "unix")
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+SLOTS = 16384
+# A slot map is read again at most this often, however many batches fail meanwhile.
+REFRESH_INTERVAL = 0.5
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced, for error messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    hosts = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit((parts.scheme, f"{parts.username or ''}:***@{hosts}", parts.path, parts.query, parts.fragment))
+
+
+def check_url(url: str) -> str:
+    """``url`` when it is an index URL this module can use, else ``InvalidInputError``."""
+    scheme = urlsplit(url).scheme
+    if scheme not in SINGLE_SCHEMES + CLUSTER_SCHEMES:
+        raise InvalidInputError(
+            f"Redis URL must start with redis://, rediss://, unix://, redis+cluster:// or rediss+cluster://, got {redact_url(url)!r}"
+        )
+    if scheme in CLUSTER_SCHEMES and not urlsplit(url).netloc.rsplit("@", 1)[-1]:
+        raise InvalidInputError(f"a cluster URL needs at least one host:port, got {redact_url(url)!r}")
+    return url
+
+
+def seed_urls(url: str) -> list[str]:
+    """Single-server URLs: the URL itself, or one per seed host of a cluster URL."""
+    parts = urlsplit(check_url(url))
+    if parts.scheme not in CLUSTER_SCHEMES:
+        return [url]
+    creds, _, hosts = parts.netloc.rpartition("@")
+    scheme = parts.scheme.split("+", 1)[0]
+    return [urlunsplit((scheme, f"{creds}@{h}" if creds else h, "", parts.query, "")) for h in hosts.split(",") if h]
+
+
+@dataclass(frozen=True, slots=True)
+class Cmd:
+    """One command of a batch: a plain command, or a script (``script`` names it and
+    ``args`` holds its keys then its arguments, ``nkeys`` long). Routed by ``key`` (its
+    slot's shard) or to shard number ``shard``; ``parse`` reads the raw reply."""
+
+    args: tuple[Any, ...]
+    key: str | None = None
+    shard: int | None = None
+    script: str | None = None
+    nkeys: int = 0
+    parse: Callable[[Any], Any] = lambda raw: raw
+
+    @staticmethod
+    def run_script(name: str, keys: Sequence[str], argv: Sequence[Any], parse: Callable[[Any], Any] = lambda raw: raw, *, spread: bool = False) -> Cmd:
+        """A script call. With ``spread`` its keys may lie in several slots of one shard: a
+        cluster refuses declared keys of different slots (even with the script flag
+        allow-cross-slot-keys, measured on Valkey 9.1), so only the first is declared,
+        to route the call, and the script reads them all from ARGV (count first)."""
+        if spread:
+            return Cmd((keys[0], len(keys), *keys, *argv), key=keys[0], script=name, nkeys=1, parse=parse)
+        return Cmd((*keys, *argv), key=keys[0] if keys else None, script=name, nkeys=len(keys), parse=parse)
+
+
+@dataclass
+class Topology:
+    """Shard addresses (single-server URLs) and, for a cluster, each slot's shard."""
+
+    urls: list[str]
+    slot_shard: list[int] | None = None  # None: one server holds every key
+
+    def shard_of(self, key: str) -> int:
+        return 0 if self.slot_shard is None else self.slot_shard[key_slot(key.encode())]
+
+    @property
+    def count(self) -> int:
+        return len(self.urls)
+
+
+def _topology_from_slots(reply: Any, seed: str) -> Topology:
+    """A ``Topology`` from a ``CLUSTER SLOTS`` reply; a primary announced without a host
+    is reached at the seed's host."""
+    seed_parts = urlsplit(seed)
+    slot_shard = [-1] * SLOTS
+    urls: list[str] = []
+    for entry in reply:
+        start, end, primary = int(entry[0]), int(entry[1]), entry[2]
+        host = primary[0].decode() if isinstance(primary[0], bytes) else str(primary[0])
+        netloc = f"{host or seed_parts.hostname}:{int(primary[1])}"
+        creds = seed_parts.netloc.rpartition("@")[0]
+        url = urlunsplit((seed_parts.scheme, f"{creds}@{netloc}" if creds else netloc, "", seed_parts.query, ""))
+        if url not in urls:
+            urls.append(url)
+        for slot in range(start, end + 1):
+            slot_shard[slot] = urls.index(url)
+    if not urls or -1 in slot_shard:
+        raise IndexUnavailableError(f"the cluster at {redact_url(seed)} does not cover every slot yet")
+    return Topology(urls, slot_shard)
+
+
+def _failure(exc: Exception, url: str) -> KVStoreError:
+    """What a caller sees for a failed command or shard."""
+    text = str(exc)
+    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError, OSError)):
+        return IndexUnavailableError(f"Redis at {redact_url(url)} is unreachable: {exc}")
+    if text.startswith(("LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "MOVED", "ASK", "READONLY")) or "non local key" in text:
+        return IndexUnavailableError(f"Redis at {redact_url(url)} cannot serve this now: {exc}")  # failover or resharding
+    if "FENCED" in text:
+        return FencedError(text.split("FENCED", 1)[1].strip())
+    return IndexScriptError(f"Redis at {redact_url(url)} rejected the request: {exc}")
+
+
+def _moved(error: KVStoreError) -> bool:
+    return isinstance(error, IndexUnavailableError)
+
+
+class _Router:
+    """What both flavours share: URL handling, grouping, script hashes, reply order."""
+
+    def __init__(self, url: str, scripts: dict[str, str], *, timeout: float, password: str | None, module: Any) -> None:
+        self.url = check_url(url)
+        self.cluster = urlsplit(url).scheme in CLUSTER_SCHEMES
+        self._seeds = seed_urls(url)
+        self._scripts = scripts
+        self._shas = {name: hashlib.sha1(src.encode()).hexdigest() for name, src in scripts.items()}
+        # One bounded retry keeps every call within about 2 x timeout when a server is
+        # gone. A separate password (from a Secret) overrides one in the URL.
+        self._client_kwargs: dict[str, Any] = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 1))
+        if password:
+            self._client_kwargs["password"] = password
+        self._module = module
+        self._clients: dict[str, Any] = {}
+        self.topology: Topology | None = None if self.cluster else Topology([url])
+        self._stale = False
+        self._read_at = 0.0
+
+    def _client(self, url: str) -> Any:
+        if url not in self._clients:
+            self._clients[url] = self._module.Redis.from_url(url, **self._client_kwargs)
+        return self._clients[url]
+
+    def _needs_refresh(self) -> bool:
+        return self.cluster and (self.topology is None or (self._stale and time.monotonic() - self._read_at > REFRESH_INTERVAL))
+
+    def _candidates(self) -> list[str]:
+        known = self.topology.urls if self.topology else []
+        return list(dict.fromkeys(self._seeds + known))
+
+    def _group(self, batch: Sequence[Cmd]) -> dict[int, list[int]]:
+        """Batch positions per shard number."""
+        topo = self.topology
+        assert topo is not None
+        groups: dict[int, list[int]] = {}
+        for i, cmd in enumerate(batch):
+            shard = cmd.shard % topo.count if cmd.shard is not None else (topo.shard_of(cmd.key) if cmd.key is not None else 0)
+            groups.setdefault(shard, []).append(i)
+        return groups
+
+    def _wire(self, cmd: Cmd) -> tuple[Any, ...]:
+        if cmd.script is None:
+            return cmd.args
+        return ("EVALSHA", self._shas[cmd.script], cmd.nkeys, *cmd.args)
+
+    def _settle(self, batch: Sequence[Cmd], positions: list[int], raw: list[Any], url: str, out: list[Any]) -> None:
+        """Parse each reply into ``out``; errors become ``KVStoreError`` values."""
+        for pos, reply in zip(positions, raw):
+            if isinstance(reply, Exception):
+                error = _failure(reply, url)
+                if _moved(error):
+                    self._stale = True
+                out[pos] = error
+                continue
+            try:
+                out[pos] = batch[pos].parse(reply)
+            except KVStoreError as exc:
+                out[pos] = exc
+
+    def _shard_failed(self, positions: list[int], exc: Exception, url: str, out: list[Any]) -> None:
+        self._stale = True
+        error = _failure(exc, url)
+        for pos in positions:
+            out[pos] = error
+
+    @staticmethod
+    def _noscript(reply: Any) -> bool:
+        return isinstance(reply, redis.exceptions.NoScriptError)
+
+
+class SyncRouter(_Router):
+    """redis-py (blocking). Thread-safe: redis-py pools connections per server."""
+
+    def __init__(self, url: str, scripts: dict[str, str], *, timeout: float = 2.0, password: str | None = None) -> None:
+        super().__init__(url, scripts, timeout=timeout, password=password, module=redis)
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def prepare(self) -> None:
+        """Read the slot map when there is none or the last batch found it stale."""
+        if self._needs_refresh():
+            self._refresh()
+
+    def run(self, batch: Sequence[Cmd]) -> list[Any]:
+        out: list[Any] = [None] * len(batch)
+        groups = self._group(batch)
+        if len(groups) == 1:
+            for shard, positions in groups.items():
+                self._run_shard(batch, positions, self.topology.urls[shard], out)
+        else:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvstore-index")
+            futures = [self._pool.submit(self._run_shard, batch, pos, self.topology.urls[s], out) for s, pos in groups.items()]
+            for future in futures:
+                future.result()
+        return out
+
+    def _run_shard(self, batch: Sequence[Cmd], positions: list[int], url: str, out: list[Any]) -> None:
+        client = self._client(url)
+        try:
+            raw = self._send(client, [self._wire(batch[p]) for p in positions])
+            if missing := [k for k, reply in enumerate(raw) if self._noscript(reply)]:
+                # the server lost its script cache (restart, failover, SCRIPT FLUSH)
+                for name, src in self._scripts.items():
+                    client.script_load(src)
+                again = self._send(client, [self._wire(batch[positions[k]]) for k in missing])
+                for k, reply in zip(missing, again):
+                    raw[k] = reply
+        except (redis.RedisError, OSError) as exc:
+            self._shard_failed(positions, exc, url, out)
+            return
+        self._settle(batch, positions, raw, url, out)
+
+    @staticmethod
+    def _send(client: Any, wire: list[tuple[Any, ...]]) -> list[Any]:
+        if len(wire) == 1:
+            try:
+                return [client.execute_command(*wire[0])]
+            except redis.ResponseError as exc:
+                return [exc]
+        with client.pipeline(transaction=False) as pipe:
+            for args in wire:
+                pipe.execute_command(*args)
+            return pipe.execute(raise_on_error=False)
+
+    def _refresh(self) -> None:
+        self._read_at = time.monotonic()
+        last: Exception | None = None
+        for seed in self._candidates():
+            try:
+                self.topology = _topology_from_slots(self._client(seed).execute_command("CLUSTER", "SLOTS"), seed)
+                self._stale = False
+                return
+            except (redis.RedisError, OSError, KVStoreError) as exc:
+                last = exc
+        if self.topology is None:
+            raise IndexUnavailableError(f"no seed of {redact_url(self.url)} answered: {last}")
+
+    def close(self) -> None:
+        for client in self._clients.values():
+            client.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+
+class AsyncRouter(_Router):
+    """redis.asyncio: shards are asked concurrently from the caller's event loop."""
+
+    def __init__(self, url: str, scripts: dict[str, str], *, timeout: float = 2.0, password: str | None = None) -> None:
+        super().__init__(url, scripts, timeout=timeout, password=password, module=aioredis)
+        self._refreshing: asyncio.Lock | None = None
+
+    async def prepare(self) -> None:
+        """Read the slot map when there is none or the last batch found it stale."""
+        if self._needs_refresh():
+            self._refreshing = self._refreshing or asyncio.Lock()
+            async with self._refreshing:
+                if self._needs_refresh():
+                    await self._refresh()
+
+    async def run(self, batch: Sequence[Cmd]) -> list[Any]:
+        out: list[Any] = [None] * len(batch)
+        groups = self._group(batch)
+        urls = self.topology.urls
+        await asyncio.gather(*(self._run_shard(batch, pos, urls[s], out) for s, pos in groups.items()))
+        return out
+
+    async def _run_shard(self, batch: Sequence[Cmd], positions: list[int], url: str, out: list[Any]) -> None:
+        client = self._client(url)
+        try:
+            raw = await self._send(client, [self._wire(batch[p]) for p in positions])
+            if missing := [k for k, reply in enumerate(raw) if self._noscript(reply)]:
+                for name, src in self._scripts.items():
+                    await client.script_load(src)
+                again = await self._send(client, [self._wire(batch[positions[k]]) for k in missing])
+                for k, reply in zip(missing, again):
+                    raw[k] = reply
+        except (redis.RedisError, OSError) as exc:
+            self._shard_failed(positions, exc, url, out)
+            return
+        self._settle(batch, positions, raw, url, out)
+
+    @staticmethod
+    async def _send(client: Any, wire: list[tuple[Any, ...]]) -> list[Any]:
+        if len(wire) == 1:
+            try:
+                return [await client.execute_command(*wire[0])]
+            except redis.ResponseError as exc:
+                return [exc]
+        async with client.pipeline(transaction=False) as pipe:
+            for args in wire:
+                pipe.execute_command(*args)
+            return await pipe.execute(raise_on_error=False)
+
+    async def _refresh(self) -> None:
+        self._read_at = time.monotonic()
+        last: Exception | None = None
+        for seed in self._candidates():
+            try:
+                self.topology = _topology_from_slots(await self._client(seed).execute_command("CLUSTER", "SLOTS"), seed)
+                self._stale = False
+                return
+            except (redis.RedisError, OSError, KVStoreError) as exc:
+                last = exc
+        if self.topology is None:
+            raise IndexUnavailableError(f"no seed of {redact_url(self.url)} answered: {last}")
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            await client.aclose()
