@@ -12,6 +12,11 @@ ARG WITH_RDMA=false
 ARG UCX_VERSION=1.19.0
 
 FROM ${PYTHON_IMAGE} AS wheels
+# gcc builds kvstore._chainhash (the block-hash loop in C); the runtime needs no compiler.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY kvstore kvstore

@@ -62,6 +62,18 @@ def block_hashes(namespace: Namespace, tokens: Any) -> list[bytes]:
     return chain(namespace.digest, token_array(tokens), 4 * namespace.block_size, BLOCK_PERSON, ZERO_HASH)
 
 
+def reference_block_hashes(namespace: Namespace, tokens: Any) -> list[bytes]:
+    """``block_hashes`` spelled out with hashlib, one block at a time: the construction in
+    docs/key-format.md as plain Python. tests/test_hashing.py holds the C loop to it and
+    bench/lookup.py times the two side by side; nothing else should call it (it is 5-7x
+    slower)."""
+    data, size, prev, out = token_array(tokens).tobytes(), 4 * namespace.block_size, ZERO_HASH, []
+    for start in range(0, len(data) - size + 1, size):
+        prev = hashlib.blake2b(namespace.digest + prev + data[start : start + size], digest_size=HASH_BYTES, person=BLOCK_PERSON).digest()
+        out.append(prev)
+    return out
+
+
 def sequence_hash(namespace: Namespace, tokens: Any, full_block_hashes: list[bytes] | None = None) -> bytes:
     """Hash of the whole token list, trailing partial block included.
 

@@ -43,8 +43,10 @@ DEFAULT_LEASE_MS = 5_000
 # nodes that are gone for good do not stay in the index forever.
 DEFAULT_ENTRY_TTL_MS = 24 * 3600 * 1000
 SCRIPT_NAMES = ("lookup", "commit", "remove", "register", "deregister", "live_nodes")
-# Scripts that read or write the segment keys of many slots on one shard.
+# Scripts that read or write the segment keys of many slots on one shard; the last two
+# take their key list through ARGV (see routing.Cmd.run_script).
 CROSS_SLOT = ("lookup", "commit", "remove")
+SPREAD = ("commit", "remove")
 # A script call names a key's page count in one byte.
 MAX_PAGES_PER_KEY = 255
 
@@ -212,7 +214,8 @@ def _load_scripts() -> dict[str, str]:
         # refuses that without the flag; a single server ignores slots). They get their
         # keys through ARGV (see routing.Cmd.run_script) and see them as KEYS.
         if name in CROSS_SLOT:
-            out[name] = "#!lua flags=allow-cross-slot-keys\n" + common + _SPREAD_ARGS + (lua / f"{name}.lua").read_text()
+            spread = _SPREAD_ARGS if name in SPREAD else ""
+            out[name] = "#!lua flags=allow-cross-slot-keys\n" + common + spread + (lua / f"{name}.lua").read_text()
         else:
             out[name] = common + (lua / f"{name}.lua").read_text()
     return out
@@ -281,14 +284,12 @@ def _plan(index: _IndexMethods, ns: str, anchors: Sequence[bytes]) -> dict[int, 
     """Segment numbers (indexes into ``anchors``) per shard, in order."""
     topo = index._router.topology
     assert topo is not None
+    if topo.count == 1:
+        return {0: list(range(len(anchors)))}
     plan: dict[int, list[int]] = {}
     for j, anchor in enumerate(anchors):
         plan.setdefault(topo.shard_of(keys.segment_key(ns, anchor)), []).append(j)
     return plan
-
-
-def _key_pairs(ns: str, anchors: Sequence[bytes], js: list[int]) -> list[str]:
-    return [k for j in js for k in (keys.segment_key(ns, anchors[j]), keys.lease_key(ns, anchors[j]))]
 
 
 def _group_by_anchor(anchors: Sequence[bytes]) -> dict[bytes, list[int]]:
@@ -298,22 +299,23 @@ def _group_by_anchor(anchors: Sequence[bytes]) -> dict[bytes, list[int]]:
     return groups
 
 
-def _pick(blob: bytes, segs: list[tuple[int, int]], values: list[bytes], unavailable: KVStoreError | None) -> IndexLookup:
-    """The entries of the asked pages out of the segment values read (``values[j]`` is
-    segment j's), vectorised: an entry counts when the page hash at its position is the
-    one asked there (other chains that share the segment's anchor hold the rest)."""
-    asked = np.frombuffer(blob, dtype=HASH_PAIR)
-    if not values:
+def _pick(blob: bytes, segs: list[tuple[int, int]], parts: list[tuple[np.ndarray, np.ndarray]], contiguous: int, unavailable: KVStoreError | None) -> IndexLookup:
+    """The entries of the asked pages out of the segments read (``parts``: per shard,
+    each entry's segment number and the entries), vectorised. Only the first
+    ``contiguous`` segments count (the prefix ends at the first missing one), and an
+    entry counts when the page hash at its position is the one asked there (other
+    chains that share the segment's anchor hold the rest)."""
+    if contiguous == 0 or not parts:
         return IndexLookup(0, np.zeros(0, dtype=ENTRY), np.zeros(0, dtype=np.int64), unavailable)
-    recs = np.frombuffer(b"".join(values), dtype=ENTRY)
-    seg = np.repeat(np.arange(len(values)), [len(v) // ENTRY.itemsize for v in values])
-    starts = np.array([start for start, _ in segs[: len(values)]])
-    lengths = np.array([end - start for start, end in segs[: len(values)]])
-    inside = recs["pos"] < lengths[seg]
+    seg = np.concatenate([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+    recs = np.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+    asked = np.frombuffer(blob, dtype=HASH_PAIR)
+    starts = np.array([start for start, _ in segs])
+    lengths = np.array([end - start for start, end in segs])
+    inside = (seg < contiguous) & (recs["pos"] < lengths[seg])
     position = np.where(inside, starts[seg] + recs["pos"], 0)
     ok = inside & (asked["h0"][position] == recs["h0"]) & (asked["h1"][position] == recs["h1"])
-    covered = segs[len(values) - 1][1]
-    return IndexLookup(covered, recs[ok], position[ok], unavailable)
+    return IndexLookup(segs[contiguous - 1][1], recs[ok], position[ok], unavailable)
 
 
 class _IndexMethods:
@@ -392,24 +394,30 @@ class _IndexMethods:
         lease = self.lease_ms if lease_ms is None else lease_ms
         segs = keys.segments(len(hashes), breaks)
         anchors = [hashes[start] for start, _ in segs]
+        hex_all = b"".join(anchors).hex()
+
+        prefix = keys.namespace_prefix(ns)
 
         def steps() -> Generator[list[Cmd], list[Any], IndexLookup]:
             plan = _plan(self, ns, anchors)
-            batch = [Cmd.run_script("lookup", _key_pairs(ns, anchors, js), [lease, self.entry_ttl_ms], spread=True) for js in plan.values()]
+            batch = []
+            for js in plan.values():
+                run = hex_all if len(js) == len(anchors) else "".join(hex_all[32 * j : 32 * j + 32] for j in js)
+                batch.append(Cmd.run_script("lookup", [keys.segment_key(ns, anchors[js[0]])], [lease, self.entry_ttl_ms, prefix, run]))
             replies = yield batch
-            found: dict[int, bytes] = {}
-            unavailable = None
+            parts, unavailable = [], None
+            read = np.zeros(len(segs) + 1, dtype=bool)  # which segments exist; a False sentinel
             for js, reply in zip(plan.values(), replies):
                 if isinstance(reply, KVStoreError):
                     if not isinstance(reply, IndexUnavailableError):
                         raise reply
                     unavailable = reply  # its segments count as absent: the prefix ends at the first
                     continue
-                found.update(zip(js, reply))
-            values: list[bytes] = []
-            while len(values) in found:
-                values.append(found[len(values)])
-            return _pick(blob, segs, values, unavailable)
+                done = js[: len(reply)]
+                read[done] = True
+                counts = [len(value) // ENTRY.itemsize for value in reply]
+                parts.append((np.repeat(np.array(done, dtype=np.int64), counts), np.frombuffer(b"".join(reply), dtype=ENTRY)))
+            return _pick(blob, segs, parts, int(np.argmin(read)), unavailable)
 
         return self._drive(steps())
 

@@ -19,6 +19,11 @@ NODE_NUMBER_COUNTER = REGISTRY_PREFIX + "next_number"
 SEGMENT_PAGES = 64
 
 
+def namespace_prefix(ns_hex: str) -> str:
+    """What a namespace's segment and lease keys start with."""
+    return f"kvs:{ns_hex}:"
+
+
 def meta_key(ns_hex: str) -> str:
     """The namespace's metadata hash (field ``json``: the canonical namespace)."""
     return f"kvs:{{{ns_hex}}}:meta"

@@ -24,7 +24,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Generator, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -145,6 +145,42 @@ def _failure(exc: Exception, url: str) -> KVStoreError:
     return IndexScriptError(f"Redis at {redact_url(url)} rejected the request: {exc}")
 
 
+def _send(client: Any, wire: list[tuple[Any, ...]]) -> list[Any]:
+    """Send commands to one server (a pipeline for several); a command's error comes
+    back as its reply, a connection's error is raised."""
+    if len(wire) == 1:
+        try:
+            return [client.execute_command(*wire[0])]
+        except redis.ResponseError as exc:
+            return [exc]
+    with client.pipeline(transaction=False) as pipe:
+        for args in wire:
+            pipe.execute_command(*args)
+        return pipe.execute(raise_on_error=False)
+
+
+async def _send_async(client: Any, wire: list[tuple[Any, ...]]) -> list[Any]:
+    """``_send`` for redis.asyncio."""
+    if len(wire) == 1:
+        try:
+            return [await client.execute_command(*wire[0])]
+        except redis.ResponseError as exc:
+            return [exc]
+    async with client.pipeline(transaction=False) as pipe:
+        for args in wire:
+            pipe.execute_command(*args)
+        return await pipe.execute(raise_on_error=False)
+
+
+def _advance(steps: Generator[Any, Any, Any], reply: Any, error: BaseException | None) -> tuple[Any, list[tuple[Any, ...]]] | None:
+    """Feed a step generator the last send's replies (or throw its error in); the next
+    (client, commands) to send, or None when it is done."""
+    try:
+        return steps.throw(error) if error is not None else steps.send(reply)
+    except StopIteration:
+        return None
+
+
 def _moved(error: KVStoreError) -> bool:
     return isinstance(error, IndexUnavailableError)
 
@@ -220,6 +256,43 @@ class _Router:
     def _noscript(reply: Any) -> bool:
         return isinstance(reply, redis.exceptions.NoScriptError)
 
+    # The two steps below are written once as generators that yield (client, commands)
+    # and get the replies back (or the send's exception thrown in); each flavour's
+    # ``_perform`` does the I/O, blocking or awaited.
+
+    def _shard_steps(self, batch: Sequence[Cmd], positions: list[int], url: str, out: list[Any]) -> Generator[Any, Any, None]:
+        """One shard's part of a batch, as one pipeline; replies land in ``out``."""
+        client = self._client(url)
+        try:
+            raw = yield client, [self._wire(batch[p]) for p in positions]
+            if missing := [k for k, reply in enumerate(raw) if self._noscript(reply)]:
+                # the server lost its script cache (restart, failover, SCRIPT FLUSH)
+                yield client, [("SCRIPT", "LOAD", src) for src in self._scripts.values()]
+                again = yield client, [self._wire(batch[positions[k]]) for k in missing]
+                for k, reply in zip(missing, again):
+                    raw[k] = reply
+        except (redis.RedisError, OSError) as exc:
+            self._shard_failed(positions, exc, url, out)
+            return
+        self._settle(batch, positions, raw, url, out)
+
+    def _refresh_steps(self) -> Generator[Any, Any, None]:
+        """Read the slot map from the first seed (or known shard) that answers."""
+        self._read_at = time.monotonic()
+        last: Exception | None = None
+        for seed in self._candidates():
+            try:
+                reply = (yield self._client(seed), [("CLUSTER", "SLOTS")])[0]
+                if isinstance(reply, Exception):
+                    raise reply
+                self.topology = _topology_from_slots(reply, seed)
+                self._stale = False
+                return
+            except (redis.RedisError, OSError, KVStoreError) as exc:
+                last = exc
+        if self.topology is None:
+            raise IndexUnavailableError(f"no seed of {redact_url(self.url)} answered: {last}")
+
 
 class SyncRouter(_Router):
     """redis-py (blocking). Thread-safe: redis-py pools connections per server."""
@@ -250,45 +323,19 @@ class SyncRouter(_Router):
         return out
 
     def _run_shard(self, batch: Sequence[Cmd], positions: list[int], url: str, out: list[Any]) -> None:
-        client = self._client(url)
-        try:
-            raw = self._send(client, [self._wire(batch[p]) for p in positions])
-            if missing := [k for k, reply in enumerate(raw) if self._noscript(reply)]:
-                # the server lost its script cache (restart, failover, SCRIPT FLUSH)
-                for name, src in self._scripts.items():
-                    client.script_load(src)
-                again = self._send(client, [self._wire(batch[positions[k]]) for k in missing])
-                for k, reply in zip(missing, again):
-                    raw[k] = reply
-        except (redis.RedisError, OSError) as exc:
-            self._shard_failed(positions, exc, url, out)
-            return
-        self._settle(batch, positions, raw, url, out)
-
-    @staticmethod
-    def _send(client: Any, wire: list[tuple[Any, ...]]) -> list[Any]:
-        if len(wire) == 1:
-            try:
-                return [client.execute_command(*wire[0])]
-            except redis.ResponseError as exc:
-                return [exc]
-        with client.pipeline(transaction=False) as pipe:
-            for args in wire:
-                pipe.execute_command(*args)
-            return pipe.execute(raise_on_error=False)
+        self._perform(self._shard_steps(batch, positions, url, out))
 
     def _refresh(self) -> None:
-        self._read_at = time.monotonic()
-        last: Exception | None = None
-        for seed in self._candidates():
+        self._perform(self._refresh_steps())
+
+    @staticmethod
+    def _perform(steps: Generator[Any, Any, Any]) -> None:
+        step = _advance(steps, None, None)
+        while step is not None:
             try:
-                self.topology = _topology_from_slots(self._client(seed).execute_command("CLUSTER", "SLOTS"), seed)
-                self._stale = False
-                return
-            except (redis.RedisError, OSError, KVStoreError) as exc:
-                last = exc
-        if self.topology is None:
-            raise IndexUnavailableError(f"no seed of {redact_url(self.url)} answered: {last}")
+                step = _advance(steps, _send(*step), None)
+            except (redis.RedisError, OSError) as exc:
+                step = _advance(steps, None, exc)
 
     def close(self) -> None:
         for client in self._clients.values():
@@ -320,44 +367,19 @@ class AsyncRouter(_Router):
         return out
 
     async def _run_shard(self, batch: Sequence[Cmd], positions: list[int], url: str, out: list[Any]) -> None:
-        client = self._client(url)
-        try:
-            raw = await self._send(client, [self._wire(batch[p]) for p in positions])
-            if missing := [k for k, reply in enumerate(raw) if self._noscript(reply)]:
-                for name, src in self._scripts.items():
-                    await client.script_load(src)
-                again = await self._send(client, [self._wire(batch[positions[k]]) for k in missing])
-                for k, reply in zip(missing, again):
-                    raw[k] = reply
-        except (redis.RedisError, OSError) as exc:
-            self._shard_failed(positions, exc, url, out)
-            return
-        self._settle(batch, positions, raw, url, out)
-
-    @staticmethod
-    async def _send(client: Any, wire: list[tuple[Any, ...]]) -> list[Any]:
-        if len(wire) == 1:
-            try:
-                return [await client.execute_command(*wire[0])]
-            except redis.ResponseError as exc:
-                return [exc]
-        async with client.pipeline(transaction=False) as pipe:
-            for args in wire:
-                pipe.execute_command(*args)
-            return await pipe.execute(raise_on_error=False)
+        await self._perform(self._shard_steps(batch, positions, url, out))
 
     async def _refresh(self) -> None:
-        self._read_at = time.monotonic()
-        last: Exception | None = None
-        for seed in self._candidates():
+        await self._perform(self._refresh_steps())
+
+    @staticmethod
+    async def _perform(steps: Generator[Any, Any, Any]) -> None:
+        step = _advance(steps, None, None)
+        while step is not None:
             try:
-                self.topology = _topology_from_slots(await self._client(seed).execute_command("CLUSTER", "SLOTS"), seed)
-                self._stale = False
-                return
-            except (redis.RedisError, OSError, KVStoreError) as exc:
-                last = exc
-        if self.topology is None:
-            raise IndexUnavailableError(f"no seed of {redact_url(self.url)} answered: {last}")
+                step = _advance(steps, await _send_async(*step), None)
+            except (redis.RedisError, OSError) as exc:
+                step = _advance(steps, None, exc)
 
     async def close(self) -> None:
         for client in self._clients.values():

@@ -25,6 +25,13 @@ def cluster(request):
         yield c
 
 
+@pytest.fixture(scope="module")
+def single_index_cluster():
+    """Two storage nodes on a single Valkey, for data-path tests the index shape does not touch."""
+    with LocalCluster(servers=2, capacity="512MiB", slab_size="16MiB") as c:
+        yield c
+
+
 def make_ns(tenant: str, **over) -> Namespace:
     fields = dict(model="client-test", dtype="float16", num_layers=2, num_kv_heads=2, head_size=32, block_size=BLOCK, hidden_size=64, tenant=tenant)
     fields.update(over)
@@ -149,10 +156,11 @@ def test_paged_api_staged_and_direct_give_identical_tensors(cluster, ns):
 
 @pytest.mark.parametrize("same_host", [True, False], ids=["shared-memory", "ucx"])
 @pytest.mark.parametrize("page_kib", [64, 2048])
-def test_every_data_path_moves_pages_bit_exact_across_processes(cluster, same_host, page_kib):
+def test_every_data_path_moves_pages_bit_exact_across_processes(single_index_cluster, same_host, page_kib):
     """Put in one process, get in another, over shared memory (kvstore.shm) and over
     UCX, straight into the caller's tensor and through staging, with pages the node
     does not hold mixed in (a shorter prefix)."""
+    cluster = single_index_cluster
     from tests.helpers import namespace_for_page_size, spec
 
     ns = namespace_for_page_size(page_kib << 10, tenant=f"paths-{same_host}-{page_kib}")

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore import InvalidInputError, Namespace, block_hashes, part_hashes, sequence_hash
+from kvstore.hashing import reference_block_hashes
 
 GOLDEN_NS = Namespace(model="golden/llama", dtype="bfloat16", num_layers=4, num_kv_heads=2, head_size=64, block_size=4)
 
@@ -41,21 +42,12 @@ def test_block_hash_matches_documented_construction():
     assert block_hashes(GOLDEN_NS, tokens) == [first, second]
 
 
-def _reference_chain(ns: Namespace, tokens: list[int]) -> list[bytes]:
-    """docs/key-format.md "Block hashes" spelled out with hashlib, to hold the C loop to."""
-    data, size, prev, out = np.asarray(tokens, dtype="<u4").tobytes(), 4 * ns.block_size, bytes(16), []
-    for start in range(0, len(data) - size + 1, size):
-        prev = hashlib.blake2b(ns.digest + prev + data[start : start + size], digest_size=16, person=b"kvs-block-v1").digest()
-        out.append(prev)
-    return out
-
-
 # 24 tokens make the hashed message exactly one 128-byte BLAKE2b block; 25 spill one byte.
 @settings(max_examples=150, deadline=None)
 @given(block_size=st.sampled_from([1, 4, 16, 23, 24, 25, 64, 256]), tokens=st.lists(st.integers(0, 2**32 - 1), max_size=600))
 def test_c_chain_equals_hashlib_construction(block_size, tokens):
     ns = Namespace(model="m", dtype="float16", num_layers=1, num_kv_heads=1, head_size=8, block_size=block_size)
-    assert block_hashes(ns, tokens) == _reference_chain(ns, tokens)
+    assert block_hashes(ns, tokens) == reference_block_hashes(ns, tokens)
 
 
 def test_hashes_do_not_depend_on_pythonhashseed():

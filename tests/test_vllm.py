@@ -94,12 +94,12 @@ def stored_pages(cluster: LocalCluster) -> int:
     return sum(s.pages for s in PageIndex(cluster.redis_url).stats().namespaces)
 
 
-def corrupt_stored_page(cluster: LocalCluster, ns, page_hash: bytes, slab_size: int) -> None:
-    """Overwrite a page's bytes inside the storage node's pool (through the slab's memfd,
-    /proc/<pid>/fd), as a memory fault would: the node keeps serving it with the
-    checksum taken at put time."""
+def corrupt_stored_page(cluster: LocalCluster, ns, chain: list[bytes], i: int, slab_size: int) -> None:
+    """Overwrite the bytes of page ``chain[i]`` inside the storage node's pool (through the
+    slab's memfd, /proc/<pid>/fd), as a memory fault would: the node keeps serving it
+    with the checksum taken at put time."""
     index = PageIndex(cluster.redis_url)
-    location = index.lookup(ns, [page_hash], lease_ms=0).resolve(index.live_nodes()).locations[0][0]
+    location = index.lookup(ns, chain[: i + 1], lease_ms=0).resolve(index.live_nodes()).locations[i][0]
     node = next(n for n in index.live_nodes() if n.node_id == location.node_id)
     fds = Path(f"/proc/{node.extra['pid']}/fd")
     slab = next(fd for fd in fds.iterdir() if os.readlink(fd).startswith(f"/memfd:kvstore-slab-{location.slot // slab_size} "))
@@ -116,7 +116,7 @@ def test_corrupted_page_is_not_used(model_dir, baseline):
     with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
         run_engine(model_dir, [PROMPT_A], cluster.redis_url, role="kv_producer")
         ns = PageIndex(cluster.redis_url).stats().namespaces[0].namespace
-        corrupt_stored_page(cluster, ns, block_hashes(ns, PROMPT_A)[2], 16 << 20)
+        corrupt_stored_page(cluster, ns, block_hashes(ns, PROMPT_A), 2, 16 << 20)
         (consumer,) = run_engine(model_dir, [PROMPT_B], cluster.redis_url, role="kv_consumer")
         assert consumer["tokens"] == baseline["B"]
 
