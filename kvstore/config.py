@@ -31,7 +31,7 @@ class ServerSettings(BaseSettings):
         env_prefix="KVSTORE_", cli_kebab_case=True, cli_prog_name="kvstore server", cli_implicit_flags=True, extra="ignore"
     )
 
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="index URL: redis://, rediss:// (TLS) or unix://")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="index URL: redis://, rediss:// (TLS), unix://, or redis+cluster://host:port,host:port (a Redis/Valkey Cluster; rediss+cluster:// for TLS)")
     redis_password: SecretStr = Field(SecretStr(""), description="index password (overrides one in the URL)")
     capacity: ByteSize = Field(1 << 30, description="bytes of page memory, e.g. 4GiB")
     host: str = Field(default_factory=_default_host, description="address clients use to reach this node")
@@ -72,7 +72,7 @@ class ClientOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="index URL: redis://, rediss:// (TLS) or unix://")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="index URL: redis://, rediss:// (TLS), unix://, or redis+cluster://host:port,host:port (a Redis/Valkey Cluster; rediss+cluster:// for TLS)")
     redis_password: SecretStr = Field(SecretStr(""), description="index password (overrides one in the URL)")
     replicas: int = Field(1, ge=1, le=16, description="storage nodes each page is written to")
     timeout: float = Field(5.0, gt=0, le=3600, allow_inf_nan=False, description="seconds a call may take before missing pages count as absent")
