@@ -11,18 +11,23 @@ import signal
 import sys
 import threading
 
+from kvstore.cli_errors import EXIT_FAILED, EXIT_INDEX, EXIT_USAGE
+from kvstore.errors import IndexUnavailableError, InvalidInputError, KVStoreError
 from kvstore.units import format_size
 
 
 def _up(args: argparse.Namespace) -> int:
+    from kvstore.index import PageIndex
     from kvstore.launcher import LocalCluster
 
+    if args.servers < 1:
+        raise InvalidInputError(f"--servers must be at least 1, got {args.servers}")
     if args.index_shards < 1:
-        print(f"kvstore up: --index-shards must be at least 1, got {args.index_shards}", file=sys.stderr)
-        return 2
+        raise InvalidInputError(f"--index-shards must be at least 1, got {args.index_shards}")
     if args.redis_url and args.index_shards > 1:
-        print("kvstore up: --index-shards starts an embedded index; it cannot be used with --redis-url", file=sys.stderr)
-        return 2
+        raise InvalidInputError("--index-shards starts an embedded index; it cannot be used with --redis-url")
+    if args.redis_url:
+        PageIndex(args.redis_url, password=os.environ.get("KVSTORE_REDIS_PASSWORD") or None).ping()  # fail now, not after 30 s
     cluster = LocalCluster(args.servers, args.capacity, redis_url=args.redis_url, index_shards=args.index_shards, slab_size=args.slab_size, quiet=not args.verbose)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -59,6 +64,23 @@ def _stats(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _main(argv)
+    except InvalidInputError as exc:
+        return _fail(argv, exc, EXIT_USAGE)
+    except IndexUnavailableError as exc:
+        return _fail(argv, exc, EXIT_INDEX)
+    except KVStoreError as exc:
+        return _fail(argv, exc, EXIT_FAILED)
+
+
+def _fail(argv: list[str], exc: Exception, code: int) -> int:
+    command = argv[0] if argv and not argv[0].startswith("-") else ""
+    print(f"kvstore {command}: {exc}".replace(" :", ":"), file=sys.stderr)
+    return code
+
+
+def _main(argv: list[str]) -> int:
     if argv and argv[0] == "server":
         os.execv(sys.executable, [sys.executable, "-m", "server", *argv[1:]])
     parser = argparse.ArgumentParser(prog="kvstore", description="Storage-tier KV cache for LLM inference")

@@ -7,13 +7,18 @@ import socket
 import tempfile
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvstore.errors import InvalidInputError
+from kvstore.routing import check_url
 from kvstore.units import parse_size
 
 ByteSize = Annotated[int, BeforeValidator(parse_size)]
+# A log level, case-insensitive ("info" or "INFO").
+LogLevel = Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], BeforeValidator(lambda v: v.upper() if isinstance(v, str) else v)]
+# An index URL (kvstore.routing.check_url names the forms).
+IndexURL = Annotated[str, AfterValidator(check_url)]
 ProgressMode = Literal["blocking", "polling", "thread", "thread-polling"]
 
 
@@ -31,7 +36,7 @@ class ServerSettings(BaseSettings):
         env_prefix="KVSTORE_", cli_kebab_case=True, cli_prog_name="kvstore server", cli_implicit_flags=True, extra="ignore"
     )
 
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="index URL: redis://, rediss:// (TLS), unix://, or redis+cluster://host:port,host:port (a Redis/Valkey Cluster; rediss+cluster:// for TLS)")
+    redis_url: IndexURL = Field("redis://127.0.0.1:6379/0", description="index URL: redis://, rediss:// (TLS), unix://, or redis+cluster://host:port,host:port (a Redis/Valkey Cluster; rediss+cluster:// for TLS)")
     redis_password: SecretStr = Field(SecretStr(""), description="index password (overrides one in the URL)")
     capacity: ByteSize = Field(1 << 30, description="bytes of page memory, e.g. 4GiB")
     host: str = Field(default_factory=_default_host, description="address clients use to reach this node")
@@ -52,7 +57,7 @@ class ServerSettings(BaseSettings):
     ucx_net_devices: str | None = Field(None, description="sets UCX_NET_DEVICES (e.g. lo, eth0, mlx5_0:1)")
     ucx_tls: str | None = Field(None, description="sets UCX_TLS (e.g. rc,cuda_copy or tcp)")
     shm_dir: str = Field(default_factory=tempfile.gettempdir, description="directory of the Unix socket same-host clients use (shared memory path); empty disables it")
-    log_level: str = Field("INFO")
+    log_level: LogLevel = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
 
     @model_validator(mode="after")
     def _consistent(self) -> ServerSettings:
@@ -72,7 +77,7 @@ class ClientOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="index URL: redis://, rediss:// (TLS), unix://, or redis+cluster://host:port,host:port (a Redis/Valkey Cluster; rediss+cluster:// for TLS)")
+    redis_url: IndexURL = Field("redis://127.0.0.1:6379/0", description="index URL: redis://, rediss:// (TLS), unix://, or redis+cluster://host:port,host:port (a Redis/Valkey Cluster; rediss+cluster:// for TLS)")
     redis_password: SecretStr = Field(SecretStr(""), description="index password (overrides one in the URL)")
     replicas: int = Field(1, ge=1, le=16, description="storage nodes each page is written to")
     timeout: float = Field(5.0, gt=0, le=3600, allow_inf_nan=False, description="seconds a call may take before missing pages count as absent")

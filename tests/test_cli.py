@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -11,7 +12,7 @@ import time
 import pytest
 
 from kvstore.index import PageIndex
-from kvstore.procutil import pid_alive
+from kvstore.procutil import free_port, pid_alive
 
 KVSTORE = [sys.executable, "-m", "kvstore.cli"]
 ENV = {**os.environ, "UCX_NET_DEVICES": "lo"}
@@ -45,9 +46,40 @@ def test_up_serves_until_interrupted_and_leaves_no_processes(shards):
     assert not any(pid_alive(p) for p in pids + valkey_pids)
 
 
-def test_up_refuses_a_bad_shard_count():
-    out = subprocess.run([*KVSTORE, "up", "--index-shards", "0"], capture_output=True, text=True, timeout=60, env=ENV)
-    assert out.returncode == 2 and "--index-shards must be at least 1" in out.stderr
+UNREACHABLE = f"redis://127.0.0.1:{free_port()}/0"
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["stats", "--redis-url", "notaurl"], 2, "kvstore stats: Redis URL must start with redis://"),
+    (["stats", "--redis-url", UNREACHABLE], 3, "kvstore stats: Redis at redis://127.0.0.1"),
+    (["up", "--servers", "0"], 2, "kvstore up: --servers must be at least 1, got 0"),
+    (["up", "--index-shards", "0"], 2, "kvstore up: --index-shards must be at least 1"),
+    (["up", "--redis-url", "notaurl"], 2, "kvstore up: Redis URL must start with"),
+    (["up", "--redis-url", UNREACHABLE], 3, "is unreachable"),
+    (["server", "--redis-url", "notaurl"], 2, "kvstore server: --redis-url: Redis URL must start with"),
+    (["server", "--log-level", "foo"], 2, "kvstore server: --log-level: Input should be 'DEBUG', 'INFO', 'WARNING' or 'ERROR'"),
+    (["server", "--capacity", "1MiB", "--slab-size", "64MiB"], 2, "kvstore server: capacity 1048576 bytes must be at least one slab"),
+], ids=["stats-bad-url", "stats-unreachable", "up-no-servers", "up-no-shards", "up-bad-url", "up-unreachable", "server-bad-url", "server-log-level", "server-capacity"])
+def test_user_errors_are_one_line_and_a_documented_exit_code(args, code, message):
+    start = time.monotonic()
+    out = subprocess.run([*KVSTORE, *args], capture_output=True, text=True, timeout=60, env=ENV)
+    assert out.returncode == code, out.stderr
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()] and message in out.stderr
+    assert time.monotonic() - start < 20  # no waiting for nodes that cannot start
+
+
+@pytest.mark.parametrize("which", ["metrics", "ucx"])
+def test_a_port_in_use_is_one_line_and_exit_1(which):
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        flags = ["--metrics-port", port, "--metrics-host", "0.0.0.0"] if which == "metrics" else ["--port", port, "--metrics-port", "0"]
+        out = subprocess.run([*KVSTORE, "server", "--redis-url", UNREACHABLE, "--capacity", "64MiB", "--slab-size", "16MiB", "--host", "127.0.0.1", *flags],
+                             capture_output=True, text=True, timeout=60, env=ENV)
+    assert out.returncode == 1
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1] == f"kvstore server: the {'metrics' if which == 'metrics' else 'UCX'} port {port} is in use; pick another with --{'metrics-port' if which == 'metrics' else 'port'} (0: any free port)"
 
 
 def test_stats_lists_nodes_and_namespaces():

@@ -1,0 +1,21 @@
+"""Exit codes and one-line messages of the ``kvstore`` commands (README "Exit codes").
+
+``kvstore.cli`` and ``python -m server`` turn every error a user can cause into one
+line on stderr and one of these codes, never a traceback."""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # the command ran and failed: a node id or a port in use, nodes that exited
+EXIT_USAGE = 2  # a bad option or value: nothing was started
+EXIT_INDEX = 3  # the Redis/Valkey index could not be reached
+
+
+def settings_error(exc: ValidationError) -> str:
+    """The first problem of a settings validation, as ``--option: what is wrong``."""
+    err = exc.errors()[0]
+    where = ".".join(map(str, err["loc"]))
+    message = str(err["msg"]).removeprefix("Value error, ")
+    return f"--{where.replace('_', '-')}: {message}" if where else message
