@@ -6,6 +6,7 @@ storage node; ``up`` and ``demo`` start local processes through ``LocalCluster``
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -50,11 +51,23 @@ def _stats(args: argparse.Namespace) -> int:
 
     index = PageIndex(args.redis_url, password=os.environ.get("KVSTORE_REDIS_PASSWORD") or None)
     stats = index.stats()
+    if args.json:
+        nodes = [
+            {"node_id": n.node_id, "address": n.address, "capacity": n.capacity, "incarnation": n.incarnation,
+             **{k: int(n.extra[k]) for k in ("used", "hits", "misses") if n.extra.get(k, "").isdigit()}}
+            for n in stats.nodes
+        ]
+        spaces = [{"digest": s.digest, "pages": s.pages, "per_node": s.per_node, "namespace": s.namespace.model_dump() if s.namespace else None} for s in stats.namespaces]
+        print(json.dumps({"shards": index.shards, "nodes": nodes, "namespaces": spaces}, indent=2))
+        return 0
     if index.cluster:
         print(f"index: a cluster of {index.shards} shard(s)")
     print(f"{len(stats.nodes)} live node(s)")
     for n in stats.nodes:
-        print(f"  {n.node_id:20} {n.address:24} capacity {format_size(n.capacity)} incarnation {n.incarnation}")
+        used = f"used {format_size(int(n.extra['used']))} of {format_size(n.capacity)}" if n.extra.get("used", "").isdigit() else f"capacity {format_size(n.capacity)}"
+        hits, misses = n.extra.get("hits", ""), n.extra.get("misses", "")
+        reads = f", {hits} pages read, {misses} asked but not held" if hits.isdigit() and misses.isdigit() else ""
+        print(f"  {n.node_id:20} {n.address:24} {used}{reads}, incarnation {n.incarnation}")
     print(f"{len(stats.namespaces)} namespace(s)")
     for s in stats.namespaces:
         name = f"{s.namespace.model} {s.namespace.dtype} tp{s.namespace.tp_rank}/{s.namespace.tp_size} {s.namespace.tenant}" if s.namespace else "?"
@@ -74,6 +87,15 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(argv, exc, EXIT_FAILED)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvstore")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def _fail(argv: list[str], exc: Exception, code: int) -> int:
     command = argv[0] if argv and not argv[0].startswith("-") else ""
     print(f"kvstore {command}: {exc}".replace(" :", ":"), file=sys.stderr)
@@ -84,21 +106,24 @@ def _main(argv: list[str]) -> int:
     if argv and argv[0] == "server":
         os.execv(sys.executable, [sys.executable, "-m", "server", *argv[1:]])
     parser = argparse.ArgumentParser(prog="kvstore", description="Storage-tier KV cache for LLM inference")
+    parser.add_argument("--version", action="version", version=f"kvstore {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("server", help="run a storage node (see kvstore server --help)")
     up = sub.add_parser("up", help="run embedded Valkey and storage nodes on loopback until Ctrl-C")
-    up.add_argument("--servers", type=int, default=1)
-    up.add_argument("--capacity", default="1GiB", help="per storage node")
-    up.add_argument("--slab-size", default="64MiB")
+    up.add_argument("--servers", type=int, default=1, help="storage nodes to start (default 1)")
+    up.add_argument("--capacity", default="1GiB", help="page memory per storage node, e.g. 4GiB (default 1GiB)")
+    up.add_argument("--slab-size", default="64MiB", help="allocator slab size, also the largest page (default 64MiB)")
     up.add_argument("--redis-url", default=None, help="use this Redis/Valkey instead of starting one")
     up.add_argument("--index-shards", type=int, default=1, help="start the embedded index as a Valkey cluster of this many shards (prints a redis+cluster:// URL)")
-    up.add_argument("--verbose", action="store_true", help="show the storage nodes' logs")
+    up.add_argument("--verbose", action="store_true", help="show the storage nodes' logs here instead of log files")
     demo = sub.add_parser("demo", help="prefill and decode processes sharing KV through a local store")
-    demo.add_argument("--servers", type=int, default=2)
+    demo.add_argument("--servers", type=int, default=2, help="storage nodes (default 2)")
     demo.add_argument("--tokens", type=int, default=2030, help="prompt length")
     demo.add_argument("--shared", type=int, default=1000, help="tokens the second session shares")
     stats = sub.add_parser("stats", help="print nodes and namespaces in an index")
-    stats.add_argument("--redis-url", default=os.environ.get("KVSTORE_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    stats.add_argument("--redis-url", default=os.environ.get("KVSTORE_REDIS_URL", "redis://127.0.0.1:6379/0"),
+                       help="the index: redis://, rediss://, unix:// or redis+cluster://host:port,... (default $KVSTORE_REDIS_URL)")
+    stats.add_argument("--json", action="store_true", help="print one JSON document (nodes with used bytes and read counters, namespaces)")
     args = parser.parse_args(argv)
     if args.command == "up":
         return _up(args)

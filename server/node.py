@@ -195,8 +195,17 @@ class StorageNode:
         pages = json.dumps({ns: n for ns, n in sorted(self.store.namespace_pages.items()) if n > 0}, separators=(",", ":"))
         return await self.index.register_node(
             self.identity.node_id, self.address, self.store.capacity, self.node_ttl_ms, incarnation,
-            replaces=self.identity.incarnation, extra={**self._extra, "pages": pages},
+            replaces=self.identity.incarnation, extra={**self._extra, "pages": pages, **self._usage()},
         )
+
+    def _usage(self) -> dict[str, str]:
+        """Pool use and read counters for ``kvstore stats`` (the same figures as /metrics)."""
+        sample = self.metrics.registry.get_sample_value
+        return {
+            "used": str(self.store.used_bytes),
+            "hits": str(int(sample("kvstore_get_pages_total") or 0)),
+            "misses": str(int(sample("kvstore_get_missing_pages_total") or 0)),
+        }
 
     async def _register_new(self) -> None:
         """Register a fresh incarnation; if this node held pages under an older one,

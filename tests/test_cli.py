@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -10,6 +12,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from kvstore.index import PageIndex
 from kvstore.procutil import free_port, pid_alive
@@ -82,13 +85,37 @@ def test_a_port_in_use_is_one_line_and_exit_1(which):
     assert out.stderr.strip().splitlines()[-1] == f"kvstore server: the {'metrics' if which == 'metrics' else 'UCX'} port {port} is in use; pick another with --{'metrics-port' if which == 'metrics' else 'port'} (0: any free port)"
 
 
-def test_stats_lists_nodes_and_namespaces():
+def test_stats_lists_nodes_namespaces_use_and_reads():
+    from client import KVCacheClient
     from kvstore.launcher import LocalCluster
+    from tests.helpers import namespace_for_page_size, pages_for, wait_for
 
+    ns = namespace_for_page_size(64 << 10, tenant="stats")
+    tokens = list(range(4 * ns.block_size))
     with LocalCluster(servers=1, capacity="64MiB", slab_size="16MiB") as cluster:
-        out = subprocess.run([*KVSTORE, "stats", "--redis-url", cluster.redis_url], capture_output=True, text=True, timeout=60, env=ENV)
-        assert out.returncode == 0
-        assert "1 live node(s)" in out.stdout and "node-0" in out.stdout
+        with KVCacheClient(cluster.redis_url, ns) as client:
+            assert client.put_pages(tokens, pages_for(ns, tokens)).stored == 4
+            out = torch.empty(6, *ns.page_shape, dtype=torch.float16)
+            assert client.get_pages(tokens + list(range(2 * ns.block_size)), out) == 4 * ns.block_size
+
+        def stats_json() -> dict:
+            out = subprocess.run([*KVSTORE, "stats", "--json", "--redis-url", cluster.redis_url], capture_output=True, text=True, timeout=60, env=ENV)
+            assert out.returncode == 0, out.stderr
+            return json.loads(out.stdout)
+
+        wait_for(lambda: stats_json()["nodes"][0].get("hits") == 4, 10, "the heartbeat to carry the reads")  # heartbeats carry them
+        doc = stats_json()
+        node = doc["nodes"][0]
+        assert node["node_id"] == "node-0" and node["used"] >= 4 * (64 << 10) and node["misses"] == 0
+        assert doc["namespaces"][0]["pages"] == 4 and doc["namespaces"][0]["namespace"]["tenant"] == "stats"
+        text = subprocess.run([*KVSTORE, "stats", "--redis-url", cluster.redis_url], capture_output=True, text=True, timeout=60, env=ENV)
+        assert text.returncode == 0
+        assert "1 live node(s)" in text.stdout and "node-0" in text.stdout and "4 pages read" in text.stdout
+
+
+def test_version():
+    out = subprocess.run([*KVSTORE, "--version"], capture_output=True, text=True, timeout=60, env=ENV)
+    assert out.returncode == 0 and re.fullmatch(r"kvstore \d+\.\d+\.\d+\n", out.stdout)
 
 
 def test_server_help_lists_options_and_env():
