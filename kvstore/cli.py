@@ -97,8 +97,8 @@ def _version() -> str:
 
 
 def _fail(argv: list[str], exc: Exception, code: int) -> int:
-    command = argv[0] if argv and not argv[0].startswith("-") else ""
-    print(f"kvstore {command}: {exc}".replace(" :", ":"), file=sys.stderr)
+    name = f"kvstore {argv[0]}" if argv and not argv[0].startswith("-") else "kvstore"
+    print(f"{name}: {exc}", file=sys.stderr)
     return code
 
 

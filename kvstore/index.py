@@ -43,10 +43,8 @@ DEFAULT_LEASE_MS = 5_000
 # nodes that are gone for good do not stay in the index forever.
 DEFAULT_ENTRY_TTL_MS = 24 * 3600 * 1000
 SCRIPT_NAMES = ("lookup", "commit", "remove", "register", "deregister", "live_nodes")
-# Scripts that read or write the segment keys of many slots on one shard; the last two
-# take their key list through ARGV (see routing.Cmd.run_script).
+# Scripts that read or write the segment keys of many slots on one shard.
 CROSS_SLOT = ("lookup", "commit", "remove")
-SPREAD = ("commit", "remove")
 # A script call names a key's page count in one byte.
 MAX_PAGES_PER_KEY = 255
 
@@ -210,24 +208,13 @@ def _load_scripts() -> dict[str, str]:
     common = (lua / "common.lua").read_text()
     out = {}
     for name in SCRIPT_NAMES:
-        # Scripts over segment keys touch keys of many slots of one shard (a cluster
-        # refuses that without the flag; a single server ignores slots). They get their
-        # keys through ARGV (see routing.Cmd.run_script) and see them as KEYS.
-        if name in CROSS_SLOT:
-            spread = _SPREAD_ARGS if name in SPREAD else ""
-            out[name] = "#!lua flags=allow-cross-slot-keys\n" + common + spread + (lua / f"{name}.lua").read_text()
-        else:
-            out[name] = common + (lua / f"{name}.lua").read_text()
+        # Scripts over segments touch keys of many slots of one shard: a cluster refuses
+        # that without the flag (a single server ignores slots). See ``_segment_call``.
+        shebang = "#!lua flags=allow-cross-slot-keys\n" if name in CROSS_SLOT else ""
+        out[name] = shebang + common + (lua / f"{name}.lua").read_text()
     return out
 
 
-_SPREAD_ARGS = """local KEYS, ARGV = (function()
-  local n, ks, rest = tonumber(ARGV[1]), {}, {}
-  for i = 1, n do ks[i] = ARGV[1 + i] end
-  for i = n + 2, #ARGV do rest[#rest + 1] = ARGV[i] end
-  return ks, rest
-end)()
-"""
 _SCRIPTS = _load_scripts()
 
 
@@ -290,6 +277,15 @@ def _plan(index: _IndexMethods, ns: str, anchors: Sequence[bytes]) -> dict[int, 
     for j, anchor in enumerate(anchors):
         plan.setdefault(topo.shard_of(keys.segment_key(ns, anchor)), []).append(j)
     return plan
+
+
+def _segment_call(script: str, ns: str, first: bytes, head: list[Any], anchors_hex: str, tail: list[Any]) -> Cmd:
+    """A call of a segment script (lookup, commit, remove): ``head`` arguments, the key
+    prefix and the segments' anchors in hex, then ``tail`` arguments. The script builds
+    the key names (common.lua); only the first segment's key is declared, to route the
+    call: a cluster refuses declared keys of several slots even with the script flag
+    allow-cross-slot-keys (measured on Valkey 9.1), which lets the script touch them."""
+    return Cmd.run_script(script, [keys.segment_key(ns, first)], [*head, keys.namespace_prefix(ns), anchors_hex, *tail])
 
 
 def _group_by_anchor(anchors: Sequence[bytes]) -> dict[bytes, list[int]]:
@@ -396,14 +392,13 @@ class _IndexMethods:
         anchors = [hashes[start] for start, _ in segs]
         hex_all = b"".join(anchors).hex()
 
-        prefix = keys.namespace_prefix(ns)
 
         def steps() -> Generator[list[Cmd], list[Any], IndexLookup]:
             plan = _plan(self, ns, anchors)
             batch = []
             for js in plan.values():
                 run = hex_all if len(js) == len(anchors) else "".join(hex_all[32 * j : 32 * j + 32] for j in js)
-                batch.append(Cmd.run_script("lookup", [keys.segment_key(ns, anchors[js[0]])], [lease, self.entry_ttl_ms, prefix, run]))
+                batch.append(_segment_call("lookup", ns, anchors[js[0]], [lease, self.entry_ttl_ms], run, []))
             replies = yield batch
             parts, unavailable = [], None
             read = np.zeros(len(segs) + 1, dtype=bool)  # which segments exist; a False sentinel
@@ -422,8 +417,8 @@ class _IndexMethods:
         return self._drive(steps())
 
     def commit(self, namespace: Namespace | str, node_number: int, incarnation: str, entries: Sequence[CommitEntry]) -> Any:
-        """Make verified pages visible; per entry, whether it was written (False where its
-        shard failed). Raises ``IndexUnavailableError`` when none was."""
+        """Make verified pages visible; per entry True when written, None where its shard
+        failed. Raises ``IndexUnavailableError`` when none was."""
         ns, tag = _ns_hex(namespace), incarnation_tag(_inc(incarnation))
         _number(node_number)
         blob = _check_hashes([e.page_hash for e in entries], "commit")
@@ -443,7 +438,7 @@ class _IndexMethods:
 
         def call(anchors: list[bytes], per_key: list[list[int]]) -> Cmd:
             entries_bytes = b"".join(raw[48 * p : 48 * p + 48] for pos in per_key for p in pos)
-            return Cmd.run_script("commit", [keys.segment_key(ns, a) for a in anchors], [self.entry_ttl_ms, bytes(map(len, per_key)), entries_bytes], spread=True)
+            return _segment_call("commit", ns, anchors[0], [self.entry_ttl_ms], b"".join(anchors).hex(), [bytes(map(len, per_key)), entries_bytes])
 
         return self._drive(self._segment_writes(ns, groups, call, len(entries), lambda reply, n: [True] * n))
 
@@ -460,9 +455,8 @@ class _IndexMethods:
         flag = int(respect_lease)
 
         def call(anchor_list: list[bytes], per_key: list[list[int]]) -> Cmd:
-            key_list = [k for a in anchor_list for k in (keys.segment_key(ns, a), keys.lease_key(ns, a))]
             wanted = b"".join(blob[16 * p : 16 * p + 16] for pos in per_key for p in pos)
-            return Cmd.run_script("remove", key_list, [flag, me, bytes(map(len, per_key)), wanted], spread=True)
+            return _segment_call("remove", ns, anchor_list[0], [flag, me], b"".join(anchor_list).hex(), [bytes(map(len, per_key)), wanted])
 
         return self._drive(self._segment_writes(ns, groups, call, len(hashes), lambda reply, n: [c == ord("1") for c in reply]))
 

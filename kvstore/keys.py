@@ -30,12 +30,9 @@ def meta_key(ns_hex: str) -> str:
 
 
 def segment_key(ns_hex: str, anchor: bytes) -> str:
-    return f"kvs:{ns_hex}:s:{{{anchor.hex()}}}"
-
-
-def lease_key(ns_hex: str, anchor: bytes) -> str:
-    """Exists while a reader holds a lease on the segment (its TTL is the lease)."""
-    return f"kvs:{ns_hex}:l:{{{anchor.hex()}}}"
+    """A segment's key; its lease key has ``l`` for ``s`` (both built by the scripts too,
+    kvstore/lua/common.lua)."""
+    return f"{namespace_prefix(ns_hex)}s:{{{anchor.hex()}}}"
 
 
 def node_key(node_id: str) -> str:

@@ -33,7 +33,7 @@ from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.retry import Retry
 
-from kvstore.errors import FencedError, IndexScriptError, IndexUnavailableError, InvalidInputError, KVStoreError
+from kvstore.errors import IndexScriptError, IndexUnavailableError, InvalidInputError, KVStoreError
 
 SINGLE_SCHEMES = ("redis", "rediss", "unix")
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
@@ -87,13 +87,7 @@ class Cmd:
     parse: Callable[[Any], Any] = lambda raw: raw
 
     @staticmethod
-    def run_script(name: str, keys: Sequence[str], argv: Sequence[Any], parse: Callable[[Any], Any] = lambda raw: raw, *, spread: bool = False) -> Cmd:
-        """A script call. With ``spread`` its keys may lie in several slots of one shard: a
-        cluster refuses declared keys of different slots (even with the script flag
-        allow-cross-slot-keys, measured on Valkey 9.1), so only the first is declared,
-        to route the call, and the script reads them all from ARGV (count first)."""
-        if spread:
-            return Cmd((keys[0], len(keys), *keys, *argv), key=keys[0], script=name, nkeys=1, parse=parse)
+    def run_script(name: str, keys: Sequence[str], argv: Sequence[Any], parse: Callable[[Any], Any] = lambda raw: raw) -> Cmd:
         return Cmd((*keys, *argv), key=keys[0] if keys else None, script=name, nkeys=len(keys), parse=parse)
 
 
@@ -126,8 +120,7 @@ def _topology_from_slots(reply: Any, seed: str) -> Topology:
         url = urlunsplit((seed_parts.scheme, f"{creds}@{netloc}" if creds else netloc, "", seed_parts.query, ""))
         if url not in urls:
             urls.append(url)
-        for slot in range(start, end + 1):
-            slot_shard[slot] = urls.index(url)
+        slot_shard[start : end + 1] = [urls.index(url)] * (end - start + 1)
     if not urls or -1 in slot_shard:
         raise IndexUnavailableError(f"the cluster at {redact_url(seed)} does not cover every slot yet")
     return Topology(urls, slot_shard)
@@ -140,8 +133,6 @@ def _failure(exc: Exception, url: str) -> KVStoreError:
         return IndexUnavailableError(f"Redis at {redact_url(url)} is unreachable: {exc}")
     if text.startswith(("LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "MOVED", "ASK", "READONLY")) or "non local key" in text:
         return IndexUnavailableError(f"Redis at {redact_url(url)} cannot serve this now: {exc}")  # failover or resharding
-    if "FENCED" in text:
-        return FencedError(text.split("FENCED", 1)[1].strip())
     return IndexScriptError(f"Redis at {redact_url(url)} rejected the request: {exc}")
 
 
@@ -179,10 +170,6 @@ def _advance(steps: Generator[Any, Any, Any], reply: Any, error: BaseException |
         return steps.throw(error) if error is not None else steps.send(reply)
     except StopIteration:
         return None
-
-
-def _moved(error: KVStoreError) -> bool:
-    return isinstance(error, IndexUnavailableError)
 
 
 class _Router:
@@ -237,7 +224,7 @@ class _Router:
         for pos, reply in zip(positions, raw):
             if isinstance(reply, Exception):
                 error = _failure(reply, url)
-                if _moved(error):
+                if isinstance(error, IndexUnavailableError):  # failover or resharding
                     self._stale = True
                 out[pos] = error
                 continue

@@ -15,3 +15,9 @@ local function entries_except(value, drop)
   end
   return keep
 end
+-- Segment scripts name their segments by anchor: ARGV carries the namespace's key
+-- prefix ("kvs:<ns>:") and the anchors in hex, 32 characters each; KEYS[1] (the first
+-- segment's key) only routes the call. Naming them in the call cost the client more
+-- than the script costs the server (a lookup of 8,192 pages names 128 segments).
+local function segment_key(prefix, hex) return prefix .. 's:{' .. hex .. '}' end
+local function lease_key(prefix, hex) return prefix .. 'l:{' .. hex .. '}' end
