@@ -126,13 +126,22 @@ def _topology_from_slots(reply: Any, seed: str) -> Topology:
     return Topology(urls, slot_shard)
 
 
+_TRANSIENT = (
+    redis.exceptions.MovedError, redis.exceptions.AskError, redis.exceptions.TryAgainError,
+    redis.exceptions.ClusterDownError, redis.exceptions.MasterDownError, redis.exceptions.BusyLoadingError,
+    redis.exceptions.ReadOnlyError,
+)
+
+
 def _failure(exc: Exception, url: str) -> KVStoreError:
     """What a caller sees for a failed command or shard."""
     text = str(exc)
     if isinstance(exc, (redis.ConnectionError, redis.TimeoutError, OSError)):
         return IndexUnavailableError(f"Redis at {redact_url(url)} is unreachable: {exc}")
-    if text.startswith(("LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "MOVED", "ASK", "READONLY")) or "non local key" in text:
-        return IndexUnavailableError(f"Redis at {redact_url(url)} cannot serve this now: {exc}")  # failover or resharding
+    # redis-py turns these replies into their own classes and strips the prefix from
+    # the text (a MOVED reply reads "2089 127.0.0.1:43967"): match both
+    if isinstance(exc, _TRANSIENT) or text.startswith(("LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "MOVED", "ASK", "READONLY")) or "non local key" in text:
+        return IndexUnavailableError(f"Redis at {redact_url(url)} cannot serve this now ({type(exc).__name__}: {exc})")  # failover or resharding
     return IndexScriptError(f"Redis at {redact_url(url)} rejected the request: {exc}")
 
 

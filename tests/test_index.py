@@ -434,3 +434,26 @@ def test_resolve_is_vectorised_and_keeps_only_current_incarnations():
     result = found.resolve(nodes)
     assert result.matched == 2
     assert [[l.node_id for l in locs] for locs in result.locations] == [["x"], ["y"]]
+
+
+def test_a_stale_slot_map_costs_one_shorter_lookup_then_is_read_again(namespace):
+    """A resharded or failed-over cluster answers MOVED to a client with an old slot map:
+    that lookup is a shorter prefix, the next reads the map again and matches fully."""
+    with EmbeddedValkeyCluster(3) as cluster:
+        index = PageIndex(cluster.url)
+        index.ensure_namespace(namespace)
+        a = register(index, "a")
+        hashes = chain(namespace, keys.SEGMENT_PAGES)  # one segment: one shard holds it all
+        commit(index, namespace, a, hashes)
+        nodes = index.live_nodes()
+        topology = index._router.topology
+        slot = redis.crc.key_slot(keys.segment_key(namespace.digest_hex, hashes[0]).encode())
+        right = topology.slot_shard[slot]
+        topology.slot_shard[slot] = (right + 1) % 3  # as if the slot had moved
+        found = index.lookup(namespace, hashes)
+        assert found.unavailable is not None and "MovedError" in str(found.unavailable)
+        assert found.resolve(nodes).matched == 0
+        time.sleep(0.6)  # the map is read again at most every 0.5 s
+        assert index.lookup(namespace, hashes).resolve(nodes).matched == len(hashes)
+        assert index._router.topology.slot_shard[slot] == right
+        index.close()
