@@ -129,11 +129,18 @@ class AsyncKVCacheClient:
     async def lookup(self, token_ids: Any) -> int:
         """Tokens of ``token_ids`` covered by stored full blocks (a multiple of block_size),
         in one index round trip. Index faults count as 0."""
+        return await self.lookup_checked(token_ids) or 0
+
+    async def lookup_checked(self, token_ids: Any) -> int | None:
+        """``lookup``, but None when the index could not answer at all (unreachable,
+        or a script error): callers that guard the index with a circuit breaker (the
+        vLLM scheduler) tell a fault from a miss with it. A shard that failed while
+        others answered is a shorter prefix, not None."""
         hashes = block_hashes(self.namespace, token_ids)
         if not hashes:
             return 0
         result = await self._lookup(hashes)
-        return (result.matched if result else 0) * self.namespace.block_size
+        return None if result is None else result.matched * self.namespace.block_size
 
     async def put_pages(self, token_ids: Any, pages: torch.Tensor) -> PublishReport:
         """Store ``pages[i]`` (``[num_blocks, *page_shape]``) as full block i of ``token_ids``.

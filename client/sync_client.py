@@ -89,16 +89,21 @@ class KVCacheClient:
     def _bound(self) -> float:
         return self._async.timeout * 3 + _MARGIN
 
-    def _read(self, coro: Any, miss: Any) -> Any:
+    def _read(self, coro: Any, miss: Any, timeout: float | None = None) -> Any:
         """Reads turn even the outer deadline into a miss: remote faults never raise."""
         try:
-            return self._run(coro, self._bound())
+            return self._run(coro, self._bound() if timeout is None else timeout)
         except TransportError as exc:
             log.warning("read gave up, counting it as a miss: %s", exc)
             return miss
 
     def lookup(self, token_ids: Any) -> int:
         return self._read(self._async.lookup(token_ids), 0)
+
+    def lookup_checked(self, token_ids: Any, timeout: float | None = None) -> int | None:
+        """``AsyncKVCacheClient.lookup_checked`` waiting at most ``timeout`` seconds (the
+        client's own bound when None); past it the lookup is cancelled and gives None."""
+        return self._read(self._async.lookup_checked(token_ids), None, timeout)
 
     def put_pages(self, token_ids: Any, pages: torch.Tensor) -> PublishReport:
         return self._run(self._async.put_pages(token_ids, pages), self._bound())

@@ -7,8 +7,10 @@ import json
 import mmap
 import os
 import random
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -27,17 +29,27 @@ rng = random.Random(7)
 PROMPT_A = [rng.randrange(512) for _ in range(200)]  # 6 full blocks + 8 tokens
 SHARED_BLOCKS = 4
 PROMPT_B = PROMPT_A[: SHARED_BLOCKS * BLOCK] + [rng.randrange(512) for _ in range(52)]
+PROMPT_C = [rng.randrange(512) for _ in range(230)]  # 7 full blocks
+PROMPT_D = [rng.randrange(512) for _ in range(70)]  # never stored
+PAGE_BYTES = 2 * 2 * BLOCK * 2 * 32 * 4  # layers, kv heads, block, K and V of head_dim 32, float32
 
 
-def run_engine(model_dir: str, prompts: list[list[int]], redis_url: str | None = None, role: str = "kv_both", **llm_kwargs) -> list[dict]:
-    spec = {"model_dir": model_dir, "prompts": prompts, "role": role, "prefix_caching": False, "llm_kwargs": llm_kwargs}
+def run_engine_full(model_dir: str, prompts: list[list[int]], redis_url: str | None = None, role: str = "kv_both",
+                    extra: dict | None = None, mode: str = "sequential", **llm_kwargs) -> dict:
+    """One engine in its own process; its whole JSON answer (results, steps, metrics)."""
+    spec = {"model_dir": model_dir, "prompts": prompts, "role": role, "prefix_caching": False, "llm_kwargs": llm_kwargs,
+            "extra": extra or {}, "mode": mode}
     if redis_url:
         spec["redis_url"] = redis_url
     env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo"}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_engine.py"), json.dumps(spec)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])["results"]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_engine(model_dir: str, prompts: list[list[int]], redis_url: str | None = None, role: str = "kv_both", **llm_kwargs) -> list[dict]:
+    return run_engine_full(model_dir, prompts, redis_url, role, **llm_kwargs)["results"]
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +61,9 @@ def model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def baseline(model_dir) -> dict[str, list[int]]:
-    a, b = run_engine(model_dir, [PROMPT_A, PROMPT_B])
-    assert a["num_cached_tokens"] == 0 and b["num_cached_tokens"] == 0
-    return {"A": a["tokens"], "B": b["tokens"]}
+    results = run_engine(model_dir, [PROMPT_A, PROMPT_B, PROMPT_C, PROMPT_D])
+    assert all(r["num_cached_tokens"] == 0 for r in results)
+    return {name: r["tokens"] for name, r in zip("ABCD", results)}
 
 
 def test_consumer_loads_shared_blocks_and_generates_the_baseline_tokens(model_dir, baseline):
@@ -132,3 +144,70 @@ def test_the_comparison_is_sensitive_to_the_loaded_kv(model_dir, baseline):
         (consumer,) = run_engine(model_dir, [PROMPT_B], cluster.redis_url, role="kv_consumer")
         assert consumer["num_cached_tokens"] == SHARED_BLOCKS * BLOCK  # the engine's namespace is ns
         assert consumer["tokens"] != baseline["B"]
+
+
+def first_token_step(steps: list[dict[str, int]], req_id: str) -> int:
+    return next(i for i, counts in enumerate(steps) if counts.get(req_id, 0) >= 1)
+
+
+def test_two_loads_run_while_a_third_request_decodes(model_dir, baseline):
+    """Loads are asynchronous: the engine keeps stepping a request that needs no load
+    while two others wait for their blocks, and all three give the baseline tokens."""
+    with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
+        run_engine(model_dir, [PROMPT_A, PROMPT_C], cluster.redis_url, role="kv_producer")
+        wait_for(lambda: stored_pages(cluster) == 6 + 7, 5, "the node to report its pages")
+        out = run_engine_full(model_dir, [PROMPT_D, PROMPT_A, PROMPT_C], cluster.redis_url, role="kv_consumer", mode="steps")
+        d, a, c = out["results"]
+        assert (d["tokens"], a["tokens"], c["tokens"]) == (baseline["D"], baseline["A"], baseline["C"])
+        assert (d["num_cached_tokens"], a["num_cached_tokens"], c["num_cached_tokens"]) == (0, 6 * BLOCK, 7 * BLOCK)
+        steps = out["steps"]
+        for loaded in ("r1", "r2"):
+            # by the step a loaded request produced its first token, r0 had already decoded
+            assert steps[first_token_step(steps, loaded)].get("r0", len(d["tokens"])) >= 2, steps
+        assert first_token_step(steps, "r0") < min(first_token_step(steps, "r1"), first_token_step(steps, "r2"))
+        metrics = out["metrics"]
+        assert metrics["loads"] == 2 and metrics["load_failed_blocks"] == 0, metrics
+        assert metrics["load_bytes"] == 13 * PAGE_BYTES and metrics["lookup_hit_tokens"] == 13 * BLOCK, metrics
+
+
+class Blackhole:
+    """A TCP listener on loopback that accepts connections and never answers: an index
+    that hangs rather than refuses."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.held: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.held.append(conn)
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+def test_a_hung_index_makes_misses_within_the_lookup_budget(model_dir, baseline):
+    hole = Blackhole()
+    try:
+        extra = {"lookup_budget_ms": 100, "breaker_failures": 2}
+        out = run_engine_full(model_dir, [PROMPT_A, PROMPT_B, PROMPT_C, PROMPT_D], f"redis://127.0.0.1:{hole.port}/0",
+                              role="kv_consumer", extra=extra)
+    finally:
+        hole.close()
+    results = out["results"]
+    assert [r["tokens"] for r in results] == [baseline[k] for k in "ABCD"]
+    assert all(r["num_cached_tokens"] == 0 for r in results)
+    metrics = out["metrics"]
+    # the first two lookups pass their budget, then the breaker answers without asking
+    assert metrics["lookup_faults"] == 2 and metrics["lookups_skipped"] == 2, metrics
+    assert metrics["lookup_seconds_count"] == 2
+    assert metrics["lookup_seconds_buckets"]["0.25"] == 2, metrics  # neither waited past 0.25 s

@@ -1,15 +1,28 @@
 """Runs a real vLLM engine on a tiny random-weight Llama: ``python tests/vllm_engine.py '<json>'``.
 
-spec: {"model_dir", "prompts": [[token ids], ...], "redis_url" (omit for a baseline
-engine without connector), "role" ("kv_producer" | "kv_consumer" | "kv_both"),
-"extra": {...}}. Prints one JSON line: per prompt the generated token ids and
-num_cached_tokens."""
+spec keys:
+- ``model_dir``; ``prompts``: [[token ids], ...]; ``max_tokens`` (12);
+- ``redis_url`` (omit for an engine without connector), ``role`` ("kv_producer" |
+  "kv_consumer" | "kv_both"), ``extra`` (more ``kv_connector_extra_config``);
+- ``prefix_caching`` (vLLM's own, default on), ``llm_kwargs`` (more ``LLM`` arguments);
+- ``mode``: "sequential" (one ``generate`` per prompt, timed), or "steps" (every prompt
+  added at once, then the engine stepped by hand, recording per step how many tokens
+  each request has: shows which ran while others waited);
+- ``warmup``: prompts generated (untimed, results dropped) before the measured ones.
+
+Prints one JSON line: per prompt the generated token ids, num_cached_tokens and
+seconds; in steps mode also ``steps``; and ``metrics``, the engine's ``vllm:kvstore_*``
+Prometheus values (the connector's statistics as vLLM exports them).
+
+``python tests/vllm_engine.py write-model DIR ['{"hidden_size": 1024, ...}']`` writes the
+model (the JSON overrides LlamaConfig fields; the bench uses a larger one)."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -17,18 +30,36 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 BLOCK_SIZE = 32
 
 
-def write_tiny_llama(path: str) -> None:
+def write_tiny_llama(path: str, overrides: dict | None = None) -> None:
     """Random weights large enough that the output depends on the context."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
+    fields = dict(
         hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         intermediate_size=256, vocab_size=512, max_position_embeddings=512, initializer_range=0.2,
         torch_dtype="float32", tie_word_embeddings=False,
     )
-    LlamaForCausalLM(cfg).save_pretrained(path)
+    fields.update(overrides or {})
+    LlamaForCausalLM(LlamaConfig(**fields)).save_pretrained(path)
+
+
+def kvstore_metrics(llm) -> dict:
+    """The engine's ``vllm:kvstore_*`` counters and the lookup histogram's count, sum and
+    cumulative buckets."""
+    out: dict = {}
+    for metric in llm.get_metrics():
+        if not metric.name.startswith("vllm:kvstore_"):
+            continue
+        name = metric.name.removeprefix("vllm:kvstore_")
+        if hasattr(metric, "buckets"):  # histogram (one engine here)
+            out[name + "_count"] = metric.count
+            out[name + "_sum"] = metric.sum
+            out[name + "_buckets"] = dict(metric.buckets)  # upper bound -> cumulative count
+        elif hasattr(metric, "value"):
+            out[name] = out.get(name, 0) + metric.value
+    return out
 
 
 def main() -> int:
@@ -43,22 +74,48 @@ def main() -> int:
             kv_connector="KVStoreConnector", kv_connector_module_path="client.vllm_connector",
             kv_role=spec.get("role", "kv_both"), kv_connector_extra_config={"redis_url": spec["redis_url"], **spec.get("extra", {})},
         )
+    llm_kwargs = {"max_model_len": 512, **spec.get("llm_kwargs", {})}
     llm = LLM(
         model=spec["model_dir"], skip_tokenizer_init=True, enforce_eager=True, dtype="float32", block_size=BLOCK_SIZE,
-        max_model_len=512, gpu_memory_utilization=0.3, kv_transfer_config=kv, seed=0,
-        enable_prefix_caching=spec.get("prefix_caching", True), **spec.get("llm_kwargs", {}),
+        gpu_memory_utilization=0.3, kv_transfer_config=kv, seed=0, disable_log_stats=False,
+        enable_prefix_caching=spec.get("prefix_caching", True), **llm_kwargs,
     )
-    params = SamplingParams(temperature=0, max_tokens=12, detokenize=False, ignore_eos=True)
-    results = []
-    for prompt in spec["prompts"]:
-        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
-        results.append({"tokens": list(out.outputs[0].token_ids), "num_cached_tokens": out.num_cached_tokens})
-    print(json.dumps({"results": results}), flush=True)
+    params = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 12), detokenize=False, ignore_eos=True)
+    for prompt in spec.get("warmup", []):
+        llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+    results: list[dict] = []
+    out: dict = {"results": results}
+    if spec.get("mode", "sequential") == "steps":
+        engine = llm.llm_engine
+        ids = [f"r{i}" for i in range(len(spec["prompts"]))]
+        for req_id, prompt in zip(ids, spec["prompts"]):
+            engine.add_request(req_id, TokensPrompt(prompt_token_ids=prompt), params)
+        steps: list[dict[str, int]] = []
+        final = {}
+        while engine.has_unfinished_requests():
+            counts = {}
+            for o in engine.step():
+                counts[o.request_id] = len(o.outputs[0].token_ids)
+                final[o.request_id] = o
+            steps.append(counts)
+        for req_id in ids:
+            o = final[req_id]
+            results.append({"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens})
+        out["steps"] = steps
+    else:
+        for prompt in spec["prompts"]:
+            started = time.perf_counter()
+            o = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+            results.append({"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens,
+                            "seconds": time.perf_counter() - started})
+    if kv is not None:
+        out["metrics"] = kvstore_metrics(llm)
+    print(json.dumps(out), flush=True)
     return 0
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "write-model":
-        write_tiny_llama(sys.argv[2])
+        write_tiny_llama(sys.argv[2], json.loads(sys.argv[3]) if len(sys.argv) > 3 else None)
         sys.exit(0)
     sys.exit(main())

@@ -1,0 +1,148 @@
+"""Copies between store pages and an engine's paged KV cache: ``PagedCache``.
+
+A page is one block of every layer, ``[layers, kv_heads, block_size, 2 * head_size]``,
+contiguous. The engine keeps one tensor per layer whose logical view is
+``[blocks, kv_heads, block_size, 2 * head_size]`` (vLLM 0.32's connector view); its
+physical strides follow the backend's ``KVCacheLayout`` and may put blocks anywhere in
+memory order. ``PagedCache`` only uses strided copies, so any stride permutation works
+and the bytes are exact.
+
+Block ids of one request mostly form contiguous runs (the allocator hands out free
+blocks in order), so each layer is copied run by run: one strided copy per run and
+layer instead of an index gather. Measured on the 2-core CI machine, 96 pages of 10
+layers x 128 KiB (126 MiB): scatter 14.8 ms in runs vs 17.5 ms with ``index_copy_``,
+gather 42 ms vs 62 ms with ``index_select``. Fragmented lists (more runs than
+``_MAX_RUNS``) fall back to one indexed copy per layer.
+
+On a GPU the pages cross the bus once, contiguous: ``scatter`` copies the host pages to
+a device scratch tensor and then runs the per-layer copies on the device; ``gather``
+does the reverse and leaves the device-to-host copy in flight (``GatherResult.ready``
+is the event to wait on), so the engine step does not wait for the bus.
+
+Called by the vLLM connector's worker side: ``gather`` on the engine thread (the blocks
+may be reused once the step ends), ``scatter`` on the loader thread (the blocks belong
+to a request that waits for them and nothing else touches)."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvstore.errors import InvalidInputError
+
+_MAX_RUNS = 64
+
+
+def block_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """``(first page, first block, length)`` for each run of consecutive block ids."""
+    runs: list[tuple[int, int, int]] = []
+    for i, block in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == block:
+            page, first, length = runs[-1]
+            runs[-1] = (page, first, length + 1)
+        else:
+            runs.append((i, block, 1))
+    return runs
+
+
+@dataclass
+class GatherResult:
+    """Host pages ``[n, *page_shape]``; ``ready`` (a CUDA event, or None on CPU) must be
+    synchronized before the bytes are read."""
+
+    pages: torch.Tensor
+    ready: Any = None
+
+    def wait(self) -> torch.Tensor:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.pages
+
+
+class PagedCache:
+    """The per-layer KV tensors of one worker, in layer order."""
+
+    def __init__(self, layers: list[torch.Tensor]) -> None:
+        if not layers:
+            raise InvalidInputError("PagedCache needs at least one layer tensor")
+        first = layers[0]
+        for i, t in enumerate(layers):
+            if t.dim() != 4 or t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+                raise InvalidInputError(
+                    f"layer {i}: every layer must be a 4-D view of one shape, dtype and device "
+                    f"(layer 0 is {tuple(first.shape)} {first.dtype} on {first.device}, layer {i} is "
+                    f"{tuple(t.shape)} {t.dtype} on {t.device})"
+                )
+        self.layers = layers
+        self.num_blocks = first.shape[0]
+        self.page_shape = (len(layers), *first.shape[1:])
+        self.dtype = first.dtype
+        self.device = first.device
+        self._on_gpu = first.device.type == "cuda"
+
+    def _check(self, block_ids: list[int], pages: torch.Tensor | None = None) -> None:
+        bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
+        if bad:
+            raise InvalidInputError(f"block ids {bad[:4]} outside the cache's {self.num_blocks} blocks")
+        if pages is not None and (pages.shape[0] < len(block_ids) or tuple(pages.shape[1:]) != self.page_shape or pages.dtype != self.dtype):
+            raise InvalidInputError(
+                f"pages must be [{len(block_ids)}, {', '.join(map(str, self.page_shape))}] of {self.dtype}, "
+                f"got {tuple(pages.shape)} {pages.dtype}"
+            )
+
+    def host_pages(self, count: int) -> torch.Tensor:
+        """An empty host tensor for ``count`` pages, pinned when the cache is on a GPU."""
+        return torch.empty((count, *self.page_shape), dtype=self.dtype, pin_memory=self._on_gpu)
+
+    def _copy(self, block_ids: list[int], pages: torch.Tensor, to_cache: bool) -> None:
+        """Per layer, copy ``pages[i]`` <-> block ``block_ids[i]`` on ``pages``' device,
+        which is the cache's."""
+        runs = block_runs(block_ids)
+        index = None if len(runs) <= _MAX_RUNS else torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        n = len(block_ids)
+        for layer, kv in enumerate(self.layers):
+            src_dst = pages[:n, layer]
+            if index is not None:
+                if to_cache:
+                    kv.index_copy_(0, index, src_dst)
+                else:
+                    src_dst.copy_(kv.index_select(0, index))
+                continue
+            for page, block, length in runs:
+                cache_part = kv.narrow(0, block, length)
+                page_part = src_dst.narrow(0, page, length)
+                (cache_part if to_cache else page_part).copy_(page_part if to_cache else cache_part)
+
+    def gather(self, block_ids: list[int]) -> GatherResult:
+        """Copy blocks ``block_ids`` out of the cache into new host pages. On a GPU the
+        device copies are ordered on the current stream after the work that wrote the
+        blocks, and the device-to-host copy is left in flight."""
+        self._check(block_ids)
+        if not self._on_gpu:
+            pages = self.host_pages(len(block_ids))
+            self._copy(block_ids, pages, to_cache=False)
+            return GatherResult(pages)
+        scratch = torch.empty((len(block_ids), *self.page_shape), dtype=self.dtype, device=self.device)
+        self._copy(block_ids, scratch, to_cache=False)
+        host = self.host_pages(len(block_ids))
+        host.copy_(scratch, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        scratch.record_stream(torch.cuda.current_stream())
+        return GatherResult(host, ready)
+
+    def scatter(self, pages: torch.Tensor, block_ids: list[int], stream: Any = None) -> None:
+        """Write ``pages[i]`` (host or device) into block ``block_ids[i]`` of every layer,
+        and return once the bytes are in place. On a GPU the copies run on ``stream`` (a
+        side stream the caller owns), and this thread waits for it."""
+        self._check(block_ids, pages)
+        if not self._on_gpu:
+            self._copy(block_ids, pages, to_cache=True)
+            return
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            device_pages = pages[: len(block_ids)].to(self.device, non_blocking=True)
+            self._copy(block_ids, device_pages, to_cache=True)
+            (stream or torch.cuda.current_stream()).synchronize()
