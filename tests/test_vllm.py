@@ -211,3 +211,17 @@ def test_a_hung_index_makes_misses_within_the_lookup_budget(model_dir, baseline)
     assert metrics["lookup_faults"] == 2 and metrics["lookups_skipped"] == 2, metrics
     assert metrics["lookup_seconds_count"] == 2
     assert metrics["lookup_seconds_buckets"]["0.25"] == 2, metrics  # neither waited past 0.25 s
+
+
+def test_connector_options_are_validated_with_the_key_named():
+    from client.vllm_connector import connector_options
+    from kvstore.errors import InvalidInputError
+
+    conf, client = connector_options({"redis_url": "redis://127.0.0.1:1/0", "lookup_budget_ms": 20, "timeout": 2})
+    assert conf.lookup_budget_ms == 20 and client.timeout == 2
+    with pytest.raises(InvalidInputError, match="lookup_budget_ms"):
+        connector_options({"redis_url": "redis://127.0.0.1:1/0", "lookup_budget_ms": -1})
+    with pytest.raises(InvalidInputError, match="max_pending_save_bytes"):
+        connector_options({"redis_url": "redis://127.0.0.1:1/0", "max_pending_save_bytes": "lots"})
+    with pytest.raises(InvalidInputError, match="redis_url"):
+        connector_options({"lookup_budget_ms": 20})

@@ -1,0 +1,123 @@
+"""Gather and scatter between store pages and a paged KV cache (client/paged_cache.py),
+bit-exact for every physical layout a vLLM backend may give the per-layer view, and
+the lookup circuit breaker (client/breaker.py). Runs on CPU, and on CUDA too where a
+GPU is present."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from client.breaker import CircuitBreaker
+from client.paged_cache import PagedCache, block_runs
+from kvstore.errors import InvalidInputError
+
+L, B, H, N, C = 3, 40, 2, 4, 6  # layers, blocks, kv heads, block size, 2 * head size
+# Every order of the logical axes [L, B, H, N] in memory, content innermost: a superset
+# of vLLM 0.32's KVCacheLayout members (checked below when vLLM is installed).
+PERMUTATIONS = [(*p, 4) for p in itertools.permutations(range(4))]
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def strided_cache(order: tuple[int, ...], device: str, seed: int) -> torch.Tensor:
+    """A logical [L, B, H, N, C] tensor whose memory follows ``order``, filled with random
+    bit patterns (NaN payloads included, which a lossy copy would change)."""
+    logical_shape = (L, B, H, N, C)
+    physical = torch.randint(-(2**31), 2**31 - 1, [logical_shape[i] for i in order], dtype=torch.int32,
+                             generator=torch.Generator().manual_seed(seed)).view(torch.float32).to(device)
+    inverse = [order.index(i) for i in range(5)]
+    logical = physical.permute(*inverse)
+    assert logical.shape == logical_shape
+    return logical
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32).cpu()
+
+
+BLOCK_LISTS = {
+    "one run": list(range(5, 17)),
+    "three runs": [7, 8, 9, 30, 31, 2, 3, 4, 5],
+    "reversed": list(range(20, 8, -1)),
+    "scattered": random.Random(3).sample(range(B), 36),
+}
+
+
+def test_the_permutations_cover_every_vllm_layout():
+    layouts = pytest.importorskip("vllm.v1.kv_cache_layout")
+    assert {m.value for m in layouts.KVCacheLayout} <= set(PERMUTATIONS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("order", PERMUTATIONS, ids=lambda o: "".join("LBHNC"[i] for i in o))
+@pytest.mark.parametrize("blocks", list(BLOCK_LISTS.values()), ids=list(BLOCK_LISTS))
+@pytest.mark.parametrize("max_runs", [64, 1], ids=["runs", "indexed"])
+def test_gather_then_scatter_is_bit_exact(order, blocks, device, max_runs, monkeypatch):
+    monkeypatch.setattr("client.paged_cache._MAX_RUNS", max_runs)  # past it: one indexed copy per layer
+    source = strided_cache(order, device, seed=1)
+    gathered = PagedCache(list(source.unbind(0))).gather(blocks).wait()
+    assert gathered.device.type == "cpu" and gathered.shape == (len(blocks), L, H, N, C)
+    for i, block in enumerate(blocks):
+        assert torch.equal(bits(gathered[i]), bits(source[:, block])), (i, block)
+
+    target = strided_cache(order, device, seed=2)
+    before = bits(target)
+    PagedCache(list(target.unbind(0))).scatter(gathered, blocks)
+    after = bits(target)
+    for i, block in enumerate(blocks):
+        assert torch.equal(after[:, block], bits(source[:, block]))
+    untouched = [b for b in range(B) if b not in blocks]
+    assert torch.equal(after[:, untouched], before[:, untouched])
+
+
+def test_block_runs_split_at_every_gap():
+    assert block_runs([4, 5, 6, 9, 10, 2]) == [(0, 4, 3), (3, 9, 2), (5, 2, 1)]
+    assert block_runs([]) == []
+
+
+def test_bad_arguments_are_named():
+    cache = PagedCache(list(torch.zeros(L, B, H, N, C).unbind(0)))
+    with pytest.raises(InvalidInputError, match="outside the cache"):
+        cache.gather([0, B])
+    with pytest.raises(InvalidInputError, match="pages must be"):
+        cache.scatter(torch.zeros(2, L, H, N, C, dtype=torch.float16), [1, 2])
+    with pytest.raises(InvalidInputError, match="layer 1"):
+        PagedCache([torch.zeros(B, H, N, C), torch.zeros(B, H, N, C + 2)])
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_breaker_opens_after_consecutive_faults_and_probes_after_the_cooldown():
+    clock = FakeClock()
+    breaker = CircuitBreaker(failures=3, cooldown=2.0, max_cooldown=5.0, clock=clock)
+    for _ in range(2):
+        assert breaker.allow()
+        breaker.record(False)
+    assert breaker.allow()
+    breaker.record(True)  # a success resets the streak
+    for _ in range(3):
+        assert breaker.allow()
+        breaker.record(False)
+    assert breaker.state == "open" and not breaker.allow()
+    clock.now += 2.0
+    assert breaker.allow() and not breaker.allow()  # one probe at a time
+    breaker.record(False)  # the probe failed: open for twice as long
+    clock.now += 3.9
+    assert not breaker.allow()
+    clock.now += 0.2
+    assert breaker.allow()
+    breaker.record(False)
+    assert breaker.current_cooldown == 5.0  # capped
+    clock.now += 5.0
+    assert breaker.allow()
+    breaker.record(True)
+    assert breaker.state == "closed" and breaker.allow() and breaker.opened == 3
