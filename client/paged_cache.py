@@ -25,6 +25,7 @@ to a request that waits for them and nothing else touches)."""
 
 from __future__ import annotations
 
+import threading
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,42 @@ import torch
 from kvstore.errors import InvalidInputError
 
 _MAX_RUNS = 64
+
+
+class StagingPool:
+    """Host page buffers allocated and touched once, reused by loads and saves.
+
+    A fresh 120 MiB host tensor costs its page faults on first write: measured here, a
+    96-page get into a reused buffer took 36 ms against 77-130 ms into a new one. So the
+    connector keeps ``buffers`` buffers of ``pages`` pages each; ``take`` hands one out
+    when it is large enough and free, else allocates (never waits), and ``give`` takes
+    a pooled one back. Thread-safe: loader threads, the engine thread (gather) and the
+    saver thread share it. Called with the ``PagedCache`` whose pages it holds."""
+
+    def __init__(self, cache: PagedCache, buffers: int, pages: int) -> None:
+        self.pages = pages
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+        for _ in range(buffers if pages > 0 else 0):
+            buf = cache.host_pages(pages)
+            buf.view(torch.uint8).zero_()  # fault the memory in now, not on the first load
+            self._free.append(buf)
+        self._pooled = {b.data_ptr(): b for b in self._free}
+
+    def take(self, count: int, cache: PagedCache) -> torch.Tensor:
+        """``count`` pages of host memory; rows are uninitialised."""
+        if count <= self.pages:
+            with self._lock:
+                if self._free:
+                    return self._free.pop()[:count]
+        return cache.host_pages(count)
+
+    def give(self, pages: torch.Tensor) -> None:
+        """Return what ``take`` gave (a fresh allocation is simply dropped)."""
+        buf = self._pooled.get(pages.data_ptr())
+        if buf is not None:
+            with self._lock:
+                self._free.append(buf)
 
 
 def block_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
@@ -116,18 +153,17 @@ class PagedCache:
                 page_part = src_dst.narrow(0, page, length)
                 (cache_part if to_cache else page_part).copy_(page_part if to_cache else cache_part)
 
-    def gather(self, block_ids: list[int]) -> GatherResult:
-        """Copy blocks ``block_ids`` out of the cache into new host pages. On a GPU the
-        device copies are ordered on the current stream after the work that wrote the
-        blocks, and the device-to-host copy is left in flight."""
-        self._check(block_ids)
+    def gather(self, block_ids: list[int], out: torch.Tensor | None = None) -> GatherResult:
+        """Copy blocks ``block_ids`` out of the cache into host pages (``out``, or new
+        ones). On a GPU the device copies are ordered on the current stream after the
+        work that wrote the blocks, and the device-to-host copy is left in flight."""
+        self._check(block_ids, out)
+        host = self.host_pages(len(block_ids)) if out is None else out[: len(block_ids)]
         if not self._on_gpu:
-            pages = self.host_pages(len(block_ids))
-            self._copy(block_ids, pages, to_cache=False)
-            return GatherResult(pages)
+            self._copy(block_ids, host, to_cache=False)
+            return GatherResult(host)
         scratch = torch.empty((len(block_ids), *self.page_shape), dtype=self.dtype, device=self.device)
         self._copy(block_ids, scratch, to_cache=False)
-        host = self.host_pages(len(block_ids))
         host.copy_(scratch, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()

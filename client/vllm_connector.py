@@ -38,7 +38,7 @@ cache tensors. ``kv_connector_extra_config`` carries the client options
 ``ucx_progress_mode``, ...; the same names as the KVSTORE_* environment variables,
 validated the same way) plus the connector's own (``ConnectorOptions``: ``tenant``,
 ``model``, ``load_failure_policy``, ``lookup_budget_ms``, ``breaker_failures``,
-``breaker_cooldown_s``, ``load_threads``, ``max_pending_save_bytes``). Failed loads are
+``breaker_cooldown_s``, ``load_threads``, ``staging_bytes``, ``max_pending_save_bytes``). Failed loads are
 recomputed: the connector sets vLLM's ``kv_load_failure_policy`` to ``recompute``
 unless the extra config says ``"load_failure_policy": "fail"``."""
 
@@ -47,7 +47,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -61,7 +61,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from client.breaker import CircuitBreaker
-from client.paged_cache import GatherResult, PagedCache
+from client.paged_cache import GatherResult, PagedCache, StagingPool
 from client.sync_client import KVCacheClient
 from client.vllm_stats import KVStoreConnectorStats, KVStorePromMetrics
 from kvstore.config import ByteSize, ClientOptions, client_options
@@ -79,6 +79,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+# Longest an idle engine step waits in get_finished for a load to finish: short enough
+# that a request arriving meanwhile is scheduled without a noticeable delay.
+_IDLE_WAIT_S = 0.02
 
 
 def detect_layout(shape: tuple[int, ...], block_size: int, num_kv_heads: int, head_size: int) -> str:
@@ -135,6 +138,7 @@ class ConnectorOptions(BaseModel):
     breaker_cooldown_s: float = Field(2.0, gt=0, le=600, allow_inf_nan=False,
                                       description="seconds the open breaker answers every lookup with a miss before one probe")
     load_threads: int = Field(2, ge=1, le=64, description="loads running at once on each worker")
+    staging_bytes: ByteSize = Field(512 << 20, description="host page buffers allocated at start and reused by loads and saves, per worker (0: allocate per transfer)")
     max_pending_save_bytes: ByteSize = Field(2 << 30, description="page bytes waiting to be published, per worker, past which saves are dropped")
 
 
@@ -176,6 +180,7 @@ class SaveSpec:
 class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    idle: bool = False  # the step computes nothing: the engine only waits for transfers
 
 
 @dataclass
@@ -225,6 +230,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._saving: set[Future] = set()
         self._pending_save_bytes = 0
         self._load_stream: Any = None
+        self._staging: StagingPool | None = None
         if role == KVConnectorRole.SCHEDULER and self._loads_enabled:
             # vLLM 0.32 gives connectors the standardized per-layer view, so pages are
             # vllm_cpu; workers check that against the tensors they actually get.
@@ -241,6 +247,10 @@ class KVStoreConnector(KVConnectorBase_V1):
     def _count(self, **counts: float) -> None:
         with self._stats_lock:
             self._stats.add(**counts)
+
+    def _observe(self, name: str, seconds: float) -> None:
+        with self._stats_lock:
+            self._stats.observe(name, seconds)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         with self._stats_lock:
@@ -273,7 +283,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         with self._stats_lock:
             self._stats.add(lookups=1, lookup_prompt_tokens=len(tokens), lookup_hit_tokens=stored or 0,
                             lookup_faults=stored is None)
-            self._stats.observe_lookup(seconds)
+            self._stats.observe("lookup_seconds", seconds)
         if stored is None and self._breaker.state != "closed":
             log.warning("index lookups keep failing: every request is a miss for the next %.1f s", self._breaker.current_cooldown)
         return stored or 0
@@ -309,7 +319,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         spec.block_ids = list(blocks.get_block_ids()[0])[: len(spec.token_ids) // self._block_size]
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KVStoreConnectorMetadata()
+        meta = KVStoreConnectorMetadata(idle=scheduler_output.total_num_scheduled_tokens == 0)
         for req_id, spec in list(self._pending_loads.items()):
             if spec.block_ids:
                 meta.loads.append(spec)
@@ -396,6 +406,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             log.error("KVStoreConnector disabled on this worker: %s", exc)
             return
         self._client = self._make_client(layout, tp_rank=get_tp_group().rank_in_group, pp_rank=get_pp_group().rank_in_group)
+        buffers = self._conf.load_threads + 1  # every load at once, and one save
+        self._staging = StagingPool(self._cache, buffers, self._conf.staging_bytes // buffers // self._client.namespace.page_nbytes)
         self._loader = ThreadPoolExecutor(self._conf.load_threads, thread_name_prefix="kvstore-load")
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvstore-save")
         if self._cache.device.type == "cuda":
@@ -423,8 +435,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         started = time.perf_counter()
         wanted = spec.block_ids[spec.start_block :]
         got = spec.start_block
+        pages = None
         try:
-            pages = self._cache.host_pages(len(spec.block_ids))
+            pages = self._staging.take(len(spec.block_ids), self._cache)
             got = self._client.get_pages(spec.token_ids, pages, start_block=spec.start_block) // self._block_size
             if got > spec.start_block:
                 if after is not None:
@@ -433,6 +446,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         except Exception as exc:  # noqa: BLE001 - a load must end as blocks to recompute, whatever broke
             log.warning("load of %s failed: %s", spec.req_id, exc)
             got = spec.start_block
+        finally:
+            if pages is not None:
+                self._staging.give(pages)
         failed = spec.block_ids[max(got, spec.start_block) :]
         if failed:
             log.warning("request %s: %d of %d blocks could not be loaded and will be recomputed",
@@ -441,6 +457,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         return _LoadOutcome(failed, nbytes, time.perf_counter() - started)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        if self._loading and isinstance(meta, KVStoreConnectorMetadata) and meta.idle:
+            # The engine has nothing to compute and would call again at once: wait for
+            # a load here instead, with the GIL released. Without this the in-process
+            # engine loop spins and starves the loader and transfer threads: measured
+            # in bench/vllm_ttft.py, a 120 MiB load took 4.6 s, and 0.41 s with the wait.
+            wait_futures(list(self._loading.values()), timeout=_IDLE_WAIT_S, return_when=FIRST_COMPLETED)
         done, self._unloadable = self._unloadable, set()
         for req_id, future in list(self._loading.items()):
             if not future.done():
@@ -449,8 +472,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             outcome: _LoadOutcome = future.result()
             with self._stats_lock:
                 self._load_errors.update(outcome.failed)
-                self._stats.add(loads=1, load_bytes=outcome.nbytes, load_seconds=outcome.seconds,
-                                load_failed_blocks=len(outcome.failed))
+                self._stats.add(load_bytes=outcome.nbytes, load_failed_blocks=len(outcome.failed))
+                self._stats.observe("load_seconds", outcome.seconds)
             done.add(req_id)
         return None, done or None
 
@@ -479,8 +502,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                     continue
                 self._pending_save_bytes += nbytes
             started = time.perf_counter()
-            gathered = self._cache.gather(spec.block_ids)
-            self._count(save_gather_seconds=time.perf_counter() - started)
+            gathered = self._cache.gather(spec.block_ids, self._staging.take(len(spec.block_ids), self._cache))
+            self._observe("save_gather_seconds", time.perf_counter() - started)
             future = self._saver.submit(self._save, spec, gathered, nbytes)
             self._saving.add(future)
             future.add_done_callback(self._saving.discard)
@@ -490,12 +513,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         started = time.perf_counter()
         try:
             report = self._client.put_pages(spec.token_ids, gathered.wait())
-            self._count(saves=1, save_bytes=report.bytes_sent, save_seconds=time.perf_counter() - started)
+            self._count(save_bytes=report.bytes_sent)
             log.debug("saved %s: %s", spec.req_id, report)
         except Exception as exc:  # noqa: BLE001 - a failed save is a future miss, never an engine error
-            self._count(save_failures=1, save_seconds=time.perf_counter() - started)
+            self._count(save_failures=1)
             log.warning("save of %s failed (a future miss, not an error): %s", spec.req_id, exc)
         finally:
+            self._staging.give(gathered.pages)
+            self._observe("save_seconds", time.perf_counter() - started)
             with self._stats_lock:
                 self._pending_save_bytes -= nbytes
 

@@ -5,7 +5,8 @@ both sides (the scheduler counts lookups, each worker counts loads and saves); v
 aggregates the objects of one interval, logs ``reduce()`` and hands ``data`` to
 ``KVStorePromMetrics.observe``, which the engine's Prometheus logger created through
 ``KVStoreConnector.build_prom_metrics``. Every value in ``data`` is a sum over the
-interval except ``lookup_seconds_list`` (one entry per lookup, for the histogram)."""
+interval except the ``HISTOGRAMS``, which are lists of seconds, one per lookup, load,
+save or gather."""
 
 from __future__ import annotations
 
@@ -22,18 +23,20 @@ COUNTERS = {
     "lookup_hit_tokens": "prompt tokens the store held",
     "lookup_faults": "lookups that failed or passed their budget (counted as misses)",
     "lookups_skipped": "lookups not made because the circuit breaker was open (misses)",
-    "loads": "requests whose blocks were loaded",
     "load_bytes": "bytes loaded into the KV cache",
-    "load_seconds": "seconds spent loading (fetch and scatter, off the engine step)",
     "load_failed_blocks": "blocks that failed to load and were recomputed",
-    "saves": "requests whose blocks were published",
     "save_bytes": "bytes of pages handed to the store (pages it held already are not resent)",
-    "save_seconds": "seconds spent publishing, in the background",
-    "save_gather_seconds": "seconds the engine step spent copying blocks out for saves",
     "save_failures": "saves that failed (a future miss, not an error)",
     "saves_dropped": "saves skipped because too many bytes were waiting to be published",
 }
-_LOOKUP_BUCKETS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0]
+# histogram name -> (what one observation is, buckets); data[name] is a list of seconds
+HISTOGRAMS = {
+    "lookup_seconds": ("one scheduler lookup, faults included", [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0]),
+    "load_seconds": ("one request's load: fetch and scatter, off the engine step", [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0]),
+    "save_seconds": ("one request's publish, on the saver thread", [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0]),
+    "save_gather_seconds": ("the engine step's copy of one request's blocks out of the cache",
+                            [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1]),
+}
 
 
 @dataclass
@@ -43,14 +46,14 @@ class KVStoreConnectorStats(KVConnectorStats):
             self.reset()
 
     def reset(self) -> None:
-        self.data = {name: 0 for name in COUNTERS} | {"lookup_seconds_list": []}
+        self.data = {name: 0 for name in COUNTERS} | {name: [] for name in HISTOGRAMS}
 
     def add(self, **counts: float) -> None:
         for name, value in counts.items():
             self.data[name] = self.data.get(name, 0) + value
 
-    def observe_lookup(self, seconds: float) -> None:
-        self.data.setdefault("lookup_seconds_list", []).append(seconds)
+    def observe(self, name: str, seconds: float) -> None:
+        self.data.setdefault(name, []).append(seconds)
 
     def aggregate(self, other: KVConnectorStats) -> KVStoreConnectorStats:
         for name, value in other.data.items():
@@ -62,14 +65,15 @@ class KVStoreConnectorStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         d = self.data
-        out: dict[str, int | float] = {name: round(d.get(name, 0), 4) for name in COUNTERS if d.get(name)}
-        lookups = d.get("lookup_seconds_list") or []
-        if lookups:
-            out["lookup_ms_max"] = round(max(lookups) * 1000, 2)
+        out: dict[str, int | float] = {name: d[name] for name in COUNTERS if d.get(name)}
+        for name in HISTOGRAMS:
+            if d.get(name):
+                out[f"{name.removesuffix('_seconds')}s"] = len(d[name])
+                out[f"{name.removesuffix('_seconds')}_ms_max"] = round(max(d[name]) * 1000, 2)
         if d.get("lookup_prompt_tokens"):
             out["hit_rate"] = round(d.get("lookup_hit_tokens", 0) / d["lookup_prompt_tokens"], 3)
         if d.get("load_seconds"):
-            out["load_GBps"] = round(d.get("load_bytes", 0) / d["load_seconds"] / 1e9, 2)
+            out["load_GBps"] = round(d.get("load_bytes", 0) / sum(d["load_seconds"]) / 1e9, 2)
         return out
 
     def is_empty(self) -> bool:
@@ -77,7 +81,7 @@ class KVStoreConnectorStats(KVConnectorStats):
 
 
 class KVStorePromMetrics(KVConnectorPromMetrics):
-    """``vllm:kvstore_*`` counters and a lookup-latency histogram, per engine."""
+    """``vllm:kvstore_*`` counters and latency histograms, per engine."""
 
     def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -88,15 +92,18 @@ class KVStorePromMetrics(KVConnectorPromMetrics):
             )
             for name, doc in COUNTERS.items()
         }
-        self.lookup_seconds = create_metric_per_engine(
-            self._histogram_cls(name="vllm:kvstore_lookup_seconds", documentation="scheduler lookup latency, faults included",
-                                buckets=_LOOKUP_BUCKETS, labelnames=labelnames),
-            per_engine_labelvalues,
-        )
+        self.histograms = {
+            name: create_metric_per_engine(
+                self._histogram_cls(name=f"vllm:kvstore_{name}", documentation=doc, buckets=buckets, labelnames=labelnames),
+                per_engine_labelvalues,
+            )
+            for name, (doc, buckets) in HISTOGRAMS.items()
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.items():
             if name in self.counters and value:
                 self.counters[name][engine_idx].inc(value)
-        for seconds in transfer_stats_data.get("lookup_seconds_list") or ():
-            self.lookup_seconds[engine_idx].observe(seconds)
+        for name, histogram in self.histograms.items():
+            for seconds in transfer_stats_data.get(name) or ():
+                histogram[engine_idx].observe(seconds)

@@ -5,7 +5,8 @@ spec keys:
 - ``redis_url`` (omit for an engine without connector), ``role`` ("kv_producer" |
   "kv_consumer" | "kv_both"), ``extra`` (more ``kv_connector_extra_config``);
 - ``prefix_caching`` (vLLM's own, default on), ``llm_kwargs`` (more ``LLM`` arguments);
-- ``mode``: "sequential" (one ``generate`` per prompt, timed), or "steps" (every prompt
+- ``mode``: "sequential" (one prompt at a time, timed: ``ttft``, ``decode_tps``,
+  ``seconds``), or "steps" (every prompt
   added at once, then the engine stepped by hand, recording per step how many tokens
   each request has: shows which ran while others waited);
 - ``warmup``: prompts generated (untimed, results dropped) before the measured ones.
@@ -62,11 +63,16 @@ def kvstore_metrics(llm) -> dict:
     return out
 
 
+def result(o) -> dict:
+    return {"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens}
+
+
 def main() -> int:
     spec = json.loads(sys.argv[1])
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
 
     kv = None
     if spec.get("redis_url"):
@@ -80,16 +86,19 @@ def main() -> int:
         gpu_memory_utilization=0.3, kv_transfer_config=kv, seed=0, disable_log_stats=False,
         enable_prefix_caching=spec.get("prefix_caching", True), **llm_kwargs,
     )
-    params = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 12), detokenize=False, ignore_eos=True)
+    def params() -> SamplingParams:  # LLM.generate turns the params it gets into FINAL_ONLY: one each
+        return SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 12), detokenize=False, ignore_eos=True,
+                              output_kind=RequestOutputKind.CUMULATIVE)
+
     for prompt in spec.get("warmup", []):
-        llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+        llm.generate([TokensPrompt(prompt_token_ids=prompt)], params(), use_tqdm=False)
     results: list[dict] = []
     out: dict = {"results": results}
+    engine = llm.llm_engine
     if spec.get("mode", "sequential") == "steps":
-        engine = llm.llm_engine
         ids = [f"r{i}" for i in range(len(spec["prompts"]))]
         for req_id, prompt in zip(ids, spec["prompts"]):
-            engine.add_request(req_id, TokensPrompt(prompt_token_ids=prompt), params)
+            engine.add_request(req_id, TokensPrompt(prompt_token_ids=prompt), params())
         steps: list[dict[str, int]] = []
         final = {}
         while engine.has_unfinished_requests():
@@ -98,16 +107,22 @@ def main() -> int:
                 counts[o.request_id] = len(o.outputs[0].token_ids)
                 final[o.request_id] = o
             steps.append(counts)
-        for req_id in ids:
-            o = final[req_id]
-            results.append({"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens})
+        results.extend(result(final[req_id]) for req_id in ids)
         out["steps"] = steps
     else:
-        for prompt in spec["prompts"]:
+        for i, prompt in enumerate(spec["prompts"]):
             started = time.perf_counter()
-            o = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
-            results.append({"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens,
-                            "seconds": time.perf_counter() - started})
+            engine.add_request(f"s{i}", TokensPrompt(prompt_token_ids=prompt), params())
+            first = None
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    if first is None and o.outputs[0].token_ids:
+                        first = time.perf_counter()
+                    last = o
+            ended = time.perf_counter()
+            n = len(last.outputs[0].token_ids)
+            results.append(result(last) | {"seconds": ended - started, "ttft": first - started,
+                                           "decode_tps": (n - 1) / (ended - first) if n > 1 else None})
     if kv is not None:
         out["metrics"] = kvstore_metrics(llm)
     print(json.dumps(out), flush=True)
