@@ -48,6 +48,7 @@ class ServerSettings(BaseSettings):
     low_watermark: float = Field(0.8, gt=0, lt=1, description="evict down to this fraction")
     slab_size: ByteSize = Field(64 << 20, description="allocator slab size; also the largest page accepted")
     hugepages: bool = Field(True, description="back the pool with huge pages when the kernel offers them")
+    hugepage_size: ByteSize = Field(2 << 20, description="huge page size the pool asks for: 2MiB or 1GiB (the slab size must be a multiple)")
     heartbeat_interval: float = Field(1.0, gt=0, description="seconds between heartbeats")
     node_ttl: float = Field(5.0, gt=0, description="seconds without heartbeat before the node counts as dead")
     transfer_timeout: float = Field(30.0, gt=0, description="seconds one request may take on the data plane")
@@ -67,6 +68,10 @@ class ServerSettings(BaseSettings):
             raise ValueError(f"capacity {self.capacity} bytes must be at least one slab ({self.slab_size} bytes)")
         if self.heartbeat_interval * 2 > self.node_ttl:
             raise ValueError("node_ttl must be at least twice heartbeat_interval")
+        if self.hugepage_size not in (2 << 20, 1 << 30):
+            raise ValueError(f"hugepage_size must be 2MiB or 1GiB, got {self.hugepage_size} bytes")
+        if self.hugepages and self.hugepage_size == 1 << 30 and self.slab_size % self.hugepage_size:
+            raise ValueError(f"slab_size {self.slab_size} bytes must be a multiple of the 1GiB hugepage size")
         return self
 
 

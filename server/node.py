@@ -55,7 +55,7 @@ class StorageNode:
         self.settings = settings
         self.identity = NodeIdentity(settings.node_id)
         self.metrics = NodeMetrics()
-        self.pool = MemoryPool(settings.capacity, settings.slab_size, settings.hugepages)
+        self.pool = MemoryPool(settings.capacity, settings.slab_size, settings.hugepages, settings.hugepage_size)
         self.store = PageStore(self.pool)
         self.metrics.capacity.set(self.store.capacity)
         self.index = AsyncPageIndex(settings.redis_url, password=settings.redis_password.get_secret_value() or None)

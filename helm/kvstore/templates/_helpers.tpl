@@ -44,13 +44,59 @@ redis://{{ include "kvstore.fullname" . }}-valkey:{{ .Values.index.valkey.port }
 {{- end -}}
 {{- end -}}
 
-{{/* Page memory per node: explicit storage.capacity, else a fraction of the memory limit. */}}
+{{/* Bytes in a kvstore size such as 64GiB, 512MiB, 4G or 1000 (kvstore.units.parse_size). */}}
+{{- define "kvstore.sizeBytes" -}}
+{{- $q := toString . | trim -}}
+{{- $units := dict "" 1 "k" 1000 "m" 1000000 "g" 1000000000 "t" 1000000000000 "ki" 1024 "mi" 1048576 "gi" 1073741824 "ti" 1099511627776 -}}
+{{- $num := regexFind "^[0-9.]+" $q -}}
+{{- $unit := trimPrefix $num $q | trim | lower | trimSuffix "b" -}}
+{{- if or (not $num) (not (hasKey $units $unit)) -}}{{- fail (printf "cannot read size %q: use a number with an optional unit such as 512MiB or 4GiB" $q) -}}{{- end -}}
+{{- mulf (float64 $num) (get $units $unit) | int64 -}}
+{{- end -}}
+
+{{/* Page memory per node: explicit storage.capacity; else the hugepages amount when the
+pool lives in hugepages (accounted apart from the memory limit); else a fraction of the
+memory limit. */}}
 {{- define "kvstore.capacity" -}}
 {{- if .Values.storage.capacity -}}
 {{- .Values.storage.capacity -}}
+{{- else if .Values.rdma.hugepages.enabled -}}
+{{- include "kvstore.bytes" .Values.rdma.hugepages.amount -}}
 {{- else -}}
 {{- $limit := required "storage.resources.limits.memory is required when storage.capacity is empty" (dig "limits" "memory" "" .Values.storage.resources) -}}
 {{- mulf (include "kvstore.bytes" $limit | float64) .Values.storage.capacityFraction | int64 -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Values that cannot work fail here, at render time, naming what to change. */}}
+{{- define "kvstore.validate" -}}
+{{- $s := .Values.storage -}}
+{{- $hp := .Values.rdma.hugepages -}}
+{{- if ge ($s.lowWatermark | float64) ($s.highWatermark | float64) -}}
+{{- fail (printf "storage.lowWatermark (%v) must be below storage.highWatermark (%v): eviction frees memory from the high mark down to the low one" $s.lowWatermark $s.highWatermark) -}}
+{{- end -}}
+{{- if lt ($s.nodeTTL | float64) (mulf 2 ($s.heartbeatInterval | float64)) -}}
+{{- fail (printf "storage.nodeTTL (%v s) must be at least twice storage.heartbeatInterval (%v s), or one late heartbeat drops a live node" $s.nodeTTL $s.heartbeatInterval) -}}
+{{- end -}}
+{{- $capacity := include "kvstore.capacity" . | include "kvstore.sizeBytes" | int64 -}}
+{{- $slab := include "kvstore.sizeBytes" $s.slabSize | int64 -}}
+{{- if lt $capacity $slab -}}
+{{- fail (printf "storage.capacity (%s) is below one slab (storage.slabSize %s): raise the capacity or lower the slab size" (include "kvstore.capacity" .) $s.slabSize) -}}
+{{- end -}}
+{{- if $hp.enabled -}}
+{{- $amount := include "kvstore.bytes" $hp.amount | int64 -}}
+{{- if gt $capacity $amount -}}
+{{- fail (printf "storage.capacity (%s) exceeds rdma.hugepages.amount (%s): the pool lives in hugepages, so request at least the capacity" (include "kvstore.capacity" .) $hp.amount) -}}
+{{- end -}}
+{{- $page := include "kvstore.bytes" $hp.pageSize | int64 -}}
+{{- if ne (mod $slab $page) (0 | int64) -}}
+{{- fail (printf "storage.slabSize (%s) must be a multiple of rdma.hugepages.pageSize (%s)" $s.slabSize $hp.pageSize) -}}
+{{- end -}}
+{{- else -}}
+{{- $limit := dig "limits" "memory" "" $s.resources -}}
+{{- if and $limit (gt $capacity (include "kvstore.bytes" $limit | int64)) -}}
+{{- fail (printf "storage.capacity (%s) exceeds the memory limit (%s): the node would be OOM-killed; lower the capacity or raise storage.resources.limits.memory" (include "kvstore.capacity" .) $limit) -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 
