@@ -105,6 +105,11 @@ class SlabAllocator:
         else:
             partial[slab.index] = slab
 
+    @property
+    def free_slabs(self) -> int:
+        """Slabs serving no owner (any size class of any tenant may take them)."""
+        return len(self._free_slabs)
+
     def slot_size(self, offset: int) -> int:
         return self._slabs[offset // self.slab_size].slot_size
 

@@ -257,7 +257,7 @@ class DataPlane:
         self.metrics.refused.inc(len(batch.refused))
         self.metrics.put_skipped.inc(len(batch.present))
         self.metrics.corrupt.inc(len(batch.corrupt))
-        self.metrics.bytes_in.inc(sum(p.size for p in batch.pages))
+        self.metrics.received_bytes.inc(sum(p.size for p in batch.pages))
         await self._send(conn, P.PutResult(stored=batch.stored, corrupt=batch.corrupt))
 
     def _plan_put(self, req: P.PutRequest, owner: str) -> PutBatch:
@@ -389,7 +389,7 @@ class DataPlane:
         self.metrics.messages.labels("out").inc(len(runs))
         self.metrics.gets.inc(len(pages))
         self.metrics.get_missing.inc(len(req.hashes) - len(pages))
-        self.metrics.bytes_out.inc(sum(p.size for p in pages))
+        self.metrics.sent_bytes.inc(sum(p.size for p in pages))
 
     async def _lend(self, conn: _ShmConn, kind: type, fields: dict, pages: list[StoredPage], writable: bool) -> None:
         """Same-host plan: where each page's slot lies (slab and offset), with descriptors

@@ -1,18 +1,51 @@
 """HTTP side door of a storage node: /metrics (Prometheus), /healthz, /readyz.
 
 Runs in a daemon thread so scrapes never wait on the event loop; the probes read
-plain attributes the node updates."""
+plain attributes the node updates. /healthz answers from that thread too, so it asks
+a ``LoopWatchdog`` whether the event loop itself still runs: a node whose loop is stuck
+(a blocking call, a deadlock) fails its liveness probe and is restarted, instead of
+looking healthy while it serves nothing."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 
-def start_health_server(host: str, port: int, registry: CollectorRegistry, ready: Callable[[], bool]) -> ThreadingHTTPServer:
+class LoopWatchdog:
+    """A task on the node's event loop stamps the time every ``interval`` seconds;
+    ``alive()`` (any thread) says whether the last stamp is younger than ``limit``, and
+    ``lag`` is how late the last tick ran."""
+
+    def __init__(self, interval: float = 1.0, limit: float = 10.0) -> None:
+        self.interval = interval
+        self.limit = limit
+        self.last_tick = time.monotonic()
+        self.lag = 0.0
+
+    def start(self) -> asyncio.Task:
+        """Called on the event loop it watches."""
+        return asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            due = time.monotonic() + self.interval
+            await asyncio.sleep(self.interval)
+            now = time.monotonic()
+            self.lag = max(0.0, now - due)
+            self.last_tick = now
+
+    def alive(self) -> bool:
+        return time.monotonic() - self.last_tick < self.limit
+
+
+def start_health_server(host: str, port: int, registry: CollectorRegistry, ready: Callable[[], bool],
+                        alive: Callable[[], bool] = lambda: True) -> ThreadingHTTPServer:
     """Serve until the process exits; ``server.server_port`` is the bound port."""
 
     class Handler(BaseHTTPRequestHandler):
@@ -20,7 +53,8 @@ def start_health_server(host: str, port: int, registry: CollectorRegistry, ready
             if self.path == "/metrics":
                 self._reply(200, generate_latest(registry), CONTENT_TYPE_LATEST)
             elif self.path == "/healthz":
-                self._reply(200, b"ok\n")
+                ok = alive()
+                self._reply(200 if ok else 503, b"ok\n" if ok else b"event loop stuck\n")
             elif self.path == "/readyz":
                 ok = ready()
                 self._reply(200 if ok else 503, b"ready\n" if ok else b"not registered\n")

@@ -1,10 +1,17 @@
-"""Prometheus metrics of one storage node, in a registry of its own."""
+"""Prometheus metrics of one storage node, in a registry of its own.
+
+Names follow Prometheus conventions (``_total`` counters, ``_bytes``/``_seconds`` units).
+README.md's operations section lists every series; the chart's dashboard and alerts
+(helm/kvstore/files/) use only these, which tests/test_helm.py checks."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import platform
+from importlib.metadata import PackageNotFoundError, version
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -25,8 +32,8 @@ class NodeMetrics:
         self.put_skipped = Counter("kvstore_put_skipped_pages", "Offered pages already stored", registry=r)
         self.gets = Counter("kvstore_get_pages", "Pages sent by GET requests", registry=r)
         self.get_missing = Counter("kvstore_get_missing_pages", "Requested pages not held", registry=r)
-        self.bytes_in = Counter("kvstore_bytes_in", "Payload bytes received", registry=r)
-        self.bytes_out = Counter("kvstore_bytes_out", "Payload bytes sent", registry=r)
+        self.received_bytes = Counter("kvstore_received_bytes", "Payload bytes received (puts)", registry=r)
+        self.sent_bytes = Counter("kvstore_sent_bytes", "Payload bytes sent (gets)", registry=r)
         self.requests = Counter("kvstore_transfer_requests", "PUT and GET requests served, by data path", ["op", "path"], registry=r)
         self.messages = Counter("kvstore_payload_messages", "UCX payload messages", ["direction"], registry=r)
         self.evictions = Counter("kvstore_evicted_pages", "Pages evicted", registry=r)
@@ -36,9 +43,18 @@ class NodeMetrics:
         self.latency = Histogram(
             "kvstore_request_seconds", "Request latency", ["op"], buckets=_LATENCY_BUCKETS, registry=r
         )
+        self.free_slabs = Gauge("kvstore_free_slabs", "Slabs serving no tenant yet", registry=r)
+        self.index_up = Gauge("kvstore_index_up", "1 while the last heartbeat reached the index within the node TTL", registry=r)
+        self.heartbeat_age = Gauge("kvstore_heartbeat_age_seconds", "Seconds since the last heartbeat reached the index", registry=r)
+        self.loop_lag = Gauge("kvstore_event_loop_lag_seconds", "How late the event loop ran its last watchdog tick", registry=r)
+        build = Gauge("kvstore_build_info", "Versions of this node (value 1)", ["version", "python", "ucxx"], registry=r)
+        build.labels(_version("kvstore"), platform.python_version(), _version("ucxx-cu12")).set(1)
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
         # Export every labelled series from the start so dashboards see zeros, not gaps.
         for op in ("put", "get"):
             self.latency.labels(op)
+            for path in ("ucx", "shm"):
+                self.requests.labels(op, path)
         for kind in ("protocol", "transfer", "auth", "index_script"):
             self.errors.labels(kind)
         for direction in ("in", "out"):
@@ -47,7 +63,15 @@ class NodeMetrics:
     def watch(self, store: Any, dataplane: Any) -> None:
         """Read the gauges from the node's page table and data plane at scrape time
         (plain int attributes, safe to read from the HTTP thread)."""
+        self.free_slabs.set_function(lambda: store.allocator.free_slabs)
         self.used.set_function(lambda: store.used_bytes)
         self.pages.set_function(lambda: store.ready_pages)
         self.pins.set_function(lambda: store.pins)
         self.in_flight.set_function(lambda: dataplane.active)
+
+
+def _version(dist: str) -> str:
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "unknown"

@@ -30,7 +30,7 @@ from kvstore.shm import host_id
 from kvstore.transport import ensure_ucx
 from server.dataplane import DataPlane
 from server.eviction import Evictor, NodeIdentity
-from server.health import start_health_server
+from server.health import LoopWatchdog, start_health_server
 from server.metrics import NodeMetrics
 from server.pool import MemoryPool
 from server.store import PageState, PageStore, commit_entry
@@ -66,7 +66,12 @@ class StorageNode:
             token=settings.auth_token.get_secret_value(), timeout=settings.transfer_timeout,
         )
         self.metrics.watch(self.store, self.dataplane)
+        self.watchdog = LoopWatchdog(limit=max(10.0, 3 * settings.heartbeat_interval))
+        self._started = time.monotonic()
         self._last_heartbeat = 0.0
+        self.metrics.index_up.set_function(lambda: float(self.ready()))
+        self.metrics.heartbeat_age.set_function(lambda: time.monotonic() - (self._last_heartbeat or self._started))
+        self.metrics.loop_lag.set_function(lambda: self.watchdog.lag)
         self._stop = asyncio.Event()
         self.address = ""
         self.metrics_port: int | None = None
@@ -92,10 +97,11 @@ class StorageNode:
         self.address = f"{s.host}:{listener.port}"
         unix = self._listen_unix() if s.shm_dir else None
         if s.metrics_port is not None:
-            http = start_health_server(s.metrics_host, s.metrics_port, self.metrics.registry, self.ready)
+            http = start_health_server(s.metrics_host, s.metrics_port, self.metrics.registry, self.ready, self.watchdog.alive)
             self.metrics_port = http.server_port
             self._extra["metrics"] = f"{s.host}:{self.metrics_port}"
         heartbeat = asyncio.create_task(self._heartbeat_loop())
+        watchdog = self.watchdog.start()
         print(f"kvstore-server node={s.node_id} address={self.address} metrics_port={self.metrics_port} pool={self.pool.backing}", flush=True)
         await self._stop.wait()
         log.info("shutting down: %d requests in flight", self.dataplane.active)
@@ -108,6 +114,7 @@ class StorageNode:
         except asyncio.TimeoutError:
             log.warning("shutdown grace over with %d requests in flight", self.dataplane.active)
         heartbeat.cancel()
+        watchdog.cancel()
         await self._deregister()
         await self.index.close()
         if self.fatal is not None:

@@ -311,3 +311,45 @@ def test_a_misspelt_key_is_refused_by_the_strict_schema():
         render({"storage": {"replica": 2}})
     with pytest.raises(HelmValuesError, match="pasword"):
         render({"index": {"pasword": "x"}})
+
+
+def exported_series() -> set[str]:
+    """Every series name a storage node exports (its registry, with sample suffixes) and
+    every ``vllm:kvstore_*`` name the connector exports (read from client/vllm_stats.py
+    without importing vLLM)."""
+    import ast
+
+    from server.metrics import NodeMetrics
+
+    names = {s.name for metric in NodeMetrics().registry.collect() for s in metric.samples} | {"up"}
+    tree = ast.parse((ROOT / "client" / "vllm_stats.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and node.targets[0].id in ("COUNTERS", "HISTOGRAMS"):
+            for name in ast.literal_eval(node.value):
+                suffixes = ("_total",) if node.targets[0].id == "COUNTERS" else ("_bucket", "_sum", "_count")
+                names |= {f"vllm:kvstore_{name}{s}" for s in suffixes}
+    return names
+
+
+def test_dashboard_and_alerts_render_and_use_only_exported_series():
+    import json
+    import re
+
+    objects = render(load_values(CHART / "ci" / "extensions-values.yaml"))
+    dashboard_map = [c for c in objects["ConfigMap"] if c["metadata"]["name"] == "kv-kvstore-dashboard"][0]
+    assert dashboard_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(dashboard_map["data"]["kvstore.json"])
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    (rule,) = objects["PrometheusRule"]
+    assert rule["metadata"]["labels"]["release"] == "prometheus"
+    alerts = {r["alert"]: r for r in rule["spec"]["groups"][0]["rules"]}
+    assert set(alerts) == {"KVStoreNodeDown", "KVStoreIndexUnreachable", "KVStorePoolFullEvicting", "KVStoreChecksumFailures", "KVStoreHitRateCollapse"}
+    exprs += [a["expr"] for a in alerts.values()]
+    known = exported_series()
+    functions = {"sum", "rate", "increase", "histogram_quantile", "clamp_min", "max", "by", "and", "le", "op", "path", "kind", "instance"}
+    for expr in exprs:
+        for name in re.findall(r"\b((?:vllm:)?[a-z_]+)\s*(?=[{(\[])", expr):
+            if name in functions:
+                continue
+            assert name in known, f"{name!r} in {expr!r} is not a series the node or connector exports"
+    assert all('job="kv-kvstore-storage"' in a["expr"] for a in alerts.values())

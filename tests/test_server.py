@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -207,11 +208,15 @@ def test_metrics_and_probes(clusters):
     assert urllib.request.urlopen(base + "/healthz", timeout=5).status == 200
     m = metrics(cluster, "node-0")
     assert m["kvstore_capacity_bytes"] == 64 << 20
-    for name in ("kvstore_used_bytes", "kvstore_pages", "kvstore_put_pages_total", "kvstore_get_pages_total", "kvstore_bytes_in_total",
-                 "kvstore_bytes_out_total", "kvstore_evicted_pages_total", "kvstore_refused_pages_total"):
-        assert name in m
+    for name in ("kvstore_used_bytes", "kvstore_pages", "kvstore_put_pages_total", "kvstore_get_pages_total", "kvstore_received_bytes_total",
+                 "kvstore_sent_bytes_total", "kvstore_evicted_pages_total", "kvstore_refused_pages_total", "kvstore_requests_in_flight",
+                 "process_resident_memory_bytes", "process_cpu_seconds_total", "kvstore_event_loop_lag_seconds"):
+        assert name in m, name
+    assert m["kvstore_free_slabs"] >= 1
+    assert m["kvstore_index_up"] == 1 and 0 <= m["kvstore_heartbeat_age_seconds"] < 5
     text = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
     assert "kvstore_request_seconds_bucket" in text
+    assert re.search(r'kvstore_build_info\{python="[0-9.]+",ucxx="[^"]+",version="[^"]+"\} 1.0', text), text[:2000]
 
     def ready() -> int:
         try:
@@ -221,7 +226,44 @@ def test_metrics_and_probes(clusters):
 
     cluster.valkey.stop()  # heartbeats fail: the node stops reporting ready
     wait_for(lambda: ready() == 503, 20, "/readyz to turn 503")
-    assert urllib.request.urlopen(base + "/healthz", timeout=5).status == 200
+    assert urllib.request.urlopen(base + "/healthz", timeout=5).status == 200  # alive: only the index is gone
+    text = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
+    assert "kvstore_index_up 0.0" in text
+    age = float(re.search(r"^kvstore_heartbeat_age_seconds ([0-9.e+-]+)$", text, re.M).group(1))
+    assert age >= 1.0
+
+
+def test_healthz_fails_while_the_event_loop_is_stuck():
+    """The probe answers from its own thread, so it must ask the loop's watchdog: a
+    blocked loop turns /healthz into 503, and it recovers once the loop runs again."""
+    import asyncio
+    import threading
+
+    from prometheus_client import CollectorRegistry
+
+    from server.health import LoopWatchdog, start_health_server
+
+    watchdog = LoopWatchdog(interval=0.05, limit=0.5)
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    loop.call_soon_threadsafe(watchdog.start)
+    http = start_health_server("127.0.0.1", 0, CollectorRegistry(), lambda: True, watchdog.alive)
+
+    def status() -> int:
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{http.server_port}/healthz", timeout=5).status
+        except urllib.error.HTTPError as err:
+            return err.code
+
+    try:
+        wait_for(lambda: status() == 200, 5, "/healthz to answer 200")
+        loop.call_soon_threadsafe(time.sleep, 1.5)  # a blocking call on the loop
+        wait_for(lambda: status() == 503, 5, "/healthz to turn 503 while the loop is blocked")
+        wait_for(lambda: status() == 200, 5, "/healthz to recover")
+        assert watchdog.lag >= 0
+    finally:
+        http.shutdown()
+        loop.call_soon_threadsafe(loop.stop)
 
 
 def test_bad_options_exit_with_a_message():
