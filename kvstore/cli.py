@@ -8,9 +8,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import sys
+import tempfile
 import threading
+from typing import Any
 
 from kvstore.cli_errors import EXIT_FAILED, EXIT_INDEX, EXIT_USAGE
 from kvstore.errors import IndexUnavailableError, InvalidInputError, KVStoreError
@@ -28,20 +31,53 @@ def _up(args: argparse.Namespace) -> int:
     if args.redis_url and args.index_shards > 1:
         raise InvalidInputError("--index-shards starts an embedded index; it cannot be used with --redis-url")
     if args.redis_url:
-        PageIndex(args.redis_url, password=os.environ.get("KVSTORE_REDIS_PASSWORD") or None).ping()  # fail now, not after 30 s
-    cluster = LocalCluster(args.servers, args.capacity, redis_url=args.redis_url, index_shards=args.index_shards, slab_size=args.slab_size, quiet=not args.verbose)
+        PageIndex(args.redis_url, password=_index_password()).ping()  # fail now, not after 30 s
+    with tempfile.TemporaryDirectory(prefix="kvstore-up-") as private:
+        token_env, token_note = _data_plane_token(private)
+        cluster = LocalCluster(args.servers, args.capacity, redis_url=args.redis_url, index_shards=args.index_shards,
+                               slab_size=args.slab_size, quiet=not args.verbose, env=token_env)
+        return _serve(args, cluster, token_note)
+
+
+def _index_password() -> str | None:
+    """The index password from KVSTORE_REDIS_PASSWORD or KVSTORE_REDIS_PASSWORD_FILE."""
+    from kvstore.config import client_options_from_env
+
+    return client_options_from_env().redis_password.get_secret_value() or None
+
+
+def _data_plane_token(private_dir: str) -> tuple[dict[str, str], str]:
+    """The nodes' token: the caller's (KVSTORE_AUTH_TOKEN or KVSTORE_AUTH_TOKEN_FILE in
+    the environment), else a fresh random one in a file only this user can read. The
+    token itself is never printed; clients are told where to read it."""
+    if os.environ.get("KVSTORE_AUTH_TOKEN") or os.environ.get("KVSTORE_AUTH_TOKEN_FILE"):
+        return {}, "data-plane token: the one in your KVSTORE_AUTH_TOKEN(_FILE)"
+    path = os.path.join(private_dir, "auth-token")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32))
+    return {"KVSTORE_AUTH_TOKEN_FILE": path}, f"KVSTORE_AUTH_TOKEN_FILE={path}"
+
+
+def _serve(args: argparse.Namespace, cluster: Any, token_note: str) -> int:
+    from kvstore.routing import redact_url
+
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     with cluster:
         index = f"a {args.index_shards}-shard Valkey cluster" if args.index_shards > 1 else "Valkey"
         print(f"kvstore up: {args.servers} storage node(s) of {args.capacity} and {index} on loopback")
-        print(f"KVSTORE_REDIS_URL={cluster.redis_url}", flush=True)
+        print(f"KVSTORE_REDIS_URL={redact_url(cluster.redis_url)}", flush=True)
+        print(token_note, flush=True)
+        if cluster.log_dir is not None:
+            print(f"node logs: {cluster.log_dir}/<node id>.log (--verbose shows them here)", flush=True)
         print("press Ctrl-C to stop", flush=True)
         while not stop.wait(0.5):
             if all(n.process.poll() is not None for n in cluster.nodes):
-                print("all storage nodes exited", file=sys.stderr)
-                return 1
+                reasons = "; ".join(f"{n.node_id} (exit {n.process.returncode}): {n.exit_reason()}" for n in cluster.nodes)
+                print(f"kvstore up: all storage nodes exited: {reasons}", file=sys.stderr)
+                return EXIT_FAILED
     print("stopped")
     return 0
 
@@ -49,7 +85,7 @@ def _up(args: argparse.Namespace) -> int:
 def _stats(args: argparse.Namespace) -> int:
     from kvstore.index import PageIndex
 
-    index = PageIndex(args.redis_url, password=os.environ.get("KVSTORE_REDIS_PASSWORD") or None)
+    index = PageIndex(args.redis_url, password=_index_password())
     stats = index.stats()
     if args.json:
         nodes = [

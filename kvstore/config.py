@@ -29,6 +29,29 @@ def _default_host() -> str:
         return "127.0.0.1"
 
 
+def _load_secret_files(data: Any) -> Any:
+    """Fill ``auth_token``/``redis_password`` from ``auth_token_file``/``redis_password_file``
+    (trailing newline dropped). A secret given both ways must agree, so a stale
+    variable cannot silently win over the file."""
+    if not isinstance(data, dict):
+        return data
+    for secret in ("auth_token", "redis_password"):
+        path = data.get(f"{secret}_file")
+        if not path:
+            continue
+        try:
+            with open(path) as f:
+                value = f.read().rstrip("\r\n")
+        except OSError as exc:
+            raise ValueError(f"cannot read {secret}_file {path}: {exc.strerror}") from None
+        given = data.get(secret)
+        given = given.get_secret_value() if isinstance(given, SecretStr) else given
+        if given and given != value:
+            raise ValueError(f"{secret} and {secret}_file hold different values: give one of them")
+        data = {**data, secret: value}
+    return data
+
+
 class ServerSettings(BaseSettings):
     """Options of ``kvstore server``; each also reads KVSTORE_<NAME> from the environment."""
 
@@ -38,27 +61,34 @@ class ServerSettings(BaseSettings):
 
     redis_url: IndexURL = Field("redis://127.0.0.1:6379/0", description="index URL: redis://, rediss:// (TLS), unix://, or redis+cluster://host:port,host:port (a Redis/Valkey Cluster; rediss+cluster:// for TLS)")
     redis_password: SecretStr = Field(SecretStr(""), description="index password (overrides one in the URL)")
-    capacity: ByteSize = Field(1 << 30, description="bytes of page memory, e.g. 4GiB")
+    capacity: ByteSize = Field("1GiB", validate_default=True, description="bytes of page memory, e.g. 4GiB")
     host: str = Field(default_factory=_default_host, description="address clients use to reach this node")
     port: int = Field(0, ge=0, le=65535, description="UCX listener port (0: any free port)")
     node_id: str = Field(default_factory=socket.gethostname, min_length=1, description="unique node name")
     metrics_port: int | None = Field(9400, ge=0, le=65535, description="HTTP port for /metrics, /healthz, /readyz (0: any)")
-    metrics_host: str = Field("0.0.0.0", description="address the metrics server binds")
+    metrics_host: str = Field("127.0.0.1", description="address the metrics server binds (0.0.0.0: every interface)")
     high_watermark: float = Field(0.9, gt=0, le=1, description="evict when usage passes this fraction")
     low_watermark: float = Field(0.8, gt=0, lt=1, description="evict down to this fraction")
-    slab_size: ByteSize = Field(64 << 20, description="allocator slab size; also the largest page accepted")
+    slab_size: ByteSize = Field("64MiB", validate_default=True, description="allocator slab size; also the largest page accepted")
     hugepages: bool = Field(True, description="back the pool with huge pages when the kernel offers them")
-    hugepage_size: ByteSize = Field(2 << 20, description="huge page size the pool asks for: 2MiB or 1GiB (the slab size must be a multiple)")
+    hugepage_size: ByteSize = Field("2MiB", validate_default=True, description="huge page size the pool asks for: 2MiB or 1GiB (the slab size must be a multiple)")
     heartbeat_interval: float = Field(1.0, gt=0, description="seconds between heartbeats")
     node_ttl: float = Field(5.0, gt=0, description="seconds without heartbeat before the node counts as dead")
     transfer_timeout: float = Field(30.0, gt=0, description="seconds one request may take on the data plane")
     shutdown_grace: float = Field(10.0, ge=0, description="seconds to finish in-flight transfers on SIGTERM")
     auth_token: SecretStr = Field(SecretStr(""), description="data-plane token clients must present")
+    auth_token_file: str | None = Field(None, description="file holding the data-plane token (keeps it out of the process arguments)")
+    redis_password_file: str | None = Field(None, description="file holding the index password")
     ucx_progress_mode: ProgressMode = Field("thread", description="ucxx progress mode (figures for each in kvstore/transport.py)")
     ucx_net_devices: str | None = Field(None, description="sets UCX_NET_DEVICES (e.g. lo, eth0, mlx5_0:1)")
     ucx_tls: str | None = Field(None, description="sets UCX_TLS (e.g. rc,cuda_copy or tcp)")
     shm_dir: str = Field(default_factory=tempfile.gettempdir, description="directory of the Unix socket same-host clients use (shared memory path); empty disables it")
     log_level: LogLevel = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _secret_files(cls, data: Any) -> Any:
+        return _load_secret_files(data)
 
     @model_validator(mode="after")
     def _consistent(self) -> ServerSettings:
@@ -88,10 +118,17 @@ class ClientOptions(BaseModel):
     timeout: float = Field(5.0, gt=0, le=3600, allow_inf_nan=False, description="seconds a call may take before missing pages count as absent")
     transfer_mode: Literal["auto", "direct", "staged"] = Field("auto", description="receive straight into the destination, or through pinned host memory")
     auth_token: SecretStr = Field(SecretStr(""), description="data-plane token")
+    auth_token_file: str | None = Field(None, description="file holding the data-plane token")
+    redis_password_file: str | None = Field(None, description="file holding the index password")
     ucx_progress_mode: ProgressMode = Field("thread", description="ucxx progress mode (figures for each in kvstore/transport.py)")
     node_refresh: float = Field(1.0, gt=0, le=60, allow_inf_nan=False, description="seconds between reads of the node registry")
     lease_ms: int = Field(5_000, ge=0, le=600_000, description="read lease a lookup takes on the pages it returns")
     same_host: bool = Field(True, description="reach nodes on this host through shared memory (kvstore.shm) instead of UCX")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _secret_files(cls, data: Any) -> Any:
+        return _load_secret_files(data)
 
 
 def client_options(base: ClientOptions | None = None, **overrides: Any) -> ClientOptions:

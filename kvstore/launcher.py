@@ -32,6 +32,10 @@ class NodeProcess:
         """What the node printed so far ('' when its output is inherited)."""
         return self.log_path.read_text(errors="replace") if self.log_path else ""
 
+    def exit_reason(self) -> str:
+        """The last line the node wrote (its error, once it stopped), for the user."""
+        return _last_line(self.log()) or "no output (see its log)"
+
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.process.poll() is None:
             self.process.send_signal(sig)
@@ -99,7 +103,7 @@ class LocalCluster:
                     return
                 dead = [n.node_id for n in self.nodes if n.process.poll() is not None and n.node_id not in live]
                 if dead and len(dead) == len(self.nodes):
-                    reasons = "; ".join(f"{n.node_id}: {_last_line(n.log())}" for n in self.nodes if n.node_id in dead)
+                    reasons = "; ".join(f"{n.node_id}: {n.exit_reason()}" for n in self.nodes if n.node_id in dead)
                     raise KVStoreError(f"storage nodes exited during start ({reasons})")
                 if time.monotonic() > deadline:
                     raise KVStoreError(f"storage nodes did not register within {timeout:.0f} s")

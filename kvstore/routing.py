@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,12 +44,15 @@ REFRESH_INTERVAL = 0.5
 
 
 def redact_url(url: str) -> str:
-    """The URL with any password replaced, for error messages and logs."""
+    """The URL with any password replaced (in the user-info or a ``password=`` query
+    parameter, which redis-py also reads), for messages and logs."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    hosts = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit((parts.scheme, f"{parts.username or ''}:***@{hosts}", parts.path, parts.query, parts.fragment))
+    netloc, query = parts.netloc, parts.query
+    if parts.password is not None:
+        netloc = f"{parts.username or ''}:***@{netloc.rsplit('@', 1)[1]}"
+    if query:
+        query = re.sub(r"(?i)(^|&)(password=)[^&]*", r"\1\2***", query)
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
 def check_url(url: str) -> str:

@@ -7,15 +7,45 @@ import errno
 import logging
 import sys
 
+from typing import Any
+
 from pydantic import ValidationError
+from pydantic_settings import CliSettingsSource
 
 from kvstore.cli_errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, settings_error
 from kvstore.config import ServerSettings
 
+# What each option takes, for --help: pydantic-settings would print the Python types
+# (int for a size that accepts "4GiB", SecretStr, {int,null}).
+_METAVARS = {"capacity": "SIZE", "slab_size": "SIZE", "hugepage_size": "SIZE", "redis_password": "PASSWORD",
+             "auth_token": "TOKEN", "auth_token_file": "FILE", "redis_password_file": "FILE", "redis_url": "URL", "host": "ADDRESS", "metrics_host": "ADDRESS", "port": "PORT",
+             "metrics_port": "PORT", "node_id": "NAME", "shm_dir": "DIR", "ucx_net_devices": "DEVICES", "ucx_tls": "TRANSPORTS",
+             "high_watermark": "FRACTION", "low_watermark": "FRACTION", "heartbeat_interval": "SECONDS", "node_ttl": "SECONDS",
+             "transfer_timeout": "SECONDS", "shutdown_grace": "SECONDS"}
+
+
+def _add_argument(parser: Any, *names: str, **kwargs: Any) -> Any:
+    """``add_argument`` for pydantic-settings' CLI parser, with readable metavars."""
+    field = str(kwargs.get("dest", "")).replace("-", "_")
+    if field in _METAVARS:
+        kwargs["metavar"] = _METAVARS[field]
+    if isinstance(kwargs.get("help"), str):
+        kwargs["help"] = kwargs["help"].replace("(default factory: _default_host)", "(default: this host's IP address)")
+        kwargs["help"] = kwargs["help"].replace("(default factory: gethostname)", "(default: the host name)")
+        kwargs["help"] = kwargs["help"].replace("(default: )", "(default: none)").replace("(default: null)", "(default: none)")
+        kwargs["help"] = kwargs["help"].replace("(default factory: gettempdir)", "(default: the temporary directory)")
+    return parser.add_argument(*names, **kwargs)
+
+
+def parse_settings(argv: list[str]) -> ServerSettings:
+    """``ServerSettings`` from the command line and KVSTORE_* variables (flags win)."""
+    source = CliSettingsSource(ServerSettings, add_argument_method=_add_argument)
+    return ServerSettings(_cli_settings_source=source(args=argv))
+
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        settings = ServerSettings(_cli_parse_args=sys.argv[1:] if argv is None else argv)
+        settings = parse_settings(sys.argv[1:] if argv is None else argv)
     except ValidationError as exc:
         print(f"kvstore server: {settings_error(exc)}", file=sys.stderr)
         return EXIT_USAGE

@@ -123,6 +123,20 @@ def test_server_help_lists_options_and_env():
     assert out.returncode == 0
     for option in ("--redis-url", "--capacity", "--port", "--node-id", "--metrics-port", "--high-watermark", "--ucx-net-devices"):
         assert option in out.stdout
+    # what each flag takes, in words, not Python types
+    assert "--capacity SIZE" in out.stdout and "(default: 1GiB)" in out.stdout
+    assert "--auth-token TOKEN" in out.stdout and "--metrics-port PORT" in out.stdout
+    for python_type in ("SecretStr", "{int,null}", "{str,null}", " int ", "default factory"):
+        assert python_type not in out.stdout, python_type
+
+
+def test_up_says_why_its_nodes_exited():
+    """A node that cannot start is named with its own error line (from its log), and
+    the exit code is 1."""
+    out = subprocess.run([*KVSTORE, "up", "--capacity", "8MiB", "--slab-size", "16MiB"], capture_output=True, text=True, timeout=90, env=ENV)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.count("\n") == 1, out.stderr
+    assert "node-0: kvstore server: capacity 8388608 bytes must be at least one slab" in out.stderr, out.stderr
 
 
 def test_demo_verifies_every_byte():

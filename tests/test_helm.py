@@ -286,6 +286,8 @@ def test_extension_points_exporter_and_gigabyte_hugepages():
     assert parse_size(args[args.index("--capacity") + 1]) == 32 << 30  # the hugepages amount
     assert objects["ConfigMap"][0]["data"]["KVSTORE_HUGEPAGE_SIZE"] == "1GiB"
     assert [c["name"] for c in valkey["containers"]] == ["valkey", "exporter"]
+    pdbs = {p["metadata"]["name"]: p["spec"] for p in objects["PodDisruptionBudget"]}
+    assert pdbs["kv-kvstore-valkey"]["minAvailable"] == 1 and pdbs["kv-kvstore-storage"]["maxUnavailable"] == 1
     index_service = [s for s in objects["Service"] if s["metadata"]["name"] == "kv-kvstore-valkey"][0]
     assert {"name": "exporter", "port": 9121, "targetPort": "exporter"} in index_service["spec"]["ports"]
 

@@ -1,0 +1,142 @@
+"""Attacks on secrets and exposure, with real processes (issue 12, safe defaults and
+secrets): secrets in process arguments or output, a store started without a token,
+metrics reachable from other hosts, passwords in URLs of error messages.
+
+Tenant credentials, index roles and limits are not covered here yet (see README's
+security section)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from client import KVCacheClient
+from kvstore.index import PageIndex
+from kvstore.procutil import free_port
+from kvstore.routing import redact_url
+from kvstore.valkey import EmbeddedValkey
+from tests.helpers import ROOT, namespace_for_page_size, pages_for, wait_for
+
+KVSTORE = [sys.executable, "-m", "kvstore.cli"]
+ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONPATH": str(ROOT)}
+ENV.pop("KVSTORE_AUTH_TOKEN", None)
+ENV.pop("KVSTORE_AUTH_TOKEN_FILE", None)
+
+
+def make_ns(tenant: str):
+    return namespace_for_page_size(64 << 10, tenant=tenant)
+
+
+def cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def listening_addresses(port: int) -> set[str]:
+    """Local IPv4 addresses with a listening TCP socket on ``port`` (from /proc/net/tcp)."""
+    found = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        addr, p = local.split(":")
+        if int(p, 16) == port and state == "0A":  # LISTEN
+            found.add(".".join(str(int(addr[i : i + 2], 16)) for i in (6, 4, 2, 0)))
+    return found
+
+
+def test_redacted_urls_hide_every_password_form():
+    assert redact_url("redis://user:pw1@h:6379/0") == "redis://user:***@h:6379/0"
+    assert "pw2" not in redact_url("redis://h:6379/0?password=pw2&db=1")
+    assert "db=1" in redact_url("redis://h:6379/0?password=pw2&db=1")
+    assert "pw3" not in redact_url("rediss+cluster://:pw3@a:1,b:2")
+    assert redact_url("redis://h:6379/0") == "redis://h:6379/0"
+
+
+def test_a_node_takes_its_secrets_from_files_and_never_shows_them(tmp_path):
+    token, password = "tok-" + "x" * 20, "pw-" + "y" * 20
+    (tmp_path / "token").write_text(token + "\n")
+    (tmp_path / "password").write_text(password + "\n")
+    ns = make_ns("secret-files")
+    with EmbeddedValkey() as valkey:
+        redis.Redis.from_url(valkey.url).config_set("requirepass", password)
+        log = open(tmp_path / "node.log", "w")
+        node = subprocess.Popen(
+            [sys.executable, "-m", "server", "--redis-url", valkey.url, "--redis-password-file", str(tmp_path / "password"),
+             "--auth-token-file", str(tmp_path / "token"), "--capacity", "64MiB", "--slab-size", "16MiB", "--host", "127.0.0.1",
+             "--metrics-port", "0", "--node-id", "files-0", "--log-level", "DEBUG"],
+            env=ENV, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            index = PageIndex(valkey.url, password=password)
+            wait_for(lambda: [n.node_id for n in index.live_nodes()] == ["files-0"], 30, "the node to register with the password from its file")
+            assert token not in cmdline(node.pid) and password not in cmdline(node.pid)
+            tokens = list(range(2 * ns.block_size))
+            with KVCacheClient(valkey.url, ns, redis_password=password, auth_token="wrong", timeout=3) as intruder:
+                assert intruder.put_pages(tokens, pages_for(ns, tokens)).stored == 0
+            token_file = tmp_path / "client-token"
+            token_file.write_text(token)
+            with KVCacheClient(valkey.url, ns, redis_password_file=str(tmp_path / "password"), auth_token_file=str(token_file)) as client:
+                assert client.put_pages(tokens, pages_for(ns, tokens)).stored == 2
+        finally:
+            node.send_signal(signal.SIGTERM)
+            node.wait(30)
+            log.close()
+    output = (tmp_path / "node.log").read_text()
+    assert "files-0" in output and token not in output and password not in output
+
+
+def test_a_secret_given_twice_differently_is_refused(tmp_path):
+    (tmp_path / "token").write_text("one")
+    with pytest.raises(ValueError, match="auth_token"):
+        KVCacheClient("redis://127.0.0.1:1/0", make_ns("twice"), auth_token="two", auth_token_file=str(tmp_path / "token"))
+    out = subprocess.run([sys.executable, "-m", "server", "--auth-token-file", str(tmp_path / "missing")], env=ENV,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "cannot read auth_token_file" in out.stderr
+
+
+def test_up_starts_with_a_random_token_it_never_prints():
+    proc = subprocess.Popen([*KVSTORE, "up", "--capacity", "64MiB", "--slab-size", "16MiB"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not any(line.startswith("press Ctrl-C") for line in lines) and time.monotonic() < deadline:
+            lines.append(proc.stdout.readline())
+        values = dict(line.strip().split("=", 1) for line in lines if re.match(r"^KVSTORE_[A-Z_]+=", line))
+        token_file = Path(values["KVSTORE_AUTH_TOKEN_FILE"])
+        assert token_file.stat().st_mode & 0o777 == 0o600
+        token = token_file.read_text()
+        assert len(token) >= 32 and token not in "".join(lines)
+        url = values["KVSTORE_REDIS_URL"]
+        node = PageIndex(url).live_nodes()[0]
+        assert token not in cmdline(int(node.extra["pid"]))
+        ns = make_ns("up-token")
+        tokens = list(range(2 * ns.block_size))
+        with KVCacheClient(url, ns, timeout=3) as anonymous:
+            assert anonymous.put_pages(tokens, pages_for(ns, tokens)).stored == 0  # no token, no access
+        with KVCacheClient(url, ns, auth_token_file=str(token_file)) as client:
+            assert client.put_pages(tokens, pages_for(ns, tokens)).stored == 2
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and token not in out + err
+    assert not token_file.exists()  # removed with the store
+
+
+def test_metrics_listen_on_loopback_unless_told_otherwise():
+    with EmbeddedValkey() as valkey:
+        port = free_port()
+        node = subprocess.Popen([sys.executable, "-m", "server", "--redis-url", valkey.url, "--capacity", "64MiB", "--slab-size", "16MiB",
+                                 "--host", "127.0.0.1", "--metrics-port", str(port), "--node-id", "metrics-0"],
+                                env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_for(lambda: listening_addresses(port), 30, "the metrics server to listen")
+            assert listening_addresses(port) == {"127.0.0.1"}
+        finally:
+            node.send_signal(signal.SIGTERM)
+            node.wait(30)
