@@ -198,7 +198,7 @@ class Blackhole:
 def test_a_hung_index_makes_misses_within_the_lookup_budget(model_dir, baseline):
     hole = Blackhole()
     try:
-        extra = {"lookup_budget_ms": 100, "breaker_failures": 2}
+        extra = {"lookup_budget_ms": 100, "breaker_failures": 2, "breaker_cooldown_s": 120}  # no probe during the run
         out = run_engine_full(model_dir, [PROMPT_A, PROMPT_B, PROMPT_C, PROMPT_D], f"redis://127.0.0.1:{hole.port}/0",
                               role="kv_consumer", extra=extra)
     finally:
