@@ -75,6 +75,7 @@ class ServerSettings(BaseSettings):
     heartbeat_interval: float = Field(1.0, gt=0, description="seconds between heartbeats")
     node_ttl: float = Field(5.0, gt=0, description="seconds without heartbeat before the node counts as dead")
     transfer_timeout: float = Field(30.0, gt=0, description="seconds one request may take on the data plane")
+    min_put_rate: ByteSize = Field("64MiB", validate_default=True, description="slowest put accepted, in bytes per second: a put's payload must arrive within 2 s plus its size at this rate (and the transfer timeout) or its slots are released; 0: the transfer timeout alone")
     shutdown_grace: float = Field(10.0, ge=0, description="seconds to finish in-flight transfers on SIGTERM")
     auth_token: SecretStr = Field(SecretStr(""), description="data-plane token clients must present")
     auth_token_file: str | None = Field(None, description="file holding the data-plane token (keeps it out of the process arguments)")

@@ -82,6 +82,11 @@ class _ShmConn:
         self.channel.close()
 
 
+# Seconds every put may take beyond its size at min_put_rate (connection jitter, the
+# client hashing its pages before it sends the checksums).
+PUT_GRACE = 2.0
+
+
 @dataclass
 class PutBatch:
     """One PUT request as it moves through plan, receive and commit.
@@ -106,8 +111,10 @@ class PutBatch:
 
 
 class DataPlane:
-    def __init__(self, store: PageStore, index: AsyncPageIndex, evictor: Evictor, metrics: NodeMetrics, identity: NodeIdentity, *, token: str, timeout: float) -> None:
+    def __init__(self, store: PageStore, index: AsyncPageIndex, evictor: Evictor, metrics: NodeMetrics, identity: NodeIdentity, *,
+                 token: str, timeout: float, min_put_rate: float = 0) -> None:
         self.store = store
+        self.min_put_rate = min_put_rate
         self.index = index
         self.evictor = evictor
         self.metrics = metrics
@@ -176,6 +183,36 @@ class DataPlane:
         except _Refused as exc:
             await self._reply_error(conn, exc.code, str(exc))
 
+    def _put_deadline(self, batch: PutBatch) -> float:
+        """Seconds a put's checksums and payload may take once its slots are reserved:
+        ``PUT_GRACE`` plus its bytes at ``min_put_rate``, at most the transfer timeout. A
+        client that stalls after the plan holds the slots only that long (with the
+        transfer timeout alone, four stalled puts held a whole pool for 30 s)."""
+        if self.min_put_rate <= 0:
+            return self.timeout
+        return min(self.timeout, PUT_GRACE + sum(p.size for p in batch.pages) / self.min_put_rate)
+
+    async def _receive_put(self, conn: _UcxConn | _ShmConn, batch: PutBatch) -> None:
+        """The checksums, then the payload (UCX) or the pages the client wrote into its
+        slots (shared memory), each page verified."""
+        sums, fds = await self._expect(conn, P.PutChecksums, "put checksums")
+        shm.close_fds(fds)
+        try:
+            if len(sums.checksums) != len(batch.pages):
+                raise _Broken(f"{len(sums.checksums)} checksums for {len(batch.pages)} wanted pages")
+            for page, checksum in zip(batch.pages, sums.ints("checksums")):
+                page.checksum = checksum
+            if conn.path == "shm":  # the client wrote the pages into their slots
+                # two threads hash: every other page on the hashing thread
+                later = {k: checksum_later(self.store.view(p)) for k, p in enumerate(batch.pages) if k % 2}
+                for k, page in enumerate(batch.pages):
+                    self._verified(batch, k, later[k].result() if k % 2 else page_checksum(self.store.view(page)))
+            else:
+                await self._receive_runs(conn.channel, batch)
+        except BaseException:  # a deadline's cancellation too
+            await conn.close()  # no late writes into slots that are about to be reused
+            raise
+
     async def _send(self, conn: _UcxConn | _ShmConn, frame: Any, fds: list[int] = ()) -> None:
         try:
             await with_timeout(conn.send(frame, fds), self.timeout, "control reply")
@@ -230,23 +267,12 @@ class DataPlane:
                 await self._lend(conn, P.PutPlan, fields, batch.pages, writable=True)
             else:
                 await self._send(conn, P.PutPlan(**fields))
-            sums, fds = await self._expect(conn, P.PutChecksums, "put checksums")
-            shm.close_fds(fds)
+            limit = self._put_deadline(batch)
             try:
-                if len(sums.checksums) != len(batch.pages):
-                    raise _Broken(f"{len(sums.checksums)} checksums for {len(batch.pages)} wanted pages")
-                for page, checksum in zip(batch.pages, sums.ints("checksums")):
-                    page.checksum = checksum
-                if conn.path == "shm":  # the client wrote the pages into their slots
-                    # two threads hash: every other page on the hashing thread
-                    later = {k: checksum_later(self.store.view(p)) for k, p in enumerate(batch.pages) if k % 2}
-                    for k, page in enumerate(batch.pages):
-                        self._verified(batch, k, later[k].result() if k % 2 else page_checksum(self.store.view(page)))
-                else:
-                    await self._receive_runs(conn.channel, batch)
-            except BaseException:
-                await conn.close()  # no late writes into slots that are about to be reused
-                raise
+                async with asyncio.timeout(limit):
+                    await self._receive_put(conn, batch)
+            except TimeoutError:
+                raise _Broken(f"a put of {sum(p.size for p in batch.pages)} bytes did not arrive within {limit:.1f} s: its slots are released") from None
             await self._commit(batch)
         finally:
             for page in batch.pages:

@@ -63,7 +63,7 @@ class StorageNode:
         self.evictor = Evictor(self.store, self.index, self.metrics, self.identity, settings.high_watermark, settings.low_watermark)
         self.dataplane = DataPlane(
             self.store, self.index, self.evictor, self.metrics, self.identity,
-            token=settings.auth_token.get_secret_value(), timeout=settings.transfer_timeout,
+            token=settings.auth_token.get_secret_value(), timeout=settings.transfer_timeout, min_put_rate=settings.min_put_rate,
         )
         self.metrics.watch(self.store, self.dataplane)
         self.watchdog = LoopWatchdog(limit=max(10.0, 3 * settings.heartbeat_interval))

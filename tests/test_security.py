@@ -140,3 +140,53 @@ def test_metrics_listen_on_loopback_unless_told_otherwise():
         finally:
             node.send_signal(signal.SIGTERM)
             node.wait(30)
+
+
+STALLED_PUT = r"""
+import asyncio, sys, numpy as np
+from kvstore import protocol as P
+from kvstore.transport import Channel, ensure_ucx
+
+async def main(host, port, ns_hex, pages, size):
+    ucxx = ensure_ucx()
+    ep = Channel(await ucxx.create_endpoint(host, port))
+    hashes = [bytes([i + 1]) * 16 for i in range(pages)]
+    await ep.send_frame(P.PutRequest(namespace=ns_hex, hashes=hashes, sizes=[size] * pages, join=[False] * pages,
+                                     anchors=[hashes[0]] * pages, positions=list(range(pages))))
+    plan = P.decode(await ep.recv_frame())
+    print(type(plan).__name__, len(plan.ints("wanted")), flush=True)
+    await asyncio.sleep(60)  # reserved slots, then nothing: no checksums, no payload
+
+asyncio.run(main(sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])))
+"""
+
+
+def test_a_stalled_put_releases_its_slots_within_its_deadline():
+    """An attacker reserves slots with a put and never sends the payload. The node gives
+    them back after 2 s plus the put's size at --min-put-rate, not after the 30 s
+    transfer timeout."""
+    from kvstore.launcher import LocalCluster
+    from tests.helpers import metrics
+
+    ns = namespace_for_page_size(2 << 20, tenant="stall")
+    with LocalCluster(servers=1, capacity="64MiB", slab_size="16MiB", extra_args=["--transfer-timeout", "30", "--min-put-rate", "64MiB"]) as cluster:
+        with KVCacheClient(cluster.redis_url, ns):  # registers the namespace
+            pass
+        node = PageIndex(cluster.redis_url).live_nodes()[0]
+        host, port = node.address.rsplit(":", 1)
+        stalled = subprocess.Popen([sys.executable, "-c", STALLED_PUT, host, port, ns.digest_hex, "8", str(ns.page_nbytes)],
+                                   env=ENV, stdout=subprocess.PIPE, text=True)
+        try:
+            assert stalled.stdout.readline().split() == ["PutPlan", "8"]
+            reserved_at = time.monotonic()
+            assert metrics(cluster, "node-0")["kvstore_used_bytes"] == 8 * ns.page_nbytes
+            wait_for(lambda: metrics(cluster, "node-0")["kvstore_used_bytes"] == 0, 15, "the stalled put's slots to be released")
+            held = time.monotonic() - reserved_at
+            assert held < 2.0 + 16 / 64 + 3.0, held  # its deadline plus scheduling slack, far below 30 s
+            assert metrics(cluster, "node-0")['kvstore_errors_total{kind="transfer"}'] == 1
+            tokens = list(range(8 * ns.block_size))
+            with KVCacheClient(cluster.redis_url, ns) as client:  # the pool is usable again
+                assert client.put_pages(tokens, pages_for(ns, tokens)).stored == 8
+        finally:
+            stalled.kill()
+            stalled.wait(10)
