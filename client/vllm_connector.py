@@ -156,6 +156,12 @@ def connector_options(extra: dict[str, Any]) -> tuple[ConnectorOptions, ClientOp
     return options, client_options(**{k: v for k, v in extra.items() if k not in own})
 
 
+def lookup_breaker(conf: ConnectorOptions) -> CircuitBreaker:
+    """The scheduler's breaker: backs off to 30 s, or to the configured cooldown when
+    that is longer (every cooldown ``ConnectorOptions`` accepts must build one)."""
+    return CircuitBreaker(conf.breaker_failures, conf.breaker_cooldown_s, max_cooldown=max(30.0, conf.breaker_cooldown_s))
+
+
 @dataclass
 class LoadSpec:
     """Fill ``block_ids[start_block:]`` from the store (the first blocks are computed)."""
@@ -219,7 +225,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._pending_loads: dict[str, LoadSpec] = {}
         self._loaded_blocks: dict[str, list[int]] = {}  # req id -> blocks a load fills
         self._tracked: dict[str, _Tracked] = {}
-        self._breaker = CircuitBreaker(self._conf.breaker_failures, self._conf.breaker_cooldown_s)
+        self._breaker = lookup_breaker(self._conf)
         # worker side
         self._cache: PagedCache | None = None
         self._loader: ThreadPoolExecutor | None = None

@@ -248,3 +248,14 @@ def test_tensor_parallel_workers_save_and_load_their_own_slices(model_dir, basel
             return {(s.namespace.tp_rank, s.namespace.tp_size) for s in index.stats().namespaces if s.pages}
 
         wait_for(lambda: ranks_stored() == {(0, 2), (1, 2)}, 5, "both ranks' pages to be reported")
+
+
+def test_every_accepted_breaker_cooldown_builds_a_breaker():
+    """ConnectorOptions accepts cooldowns up to 600 s; the breaker behind them must too
+    (a 120 s cooldown once failed the engine's start)."""
+    from client.vllm_connector import connector_options, lookup_breaker
+
+    for cooldown in (0.1, 2.0, 120, 600):
+        conf, _ = connector_options({"redis_url": "redis://127.0.0.1:1/0", "breaker_cooldown_s": cooldown})
+        breaker = lookup_breaker(conf)
+        assert breaker.cooldown == cooldown and breaker.max_cooldown >= cooldown
