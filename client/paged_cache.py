@@ -45,9 +45,10 @@ class StagingPool:
     connector keeps ``buffers`` buffers of ``pages`` pages each; ``take`` hands one out
     when it is large enough and free, else allocates (never waits), and ``give`` takes
     a pooled one back. Thread-safe: loader threads, the engine thread (gather) and the
-    saver thread share it. Called with the ``PagedCache`` whose pages it holds."""
+    saver thread share it."""
 
     def __init__(self, cache: PagedCache, buffers: int, pages: int) -> None:
+        self.cache = cache
         self.pages = pages
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
@@ -57,13 +58,13 @@ class StagingPool:
             self._free.append(buf)
         self._pooled = {b.data_ptr(): b for b in self._free}
 
-    def take(self, count: int, cache: PagedCache) -> torch.Tensor:
+    def take(self, count: int) -> torch.Tensor:
         """``count`` pages of host memory; rows are uninitialised."""
         if count <= self.pages:
             with self._lock:
                 if self._free:
                     return self._free.pop()[:count]
-        return cache.host_pages(count)
+        return self.cache.host_pages(count)
 
     def give(self, pages: torch.Tensor) -> None:
         """Return what ``take`` gave (a fresh allocation is simply dropped)."""

@@ -443,7 +443,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         got = spec.start_block
         pages = None
         try:
-            pages = self._staging.take(len(spec.block_ids), self._cache)
+            pages = self._staging.take(len(spec.block_ids))
             got = self._client.get_pages(spec.token_ids, pages, start_block=spec.start_block) // self._block_size
             if got > spec.start_block:
                 if after is not None:
@@ -508,7 +508,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                     continue
                 self._pending_save_bytes += nbytes
             started = time.perf_counter()
-            gathered = self._cache.gather(spec.block_ids, self._staging.take(len(spec.block_ids), self._cache))
+            gathered = self._cache.gather(spec.block_ids, self._staging.take(len(spec.block_ids)))
             self._observe("save_gather_seconds", time.perf_counter() - started)
             future = self._saver.submit(self._save, spec, gathered, nbytes)
             self._saving.add(future)

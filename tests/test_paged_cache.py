@@ -126,14 +126,14 @@ def test_breaker_opens_after_consecutive_faults_and_probes_after_the_cooldown():
 def test_staging_pool_reuses_its_buffers_and_never_waits():
     cache = PagedCache(list(torch.zeros(L, B, H, N, C).unbind(0)))
     pool = StagingPool(cache, buffers=2, pages=8)
-    a, b = pool.take(8, cache), pool.take(3, cache)
-    extra = pool.take(2, cache)  # both pooled buffers are out: a fresh one, at once
-    big = pool.take(9, cache)  # larger than a pooled buffer: fresh
+    a, b = pool.take(8), pool.take(3)
+    extra = pool.take(2)  # both pooled buffers are out: a fresh one, at once
+    big = pool.take(9)  # larger than a pooled buffer: fresh
     assert a.shape == (8, L, H, N, C) and b.shape == (3, L, H, N, C) and extra.shape[0] == 2 and big.shape[0] == 9
     pooled = {a.data_ptr(), b.data_ptr()}
     assert extra.data_ptr() not in pooled and big.data_ptr() not in pooled
     for t in (extra, big, b):
         pool.give(t)
-    again = pool.take(5, cache)
+    again = pool.take(5)
     assert again.data_ptr() == b.data_ptr()  # the pooled buffer came back, not a fresh one
-    assert pool.take(1, cache).data_ptr() not in pooled  # a is still out, the fresh ones were dropped
+    assert pool.take(1).data_ptr() not in pooled  # a is still out, the fresh ones were dropped
