@@ -362,7 +362,7 @@ class AsyncKVCacheClient:
         async def one(node_id: str, idx: list[int]) -> tuple[list[int], Any]:
             pages = [OutgoingPage(hashes[i], spans[i], i, anchors[i], positions[i]) for i in idx]
             try:
-                outcome, conn = await self._on_node(nodes[node_id], lambda c: c.put(self.namespace.digest_hex, pages, checksum, self.timeout))
+                outcome, conn = await self._on_node(nodes[node_id], lambda c: c.put(self.namespace.key, pages, checksum, self.timeout))
                 self._node_ok(node_id)
                 if conn.path == "shm":
                     self.stats.same_host_transfers += 1
@@ -417,7 +417,7 @@ class AsyncKVCacheClient:
             async def one(node_id: str, idx: list[int]) -> None:
                 expected = [next(l.checksum for l in locations[i] if l.node_id == node_id) for i in idx]
                 try:
-                    got, conn = await self._on_node(nodes[node_id], lambda c: c.get(self.namespace.digest_hex, [hashes[i] for i in idx], [sinks[i] for i in idx], expected, remaining))
+                    got, conn = await self._on_node(nodes[node_id], lambda c: c.get(self.namespace.key, [hashes[i] for i in idx], [sinks[i] for i in idx], expected, remaining))
                 except RemoteFault as exc:
                     self._node_failed(node_id, exc)
                     return

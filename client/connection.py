@@ -29,6 +29,7 @@ from kvstore import shm
 from kvstore.checksum import checksum_later, page_checksum
 from kvstore.errors import ProtocolError, TransportError
 from kvstore.index import NodeInfo
+from kvstore.keys import NamespaceKey
 from kvstore.transport import Channel, connect, with_timeout
 from client.buffers import Span, adjacent, join_flags, joined
 
@@ -94,11 +95,11 @@ class _Connection:
         self._lock = asyncio.Lock()
         self.broken = False
 
-    async def put(self, namespace: str, pages: list[OutgoingPage], checksum: Checksums, timeout: float) -> PutOutcome:
+    async def put(self, namespace: NamespaceKey, pages: list[OutgoingPage], checksum: Checksums, timeout: float) -> PutOutcome:
         """Offer ``pages``; send only those the node wants (hashed only then)."""
         return await self._guarded(self._put(namespace, pages, checksum), timeout, "put")
 
-    async def get(self, namespace: str, hashes: list[bytes], sinks: list[Span], expected: list[int], timeout: float) -> GetOutcome:
+    async def get(self, namespace: NamespaceKey, hashes: list[bytes], sinks: list[Span], expected: list[int], timeout: float) -> GetOutcome:
         """Fetch pages into ``sinks`` and verify each against ``expected`` (the index's
         checksums)."""
         return await self._guarded(self._get(namespace, hashes, sinks, expected), timeout, "get")
@@ -136,27 +137,27 @@ class _Connection:
     async def _open(self, timeout: float) -> None:
         raise NotImplementedError
 
-    async def _put(self, namespace: str, pages: list[OutgoingPage], checksum: Checksums) -> PutOutcome:
+    async def _put(self, namespace: NamespaceKey, pages: list[OutgoingPage], checksum: Checksums) -> PutOutcome:
         raise NotImplementedError
 
-    async def _get(self, namespace: str, hashes: list[bytes], sinks: list[Span], expected: list[int]) -> GetOutcome:
+    async def _get(self, namespace: NamespaceKey, hashes: list[bytes], sinks: list[Span], expected: list[int]) -> GetOutcome:
         raise NotImplementedError
 
     async def close(self) -> None:
         raise NotImplementedError
 
 
-def _put_request(namespace: str, token: str, pages: list[OutgoingPage]) -> P.PutRequest:
+def _put_request(namespace: NamespaceKey, token: str, pages: list[OutgoingPage]) -> P.PutRequest:
     return P.PutRequest(
-        namespace=namespace, token=token, hashes=[p.hash for p in pages],
+        namespace=namespace.digest, tenant=namespace.tenant, token=token, hashes=[p.hash for p in pages],
         sizes=np.fromiter((p.span.nbytes for p in pages), dtype=np.uint64, count=len(pages)),
         join=join_flags([p.span for p in pages]),
         anchors=[p.anchor for p in pages], positions=[p.position for p in pages],
     )
 
 
-def _get_request(namespace: str, token: str, hashes: list[bytes], sinks: list[Span]) -> P.GetRequest:
-    return P.GetRequest(namespace=namespace, token=token, hashes=hashes, join=join_flags(sinks))
+def _get_request(namespace: NamespaceKey, token: str, hashes: list[bytes], sinks: list[Span]) -> P.GetRequest:
+    return P.GetRequest(namespace=namespace.digest, tenant=namespace.tenant, token=token, hashes=hashes, join=join_flags(sinks))
 
 
 class NodeConnection(_Connection):
@@ -176,7 +177,7 @@ class NodeConnection(_Connection):
     async def _recv_frame(self, expected: type) -> Any:
         return self._check_frame(P.decode(await self._ep.recv_frame()), expected)
 
-    async def _put(self, namespace: str, pages: list[OutgoingPage], checksum: Checksums) -> PutOutcome:
+    async def _put(self, namespace: NamespaceKey, pages: list[OutgoingPage], checksum: Checksums) -> PutOutcome:
         ep = self._ep
         await ep.send_frame(_put_request(namespace, self.token, pages))
         plan: P.PutPlan = await self._recv_frame(P.PutPlan)
@@ -191,7 +192,7 @@ class NodeConnection(_Connection):
         result: P.PutResult = await self._recv_frame(P.PutResult)
         return PutOutcome(result.ints("stored"), plan.ints("present"), plan.ints("refused"), sent)
 
-    async def _get(self, namespace: str, hashes: list[bytes], sinks: list[Span], expected: list[int]) -> GetOutcome:
+    async def _get(self, namespace: NamespaceKey, hashes: list[bytes], sinks: list[Span], expected: list[int]) -> GetOutcome:
         ep = self._ep
         await ep.send_frame(_get_request(namespace, self.token, hashes, sinks))
         plan: P.GetPlan = await self._recv_frame(P.GetPlan)
@@ -284,7 +285,7 @@ class ShmConnection(_Connection):
             if not plan.more:
                 return plan
 
-    async def _put(self, namespace: str, pages: list[OutgoingPage], checksum: Checksums) -> PutOutcome:
+    async def _put(self, namespace: NamespaceKey, pages: list[OutgoingPage], checksum: Checksums) -> PutOutcome:
         await self._ch.send_frame(_put_request(namespace, self.token, pages))
         plan = await self._plan(P.PutPlan)
         wanted = self._check_put_plan(plan, len(pages))
@@ -305,7 +306,7 @@ class ShmConnection(_Connection):
         result, _ = await self._recv_frame(P.PutResult)
         return PutOutcome(result.ints("stored"), plan.ints("present"), plan.ints("refused"), sum(pages[i].span.nbytes for i in wanted))
 
-    async def _get(self, namespace: str, hashes: list[bytes], sinks: list[Span], expected: list[int]) -> GetOutcome:
+    async def _get(self, namespace: NamespaceKey, hashes: list[bytes], sinks: list[Span], expected: list[int]) -> GetOutcome:
         await self._ch.send_frame(_get_request(namespace, self.token, hashes, sinks))
         plan = await self._plan(P.GetPlan)
         present, sizes, sums = plan.ints("present"), plan.ints("sizes"), plan.ints("checksums")

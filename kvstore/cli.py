@@ -1,4 +1,4 @@
-"""The ``kvstore`` command: ``server``, ``up``, ``demo`` and ``stats``.
+"""The ``kvstore`` command: ``server``, ``up``, ``demo``, ``stats``, ``credential`` and ``acl``.
 
 ``kvstore server`` execs ``python -m server`` so this core package never imports the
 storage node; ``up`` and ``demo`` start local processes through ``LocalCluster``."""
@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import signal
 import sys
 import tempfile
@@ -16,6 +15,7 @@ import threading
 from typing import Any
 
 from kvstore.cli_errors import EXIT_FAILED, EXIT_INDEX, EXIT_USAGE
+from kvstore.credentials import make_credential, new_token, token_digest
 from kvstore.errors import IndexUnavailableError, InvalidInputError, KVStoreError
 from kvstore.units import format_size
 
@@ -55,7 +55,7 @@ def _data_plane_token(private_dir: str) -> tuple[dict[str, str], str]:
     path = os.path.join(private_dir, "auth-token")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(32))
+        f.write(new_token())
     return {"KVSTORE_AUTH_TOKEN_FILE": path}, f"KVSTORE_AUTH_TOKEN_FILE={path}"
 
 
@@ -111,6 +111,41 @@ def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _credential(args: argparse.Namespace) -> int:
+    """Write a new token to ``--token-file`` (mode 0600, never overwritten) and print the
+    line that grants it, for the nodes' credentials file. The token is never printed."""
+    credential = make_credential(args.name, args.rights, args.tenant)
+    token = new_token()
+    try:
+        fd = os.open(args.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        raise InvalidInputError(f"cannot create --token-file {args.token_file}: {exc.strerror}") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    print(credential.line(token_digest(token)))
+    print(f"token written to {args.token_file}: clients read it with KVSTORE_AUTH_TOKEN_FILE={args.token_file}", file=sys.stderr)
+    return 0
+
+
+def _acl(args: argparse.Namespace) -> int:
+    """Print the index ACL rules of a role, or with --user a whole aclfile line (the
+    password as its SHA-256, read from --password-file)."""
+    from kvstore import acl
+
+    if not args.user:
+        print(acl.rules(args.role, args.tenant))
+        return 0
+    if not args.password_file:
+        raise InvalidInputError("--user needs --password-file (the aclfile line holds the password's SHA-256)")
+    try:
+        with open(args.password_file) as f:
+            password = f.read().rstrip("\r\n")
+    except OSError as exc:
+        raise InvalidInputError(f"cannot read --password-file {args.password_file}: {exc.strerror}") from None
+    print(acl.aclfile_line(args.user, args.role, args.tenant, password))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -160,7 +195,23 @@ def _main(argv: list[str]) -> int:
     stats.add_argument("--redis-url", default=os.environ.get("KVSTORE_REDIS_URL", "redis://127.0.0.1:6379/0"),
                        help="the index: redis://, rediss://, unix:// or redis+cluster://host:port,... (default $KVSTORE_REDIS_URL)")
     stats.add_argument("--json", action="store_true", help="print one JSON document (nodes with used bytes and read counters, namespaces)")
+    cred = sub.add_parser("credential", help="make a data-plane token for tenants and print its credentials-file line",
+                          description="Writes a new random token to --token-file and prints the line a node's --credentials-file needs to accept it (the token's SHA-256, never the token).")
+    cred.add_argument("--name", required=True, help="who holds it, e.g. engine-team-a (shown in refusals and logs)")
+    cred.add_argument("--tenant", action="append", required=True, help="a tenant it may use (repeat for several; * for every tenant)")
+    cred.add_argument("--rights", choices=["read", "readwrite"], default="readwrite", help="read: get pages only; readwrite: also put (default)")
+    cred.add_argument("--token-file", required=True, help="new file to write the token to (mode 0600)")
+    acl = sub.add_parser("acl", help="print the Redis/Valkey ACL rules of an index role (node, client of a tenant, operator)",
+                         description="Prints the rules for ACL SETUSER <user> on >PASSWORD <rules>, or with --user an aclfile line. See docs/security.md.")
+    acl.add_argument("--role", required=True, choices=["node", "client", "operator"], help="node: storage nodes; client: engines of one tenant; operator: read-only")
+    acl.add_argument("--tenant", default=None, help="the tenant of a client role")
+    acl.add_argument("--user", default=None, help="print a whole aclfile line for this user")
+    acl.add_argument("--password-file", default=None, help="file holding the user's password (with --user)")
     args = parser.parse_args(argv)
+    if args.command == "acl":
+        return _acl(args)
+    if args.command == "credential":
+        return _credential(args)
     if args.command == "up":
         return _up(args)
     if args.command == "demo":

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvstore.credentials import CredentialFile
 from kvstore.errors import InvalidInputError
 from kvstore.routing import check_url
 from kvstore.units import parse_size
@@ -76,9 +77,14 @@ class ServerSettings(BaseSettings):
     node_ttl: float = Field(5.0, gt=0, description="seconds without heartbeat before the node counts as dead")
     transfer_timeout: float = Field(30.0, gt=0, description="seconds one request may take on the data plane")
     min_put_rate: ByteSize = Field("64MiB", validate_default=True, description="slowest put accepted, in bytes per second: a put's payload must arrive within 2 s plus its size at this rate (and the transfer timeout) or its slots are released; 0: the transfer timeout alone")
+    tenant_quota: float = Field(1.0, gt=0, le=1, description="largest share of this node's page memory one tenant may hold; a tenant past it evicts its own least-recently-used pages, never another tenant's")
+    max_request_pages: int = Field(16_384, ge=1, le=65_536, description="most pages one put or get may name (a 256k-token prompt in 16-token blocks); a longer request is refused whole")
+    max_request_bytes: ByteSize = Field("0", validate_default=True, description="most page bytes one put may reserve (one request at a time per connection, so also the bytes in flight per connection); pages past it are refused. 0: no limit but the pool (set it, and --tenant-quota, when tenants share nodes)")
     shutdown_grace: float = Field(10.0, ge=0, description="seconds to finish in-flight transfers on SIGTERM")
-    auth_token: SecretStr = Field(SecretStr(""), description="data-plane token clients must present")
-    auth_token_file: str | None = Field(None, description="file holding the data-plane token (keeps it out of the process arguments)")
+    auth_token: SecretStr = Field(SecretStr(""), description="a data-plane token that may read and write every tenant (operators, kvstore up); tenants get their own in --credentials-file")
+    auth_token_file: str | None = Field(None, description="file holding that token (keeps it out of the process arguments)")
+    credentials_file: str | None = Field(None, description="file of data-plane credentials, one per line: name, sha256 of the token, read or readwrite, tenants (see kvstore credential); re-read when it changes")
+    anonymous: bool = Field(False, description="serve requests without a credential, every tenant to everyone (development only); needed when neither a token nor a credentials file is given")
     redis_password_file: str | None = Field(None, description="file holding the index password")
     ucx_progress_mode: ProgressMode = Field("thread", description="ucxx progress mode (figures for each in kvstore/transport.py)")
     ucx_net_devices: str | None = Field(None, description="sets UCX_NET_DEVICES (e.g. lo, eth0, mlx5_0:1)")
@@ -99,6 +105,12 @@ class ServerSettings(BaseSettings):
             raise ValueError(f"capacity {self.capacity} bytes must be at least one slab ({self.slab_size} bytes)")
         if self.heartbeat_interval * 2 > self.node_ttl:
             raise ValueError("node_ttl must be at least twice heartbeat_interval")
+        if not (self.auth_token.get_secret_value() or self.credentials_file or self.anonymous):
+            raise ValueError("no data-plane credential: give --auth-token-file or --credentials-file (or --anonymous for a development node that serves anyone)")
+        if self.credentials_file:
+            CredentialFile(self.credentials_file)  # a file that does not load is an error now, not at the first request
+        if self.max_request_bytes and self.max_request_bytes < self.slab_size:
+            raise ValueError(f"max_request_bytes {self.max_request_bytes} must be at least one slab ({self.slab_size} bytes), or 0")
         if self.hugepage_size not in (2 << 20, 1 << 30):
             raise ValueError(f"hugepage_size must be 2MiB or 1GiB, got {self.hugepage_size} bytes")
         if self.hugepages and self.hugepage_size == 1 << 30 and self.slab_size % self.hugepage_size:

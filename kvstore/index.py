@@ -18,6 +18,7 @@ once, even when the index lost data or restored an old snapshot."""
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import struct
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from kvstore.errors import (
     KVStoreError,
     NodeIdInUseError,
 )
+from kvstore.credentials import TENANT_PATTERN
 from kvstore.hashing import HASH_BYTES
 from kvstore.namespace import Namespace
 from kvstore.routing import AsyncRouter, Cmd, SyncRouter
@@ -216,15 +218,21 @@ def _load_scripts() -> dict[str, str]:
 
 
 _SCRIPTS = _load_scripts()
+_TENANT_RE = re.compile(TENANT_PATTERN)
 
 
-def _ns_hex(namespace: Namespace | str) -> str:
+def _ns_key(namespace: Namespace | keys.NamespaceKey) -> keys.NamespaceKey:
+    """Where a namespace's keys live; nodes name it by tenant and digest."""
     if isinstance(namespace, Namespace):
-        return namespace.digest_hex
-    text = str(namespace)
-    if len(text) != 2 * HASH_BYTES or any(c not in "0123456789abcdef" for c in text):
-        raise InvalidInputError(f"namespace digest must be {2 * HASH_BYTES} lowercase hex characters, got {text!r}")
-    return text
+        return namespace.key
+    if not isinstance(namespace, keys.NamespaceKey):
+        raise InvalidInputError(f"need a Namespace or NamespaceKey, got {type(namespace).__name__}")
+    digest = namespace.digest
+    if len(digest) != 2 * HASH_BYTES or any(c not in "0123456789abcdef" for c in digest):
+        raise InvalidInputError(f"namespace digest must be {2 * HASH_BYTES} lowercase hex characters, got {digest!r}")
+    if not _TENANT_RE.match(namespace.tenant):
+        raise InvalidInputError(f"tenant {namespace.tenant!r} must match {TENANT_PATTERN}")
+    return namespace
 
 
 def _check_hashes(hashes: Sequence[bytes], what: str) -> bytes:
@@ -267,7 +275,7 @@ def _raise_first(replies: list[Any]) -> list[Any]:
     return replies
 
 
-def _plan(index: _IndexMethods, ns: str, anchors: Sequence[bytes]) -> dict[int, list[int]]:
+def _plan(index: _IndexMethods, prefix: str, anchors: Sequence[bytes]) -> dict[int, list[int]]:
     """Segment numbers (indexes into ``anchors``) per shard, in order."""
     topo = index._router.topology
     assert topo is not None
@@ -275,17 +283,17 @@ def _plan(index: _IndexMethods, ns: str, anchors: Sequence[bytes]) -> dict[int, 
         return {0: list(range(len(anchors)))}
     plan: dict[int, list[int]] = {}
     for j, anchor in enumerate(anchors):
-        plan.setdefault(topo.shard_of(keys.segment_key(ns, anchor)), []).append(j)
+        plan.setdefault(topo.shard_of(keys.segment_key(prefix, anchor)), []).append(j)
     return plan
 
 
-def _segment_call(script: str, ns: str, first: bytes, head: list[Any], anchors_hex: str, tail: list[Any]) -> Cmd:
+def _segment_call(script: str, prefix: str, first: bytes, head: list[Any], anchors_hex: str, tail: list[Any]) -> Cmd:
     """A call of a segment script (lookup, commit, remove): ``head`` arguments, the key
     prefix and the segments' anchors in hex, then ``tail`` arguments. The script builds
     the key names (common.lua); only the first segment's key is declared, to route the
     call: a cluster refuses declared keys of several slots even with the script flag
     allow-cross-slot-keys (measured on Valkey 9.1), which lets the script touch them."""
-    return Cmd.run_script(script, [keys.segment_key(ns, first)], [*head, keys.namespace_prefix(ns), anchors_hex, *tail])
+    return Cmd.run_script(script, [keys.segment_key(prefix, first)], [*head, prefix, anchors_hex, *tail])
 
 
 def _group_by_anchor(anchors: Sequence[bytes]) -> dict[bytes, list[int]]:
@@ -341,18 +349,17 @@ class _IndexMethods:
         return self._drive(steps())
 
     def ensure_namespace(self, namespace: Namespace) -> Any:
-        """Record the namespace (idempotent): clients at start, nodes after an index loss."""
+        """Record the namespace under its tenant's keys (idempotent): clients at start,
+        nodes after an index loss."""
         if not isinstance(namespace, Namespace):
             raise InvalidInputError(f"ensure_namespace needs a Namespace, got {type(namespace).__name__}")
-        meta = keys.meta_key(namespace.digest_hex)
+        meta = namespace.key.meta
+        return self._drive(_single(Cmd(("HSETNX", meta, "json", namespace.canonical_json()), key=meta)))
 
-        def steps() -> Generator[list[Cmd], list[Any], None]:
-            _raise_first((yield [
-                Cmd(("HSETNX", meta, "json", namespace.canonical_json()), key=meta),
-                Cmd(("SADD", keys.NAMESPACES_SET, namespace.digest_hex), key=keys.NAMESPACES_SET),
-            ]))
-
-        return self._drive(steps())
+    def announce_namespace(self, key: keys.NamespaceKey) -> Any:
+        """List a namespace in the registry, for ``stats`` (nodes, when they first
+        serve it: clients cannot write the registry)."""
+        return self._drive(_single(Cmd(("SADD", keys.NAMESPACES_SET, _ns_key(key).member), key=keys.NAMESPACES_SET)))
 
     def server_ids(self) -> Any:
         """Each shard's run id by address, None for a shard that did not answer. A run id
@@ -370,9 +377,10 @@ class _IndexMethods:
 
         return self._drive(steps())
 
-    def namespace(self, digest: str) -> Any:
-        """The registered ``Namespace`` of a digest, or None (nodes learn namespaces here)."""
-        meta = keys.meta_key(_ns_hex(digest))
+    def namespace(self, key: keys.NamespaceKey) -> Any:
+        """The registered ``Namespace`` at ``key``, or None (nodes learn namespaces here;
+        the caller checks that it hashes to the digest)."""
+        meta = _ns_key(key).meta
 
         def steps() -> Generator[list[Cmd], list[Any], Namespace | None]:
             raw = _raise_first((yield [Cmd(("HGET", meta, "json"), key=meta)]))[0]
@@ -380,12 +388,12 @@ class _IndexMethods:
 
         return self._drive(steps())
 
-    def lookup(self, namespace: Namespace | str, hashes: Sequence[bytes], *, breaks: Sequence[int] = (), lease_ms: int | None = None) -> Any:
+    def lookup(self, namespace: Namespace | keys.NamespaceKey, hashes: Sequence[bytes], *, breaks: Sequence[int] = (), lease_ms: int | None = None) -> Any:
         """Entries for the longest stored prefix of ``hashes`` (chains start at 0 and at
         each of ``breaks``), with a read lease: an ``IndexLookup`` to ``resolve`` against
         live nodes. One script call per shard, all shards at once; a shard that fails
         ends the prefix at its first segment (a shorter prefix, never an error)."""
-        ns = _ns_hex(namespace)
+        ns = _ns_key(namespace).prefix
         blob = _check_hashes(hashes, "lookup")
         lease = self.lease_ms if lease_ms is None else lease_ms
         segs = keys.segments(len(hashes), breaks)
@@ -416,10 +424,10 @@ class _IndexMethods:
 
         return self._drive(steps())
 
-    def commit(self, namespace: Namespace | str, node_number: int, incarnation: str, entries: Sequence[CommitEntry]) -> Any:
+    def commit(self, namespace: Namespace | keys.NamespaceKey, node_number: int, incarnation: str, entries: Sequence[CommitEntry]) -> Any:
         """Make verified pages visible; per entry True when written, None where its shard
         failed. Raises ``IndexUnavailableError`` when none was."""
-        ns, tag = _ns_hex(namespace), incarnation_tag(_inc(incarnation))
+        ns, tag = _ns_key(namespace).prefix, incarnation_tag(_inc(incarnation))
         _number(node_number)
         blob = _check_hashes([e.page_hash for e in entries], "commit")
         _check_hashes([e.anchor for e in entries], "commit anchors")
@@ -442,11 +450,11 @@ class _IndexMethods:
 
         return self._drive(self._segment_writes(ns, groups, call, len(entries), lambda reply, n: [True] * n))
 
-    def remove(self, namespace: Namespace | str, node_number: int, hashes: Sequence[bytes], anchors: Sequence[bytes], respect_lease: bool = True) -> Any:
+    def remove(self, namespace: Namespace | keys.NamespaceKey, node_number: int, hashes: Sequence[bytes], anchors: Sequence[bytes], respect_lease: bool = True) -> Any:
         """Drop a node's entries of pages (eviction); per page True when its slot may be
         freed, False when a read lease keeps it, None when its shard failed. Raises
         ``IndexUnavailableError`` when every shard failed."""
-        ns, me = _ns_hex(namespace), _number(node_number)
+        ns, me = _ns_key(namespace).prefix, _number(node_number)
         blob = _check_hashes(hashes, "remove")
         if len(anchors) != len(hashes):
             raise InvalidInputError(f"need one anchor per page hash, got {len(anchors)} for {len(hashes)}")
@@ -520,10 +528,11 @@ class _IndexMethods:
 
         def steps() -> Generator[list[Cmd], list[Any], IndexStats]:
             nodes, members = _raise_first((yield [_live_nodes_cmd(), Cmd(("SMEMBERS", keys.NAMESPACES_SET), key=keys.NAMESPACES_SET)]))
-            digests = sorted(_text(d) for d in members)
-            metas = _raise_first((yield [Cmd(("HGET", keys.meta_key(d), "json"), key=keys.meta_key(d)) for d in digests])) if digests else []
+            spaces_keys = sorted((keys.NamespaceKey.from_member(_text(m)) for m in members), key=lambda k: k.member)
+            metas = _raise_first((yield [Cmd(("HGET", k.meta, "json"), key=k.meta) for k in spaces_keys])) if spaces_keys else []
             spaces = []
-            for digest, raw in zip(digests, metas):
+            for key, raw in zip(spaces_keys, metas):
+                digest = key.digest
                 per_node = {n.node_id: n.pages[digest] for n in nodes if n.pages.get(digest)}
                 ns = Namespace.model_validate_json(raw) if raw else None
                 spaces.append(NamespaceStats(digest, sum(per_node.values()), ns, per_node))
@@ -551,7 +560,7 @@ def _live_nodes_cmd() -> Cmd:
             nodes.append(NodeInfo(node_id, address, int(capacity), inc, int(number), fields))
         return nodes
 
-    return Cmd.run_script("live_nodes", [keys.NODES_ZSET], [keys.REGISTRY_PREFIX + "node:"], parse)
+    return Cmd.run_script("live_nodes", [keys.NODES_ZSET], [keys.REGISTRY_PREFIX + "node:"], parse, readonly=True)
 
 
 class _IndexBase(_IndexMethods):

@@ -4,10 +4,15 @@ Pages are indexed by *segment*: the pages at positions [s, s + SEGMENT_PAGES) of
 chain share one Redis string, keyed by the chain's hash at position s (the segment's
 anchor). A lookup of n pages reads n / SEGMENT_PAGES keys, and each segment key is its
 own Redis Cluster hash tag, so one namespace spreads over every shard. Registry keys
-share the tag {registry}; a namespace's metadata is tagged with its digest."""
+share the tag {registry}; a namespace's metadata is tagged with its digest.
+
+Every key of a tenant starts with ``kvs:t:<tenant>:`` (``tenant_keys``), so a Redis ACL
+key pattern confines a tenant's clients to their own keys; the registry
+(``kvs:{registry}:``) is written by storage nodes only (docs/security.md)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 REGISTRY_PREFIX = "kvs:{registry}:"
@@ -19,20 +24,44 @@ NODE_NUMBER_COUNTER = REGISTRY_PREFIX + "next_number"
 SEGMENT_PAGES = 64
 
 
-def namespace_prefix(ns_hex: str) -> str:
-    """What a namespace's segment and lease keys start with."""
-    return f"kvs:{ns_hex}:"
+def tenant_keys(tenant: str) -> str:
+    """The ACL key pattern of every key of ``tenant``."""
+    return f"kvs:t:{tenant}:*"
 
 
-def meta_key(ns_hex: str) -> str:
-    """The namespace's metadata hash (field ``json``: the canonical namespace)."""
-    return f"kvs:{{{ns_hex}}}:meta"
+@dataclass(frozen=True)
+class NamespaceKey:
+    """Where a namespace's keys live: its tenant and its digest (32 hex digits).
+    ``Namespace.key`` builds it; nodes rebuild it from a page's owner and digest."""
+
+    tenant: str
+    digest: str
+
+    @property
+    def prefix(self) -> str:
+        """What the namespace's segment and lease keys start with."""
+        return f"kvs:t:{self.tenant}:{self.digest}:"
+
+    @property
+    def meta(self) -> str:
+        """The namespace's metadata hash (field ``json``: the canonical namespace)."""
+        return f"kvs:t:{self.tenant}:{{{self.digest}}}:meta"
+
+    @property
+    def member(self) -> str:
+        """The namespace in the registry's set of namespaces (``tenant/digest``)."""
+        return f"{self.tenant}/{self.digest}"
+
+    @staticmethod
+    def from_member(member: str) -> NamespaceKey:
+        tenant, _, digest = member.partition("/")
+        return NamespaceKey(tenant, digest)
 
 
-def segment_key(ns_hex: str, anchor: bytes) -> str:
-    """A segment's key; its lease key has ``l`` for ``s`` (both built by the scripts too,
-    kvstore/lua/common.lua)."""
-    return f"{namespace_prefix(ns_hex)}s:{{{anchor.hex()}}}"
+def segment_key(prefix: str, anchor: bytes) -> str:
+    """A segment's key under a namespace's ``prefix``; its lease key has ``l`` for ``s``
+    (both built by the scripts too, kvstore/lua/common.lua)."""
+    return f"{prefix}s:{{{anchor.hex()}}}"
 
 
 def node_key(node_id: str) -> str:

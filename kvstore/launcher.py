@@ -52,6 +52,9 @@ class LocalCluster:
         self.slab_size = slab_size
         self.extra_args = extra_args or []
         self.env = {**os.environ, "UCX_NET_DEVICES": "lo", **(env or {})}
+        if not _has_credential(self.env, self.extra_args):
+            # a loopback store for tests and the demo; `kvstore up` passes a token
+            self.env["KVSTORE_ANONYMOUS"] = "true"
         self.quiet = quiet
         self._tmp = None if log_dir or not quiet else tempfile.TemporaryDirectory(prefix="kvstore-nodes-")
         self.log_dir = Path(log_dir or self._tmp.name) if quiet else None
@@ -137,6 +140,12 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _has_credential(env: dict[str, str], args: list[str]) -> bool:
+    """True when the nodes get a data-plane credential from ``env`` or ``args``."""
+    names = ("AUTH_TOKEN", "AUTH_TOKEN_FILE", "CREDENTIALS_FILE")
+    return any(env.get(f"KVSTORE_{n}") for n in names) or any(a.split("=")[0] in ("--auth-token", "--auth-token-file", "--credentials-file") for a in args)
 
 
 def _last_line(text: str) -> str:

@@ -11,6 +11,8 @@ import json
 from functools import cached_property
 from math import prod
 
+from kvstore.credentials import TENANT_PATTERN
+from kvstore.keys import NamespaceKey
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 FORMAT_VERSION = 1
@@ -53,7 +55,7 @@ class Namespace(BaseModel):
     tp_rank: int = Field(default=0, ge=0)
     tp_size: int = Field(default=1, gt=0)
     pp_rank: int = Field(default=0, ge=0)
-    tenant: str = Field(default="default", min_length=1)
+    tenant: str = Field(default="default", pattern=TENANT_PATTERN, description="who owns the pages; data-plane credentials grant rights per tenant, and index keys carry it")
     format_version: int = Field(default=FORMAT_VERSION, ge=1)
 
     @field_validator("dtype", mode="before")
@@ -91,6 +93,11 @@ class Namespace(BaseModel):
     @property
     def digest_hex(self) -> str:
         return self.digest.hex()
+
+    @property
+    def key(self) -> NamespaceKey:
+        """Where this namespace's keys live in the index."""
+        return NamespaceKey(self.tenant, self.digest_hex)
 
     @property
     def element_size(self) -> int:

@@ -30,11 +30,12 @@ from typing import Annotated, Any, ClassVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from kvstore.credentials import TENANT_PATTERN
 from kvstore.errors import ProtocolError
 from kvstore.keys import SEGMENT_PAGES
 
 MAGIC = b"KVSP"
-VERSION = 4
+VERSION = 5
 PREAMBLE = struct.Struct("<4sHHI")
 MAX_BODY_BYTES = 8 << 20
 FIRST_MESSAGE_BYTES = 4096
@@ -49,6 +50,8 @@ PACK_BELOW = 256 << 10
 
 # namespace digests: 16 bytes as lowercase hex
 Hex128 = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+# the namespace's tenant, which names where its keys live in the index
+Tenant = Annotated[str, Field(pattern=TENANT_PATTERN)]
 HASH_BYTES = 16
 # Kinds of binary array that follow a frame's JSON header: (numpy dtype, bytes per row).
 _ARRAY_TYPES: dict[str, tuple[str, int]] = {"u32": ("<u4", 4), "u64": ("<u8", 8), "bool": ("u1", 1), "hash": ("u1", HASH_BYTES)}
@@ -122,6 +125,7 @@ class PutRequest(_Frame):
 
     ARRAYS = {"hashes": "hash", "sizes": "u64", "join": "bool", "anchors": "hash", "positions": "u32"}
     namespace: Hex128
+    tenant: Tenant
     token: str = ""
     hashes: Array
     sizes: Array
@@ -178,6 +182,7 @@ class PutResult(_Frame):
 class GetRequest(_Frame):
     ARRAYS = {"hashes": "hash", "join": "bool"}
     namespace: Hex128
+    tenant: Tenant
     token: str = ""
     hashes: Array
     join: Array

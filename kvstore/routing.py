@@ -80,8 +80,10 @@ def seed_urls(url: str) -> list[str]:
 @dataclass(frozen=True, slots=True)
 class Cmd:
     """One command of a batch: a plain command, or a script (``script`` names it and
-    ``args`` holds its keys then its arguments, ``nkeys`` long). Routed by ``key`` (its
-    slot's shard) or to shard number ``shard``; ``parse`` reads the raw reply."""
+    ``args`` holds its keys then its arguments, ``nkeys`` long; a ``readonly`` script is
+    sent with EVALSHA_RO, which users with read-only access to its keys may run).
+    Routed by ``key`` (its slot's shard) or to shard number ``shard``; ``parse`` reads
+    the raw reply."""
 
     args: tuple[Any, ...]
     key: str | None = None
@@ -89,10 +91,11 @@ class Cmd:
     script: str | None = None
     nkeys: int = 0
     parse: Callable[[Any], Any] = lambda raw: raw
+    readonly: bool = False
 
     @staticmethod
-    def run_script(name: str, keys: Sequence[str], argv: Sequence[Any], parse: Callable[[Any], Any] = lambda raw: raw) -> Cmd:
-        return Cmd((*keys, *argv), key=keys[0] if keys else None, script=name, nkeys=len(keys), parse=parse)
+    def run_script(name: str, keys: Sequence[str], argv: Sequence[Any], parse: Callable[[Any], Any] = lambda raw: raw, *, readonly: bool = False) -> Cmd:
+        return Cmd((*keys, *argv), key=keys[0] if keys else None, script=name, nkeys=len(keys), parse=parse, readonly=readonly)
 
 
 @dataclass
@@ -230,7 +233,7 @@ class _Router:
     def _wire(self, cmd: Cmd) -> tuple[Any, ...]:
         if cmd.script is None:
             return cmd.args
-        return ("EVALSHA", self._shas[cmd.script], cmd.nkeys, *cmd.args)
+        return ("EVALSHA_RO" if cmd.readonly else "EVALSHA", self._shas[cmd.script], cmd.nkeys, *cmd.args)
 
     def _settle(self, batch: Sequence[Cmd], positions: list[int], raw: list[Any], url: str, out: list[Any]) -> None:
         """Parse each reply into ``out``; errors become ``KVStoreError`` values."""

@@ -10,7 +10,6 @@ broken transfer closes that connection only."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import socket
 from dataclasses import dataclass, field
@@ -21,8 +20,10 @@ import numpy as np
 from kvstore import protocol as P
 from kvstore import shm
 from kvstore.checksum import checksum_later, page_checksum
+from kvstore.credentials import Credential, CredentialFile
 from kvstore.errors import IndexScriptError, ProtocolError, RemoteFault
 from kvstore.index import AsyncPageIndex
+from kvstore.keys import NamespaceKey
 from kvstore.namespace import Namespace
 from kvstore.transport import Channel, with_timeout
 from server.eviction import Evictor, NodeIdentity
@@ -82,6 +83,15 @@ class _ShmConn:
         self.channel.close()
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask of a node. A connection carries one request at a time, so
+    ``put_bytes`` also bounds the bytes in flight per connection."""
+
+    pages: int = P.MAX_PAGES_PER_REQUEST
+    put_bytes: int = 1 << 62
+
+
 # Seconds every put may take beyond its size at min_put_rate (connection jitter, the
 # client hashing its pages before it sends the checksums).
 PUT_GRACE = 2.0
@@ -112,14 +122,15 @@ class PutBatch:
 
 class DataPlane:
     def __init__(self, store: PageStore, index: AsyncPageIndex, evictor: Evictor, metrics: NodeMetrics, identity: NodeIdentity, *,
-                 token: str, timeout: float, min_put_rate: float = 0) -> None:
+                 credentials: CredentialFile, timeout: float, min_put_rate: float = 0, limits: RequestLimits = RequestLimits()) -> None:
         self.store = store
         self.min_put_rate = min_put_rate
         self.index = index
         self.evictor = evictor
         self.metrics = metrics
         self.identity = identity
-        self.token = token
+        self.credentials = credentials
+        self.limits = limits
         self.timeout = timeout
         self.namespaces: dict[str, Namespace] = {}  # learnt from the index, re-published after an index loss
         self.closing = False
@@ -170,13 +181,17 @@ class DataPlane:
             frame = P.decode(raw)
             if not isinstance(frame, (P.PutRequest, P.GetRequest)):
                 raise ProtocolError(f"a request may not start with {type(frame).__name__}")
-            if not hmac.compare_digest(frame.token.encode(), self.token.encode()):
+            credential = self.credentials.find(frame.token)
+            if credential is None and self.credentials.enabled:
                 self.metrics.errors.labels("auth").inc()
-                raise _Refused("unauthorized", "data-plane token does not match")
+                raise _Refused("unauthorized", "the data-plane token matches no credential of this node")
+            if len(frame.hashes) > self.limits.pages:
+                self.metrics.errors.labels("too_large").inc()
+                raise _Refused("too_large", f"a request may name at most {self.limits.pages} pages (--max-request-pages), this one names {len(frame.hashes)}")
             op = "put" if isinstance(frame, P.PutRequest) else "get"
             self.metrics.requests.labels(op, conn.path).inc()
             with self.metrics.latency.labels(op).time():
-                await (self._put(conn, frame) if op == "put" else self._get(conn, frame))
+                await (self._put(conn, frame, credential) if op == "put" else self._get(conn, frame, credential))
         except ProtocolError as exc:
             self.metrics.errors.labels("protocol").inc()
             await self._reply_error(conn, "protocol", str(exc))
@@ -242,23 +257,44 @@ class DataPlane:
         except _Broken:
             pass
 
-    async def _namespace(self, digest: str) -> Namespace:
-        """The namespace behind a digest, read from the index once and cached."""
+    def _authorize(self, credential: Credential | None, ns: Namespace, write: bool) -> None:
+        """Refuse a request whose credential does not cover the namespace's tenant. The
+        tenant is the one the digest names (read from the index and checked against the
+        digest), never a claim of the frame. ``None`` passes only on an anonymous node."""
+        if credential is None and not self.credentials.enabled:
+            return
+        if credential is None or not credential.allows(ns.tenant, write):
+            self.metrics.errors.labels("forbidden").inc()
+            right = "write" if write else "read"
+            raise _Refused("forbidden", f"credential {credential.name if credential else '-'} may not {right} pages of tenant {ns.tenant}")
+
+    async def _namespace(self, req: P.PutRequest | P.GetRequest) -> Namespace:
+        """The namespace behind a request's digest, read from the index once (under the
+        tenant the request names) and cached. What the index holds must hash to the
+        digest, so the tenant a node acts on is the one the digest names; then the node
+        lists it in the registry (clients cannot)."""
+        digest = req.namespace
         ns = self.namespaces.get(digest)
         if ns is None:
+            key = NamespaceKey(req.tenant, digest)
             try:
-                ns = await self.index.namespace(digest)
+                ns = await self.index.namespace(key)
             except RemoteFault as exc:
                 raise _Refused("index_unavailable", f"cannot read namespace {digest} from the index: {exc}") from exc
-            if ns is None or ns.digest_hex != digest:
-                raise _Refused("unknown_namespace", f"namespace {digest} is not registered in the index")
+            if ns is None or ns.digest_hex != digest or ns.tenant != req.tenant:
+                raise _Refused("unknown_namespace", f"namespace {digest} of tenant {req.tenant} is not registered in the index")
+            try:
+                await self.index.announce_namespace(key)
+            except RemoteFault as exc:  # only `kvstore stats` misses it; announced again after an index loss
+                log.warning("cannot list namespace %s in the registry: %s", key.member, exc)
             self.namespaces[digest] = ns
         return ns
 
     # ---- PUT: plan, receive, verify, commit -----------------------------------------
 
-    async def _put(self, conn: _UcxConn | _ShmConn, req: P.PutRequest) -> None:
-        ns = await self._namespace(req.namespace)
+    async def _put(self, conn: _UcxConn | _ShmConn, req: P.PutRequest, credential: Credential | None) -> None:
+        ns = await self._namespace(req)
+        self._authorize(credential, ns, write=True)
         batch = self._plan_put(req, ns.tenant)
         try:
             await self._assign_slots(batch, ucx=conn.path == "ucx")
@@ -273,7 +309,7 @@ class DataPlane:
                     await self._receive_put(conn, batch)
             except TimeoutError:
                 raise _Broken(f"a put of {sum(p.size for p in batch.pages)} bytes did not arrive within {limit:.1f} s: its slots are released") from None
-            await self._commit(batch)
+            await self._commit(batch, ns)
         finally:
             for page in batch.pages:
                 if page not in batch.committed:
@@ -294,15 +330,17 @@ class DataPlane:
         that PUT stores it (or the page is a miss later, never wrong bytes)."""
         batch = PutBatch(req)
         slab = self.store.allocator.slab_size
+        budget = self.limits.put_bytes  # past it, pages are refused (one request cannot flush a node)
         anchors, positions = req.anchors, req.ints("positions")
         for i, (h, size) in enumerate(zip(req.hashes, req.ints("sizes"))):
             key = (req.namespace, h.tobytes())
             current = self.store.find(key)
             if current is not None:
                 (batch.refused if current.state is PageState.EVICTING else batch.present).append(i)
-            elif size > slab:
+            elif size > slab or size > budget:
                 batch.refused.append(i)
             else:
+                budget -= size
                 batch.wanted.append(i)
                 batch.pages.append(self.store.claim(key, size, owner=owner, anchor=anchors[i].tobytes(), position=positions[i]))
         return batch
@@ -345,14 +383,14 @@ class DataPlane:
             for k in range(starts[r], starts[r + 1]):
                 self._verify(batch, k)
 
-    async def _commit(self, batch: PutBatch) -> None:
+    async def _commit(self, batch: PutBatch, ns: Namespace) -> None:
         """Publish the verified pages; they become ready only once the index has them."""
         good = batch.good
         if not good:
             return
         entries = [commit_entry(p) for p in good]
         try:
-            written = await self.index.commit(batch.req.namespace, self.identity.number, self.identity.incarnation, entries)
+            written = await self.index.commit(ns, self.identity.number, self.identity.incarnation, entries)
         except RemoteFault as exc:
             log.warning("commit failed, dropping %d pages: %s", len(good), exc)
             return
@@ -383,7 +421,9 @@ class DataPlane:
 
     # ---- GET -------------------------------------------------------------------------
 
-    async def _get(self, conn: _UcxConn | _ShmConn, req: P.GetRequest) -> None:
+    async def _get(self, conn: _UcxConn | _ShmConn, req: P.GetRequest, credential: Credential | None) -> None:
+        if self.credentials.enabled:  # an anonymous node serves any namespace it holds pages of
+            self._authorize(credential, await self._namespace(req), write=False)
         store = self.store
         pages: list[StoredPage] = []
         runs: list[int] = []

@@ -37,7 +37,8 @@ class NodeMetrics:
         self.requests = Counter("kvstore_transfer_requests", "PUT and GET requests served, by data path", ["op", "path"], registry=r)
         self.messages = Counter("kvstore_payload_messages", "UCX payload messages", ["direction"], registry=r)
         self.evictions = Counter("kvstore_evicted_pages", "Pages evicted", registry=r)
-        self.refused = Counter("kvstore_refused_pages", "Pages refused for lack of space", registry=r)
+        self.refused = Counter("kvstore_refused_pages", "Pages refused for lack of space, over a request's byte limit, or over their tenant's quota", registry=r)
+        self.quota_refused = Counter("kvstore_quota_refused_pages", "Pages refused because their tenant held its quota in pages it could not evict (leased)", registry=r)
         self.corrupt = Counter("kvstore_corrupt_pages", "Received pages with a wrong checksum", registry=r)
         self.errors = Counter("kvstore_errors", "Failed requests by kind", ["kind"], registry=r)
         self.latency = Histogram(
@@ -55,7 +56,7 @@ class NodeMetrics:
             self.latency.labels(op)
             for path in ("ucx", "shm"):
                 self.requests.labels(op, path)
-        for kind in ("protocol", "transfer", "auth", "index_script"):
+        for kind in ("protocol", "transfer", "auth", "forbidden", "too_large", "index_script"):
             self.errors.labels(kind)
         for direction in ("in", "out"):
             self.messages.labels(direction)

@@ -24,11 +24,13 @@ import signal
 import time
 
 from kvstore.config import ServerSettings
+from kvstore.credentials import CredentialFile
 from kvstore.errors import FencedError, IndexScriptError, IndexUnavailableError, NodeIdInUseError, RemoteFault
 from kvstore.index import AsyncPageIndex, Registration
+from kvstore.keys import NamespaceKey
 from kvstore.shm import host_id
 from kvstore.transport import ensure_ucx
-from server.dataplane import DataPlane
+from server.dataplane import DataPlane, RequestLimits
 from server.eviction import Evictor, NodeIdentity
 from server.health import LoopWatchdog, start_health_server
 from server.metrics import NodeMetrics
@@ -60,10 +62,12 @@ class StorageNode:
         self.metrics.capacity.set(self.store.capacity)
         self.index = AsyncPageIndex(settings.redis_url, password=settings.redis_password.get_secret_value() or None)
         self.node_ttl_ms = int(settings.node_ttl * 1000)
-        self.evictor = Evictor(self.store, self.index, self.metrics, self.identity, settings.high_watermark, settings.low_watermark)
+        self.evictor = Evictor(self.store, self.index, self.metrics, self.identity, settings.high_watermark, settings.low_watermark,
+                               tenant_quota=int(settings.tenant_quota * self.store.capacity))
         self.dataplane = DataPlane(
             self.store, self.index, self.evictor, self.metrics, self.identity,
-            token=settings.auth_token.get_secret_value(), timeout=settings.transfer_timeout, min_put_rate=settings.min_put_rate,
+            credentials=CredentialFile(settings.credentials_file, settings.auth_token.get_secret_value()), timeout=settings.transfer_timeout, min_put_rate=settings.min_put_rate,
+            limits=RequestLimits(settings.max_request_pages, settings.max_request_bytes or self.store.capacity),
         )
         self.metrics.watch(self.store, self.dataplane)
         self.watchdog = LoopWatchdog(limit=max(10.0, 3 * settings.heartbeat_interval))
@@ -232,21 +236,22 @@ class StorageNode:
 
     async def _republish(self) -> None:
         """Publish every ready page under the current incarnation, namespace by namespace."""
-        by_ns: dict[str, list] = {}
+        by_ns: dict[NamespaceKey, list] = {}
         for page in self.store.ready_items():
-            by_ns.setdefault(page.key[0], []).append(page)
+            by_ns.setdefault(NamespaceKey(page.owner, page.key[0]), []).append(page)
         inc = self.identity.incarnation
-        for digest, pages in by_ns.items():
-            if ns := self.dataplane.namespaces.get(digest):
+        for key, pages in by_ns.items():
+            if ns := self.dataplane.namespaces.get(key.digest):
                 await self.index.ensure_namespace(ns)
+                await self.index.announce_namespace(key)
             for start in range(0, len(pages), 4096):
                 chunk = pages[start : start + 4096]
-                written = await self.index.commit(digest, self.identity.number, inc, [commit_entry(p) for p in chunk])
+                written = await self.index.commit(key, self.identity.number, inc, [commit_entry(p) for p in chunk])
                 if not all(written):
-                    raise IndexUnavailableError(f"an index shard failed while re-publishing {digest}")
+                    raise IndexUnavailableError(f"an index shard failed while re-publishing {key.member}")
                 # pages evicted while the commit was on its way must not stay advertised
                 if gone := [p for p in chunk if p.state is not PageState.READY]:
-                    await self.index.remove(digest, self.identity.number, [p.key[1] for p in gone], [p.anchor for p in gone], respect_lease=False)
+                    await self.index.remove(key, self.identity.number, [p.key[1] for p in gone], [p.anchor for p in gone], respect_lease=False)
         log.info("re-published %d pages in %d namespaces", sum(map(len, by_ns.values())), len(by_ns))
 
     async def _deregister(self) -> None:

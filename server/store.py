@@ -62,6 +62,7 @@ class PageStore:
         self.pages: dict[PageKey, StoredPage] = {}
         self._lru: OrderedDict[PageKey, StoredPage] = OrderedDict()
         self.namespace_pages: Counter[str] = Counter()
+        self.tenant_bytes: Counter[str] = Counter()  # slot bytes each owner holds (quota, server/eviction.py)
         self.pins = 0  # claims and transfers in progress, over all pages
 
     @property
@@ -100,7 +101,10 @@ class PageStore:
     def assign_slot(self, page: StoredPage) -> bool:
         """Give a claimed page a slot; False when no slot is free (evict and retry)."""
         page.offset = self.allocator.allocate(page.size, page.owner)
-        return page.offset is not None
+        if page.offset is None:
+            return False
+        self.tenant_bytes[page.owner] += self.allocator.slot_size(page.offset)
+        return True
 
     def finish_put(self, page: StoredPage) -> None:
         """The claimed page is verified and committed: it becomes ready."""
@@ -130,11 +134,11 @@ class PageStore:
         if page.state is PageState.DROPPED:
             self._release_slot(page)
 
-    def take_victims(self, nbytes: int, slot_size: int | None = None, owner: str = "") -> list[StoredPage]:
+    def take_victims(self, nbytes: int, slot_size: int | None = None, owner: str = "", only_owner: bool = False) -> list[StoredPage]:
         """Move least-recently-used ready pages worth ``nbytes`` of slots (preferring slot
         size ``slot_size`` of ``owner`` when given: their slots are the ones a new page
-        can use) to *evicting*, hidden from readers. The caller either ``drop``s or
-        ``restore``s each one."""
+        can use; only ``owner``'s pages with ``only_owner``) to *evicting*, hidden from
+        readers. The caller either ``drop``s or ``restore``s each one."""
         victims: list[StoredPage] = []
         freed = 0
         alloc = self.allocator
@@ -142,6 +146,8 @@ class PageStore:
             for page in self._lru.values():
                 if freed >= nbytes:
                     break
+                if only_owner and page.owner != owner:
+                    continue
                 if page.state is PageState.READY and (pass_class is None or (alloc.slot_size(page.offset) == pass_class and alloc.owner(page.offset) == owner)):
                     page.state = PageState.EVICTING
                     victims.append(page)
@@ -170,6 +176,7 @@ class PageStore:
     def _release_slot(self, page: StoredPage) -> None:
         """Free a dropped page's slot once no transfer holds it (at most once)."""
         if page.pins == 0 and page.offset is not None:
+            self.tenant_bytes[page.owner] -= self.allocator.slot_size(page.offset)
             self.allocator.free(page.offset)
             page.offset = None
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 
 import pytest
 
@@ -11,6 +10,7 @@ from kvstore.index import PageIndex
 from kvstore.launcher import LocalCluster
 from kvstore.namespace import Namespace
 from kvstore.valkey import EmbeddedValkey
+from tests.helpers import tenant_for
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
@@ -24,7 +24,7 @@ def valkey():
 @pytest.fixture()
 def namespace(request) -> Namespace:
     """A namespace of small pages, unique to the test so tests never see each other's pages."""
-    tenant = re.sub(r"[^A-Za-z0-9_.-]", "_", request.node.name)[:80]
+    tenant = tenant_for(request.node.name)
     return Namespace(model="test-model", dtype="float16", num_layers=2, num_kv_heads=2, head_size=32, block_size=16, hidden_size=64, tenant=tenant)
 
 

@@ -5,6 +5,7 @@ what a page must contain and compare bit for bit."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -45,6 +46,12 @@ def namespace_for_page_size(nbytes: int, tenant: str = "default", **fields) -> N
 def page_bytes(ns: Namespace, block_hash: bytes) -> np.ndarray:
     rng = np.random.default_rng(int.from_bytes(block_hash[:8], "little"))
     return rng.integers(0, 256, ns.page_nbytes, dtype=np.uint8)
+
+
+def tenant_for(test_name: str) -> str:
+    """A tenant name unique to a test: tenant names are at most 64 of [A-Za-z0-9_.-],
+    and a digest keeps long parametrized names apart."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", test_name)[:52] + "-" + hashlib.sha1(test_name.encode()).hexdigest()[:8]
 
 
 def pages_for(ns: Namespace, tokens) -> torch.Tensor:
@@ -140,7 +147,7 @@ def corrupt_entry_checksums(url: str, ns: Namespace, hashes: list[bytes], i: int
     from kvstore.index import ENTRY, HASH_PAIR
 
     raw = raw_index(url)
-    key = keys.segment_key(ns.digest_hex, keys.placement(hashes)[0][i])
+    key = keys.segment_key(ns.key.prefix, keys.placement(hashes)[0][i])
     entries = np.frombuffer(raw.get(key), dtype=ENTRY).copy()
     want = np.frombuffer(hashes[i], dtype=HASH_PAIR)[0]
     hit = (entries["h0"] == want["h0"]) & (entries["h1"] == want["h1"])

@@ -1,4 +1,4 @@
-"""Sends malformed frames to a storage node: ``python tests/raw_client.py HOST PORT NS``.
+"""Sends malformed frames to a storage node: ``python tests/raw_client.py HOST PORT NS TENANT``.
 
 Prints one JSON line: the error code answered to each bad frame, and what happened
 to a put whose payload was cut short. A bad preamble leaves the stream out of step,
@@ -30,9 +30,9 @@ async def ask(ep: Channel, data: bytes) -> str:
     return frame.code if isinstance(frame, P.ErrorFrame) else type(frame).__name__
 
 
-async def main(host: str, port: int, ns_hex: str) -> dict:
+async def main(host: str, port: int, ns_hex: str, tenant: str) -> dict:
     ucxx = ensure_ucx()
-    good = P.encode(P.GetRequest(namespace="0" * 32, hashes=[b"1" * 16], join=[False]))
+    good = P.encode(P.GetRequest(namespace="0" * 32, tenant="default", hashes=[b"1" * 16], join=[False]))
     body = good[P.PREAMBLE.size :]
     hlen = struct.unpack_from("<I", body)[0]
     too_many_rows = body[: 4 + hlen] + struct.pack("<I", 5) + body[4 + hlen + 4 :]  # 5 hashes announced, 1 sent
@@ -62,7 +62,7 @@ async def main(host: str, port: int, ns_hex: str) -> dict:
 
     # A put whose payload arrives shorter than announced: the page must not be stored.
     page = np.arange(65536, dtype=np.uint8)
-    put = P.PutRequest(namespace=ns_hex, hashes=[bytes.fromhex("2" * 32)], sizes=[page.nbytes], join=[False], anchors=[bytes.fromhex("2" * 32)], positions=[0])
+    put = P.PutRequest(namespace=ns_hex, tenant=tenant, hashes=[bytes.fromhex("2" * 32)], sizes=[page.nbytes], join=[False], anchors=[bytes.fromhex("2" * 32)], positions=[0])
     await ep.send_frame(put)
     plan = P.decode(await ep.recv_frame())
     await ep.send_frame(P.PutChecksums(checksums=[page_checksum(page)]))
@@ -79,4 +79,4 @@ async def main(host: str, port: int, ns_hex: str) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(asyncio.run(main(sys.argv[1], int(sys.argv[2]), sys.argv[3]))), flush=True)
+    print(json.dumps(asyncio.run(main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]))), flush=True)

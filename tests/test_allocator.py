@@ -150,8 +150,8 @@ def test_the_pool_asks_for_the_configured_huge_page_size():
         MemoryPool(4 << 20, 2 << 20, hugepage_size=4 << 20)
     assert MemoryPool(2 << 20, 2 << 20, hugepage_size=2 << 20)._huge_flag == os.MFD_HUGE_2MB
     assert _HUGE_FLAGS[1 << 30] == os.MFD_HUGE_1GB
-    assert ServerSettings(hugepage_size="1GiB", slab_size="1GiB", capacity="2GiB").hugepage_size == 1 << 30
+    assert ServerSettings(hugepage_size="1GiB", slab_size="1GiB", capacity="2GiB", anonymous=True).hugepage_size == 1 << 30
     with pytest.raises(ValueError, match="multiple of the 1GiB"):
-        ServerSettings(hugepage_size="1GiB", slab_size="64MiB", capacity="2GiB")
+        ServerSettings(hugepage_size="1GiB", slab_size="64MiB", capacity="2GiB", anonymous=True)
     with pytest.raises(ValueError, match="2MiB or 1GiB"):
-        ServerSettings(hugepage_size="4MiB")
+        ServerSettings(hugepage_size="4MiB", anonymous=True)

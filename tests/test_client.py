@@ -13,7 +13,7 @@ from client.placement import place
 from kvstore import InvalidInputError, Namespace, block_hashes
 from kvstore.index import PageIndex
 from kvstore.launcher import LocalCluster
-from tests.helpers import corrupt_entry_checksums, kv_for, pages_for, run_worker
+from tests.helpers import tenant_for, corrupt_entry_checksums, kv_for, pages_for, run_worker
 
 BLOCK = 16
 
@@ -40,7 +40,7 @@ def make_ns(tenant: str, **over) -> Namespace:
 
 @pytest.fixture()
 def ns(request) -> Namespace:
-    return make_ns(request.node.name[:60])
+    return make_ns(tenant_for(request.node.name))
 
 
 @pytest.fixture()

@@ -271,7 +271,7 @@ def test_a_script_error_is_a_bug_logged_at_error_not_an_unavailable_index(cluste
     raw = redis.Redis.from_url(cluster.redis_url)
     with KVCacheClient(cluster.redis_url, ns) as client:
         client.put_pages(tokens, pages_for(ns, tokens))
-        segment = keys.segment_key(ns.digest_hex, block_hashes(ns, tokens)[0])
+        segment = keys.segment_key(ns.key.prefix, block_hashes(ns, tokens)[0])
         raw.delete(segment)
         raw.hset(segment, "not", "a string")  # every script that reads it now fails
         out = torch.empty(4, *ns.page_shape, dtype=torch.float16)
@@ -325,7 +325,7 @@ def test_a_stopped_index_shard_shortens_prefixes_for_every_client():
             index = PageIndex(cluster.redis_url)
             index.ping()
             topology = index._router.topology
-            shard_of = lambda tokens: [topology.shard_of(keys.segment_key(ns.digest_hex, block_hashes(ns, tokens)[s])) for s, _ in keys.segments(len(tokens) // ns.block_size)]
+            shard_of = lambda tokens: [topology.shard_of(keys.segment_key(ns.key.prefix, block_hashes(ns, tokens)[s])) for s, _ in keys.segments(len(tokens) // ns.block_size)]
             registry = topology.shard_of(keys.NODES_ZSET)
             victim = next(s for s in range(3) if s not in (registry, shard_of(first)[0]))
             cluster.valkey.shards[victim].stop()
@@ -344,7 +344,7 @@ def test_a_stopped_index_shard_shortens_prefixes_for_every_client():
             third = list(range(900_000, 900_000 + 3 * per_segment))
             report = insert_tokens(mine, ns, third)
             lost = shard_of(third).count(victim) * keys.SEGMENT_PAGES
-            tail = keys.segment_key(ns.digest_hex, part_hashes(sequence_hash(ns, third), 1)[0])
+            tail = keys.segment_key(ns.key.prefix, part_hashes(sequence_hash(ns, third), 1)[0])
             lost += topology.shard_of(tail) == victim
             assert report.stored == 3 * keys.SEGMENT_PAGES + 1 - lost
         no_tracebacks(cluster)

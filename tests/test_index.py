@@ -99,7 +99,7 @@ def test_a_long_prefix_spans_segments_and_shards(index, namespace, valkey):
     # asked further than it is stored, the prefix ends inside the last stored segment
     assert lookup(index, namespace, chain(namespace, 7 * keys.SEGMENT_PAGES)).matched == len(hashes)
     servers = valkey.shards if isinstance(valkey, EmbeddedValkeyCluster) else [valkey]
-    per_server = [sum(1 for _ in redis.Redis.from_url(s.url).scan_iter(f"kvs:{namespace.digest_hex}:s:*")) for s in servers]
+    per_server = [sum(1 for _ in redis.Redis.from_url(s.url).scan_iter(f"{namespace.key.prefix}s:*")) for s in servers]
     assert sum(per_server) == 6
     if len(servers) > 1:  # one namespace spreads over the shards
         assert sum(n > 0 for n in per_server) >= 2
@@ -145,6 +145,7 @@ def test_commit_is_idempotent_and_replaces_the_nodes_older_entry(index, namespac
 
 def test_stats_count_what_live_nodes_report(index, namespace):
     index.ensure_namespace(namespace)
+    index.announce_namespace(namespace.key)  # a node does, when it first serves it
     a = register(index, "a", pages=f'{{"{namespace.digest_hex}":4}}')
     register(index, "b", "127.0.0.1:2", pages=f'{{"{namespace.digest_hex}":2}}')
     spaces = {s.digest: s for s in index.stats().namespaces}
@@ -318,7 +319,7 @@ def test_a_lookup_is_at_most_one_script_call_per_shard(index, namespace, valkey,
         monitor.__exit__(None, None, None)
     assert result.matched == count
     calls = [sum(c["command"].split()[0] == "EVALSHA" for c in out if c["client_type"] != "lua") for out in seen]
-    assert max(calls) == 1 and sum(calls) == len({index._router.topology.shard_of(keys.segment_key(namespace.digest_hex, hashes[s])) for s, _ in keys.segments(count)})
+    assert max(calls) == 1 and sum(calls) == len({index._router.topology.shard_of(keys.segment_key(namespace.key.prefix, hashes[s])) for s, _ in keys.segments(count)})
     # the scripts read one key per segment (plus its lease), never one per page
     reads = sum(c["command"].split()[0] == "GET" for out in seen for c in out if c["client_type"] == "lua")
     assert reads == len(keys.segments(count))
@@ -341,7 +342,7 @@ def test_a_stopped_shard_shortens_the_prefix_without_an_error(namespace):
         commit(index, ns, a, ns_hashes)
         nodes = index.live_nodes()
         assert index.lookup(ns, ns_hashes).resolve(nodes).matched == len(ns_hashes)
-        plan = [index._router.topology.shard_of(keys.segment_key(ns.digest_hex, ns_hashes[s])) for s, _ in keys.segments(len(ns_hashes))]
+        plan = [index._router.topology.shard_of(keys.segment_key(ns.key.prefix, ns_hashes[s])) for s, _ in keys.segments(len(ns_hashes))]
         victim = next(shard for shard in plan if shard != plan[0])  # not the first segment's
         first_lost = plan.index(victim)
         cluster.shards[victim].stop()
@@ -363,8 +364,12 @@ def test_bad_input_raises_clear_errors(index, namespace):
     with pytest.raises(InvalidInputError, match="empty list"):
         index.lookup(namespace, [])
     with pytest.raises(InvalidInputError, match="32 lowercase hex"):
-        index.lookup("nope", [bytes(16)])
-    assert index.lookup("0" * 32, [bytes(16)]).resolve([]).matched == 0  # unknown namespace: a miss
+        index.lookup(keys.NamespaceKey("t", "nope"), [bytes(16)])
+    with pytest.raises(InvalidInputError, match="tenant 'a:b' must match"):
+        index.lookup(keys.NamespaceKey("a:b", "0" * 32), [bytes(16)])
+    with pytest.raises(InvalidInputError, match="need a Namespace or NamespaceKey, got str"):
+        index.lookup("0" * 32, [bytes(16)])
+    assert index.lookup(keys.NamespaceKey("t", "0" * 32), [bytes(16)]).resolve([]).matched == 0  # unknown namespace: a miss
     with pytest.raises(InvalidInputError, match="redis://"):
         PageIndex("http://localhost:6379")
     with pytest.raises(InvalidInputError, match="host:port"):
@@ -394,7 +399,7 @@ def test_url_forms_password_acl_user_and_db(valkey, namespace):
         idx = PageIndex(url)
         idx.ensure_namespace(namespace)
         assert idx.lookup(namespace, [bytes(16)]).resolve([]).matched == 0
-        assert idx.namespace(namespace.digest_hex) == namespace
+        assert idx.namespace(namespace.key) == namespace
         with pytest.raises(Exception, match="(?i)WRONGPASS|invalid"):
             PageIndex(url.replace("pw1", "wrong")).ping()
     finally:
@@ -447,7 +452,7 @@ def test_a_stale_slot_map_costs_one_shorter_lookup_then_is_read_again(namespace)
         commit(index, namespace, a, hashes)
         nodes = index.live_nodes()
         topology = index._router.topology
-        slot = redis.crc.key_slot(keys.segment_key(namespace.digest_hex, hashes[0]).encode())
+        slot = redis.crc.key_slot(keys.segment_key(namespace.key.prefix, hashes[0]).encode())
         right = topology.slot_shard[slot]
         topology.slot_shard[slot] = (right + 1) % 3  # as if the slot had moved
         found = index.lookup(namespace, hashes)

@@ -170,7 +170,7 @@ def test_garbage_and_truncated_frames_do_not_take_the_server_down(clusters):
     ns = namespace_for_page_size(64 << 10, tenant="garbage")
     index = PageIndex(cluster.redis_url)
     index.ensure_namespace(ns)
-    out = subprocess.run([sys.executable, str(ROOT / "tests" / "raw_client.py"), node.host, str(node.port), ns.digest_hex], env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "raw_client.py"), node.host, str(node.port), ns.digest_hex, ns.tenant], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     replies = json.loads(out.stdout.strip().splitlines()[-1])
     for case in ("garbage", "short", "bad_magic", "bad_version", "truncated", "oversized", "unknown_type", "bad_json", "server_frame", "bad_rows"):
@@ -319,7 +319,7 @@ def test_bad_same_host_frames_and_a_hostile_writer_do_not_hurt_the_node(clusters
     with socket.socket(socket.AF_UNIX) as sock:
         sock.settimeout(10)
         sock.connect(node.extra["shm"])
-        sock.sendall(P.encode(P.PutRequest(namespace=ns.digest_hex, hashes=[b"3" * 16], sizes=[page.nbytes], join=[False], anchors=[b"3" * 16], positions=[0])))
+        sock.sendall(P.encode(P.PutRequest(namespace=ns.digest_hex, tenant=ns.tenant, hashes=[b"3" * 16], sizes=[page.nbytes], join=[False], anchors=[b"3" * 16], positions=[0])))
         plan, fds = reply(sock)
         assert isinstance(plan, P.PutPlan) and len(fds) == 1 and plan.ints("wanted") == [0]
         with pytest.raises(PermissionError):

@@ -37,7 +37,7 @@ async def reconnect_cycles(client: KVCacheClient, ns: Namespace, cycles: int) ->
     sink = [Span(np.zeros(ns.page_nbytes, dtype=np.uint8), 0, ns.page_nbytes)]
     for _ in range(cycles):
         conn = NodeConnection(node, "", inner._ucxx)  # UCX on purpose: its per-connection cost
-        await conn.get(ns.digest_hex, [bytes(16)], sink, [0], 10.0)
+        await conn.get(ns.key, [bytes(16)], sink, [0], 10.0)
         await conn.close()
     return cycles
 

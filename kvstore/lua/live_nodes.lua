@@ -1,9 +1,10 @@
--- Live nodes: drop expired registry entries, return {id, field, value, ..., '', ...}.
--- KEYS: nodes zset.  ARGV: node key prefix.
+-- Live nodes: those whose heartbeat deadline has not passed (nodes prune the expired
+-- ones when they heartbeat, register.lua), as {id, field, value, ..., '', ...}.
+-- Read-only, so clients and operators, whose users may only read the registry, run it
+-- with EVALSHA_RO. KEYS: nodes zset.  ARGV: node key prefix.
 local now = now_ms()
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local out = {}
-for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')) do
   local f = redis.call('HGETALL', ARGV[1] .. id)
   if #f > 0 then
     out[#out + 1] = id

@@ -40,4 +40,5 @@ redis.call('DEL', KEYS[2])
 redis.call('HSET', KEYS[2], unpack(fields))
 redis.call('PEXPIRE', KEYS[2], ttl)
 redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)  -- dead nodes' entries (live_nodes only reads)
 return {1, inc, tonumber(number)}

@@ -1,0 +1,96 @@
+"""Pages split by KV head, so engines of any tensor-parallel size share them
+(docs/key-format.md "Head groups").
+
+A namespace's ``total_heads`` KV heads are stored in ``groups`` groups of
+``group_heads`` heads each: one *unit* per block and group, laid out as a page of the
+namespace's layout holding only that group's heads. Unit ``s`` of a block is keyed by
+the block's chain hash with bytes 8-9 XOR ``s`` (little-endian u16): unit 0 is the
+chain hash itself, every unit of a block sits at the block's position in its index
+segment (one lookup reads them all), and hashing costs what it always did.
+
+A tensor-parallel rank holds a range of heads (``Namespace.head_range``) and needs the
+units that cover it (``HeadPlan``). Client code calls ``plan``, ``unit_hashes``,
+``split`` (a rank's pages into its units, for a put) and ``merge`` (received units into
+the rank's pages, for a get); the index matches units by ``unit_of``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstore.namespace import Namespace
+
+# unit s of a block: the chain hash with this u64 (bytes 8-15, little-endian) XOR s
+UNIT_MASK = 0xFFFF
+
+
+@dataclass(frozen=True, slots=True)
+class HeadPlan:
+    """The units one rank reads or writes: ``count`` units from ``first``, each of
+    ``group_heads`` heads; the rank's heads start ``offset`` heads into the first unit
+    and number ``rank_heads``. ``whole`` when the rank's heads are exactly those units
+    (only then can the rank store them); ``identity`` when one unit is the rank's whole
+    page (pages move as they are, no split or merge)."""
+
+    first: int
+    count: int
+    group_heads: int
+    offset: int
+    rank_heads: int
+
+    @property
+    def whole(self) -> bool:
+        return self.offset == 0 and self.rank_heads == self.count * self.group_heads
+
+    @property
+    def identity(self) -> bool:
+        return self.count == 1 and self.whole
+
+
+def plan(ns: Namespace) -> HeadPlan:
+    """The units covering the heads of ``ns``'s rank."""
+    lo, hi = ns.head_range
+    g = ns.group_heads
+    first, last = lo // g, (hi - 1) // g
+    return HeadPlan(first, last - first + 1, g, lo - first * g, hi - lo)
+
+
+def unit_hashes(chain: list[bytes], first: int, count: int) -> list[bytes]:
+    """The keys of units ``first`` to ``first + count - 1`` of every block of ``chain``,
+    block by block (vectorised: 8,192 blocks of 8 units take about a millisecond)."""
+    if first == 0 and count == 1:
+        return chain
+    pairs = np.frombuffer(b"".join(chain), dtype="<u8").reshape(-1, 2)
+    out = np.repeat(pairs[:, None, :], count, axis=1)
+    out[:, :, 1] ^= np.arange(first, first + count, dtype="<u8")
+    raw = out.tobytes()
+    return [raw[i : i + 16] for i in range(0, len(raw), 16)]
+
+
+def unit_of(asked: np.ndarray, found: np.ndarray) -> np.ndarray:
+    """For index entries ``found`` (h0, h1) at positions asked as ``asked`` (h0, h1 of
+    the block's chain hash): the unit each entry is, or -1 when it belongs to another
+    block."""
+    delta = asked["h1"] ^ found["h1"]
+    same = (asked["h0"] == found["h0"]) & (delta <= UNIT_MASK)
+    return np.where(same, delta.astype(np.int64), -1)
+
+
+def split(ns: Namespace, pages: torch.Tensor, p: HeadPlan) -> torch.Tensor:
+    """The rank's ``pages`` ``[n, *page_shape]`` as ``[n, count, *unit_shape]``,
+    contiguous: the units to store, block by block (one copy)."""
+    d = 1 + ns.head_dim
+    return pages.unflatten(d, (p.count, p.group_heads)).movedim(d, 1).contiguous()
+
+
+def merge(ns: Namespace, units: torch.Tensor, out: torch.Tensor, p: HeadPlan) -> None:
+    """Copy received ``units`` ``[n, count, *unit_shape]`` into the rank's pages ``out``
+    ``[n, *page_shape]``, taking only the rank's heads of partly needed units."""
+    d = 1 + ns.head_dim
+    heads = units.movedim(1, d).flatten(d, d + 1)  # [n, ..., count * group_heads, ...]
+    out.copy_(heads.narrow(d, p.offset, p.rank_heads))
