@@ -26,6 +26,32 @@ redis://{{ include "kvstore.fullname" . }}-valkey:{{ .Values.index.valkey.port }
 {{- end -}}
 {{- end -}}
 
+{{/* The storage nodes' index URL: as user kvstore-node when the chart makes the index users. */}}
+{{- define "kvstore.nodeRedisURL" -}}
+{{- if include "kvstore.indexUsers" . -}}
+redis://kvstore-node@{{ include "kvstore.fullname" . }}-valkey:{{ .Values.index.valkey.port }}/0
+{{- else -}}
+{{ include "kvstore.redisURL" . }}
+{{- end -}}
+{{- end -}}
+
+{{/* Non-empty when the chart creates index users (its own Valkey, index.acl.enabled). */}}
+{{- define "kvstore.indexUsers" -}}{{ if and .Values.index.valkey.enabled .Values.index.acl.enabled }}true{{ end }}{{- end -}}
+
+{{/* Redis ACL rules of an index role: (dict "role" "node"|"client"|"operator" "tenant" name).
+     Mirrors kvstore/acl.py `rules` (tests/test_helm.py holds them equal). */}}
+{{- define "kvstore.aclRules" -}}
+{{- $common := "resetchannels -@all +ping +time +client|setinfo +cluster|slots +script|load +evalsha_ro +zrangebyscore +hgetall" -}}
+{{- $lookup := "+evalsha +get +set +pttl +pexpire" -}}
+{{- if eq .role "node" -}}
+resetkeys ~kvs:* {{ $common }} {{ $lookup }} +hsetnx +hget +hset +sadd +smembers +del +incr +zadd +zrem +zremrangebyscore +info
+{{- else if eq .role "client" -}}
+resetkeys ~kvs:t:{{ .tenant }}:* %R~kvs:{registry}:* {{ $common }} {{ $lookup }} +hsetnx
+{{- else -}}
+resetkeys %R~kvs:* {{ $common }} +smembers +hget
+{{- end -}}
+{{- end -}}
+
 {{- define "kvstore.passwordSecret" -}}{{ default (include "kvstore.secretName" .) .Values.index.existingSecret }}{{- end -}}
 {{- define "kvstore.tokenSecret" -}}{{ default (include "kvstore.secretName" .) .Values.auth.existingSecret }}{{- end -}}
 
