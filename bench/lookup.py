@@ -19,7 +19,12 @@ the matched length and each matched page's live replicas (node, slot, size, chec
 The two are interleaved (A B A B ...) and reported as median and min-max in ms, with
 kvstore's figure as a ratio of plain's. Valkey CPU per looked-up block comes from
 ``INFO commandstats`` (usec of the commands each system sent). ``--cluster`` adds
-kvstore on a 3-shard embedded Valkey cluster (shards looked up in parallel)."""
+kvstore on a 3-shard embedded Valkey cluster (shards looked up in parallel).
+
+Last, head groups (docs/key-format.md): a prompt stored by a TP=2 engine (two head
+groups per block) looked up by a TP=1 engine (both groups) and by one TP=2 rank (its
+group), beside a TP=1 engine looking up its own whole pages, interleaved, with each
+figure as a ratio of the same-TP one."""
 
 from __future__ import annotations
 
@@ -67,6 +72,55 @@ def publish_plain(r: redis.Redis, hashes: list[bytes]) -> None:
     for i, h in enumerate(hashes):
         pipe.hset(b"bench:p:" + h, "a" if i % 2 == 0 else "b", f"0123456789abcdef|{i << 21}|{2 << 20}|{i}")
     pipe.execute()
+
+
+def publish_units(index: PageIndex, storage: Namespace, hashes: list[bytes], groups: int) -> list:
+    """Commit ``groups`` units of every block (as that many TP ranks would), spread over
+    two nodes of their own; returns the live nodes."""
+    from kvstore.heads import unit_hashes
+
+    index.ensure_namespace(storage)
+    anchors, positions = keys.placement(hashes)
+    units = unit_hashes(hashes, 0, groups)
+    for node in ("tp-a", "tp-b"):
+        reg = index.register_node(node, f"127.0.0.1:{3 + (node == 'tp-b')}", 1 << 30, 3_600_000)
+        mine = [k for k in range(len(units)) if (k % 2 == 0) == (node == "tp-a")]
+        for start in range(0, len(mine), 2048):
+            index.commit(storage, reg.number, reg.incarnation,
+                         [CommitEntry(units[k], anchors[k // groups], positions[k // groups], k << 20, (2 << 20) // groups, k) for k in mine[start : start + 2048]])
+    return index.live_nodes()
+
+
+def tp_lookups(url: str, iterations: int) -> None:
+    """Lookup latency with head groups against whole pages (see the module docstring)."""
+    base = dict(model="bench-tp", dtype="float16", num_layers=32, head_size=128, block_size=16)
+    same = Namespace(**base, num_kv_heads=8)  # TP=1, one group: whole pages
+    tp1 = Namespace(**base, num_kv_heads=8, head_groups=2)  # TP=1 reading what TP=2 stored
+    rank = Namespace(**base, num_kv_heads=4, tp_size=2)  # TP=2 rank 0 (two groups by default)
+    assert tp1.storage == rank.storage
+    index = PageIndex(url)
+    stored = list(range(BLOCKS * 16))
+    publish_units(index, same.storage, block_hashes(same.storage, stored), 1)
+    nodes = publish_units(index, tp1.storage, block_hashes(tp1.storage, stored), 2)
+
+    def ask(ns: Namespace, units: tuple[int, int]) -> Callable[[list[int]], int]:
+        storage = ns.storage
+        return lambda t: index.lookup(storage, block_hashes(storage, t), units=units).resolve(nodes).matched
+
+    systems = [("same TP (TP=1, whole pages)", ask(same, (0, 1))), ("TP=2 -> TP=1 (2 groups)", ask(tp1, (0, 2))), ("TP=2 -> TP=2 rank (1 group)", ask(rank, (0, 1)))]
+    print("\nhead groups: lookup latency, token ids -> locations, ms, median (min-max); ratio to same TP")
+    for count in (1024, 8192):
+        tokens = stored[: count * 16]
+        for name, fn in systems:
+            assert fn(tokens) == count, name
+        samples: dict[str, list[float]] = {name: [] for name, _ in systems}
+        for _ in range(iterations if count < 8192 else max(10, iterations // 3)):
+            for name, fn in systems:
+                t = time.perf_counter()
+                fn(tokens)
+                samples[name].append((time.perf_counter() - t) * 1e3)
+        base_ms = statistics.median(samples[systems[0][0]])
+        print(f"{count:>6} blocks | " + " | ".join(f"{name}: {fmt(samples[name])} ({statistics.median(samples[name]) / base_ms:.2f}x)" for name, _ in systems), flush=True)
 
 
 def plain_lookup(r: redis.Redis, ns: Namespace, tokens: list[int], command: str) -> int:
@@ -167,6 +221,7 @@ def main() -> int:
                 print(f"{count:>6} {int(hit * 100):>3}% | " + " | ".join(f"{fmt(samples[name]):>26}" for name, *_ in systems) + f" | {ratio:>14.2f} | {cpu}", flush=True)
         print(f"\none Valkey core answers about {1e6 / per_call[('kvstore', 8192, 1.0)]:,.0f} kvstore lookups of 8192 stored blocks a second "
               f"(plain EXISTS: {1e6 / per_call[('plain exists', 8192, 1.0)]:,.0f}, plain HGETALL: {1e6 / per_call[('plain hgetall', 8192, 1.0)]:,.0f})")
+        tp_lookups(single.url, args.iterations)
     finally:
         single.stop()
         if cluster is not None:

@@ -19,7 +19,13 @@ median with min-max, and a ratio to the quiet memcpy of the same size. Gets are
 end to end (hash the tokens, one index lookup, transfer, verify) and are checked
 bit-exact against the pages put. CPU seconds per GB moved are read from
 /proc for the node (or Valkey) and the client process. Last, the idle CPU of the
-node, a client that has used both paths, and Valkey, over 5 s."""
+node, a client that has used both paths, and Valkey, over 5 s.
+
+Then head groups (docs/key-format.md): 2 MiB pages stored by two TP=2 rank clients
+(one head group each) and read by a TP=1 client (both groups, merged into its pages)
+and by a TP=2 rank (its group), beside a TP=1 client reading pages a TP=1 client
+stored (whole pages), on both paths, interleaved, as GB/s of the reader's pages and a
+ratio to the same-TP read."""
 
 from __future__ import annotations
 
@@ -202,7 +208,7 @@ def main() -> int:
 
     total, sizes = parse_size(args.total), [parse_size(s) for s in args.sizes.split(",")]
     puts_per_size = 2 * (args.repeat * 2)  # shm and ucx, quiet and with burners: all kept
-    capacity = total * len(sizes) * puts_per_size + (256 << 20)
+    capacity = total * len(sizes) * puts_per_size + 3 * total + (256 << 20)  # + the head-group section
     rows: list[tuple[int, str, str, str, dict]] = []  # size, condition, system, op, samples summary
     print(f"one node, one writer, {args.readers} readers, all separate processes on this host; "
           f"{args.total} per measurement and reader; median (min-max) of {args.repeat} interleaved rounds", flush=True)
@@ -249,12 +255,55 @@ def main() -> int:
             time.sleep(1)
             idle = idle_cpu({"node": node_pid, "client": readers[0].proc.pid, "valkey": valkey_pid})
             print("idle CPU (share of one core, 5 s): " + ", ".join(f"{k} {v:.3f}" for k, v in idle.items()), flush=True)
+            tp_transfers(cluster.redis_url, total, args.repeat)
         finally:
             for w in [writer, *readers]:
                 w.close()
     plot(rows, args.plot)
     print(f"plot: {args.plot}")
     return 0
+
+
+def tp_transfers(redis_url: str, total: int, repeat: int) -> None:
+    """Gets across TP sizes against same-TP gets (see the module docstring)."""
+    import torch
+
+    from client import KVCacheClient
+
+    base = dict(model="bench-tp", dtype="float16", num_layers=32, head_size=128, block_size=16, tenant="bench")
+    same = Namespace(**base, num_kv_heads=8)
+    ranks = [Namespace(**base, num_kv_heads=4, tp_rank=r, tp_size=2) for r in range(2)]
+    tp1 = Namespace(**base, num_kv_heads=8, head_groups=2)
+    blocks = total // same.page_nbytes
+    tokens = list(range(blocks * 16))
+    full = torch.from_numpy(np.random.default_rng(7).integers(0, 1 << 15, size=(blocks, *same.page_shape), dtype=np.int16)).view(torch.float16)
+
+    def rank_pages(ns: Namespace, _tokens: list[int]) -> torch.Tensor:  # the model's pages, this rank's heads
+        lo, hi = ns.head_range
+        return full.narrow(1 + ns.head_dim, lo, hi - lo).contiguous()
+
+    print(f"\nhead groups: {blocks} pages of 2 MiB (TP=1) read end to end, GB/s of the reader's pages, median (min-max) of {repeat} interleaved rounds; ratio to same TP")
+    for path in ("shm", "ucx"):
+        opts = {"same_host": path == "shm"}
+        writers = [KVCacheClient(redis_url, ns, **opts) for ns in (same, *ranks)]
+        for client in writers:
+            assert client.put_pages(tokens, rank_pages(client.namespace, tokens)).stored == blocks
+        readers = {"same TP (TP=1 -> TP=1)": KVCacheClient(redis_url, same, **opts), "TP=2 -> TP=1 (2 groups)": KVCacheClient(redis_url, tp1, **opts),
+                   "TP=2 -> TP=2 rank (1 group)": KVCacheClient(redis_url, ranks[0], **opts)}
+        outs = {name: torch.empty(blocks, *c.namespace.page_shape, dtype=torch.float16) for name, c in readers.items()}
+        rates: dict[str, list[float]] = {name: [] for name in readers}
+        for _ in range(repeat + 1):  # the first round warms connections and mappings
+            for name, client in readers.items():
+                t = time.perf_counter()
+                assert client.get_pages(tokens, outs[name]) == len(tokens)
+                rates[name].append(outs[name].numel() * 2 / (time.perf_counter() - t) / 1e9)
+        for name, client in readers.items():
+            assert torch.equal(outs[name].view(torch.uint8), rank_pages(client.namespace, tokens).view(torch.uint8)), name
+        base_rate = statistics.median(rates["same TP (TP=1 -> TP=1)"][1:])
+        print(f"  {path}: " + " | ".join(f"{name}: {statistics.median(r[1:]):.2f} ({min(r[1:]):.2f}-{max(r[1:]):.2f}) {statistics.median(r[1:]) / base_rate:.2f}x"
+                                        for name, r in rates.items()), flush=True)
+        for client in [*writers, *readers.values()]:
+            client.close()
 
 
 def idle_cpu(pids: dict[str, int], seconds: float = 5.0) -> dict[str, float]:

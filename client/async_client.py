@@ -22,7 +22,7 @@ from typing import Any, Literal, Sequence
 import numpy as np
 import torch
 
-from kvstore import codec, keys
+from kvstore import codec, heads, keys
 from kvstore.checksum import page_checksum
 from kvstore.config import ClientOptions, client_options, client_options_from_env
 from kvstore.errors import IndexScriptError, InvalidInputError, RemoteFault
@@ -77,6 +77,10 @@ class AsyncKVCacheClient:
             raise InvalidInputError(f"unknown client options {sorted(namespace_fields)} (pass either a Namespace or namespace fields)")
         self.options = opts
         self.namespace = namespace
+        # pages are stored per head group, keyed by the TP-independent namespace
+        # (kvstore.heads): a rank reads and writes the groups its heads fall in
+        self.storage = namespace.storage
+        self.heads = heads.plan(namespace)
         self.replicas = opts.replicas
         self.timeout = opts.timeout
         self.transfer_mode: TransferMode = opts.transfer_mode
@@ -136,27 +140,36 @@ class AsyncKVCacheClient:
         or a script error): callers that guard the index with a circuit breaker (the
         vLLM scheduler) tell a fault from a miss with it. A shard that failed while
         others answered is a shorter prefix, not None."""
-        hashes = block_hashes(self.namespace, token_ids)
+        hashes = block_hashes(self.storage, token_ids)
         if not hashes:
             return 0
         result = await self._lookup(hashes)
         return None if result is None else result.matched * self.namespace.block_size
 
     async def put_pages(self, token_ids: Any, pages: torch.Tensor) -> PublishReport:
-        """Store ``pages[i]`` (``[num_blocks, *page_shape]``) as full block i of ``token_ids``.
-        Pages a node already holds are not sent again."""
-        hashes = block_hashes(self.namespace, token_ids)
+        """Store ``pages[i]`` (``[num_blocks, *page_shape]``) as full block i of ``token_ids``:
+        as the head groups this rank holds, which engines of any TP size read. Pages a
+        node already holds are not sent again; counts in the report are units (pages of
+        one head group)."""
+        hashes = block_hashes(self.storage, token_ids)
         self._check_pages("pages", pages, len(hashes), at_least=False)
-        host = pages[: len(hashes)].to("cpu").contiguous()
-        spans = page_spans(host_bytes(host), len(hashes), self.namespace.page_nbytes)
-        return await self._publish(hashes, spans)
+        if not self.heads.whole:
+            raise InvalidInputError(f"this rank holds part of a head group ({self.namespace.groups} groups of {self.namespace.group_heads} heads for "
+                                    f"tp_size {self.namespace.tp_size}): it can read pages but not store them; use head_groups of at least tp_size")
+        host = pages[: len(hashes)].to("cpu")
+        units = host.contiguous() if self.heads.identity else heads.split(self.namespace, host, self.heads)
+        count = self.heads.count
+        spans = page_spans(host_bytes(units), len(hashes) * count, self.namespace.unit_nbytes)
+        anchors, positions = keys.placement(hashes)
+        return await self._publish(heads.unit_hashes(hashes, self.heads.first, count), spans,
+                                   placement=(_repeat(anchors, count), _repeat(positions, count)))
 
     async def get_pages(self, token_ids: Any, out: torch.Tensor, start_block: int = 0) -> int:
         """Fill ``out[start_block:k]`` with the longest stored prefix of full blocks of
         ``token_ids`` and return k * block_size (0 when fewer than ``start_block + 1``
         blocks are stored). Blocks before ``start_block`` must be stored for the prefix to
         count but are not transferred (the caller has them). Rows past k are unspecified."""
-        hashes = block_hashes(self.namespace, token_ids)
+        hashes = block_hashes(self.storage, token_ids)
         self._check_pages("out", out, len(hashes), at_least=True)
         if not hashes or not 0 <= start_block < len(hashes):
             if start_block < 0:
@@ -167,15 +180,25 @@ class AsyncKVCacheClient:
             return 0
         n, nbytes = result.matched, self.namespace.page_nbytes
         wanted = slice(start_block, n)
+        if not self.heads.identity:  # head groups land in staging and are merged into the rank's pages
+            self.stats.staged_transfers += 1
+            count = self.heads.count
+            units = torch.empty((n - start_block, count, *self.namespace.unit_shape), dtype=self.namespace.torch_dtype(),
+                                pin_memory=torch.cuda.is_available())
+            got = await self._fetch(*self._unit_requests(hashes, result, wanted), page_spans(host_bytes(units), (n - start_block) * count, self.namespace.unit_nbytes))
+            blocks = got // count
+            if blocks:
+                heads.merge(self.namespace, units[:blocks], out[start_block : start_block + blocks], self.heads)
+            return (start_block + blocks) * self.namespace.block_size
         if self._mode_for(out) == "direct":
             self.stats.direct_transfers += 1
             dest = host_bytes(out) if out.device.type == "cpu" else out.reshape(-1).view(torch.uint8)
             spans = page_spans(dest, n, nbytes)[wanted]
-            got = await self._fetch(hashes[wanted], result.locations[wanted], spans)
+            got = await self._fetch(*self._unit_requests(hashes, result, wanted), spans)
             return (start_block + got) * self.namespace.block_size
         self.stats.staged_transfers += 1
         staging = torch.empty((n - start_block) * nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        got = await self._fetch(hashes[wanted], result.locations[wanted], page_spans(staging.numpy(), n - start_block, nbytes))
+        got = await self._fetch(*self._unit_requests(hashes, result, wanted), page_spans(staging.numpy(), n - start_block, nbytes))
         if got:
             flat = out.reshape(-1).view(torch.uint8)
             flat[start_block * nbytes : (start_block + got) * nbytes].copy_(staging[: got * nbytes])
@@ -199,13 +222,22 @@ class AsyncKVCacheClient:
                 raise InvalidInputError("hidden states given but the namespace has hidden_size=0")
             if tuple(hidden.shape) != (T, ns.hidden_size) or hidden.dtype != ns.torch_dtype():
                 raise InvalidInputError(f"hidden must be [{T}, {ns.hidden_size}] of {ns.torch_dtype()}, got {tuple(hidden.shape)} {hidden.dtype}")
-        hashes = block_hashes(ns, tokens)
+        if not self.heads.whole:
+            raise InvalidInputError(f"this rank holds part of a head group ({ns.groups} groups for tp_size {ns.tp_size}): it can select but not insert; use head_groups of at least tp_size")
+        hashes = block_hashes(self.storage, tokens)
         pages = codec.kv_to_pages(ns, key, value)
+        units = pages if self.heads.identity else heads.split(ns, pages, self.heads)
         tail = codec.encode_tail(ns, key, value, hidden)
         part_sizes = codec.tail_part_sizes(ns, T, hidden is not None)
+        # the tail (partial block, hidden states) is this rank's own: keyed by its TP namespace
         seq = sequence_hash(ns, tokens, hashes)
-        spans = page_spans(host_bytes(pages), len(hashes), ns.page_nbytes) + split_spans(tail, part_sizes)
-        return await self._publish(hashes + part_hashes(seq, len(part_sizes)), spans, breaks=[len(hashes)])
+        count = self.heads.count
+        spans = page_spans(host_bytes(units), len(hashes) * count, ns.unit_nbytes) + split_spans(tail, part_sizes)
+        parts = part_hashes(seq, len(part_sizes))
+        anchors, positions = keys.placement(hashes + parts, [len(hashes)])
+        n = len(hashes)
+        placement = (_repeat(anchors[:n], count) + anchors[n:], _repeat(positions[:n], count) + positions[n:])
+        return await self._publish(heads.unit_hashes(hashes, self.heads.first, count) + parts, spans, placement=placement)
 
     async def select(self, input_tokens: Any, roi: Any) -> list[Any]:
         """``[input_tokens, roi, key, value, hidden]`` for the longest stored prefix of the
@@ -215,7 +247,7 @@ class AsyncKVCacheClient:
         tokens, n_all = self._roi_prefix(input_tokens, roi)
         ns = self.namespace
         T = len(tokens)
-        hashes = block_hashes(ns, tokens)
+        hashes = block_hashes(self.storage, tokens)
         seq = sequence_hash(ns, tokens, hashes)
         sizes_h = codec.tail_part_sizes(ns, T, ns.hidden_size > 0)
         sizes_nh = codec.tail_part_sizes(ns, T, False)
@@ -224,13 +256,26 @@ class AsyncKVCacheClient:
         if not result or result.matched == 0:
             return [None] * 5
         nblocks = min(result.matched, len(hashes))
-        page_buf = torch.empty(nblocks * ns.page_nbytes, dtype=torch.uint8)
-        sinks = page_spans(page_buf.numpy(), nblocks, ns.page_nbytes)
+        count = self.heads.count
+        unit_buf = torch.empty(nblocks * count * ns.unit_nbytes, dtype=torch.uint8)
+        sinks = page_spans(unit_buf.numpy(), nblocks * count, ns.unit_nbytes)
         part_sizes = [loc[0].size for loc in result.locations[nblocks:]]
         tail_buf = np.empty(sum(part_sizes), dtype=np.uint8)
         sinks += split_spans(tail_buf, part_sizes)
-        got = await self._fetch((hashes + parts)[: result.matched], result.locations, sinks)
-        got_blocks = min(got, nblocks)
+        unit_hashes, unit_locations = self._unit_requests(hashes, result, slice(0, nblocks))
+        got = await self._fetch(unit_hashes + parts[: result.matched - nblocks], unit_locations + result.locations[nblocks:], sinks)
+        got_blocks = min(got // count, nblocks)
+        if got_blocks < nblocks:
+            got = got_blocks  # a missing head group ends the prefix: the tail cannot follow
+        else:
+            got = nblocks + (got - nblocks * count)
+        units = unit_buf[: got_blocks * count * ns.unit_nbytes].view(ns.torch_dtype()).reshape(got_blocks, count, *ns.unit_shape)
+        if self.heads.identity:
+            page_buf = units.reshape(-1).view(torch.uint8)
+        else:
+            rank_pages = torch.empty((got_blocks, *ns.page_shape), dtype=ns.torch_dtype())
+            heads.merge(ns, units, rank_pages, self.heads)
+            page_buf = rank_pages.reshape(-1).view(torch.uint8)
         tail = None
         if got_blocks == len(hashes) and got > nblocks:
             flags = codec.read_tail_flags(tail_buf)
@@ -261,7 +306,7 @@ class AsyncKVCacheClient:
         if not self._namespace_registered:
             await self._ensure_namespace()
         try:
-            found = await self.index.lookup(self.namespace, hashes, breaks=breaks)
+            found = await self.index.lookup(self.storage, hashes, breaks=breaks, units=(self.heads.first, self.heads.count))
         except RemoteFault as exc:
             self.stats.index_errors += 1
             log.warning("lookup failed, counting as a miss: %s", exc)
@@ -277,7 +322,7 @@ class AsyncKVCacheClient:
 
     async def _ensure_namespace(self) -> None:
         try:
-            await self.index.ensure_namespace(self.namespace)
+            await self.index.ensure_namespace(self.storage)
             self._namespace_registered = True
         except (RemoteFault, IndexScriptError) as exc:
             self._namespace_registered = False
@@ -336,10 +381,12 @@ class AsyncKVCacheClient:
     def _node_ok(self, node_id: str) -> None:
         self._strikes.pop(node_id, None)
 
-    async def _publish(self, hashes: list[bytes], spans: list[Span], breaks: Sequence[int] = ()) -> PublishReport:
+    async def _publish(self, hashes: list[bytes], spans: list[Span], breaks: Sequence[int] = (), placement: tuple[list[bytes], list[int]] | None = None) -> PublishReport:
         """Store each page on its ``replicas`` rendezvous nodes; a page counts as stored
         when at least one replica holds it. ``hashes`` are chains that start at 0 and at
-        each of ``breaks`` (they place the pages in the index's segments)."""
+        each of ``breaks`` (they place the pages in the index's segments), unless
+        ``placement`` gives each page's segment anchor and position (head groups of a
+        block share their block's)."""
         if not self._namespace_registered:
             await self._ensure_namespace()
         nodes = {n.node_id: n for n in await self._live_nodes()}
@@ -353,7 +400,7 @@ class AsyncKVCacheClient:
                 memo[page.index] = page_checksum(page.span.view())
             return memo[page.index]
 
-        anchors, positions = keys.placement(hashes, breaks)
+        anchors, positions = placement or keys.placement(hashes, breaks)
         per_node: dict[str, list[int]] = defaultdict(list)
         for i, h in enumerate(hashes):
             for node_id in place(h, list(nodes), self.replicas):
@@ -362,7 +409,7 @@ class AsyncKVCacheClient:
         async def one(node_id: str, idx: list[int]) -> tuple[list[int], Any]:
             pages = [OutgoingPage(hashes[i], spans[i], i, anchors[i], positions[i]) for i in idx]
             try:
-                outcome, conn = await self._on_node(nodes[node_id], lambda c: c.put(self.namespace.key, pages, checksum, self.timeout))
+                outcome, conn = await self._on_node(nodes[node_id], lambda c: c.put(self.storage.key, pages, checksum, self.timeout))
                 self._node_ok(node_id)
                 if conn.path == "shm":
                     self.stats.same_host_transfers += 1
@@ -417,7 +464,7 @@ class AsyncKVCacheClient:
             async def one(node_id: str, idx: list[int]) -> None:
                 expected = [next(l.checksum for l in locations[i] if l.node_id == node_id) for i in idx]
                 try:
-                    got, conn = await self._on_node(nodes[node_id], lambda c: c.get(self.namespace.key, [hashes[i] for i in idx], [sinks[i] for i in idx], expected, remaining))
+                    got, conn = await self._on_node(nodes[node_id], lambda c: c.get(self.storage.key, [hashes[i] for i in idx], [sinks[i] for i in idx], expected, remaining))
                 except RemoteFault as exc:
                     self._node_failed(node_id, exc)
                     return
@@ -434,6 +481,15 @@ class AsyncKVCacheClient:
             if all(ok):
                 break
         return ok.index(False) if False in ok else len(ok)
+
+    def _unit_requests(self, hashes: list[bytes], result: LookupResult, blocks: slice) -> tuple[list[bytes], list[list[PageLocation]]]:
+        """The keys and replicas of this rank's head groups of ``blocks``, block by block."""
+        count = self.heads.count
+        keys_ = heads.unit_hashes(hashes[blocks], self.heads.first, count)
+        if count == 1:
+            return keys_, result.locations[blocks]
+        locations = [[loc for loc in locs if loc.unit == j] for locs in result.locations[blocks] for j in range(count)]
+        return keys_, locations
 
     def _prefer(self, page_hash: bytes, locs: list[PageLocation]) -> list[PageLocation]:
         order = {n: r for r, n in enumerate(rank_nodes(page_hash, [l.node_id for l in locs]))}
@@ -481,6 +537,11 @@ class AsyncKVCacheClient:
         if not mask[:m].all():
             raise InvalidInputError("roi must mark a prefix of the tokens (True values first, then only False)")
         return tokens[:m], len(tokens)
+
+
+def _repeat(items: list[Any], count: int) -> list[Any]:
+    """Each item ``count`` times in a row (a block's place, for each of its head groups)."""
+    return items if count == 1 else [x for x in items for _ in range(count)]
 
 
 def _token_prefix(t: Any, T: int, n_all: int, dim: int) -> Any:

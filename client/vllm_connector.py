@@ -119,6 +119,8 @@ def engine_namespace(vllm_config: VllmConfig, conf: ConnectorOptions, *, layout:
         layout=layout,
         tp_rank=tp_rank,
         tp_size=parallel.tensor_parallel_size,
+        total_kv_heads=model.get_total_num_kv_heads(),
+        head_groups=conf.head_groups,
         pp_rank=pp_rank,
         tenant=conf.tenant,
     )
@@ -141,6 +143,7 @@ class ConnectorOptions(BaseModel):
     load_threads: int = Field(2, ge=1, le=64, description="loads running at once on each worker")
     staging_bytes: ByteSize = Field(512 << 20, description="host page buffers allocated at start and reused by loads and saves, per worker (0: allocate per transfer)")
     max_pending_save_bytes: ByteSize = Field(2 << 30, description="page bytes waiting to be published, per worker, past which saves are dropped")
+    head_groups: int = Field(0, ge=0, description="groups the KV heads are stored in (docs/key-format.md): engines of different TP sizes share pages when they give the same value, at least their largest tp_size (0: this engine's tp_size)")
 
 
 def connector_options(extra: dict[str, Any]) -> tuple[ConnectorOptions, ClientOptions]:
@@ -242,12 +245,17 @@ class KVStoreConnector(KVConnectorBase_V1):
             # vLLM 0.32 gives connectors the standardized per-layer view, so pages are
             # vllm_cpu; workers check that against the tensors they actually get.
             # Made here, at engine start, so no request pays for UCX set-up.
-            self._client = self._make_client("vllm_cpu", tp_rank=0, pp_rank=0)
+            self._client = self._make_client("vllm_cpu", tp_rank=0, pp_rank=0, all_heads=True)
 
     # ---- shared ------------------------------------------------------------------
 
-    def _make_client(self, layout: str, tp_rank: int, pp_rank: int) -> KVCacheClient:
+    def _make_client(self, layout: str, tp_rank: int, pp_rank: int, all_heads: bool = False) -> KVCacheClient:
+        """A client for one rank's pages; with ``all_heads`` (the scheduler) for every head
+        group, so a lookup counts a block only when every worker can load it."""
         ns = engine_namespace(self._vllm_config, self._conf, layout=layout, tp_rank=tp_rank, pp_rank=pp_rank)
+        if all_heads:
+            ns = Namespace.model_validate({**ns.model_dump(), "num_kv_heads": ns.total_heads, "tp_rank": 0, "tp_size": 1,
+                                           "total_kv_heads": 0, "head_groups": ns.groups})
         log.info("KVStoreConnector (%s) namespace %s: %s", self.role.name, ns.digest_hex, ns.canonical_json())
         return KVCacheClient(None, ns, options=self._options)
 

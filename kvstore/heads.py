@@ -92,5 +92,8 @@ def merge(ns: Namespace, units: torch.Tensor, out: torch.Tensor, p: HeadPlan) ->
     """Copy received ``units`` ``[n, count, *unit_shape]`` into the rank's pages ``out``
     ``[n, *page_shape]``, taking only the rank's heads of partly needed units."""
     d = 1 + ns.head_dim
+    if p.whole:  # one strided copy straight into the rank's pages
+        out.unflatten(d, (p.count, p.group_heads)).movedim(d, 1).copy_(units)
+        return
     heads = units.movedim(1, d).flatten(d, d + 1)  # [n, ..., count * group_heads, ...]
     out.copy_(heads.narrow(d, p.offset, p.rank_heads))

@@ -27,7 +27,7 @@ from typing import Any, Generator, Sequence
 
 import numpy as np
 
-from kvstore import keys
+from kvstore import heads, keys
 from kvstore.errors import (
     FencedError,
     IndexUnavailableError,
@@ -75,6 +75,7 @@ class PageLocation:
     slot: int
     size: int
     checksum: int
+    unit: int = 0  # which head group of its block (kvstore.heads); 0 for whole pages
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,23 +137,26 @@ class LookupResult:
     ``locations`` is built on first use: a scheduler that only asks how long the prefix
     is never pays for thousands of small objects."""
 
-    __slots__ = ("matched", "_records", "_positions", "_nodes", "_locations")
+    __slots__ = ("matched", "_records", "_positions", "_units", "_nodes", "_locations")
 
-    def __init__(self, matched: int, records: np.ndarray, positions: np.ndarray, nodes: dict[int, NodeInfo]) -> None:
+    def __init__(self, matched: int, records: np.ndarray, positions: np.ndarray, units: np.ndarray, nodes: dict[int, NodeInfo]) -> None:
         self.matched = matched
         self._records = records
         self._positions = positions
+        self._units = units
         self._nodes = nodes
         self._locations: list[list[PageLocation]] | None = None
 
     @property
     def locations(self) -> list[list[PageLocation]]:
+        """Per position, every live replica of every unit asked there."""
         if self._locations is None:
             out: list[list[PageLocation]] = [[] for _ in range(self.matched)]
             recs = self._records
-            for number, slot, size, checksum, pos in zip(recs["node"].tolist(), recs["slot"].tolist(), recs["size"].tolist(), recs["checksum"].tolist(), self._positions.tolist()):
+            for number, slot, size, checksum, pos, unit in zip(recs["node"].tolist(), recs["slot"].tolist(), recs["size"].tolist(), recs["checksum"].tolist(),
+                                                               self._positions.tolist(), self._units.tolist()):
                 node = self._nodes[number]
-                out[pos].append(PageLocation(node.node_id, node.incarnation, slot, size, checksum))
+                out[pos].append(PageLocation(node.node_id, node.incarnation, slot, size, checksum, unit))
             self._locations = out
         return self._locations
 
@@ -167,11 +171,14 @@ class IndexLookup:
     covered: int
     records: np.ndarray
     positions: np.ndarray
+    units: np.ndarray  # each record's unit, counted from the first unit asked at its position
+    need: np.ndarray  # units asked per position (1 for whole pages), ``covered`` long
     unavailable: KVStoreError | None = None
 
     def resolve(self, nodes: Sequence[NodeInfo]) -> LookupResult:
         """Keep the records of the registry's current incarnations; the prefix ends at the
-        first page without one. Vectorised: 8,192 pages take well under a millisecond."""
+        first position lacking a live record of some unit asked there. Vectorised: 8,192
+        pages take well under a millisecond."""
         live = {n.number: n for n in nodes}
         size = max(live, default=0) + 1
         tags = np.zeros(size, dtype="<u8")
@@ -183,10 +190,15 @@ class IndexLookup:
         slot = np.where(inside, node, 0)
         ok = inside & known[slot] & (tags[slot] == self.records["tag"])
         has = np.zeros(self.covered + 1, dtype=bool)  # a False sentinel after the last
-        has[self.positions[ok]] = True
+        if int(self.need.max(initial=1)) == 1:
+            has[self.positions[ok]] = True
+        else:  # every unit asked at a position needs a live record: count distinct ones
+            width = int(self.need.max())
+            distinct = np.unique(self.positions[ok] * width + self.units[ok])
+            has[: self.covered] = np.bincount(distinct // width, minlength=self.covered)[: self.covered] == self.need
         matched = int(np.argmin(has))
         keep = ok & (self.positions < matched)
-        return LookupResult(matched, self.records[keep], self.positions[keep], live)
+        return LookupResult(matched, self.records[keep], self.positions[keep], self.units[keep], live)
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,14 +315,17 @@ def _group_by_anchor(anchors: Sequence[bytes]) -> dict[bytes, list[int]]:
     return groups
 
 
-def _pick(blob: bytes, segs: list[tuple[int, int]], parts: list[tuple[np.ndarray, np.ndarray]], contiguous: int, unavailable: KVStoreError | None) -> IndexLookup:
+def _pick(blob: bytes, segs: list[tuple[int, int]], parts: list[tuple[np.ndarray, np.ndarray]], contiguous: int, unavailable: KVStoreError | None,
+          first: np.ndarray, need: np.ndarray) -> IndexLookup:
     """The entries of the asked pages out of the segments read (``parts``: per shard,
     each entry's segment number and the entries), vectorised. Only the first
     ``contiguous`` segments count (the prefix ends at the first missing one), and an
-    entry counts when the page hash at its position is the one asked there (other
-    chains that share the segment's anchor hold the rest)."""
+    entry counts when it is a unit in ``[first, first + need)`` (per position) of the
+    hash asked at its position (kvstore.heads; whole pages are unit 0 of themselves):
+    other chains that share the segment's anchor hold the rest."""
     if contiguous == 0 or not parts:
-        return IndexLookup(0, np.zeros(0, dtype=ENTRY), np.zeros(0, dtype=np.int64), unavailable)
+        empty = np.zeros(0, dtype=np.int64)
+        return IndexLookup(0, np.zeros(0, dtype=ENTRY), empty, empty, need[:0], unavailable)
     seg = np.concatenate([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
     recs = np.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
     asked = np.frombuffer(blob, dtype=HASH_PAIR)
@@ -318,8 +333,10 @@ def _pick(blob: bytes, segs: list[tuple[int, int]], parts: list[tuple[np.ndarray
     lengths = np.array([end - start for start, end in segs])
     inside = (seg < contiguous) & (recs["pos"] < lengths[seg])
     position = np.where(inside, starts[seg] + recs["pos"], 0)
-    ok = inside & (asked["h0"][position] == recs["h0"]) & (asked["h1"][position] == recs["h1"])
-    return IndexLookup(segs[contiguous - 1][1], recs[ok], position[ok], unavailable)
+    unit = heads.unit_of(asked[position], recs) - first[position]
+    ok = inside & (unit >= 0) & (unit < need[position])
+    covered = segs[contiguous - 1][1]
+    return IndexLookup(covered, recs[ok], position[ok], unit[ok], need[:covered], unavailable)
 
 
 class _IndexMethods:
@@ -388,13 +405,21 @@ class _IndexMethods:
 
         return self._drive(steps())
 
-    def lookup(self, namespace: Namespace | keys.NamespaceKey, hashes: Sequence[bytes], *, breaks: Sequence[int] = (), lease_ms: int | None = None) -> Any:
+    def lookup(self, namespace: Namespace | keys.NamespaceKey, hashes: Sequence[bytes], *, breaks: Sequence[int] = (), lease_ms: int | None = None,
+               units: tuple[int, int] = (0, 1)) -> Any:
         """Entries for the longest stored prefix of ``hashes`` (chains start at 0 and at
         each of ``breaks``), with a read lease: an ``IndexLookup`` to ``resolve`` against
         live nodes. One script call per shard, all shards at once; a shard that fails
-        ends the prefix at its first segment (a shorter prefix, never an error)."""
+        ends the prefix at its first segment (a shorter prefix, never an error).
+        ``units`` ``(first, count)``: each hash of the first chain is a block whose head
+        groups ``first`` to ``first + count - 1`` must all be stored (kvstore.heads);
+        hashes of later chains are whole pages."""
         ns = _ns_key(namespace).prefix
         blob = _check_hashes(hashes, "lookup")
+        head_chain = min([b for b in breaks if b > 0], default=len(hashes))
+        first = np.zeros(len(hashes), dtype=np.int64)
+        need = np.ones(len(hashes), dtype=np.int64)
+        first[:head_chain], need[:head_chain] = units
         lease = self.lease_ms if lease_ms is None else lease_ms
         segs = keys.segments(len(hashes), breaks)
         anchors = [hashes[start] for start, _ in segs]
@@ -420,7 +445,7 @@ class _IndexMethods:
                 read[done] = True
                 counts = [len(value) // ENTRY.itemsize for value in reply]
                 parts.append((np.repeat(np.array(done, dtype=np.int64), counts), np.frombuffer(b"".join(reply), dtype=ENTRY)))
-            return _pick(blob, segs, parts, int(np.argmin(read)), unavailable)
+            return _pick(blob, segs, parts, int(np.argmin(read)), unavailable, first, need)
 
         return self._drive(steps())
 

@@ -57,6 +57,8 @@ class Namespace(BaseModel):
     pp_rank: int = Field(default=0, ge=0)
     tenant: str = Field(default="default", pattern=TENANT_PATTERN, description="who owns the pages; data-plane credentials grant rights per tenant, and index keys carry it")
     format_version: int = Field(default=FORMAT_VERSION, ge=1)
+    total_kv_heads: int = Field(default=0, ge=0, description="KV heads of the model (0: num_kv_heads * tp_size); needed when tp_size exceeds them (replicated heads)")
+    head_groups: int = Field(default=0, ge=0, description="groups the model's KV heads are stored in, one page each per block; engines of different TP sizes share pages when they agree on it (0: min(tp_size, KV heads))")
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -77,11 +79,79 @@ class Namespace(BaseModel):
     def _rank_in_range(self) -> Namespace:
         if self.tp_rank >= self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} must be below tp_size {self.tp_size}")
+        total = self.total_heads
+        if self.total_kv_heads:
+            if self.tp_size <= total and self.num_kv_heads * self.tp_size != total:
+                raise ValueError(f"num_kv_heads {self.num_kv_heads} x tp_size {self.tp_size} must equal total_kv_heads {total}")
+            if self.tp_size > total and (self.num_kv_heads != 1 or self.tp_size % total):
+                raise ValueError(f"with tp_size {self.tp_size} above total_kv_heads {total}, each rank holds 1 replicated head and tp_size must be a multiple of {total}")
+        if total % self.groups:
+            raise ValueError(f"head_groups {self.groups} must divide the model's {total} KV heads")
         return self
 
+    def model_copy(self, *, update: dict | None = None, deep: bool = False) -> Namespace:
+        """A validated copy with ``update`` applied. pydantic's own copy would carry the
+        cached ``digest`` of this namespace over to the copy (measured: a copy with
+        another layout kept the original digest), naming the wrong pages."""
+        return type(self).model_validate({**self.model_dump(), **(update or {})})
+
     def canonical_json(self) -> str:
-        """The exact text hashed into the digest: sorted keys, no spaces."""
-        return json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"))
+        """The exact text hashed into the digest: sorted keys, no spaces. Fields added
+        after format 1 appear only when set, so older namespaces keep their digests."""
+        fields = self.model_dump()
+        for late in ("total_kv_heads", "head_groups"):
+            if not fields[late]:
+                del fields[late]
+        return json.dumps(fields, sort_keys=True, separators=(",", ":"))
+
+    @property
+    def total_heads(self) -> int:
+        """The model's KV heads (every rank's together)."""
+        return self.total_kv_heads or self.num_kv_heads * self.tp_size
+
+    @property
+    def groups(self) -> int:
+        """Head groups a block is stored in (kvstore.heads)."""
+        return self.head_groups or min(self.tp_size, self.total_heads)
+
+    @property
+    def group_heads(self) -> int:
+        return self.total_heads // self.groups
+
+    @property
+    def head_range(self) -> tuple[int, int]:
+        """The model heads ``[lo, hi)`` this rank holds (vLLM's split: contiguous equal
+        slices, or one replicated head each when tp_size exceeds the heads)."""
+        total = self.total_heads
+        if self.tp_size <= total:
+            return self.tp_rank * self.num_kv_heads, (self.tp_rank + 1) * self.num_kv_heads
+        head = self.tp_rank * total // self.tp_size
+        return head, head + 1
+
+    @property
+    def head_dim(self) -> int:
+        """The index of the KV-head dimension in ``page_shape``."""
+        return 1 if self.layout == "vllm_cpu" else 3
+
+    @cached_property
+    def storage(self) -> Namespace:
+        """What this rank's pages are stored as, the same for every TP layout of the
+        model: the TP=1 namespace of all heads, with the head groups when more than one.
+        Its digest names the index namespace and goes into every block hash. With one
+        group it equals the TP=1 namespace, so a TP=1 engine's pages are what they were."""
+        return self.model_copy(update={"num_kv_heads": self.total_heads, "tp_rank": 0, "tp_size": 1, "total_kv_heads": 0,
+                                       "head_groups": self.groups if self.groups > 1 else 0})
+
+    @property
+    def unit_shape(self) -> tuple[int, ...]:
+        """Shape of one stored unit: a page of one head group."""
+        shape = list(self.page_shape)
+        shape[self.head_dim] = self.group_heads
+        return tuple(shape)
+
+    @property
+    def unit_nbytes(self) -> int:
+        return prod(self.unit_shape) * self.element_size
 
     @cached_property
     def digest(self) -> bytes:

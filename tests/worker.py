@@ -16,7 +16,7 @@ import torch
 
 from client import KVCacheClient
 from kvstore import Namespace
-from tests.helpers import kv_for, pages_for
+from tests.helpers import kv_for, pages_for, rank_kv, rank_pages
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -51,19 +51,22 @@ def main() -> int:
     spec = json.loads(arg)
     ns = Namespace(**spec["namespace"])
     options = spec.get("options", {})
+    # "model": KV of the whole model, sliced to this TP rank's heads (tests of TP sharing)
+    pages_for_ns = rank_pages if spec.get("kv") == "model" else pages_for
+    kv_for_ns = rank_kv if spec.get("kv") == "model" else kv_for
     client = KVCacheClient(spec["redis_url"], ns, **options)
     out: dict = {"op": spec["op"]}
     t0 = time.perf_counter()
     if spec["op"] == "put_pages":
         for tokens in (spec["token_lists"] if "token_lists" in spec else [tokens_of(spec)]):
-            report = client.put_pages(tokens, pages_for(ns, tokens))
+            report = client.put_pages(tokens, pages_for_ns(ns, tokens))
             out.setdefault("reports", []).append(asdict(report))
     elif spec["op"] == "get_pages":
         results = []
         deadline = time.monotonic() + spec.get("loop_seconds", 0)
         while True:
             for tokens in (spec["token_lists"] if "token_lists" in spec else [tokens_of(spec)]):
-                expected = pages_for(ns, tokens)
+                expected = pages_for_ns(ns, tokens)
                 buf = torch.empty_like(expected)
                 t = time.time()
                 n = client.get_pages(tokens, buf) // ns.block_size
@@ -77,7 +80,7 @@ def main() -> int:
         # rounds of N clients putting the same pages at the same instant
         clients = [KVCacheClient(spec["redis_url"], ns, **options) for _ in range(spec["clients"])]
         for tokens in spec["token_lists"]:
-            pages = pages_for(ns, tokens)
+            pages = pages_for_ns(ns, tokens)
             barrier = threading.Barrier(len(clients))
             reports: list = [None] * len(clients)
 
@@ -98,12 +101,12 @@ def main() -> int:
         out["cycles"] = client._run(reconnect_cycles(client, ns, spec["cycles"]))
     elif spec["op"] == "insert":
         tokens = tokens_of(spec)
-        key, value, hidden = kv_for(ns, tokens)
+        key, value, hidden = kv_for_ns(ns, tokens)
         report = client.insert(torch.tensor(tokens), torch.ones(len(tokens), dtype=torch.bool), key, value, hidden if spec.get("hidden", True) else None)
         out["report"] = asdict(report)
     elif spec["op"] == "select":
         tokens = tokens_of(spec)
-        key, value, hidden = kv_for(ns, tokens)
+        key, value, hidden = kv_for_ns(ns, tokens)
         res = client.select(torch.tensor(tokens), torch.ones(len(tokens), dtype=torch.bool))
         if res[0] is None:
             out.update(matched=0, exact=True, hidden=False)

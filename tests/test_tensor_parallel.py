@@ -1,0 +1,164 @@
+"""Engines of different tensor-parallel sizes share pages (docs/key-format.md "Head
+groups"): one process per rank, real nodes and Valkey, every byte checked against KV
+of the whole model sliced to each rank's heads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvstore import Namespace
+from kvstore.launcher import LocalCluster
+from tests.helpers import metrics, run_worker, spec
+
+HEADS = 4
+TOKENS = list(range(8 * 16))  # 8 blocks of 16 tokens
+
+
+def rank_ns(tp_size: int, tp_rank: int, *, heads: int = HEADS, groups: int = 2, layout: str = "kv_lbhd", tenant: str = "tp") -> Namespace:
+    """The namespace of one rank of an engine at ``tp_size`` (vLLM's head split)."""
+    replicated = tp_size > heads
+    return Namespace(model="tp-share", dtype="float16", num_layers=2, head_size=16, block_size=16, layout=layout, hidden_size=32,
+                     num_kv_heads=1 if replicated else heads // tp_size, tp_rank=tp_rank, tp_size=tp_size,
+                     total_kv_heads=heads if replicated else 0, head_groups=groups, tenant=tenant)
+
+
+def _result(proc) -> dict:
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run_ranks(cluster, tp_size: int, op: str, ns_kw: dict | None = None, **kw) -> list[dict]:
+    """Run ``op`` in one process per rank of an engine at ``tp_size``, all at once."""
+    procs = [run_worker(spec(cluster, rank_ns(tp_size, r, **(ns_kw or {})), op, kv="model", **kw), background=True) for r in range(tp_size)]
+    return [_result(p) for p in procs]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(servers=2, capacity="128MiB", slab_size="4MiB") as c:
+        yield c
+
+
+@pytest.mark.parametrize("layout", ["kv_lbhd", "vllm_cpu"])  # heads at dimension 3 and 1 (vllm_flash: 3, unit-tested below)
+def test_tp2_producers_and_a_tp1_consumer_share_pages(cluster, layout):
+    """Two rank processes at TP=2 (2 of 4 heads each) put their pages; one process at
+    TP=1 (4 heads) reads the whole KV, bit-exact, and a TP=2 rank reads its half."""
+    kw = {"layout": layout, "tenant": f"tp2to1-{layout.replace('_', '-')}"}
+    puts = run_ranks(cluster, 2, "put_pages", kw, tokens=TOKENS)
+    assert [r["reports"][0]["stored"] for r in puts] == [8, 8]  # one head group per rank and block
+    (whole,) = run_ranks(cluster, 1, "get_pages", kw, tokens=TOKENS)
+    assert whole["results"] == [{"blocks": 8, "matched": 8, "exact": True}]
+    halves = run_ranks(cluster, 2, "get_pages", kw, tokens=TOKENS)
+    assert [h["results"] for h in halves] == [[{"blocks": 8, "matched": 8, "exact": True}]] * 2
+
+
+def test_tp2_insert_and_tp1_select(cluster):
+    """The lookup-buffer API across TP sizes: blocks are shared (bit-exact KV of all heads);
+    the trailing partial block and hidden states stay with the producer's TP layout."""
+    kw = {"tenant": "tp-insert"}
+    inserts = run_ranks(cluster, 2, "insert", kw, tokens=TOKENS + [7, 7, 7])
+    assert [r["report"]["stored"] for r in inserts] == [8 + 1, 8 + 1]  # 8 block units and the rank's tail
+    (sel,) = run_ranks(cluster, 1, "select", kw, tokens=TOKENS + [7, 7, 7])
+    assert sel["matched"] == len(TOKENS) and sel["exact"] and not sel["hidden"]
+    same = run_ranks(cluster, 2, "select", kw, tokens=TOKENS + [7, 7, 7])
+    assert [(s["matched"], s["exact"], s["hidden"]) for s in same] == [(len(TOKENS) + 3, True, True)] * 2
+
+
+def test_tp1_producer_and_tp2_consumers(cluster):
+    kw = {"tenant": "tp1to2"}
+    (put,) = run_ranks(cluster, 1, "put_pages", kw, tokens=TOKENS)
+    assert put["reports"][0]["stored"] == 16  # two head groups per block
+    halves = run_ranks(cluster, 2, "get_pages", kw, tokens=TOKENS)
+    assert [h["results"] for h in halves] == [[{"blocks": 8, "matched": 8, "exact": True}]] * 2
+
+
+def test_replicated_heads_tp1_to_tp4_and_back_stores_each_head_once(cluster):
+    """A model with 2 KV heads at TP=4: each rank holds one replicated head. Ranks read
+    their head from what a TP=1 engine stored; four TP=4 ranks storing store each head
+    once (the second replica finds it present)."""
+    kw = {"heads": 2, "groups": 2, "tenant": "tp1to4"}
+    (put,) = run_ranks(cluster, 1, "put_pages", kw, tokens=TOKENS)
+    assert put["reports"][0]["stored"] == 16
+    quarters = run_ranks(cluster, 4, "get_pages", kw, tokens=TOKENS)
+    assert [q["results"] for q in quarters] == [[{"blocks": 8, "matched": 8, "exact": True}]] * 4
+
+    kw = {"heads": 2, "groups": 2, "tenant": "tp4to1"}
+    before = sum(metrics(cluster, n.node_id)["kvstore_put_pages_total"] for n in _nodes(cluster))
+    puts = run_ranks(cluster, 4, "put_pages", kw, tokens=TOKENS)
+    assert all(p["reports"][0]["stored"] == 8 for p in puts)
+    assert sum(metrics(cluster, n.node_id)["kvstore_put_pages_total"] for n in _nodes(cluster)) - before == 16  # 8 blocks x 2 heads
+    (whole,) = run_ranks(cluster, 1, "get_pages", kw, tokens=TOKENS)
+    assert whole["results"] == [{"blocks": 8, "matched": 8, "exact": True}]
+
+
+def test_a_missing_head_group_shortens_the_prefix_for_every_consumer(cluster):
+    """Rank 1 stored only the first 5 blocks (as if its later pages were evicted): a TP=1
+    consumer gets 5 blocks, never 8 blocks of which 3 lack half their heads; a TP=2 rank 1
+    also gets 5; a group-1 rank reading only its own complete group gets all 8."""
+    kw = {"tenant": "tp-partial"}
+    run_worker(spec(cluster, rank_ns(2, 0, **kw), "put_pages", kv="model", tokens=TOKENS))
+    run_worker(spec(cluster, rank_ns(2, 1, **kw), "put_pages", kv="model", tokens=TOKENS[: 5 * 16]))
+    (whole,) = run_ranks(cluster, 1, "get_pages", kw, tokens=TOKENS)
+    assert whole["results"] == [{"blocks": 8, "matched": 5, "exact": True}]
+    halves = run_ranks(cluster, 2, "get_pages", kw, tokens=TOKENS)
+    assert [h["results"][0]["matched"] for h in halves] == [8, 5] and all(h["results"][0]["exact"] for h in halves)
+
+
+def test_a_rank_that_holds_part_of_a_group_reads_but_does_not_store(cluster):
+    """head_groups below tp_size: a rank's heads are half a stored group. It reads the
+    smallest superset (the whole group) and keeps its heads; a put is refused, naming why."""
+    kw = {"groups": 1, "tenant": "tp-superset"}
+    (put,) = run_ranks(cluster, 1, "put_pages", kw, tokens=TOKENS)
+    assert put["reports"][0]["stored"] == 8
+    halves = run_ranks(cluster, 2, "get_pages", kw, tokens=TOKENS)
+    assert [h["results"] for h in halves] == [[{"blocks": 8, "matched": 8, "exact": True}]] * 2
+    from client import KVCacheClient
+    from kvstore import InvalidInputError
+    from tests.helpers import rank_pages
+
+    ns = rank_ns(2, 0, **kw)
+    with KVCacheClient(cluster.redis_url, ns) as client, pytest.raises(InvalidInputError, match="part of a head group"):
+        client.put_pages(TOKENS, rank_pages(ns, TOKENS))
+
+
+@pytest.mark.parametrize("layout", ["kv_lbhd", "vllm_cpu", "vllm_flash"])
+@pytest.mark.parametrize("tp_size,groups", [(1, 4), (2, 4), (2, 2), (4, 2), (4, 1), (8, 4)])
+def test_units_split_and_merge_back_to_each_ranks_heads(layout, tp_size, groups):
+    """Pure logic: the units every rank reads, merged, give exactly its heads of the whole
+    model's pages, for every layout and every TP size against every group count."""
+    import torch
+
+    from kvstore import heads
+
+    full_ns = rank_ns(1, 0, heads=HEADS, groups=groups, layout=layout)
+    full = torch.randn(3, *full_ns.page_shape).to(torch.float16)
+    stored = heads.split(full_ns, full, heads.plan(full_ns))  # [blocks, groups, *unit]
+    for r in range(tp_size):
+        ns = rank_ns(tp_size, r, heads=HEADS, groups=groups, layout=layout)
+        p = heads.plan(ns)
+        lo, hi = ns.head_range
+        out = torch.empty(3, *ns.page_shape, dtype=torch.float16)
+        heads.merge(ns, stored[:, p.first : p.first + p.count], out, p)
+        assert torch.equal(out, full.narrow(1 + ns.head_dim, lo, hi - lo))
+        if p.whole:  # what this rank would store is what the full engine stored
+            assert torch.equal(heads.split(ns, out, p), stored[:, p.first : p.first + p.count])
+
+
+def test_head_group_settings_are_checked():
+    with pytest.raises(ValueError, match="must divide"):
+        rank_ns(1, 0, groups=3)
+    with pytest.raises(ValueError, match="replicated head"):
+        Namespace(model="m", dtype="float16", num_layers=1, num_kv_heads=2, head_size=8, block_size=16, tp_size=4, total_kv_heads=2)
+    plain = Namespace(model="m", dtype="float16", num_layers=1, num_kv_heads=8, head_size=8, block_size=16)
+    assert plain.storage == plain and "head_groups" not in plain.canonical_json()  # TP=1 pages are what they were
+    before = plain.digest  # cached: a copy must not carry it over (a vLLM engine's storage namespace once did)
+    assert plain.model_copy(update={"head_groups": 2}).digest != before and plain.model_copy(update={"layout": "vllm_cpu"}).digest != before
+
+
+def _nodes(cluster):
+    from kvstore.index import PageIndex
+
+    return PageIndex(cluster.redis_url).live_nodes()
