@@ -74,21 +74,19 @@ def publish_plain(r: redis.Redis, hashes: list[bytes]) -> None:
     pipe.execute()
 
 
-def publish_units(index: PageIndex, storage: Namespace, hashes: list[bytes], groups: int) -> list:
+def publish_units(index: PageIndex, regs: list, storage: Namespace, hashes: list[bytes], groups: int) -> None:
     """Commit ``groups`` units of every block (as that many TP ranks would), spread over
-    two nodes of their own; returns the live nodes."""
+    the two registered nodes ``regs``."""
     from kvstore.heads import unit_hashes
 
     index.ensure_namespace(storage)
     anchors, positions = keys.placement(hashes)
     units = unit_hashes(hashes, 0, groups)
-    for node in ("tp-a", "tp-b"):
-        reg = index.register_node(node, f"127.0.0.1:{3 + (node == 'tp-b')}", 1 << 30, 3_600_000)
-        mine = [k for k in range(len(units)) if (k % 2 == 0) == (node == "tp-a")]
+    for j, reg in enumerate(regs):
+        mine = [k for k in range(len(units)) if k % 2 == j]
         for start in range(0, len(mine), 2048):
             index.commit(storage, reg.number, reg.incarnation,
                          [CommitEntry(units[k], anchors[k // groups], positions[k // groups], k << 20, (2 << 20) // groups, k) for k in mine[start : start + 2048]])
-    return index.live_nodes()
 
 
 def tp_lookups(url: str, iterations: int) -> None:
@@ -100,8 +98,10 @@ def tp_lookups(url: str, iterations: int) -> None:
     assert tp1.storage == rank.storage
     index = PageIndex(url)
     stored = list(range(BLOCKS * 16))
-    publish_units(index, same.storage, block_hashes(same.storage, stored), 1)
-    nodes = publish_units(index, tp1.storage, block_hashes(tp1.storage, stored), 2)
+    regs = [index.register_node(node, f"127.0.0.1:{3 + j}", 1 << 30, 3_600_000) for j, node in enumerate(("tp-a", "tp-b"))]
+    publish_units(index, regs, same.storage, block_hashes(same.storage, stored), 1)
+    publish_units(index, regs, tp1.storage, block_hashes(tp1.storage, stored), 2)
+    nodes = index.live_nodes()
 
     def ask(ns: Namespace, units: tuple[int, int]) -> Callable[[list[int]], int]:
         storage = ns.storage

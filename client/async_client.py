@@ -43,6 +43,8 @@ TransferMode = Literal["auto", "direct", "staged"]
 # stall serves again within about a second, one that stays dead is not hammered.
 SUSPECT_FIRST = 0.5
 SUSPECT_MAX = 8.0
+# Staging buffers up to this size are kept for the next get (two at most).
+STAGING_KEEP_BYTES = 256 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +103,7 @@ class AsyncKVCacheClient:
         self._suspect: dict[str, float] = {}  # node id -> skipped until (monotonic)
         self._strikes: dict[str, int] = {}  # node id -> failures since its last success
         self._namespace_registered = False
+        self._staging: list[torch.Tensor] = []  # host buffers reused by staged gets (_take_staging)
 
     @classmethod
     def from_env(cls, namespace: Namespace | None = None, **overrides: Any) -> AsyncKVCacheClient:
@@ -182,14 +185,15 @@ class AsyncKVCacheClient:
         wanted = slice(start_block, n)
         if not self.heads.identity:  # head groups land in staging and are merged into the rank's pages
             self.stats.staged_transfers += 1
-            count = self.heads.count
-            units = torch.empty((n - start_block, count, *self.namespace.unit_shape), dtype=self.namespace.torch_dtype(),
-                                pin_memory=torch.cuda.is_available())
-            got = await self._fetch(*self._unit_requests(hashes, result, wanted), page_spans(host_bytes(units), (n - start_block) * count, self.namespace.unit_nbytes))
+            count, ns = self.heads.count, self.namespace
+            staging = self._take_staging((n - start_block) * count * ns.unit_nbytes)
+            units = staging[: (n - start_block) * count * ns.unit_nbytes].view(ns.torch_dtype()).view(n - start_block, count, *ns.unit_shape)
+            got = await self._fetch(*self._unit_requests(hashes, result, wanted), page_spans(host_bytes(units), (n - start_block) * count, ns.unit_nbytes))
             blocks = got // count
             if blocks:
-                heads.merge(self.namespace, units[:blocks], out[start_block : start_block + blocks], self.heads)
-            return (start_block + blocks) * self.namespace.block_size
+                heads.merge(ns, units[:blocks], out[start_block : start_block + blocks], self.heads)
+            self._give_staging(staging)  # not when cancelled: a transfer may still be landing in it
+            return (start_block + blocks) * ns.block_size
         if self._mode_for(out) == "direct":
             self.stats.direct_transfers += 1
             dest = host_bytes(out) if out.device.type == "cpu" else out.reshape(-1).view(torch.uint8)
@@ -197,12 +201,28 @@ class AsyncKVCacheClient:
             got = await self._fetch(*self._unit_requests(hashes, result, wanted), spans)
             return (start_block + got) * self.namespace.block_size
         self.stats.staged_transfers += 1
-        staging = torch.empty((n - start_block) * nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        staging = self._take_staging((n - start_block) * nbytes)
         got = await self._fetch(*self._unit_requests(hashes, result, wanted), page_spans(staging.numpy(), n - start_block, nbytes))
         if got:
             flat = out.reshape(-1).view(torch.uint8)
             flat[start_block * nbytes : (start_block + got) * nbytes].copy_(staging[: got * nbytes])
+        self._give_staging(staging)  # not when cancelled: a transfer may still be landing in it
         return (start_block + got) * self.namespace.block_size
+
+    def _take_staging(self, nbytes: int) -> torch.Tensor:
+        """A host buffer of at least ``nbytes`` (pinned where CUDA is), reused across gets:
+        a fresh 64 MiB buffer costs about 20 ms of page faults here, a third of a 2 MiB-page
+        get (bench/transfer.py, head groups). Only the event loop's thread calls it."""
+        for i, buf in enumerate(self._staging):
+            if buf.numel() >= nbytes:
+                return self._staging.pop(i)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+
+    def _give_staging(self, buf: torch.Tensor) -> None:
+        """Keep ``buf`` for the next get, unless it is large or two are kept already:
+        at most 2 x STAGING_KEEP_BYTES stay allocated between calls."""
+        if buf.numel() <= STAGING_KEEP_BYTES and len(self._staging) < 2:
+            self._staging.append(buf)
 
     # ---- lookup-buffer API (vLLM SimpleConnector contract) ----------------------
 
