@@ -62,7 +62,10 @@ def plan(ns: Namespace) -> HeadPlan:
 
 def unit_hashes(chain: list[bytes], first: int, count: int) -> list[bytes]:
     """The keys of units ``first`` to ``first + count - 1`` of every block of ``chain``,
-    block by block (vectorised: 8,192 blocks of 8 units take about a millisecond)."""
+    block by block. Measured for 8,192 blocks: 2.6 ms for one unit each (a TP=2 rank's),
+    4.5 ms for two, 16 ms for eight; cutting the result into 16-byte objects is most of
+    it (the XOR is vectorised). Unit 0 alone is the chain itself, free. Lookups never
+    call it: they match units by ``unit_of``; only transfers name units."""
     if first == 0 and count == 1:
         return chain
     pairs = np.frombuffer(b"".join(chain), dtype="<u8").reshape(-1, 2)
