@@ -253,9 +253,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         """A client for one rank's pages; with ``all_heads`` (the scheduler) for every head
         group, so a lookup counts a block only when every worker can load it."""
         ns = engine_namespace(self._vllm_config, self._conf, layout=layout, tp_rank=tp_rank, pp_rank=pp_rank)
-        if all_heads:
-            ns = Namespace.model_validate({**ns.model_dump(), "num_kv_heads": ns.total_heads, "tp_rank": 0, "tp_size": 1,
-                                           "total_kv_heads": 0, "head_groups": ns.groups})
+        if all_heads:  # the storage namespace is the TP=1 view of every head group
+            ns = ns.storage
         log.info("KVStoreConnector (%s) namespace %s: %s", self.role.name, ns.digest_hex, ns.canonical_json())
         return KVCacheClient(None, ns, options=self._options)
 

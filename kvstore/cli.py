@@ -53,9 +53,7 @@ def _data_plane_token(private_dir: str) -> tuple[dict[str, str], str]:
     if os.environ.get("KVSTORE_AUTH_TOKEN") or os.environ.get("KVSTORE_AUTH_TOKEN_FILE"):
         return {}, "data-plane token: the one in your KVSTORE_AUTH_TOKEN(_FILE)"
     path = os.path.join(private_dir, "auth-token")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(new_token())
+    _write_secret(path, new_token())
     return {"KVSTORE_AUTH_TOKEN_FILE": path}, f"KVSTORE_AUTH_TOKEN_FILE={path}"
 
 
@@ -111,17 +109,22 @@ def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _write_secret(path: str, text: str) -> None:
+    """Create ``path`` readable by this user only (never over an existing file) holding ``text``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
 def _credential(args: argparse.Namespace) -> int:
     """Write a new token to ``--token-file`` (mode 0600, never overwritten) and print the
     line that grants it, for the nodes' credentials file. The token is never printed."""
     credential = make_credential(args.name, args.rights, args.tenant)
     token = new_token()
     try:
-        fd = os.open(args.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        _write_secret(args.token_file, token + "\n")
     except OSError as exc:
         raise InvalidInputError(f"cannot create --token-file {args.token_file}: {exc.strerror}") from None
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
     print(credential.line(token_digest(token)))
     print(f"token written to {args.token_file}: clients read it with KVSTORE_AUTH_TOKEN_FILE={args.token_file}", file=sys.stderr)
     return 0
