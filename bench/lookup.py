@@ -81,12 +81,12 @@ def publish_units(index: PageIndex, regs: list, storage: Namespace, hashes: list
 
     index.ensure_namespace(storage)
     anchors, positions = keys.placement(hashes)
-    units = unit_hashes(hashes, 0, groups)
+    units = unit_hashes(hashes, 0, groups)  # unit by unit: unit j of block b is units[j * len(hashes) + b]
     for j, reg in enumerate(regs):
-        mine = [k for k in range(len(units)) if k % 2 == j]
+        mine = [k for k in range(len(units)) if k // len(hashes) % 2 == j]  # unit j on node j, as ranks would put them
         for start in range(0, len(mine), 2048):
             index.commit(storage, reg.number, reg.incarnation,
-                         [CommitEntry(units[k], anchors[k // groups], positions[k // groups], k << 20, (2 << 20) // groups, k) for k in mine[start : start + 2048]])
+                         [CommitEntry(units[k], anchors[k % len(hashes)], positions[k % len(hashes)], k << 20, (2 << 20) // groups, k) for k in mine[start : start + 2048]])
 
 
 def tp_lookups(url: str, iterations: int) -> None:

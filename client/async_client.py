@@ -164,8 +164,7 @@ class AsyncKVCacheClient:
         count = self.heads.count
         spans = page_spans(host_bytes(units), len(hashes) * count, self.namespace.unit_nbytes)
         anchors, positions = keys.placement(hashes)
-        return await self._publish(heads.unit_hashes(hashes, self.heads.first, count), spans,
-                                   placement=(_repeat(anchors, count), _repeat(positions, count)))
+        return await self._publish(heads.unit_hashes(hashes, self.heads.first, count), spans, placement=(anchors * count, positions * count))
 
     async def get_pages(self, token_ids: Any, out: torch.Tensor, start_block: int = 0) -> int:
         """Fill ``out[start_block:k]`` with the longest stored prefix of full blocks of
@@ -187,22 +186,22 @@ class AsyncKVCacheClient:
             self.stats.staged_transfers += 1
             count, ns = self.heads.count, self.namespace
             staging = self._take_staging((n - start_block) * count * ns.unit_nbytes)
-            units = staging[: (n - start_block) * count * ns.unit_nbytes].view(ns.torch_dtype()).view(n - start_block, count, *ns.unit_shape)
-            got = await self._fetch(*self._unit_requests(hashes, result, wanted), page_spans(host_bytes(units), (n - start_block) * count, ns.unit_nbytes))
-            blocks = got // count
+            units = staging[: (n - start_block) * count * ns.unit_nbytes].view(ns.torch_dtype()).view(count, n - start_block, *ns.unit_shape)
+            ok = await self._fetch(*self._unit_requests(hashes, result, wanted), page_spans(host_bytes(units), (n - start_block) * count, ns.unit_nbytes))
+            blocks = _whole_blocks(ok, count, n - start_block)
             if blocks:
-                heads.merge(ns, units[:blocks], out[start_block : start_block + blocks], self.heads)
+                heads.merge(ns, units[:, :blocks], out[start_block : start_block + blocks], self.heads)
             self._give_staging(staging)  # not when cancelled: a transfer may still be landing in it
             return (start_block + blocks) * ns.block_size
         if self._mode_for(out) == "direct":
             self.stats.direct_transfers += 1
             dest = host_bytes(out) if out.device.type == "cpu" else out.reshape(-1).view(torch.uint8)
             spans = page_spans(dest, n, nbytes)[wanted]
-            got = await self._fetch(*self._unit_requests(hashes, result, wanted), spans)
+            got = _leading(await self._fetch(*self._unit_requests(hashes, result, wanted), spans))
             return (start_block + got) * self.namespace.block_size
         self.stats.staged_transfers += 1
         staging = self._take_staging((n - start_block) * nbytes)
-        got = await self._fetch(*self._unit_requests(hashes, result, wanted), page_spans(staging.numpy(), n - start_block, nbytes))
+        got = _leading(await self._fetch(*self._unit_requests(hashes, result, wanted), page_spans(staging.numpy(), n - start_block, nbytes)))
         if got:
             flat = out.reshape(-1).view(torch.uint8)
             flat[start_block * nbytes : (start_block + got) * nbytes].copy_(staging[: got * nbytes])
@@ -256,7 +255,7 @@ class AsyncKVCacheClient:
         parts = part_hashes(seq, len(part_sizes))
         anchors, positions = keys.placement(hashes + parts, [len(hashes)])
         n = len(hashes)
-        placement = (_repeat(anchors[:n], count) + anchors[n:], _repeat(positions[:n], count) + positions[n:])
+        placement = (anchors[:n] * count + anchors[n:], positions[:n] * count + positions[n:])
         return await self._publish(heads.unit_hashes(hashes, self.heads.first, count) + parts, spans, placement=placement)
 
     async def select(self, input_tokens: Any, roi: Any) -> list[Any]:
@@ -283,13 +282,13 @@ class AsyncKVCacheClient:
         tail_buf = np.empty(sum(part_sizes), dtype=np.uint8)
         sinks += split_spans(tail_buf, part_sizes)
         unit_hashes, unit_locations = self._unit_requests(hashes, result, slice(0, nblocks))
-        got = await self._fetch(unit_hashes + parts[: result.matched - nblocks], unit_locations + result.locations[nblocks:], sinks)
-        got_blocks = min(got // count, nblocks)
+        ok = await self._fetch(unit_hashes + parts[: result.matched - nblocks], unit_locations + result.locations[nblocks:], sinks)
+        got_blocks = _whole_blocks(ok, count, nblocks)
         if got_blocks < nblocks:
             got = got_blocks  # a missing head group ends the prefix: the tail cannot follow
         else:
-            got = nblocks + (got - nblocks * count)
-        units = unit_buf[: got_blocks * count * ns.unit_nbytes].view(ns.torch_dtype()).reshape(got_blocks, count, *ns.unit_shape)
+            got = nblocks + _leading(ok[nblocks * count :])
+        units = unit_buf.view(ns.torch_dtype()).reshape(count, nblocks, *ns.unit_shape)[:, :got_blocks]
         if self.heads.identity:
             page_buf = units.reshape(-1).view(torch.uint8)
         else:
@@ -461,9 +460,9 @@ class AsyncKVCacheClient:
         self.stats.bytes_sent += nbytes
         return PublishReport(len(held), sent, skipped, refused, nbytes)
 
-    async def _fetch(self, hashes: list[bytes], locations: list[list[PageLocation]], sinks: list[Span]) -> int:
-        """Fetch pages into ``sinks`` from their replicas, verify checksums, and return
-        how many leading pages arrived intact. Bounded by ``timeout`` overall."""
+    async def _fetch(self, hashes: list[bytes], locations: list[list[PageLocation]], sinks: list[Span]) -> list[bool]:
+        """Fetch pages into ``sinks`` from their replicas, verify checksums, and say which
+        arrived intact. Bounded by ``timeout`` overall."""
         deadline = time.monotonic() + self.timeout
         ok = [False] * len(hashes)
         tried: list[set[str]] = [set() for _ in hashes]
@@ -500,15 +499,16 @@ class AsyncKVCacheClient:
             await asyncio.gather(*(one(n, idx) for n, idx in per_node.items()))
             if all(ok):
                 break
-        return ok.index(False) if False in ok else len(ok)
+        return ok
 
     def _unit_requests(self, hashes: list[bytes], result: LookupResult, blocks: slice) -> tuple[list[bytes], list[list[PageLocation]]]:
-        """The keys and replicas of this rank's head groups of ``blocks``, block by block."""
-        count = self.heads.count
-        keys_ = heads.unit_hashes(hashes[blocks], self.heads.first, count)
+        """The keys and replicas of this rank's head groups of ``blocks``, unit by unit
+        (``heads.unit_hashes``)."""
+        count, first = self.heads.count, self.heads.first
+        keys_ = heads.unit_hashes(hashes[blocks], first, count)
         if count == 1:
             return keys_, result.locations[blocks]
-        locations = [[loc for loc in locs if loc.unit == j] for locs in result.locations[blocks] for j in range(count)]
+        locations = [[loc for loc in locs if loc.unit == j] for j in range(count) for locs in result.locations[blocks]]
         return keys_, locations
 
     def _prefer(self, page_hash: bytes, locs: list[PageLocation]) -> list[PageLocation]:
@@ -559,9 +559,15 @@ class AsyncKVCacheClient:
         return tokens[:m], len(tokens)
 
 
-def _repeat(items: list[Any], count: int) -> list[Any]:
-    """Each item ``count`` times in a row (a block's place, for each of its head groups)."""
-    return items if count == 1 else [x for x in items for _ in range(count)]
+def _leading(ok: list[bool]) -> int:
+    """How many leading requests arrived intact."""
+    return ok.index(False) if False in ok else len(ok)
+
+
+def _whole_blocks(ok: list[bool], count: int, blocks: int) -> int:
+    """How many leading blocks arrived whole: every one of their ``count`` units, which
+    ``ok`` lists unit by unit (``heads.unit_hashes``)."""
+    return _leading(np.array(ok[: count * blocks], dtype=bool).reshape(count, blocks).all(axis=0).tolist())
 
 
 def _token_prefix(t: Any, T: int, n_all: int, dim: int) -> Any:

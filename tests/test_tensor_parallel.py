@@ -55,6 +55,33 @@ def test_tp2_producers_and_a_tp1_consumer_share_pages(cluster, layout):
     assert [h["results"] for h in halves] == [[{"blocks": 8, "matched": 8, "exact": True}]] * 2
 
 
+def test_units_of_consecutive_blocks_travel_as_one_message_over_ucx():
+    """Units are stored and fetched unit by unit (heads.split), so each rank's units of
+    consecutive blocks lie side by side in the node's pool and a TP=1 reader's staging:
+    over UCX a TP=1 get of what two TP=2 ranks stored is one message per rank's run, not
+    one per unit (16 here), and a TP=2 rank reading a TP=1 writer's pages gets one."""
+    ucx = {"options": {"same_host": False}}
+    with LocalCluster(servers=1, capacity="64MiB", slab_size="4MiB") as one:
+        def sent() -> float:
+            return metrics(one, one.nodes[0].node_id)['kvstore_payload_messages_total{direction="out"}']
+
+        kw = {"tenant": "tp-runs"}
+        puts = run_ranks(one, 2, "put_pages", kw, tokens=TOKENS, **ucx)
+        assert [r["reports"][0]["stored"] for r in puts] == [8, 8]
+        before = sent()
+        (whole,) = run_ranks(one, 1, "get_pages", kw, tokens=TOKENS, **ucx)
+        assert whole["results"] == [{"blocks": 8, "matched": 8, "exact": True}]
+        assert sent() - before <= 2  # each rank's 8 units in one run (they are 2 KiB each)
+
+        kw = {"tenant": "tp-runs-back"}
+        (put,) = run_ranks(one, 1, "put_pages", kw, tokens=TOKENS, **ucx)
+        assert put["reports"][0]["stored"] == 16
+        before = sent()
+        (half,) = run_ranks(one, 2, "get_pages", kw, tokens=TOKENS, **ucx)[1:]
+        assert half["results"] == [{"blocks": 8, "matched": 8, "exact": True}]
+        assert sent() - before <= 2  # rank 0's and rank 1's gets, one run each
+
+
 def test_tp2_insert_and_tp1_select(cluster):
     """The lookup-buffer API across TP sizes: blocks are shared (bit-exact KV of all heads);
     the trailing partial block and hidden states stay with the producer's TP layout."""
@@ -135,16 +162,17 @@ def test_units_split_and_merge_back_to_each_ranks_heads(layout, tp_size, groups)
 
     full_ns = rank_ns(1, 0, heads=HEADS, groups=groups, layout=layout)
     full = torch.randn(3, *full_ns.page_shape).to(torch.float16)
-    stored = heads.split(full_ns, full, heads.plan(full_ns))  # [blocks, groups, *unit]
+    stored = heads.split(full_ns, full, heads.plan(full_ns))  # [groups, blocks, *unit]
+    assert stored.is_contiguous() and stored.shape[:2] == (groups, 3)
     for r in range(tp_size):
         ns = rank_ns(tp_size, r, heads=HEADS, groups=groups, layout=layout)
         p = heads.plan(ns)
         lo, hi = ns.head_range
         out = torch.empty(3, *ns.page_shape, dtype=torch.float16)
-        heads.merge(ns, stored[:, p.first : p.first + p.count], out, p)
+        heads.merge(ns, stored[p.first : p.first + p.count], out, p)
         assert torch.equal(out, full.narrow(1 + ns.head_dim, lo, hi - lo))
         if p.whole:  # what this rank would store is what the full engine stored
-            assert torch.equal(heads.split(ns, out, p), stored[:, p.first : p.first + p.count])
+            assert torch.equal(heads.split(ns, out, p), stored[p.first : p.first + p.count])
 
 
 def test_head_group_settings_are_checked():
