@@ -14,7 +14,10 @@ this host), the embedded Valkey. For each page size it moves the same pages with
 
 Systems are interleaved (memcpy, valkey, shm, ucx, then again) for ``--repeat``
 rounds, first with one reader, then with ``--readers`` readers at once (aggregate
-GB/s), then with one reader while two CPU-burning processes run. Each figure is a
+GB/s), then with one reader while two CPU-burning processes run. Every put writes
+fresh slabs of the node's pool, so each first get maps slabs its reader has never
+seen (a cost per slab and process, see client/connection.py); "get again" reads the
+same pages once more, as a long-lived reader of a recycled pool does. Each figure is a
 median with min-max, and a ratio to the quiet memcpy of the same size. Gets are
 end to end (hash the tokens, one index lookup, transfer, verify) and are checked
 bit-exact against the pages put. CPU seconds per GB moved are read from
@@ -104,7 +107,11 @@ class Worker:
         ns = namespace_for(size)
         tokens = list(range(tag * 10_000_000, tag * 10_000_000 + count * ns.block_size))
         src, dst = pages.view(torch.uint8).reshape(-1).numpy(), out.view(torch.uint8).reshape(-1).numpy()
-        out.zero_()
+        # Cleared with numpy, one thread: torch's zero_ runs on its OpenMP pool, whose
+        # threads then spin for a while and took the second core from the transfer that
+        # followed (measured: same-host get 3.0 GB/s after zero_, 3.8-4.2 after fill or
+        # with OMP_WAIT_POLICY=PASSIVE; memcpy unchanged).
+        dst.fill(0)
         cpu0, start = time.process_time(), time.time()
         ok = True
         if system == "memcpy":
@@ -245,6 +252,8 @@ def main() -> int:
                                     samples.setdefault((condition, system, "put"), []).append(measure([writer], "put", system, size, tag, server_of(system)))
                                 group = readers[:1] if single else readers  # concurrent readers re-read the last pages put
                                 samples.setdefault((condition, system, "get"), []).append(measure(group, "get", system, size, last_put[system], server_of(system)))
+                                if single and system != "valkey":  # the same pages again: slabs this reader has mapped
+                                    samples.setdefault((condition, system, "get again"), []).append(measure(group, "get", system, size, last_put[system], server_of(system)))
                     finally:
                         for hog in hogs:
                             hog.kill()
