@@ -59,9 +59,14 @@ class NamespaceKey:
 
 
 def segment_key(prefix: str, anchor: bytes) -> str:
-    """A segment's key under a namespace's ``prefix``; its lease key has ``l`` for ``s``
-    (both built by the scripts too, kvstore/lua/common.lua)."""
+    """A segment's key under a namespace's ``prefix`` (built by the scripts too,
+    kvstore/lua/common.lua)."""
     return f"{prefix}s:{{{anchor.hex()}}}"
+
+
+def lease_key(prefix: str, anchor: bytes) -> str:
+    """The key that exists while a reader holds a read lease on a segment (same slot)."""
+    return f"{prefix}l:{{{anchor.hex()}}}"
 
 
 def node_key(node_id: str) -> str:

@@ -193,6 +193,34 @@ def test_remove_respects_read_leases(index, namespace):
     assert lookup(index, namespace, hashes).matched == 0
 
 
+def test_a_short_lookup_keeps_its_lease_read_only_until_half_is_left(index, namespace):
+    """A one-segment lookup (plain GET and PTTL, not the script) grants the segment a read
+    lease, leaves it alone while more than half is left (repeated lookups write nothing),
+    and renews it, with the segment's expiry, once less than half is left."""
+    from kvstore.index import _single
+    from kvstore.routing import Cmd
+
+    def pttl(key: str) -> int:
+        return index._drive(_single(Cmd(("PTTL", key), key=key)))
+
+    index.ensure_namespace(namespace)
+    a = register(index, "a")
+    hashes = chain(namespace, 4)
+    commit(index, namespace, a, hashes)
+    held, seg = keys.lease_key(namespace.key.prefix, hashes[0]), keys.segment_key(namespace.key.prefix, hashes[0])
+    assert pttl(held) == -2  # no lease before a read
+    assert index.lookup(namespace, hashes, lease_ms=1_000).resolve(index.live_nodes()).matched == 4
+    granted = pttl(held)
+    assert 500 < granted <= 1_000
+    time.sleep(0.2)
+    index.lookup(namespace, hashes, lease_ms=1_000)
+    assert pttl(held) < granted - 100  # more than half left: not renewed
+    time.sleep(0.4)  # now below half
+    index.lookup(namespace, hashes, lease_ms=1_000)
+    assert pttl(held) > 800 and pttl(seg) > index.entry_ttl_ms - 60_000
+    assert remove(index, namespace, a, hashes[:1], hashes) == [False]  # the lease holds off eviction
+
+
 def test_a_live_node_id_cannot_be_registered_twice(index):
     """Finding 7: a second process with the same node id is refused while the first lives."""
     first = register(index, "dup", "127.0.0.1:7", ttl=300)
@@ -294,7 +322,7 @@ def test_lookup_matches_model_under_random_interleavings(index, namespace, seed)
 
 
 @pytest.mark.parametrize("count", [1, 16, 1024, 8192])
-def test_a_lookup_is_at_most_one_script_call_per_shard(index, namespace, valkey, count):
+def test_a_lookup_is_one_round_trip_per_shard_and_one_read_per_segment(index, namespace, valkey, count):
     index.ensure_namespace(namespace)
     a = register(index, "a")
     hashes = block_hashes(namespace, list(range(count * namespace.block_size)))
@@ -318,10 +346,16 @@ def test_a_lookup_is_at_most_one_script_call_per_shard(index, namespace, valkey,
         reader.join(10)
         monitor.__exit__(None, None, None)
     assert result.matched == count
-    calls = [sum(c["command"].split()[0] == "EVALSHA" for c in out if c["client_type"] != "lua") for out in seen]
-    assert max(calls) == 1 and sum(calls) == len({index._router.topology.shard_of(keys.segment_key(namespace.key.prefix, hashes[s])) for s, _ in keys.segments(count)})
-    # the scripts read one key per segment (plus its lease), never one per page
-    reads = sum(c["command"].split()[0] == "GET" for out in seen for c in out if c["client_type"] == "lua")
+    per_shard = [0] * len(servers)
+    for s, _ in keys.segments(count):
+        per_shard[index._router.topology.shard_of(keys.segment_key(namespace.key.prefix, hashes[s]))] += 1
+    for segments, out in zip(per_shard, seen):
+        sent = [c["command"].split()[0] for c in out if c["client_type"] != "lua" and c["command"].split()[0] in ("GET", "PTTL", "SET", "PEXPIRE", "EVALSHA")]
+        # a shard with one segment gets GET and PTTL (the lease is fresh: no renewal),
+        # one with more a single script call, one with none nothing
+        assert sent == ([] if segments == 0 else ["GET", "PTTL"] if segments == 1 else ["EVALSHA"]), (segments, sent)
+    # one read per segment (its lease beside it), never one per page
+    reads = sum(c["command"].split()[0] == "GET" for out in seen for c in out)
     assert reads == len(keys.segments(count))
 
 
