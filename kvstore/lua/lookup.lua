@@ -1,4 +1,5 @@
--- The segments of one lookup on this shard, with a read lease.
+-- The segments of one lookup on this shard, with a read lease. A shard that holds just
+-- one segment of a lookup is read with plain GET and PTTL instead (kvstore/index.py).
 -- ARGV: lease_ms, ttl_ms, key prefix, the segments' anchors (hex, see common.lua), in
 -- chain order.
 -- Returns the values of the segments read, in chain order. Reading stops at the first
