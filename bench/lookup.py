@@ -48,7 +48,7 @@ BLOCKS = 8192
 COUNTS = (16, 128, 1024, 8192)
 HITS = (1.0, 0.5, 0.0)
 # what a kvstore lookup sends: the lookup script, or for a one-segment shard plain
-# commands (kvstore/index.py, the note above _segment_call)
+# commands (kvstore/index.py, _plain_lookup)
 KVSTORE_COMMANDS = ("evalsha", "get", "pttl", "set", "pexpire")
 
 

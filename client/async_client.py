@@ -156,15 +156,7 @@ class AsyncKVCacheClient:
         one head group)."""
         hashes = block_hashes(self.storage, token_ids)
         self._check_pages("pages", pages, len(hashes), at_least=False)
-        if not self.heads.whole:
-            raise InvalidInputError(f"this rank holds part of a head group ({self.namespace.groups} groups of {self.namespace.group_heads} heads for "
-                                    f"tp_size {self.namespace.tp_size}): it can read pages but not store them; use head_groups of at least tp_size")
-        host = pages[: len(hashes)].to("cpu")
-        units = host.contiguous() if self.heads.identity else heads.split(self.namespace, host, self.heads)
-        count = self.heads.count
-        spans = page_spans(host_bytes(units), len(hashes) * count, self.namespace.unit_nbytes)
-        anchors, positions = keys.placement(hashes)
-        return await self._publish(heads.unit_hashes(hashes, self.heads.first, count), spans, placement=(anchors * count, positions * count))
+        return await self._publish(*self._units(hashes, pages[: len(hashes)].to("cpu"), "store"))
 
     async def get_pages(self, token_ids: Any, out: torch.Tensor, start_block: int = 0) -> int:
         """Fill ``out[start_block:k]`` with the longest stored prefix of full blocks of
@@ -208,6 +200,20 @@ class AsyncKVCacheClient:
         self._give_staging(staging)  # not when cancelled: a transfer may still be landing in it
         return (start_block + got) * self.namespace.block_size
 
+    def _units(self, hashes: list[bytes], pages: torch.Tensor, verb: str) -> tuple[list[bytes], list[Span], list[bytes], list[int]]:
+        """What ``put_pages`` and ``insert`` publish of this rank's host ``pages`` of blocks
+        ``hashes``: its units' keys and bytes, unit by unit (``heads.split``), and each
+        unit's segment anchor and position (its block's)."""
+        if not self.heads.whole:
+            ns = self.namespace
+            raise InvalidInputError(f"this rank holds part of a head group ({ns.groups} groups of {ns.group_heads} heads for tp_size {ns.tp_size}): "
+                                    f"it can read pages but not {verb} them; use head_groups of at least tp_size")
+        units = pages.contiguous() if self.heads.identity else heads.split(self.namespace, pages, self.heads)
+        count = self.heads.count
+        anchors, positions = keys.placement(hashes)
+        spans = page_spans(host_bytes(units), len(hashes) * count, self.namespace.unit_nbytes)
+        return heads.unit_hashes(hashes, self.heads.first, count), spans, anchors * count, positions * count
+
     def _take_staging(self, nbytes: int) -> torch.Tensor:
         """A host buffer of at least ``nbytes`` (pinned where CUDA is), reused across gets:
         a fresh 64 MiB buffer costs about 20 ms of page faults here, a third of a 2 MiB-page
@@ -241,22 +247,15 @@ class AsyncKVCacheClient:
                 raise InvalidInputError("hidden states given but the namespace has hidden_size=0")
             if tuple(hidden.shape) != (T, ns.hidden_size) or hidden.dtype != ns.torch_dtype():
                 raise InvalidInputError(f"hidden must be [{T}, {ns.hidden_size}] of {ns.torch_dtype()}, got {tuple(hidden.shape)} {hidden.dtype}")
-        if not self.heads.whole:
-            raise InvalidInputError(f"this rank holds part of a head group ({ns.groups} groups for tp_size {ns.tp_size}): it can select but not insert; use head_groups of at least tp_size")
         hashes = block_hashes(self.storage, tokens)
-        pages = codec.kv_to_pages(ns, key, value)
-        units = pages if self.heads.identity else heads.split(ns, pages, self.heads)
+        unit_keys, spans, anchors, positions = self._units(hashes, codec.kv_to_pages(ns, key, value), "insert")
         tail = codec.encode_tail(ns, key, value, hidden)
         part_sizes = codec.tail_part_sizes(ns, T, hidden is not None)
-        # the tail (partial block, hidden states) is this rank's own: keyed by its TP namespace
-        seq = sequence_hash(ns, tokens, hashes)
-        count = self.heads.count
-        spans = page_spans(host_bytes(units), len(hashes) * count, ns.unit_nbytes) + split_spans(tail, part_sizes)
-        parts = part_hashes(seq, len(part_sizes))
-        anchors, positions = keys.placement(hashes + parts, [len(hashes)])
-        n = len(hashes)
-        placement = (anchors[:n] * count + anchors[n:], positions[:n] * count + positions[n:])
-        return await self._publish(heads.unit_hashes(hashes, self.heads.first, count) + parts, spans, placement=placement)
+        # the tail (partial block, hidden states) is this rank's own: keyed by its TP
+        # namespace, a chain of its own in the index
+        parts = part_hashes(sequence_hash(ns, tokens, hashes), len(part_sizes))
+        part_anchors, part_positions = keys.placement(parts)
+        return await self._publish(unit_keys + parts, spans + split_spans(tail, part_sizes), anchors + part_anchors, positions + part_positions)
 
     async def select(self, input_tokens: Any, roi: Any) -> list[Any]:
         """``[input_tokens, roi, key, value, hidden]`` for the longest stored prefix of the
@@ -400,12 +399,11 @@ class AsyncKVCacheClient:
     def _node_ok(self, node_id: str) -> None:
         self._strikes.pop(node_id, None)
 
-    async def _publish(self, hashes: list[bytes], spans: list[Span], breaks: Sequence[int] = (), placement: tuple[list[bytes], list[int]] | None = None) -> PublishReport:
+    async def _publish(self, hashes: list[bytes], spans: list[Span], anchors: list[bytes], positions: list[int]) -> PublishReport:
         """Store each page on its ``replicas`` rendezvous nodes; a page counts as stored
-        when at least one replica holds it. ``hashes`` are chains that start at 0 and at
-        each of ``breaks`` (they place the pages in the index's segments), unless
-        ``placement`` gives each page's segment anchor and position (head groups of a
-        block share their block's)."""
+        when at least one replica holds it. ``anchors`` and ``positions`` place each page
+        in the index's segments (``keys.placement``; head groups of a block share their
+        block's)."""
         if not self._namespace_registered:
             await self._ensure_namespace()
         nodes = {n.node_id: n for n in await self._live_nodes()}
@@ -419,7 +417,6 @@ class AsyncKVCacheClient:
                 memo[page.index] = page_checksum(page.span.view())
             return memo[page.index]
 
-        anchors, positions = placement or keys.placement(hashes, breaks)
         per_node: dict[str, list[int]] = defaultdict(list)
         for i, h in enumerate(hashes):
             for node_id in place(h, list(nodes), self.replicas):

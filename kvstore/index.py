@@ -190,10 +190,10 @@ class IndexLookup:
         slot = np.where(inside, node, 0)
         ok = inside & known[slot] & (tags[slot] == self.records["tag"])
         has = np.zeros(self.covered + 1, dtype=bool)  # a False sentinel after the last
-        if int(self.need.max(initial=1)) == 1:
+        width = int(self.need.max(initial=1))
+        if width == 1:
             has[self.positions[ok]] = True
         else:  # every unit asked at a position needs a live record: count distinct ones
-            width = int(self.need.max())
             distinct = np.unique(self.positions[ok] * width + self.units[ok])
             has[: self.covered] = np.bincount(distinct // width, minlength=self.covered)[: self.covered] == self.need
         matched = int(np.argmin(has))
@@ -299,14 +299,28 @@ def _plan(index: _IndexMethods, prefix: str, anchors: Sequence[bytes]) -> dict[i
     return plan
 
 
-# A shard's part of a lookup that is a single segment (every lookup of up to 64 blocks,
-# and the shards of a cluster that hold one segment of it) is sent as plain GET and PTTL
-# instead of lookup.lua, and a lease that needs renewing (below half, as the script
-# does) costs a second round trip of SET and PEXPIRE. Measured on Valkey 9 (INFO
-# commandstats): a lookup.lua call costs the server 24-30 us however small, of which its
-# GET is 1.5 us, so a 16-block lookup cost about 2 us of Valkey CPU per block; GET and
-# PTTL cost 1.5 us in all. Longer lookups keep the script, which reads up to the first
-# missing segment and saves the client packing a command per segment.
+def _plain_lookup(prefix: str, anchor: bytes, lease_ms: int) -> list[Cmd]:
+    """A shard's part of a lookup that is a single segment (every lookup of up to 64
+    blocks, and the shards of a cluster that hold one segment of it): plain ``GET`` of
+    the segment and, with a lease, ``PTTL`` of its lease; a lease that is missing or
+    below half is then renewed by ``_renew_lease`` (as lookup.lua does). Measured on
+    Valkey 9 (INFO commandstats): a lookup.lua call costs the server 24-30 us however
+    small, of which its GET is 1.5 us, so a 16-block lookup cost about 2 us of Valkey
+    CPU per block; GET and PTTL cost 1.5 us in all. Longer lookups keep the script,
+    which reads up to the first missing segment and saves the client packing a
+    command per segment."""
+    seg = keys.segment_key(prefix, anchor)
+    if lease_ms <= 0:
+        return [Cmd(("GET", seg), key=seg)]
+    held = keys.lease_key(prefix, anchor)
+    return [Cmd(("GET", seg), key=seg), Cmd(("PTTL", held), key=held)]
+
+
+def _renew_lease(prefix: str, anchor: bytes, lease_ms: int, ttl_ms: int) -> list[Cmd]:
+    """A segment's read lease for ``lease_ms``, and its expiry pushed back to ``ttl_ms``
+    (when set), as lookup.lua grants them."""
+    held, seg = keys.lease_key(prefix, anchor), keys.segment_key(prefix, anchor)
+    return [Cmd(("SET", held, "1", "PX", lease_ms), key=held)] + ([Cmd(("PEXPIRE", seg, ttl_ms), key=seg)] if ttl_ms > 0 else [])
 
 
 def _segment_call(script: str, prefix: str, first: bytes, head: list[Any], anchors_hex: str, tail: list[Any]) -> Cmd:
@@ -419,7 +433,8 @@ class _IndexMethods:
                units: tuple[int, int] = (0, 1)) -> Any:
         """Entries for the longest stored prefix of ``hashes`` (chains start at 0 and at
         each of ``breaks``), with a read lease: an ``IndexLookup`` to ``resolve`` against
-        live nodes. One script call per shard, all shards at once; a shard that fails
+        live nodes. One round trip per shard, all shards at once (and a second one to
+        renew leases of one-segment shards, ``_plain_lookup``); a shard that fails
         ends the prefix at its first segment (a shorter prefix, never an error).
         ``units`` ``(first, count)``: each hash of the first chain is a block whose head
         groups ``first`` to ``first + count - 1`` must all be stored (kvstore.heads);
@@ -438,32 +453,26 @@ class _IndexMethods:
 
         def steps() -> Generator[list[Cmd], list[Any], IndexLookup]:
             plan = _plan(self, ns, anchors)
-            batch, plain = [], {}  # plain: shard -> where its GET/PTTL pairs start in the batch
-            for shard, js in plan.items():
-                if len(js) == 1:  # plain commands, not the script: see the note above _segment_call
-                    plain[shard] = len(batch)
-                    seg, held = keys.segment_key(ns, anchors[js[0]]), keys.lease_key(ns, anchors[js[0]])
-                    batch += [Cmd(("GET", seg), key=seg), Cmd(("PTTL", held), key=held)]
-                    continue
-                run = hex_all if len(js) == len(anchors) else "".join(hex_all[32 * j : 32 * j + 32] for j in js)
-                batch.append(_segment_call("lookup", ns, anchors[js[0]], [lease, self.entry_ttl_ms], run, []))
-            replies = yield batch
+            batch = []
+            for js in plan.values():
+                if len(js) == 1:  # plain commands, not the script: see _plain_lookup
+                    batch += _plain_lookup(ns, anchors[js[0]], lease)
+                else:
+                    run = hex_all if len(js) == len(anchors) else "".join(hex_all[32 * j : 32 * j + 32] for j in js)
+                    batch.append(_segment_call("lookup", ns, anchors[js[0]], [lease, self.entry_ttl_ms], run, []))
+            replies = iter((yield batch))
             parts, unavailable, renew = [], None, []
             read = np.zeros(len(segs) + 1, dtype=bool)  # which segments exist; a False sentinel
-            at = 0
-            for shard, js in plan.items():
-                if shard in plain:
-                    value, ttl = replies[at], replies[at + 1]
-                    at += 2
-                    if isinstance(value, KVStoreError) or isinstance(ttl, KVStoreError):
-                        reply = value if isinstance(value, KVStoreError) else ttl
-                    else:
-                        reply = [] if value is None else [value]
-                        if value is not None and lease > 0 and ttl < lease / 2:  # as lookup.lua: renew below half
-                            renew.append(anchors[js[0]])
+            for js in plan.values():
+                if len(js) == 1:
+                    value = next(replies)
+                    ttl = next(replies) if lease > 0 else None
+                    failed = next((r for r in (value, ttl) if isinstance(r, KVStoreError)), None)
+                    reply = failed or ([] if value is None else [value])
+                    if failed is None and value is not None and ttl is not None and ttl < lease / 2:
+                        renew.append(js[0])  # as lookup.lua: a lease below half is renewed
                 else:
-                    reply = replies[at]
-                    at += 1
+                    reply = next(replies)
                 if isinstance(reply, KVStoreError):
                     if not isinstance(reply, IndexUnavailableError):
                         raise reply
@@ -474,18 +483,15 @@ class _IndexMethods:
                 counts = [len(value) // ENTRY.itemsize for value in reply]
                 parts.append((np.repeat(np.array(done, dtype=np.int64), counts), np.frombuffer(b"".join(reply), dtype=ENTRY)))
             if renew:
-                cmds = []
-                for anchor in renew:
-                    held, seg = keys.lease_key(ns, anchor), keys.segment_key(ns, anchor)
-                    cmds.append(Cmd(("SET", held, "1", "PX", lease), key=held))
+                granted = iter((yield [cmd for j in renew for cmd in _renew_lease(ns, anchors[j], lease, self.entry_ttl_ms)]))
+                for j in renew:
+                    reply = next(granted)
                     if self.entry_ttl_ms > 0:
-                        cmds.append(Cmd(("PEXPIRE", seg, self.entry_ttl_ms), key=seg))
-                for reply, anchor in zip((yield cmds)[:: 2 if self.entry_ttl_ms > 0 else 1], renew):
+                        next(granted)  # the segment's expiry: it lives on the lease's shard
                     if isinstance(reply, KVStoreError):  # no lease: the segment's pages are not read
                         if not isinstance(reply, IndexUnavailableError):
                             raise reply
-                        unavailable = reply
-                        read[anchors.index(anchor)] = False
+                        unavailable, read[j] = reply, False
             return _pick(blob, segs, parts, int(np.argmin(read)), unavailable, first, need)
 
         return self._drive(steps())

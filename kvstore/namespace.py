@@ -33,7 +33,10 @@ DTYPE_SIZES: dict[str, int] = {
 #   kv_lbhd     [2, layers, block_size, kv_heads, head_size]   (insert/select API)
 #   vllm_cpu    [layers, kv_heads, block_size, 2 * head_size]  (vLLM CPU attention backend)
 #   vllm_flash  [layers, 2, block_size, kv_heads, head_size]   (vLLM FlashAttention backend)
-LAYOUTS = ("kv_lbhd", "vllm_cpu", "vllm_flash")
+# The dimensions of each layout's page, in order: 2 (K and V), L (layers), B (block
+# size), H (KV heads), D (head size), and KV as one dimension of 2 * head size.
+_DIMS = {"kv_lbhd": ("2", "L", "B", "H", "D"), "vllm_cpu": ("L", "H", "B", "KV"), "vllm_flash": ("L", "2", "B", "H", "D")}
+LAYOUTS = tuple(_DIMS)
 
 
 class Namespace(BaseModel):
@@ -131,7 +134,7 @@ class Namespace(BaseModel):
     @property
     def head_dim(self) -> int:
         """The index of the KV-head dimension in ``page_shape``."""
-        return 1 if self.layout == "vllm_cpu" else 3
+        return _DIMS[self.layout].index("H")
 
     @cached_property
     def storage(self) -> Namespace:
@@ -145,9 +148,7 @@ class Namespace(BaseModel):
     @property
     def unit_shape(self) -> tuple[int, ...]:
         """Shape of one stored unit: a page of one head group."""
-        shape = list(self.page_shape)
-        shape[self.head_dim] = self.group_heads
-        return tuple(shape)
+        return self._shape(self.group_heads)
 
     @property
     def unit_nbytes(self) -> int:
@@ -176,12 +177,11 @@ class Namespace(BaseModel):
     @property
     def page_shape(self) -> tuple[int, ...]:
         """Shape of one page (one block of tokens, every layer) in this layout."""
-        L, B, H, D = self.num_layers, self.block_size, self.num_kv_heads, self.head_size
-        if self.layout == "kv_lbhd":
-            return (2, L, B, H, D)
-        if self.layout == "vllm_cpu":
-            return (L, H, B, 2 * D)
-        return (L, 2, B, H, D)
+        return self._shape(self.num_kv_heads)
+
+    def _shape(self, heads: int) -> tuple[int, ...]:
+        sizes = {"2": 2, "L": self.num_layers, "B": self.block_size, "H": heads, "D": self.head_size, "KV": 2 * self.head_size}
+        return tuple(sizes[d] for d in _DIMS[self.layout])
 
     @property
     def page_nbytes(self) -> int:
