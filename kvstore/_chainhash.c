@@ -191,10 +191,40 @@ static PyObject *uint32_le(PyObject *self, PyObject *seq) {
     return out;
 }
 
+/* The 16-byte hashes of a list or tuple joined into one bytes object: what
+   b"".join(hashes) does after checking every item, in one pass. Python's own check
+   (set(map(len, hashes))) cost 0.44 ms for 8,192 hashes, more than the join, on every
+   lookup. Where an item is not bytes of exactly HASH_BYTES it returns that item's index
+   (an int) instead, so the caller names the fault in its own words. */
+static PyObject *join_hashes(PyObject *self, PyObject *seq) {
+    if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
+        PyErr_SetString(PyExc_TypeError, "join_hashes takes a list or tuple of bytes or bytearrays");
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = items[i];
+        Py_ssize_t len = PyBytes_Check(h) ? PyBytes_GET_SIZE(h) : PyByteArray_Check(h) ? PyByteArray_GET_SIZE(h) : -1;
+        if (len != HASH_BYTES) return PyLong_FromSsize_t(i);
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * HASH_BYTES);
+    if (!out) return NULL;
+    char *dst = PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = items[i];
+        memcpy(dst + i * HASH_BYTES, PyBytes_Check(h) ? PyBytes_AS_STRING(h) : PyByteArray_AS_STRING(h), HASH_BYTES);
+    }
+    return out;
+}
+
 static PyMethodDef METHODS[] = {
     {"uint32_le", uint32_le, METH_O,
      "uint32_le(list or tuple of ints) -> bytes: each as little-endian uint32 (OverflowError\n"
      "outside [0, 2**32), TypeError for a non-int)."},
+    {"join_hashes", join_hashes, METH_O,
+     "join_hashes(list or tuple of bytes/bytearray) -> bytes, the items joined when every one\n"
+     "is exactly 16 bytes; else the index (int) of the first that is not."},
     {"chain", chain, METH_VARARGS,
      "chain(prefix, data, step, person, start) -> list of 16-byte digests.\n\n"
      "h[-1] = start; h[i] = blake2b-128(prefix || h[i-1] || data[i*step:(i+1)*step],\n"

@@ -91,6 +91,19 @@ def test_the_c_token_conversion_agrees_with_array_array(tokens, as_tuple):
     assert uint32_le(given_) == expected
 
 
+@given(items=st.lists(st.one_of(st.binary(min_size=15, max_size=17), st.binary(min_size=16, max_size=16).map(bytearray), st.integers(), st.none()), max_size=20),
+       as_tuple=st.booleans())
+def test_the_c_hash_join_agrees_with_a_checked_join(items, as_tuple):
+    """kvstore._chainhash.join_hashes, which every index call uses on its page hashes,
+    joins exactly the lists whose items are all 16-byte bytes or bytearrays, and
+    otherwise names the first item that is not."""
+    from kvstore._chainhash import join_hashes
+
+    given_ = tuple(items) if as_tuple else items
+    bad = next((i for i, h in enumerate(items) if not isinstance(h, (bytes, bytearray)) or len(h) != 16), None)
+    assert join_hashes(given_) == (b"".join(items) if bad is None else bad)
+
+
 tokens_st = st.lists(st.integers(0, 2**32 - 1), min_size=0, max_size=40)
 
 

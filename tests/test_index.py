@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from kvstore import FencedError, IndexUnavailableError, InvalidInputError, NodeIdInUseError, block_hashes, keys
-from kvstore.index import AsyncPageIndex, CommitEntry, PageIndex, Registration
+from kvstore.index import ENTRY, AsyncPageIndex, CommitEntry, PageIndex, Registration, select_records
 from kvstore.procutil import free_port
 from kvstore.valkey import EmbeddedValkey, EmbeddedValkeyCluster
 from tests.helpers import raw_index
@@ -391,10 +391,24 @@ def test_a_stopped_shard_shortens_the_prefix_without_an_error(namespace):
         index.close()
 
 
+def test_selecting_records_as_plain_items_keeps_every_field():
+    """select_records (lookups select index entries with it) gives what numpy's own
+    structured selection gives, field for field."""
+    rng = np.random.default_rng(7)
+    records = np.frombuffer(rng.integers(0, 256, 300 * ENTRY.itemsize, dtype=np.uint8).tobytes(), dtype=ENTRY)
+    mask = rng.random(300) < 0.4
+    picked = select_records(records, mask)
+    assert picked.dtype == ENTRY and len(picked) == mask.sum() > 0
+    for name in ENTRY.names:
+        assert np.array_equal(picked[name], records[name][mask])
+
+
 def test_bad_input_raises_clear_errors(index, namespace):
     index.ensure_namespace(namespace)
     with pytest.raises(InvalidInputError, match=r"page hash #1 must be 16 bytes, got 15"):
         index.lookup(namespace, [bytes(16), bytes(15)])
+    with pytest.raises(InvalidInputError, match=r"page hash #0 must be 16 bytes, got str"):
+        index.lookup(namespace, ["0" * 16])
     with pytest.raises(InvalidInputError, match="empty list"):
         index.lookup(namespace, [])
     with pytest.raises(InvalidInputError, match="32 lowercase hex"):
