@@ -48,6 +48,29 @@ STAGING_KEEP_BYTES = 256 << 20
 
 
 @dataclass(frozen=True, slots=True)
+class StoredPrefix:
+    """What ``find`` learnt about a prompt's stored prefix, for ``get_found``: another
+    client of the same storage namespace (a TP worker of the engine whose scheduler
+    looked up, in another process) fetches from it without asking the index again.
+    Picklable. ``hashes``: the storage chain hashes of the matched blocks; ``result``:
+    their live replicas, every head group in ``units`` (first, count); ``taken``: the
+    wall-clock time of the lookup, whose read lease (``lease_ms``) runs from then."""
+
+    storage: str  # digest of the storage namespace
+    block_size: int
+    hashes: list[bytes]
+    units: tuple[int, int]
+    result: LookupResult
+    taken: float
+    lease_ms: int
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of the stored prefix (a multiple of block_size)."""
+        return len(self.hashes) * self.block_size
+
+
+@dataclass(frozen=True, slots=True)
 class PublishReport:
     """Outcome of a put: pages now stored (sent now or already there), sent, refused."""
 
@@ -143,11 +166,22 @@ class AsyncKVCacheClient:
         or a script error): callers that guard the index with a circuit breaker (the
         vLLM scheduler) tell a fault from a miss with it. A shard that failed while
         others answered is a shorter prefix, not None."""
+        found = await self.find(token_ids)
+        return None if found is None else found.tokens
+
+    async def find(self, token_ids: Any) -> StoredPrefix | None:
+        """``lookup_checked``, keeping what the lookup found so that ``get_found`` (in
+        this client or another process's) can fetch it without a second index round
+        trip. None when the index could not answer at all."""
         hashes = block_hashes(self.storage, token_ids)
+        units = (self.heads.first, self.heads.count)
         if not hashes:
-            return 0
-        result = await self._lookup(hashes)
-        return None if result is None else result.matched * self.namespace.block_size
+            result: LookupResult | None = LookupResult.empty()
+        else:
+            result = await self._lookup(hashes)
+        if result is None:
+            return None
+        return StoredPrefix(self.storage.digest_hex, self.storage.block_size, hashes[: result.matched], units, result, time.time(), self.index.lease_ms)
 
     async def put_pages(self, token_ids: Any, pages: torch.Tensor) -> PublishReport:
         """Store ``pages[i]`` (``[num_blocks, *page_shape]``) as full block i of ``token_ids``:
@@ -164,12 +198,42 @@ class AsyncKVCacheClient:
         blocks are stored). Blocks before ``start_block`` must be stored for the prefix to
         count but are not transferred (the caller has them). Rows past k are unspecified."""
         hashes = block_hashes(self.storage, token_ids)
-        self._check_pages("out", out, len(hashes), at_least=True)
-        if not hashes or not 0 <= start_block < len(hashes):
-            if start_block < 0:
-                raise InvalidInputError(f"start_block must not be negative, got {start_block}")
+        if not self._fetchable(out, len(hashes), start_block):
             return 0
-        result = await self._lookup(hashes)
+        return await self._get(hashes, await self._lookup(hashes), out, start_block)
+
+    async def get_found(self, found: StoredPrefix, out: torch.Tensor, start_block: int = 0) -> int:
+        """``get_pages`` of the prefix ``found`` (by ``find``, here or in another process
+        of the same storage namespace and head groups at least this rank's), without an
+        index round trip while at most half its read lease has passed; past that, the
+        index is asked again, as ``get_pages`` would (the lease is what keeps the pages
+        from eviction). Locations that went stale in between cost a shorter prefix,
+        never wrong bytes: nodes check each page's hash and checksum."""
+        if found.storage != self.storage.digest_hex:
+            raise InvalidInputError(f"found in storage namespace {found.storage[:12]}..., this client reads {self.storage.digest_hex[:12]}...")
+        first, count = found.units
+        if not (first <= self.heads.first and self.heads.first + self.heads.count <= first + count):
+            raise InvalidInputError(f"found for head groups {first}..{first + count - 1}, this rank reads {self.heads.first}..{self.heads.first + self.heads.count - 1}")
+        if not self._fetchable(out, len(found.hashes), start_block):
+            return 0
+        age = time.time() - found.taken
+        if 0 <= age < found.lease_ms / 2000:
+            result: LookupResult | None = found.result.narrow(self.heads.first - first, self.heads.count)
+        else:
+            self.stats.stale_finds += 1
+            result = await self._lookup(found.hashes)
+        return await self._get(found.hashes, result, out, start_block)
+
+    def _fetchable(self, out: torch.Tensor, blocks: int, start_block: int) -> bool:
+        """Checks a get's arguments; False when there is nothing to fetch."""
+        self._check_pages("out", out, blocks, at_least=True)
+        if start_block < 0:
+            raise InvalidInputError(f"start_block must not be negative, got {start_block}")
+        return start_block < blocks
+
+    async def _get(self, hashes: list[bytes], result: LookupResult | None, out: torch.Tensor, start_block: int) -> int:
+        """Fetch blocks ``start_block`` to ``result.matched`` of ``hashes`` into ``out``;
+        the tokens of the prefix that arrived (see ``get_pages``)."""
         if not result or result.matched <= start_block:
             return 0
         n, nbytes = result.matched, self.namespace.page_nbytes

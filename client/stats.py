@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 @dataclass
 class ClientStats:
     lookups: int = 0
+    stale_finds: int = 0  # get_found calls that asked the index again: the find was past half its lease
     pages_sent: int = 0
     pages_skipped: int = 0
     pages_refused: int = 0

@@ -22,7 +22,7 @@ import torch
 from kvstore.config import client_options_from_env
 from kvstore.errors import TransportError
 from kvstore.namespace import Namespace
-from client.async_client import AsyncKVCacheClient, PublishReport
+from client.async_client import AsyncKVCacheClient, PublishReport, StoredPrefix
 from client.stats import ClientStats
 
 log = logging.getLogger(__name__)
@@ -105,11 +105,19 @@ class KVCacheClient:
         client's own bound when None); past it the lookup is cancelled and gives None."""
         return self._read(self._async.lookup_checked(token_ids), None, timeout)
 
+    def find(self, token_ids: Any, timeout: float | None = None) -> StoredPrefix | None:
+        """``AsyncKVCacheClient.find`` waiting at most ``timeout`` seconds (the client's
+        own bound when None); past it the lookup is cancelled and gives None."""
+        return self._read(self._async.find(token_ids), None, timeout)
+
     def put_pages(self, token_ids: Any, pages: torch.Tensor) -> PublishReport:
         return self._run(self._async.put_pages(token_ids, pages), self._bound())
 
     def get_pages(self, token_ids: Any, out: torch.Tensor, start_block: int = 0) -> int:
         return self._read(self._async.get_pages(token_ids, out, start_block), 0)
+
+    def get_found(self, found: StoredPrefix, out: torch.Tensor, start_block: int = 0) -> int:
+        return self._read(self._async.get_found(found, out, start_block), 0)
 
     def insert(self, input_tokens: Any, roi: Any, key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor | None = None) -> PublishReport:
         return self._run(self._async.insert(input_tokens, roi, key, value, hidden), self._bound())

@@ -15,7 +15,9 @@ Nothing the connector does blocks the engine step for a transfer:
   keep running. ``build_connector_meta`` hands the workers the loads to start and the
   saves of requests whose prefill (possibly chunked) completed this step.
 - Worker, loads: ``start_load_kv`` submits each load to loader threads, which fetch the
-  pages (verified by checksum) and scatter them into the paged cache (``PagedCache``:
+  pages the scheduler's lookup found (``KVCacheClient.get_found``: no second index round
+  trip while that lookup's read lease is less than half gone), verified by checksum,
+  and scatter them into the paged cache (``PagedCache``:
   per-layer strided copies in contiguous runs; on a GPU one host-to-device copy on a
   side stream). ``get_finished`` reports finished loads; blocks that did not arrive
   are reported through ``get_block_ids_with_load_errors`` no later than that, and vLLM
@@ -62,6 +64,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from client.breaker import CircuitBreaker
 from client.paged_cache import GatherResult, PagedCache, StagingPool
+from client.async_client import StoredPrefix
 from client.sync_client import KVCacheClient
 from client.vllm_stats import KVStoreConnectorStats, KVStorePromMetrics
 from kvstore.config import ByteSize, ClientOptions, client_options
@@ -168,10 +171,12 @@ def lookup_breaker(conf: ConnectorOptions) -> CircuitBreaker:
 
 @dataclass
 class LoadSpec:
-    """Fill ``block_ids[start_block:]`` from the store (the first blocks are computed)."""
+    """Fill ``block_ids[start_block:]`` from the store (the first blocks are computed)
+    with what the scheduler's lookup ``found``: workers fetch it without asking the
+    index again (``KVCacheClient.get_found``)."""
 
     req_id: str
-    token_ids: list[int]
+    found: StoredPrefix
     block_ids: list[int]
     start_block: int
 
@@ -284,23 +289,24 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     # ---- scheduler side ----------------------------------------------------------
 
-    def _lookup(self, tokens: list[int]) -> int:
-        """Stored tokens of ``tokens``, 0 past the budget, on a fault or while the breaker
-        is open. Never waits longer than the budget (plus the cancellation's unwinding)."""
+    def _find(self, tokens: list[int]) -> StoredPrefix | None:
+        """The stored prefix of ``tokens``; None (a miss) past the budget, on a fault or
+        while the breaker is open. Never waits longer than the budget (plus the
+        cancellation's unwinding)."""
         if not self._breaker.allow():
             self._count(lookups_skipped=1)
-            return 0
+            return None
         started = time.perf_counter()
-        stored = self._client.lookup_checked(tokens, timeout=self._conf.lookup_budget_ms / 1000)
+        found = self._client.find(tokens, timeout=self._conf.lookup_budget_ms / 1000)
         seconds = time.perf_counter() - started
-        self._breaker.record(stored is not None)
+        self._breaker.record(found is not None)
         with self._stats_lock:
-            self._stats.add(lookups=1, lookup_prompt_tokens=len(tokens), lookup_hit_tokens=stored or 0,
-                            lookup_faults=stored is None)
+            self._stats.add(lookups=1, lookup_prompt_tokens=len(tokens), lookup_hit_tokens=found.tokens if found else 0,
+                            lookup_faults=found is None)
             self._stats.observe("lookup_seconds", seconds)
-        if stored is None and self._breaker.state != "closed":
+        if found is None and self._breaker.state != "closed":
             log.warning("index lookups keep failing: every request is a miss for the next %.1f s", self._breaker.current_cooldown)
-        return stored or 0
+        return found
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self._loads_enabled or self._client is None:
@@ -311,16 +317,14 @@ class KVStoreConnector(KVConnectorBase_V1):
             return 0, False
         pending = self._pending_loads.get(request.request_id)
         if pending is not None and pending.start_block * self._block_size == num_computed_tokens:
-            stored = len(pending.token_ids)  # asked again while waiting for blocks: reuse
+            found: StoredPrefix | None = pending.found  # asked again while waiting for blocks: reuse
         else:
-            stored = self._lookup(prompt[:usable])
-        new = stored - num_computed_tokens
-        if new <= 0:
+            found = self._find(prompt[:usable])
+        new = (found.tokens if found else 0) - num_computed_tokens
+        if found is None or new <= 0:
             self._pending_loads.pop(request.request_id, None)
             return 0, False
-        self._pending_loads[request.request_id] = LoadSpec(
-            request.request_id, prompt[:stored], [], num_computed_tokens // self._block_size
-        )
+        self._pending_loads[request.request_id] = LoadSpec(request.request_id, found, [], num_computed_tokens // self._block_size)
         return new, True
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -330,7 +334,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if num_external_tokens == 0:
             del self._pending_loads[request.request_id]
             return
-        spec.block_ids = list(blocks.get_block_ids()[0])[: len(spec.token_ids) // self._block_size]
+        spec.block_ids = list(blocks.get_block_ids()[0])[: spec.found.tokens // self._block_size]
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVStoreConnectorMetadata(idle=scheduler_output.total_num_scheduled_tokens == 0)
@@ -452,7 +456,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         pages = None
         try:
             pages = self._staging.take(len(spec.block_ids))
-            got = self._client.get_pages(spec.token_ids, pages, start_block=spec.start_block) // self._block_size
+            got = self._client.get_found(spec.found, pages, start_block=spec.start_block) // self._block_size
             if got > spec.start_block:
                 if after is not None:
                     self._load_stream.wait_event(after)

@@ -170,6 +170,30 @@ class LookupResult:
             self._locations = out
         return self._locations
 
+    @classmethod
+    def empty(cls) -> LookupResult:
+        """No stored prefix."""
+        none = np.zeros(0, dtype=np.int64)
+        return cls(0, np.zeros(0, dtype=ENTRY), none, none, {})
+
+    def narrow(self, first: int, count: int) -> LookupResult:
+        """The replicas of units ``first`` to ``first + count - 1`` only, numbered from 0:
+        what a reader of those head groups needs of a lookup made for all of them (the
+        vLLM connector's workers, from their scheduler's lookup). ``matched`` holds, as
+        every unit of the matched blocks had a live replica."""
+        if first == 0 and count >= int(self._units.max(initial=0)) + 1:
+            return self
+        keep = (self._units >= first) & (self._units < first + count)
+        return LookupResult(self.matched, select_records(self._records, keep), self._positions[keep], self._units[keep] - first, self._nodes)
+
+    def __getstate__(self) -> tuple:
+        # sent to other processes (the vLLM connector's step metadata): without the
+        # locations, which are rebuilt there on first use
+        return self.matched, self._records, self._positions, self._units, self._nodes
+
+    def __setstate__(self, state: tuple) -> None:
+        self.__init__(*state)
+
 
 @dataclass(frozen=True, slots=True)
 class IndexLookup:

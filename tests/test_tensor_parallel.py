@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from kvstore import Namespace
+from client import KVCacheClient
+from kvstore import InvalidInputError, Namespace
 from kvstore.launcher import LocalCluster
-from tests.helpers import metrics, run_worker, spec
+from tests.helpers import metrics, rank_pages, raw_index, run_worker, spec
 
 HEADS = 4
 TOKENS = list(range(8 * 16))  # 8 blocks of 16 tokens
@@ -80,6 +82,53 @@ def test_units_of_consecutive_blocks_travel_as_one_message_over_ucx():
         (half,) = run_ranks(one, 2, "get_pages", kw, tokens=TOKENS, **ucx)[1:]
         assert half["results"] == [{"blocks": 8, "matched": 8, "exact": True}]
         assert sent() - before <= 2  # rank 0's and rank 1's gets, one run each
+
+
+def test_ranks_fetch_what_one_lookup_found_without_asking_the_index(cluster):
+    """The vLLM connector's load path: one lookup of every head group (its scheduler's,
+    here a TP=1 process) handed to TP=2 ranks in other processes, which fetch their
+    halves from it bit-exact without an index lookup of their own (no PTTL reaches
+    Valkey: a lookup of one segment reads its lease with one); a find older than half
+    its read lease is looked up again."""
+    kw = {"tenant": "tp-found"}
+    run_ranks(cluster, 2, "put_pages", kw, tokens=TOKENS)
+    (found,) = run_ranks(cluster, 1, "find", kw, tokens=TOKENS)
+    assert found["tokens"] == len(TOKENS)
+    valkey = raw_index(cluster.redis_url)
+
+    def lease_reads() -> int:
+        return valkey.info("commandstats").get("cmdstat_pttl", {}).get("calls", 0)
+
+    exact = [[{"blocks": 8, "matched": 8, "exact": True}]] * 2
+    before = lease_reads()
+    halves = run_ranks(cluster, 2, "get_pages", kw, tokens=TOKENS, found=found["found"])
+    assert [h["results"] for h in halves] == exact
+    assert [(h["stats"]["lookups"], h["stats"]["stale_finds"]) for h in halves] == [(0, 0)] * 2
+    assert lease_reads() == before
+    stale = run_ranks(cluster, 2, "get_pages", kw, tokens=TOKENS, found=found["found"], found_age=4.0)  # lease 5 s
+    assert [h["results"] for h in stale] == exact
+    assert [(h["stats"]["lookups"], h["stats"]["stale_finds"]) for h in stale] == [(1, 1)] * 2
+    assert lease_reads() == before + 2
+
+
+def test_a_find_is_refused_by_a_client_it_does_not_fit(cluster):
+    """get_found names a find made in another storage namespace, or for head groups
+    that do not include the reader's, instead of reading the wrong pages."""
+    kw = {"tenant": "tp-found-misuse"}
+    rank0, rank1 = (KVCacheClient(cluster.redis_url, rank_ns(2, r, **kw)) for r in (0, 1))
+    other = KVCacheClient(cluster.redis_url, rank_ns(2, 1, tenant="tp-found-other"))
+    try:
+        rank0.put_pages(TOKENS, rank_pages(rank0.namespace, TOKENS))
+        found = rank0.find(TOKENS)
+        assert found is not None and found.units == (0, 1) and found.tokens == len(TOKENS)  # rank 0's group only
+        out = torch.empty((8, *rank1.namespace.page_shape), dtype=torch.float16)
+        with pytest.raises(InvalidInputError, match=r"head groups 0\.\.0, this rank reads 1\.\.1"):
+            rank1.get_found(found, out)
+        with pytest.raises(InvalidInputError, match="storage namespace"):
+            other.get_found(found, out)
+    finally:
+        for c in (rank0, rank1, other):
+            c.close()
 
 
 def test_tp2_insert_and_tp1_select(cluster):
