@@ -13,7 +13,8 @@ spec keys:
 
 Prints one JSON line: per prompt the generated token ids, num_cached_tokens and
 seconds; in steps mode also ``steps``; and ``metrics``, the engine's ``vllm:kvstore_*``
-Prometheus values (the connector's statistics as vLLM exports them).
+Prometheus values (the connector's statistics as vLLM exports them), at the end and
+(``warmup_metrics``) after the warm-up.
 
 ``python tests/vllm_engine.py write-model DIR ['{"hidden_size": 1024, ...}']`` writes the
 model (the JSON overrides LlamaConfig fields; the bench uses a larger one)."""
@@ -94,6 +95,8 @@ def main() -> int:
         llm.generate([TokensPrompt(prompt_token_ids=prompt)], params(), use_tqdm=False)
     results: list[dict] = []
     out: dict = {"results": results}
+    if kv is not None:  # so that figures of the measured prompts can leave the warm-up out
+        out["warmup_metrics"] = kvstore_metrics(llm)
     engine = llm.llm_engine
     if spec.get("mode", "sequential") == "steps":
         ids = [f"r{i}" for i in range(len(spec["prompts"]))]
