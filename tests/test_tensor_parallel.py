@@ -5,6 +5,8 @@ of the whole model sliced to each rank's heads."""
 from __future__ import annotations
 
 import json
+import pickle
+from dataclasses import replace
 
 import pytest
 import torch
@@ -86,29 +88,43 @@ def test_units_of_consecutive_blocks_travel_as_one_message_over_ucx():
 
 def test_ranks_fetch_what_one_lookup_found_without_asking_the_index(cluster):
     """The vLLM connector's load path: one lookup of every head group (its scheduler's,
-    here a TP=1 process) handed to TP=2 ranks in other processes, which fetch their
-    halves from it bit-exact without an index lookup of their own (no PTTL reaches
-    Valkey: a lookup of one segment reads its lease with one); a find older than half
-    its read lease is looked up again."""
+    here a TP=1 client) handed on pickled (as vLLM sends step metadata to worker
+    processes) to two TP=2 rank clients, which fetch their halves from it bit-exact
+    without an index lookup of their own (no PTTL reaches Valkey: a lookup of one
+    segment reads its lease with one); a find older than half its read lease is
+    looked up again. tests/test_vllm.py runs the same path across engine processes."""
     kw = {"tenant": "tp-found"}
-    run_ranks(cluster, 2, "put_pages", kw, tokens=TOKENS)
-    (found,) = run_ranks(cluster, 1, "find", kw, tokens=TOKENS)
-    assert found["tokens"] == len(TOKENS)
+    finder = KVCacheClient(cluster.redis_url, rank_ns(1, 0, **kw))
+    ranks = [KVCacheClient(cluster.redis_url, rank_ns(2, r, **kw)) for r in (0, 1)]
     valkey = raw_index(cluster.redis_url)
 
     def lease_reads() -> int:
         return valkey.info("commandstats").get("cmdstat_pttl", {}).get("calls", 0)
 
-    exact = [[{"blocks": 8, "matched": 8, "exact": True}]] * 2
-    before = lease_reads()
-    halves = run_ranks(cluster, 2, "get_pages", kw, tokens=TOKENS, found=found["found"])
-    assert [h["results"] for h in halves] == exact
-    assert [(h["stats"]["lookups"], h["stats"]["stale_finds"]) for h in halves] == [(0, 0)] * 2
-    assert lease_reads() == before
-    stale = run_ranks(cluster, 2, "get_pages", kw, tokens=TOKENS, found=found["found"], found_age=4.0)  # lease 5 s
-    assert [h["results"] for h in stale] == exact
-    assert [(h["stats"]["lookups"], h["stats"]["stale_finds"]) for h in stale] == [(1, 1)] * 2
-    assert lease_reads() == before + 2
+    def fetch(found) -> list[tuple[bool, int, int]]:
+        """Per rank: bit-exact, lookups made, finds found stale."""
+        out = []
+        for rank in ranks:
+            lookups, stale = rank.stats.lookups, rank.stats.stale_finds
+            expected = rank_pages(rank.namespace, TOKENS)
+            got = torch.empty_like(expected)
+            exact = rank.get_found(pickle.loads(pickle.dumps(found)), got) == len(TOKENS) and torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+            out.append((exact, rank.stats.lookups - lookups, rank.stats.stale_finds - stale))
+        return out
+
+    try:
+        for rank in ranks:
+            assert rank.put_pages(TOKENS, rank_pages(rank.namespace, TOKENS)).stored == 8
+        found = finder.find(TOKENS)
+        assert found is not None and found.tokens == len(TOKENS) and found.units == (0, 2)
+        before = lease_reads()
+        assert fetch(found) == [(True, 0, 0)] * 2
+        assert lease_reads() == before
+        assert fetch(replace(found, taken=found.taken - 4.0)) == [(True, 1, 1)] * 2  # lease 5 s
+        assert lease_reads() == before + 2
+    finally:
+        for c in (finder, *ranks):
+            c.close()
 
 
 def test_a_find_is_refused_by_a_client_it_does_not_fit(cluster):

@@ -4,13 +4,11 @@ Prints one JSON line with what it did and whether every byte it read was right."
 
 from __future__ import annotations
 
-import base64
 import json
-import pickle
 import sys
 import threading
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -63,23 +61,15 @@ def main() -> int:
         for tokens in (spec["token_lists"] if "token_lists" in spec else [tokens_of(spec)]):
             report = client.put_pages(tokens, pages_for_ns(ns, tokens))
             out.setdefault("reports", []).append(asdict(report))
-    elif spec["op"] == "find":  # what a vLLM scheduler does: one lookup, sent on to the ranks
-        found = client.find(tokens_of(spec))
-        out.update(tokens=found.tokens, found=base64.b64encode(pickle.dumps(found)).decode())
     elif spec["op"] == "get_pages":
         results = []
         deadline = time.monotonic() + spec.get("loop_seconds", 0)
-        # "found": a find's answer from another process, fetched with get_found, made
-        # "found_age" seconds ago (the process start-up here must not age it)
-        found = pickle.loads(base64.b64decode(spec["found"])) if "found" in spec else None
-        if found is not None:
-            found = replace(found, taken=time.time() - spec.get("found_age", 0.0))
         while True:
             for tokens in (spec["token_lists"] if "token_lists" in spec else [tokens_of(spec)]):
                 expected = pages_for_ns(ns, tokens)
                 buf = torch.empty_like(expected)
                 t = time.time()
-                n = (client.get_found(found, buf) if found else client.get_pages(tokens, buf)) // ns.block_size
+                n = client.get_pages(tokens, buf) // ns.block_size
                 results.append({"blocks": len(expected), "matched": n, "exact": same_bytes(buf[:n], expected[:n])})
                 if spec.get("timestamps"):
                     results[-1].update(t=t, took=time.time() - t)
