@@ -286,10 +286,11 @@ def _check_hashes(hashes: Sequence[bytes], what: str) -> bytes:
     this runs on every lookup of up to thousands of hashes)."""
     if len(hashes) == 0:
         raise InvalidInputError(f"{what} needs at least one page hash, got an empty list")
-    joined = join_hashes(hashes if isinstance(hashes, (list, tuple)) else list(hashes))
+    items = hashes if isinstance(hashes, (list, tuple)) else list(hashes)
+    joined = join_hashes(items)
     if isinstance(joined, bytes):
         return joined
-    h = hashes[joined]
+    h = items[joined]
     size = f"{len(h)} bytes" if isinstance(h, (bytes, bytearray)) else type(h).__name__
     raise InvalidInputError(f"{what}: page hash #{joined} must be {HASH_BYTES} bytes, got {size}")
 
