@@ -62,9 +62,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from client.async_client import StoredPrefix
 from client.breaker import CircuitBreaker
 from client.paged_cache import GatherResult, PagedCache, StagingPool
-from client.async_client import StoredPrefix
 from client.sync_client import KVCacheClient
 from client.vllm_stats import KVStoreConnectorStats, KVStorePromMetrics
 from kvstore.config import ByteSize, ClientOptions, client_options
