@@ -154,16 +154,25 @@ done:
     return out;
 }
 
+/* The items of a list or tuple (borrowed) in *items and their count in *n, and 1; 0
+   with TypeError `refusal` for anything else. (*items of an empty list is NULL.) */
+static int seq_items(PyObject *seq, const char *refusal, PyObject ***items, Py_ssize_t *n) {
+    if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
+        PyErr_SetString(PyExc_TypeError, refusal);
+        return 0;
+    }
+    *n = PySequence_Fast_GET_SIZE(seq);
+    *items = PySequence_Fast_ITEMS(seq);
+    return 1;
+}
+
 /* A list or tuple of ints as little-endian uint32 bytes, range-checked: what
    array.array("I", tokens) does, in one pass without its per-item overhead. Raises
    OverflowError for an int outside [0, 2**32) and TypeError for anything not an int. */
 static PyObject *uint32_le(PyObject *self, PyObject *seq) {
-    if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
-        PyErr_SetString(PyExc_TypeError, "uint32_le takes a list or tuple of ints");
-        return NULL;
-    }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t n;
+    PyObject **items;
+    if (!seq_items(seq, "uint32_le takes a list or tuple of ints", &items, &n)) return NULL;
     PyObject *out = PyBytes_FromStringAndSize(NULL, n * 4);
     if (!out) return NULL;
     uint8_t *dst = (uint8_t *)PyBytes_AS_STRING(out);
@@ -197,12 +206,9 @@ static PyObject *uint32_le(PyObject *self, PyObject *seq) {
    lookup. Where an item is not bytes of exactly HASH_BYTES it returns that item's index
    (an int) instead, so the caller names the fault in its own words. */
 static PyObject *join_hashes(PyObject *self, PyObject *seq) {
-    if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
-        PyErr_SetString(PyExc_TypeError, "join_hashes takes a list or tuple of bytes or bytearrays");
-        return NULL;
-    }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t n;
+    PyObject **items;
+    if (!seq_items(seq, "join_hashes takes a list or tuple of bytes or bytearrays", &items, &n)) return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *h = items[i];
         Py_ssize_t len = PyBytes_Check(h) ? PyBytes_GET_SIZE(h) : PyByteArray_Check(h) ? PyByteArray_GET_SIZE(h) : -1;
