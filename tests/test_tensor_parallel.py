@@ -122,6 +122,11 @@ def test_ranks_fetch_what_one_lookup_found_without_asking_the_index(cluster):
         assert lease_reads() == before
         assert fetch(replace(found, taken=found.taken - 4.0)) == [(True, 1, 1)] * 2  # lease 5 s
         assert lease_reads() == before + 2
+        whole = torch.empty((8, *finder.namespace.page_shape), dtype=torch.float16)  # every group: the find as it is
+        assert finder.get_found(found, whole) == len(TOKENS) and finder.stats.lookups == 1
+        assert torch.equal(whole.view(torch.uint8), rank_pages(finder.namespace, TOKENS).view(torch.uint8))
+        short = finder.find(TOKENS[:15])  # not one full block: nothing found, nothing fetched
+        assert short is not None and short.tokens == 0 and finder.get_found(short, whole) == 0
     finally:
         for c in (finder, *ranks):
             c.close()
