@@ -26,7 +26,7 @@ import numpy as np
 
 from kvstore import protocol as P
 from kvstore import shm
-from kvstore.checksum import checksum_later, page_checksum
+from kvstore.checksum import copy_checksummed, page_checksum
 from kvstore.errors import ProtocolError, TransportError
 from kvstore.index import NodeInfo
 from kvstore.keys import NamespaceKey
@@ -303,16 +303,16 @@ class ShmConnection(_Connection):
         regions, offsets = plan.ints("regions"), plan.ints("offsets")
         if not len(regions) == len(offsets) == len(wanted):
             raise ProtocolError(f"node {self.node.node_id} sent a put plan without slots")
-        digests = []
+        copies = []
         for i, region, off in zip(wanted, regions, offsets):
             mapped = self._maps.get(region)
             size = pages[i].span.nbytes
             if mapped is None or not mapped.flags.writeable or off + size > mapped.size:
                 raise ProtocolError(f"node {self.node.node_id} lent a slot outside the slabs it mapped")
-            slot = mapped[off : off + size]
-            slot[:] = pages[i].span.view()  # the one copy, straight into the node's slot
-            digests.append(checksum_later(pages[i].span.view()))  # hashed while the next page copies
-        sums = np.fromiter((d.result() for d in digests), dtype=np.uint64, count=len(digests))
+            copies.append((mapped[off : off + size], pages[i].span.view()))
+        # The one copy, straight into the node's slots; the checksums are of our own
+        # bytes, so anything else written into a slot fails the node's verification.
+        sums = np.array(copy_checksummed(copies, hash_source=True), dtype=np.uint64)
         await self._ch.send_frame(P.PutChecksums(checksums=sums))
         result, _ = await self._recv_frame(P.PutResult)
         return PutOutcome(result.ints("stored"), plan.ints("present"), plan.ints("refused"), sum(pages[i].span.nbytes for i in wanted))
@@ -324,18 +324,18 @@ class ShmConnection(_Connection):
         regions, offsets = plan.ints("regions"), plan.ints("offsets")
         if not len(present) == len(sizes) == len(sums) == len(regions) == len(offsets) or any(not 0 <= i < len(hashes) for i in present):
             raise ProtocolError(f"node {self.node.node_id} sent an inconsistent get plan")
-        copied = []
+        copied, copies = [], []
         for i, size, region, off, node_sum in zip(present, sizes, regions, offsets, sums):
             mapped = self._maps.get(region)
             if mapped is None or sinks[i].nbytes != size or off + size > mapped.size:
                 continue  # a page of the wrong size can never be the one asked for
-            sink = sinks[i].view()
-            sink[:] = mapped[off : off + size]  # the one copy
-            copied.append((i, node_sum, checksum_later(sink)))  # hashed while the next page copies
+            copied.append((i, node_sum))
+            copies.append((sinks[i].view(), mapped[off : off + size]))
+        digests = copy_checksummed(copies)  # the one copy; hashes of the bytes that landed
         await self._ch.send_frame(P.GetDone())  # the node unpins
         outcome = GetOutcome([], 0)
-        for i, node_sum, digest in copied:
-            outcome.check(i, node_sum, expected[i], digest.result())
+        for (i, node_sum), digest in zip(copied, digests):
+            outcome.check(i, node_sum, expected[i], digest)
         return outcome
 
     def _map(self, mapped: list[tuple[int, int]], fds: list[int]) -> None:

@@ -7,13 +7,13 @@ quarter of memcpy. Instead:
 - **GET**: the node's pool slabs are memfds (server/pool.py). The node answers a
   GET with where each page lies and passes the client a *read-only* descriptor of
   each slab it has not sent yet (SCM_RIGHTS); the client maps it, copies each page
-  straight into the caller's memory (the one copy), verifies the checksum, and says
-  GET_DONE so the node unpins. A slab only ever holds one tenant's pages and gets a
+  straight into the caller's memory (the one copy, hashed as it lands), says GET_DONE
+  so the node unpins, and verifies the checksums. A slab only ever holds one tenant's pages and gets a
   fresh memfd when it changes tenant, so a client never maps another tenant's bytes.
 - **PUT**: the node answers with the slots it assigned to the wanted pages and a
   *writable* descriptor of each of those slabs the client lacks (slabs of the
-  client's tenant only); the client copies each page into its slot (the one copy),
-  hashes it, and the node verifies every page before commit. The memfds are sealed
+  client's tenant only); the client copies each page into its slot (the one copy,
+  hashing its own bytes as it goes), and the node verifies every page before commit. The memfds are sealed
   against shrinking and growing, so a client cannot make the node fault (SIGBUS).
   A writer could scribble on its own tenant's pages later, but a writer can already
   publish wrong bytes under any hash of its tenant; readers verify the index's

@@ -218,7 +218,7 @@ class DataPlane:
             for page, checksum in zip(batch.pages, sums.ints("checksums")):
                 page.checksum = checksum
             if conn.path == "shm":  # the client wrote the pages into their slots
-                # two threads hash: every other page on the hashing thread
+                # two threads hash: every other page on the helper thread
                 later = {k: checksum_later(self.store.view(p)) for k, p in enumerate(batch.pages) if k % 2}
                 for k, page in enumerate(batch.pages):
                     self._verified(batch, k, later[k].result() if k % 2 else page_checksum(self.store.view(page)))
