@@ -200,6 +200,55 @@ def test_sigterm_deregisters_and_exits_zero(clusters):
     assert advertised_prefix(index, ns, block_hashes(ns, tokens), lease_ms=0) == 0
 
 
+def thread_wakeups(pid: int | str) -> int:
+    """Voluntary context switches of every thread of a process so far: one per time a
+    thread slept and woke."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/status") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+        except (OSError, StopIteration):
+            pass  # a thread that ended meanwhile
+    return total
+
+
+IDLE_CLIENT = """
+import json, sys, time, torch
+sys.path.insert(0, sys.argv[2])
+from client import KVCacheClient
+from kvstore import Namespace
+from tests.test_server import thread_wakeups
+ns = Namespace(model="idle", dtype="float32", num_layers=1, num_kv_heads=1, head_size=64, block_size=16)
+client = KVCacheClient(sys.argv[1], ns, same_host=False)
+pages = torch.randn(2, *ns.page_shape, generator=torch.Generator().manual_seed(0))
+client.put_pages(list(range(32)), pages)
+out = torch.empty_like(pages)
+assert client.get_pages(list(range(32)), out) == 32 and torch.equal(out, pages)
+time.sleep(0.5)
+before = thread_wakeups("self")
+time.sleep(2)
+print(json.dumps({"wakeups": thread_wakeups("self") - before, "ucx": client.stats.direct_transfers}))
+"""
+
+
+def test_idle_node_and_ucx_client_sleep(clusters):
+    """ucxx's progress thread woke every millisecond (2,000 wake-ups in 2 s); idle, a
+    node and a client that moved pages over UCX now wake a few times a second
+    (heartbeats, registry refreshes)."""
+    cluster = clusters()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo"}
+    proc = subprocess.run([sys.executable, "-c", IDLE_CLIENT, cluster.redis_url, str(ROOT)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    client = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert client["ucx"] >= 1  # the pages went over UCX
+    assert client["wakeups"] < 100, client
+    node = cluster.nodes[0].process.pid
+    before = thread_wakeups(node)
+    time.sleep(2)
+    assert thread_wakeups(node) - before < 100
+
+
 def test_metrics_and_probes(clusters):
     cluster = clusters(capacity="64MiB")
     node = PageIndex(cluster.redis_url).live_nodes()[0]
