@@ -9,6 +9,10 @@ random prompt and runs, in this order (so the systems interleave, A B C D A B C 
 
 - cold:     no connector, vLLM prefix caching off: TTFT of a prefill, then decode;
 - producer: the connector saving (kv_producer): the same, while the save publishes;
+            the same engine also runs a second fresh prompt of the same length with
+            ``kv_transfer_params={"kvstore_save": false}`` (not saved), before or after
+            the saved one by turns: decode while saving against decode not saving in
+            one engine process, free of the speed engine processes differ by;
 - warm:     a fresh engine with the connector loading (kv_consumer): TTFT when the
             prompt's blocks come from the store;
 - local:    no connector, vLLM prefix caching on, the prompt run twice: TTFT of the
@@ -88,18 +92,23 @@ def main() -> int:
     warmup = [[rng.randrange(512) for _ in range(100)]]
     base = {"model_dir": model_dir, "max_tokens": args.decode_tokens, "warmup": warmup, "llm_kwargs": llm_kwargs}
     fig: dict[str, list[float]] = {k: [] for k in (
-        "cold", "warm", "local", "decode_base", "decode_saving", "lookup_ms", "load_ms", "gather_ms", "save_ms", "load_GBps")}
+        "cold", "warm", "local", "decode_base", "decode_saving", "decode_unsaved", "saving_vs_unsaved", "lookup_ms", "load_ms", "gather_ms", "save_ms", "load_GBps")}
     identical = True
     started = time.time()
     with LocalCluster(servers=1, capacity="2GiB", slab_size="16MiB") as cluster:
         for trial in range(args.trials):
             prompt = [rng.randrange(512) for _ in range(args.prompt_tokens)]
             (cold,) = engine(base | {"prompts": [prompt], "prefix_caching": False})["results"]
-            produced = engine(base | {"prompts": [prompt], "prefix_caching": False, "redis_url": cluster.redis_url, "role": "kv_producer"})
+            other = [rng.randrange(512) for _ in range(args.prompt_tokens)]
+            unsaved = {"kvstore_save": False}
+            pair, transfer = ([prompt, other], [None, unsaved]) if trial % 2 == 0 else ([other, prompt], [unsaved, None])
+            produced = engine(base | {"prompts": pair, "transfer_params": transfer, "prefix_caching": False,
+                                      "redis_url": cluster.redis_url, "role": "kv_producer"})
+            prod, plain = produced["results"] if trial % 2 == 0 else produced["results"][::-1]
             time.sleep(1.5)  # the node's heartbeat; the save itself finished before the engine exited
             warm = engine(base | {"prompts": [prompt], "prefix_caching": False, "redis_url": cluster.redis_url, "role": "kv_consumer"})
             local = engine(base | {"prompts": [prompt, prompt]})["results"]
-            (prod,), (cons,) = produced["results"], warm["results"]
+            (cons,) = warm["results"]
             tokens = {cold["tokens"] == r["tokens"] for r in (prod, cons, *local)}
             identical &= tokens == {True}
             expected_hit = (args.prompt_tokens - 1) // block * block
@@ -111,6 +120,8 @@ def main() -> int:
             fig["local"].append(local[1]["ttft"])
             fig["decode_base"].append(cold["decode_tps"])
             fig["decode_saving"].append(prod["decode_tps"])
+            fig["decode_unsaved"].append(plain["decode_tps"])
+            fig["saving_vs_unsaved"].append(prod["decode_tps"] / plain["decode_tps"])
             fig["lookup_ms"].append(cm.get("lookup_seconds_sum", 0) * 1000)
             fig["load_ms"].append(cm.get("load_seconds_sum", 0) * 1000)
             fig["gather_ms"].append(pm.get("save_gather_seconds_sum", 0) * 1000)
@@ -118,7 +129,7 @@ def main() -> int:
             load_s = cm.get("load_seconds_sum", 0)
             fig["load_GBps"].append(cm.get("load_bytes", 0) / load_s / 1e9 if load_s else 0)
             print(f"trial {trial}: cold {cold['ttft']:.3f} s, warm {cons['ttft']:.3f} s, local hit {local[1]['ttft']:.3f} s, "
-                  f"decode {cold['decode_tps']:.1f} vs {prod['decode_tps']:.1f} tok/s saving; save {pm.get('save_seconds_sum', 0)*1000:.0f} ms "
+                  f"decode {cold['decode_tps']:.1f} vs {prod['decode_tps']:.1f} tok/s saving ({plain['decode_tps']:.1f} not saving, same engine); save {pm.get('save_seconds_sum', 0)*1000:.0f} ms "
                   f"({pm.get('save_bytes', 0) / 2**20:.0f} MiB), load {load_s*1000:.0f} ms", flush=True)
     print()
     print(f"# vLLM TTFT with the store: {args.prompt_tokens}-token prompt, {args.decode_tokens} tokens decoded, "
@@ -133,6 +144,8 @@ def main() -> int:
     print(row("warm TTFT / local-hit TTFT", [w / loc for w, loc in zip(fig["warm"], fig["local"])], "x", fmt="{:.2f}"))
     print(row("decode without connector (baseline)", fig["decode_base"], "tok/s", fmt="{:.1f}"))
     print(row("decode with the connector saving", fig["decode_saving"], "tok/s", fig["decode_base"], fmt="{:.1f}"))
+    print(row("decode, same producer engine, a request not saved", fig["decode_unsaved"], "tok/s", fig["decode_base"], fmt="{:.1f}"))
+    print(row("decode saving / not saving, same engine (per trial)", fig["saving_vs_unsaved"], "x", fmt="{:.3f}"))
     print(row("connector lookup (scheduler)", fig["lookup_ms"], "ms", fmt="{:.1f}"))
     print(row("connector load (fetch + scatter, off the step)", fig["load_ms"], "ms", fmt="{:.1f}"))
     print(row("load throughput", fig["load_GBps"], "GB/s", fmt="{:.2f}"))

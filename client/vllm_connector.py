@@ -198,6 +198,21 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
     idle: bool = False  # the step computes nothing: the engine only waits for transfers
 
 
+def request_switch(params: dict[str, Any] | None, name: str, req_id: str) -> bool:
+    """A per-request switch (``kvstore_load``, ``kvstore_save``) from the request's
+    ``kv_transfer_params`` (``SamplingParams(extra_args={"kv_transfer_params": {...}})``):
+    on unless set to False. A value that is not a boolean is logged as an error naming
+    the request and the key, and the switch stays on: raising here would stop the
+    scheduler, and so every other request."""
+    if not isinstance(params, dict) or name not in params:
+        return True
+    value = params[name]
+    if isinstance(value, bool):
+        return value
+    log.error("request %s: kv_transfer_params[%r] must be true or false, got %r; left on", req_id, name, value)
+    return True
+
+
 @dataclass
 class _Tracked:
     """Scheduler-side state of a request the connector may save."""
@@ -311,6 +326,8 @@ class KVStoreConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self._loads_enabled or self._client is None:
             return 0, False
+        if not request_switch(request.kv_transfer_params, "kvstore_load", request.request_id):
+            return 0, False
         prompt = list(request.prompt_token_ids or [])
         usable = (len(prompt) - 1) // self._block_size * self._block_size  # always compute >= 1 token
         if usable <= num_computed_tokens:
@@ -362,6 +379,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         """Follow the block lists of scheduled requests (for their saves)."""
         for new in scheduler_output.scheduled_new_reqs:
             loaded = self._loaded_blocks.pop(new.req_id, [])
+            extra = new.sampling_params.extra_args if new.sampling_params is not None else None
+            if not request_switch((extra or {}).get("kv_transfer_params"), "kvstore_save", new.req_id):
+                continue  # never tracked: nothing gathered or published
             self._tracked[new.req_id] = _Tracked(list(new.prompt_token_ids or []), list(new.block_ids[0]), len(loaded))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):

@@ -35,10 +35,11 @@ PAGE_BYTES = 2 * 2 * BLOCK * 2 * 32 * 4  # layers, kv heads, block, K and V of h
 
 
 def run_engine_full(model_dir: str, prompts: list[list[int]], redis_url: str | None = None, role: str = "kv_both",
-                    extra: dict | None = None, mode: str = "sequential", env: dict | None = None, **llm_kwargs) -> dict:
+                    extra: dict | None = None, mode: str = "sequential", env: dict | None = None,
+                    transfer_params: list[dict | None] | None = None, **llm_kwargs) -> dict:
     """One engine in its own process; its whole JSON answer (results, steps, metrics)."""
     spec = {"model_dir": model_dir, "prompts": prompts, "role": role, "prefix_caching": False, "llm_kwargs": llm_kwargs,
-            "extra": extra or {}, "mode": mode}
+            "extra": extra or {}, "mode": mode, "transfer_params": transfer_params}
     if redis_url:
         spec["redis_url"] = redis_url
     env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo", **(env or {})}
@@ -48,8 +49,8 @@ def run_engine_full(model_dir: str, prompts: list[list[int]], redis_url: str | N
     return json.loads([line for line in proc.stdout.splitlines() if line.startswith('{"results"')][-1])
 
 
-def run_engine(model_dir: str, prompts: list[list[int]], redis_url: str | None = None, role: str = "kv_both", **llm_kwargs) -> list[dict]:
-    return run_engine_full(model_dir, prompts, redis_url, role, **llm_kwargs)["results"]
+def run_engine(model_dir: str, prompts: list[list[int]], redis_url: str | None = None, role: str = "kv_both", **kwargs) -> list[dict]:
+    return run_engine_full(model_dir, prompts, redis_url, role, **kwargs)["results"]
 
 
 @pytest.fixture(scope="module")
@@ -91,15 +92,22 @@ def test_two_storage_nodes_and_reuse_across_sessions(model_dir, baseline):
     # page hashes, and so their placement, random (all 6 pages on one node 3 % of runs)
     named = {"model": "tiny-llama-two-nodes"}
     with LocalCluster(servers=2, capacity="256MiB", slab_size="16MiB") as cluster:
-        run_engine(model_dir, [PROMPT_A], cluster.redis_url, role="kv_producer", extra=named)
+        # C opts out of saving (kv_transfer_params): only A's 6 pages are stored
+        run_engine(model_dir, [PROMPT_A, PROMPT_C], cluster.redis_url, role="kv_producer", extra=named,
+                   transfer_params=[None, {"kvstore_save": False}])
+        index = PageIndex(cluster.redis_url)
+        ns = index.stats().namespaces[0].namespace
+        # the engine finished its saves before it exited
+        assert [index.lookup(ns, block_hashes(ns, p)).resolve(index.live_nodes()).matched for p in (PROMPT_A, PROMPT_C)] == [6, 0]
         wait_for(lambda: stored_pages(cluster) == 6, 5, "the nodes to report their pages")
-        # a fresh engine (another process) runs B, then A again: all of A's full blocks load
-        b, a = run_engine(model_dir, [PROMPT_B, PROMPT_A], cluster.redis_url, role="kv_both", extra=named)
+        # a fresh engine (another process) runs B, then A again: all of A's full blocks
+        # load; then A once more opting out of loading: computed, not loaded
+        b, a, computed = run_engine(model_dir, [PROMPT_B, PROMPT_A, PROMPT_A], cluster.redis_url, role="kv_both", extra=named,
+                                    transfer_params=[None, None, {"kvstore_load": False, "kvstore_save": False}])
         assert b["num_cached_tokens"] == SHARED_BLOCKS * BLOCK and b["tokens"] == baseline["B"]
         assert a["num_cached_tokens"] == (len(PROMPT_A) - 1) // BLOCK * BLOCK
         assert a["tokens"] == baseline["A"]
-        index = PageIndex(cluster.redis_url)
-        ns = index.stats().namespaces[0].namespace
+        assert computed["num_cached_tokens"] == 0 and computed["tokens"] == baseline["A"]
         found = index.lookup(ns, block_hashes(ns, PROMPT_A)).resolve(index.live_nodes())
         holders = {l.node_id for locs in found.locations for l in locs}
         assert holders == {"node-0", "node-1"}, (found, index.live_nodes())
@@ -214,6 +222,17 @@ def test_a_hung_index_makes_misses_within_the_lookup_budget(model_dir, baseline)
     assert metrics["lookup_faults"] == 2 and metrics["lookups_skipped"] == 2, metrics
     assert metrics["lookup_seconds_count"] == 2
     assert metrics["lookup_seconds_buckets"]["0.25"] == 2, metrics  # neither waited past 0.25 s
+
+
+def test_per_request_switches_are_on_unless_false_and_a_bad_value_is_named(caplog):
+    from client.vllm_connector import request_switch
+
+    assert request_switch(None, "kvstore_save", "r1") and request_switch({}, "kvstore_save", "r1")
+    assert request_switch({"kvstore_load": False}, "kvstore_save", "r1")
+    assert not request_switch({"kvstore_save": False}, "kvstore_save", "r1")
+    with caplog.at_level("ERROR", logger="client.vllm_connector"):
+        assert request_switch({"kvstore_save": "no"}, "kvstore_save", "r7")  # left on, and said so
+    assert "r7" in caplog.text and "kvstore_save" in caplog.text and "'no'" in caplog.text
 
 
 def test_connector_options_are_validated_with_the_key_named():

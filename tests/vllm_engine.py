@@ -6,10 +6,12 @@ spec keys:
   "kv_consumer" | "kv_both"), ``extra`` (more ``kv_connector_extra_config``);
 - ``prefix_caching`` (vLLM's own, default on), ``llm_kwargs`` (more ``LLM`` arguments);
 - ``mode``: "sequential" (one prompt at a time, timed: ``ttft``, ``decode_tps``,
-  ``seconds``), or "steps" (every prompt
+  ``seconds``, and ``decode_steps``, the seconds of each step after the first token), or "steps" (every prompt
   added at once, then the engine stepped by hand, recording per step how many tokens
   each request has: shows which ran while others waited);
-- ``warmup``: prompts generated (untimed, results dropped) before the measured ones.
+- ``warmup``: prompts generated (untimed, results dropped) before the measured ones;
+- ``transfer_params``: per prompt, its ``kv_transfer_params`` (or null), e.g.
+  ``{"kvstore_save": false}``.
 
 Prints one JSON line: per prompt the generated token ids, num_cached_tokens and
 seconds; in steps mode also ``steps``; and ``metrics``, the engine's ``vllm:kvstore_*``
@@ -87,9 +89,11 @@ def main() -> int:
         gpu_memory_utilization=0.3, kv_transfer_config=kv, seed=0, disable_log_stats=False,
         enable_prefix_caching=spec.get("prefix_caching", True), **llm_kwargs,
     )
-    def params() -> SamplingParams:  # LLM.generate turns the params it gets into FINAL_ONLY: one each
+    def params(transfer: dict | None = None) -> SamplingParams:  # LLM.generate turns the params it gets into FINAL_ONLY: one each
         return SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 12), detokenize=False, ignore_eos=True,
-                              output_kind=RequestOutputKind.CUMULATIVE)
+                              output_kind=RequestOutputKind.CUMULATIVE, extra_args={"kv_transfer_params": transfer} if transfer else None)
+
+    transfers = spec.get("transfer_params") or [None] * len(spec["prompts"])
 
     for prompt in spec.get("warmup", []):
         llm.generate([TokensPrompt(prompt_token_ids=prompt)], params(), use_tqdm=False)
@@ -100,8 +104,8 @@ def main() -> int:
     engine = llm.llm_engine
     if spec.get("mode", "sequential") == "steps":
         ids = [f"r{i}" for i in range(len(spec["prompts"]))]
-        for req_id, prompt in zip(ids, spec["prompts"]):
-            engine.add_request(req_id, TokensPrompt(prompt_token_ids=prompt), params())
+        for req_id, prompt, transfer in zip(ids, spec["prompts"], transfers):
+            engine.add_request(req_id, TokensPrompt(prompt_token_ids=prompt), params(transfer))
         steps: list[dict[str, int]] = []
         final = {}
         while engine.has_unfinished_requests():
@@ -113,18 +117,21 @@ def main() -> int:
         results.extend(result(final[req_id]) for req_id in ids)
         out["steps"] = steps
     else:
-        for i, prompt in enumerate(spec["prompts"]):
+        for i, (prompt, transfer) in enumerate(zip(spec["prompts"], transfers)):
             started = time.perf_counter()
-            engine.add_request(f"s{i}", TokensPrompt(prompt_token_ids=prompt), params())
+            engine.add_request(f"s{i}", TokensPrompt(prompt_token_ids=prompt), params(transfer))
             first = None
+            step_ends = []
             while engine.has_unfinished_requests():
                 for o in engine.step():
                     if first is None and o.outputs[0].token_ids:
                         first = time.perf_counter()
                     last = o
+                step_ends.append(time.perf_counter())
             ended = time.perf_counter()
             n = len(last.outputs[0].token_ids)
-            results.append(result(last) | {"seconds": ended - started, "ttft": first - started,
+            decode_steps = [round(b - a, 5) for a, b in zip(step_ends, step_ends[1:]) if a >= first]
+            results.append(result(last) | {"seconds": ended - started, "ttft": first - started, "decode_steps": decode_steps,
                                            "decode_tps": (n - 1) / (ended - first) if n > 1 else None})
     if kv is not None:
         out["metrics"] = kvstore_metrics(llm)
