@@ -168,21 +168,36 @@ class EmbeddedValkeyCluster:
         return self
 
     def _wait_converged(self, clients: list[redis.Redis], timeout: float) -> None:
-        """Until every shard knows every other and serves the whole slot map."""
+        """Until every shard knows every other and serves the whole slot map.
+
+        A MEET whose handshake does not finish within the node timeout is dropped by
+        Valkey and never retried (only gossip about known nodes is), so on a loaded
+        machine a shard could stay alone for good: a shard that still knows only
+        itself is met again each second (a MEET already under way is a no-op)."""
         deadline = time.monotonic() + timeout
+        next_meet = time.monotonic() + 1.0
         while True:
-            ready = True
-            for client in clients:
-                info = client.execute_command("CLUSTER", "INFO")
-                text = info.decode() if isinstance(info, bytes) else str(info)
-                fields = dict(line.split(":", 1) for line in text.split() if ":" in line)
-                covered = sum(int(e[1]) - int(e[0]) + 1 for e in client.execute_command("CLUSTER", "SLOTS"))
-                ready &= fields.get("cluster_state") == "ok" and fields.get("cluster_known_nodes") == str(len(clients)) and covered == SLOTS
-            if ready:
+            states = [self._cluster_state(client) for client in clients]
+            if all(state == ("ok", len(clients), SLOTS) for state in states):
                 return
             if time.monotonic() > deadline:
-                raise KVStoreError(f"the embedded Valkey cluster did not converge within {timeout:.0f} s")
+                shown = ", ".join(f"127.0.0.1:{s.port} {st[0]}, knows {st[1]}, serves {st[2]} slots" for s, st in zip(self.shards, states))
+                raise KVStoreError(f"the embedded Valkey cluster did not converge within {timeout:.0f} s ({shown})")
+            if time.monotonic() > next_meet:
+                for shard, state in zip(self.shards[1:], states[1:]):
+                    if state[1] == 1:
+                        clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", shard.port, _cluster_port(shard))
+                next_meet = time.monotonic() + 1.0
             time.sleep(0.05)
+
+    @staticmethod
+    def _cluster_state(client: redis.Redis) -> tuple[str, int, int]:
+        """(cluster_state, known nodes, slots served) as one shard sees them."""
+        info = client.execute_command("CLUSTER", "INFO")
+        text = info.decode() if isinstance(info, bytes) else str(info)
+        fields = dict(line.split(":", 1) for line in text.split() if ":" in line)
+        covered = sum(int(e[1]) - int(e[0]) + 1 for e in client.execute_command("CLUSTER", "SLOTS"))
+        return fields.get("cluster_state", "?"), int(fields.get("cluster_known_nodes", 0)), covered
 
     def stop(self) -> None:
         for shard in self.shards:
