@@ -147,6 +147,32 @@ class _Connection:
         raise NotImplementedError
 
 
+def _started(work: Any) -> asyncio.Future:
+    """Run ``work`` as a task now and return it. A task nobody awaits any more (its
+    request failed first and the connection closed) fails quietly."""
+    task = asyncio.ensure_future(work)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return task
+
+
+# Runs whose receives are posted before the first has landed: a window, so a get of
+# scattered pages into scattered memory holds at most this many scratch buffers.
+RECEIVES_AHEAD = 8
+
+
+async def _landed(received: asyncio.Future, scratch: np.ndarray | None, spans: list[Span] | None) -> bool:
+    """Wait for one run's receive; scatter it from ``scratch`` into ``spans`` (None:
+    the run's pages do not fit the caller's, and are dropped)."""
+    await asyncio.shield(received)
+    if spans is None:
+        return False
+    off = 0
+    for s in spans:
+        s.view()[:] = scratch[off : off + s.nbytes]
+        off += s.nbytes
+    return True
+
+
 def _put_request(namespace: NamespaceKey, token: str, pages: list[OutgoingPage]) -> P.PutRequest:
     return P.PutRequest(
         namespace=namespace.digest, tenant=namespace.tenant, token=token, hashes=[p.hash for p in pages],
@@ -182,30 +208,40 @@ class NodeConnection(_Connection):
         await ep.send_frame(_put_request(namespace, self.token, pages))
         plan: P.PutPlan = await self._recv_frame(P.PutPlan)
         wanted = self._check_put_plan(plan, len(pages))
-        await ep.send_frame(P.PutChecksums(checksums=np.fromiter((checksum(pages[i]) for i in wanted), dtype=np.uint64, count=len(wanted))))
+        # the checksums and every run are posted at once and awaited together (awaiting
+        # each send cost about 1 ms through ucxx's threads: ``Channel.post_send``)
+        result_arrives = _started(self._recv_frame(P.PutResult))
+        sends = ep.post_frame(P.PutChecksums(checksums=np.fromiter((checksum(pages[i]) for i in wanted), dtype=np.uint64, count=len(wanted))))
         pos, sent = 0, 0
         for run in plan.ints("runs"):
             buf = joined([pages[i].span for i in wanted[pos : pos + run]])
-            await ep.send(buf, P.DATA_TAG)
+            sends.append(ep.post_send(buf, P.DATA_TAG))
             sent += buf.nbytes
             pos += run
-        result: P.PutResult = await self._recv_frame(P.PutResult)
+        await asyncio.shield(asyncio.gather(*sends))
+        result: P.PutResult = await result_arrives
         return PutOutcome(result.ints("stored"), plan.ints("present"), plan.ints("refused"), sent)
 
     async def _get(self, namespace: NamespaceKey, hashes: list[bytes], sinks: list[Span], expected: list[int]) -> GetOutcome:
         ep = self._ep
+        # the plan's receive is posted before the request leaves, so the wait for the
+        # request's send completion (about 1 ms through ucxx's threads) overlaps the node's work
+        plan_arrives = _started(self._recv_frame(P.GetPlan))
         await ep.send_frame(_get_request(namespace, self.token, hashes, sinks))
-        plan: P.GetPlan = await self._recv_frame(P.GetPlan)
+        plan: P.GetPlan = await plan_arrives
         present, sizes, sums, runs = plan.ints("present"), plan.ints("sizes"), plan.ints("checksums"), plan.ints("runs")
         if sum(runs) != len(present) or len(sizes) != len(present) or len(sums) != len(present) or any(not 0 <= i < len(hashes) for i in present):
             raise ProtocolError(f"node {self.node.node_id} sent an inconsistent get plan")
         outcome = GetOutcome([], 0)
         starts = np.cumsum([0] + runs).tolist()
-        # Each run is verified while the next one arrives (UCX progresses in its own thread).
-        pending = self._receive(ep, sinks, present, sizes, starts, 0) if runs else None
+        # Receives are posted RECEIVES_AHEAD runs ahead (awaiting each before posting the
+        # next cost a trip through ucxx's threads per run); each run is verified while
+        # later ones arrive (UCX progresses in its own thread).
+        pending = [self._receive(ep, sinks, present, sizes, starts, r) for r in range(min(RECEIVES_AHEAD, len(runs)))]
         for r in range(len(runs)):
-            landed = await pending
-            pending = self._receive(ep, sinks, present, sizes, starts, r + 1) if r + 1 < len(runs) else None
+            landed = await pending[r]
+            if r + RECEIVES_AHEAD < len(runs):
+                pending.append(self._receive(ep, sinks, present, sizes, starts, r + RECEIVES_AHEAD))
             if landed:
                 for k in range(starts[r], starts[r + 1]):
                     i = present[k]
@@ -213,29 +249,17 @@ class NodeConnection(_Connection):
         return outcome
 
     def _receive(self, ep: Channel, sinks: list[Span], present: list[int], sizes: list[int], starts: list[int], r: int) -> asyncio.Future:
-        """Start receiving run ``r``: in place when its pages touch in the caller's
-        memory, else through a scratch buffer scattered on arrival. The future says
-        whether the pages landed (a page of the wrong size never can be the one asked for)."""
+        """Post the receive of run ``r`` now (so receives are posted in run order): in
+        place when its pages touch in the caller's memory, else through a scratch
+        buffer scattered on arrival. The future says whether the pages landed (a page
+        of the wrong size never can be the one asked for)."""
         idx = present[starts[r] : starts[r + 1]]
         spans = [sinks[i] for i in idx]
         fits = all(s.nbytes == size for s, size in zip(spans, sizes[starts[r] : starts[r + 1]]))
-
-        async def receive() -> bool:
-            if fits and adjacent(spans):
-                await ep.recv(joined(spans), P.DATA_TAG)
-                return True
-            scratch = np.empty(sum(sizes[starts[r] : starts[r + 1]]), dtype=np.uint8)
-            await ep.recv(scratch, P.DATA_TAG)
-            if fits:
-                off = 0
-                for s in spans:
-                    s.view()[:] = scratch[off : off + s.nbytes]
-                    off += s.nbytes
-            return fits
-
-        task = asyncio.ensure_future(receive())
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved when abandoned
-        return task
+        if fits and adjacent(spans):
+            return _started(_landed(ep.post_recv(joined(spans), P.DATA_TAG), None, []))  # lands in place
+        scratch = np.empty(sum(sizes[starts[r] : starts[r + 1]]), dtype=np.uint8)
+        return _started(_landed(ep.post_recv(scratch, P.DATA_TAG), scratch, spans if fits else None))
 
     async def close(self) -> None:
         """Abort the endpoint and wait until none of its requests can still touch memory."""

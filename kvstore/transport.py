@@ -166,27 +166,47 @@ class Channel:
         self.ep = ep
         self._inflight: set[asyncio.Future] = set()
 
-    async def _request(self, op: Any) -> Any:
+    def _start(self, op: Any) -> asyncio.Future:
         task = asyncio.ensure_future(_settled(op))
         self._inflight.add(task)
         task.add_done_callback(self._finished)
-        return await asyncio.shield(task)
+        return task
 
     def _finished(self, task: asyncio.Future) -> None:
         self._inflight.discard(task)
         if not task.cancelled():
             task.exception()  # retrieved: a request nobody waits for any more may fail quietly
 
+    def post_send(self, buffer: Any, tag: int) -> asyncio.Future:
+        """Start sending ``buffer`` and return at once, with a future that settles when
+        UCX is done with it (``close`` waits for it like any request). Requests are
+        posted in the order these calls were made: each is posted by its task's first
+        step, and asyncio runs first steps in the order the tasks were created.
+
+        Why not await each request before the next: a completion reaches asyncio
+        through ucxx's progress thread, its notifier thread and the event loop, about
+        1 ms on two busy cores even when UCX finished the request at once (measured).
+        A get of 64 runs that awaited each one paid that 64 times."""
+        return self._start(self.ep.send(buffer, tag=tag))
+
+    def post_recv(self, buffer: Any, tag: int) -> asyncio.Future:
+        """Start receiving into ``buffer``; as ``post_send``. Receives posted for one
+        tag match that tag's messages in the order they were sent."""
+        return self._start(self.ep.recv(buffer, tag=tag))
+
+    def post_frame(self, frame: Any) -> list[asyncio.Future]:
+        """``post_send`` the messages of one control frame (see ``kvstore.protocol``)."""
+        return [self.post_send(np.frombuffer(message, dtype=np.uint8), P.CONTROL_TAG) for message in P.wire_messages(frame)]
+
     async def send(self, buffer: Any, tag: int) -> None:
-        await self._request(self.ep.send(buffer, tag=tag))
+        await asyncio.shield(self.post_send(buffer, tag))
 
     async def recv(self, buffer: Any, tag: int) -> None:
-        await self._request(self.ep.recv(buffer, tag=tag))
+        await asyncio.shield(self.post_recv(buffer, tag))
 
     async def send_frame(self, frame: Any) -> None:
         """Send one control frame as tagged messages (see ``kvstore.protocol``)."""
-        for message in P.wire_messages(frame):
-            await self.send(np.frombuffer(message, dtype=np.uint8), P.CONTROL_TAG)
+        await asyncio.shield(asyncio.gather(*self.post_frame(frame)))
 
     async def recv_frame(self, max_body: int = P.MAX_BODY_BYTES) -> bytes:
         """Receive one control frame's bytes (preamble and body, for ``P.decode``).

@@ -415,3 +415,25 @@ def test_a_client_that_cannot_reach_the_socket_falls_back_to_ucx(clusters):
     got = run_worker(spec(cluster, ns, "get_pages", tokens=tokens))
     assert got["results"] == [{"blocks": 4, "matched": 4, "exact": True}] and got["stats"]["same_host_transfers"] == 0
     assert metrics(cluster, "node-0")['kvstore_transfer_requests_total{op="get",path="ucx"}'] >= 1
+
+
+def test_pages_scattered_in_the_pool_move_as_many_runs_bit_exact(clusters):
+    """Pages put one block at a time between another prompt's blocks get slots that never
+    touch: a get of them is one payload message per page, more runs than the client
+    posts receives ahead (client/connection.py RECEIVES_AHEAD), with pages the node
+    lacks after them, and still lands bit-exact in another process."""
+    from client.connection import RECEIVES_AHEAD
+
+    cluster = clusters()
+    ns = namespace_for_page_size(64 << 10, tenant="scattered")
+    blocks = 3 * RECEIVES_AHEAD
+    a = list(range(blocks * ns.block_size))
+    b = list(range(10**6, 10**6 + blocks * ns.block_size))
+    interleaved = [t[: k * ns.block_size] for k in range(1, blocks + 1) for t in (a, b)]
+    put = run_worker(spec(cluster, ns, "put_pages", token_lists=interleaved, options={"same_host": False}))
+    assert sum(r["sent"] for r in put["reports"]) == 2 * blocks  # one new page per put
+    before = metrics(cluster, "node-0")['kvstore_payload_messages_total{direction="out"}']
+    asked = a + list(range(5 * 10**6, 5 * 10**6 + 4 * ns.block_size))  # 4 blocks no node holds
+    got = run_worker(spec(cluster, ns, "get_pages", tokens=asked, options={"same_host": False}))
+    assert got["results"] == [{"blocks": blocks + 4, "matched": blocks, "exact": True}]
+    assert metrics(cluster, "node-0")['kvstore_payload_messages_total{direction="out"}'] - before == blocks
