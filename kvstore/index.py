@@ -281,11 +281,16 @@ def _ns_key(namespace: Namespace | keys.NamespaceKey) -> keys.NamespaceKey:
     return namespace
 
 
-def _check_hashes(hashes: Sequence[bytes], what: str) -> bytes:
+def _check_hashes(hashes: Sequence[bytes] | bytes, what: str, joined_ok: bool = False) -> bytes:
     """The hashes joined, after checking each is 16 bytes (one C pass, join_hashes:
-    this runs on every lookup of up to thousands of hashes)."""
+    this runs on every lookup of up to thousands of hashes). Where ``joined_ok``, hashes
+    already joined (``block_hash_bytes``) are checked for length only."""
     if len(hashes) == 0:
         raise InvalidInputError(f"{what} needs at least one page hash, got an empty list")
+    if joined_ok and isinstance(hashes, bytes):
+        if len(hashes) % HASH_BYTES:
+            raise InvalidInputError(f"{what}: joined page hashes must be a multiple of {HASH_BYTES} bytes, got {len(hashes)}")
+        return hashes
     items = hashes if isinstance(hashes, (list, tuple)) else list(hashes)
     joined = join_hashes(items)
     if isinstance(joined, bytes):
@@ -460,7 +465,7 @@ class _IndexMethods:
 
         return self._drive(steps())
 
-    def lookup(self, namespace: Namespace | keys.NamespaceKey, hashes: Sequence[bytes], *, breaks: Sequence[int] = (), lease_ms: int | None = None,
+    def lookup(self, namespace: Namespace | keys.NamespaceKey, hashes: Sequence[bytes] | bytes, *, breaks: Sequence[int] = (), lease_ms: int | None = None,
                units: tuple[int, int] = (0, 1)) -> Any:
         """Entries for the longest stored prefix of ``hashes`` (chains start at 0 and at
         each of ``breaks``), with a read lease: an ``IndexLookup`` to ``resolve`` against
@@ -469,16 +474,18 @@ class _IndexMethods:
         ends the prefix at its first segment (a shorter prefix, never an error).
         ``units`` ``(first, count)``: each hash of the first chain is a block whose head
         groups ``first`` to ``first + count - 1`` must all be stored (kvstore.heads);
-        hashes of later chains are whole pages."""
+        hashes of later chains are whole pages. ``hashes`` may come joined
+        (``block_hash_bytes``), which spares an object per block."""
         ns = _ns_key(namespace).prefix
-        blob = _check_hashes(hashes, "lookup")
-        head_chain = min([b for b in breaks if b > 0], default=len(hashes))
-        first = np.zeros(len(hashes), dtype=np.int64)
-        need = np.ones(len(hashes), dtype=np.int64)
+        blob = _check_hashes(hashes, "lookup", joined_ok=True)
+        n = len(blob) // HASH_BYTES
+        head_chain = min([b for b in breaks if b > 0], default=n)
+        first = np.zeros(n, dtype=np.int64)
+        need = np.ones(n, dtype=np.int64)
         first[:head_chain], need[:head_chain] = units
         lease = self.lease_ms if lease_ms is None else lease_ms
-        segs = keys.segments(len(hashes), breaks)
-        anchors = [hashes[start] for start, _ in segs]
+        segs = keys.segments(n, breaks)
+        anchors = [blob[HASH_BYTES * start : HASH_BYTES * start + HASH_BYTES] for start, _ in segs]
         hex_all = b"".join(anchors).hex()
 
 

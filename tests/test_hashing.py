@@ -8,10 +8,10 @@ import sys
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvstore import InvalidInputError, Namespace, block_hashes, part_hashes, sequence_hash
+from kvstore import InvalidInputError, Namespace, block_hash_bytes, block_hashes, part_hashes, sequence_hash
 from kvstore.hashing import reference_block_hashes
 
 GOLDEN_NS = Namespace(model="golden/llama", dtype="bfloat16", num_layers=4, num_kv_heads=2, head_size=64, block_size=4)
@@ -47,7 +47,18 @@ def test_block_hash_matches_documented_construction():
 @given(block_size=st.sampled_from([1, 4, 16, 23, 24, 25, 64, 256]), tokens=st.lists(st.integers(0, 2**32 - 1), max_size=600))
 def test_c_chain_equals_hashlib_construction(block_size, tokens):
     ns = Namespace(model="m", dtype="float16", num_layers=1, num_kv_heads=1, head_size=8, block_size=block_size)
-    assert block_hashes(ns, tokens) == reference_block_hashes(ns, tokens)
+    expected = reference_block_hashes(ns, tokens)
+    assert block_hashes(ns, tokens) == expected
+    assert block_hash_bytes(ns, tokens) == b"".join(expected)
+
+
+def test_split_hashes_undoes_the_join_and_refuses_a_partial_hash():
+    from kvstore._chainhash import split_hashes
+
+    hashes = block_hashes(GOLDEN_NS, list(range(12)))
+    assert split_hashes(b"".join(hashes)) == hashes and split_hashes(b"") == []
+    with pytest.raises(ValueError, match="17 bytes is not a whole number of 16-byte hashes"):
+        split_hashes(bytes(17))
 
 
 def test_hashes_do_not_depend_on_pythonhashseed():
@@ -73,6 +84,17 @@ def test_bad_token_lists_are_refused_by_name(bad):
         block_hashes(GOLDEN_NS, bad)
 
 
+class _Id(int):
+    """An int subclass: uint32_le reads exact ints in place and must not skip the
+    general path for anything else."""
+
+
+# the edges of CPython's one-digit ints (2**30) and of uint32 (2**32), on both sides
+@example(tokens=[0, 1, 2**30 - 1, 2**30, 2**31, 2**32 - 1], as_tuple=False)
+@example(tokens=[2**32 - 1, 2**32], as_tuple=True)
+@example(tokens=[5, -1], as_tuple=False)
+@example(tokens=[-(2**30)], as_tuple=False)
+@example(tokens=[True, _Id(7), _Id(2**31)], as_tuple=False)
 @given(tokens=st.lists(st.one_of(st.integers(-2**40, 2**40), st.booleans()), max_size=50), as_tuple=st.booleans())
 def test_the_c_token_conversion_agrees_with_array_array(tokens, as_tuple):
     """kvstore._chainhash.uint32_le, which token_array uses for lists, gives array.array's

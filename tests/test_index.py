@@ -96,6 +96,8 @@ def test_a_long_prefix_spans_segments_and_shards(index, namespace, valkey):
     assert result.matched == len(hashes)
     assert [locs[0].node_id for locs in result.locations[:4]] == ["a", "b", "a", "b"]
     assert result.locations[129][0].slot == 10_000 + 64  # hashes[129] is b's 65th page
+    joined = lookup(index, namespace, b"".join(hashes))  # as the client's find asks (block_hash_bytes)
+    assert joined.matched == len(hashes) and joined.locations == result.locations
     # asked further than it is stored, the prefix ends inside the last stored segment
     assert lookup(index, namespace, chain(namespace, 7 * keys.SEGMENT_PAGES)).matched == len(hashes)
     servers = valkey.shards if isinstance(valkey, EmbeddedValkeyCluster) else [valkey]
@@ -411,6 +413,10 @@ def test_bad_input_raises_clear_errors(index, namespace):
         index.lookup(namespace, ["0" * 16])
     with pytest.raises(InvalidInputError, match="empty list"):
         index.lookup(namespace, [])
+    with pytest.raises(InvalidInputError, match="joined page hashes must be a multiple of 16 bytes, got 31"):
+        index.lookup(namespace, bytes(31))
+    with pytest.raises(InvalidInputError, match=r"page hash #0 must be 16 bytes, got int"):  # only lookups take joined hashes
+        index.remove(namespace, 1, bytes(32), [bytes(16), bytes(16)])
     with pytest.raises(InvalidInputError, match="32 lowercase hex"):
         index.lookup(keys.NamespaceKey("t", "nope"), [bytes(16)])
     with pytest.raises(InvalidInputError, match="tenant 'a:b' must match"):
