@@ -117,64 +117,6 @@ static void hash3(const uint64_t init[8], const uint8_t *a, size_t na, const uin
     memcpy(out, h, HASH_BYTES);
 }
 
-/* The chain where prefix, previous hash and one block of tokens fit one BLAKE2b block
- * (a 16-byte namespace digest and up to 24 tokens: every usual block size): one buffer
- * whose prefix stays in place, each hash written into it for the next, one compression
- * per block. 7 % faster than hash3 for 8,192 blocks (interleaved, measured here). */
-static void chain_one_block(const uint64_t init[8], const uint8_t *prefix, size_t nprefix, const uint8_t *start,
-                            const uint8_t *data, size_t step, Py_ssize_t count, uint8_t *digests) {
-    uint8_t buf[BLOCK] = {0};
-    uint8_t *prev = buf + nprefix, *body = prev + HASH_BYTES;
-    uint64_t h[8];
-    memcpy(buf, prefix, nprefix);
-    memcpy(prev, start, HASH_BYTES);
-    for (Py_ssize_t i = 0; i < count; i++) {
-        memcpy(body, data + i * step, step);
-        memcpy(h, init, sizeof h);
-        compress(h, buf, nprefix + HASH_BYTES + step, 1);
-        memcpy(prev, h, HASH_BYTES);
-        memcpy(digests + i * HASH_BYTES, h, HASH_BYTES);
-    }
-}
-
-static PyObject *chain(PyObject *self, PyObject *args) {
-    Py_buffer prefix, tokens, person, start;
-    Py_ssize_t step;
-    if (!PyArg_ParseTuple(args, "y*y*ny*y*", &prefix, &tokens, &step, &person, &start)) return NULL;
-    PyObject *out = NULL;
-    if (person.len > 16 || start.len != HASH_BYTES || step <= 0) {
-        PyErr_SetString(PyExc_ValueError, "chain(prefix, tokens, step, person<=16 bytes, start 16 bytes, step > 0)");
-        goto done;
-    }
-    uint64_t init[8];
-    uint8_t pers[16] = {0};
-    memcpy(pers, person.buf, person.len);
-    memcpy(init, IV, sizeof init);
-    init[0] ^= 0x01010000ULL ^ HASH_BYTES; /* depth 1, fanout 1, no key, 16-byte digest */
-    init[6] ^= load64(pers);
-    init[7] ^= load64(pers + 8);
-    Py_ssize_t count = tokens.len / step;
-    /* One bytes object, not one per block: making 8,192 bytes objects took 0.25 ms and
-       freeing them 0.1, a fifth of the chain (measured here); lookups need the joined
-       form anyway, and split_hashes makes the list where one is wanted. */
-    out = PyBytes_FromStringAndSize(NULL, count * HASH_BYTES);
-    if (!out) goto done;
-    uint8_t *digests = (uint8_t *)PyBytes_AS_STRING(out);
-    const uint8_t *data = tokens.buf;
-    if (prefix.len + HASH_BYTES + step <= BLOCK)
-        chain_one_block(init, prefix.buf, prefix.len, start.buf, data, step, count, digests);
-    else
-        for (Py_ssize_t i = 0; i < count; i++)
-            hash3(init, prefix.buf, prefix.len, i ? digests + (i - 1) * HASH_BYTES : (const uint8_t *)start.buf, HASH_BYTES,
-                  data + i * step, step, digests + i * HASH_BYTES);
-done:
-    PyBuffer_Release(&prefix);
-    PyBuffer_Release(&tokens);
-    PyBuffer_Release(&person);
-    PyBuffer_Release(&start);
-    return out;
-}
-
 /* The items of a list or tuple (borrowed) in *items and their count in *n, and 1; 0
    with TypeError `refusal` for anything else. (*items of an empty list is NULL.) */
 static int seq_items(PyObject *seq, const char *refusal, PyObject ***items, Py_ssize_t *n) {
@@ -211,6 +153,32 @@ static inline int small_uint(PyObject *o, uint32_t *v) {
     return 1;
 }
 
+/* items[0..n) as little-endian uint32 into dst, range-checked; 0 with OverflowError
+   (an int outside [0, 2**32)) or TypeError (not an int) naming token `first + i`. */
+static int tokens_le(PyObject **items, Py_ssize_t n, Py_ssize_t first, uint8_t *dst) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = items[i];
+        uint32_t v;
+        if (!small_uint(item, &v)) {
+            if (!PyLong_Check(item)) {
+                PyErr_Format(PyExc_TypeError, "token %zd is %.50s, not an int", first + i, Py_TYPE(item)->tp_name);
+                return 0;
+            }
+            unsigned long big = PyLong_AsUnsignedLong(item); /* OverflowError for negatives too */
+            if ((big == (unsigned long)-1 && PyErr_Occurred()) || big > 0xFFFFFFFFUL) {
+                if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_OverflowError)) {
+                    PyErr_Clear();
+                    PyErr_Format(PyExc_OverflowError, "token %zd does not fit in uint32", first + i);
+                }
+                return 0;
+            }
+            v = (uint32_t)big;
+        }
+        memcpy(dst + 4 * i, &v, 4); /* little-endian hosts only: checked at import */
+    }
+    return 1;
+}
+
 /* A list or tuple of ints as little-endian uint32 bytes, range-checked: what
    array.array("I", tokens) does, in one pass without its per-item overhead. Raises
    OverflowError for an int outside [0, 2**32) and TypeError for anything not an int. */
@@ -219,34 +187,95 @@ static PyObject *uint32_le(PyObject *self, PyObject *seq) {
     PyObject **items;
     if (!seq_items(seq, "uint32_le takes a list or tuple of ints", &items, &n)) return NULL;
     PyObject *out = PyBytes_FromStringAndSize(NULL, n * 4);
-    if (!out) return NULL;
-    uint8_t *dst = (uint8_t *)PyBytes_AS_STRING(out);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = items[i];
-        uint32_t small;
-        if (small_uint(item, &small)) {
-            memcpy(dst + 4 * i, &small, 4); /* little-endian hosts only: checked at import */
-            continue;
-        }
-        if (!PyLong_Check(item)) {
-            Py_DECREF(out);
-            PyErr_Format(PyExc_TypeError, "token %zd is %.50s, not an int", i, Py_TYPE(item)->tp_name);
-            return NULL;
-        }
-        unsigned long v = PyLong_AsUnsignedLong(item); /* OverflowError for negatives too */
-        if ((v == (unsigned long)-1 && PyErr_Occurred()) || v > 0xFFFFFFFFUL) {
-            Py_DECREF(out);
-            if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_OverflowError)) {
-                PyErr_Clear();
-                PyErr_Format(PyExc_OverflowError, "token %zd does not fit in uint32", i);
-            }
-            return NULL;
-        }
-        dst[4 * i] = (uint8_t)v;
-        dst[4 * i + 1] = (uint8_t)(v >> 8);
-        dst[4 * i + 2] = (uint8_t)(v >> 16);
-        dst[4 * i + 3] = (uint8_t)(v >> 24);
+    if (out && !tokens_le(items, n, 0, (uint8_t *)PyBytes_AS_STRING(out))) Py_CLEAR(out);
+    return out;
+}
+
+/* One link of a chain: hash(prefix || prev || data) with prev the link before. Where
+ * prefix, previous hash and one block of tokens fit one BLAKE2b block (a 16-byte
+ * namespace digest and up to 24 tokens: every usual block size), one buffer holds them
+ * with the prefix in place and each hash written into it for the next: one compression
+ * per block, 7 % faster than hash3 for 8,192 blocks (interleaved, measured here). */
+typedef struct {
+    uint64_t init[8];
+    const uint8_t *prefix;
+    size_t nprefix, step;
+    int one_block;
+    uint8_t buf[BLOCK]; /* prefix || prev || data || zeros when one_block; else prev first */
+} Chain;
+
+static void chain_next(Chain *c, const uint8_t *data, uint8_t out[HASH_BYTES]) {
+    if (c->one_block) {
+        uint64_t h[8];
+        memcpy(c->buf + c->nprefix + HASH_BYTES, data, c->step);
+        memcpy(h, c->init, sizeof h);
+        compress(h, c->buf, c->nprefix + HASH_BYTES + c->step, 1);
+        memcpy(out, h, HASH_BYTES);
+        memcpy(c->buf + c->nprefix, h, HASH_BYTES);
+    } else {
+        hash3(c->init, c->prefix, c->nprefix, c->buf, HASH_BYTES, data, c->step, out);
+        memcpy(c->buf, out, HASH_BYTES);
     }
+}
+
+/* chain(prefix, tokens, step, person, start): see METHODS. `tokens` is a buffer of
+ * uint32-le token ids or a list or tuple of ints, converted a block at a time: a whole
+ * list converted first is a 512 KiB buffer for 8,192 blocks, which glibc handed back to
+ * the kernel between calls here (97 page faults, 0.3 ms, per lookup after other large
+ * allocations). Every token of a list is checked, a trailing partial block's too. */
+static PyObject *chain(PyObject *self, PyObject *args) {
+    Py_buffer prefix, person, start, tokens = {0};
+    PyObject *source, *out = NULL, **items = NULL;
+    Py_ssize_t step, ntokens = 0;
+    uint8_t *scratch = NULL;
+    if (!PyArg_ParseTuple(args, "y*Ony*y*", &prefix, &source, &step, &person, &start)) return NULL;
+    if (person.len > 16 || start.len != HASH_BYTES || step <= 0 || step % 4) {
+        PyErr_SetString(PyExc_ValueError, "chain(prefix, tokens, step, person<=16 bytes, start 16 bytes, step a positive multiple of 4)");
+        goto done;
+    }
+    if (PyList_Check(source) || PyTuple_Check(source)) {
+        seq_items(source, "", &items, &ntokens);
+        if (!(scratch = PyMem_Malloc(step))) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    } else if (PyObject_GetBuffer(source, &tokens, PyBUF_C_CONTIGUOUS) < 0) {
+        goto done;
+    }
+    Chain c = {.prefix = prefix.buf, .nprefix = prefix.len, .step = step, .one_block = prefix.len + HASH_BYTES + step <= BLOCK};
+    uint8_t pers[16] = {0};
+    memcpy(pers, person.buf, person.len);
+    memcpy(c.init, IV, sizeof c.init);
+    c.init[0] ^= 0x01010000ULL ^ HASH_BYTES; /* depth 1, fanout 1, no key, 16-byte digest */
+    c.init[6] ^= load64(pers);
+    c.init[7] ^= load64(pers + 8);
+    if (c.one_block) {
+        memcpy(c.buf, prefix.buf, prefix.len);
+        memcpy(c.buf + prefix.len, start.buf, HASH_BYTES);
+    } else {
+        memcpy(c.buf, start.buf, HASH_BYTES);
+    }
+    Py_ssize_t per = step / 4, count = items ? ntokens / per : tokens.len / step;
+    /* One bytes object, not one per block: making 8,192 bytes objects took 0.25 ms and
+       freeing them 0.1, a fifth of the chain (measured here); lookups need the joined
+       form anyway, and split_hashes makes the list where one is wanted. */
+    out = PyBytes_FromStringAndSize(NULL, count * HASH_BYTES);
+    if (!out) goto done;
+    uint8_t *digests = (uint8_t *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (items && !tokens_le(items + i * per, per, i * per, scratch)) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        chain_next(&c, items ? scratch : (const uint8_t *)tokens.buf + i * step, digests + i * HASH_BYTES);
+    }
+    if (items && !tokens_le(items + count * per, ntokens - count * per, count * per, scratch)) Py_CLEAR(out);
+done:
+    PyMem_Free(scratch);
+    PyBuffer_Release(&prefix);
+    if (tokens.obj) PyBuffer_Release(&tokens);
+    PyBuffer_Release(&person);
+    PyBuffer_Release(&start);
     return out;
 }
 
@@ -308,7 +337,9 @@ static PyMethodDef METHODS[] = {
     {"split_hashes", split_hashes, METH_O,
      "split_hashes(bytes of n * 16) -> list of the n 16-byte pieces (join_hashes undone)."},
     {"chain", chain, METH_VARARGS,
-     "chain(prefix, data, step, person, start) -> the 16-byte digests joined, in order.\n\n"
+     "chain(prefix, data, step, person, start) -> the 16-byte digests joined, in order.\n"
+     "data: uint32-le token ids (a buffer) or a list or tuple of ints (OverflowError, TypeError\n"
+     "as uint32_le names them).\n\n"
      "h[-1] = start; h[i] = blake2b-128(prefix || h[i-1] || data[i*step:(i+1)*step],\n"
      "person=person) for every whole step of data."},
     {NULL, NULL, 0, NULL},

@@ -76,12 +76,30 @@ def test_token_containers_agree():
     assert block_hashes(GOLDEN_NS, np.array(tokens, dtype=np.int64)) == expected
     assert block_hashes(GOLDEN_NS, torch.tensor(tokens)) == expected
     assert block_hashes(GOLDEN_NS, tuple(tokens)) == expected
+    assert block_hashes(GOLDEN_NS, [np.int64(t) for t in tokens]) == expected  # not plain ints: through numpy
 
 
-@pytest.mark.parametrize("bad", [[1, -1, 2, 3], [1, 2**32, 2, 3], [1.5, 2, 3, 4], ["a", 1, 2, 3]])
+# a bad id in the first block, in a later one, and in a trailing partial block (no hash,
+# still checked)
+@pytest.mark.parametrize("bad", [[1, -1, 2, 3], [1, 2**32, 2, 3], [1.5, 2, 3, 4], ["a", 1, 2, 3], [0, 1, 2, 3, 4, 5, 2**40, 7],
+                                 [0, 1, 2, 3, 4, -5], [0, 1, 2, 3, 4, None]])
 def test_bad_token_lists_are_refused_by_name(bad):
-    with pytest.raises(InvalidInputError, match="token ids"):
-        block_hashes(GOLDEN_NS, bad)
+    for tokens in (bad, tuple(bad)):
+        with pytest.raises(InvalidInputError, match="token ids"):
+            block_hashes(GOLDEN_NS, tokens)
+        with pytest.raises(InvalidInputError, match="token ids"):
+            block_hash_bytes(GOLDEN_NS, tokens)
+
+
+def test_the_chain_names_the_bad_token_of_a_list_it_hashes_block_by_block():
+    from kvstore._chainhash import chain
+
+    good = list(range(10))  # two blocks of 4 and a partial one
+    assert chain(GOLDEN_NS.digest, good, 16, b"kvs-block-v1", bytes(16)) == block_hash_bytes(GOLDEN_NS, np.array(good))
+    with pytest.raises(OverflowError, match="token 5 does not fit in uint32"):
+        chain(GOLDEN_NS.digest, good[:5] + [2**32] + good[6:], 16, b"kvs-block-v1", bytes(16))
+    with pytest.raises(TypeError, match="token 9 is str, not an int"):
+        chain(GOLDEN_NS.digest, good[:9] + ["x"], 16, b"kvs-block-v1", bytes(16))
 
 
 class _Id(int):
