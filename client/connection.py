@@ -30,7 +30,7 @@ from kvstore.checksum import copy_checksummed, page_checksum
 from kvstore.errors import ProtocolError, TransportError
 from kvstore.index import NodeInfo
 from kvstore.keys import NamespaceKey
-from kvstore.transport import Channel, connect, with_timeout
+from kvstore.transport import Channel, connect, started, with_timeout
 from client.buffers import Span, adjacent, join_flags, joined
 
 
@@ -147,14 +147,6 @@ class _Connection:
         raise NotImplementedError
 
 
-def _started(work: Any) -> asyncio.Future:
-    """Run ``work`` as a task now and return it. A task nobody awaits any more (its
-    request failed first and the connection closed) fails quietly."""
-    task = asyncio.ensure_future(work)
-    task.add_done_callback(lambda t: t.cancelled() or t.exception())
-    return task
-
-
 # Runs whose receives are posted before the first has landed: a window, so a get of
 # scattered pages into scattered memory holds at most this many scratch buffers.
 RECEIVES_AHEAD = 8
@@ -210,7 +202,7 @@ class NodeConnection(_Connection):
         wanted = self._check_put_plan(plan, len(pages))
         # the checksums and every run are posted at once and awaited together (awaiting
         # each send cost about 1 ms through ucxx's threads: ``Channel.post_send``)
-        result_arrives = _started(self._recv_frame(P.PutResult))
+        result_arrives = started(self._recv_frame(P.PutResult))
         sends = ep.post_frame(P.PutChecksums(checksums=np.fromiter((checksum(pages[i]) for i in wanted), dtype=np.uint64, count=len(wanted))))
         pos, sent = 0, 0
         for run in plan.ints("runs"):
@@ -226,7 +218,7 @@ class NodeConnection(_Connection):
         ep = self._ep
         # the plan's receive is posted before the request leaves, so the wait for the
         # request's send completion (about 1 ms through ucxx's threads) overlaps the node's work
-        plan_arrives = _started(self._recv_frame(P.GetPlan))
+        plan_arrives = started(self._recv_frame(P.GetPlan))
         await ep.send_frame(_get_request(namespace, self.token, hashes, sinks))
         plan: P.GetPlan = await plan_arrives
         present, sizes, sums, runs = plan.ints("present"), plan.ints("sizes"), plan.ints("checksums"), plan.ints("runs")
@@ -257,9 +249,9 @@ class NodeConnection(_Connection):
         spans = [sinks[i] for i in idx]
         fits = all(s.nbytes == size for s, size in zip(spans, sizes[starts[r] : starts[r + 1]]))
         if fits and adjacent(spans):
-            return _started(_landed(ep.post_recv(joined(spans), P.DATA_TAG), None, []))  # lands in place
+            return started(_landed(ep.post_recv(joined(spans), P.DATA_TAG), None, []))  # lands in place
         scratch = np.empty(sum(sizes[starts[r] : starts[r + 1]]), dtype=np.uint8)
-        return _started(_landed(ep.post_recv(scratch, P.DATA_TAG), scratch, spans if fits else None))
+        return started(_landed(ep.post_recv(scratch, P.DATA_TAG), scratch, spans if fits else None))
 
     async def close(self) -> None:
         """Abort the endpoint and wait until none of its requests can still touch memory."""

@@ -256,6 +256,15 @@ async def _settled(op: Any) -> Any:
         raise TransportError(f"UCX request failed: {exc!r}") from None
 
 
+def started(work: Any) -> asyncio.Future:
+    """Run the coroutine ``work`` as a task now and return it; node and client start
+    a transfer's waits with it before the requests they wait on go out. A task nobody
+    awaits any more (its request failed first and the connection closed) fails quietly."""
+    task = asyncio.ensure_future(work)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return task
+
+
 async def connect(ucxx: Any, host: str, port: int, seconds: float, what: str) -> Channel:
     """A channel to ``host:port`` within ``seconds``. On a timeout or cancellation the
     handshake is left to finish (ucxx's own receive must not be cancelled either) and

@@ -25,7 +25,7 @@ from kvstore.errors import IndexScriptError, ProtocolError, RemoteFault
 from kvstore.index import AsyncPageIndex
 from kvstore.keys import NamespaceKey
 from kvstore.namespace import Namespace
-from kvstore.transport import Channel, with_timeout
+from kvstore.transport import Channel, started, with_timeout
 from server.eviction import Evictor, NodeIdentity
 from server.metrics import NodeMetrics
 from server.store import PageState, PageStore, StoredPage, commit_entry
@@ -407,7 +407,7 @@ class DataPlane:
         """Post the receive of run ``r`` straight into its pool slots now; the future
         raises ``_Broken`` on any failure."""
         group = pages[starts[r] : starts[r + 1]]
-        received = ch.post_recv(self.store.pool.view(group[0].offset, group[-1].offset + group[-1].size - group[0].offset), P.DATA_TAG)
+        received = ch.post_recv(self._run_view(group), P.DATA_TAG)
 
         async def landed() -> None:
             try:
@@ -415,9 +415,11 @@ class DataPlane:
             except Exception as exc:  # noqa: BLE001 - UCX errors, timeouts, cancellation by a dead peer
                 raise _Broken(f"page receive of {len(group)} pages failed: {exc}") from exc
 
-        task = asyncio.ensure_future(landed())
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved when abandoned
-        return task
+        return started(landed())
+
+    def _run_view(self, group: list[StoredPage]) -> Any:
+        """The pool bytes of a run: pages that lie back to back in their slots."""
+        return self.store.pool.view(group[0].offset, group[-1].offset + group[-1].size - group[0].offset)
 
     # ---- GET -------------------------------------------------------------------------
 
@@ -463,8 +465,7 @@ class DataPlane:
         starts = np.cumsum([0] + runs).tolist()
         sends = ch.post_frame(plan)
         for r in range(len(runs)):
-            group = pages[starts[r] : starts[r + 1]]
-            sends.append(ch.post_send(self.store.pool.view(group[0].offset, group[-1].offset + group[-1].size - group[0].offset), P.DATA_TAG))
+            sends.append(ch.post_send(self._run_view(pages[starts[r] : starts[r + 1]]), P.DATA_TAG))
         try:
             await with_timeout(asyncio.shield(asyncio.gather(*sends)), self.timeout, "get reply")
         except Exception as exc:  # noqa: BLE001 - UCX errors, timeouts, cancellation by a dead peer
