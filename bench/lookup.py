@@ -30,6 +30,7 @@ figure as a ratio of the same-TP one."""
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -136,17 +137,25 @@ def plain_lookup(r: redis.Redis, ns: Namespace, tokens: list[int], command: str)
     return next((i for i, v in enumerate(replies) if not v), len(replies))
 
 
+@functools.cache
+def admin(url: str) -> redis.Redis:
+    """One connection per server for the statistics commands, kept open: a connection
+    made and dropped around every timed lookup left Valkey closing it while the next
+    lookup ran."""
+    return redis.Redis.from_url(url)
+
+
 def server_usec(servers: list[Any], commands: tuple[str, ...]) -> float:
     total = 0.0
     for server in servers:
-        stats = redis.Redis.from_url(server.url).info("commandstats")
+        stats = admin(server.url).info("commandstats")
         total += sum(stats.get(f"cmdstat_{c}", {}).get("usec", 0) for c in commands)
     return total
 
 
 def reset(servers: list[Any]) -> None:
     for server in servers:
-        redis.Redis.from_url(server.url).config_resetstat()
+        admin(server.url).config_resetstat()
 
 
 def fmt(samples: list[float]) -> str:
