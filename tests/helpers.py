@@ -111,7 +111,6 @@ class WorkerProcess:
         weakref.finalize(self, _remove, out.name, err.name)
         self._process = _workers().Process(target=_worker_main, args=(spec_path, env, out.name, err.name), daemon=True)
         self._process.start()
-        self.pid = self._process.pid
 
     @property
     def returncode(self) -> int | None:
@@ -175,7 +174,8 @@ def _worker_main(spec_path: str, env: dict[str, str], out_path: str, err_path: s
 def run_worker(spec: dict, timeout: float = 120, background: bool = False):
     """Run tests/worker.py with ``spec`` in its own process (``WorkerProcess``); returns
     its JSON result (or the process when ``background``)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo"}
+    # no interpreter starts (the worker is forked), so only what the worker reads counts
+    env = {**os.environ, "UCX_NET_DEVICES": "lo"}
     # the spec goes through a file: token lists can be long
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="kvstore-worker-", delete=False) as f:
         json.dump(spec, f)
