@@ -30,11 +30,12 @@ def _up(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--index-shards must be at least 1, got {args.index_shards}")
     if args.redis_url and args.index_shards > 1:
         raise InvalidInputError("--index-shards starts an embedded index; it cannot be used with --redis-url")
+    password = _index_password() if args.redis_url else None
     if args.redis_url:
-        PageIndex(args.redis_url, password=_index_password()).ping()  # fail now, not after 30 s
+        PageIndex(args.redis_url, password=password).ping()  # fail now, not after 30 s
     with tempfile.TemporaryDirectory(prefix="kvstore-up-") as private:
         token_env, token_note = _data_plane_token(private)
-        cluster = LocalCluster(args.servers, args.capacity, redis_url=args.redis_url, index_shards=args.index_shards,
+        cluster = LocalCluster(args.servers, args.capacity, redis_url=args.redis_url, redis_password=password, index_shards=args.index_shards,
                                slab_size=args.slab_size, quiet=not args.verbose, env=token_env)
         return _serve(args, cluster, token_note)
 

@@ -12,7 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvstore.credentials import CredentialFile
 from kvstore.errors import InvalidInputError
-from kvstore.routing import check_url
+from kvstore.routing import check_url, redact_url
 from kvstore.units import parse_size
 
 ByteSize = Annotated[int, BeforeValidator(parse_size)]
@@ -28,6 +28,46 @@ def _default_host() -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+# Options whose values are secrets; redis_url may carry one (user-info or ?password=).
+SECRET_OPTIONS = frozenset({"redis_password", "auth_token"})
+
+
+def shown_value(name: str, value: Any) -> str:
+    """How errors, logs and reprs show option ``name``'s ``value``: secrets hidden,
+    index URLs with their password hidden, anything else as ``repr``. A value of
+    the wrong type is shown by its type only, since it could be a secret put in the
+    wrong place."""
+    if isinstance(value, SecretStr):
+        return repr(value)
+    if name in SECRET_OPTIONS:
+        return "'***'" if isinstance(value, str) else f"<{type(value).__name__}, hidden>"
+    if name == "redis_url":
+        return repr(redact_url(value)) if isinstance(value, str) else f"<{type(value).__name__}, hidden>"
+    return repr(value)
+
+
+def first_error(exc: ValidationError) -> tuple[str, str, str]:
+    """Pydantic's first error as (option name, its input as it may be shown, message).
+    An error of the whole model (a before-validator's) has no name and shows no input."""
+    err = exc.errors()[0]
+    name = ".".join(map(str, err["loc"]))
+    shown = shown_value(name, err.get("input")) if name else ""
+    return name, shown, str(err["msg"]).removeprefix("Value error, ")
+
+
+class _RedactedRepr:
+    """``repr`` shows secrets as ``shown_value`` does (a URL's password hidden too)."""
+
+    def __repr_args__(self) -> Any:
+        for name, value in super().__repr_args__():  # type: ignore[misc]
+            yield (name, _Shown(shown_value(name, value)) if name in SECRET_OPTIONS or name == "redis_url" else value)
+
+
+class _Shown(str):
+    def __repr__(self) -> str:
+        return str(self)
 
 
 def _load_secret_files(data: Any) -> Any:
@@ -53,7 +93,7 @@ def _load_secret_files(data: Any) -> Any:
     return data
 
 
-class ServerSettings(BaseSettings):
+class ServerSettings(_RedactedRepr, BaseSettings):
     """Options of ``kvstore server``; each also reads KVSTORE_<NAME> from the environment."""
 
     model_config = SettingsConfigDict(
@@ -80,6 +120,8 @@ class ServerSettings(BaseSettings):
     tenant_quota: float = Field(1.0, gt=0, le=1, description="largest share of this node's page memory one tenant may hold; a tenant past it evicts its own least-recently-used pages, never another tenant's")
     max_request_pages: int = Field(16_384, ge=1, le=65_536, description="most pages one put or get may name (a 256k-token prompt in 16-token blocks); a longer request is refused whole")
     max_request_bytes: ByteSize = Field("0", validate_default=True, description="most page bytes one put may reserve (one request at a time per connection, so also the bytes in flight per connection); pages past it are refused. 0: no limit but the pool (set it, and --tenant-quota, when tenants share nodes)")
+    max_connections: int = Field(0, ge=0, le=1 << 20, description="client connections (UCX and same-host together) admitted at once; more are closed as they arrive. 0: a quarter of the descriptors left after the pool's memfds and a reserve of 512 (the node raises its soft descriptor limit to the hard one at start)")
+    frame_timeout: float = Field(5.0, gt=0, le=300, allow_inf_nan=False, description="seconds a new connection may take to send its first request, and a control frame to arrive whole once its first bytes did; past it the connection is closed")
     shutdown_grace: float = Field(10.0, ge=0, description="seconds to finish in-flight transfers on SIGTERM")
     auth_token: SecretStr = Field(SecretStr(""), description="a data-plane token that may read and write every tenant (operators, kvstore up); tenants get their own in --credentials-file")
     auth_token_file: str | None = Field(None, description="file holding that token (keeps it out of the process arguments)")
@@ -118,7 +160,7 @@ class ServerSettings(BaseSettings):
         return self
 
 
-class ClientOptions(BaseModel):
+class ClientOptions(_RedactedRepr, BaseModel):
     """Every client option, in one place: ``AsyncKVCacheClient``/``KVCacheClient``
     keywords, ``KVSTORE_<NAME>`` environment variables (``ClientSettings``) and the vLLM
     connector's ``kv_connector_extra_config`` all validate through this model."""
@@ -152,9 +194,8 @@ def client_options(base: ClientOptions | None = None, **overrides: Any) -> Clien
     try:
         return ClientOptions.model_validate(values)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        name = ".".join(map(str, err["loc"])) or "options"
-        raise InvalidInputError(f"invalid client option {name}={err.get('input')!r}: {err['msg']}") from None
+        name, shown, message = first_error(exc)
+        raise InvalidInputError(f"invalid client option {name}={shown}: {message}" if name else f"invalid client options: {message}") from None
 
 
 class ClientSettings(ClientOptions, BaseSettings):
@@ -169,6 +210,5 @@ def client_options_from_env() -> ClientOptions:
     try:
         return ClientSettings()
     except ValidationError as exc:
-        err = exc.errors()[0]
-        name = ".".join(map(str, err["loc"]))
-        raise InvalidInputError(f"invalid KVSTORE_{name.upper()}={err.get('input')!r} (client option {name}): {err['msg']}") from None
+        name, shown, message = first_error(exc)
+        raise InvalidInputError(f"invalid KVSTORE_{name.upper()}={shown} (client option {name}): {message}" if name else f"invalid KVSTORE_* client options: {message}") from None

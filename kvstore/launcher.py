@@ -19,6 +19,7 @@ from pathlib import Path
 from kvstore.errors import KVStoreError
 from kvstore.index import PageIndex
 from kvstore.procutil import die_with_parent
+from kvstore.routing import split_password
 from kvstore.valkey import EmbeddedValkey, EmbeddedValkeyCluster
 
 
@@ -43,9 +44,14 @@ class NodeProcess:
 
 class LocalCluster:
     """``servers`` storage nodes and, unless ``redis_url`` names one, an embedded index:
-    one Valkey, or a Valkey cluster of ``index_shards`` primaries when that is above 1."""
+    one Valkey, or a Valkey cluster of ``index_shards`` primaries when that is above 1.
 
-    def __init__(self, servers: int = 1, capacity: str = "256MiB", *, redis_url: str | None = None, index_shards: int = 1, slab_size: str = "16MiB", extra_args: list[str] | None = None, env: dict[str, str] | None = None, quiet: bool = True, log_dir: str | None = None) -> None:
+    The index password (``redis_password``, or one inside ``redis_url``) reaches the
+    nodes as ``KVSTORE_REDIS_PASSWORD`` in their environment, as the Helm chart hands
+    it over, never on their command lines (which ``/proc/<pid>/cmdline`` shows to
+    every user of the host)."""
+
+    def __init__(self, servers: int = 1, capacity: str = "256MiB", *, redis_url: str | None = None, redis_password: str | None = None, index_shards: int = 1, slab_size: str = "16MiB", extra_args: list[str] | None = None, env: dict[str, str] | None = None, quiet: bool = True, log_dir: str | None = None) -> None:
         self.num_servers = servers
         self.index_shards = index_shards
         self.capacity = capacity
@@ -59,7 +65,11 @@ class LocalCluster:
         self._tmp = None if log_dir or not quiet else tempfile.TemporaryDirectory(prefix="kvstore-nodes-")
         self.log_dir = Path(log_dir or self._tmp.name) if quiet else None
         self.valkey: EmbeddedValkey | EmbeddedValkeyCluster | None = None
-        self.redis_url = redis_url or ""
+        self.redis_url, in_url = split_password(redis_url or "")
+        self.redis_password = redis_password or in_url
+        if self.redis_password:
+            self.env["KVSTORE_REDIS_PASSWORD"] = self.redis_password
+            self.env.pop("KVSTORE_REDIS_PASSWORD_FILE", None)  # the same password, already read
         self.nodes: list[NodeProcess] = []
 
     def start(self, timeout: float = 30.0) -> LocalCluster:
@@ -96,7 +106,7 @@ class LocalCluster:
         return node
 
     def wait_registered(self, timeout: float = 30.0) -> None:
-        index = PageIndex(self.redis_url)
+        index = PageIndex(self.redis_url, password=self.redis_password)
         deadline = time.monotonic() + timeout
         try:
             while True:

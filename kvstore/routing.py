@@ -26,7 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Sequence
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import redis
 import redis.asyncio as aioredis
@@ -53,6 +53,30 @@ def redact_url(url: str) -> str:
     if query:
         query = re.sub(r"(?i)(^|&)(password=)[^&]*", r"\1\2***", query)
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def split_password(url: str) -> tuple[str, str | None]:
+    """``url`` without its password (user-info, or a ``password=`` query parameter)
+    and that password, unquoted (None when it has none), so that a launcher can put
+    the URL on a command line and hand the password over in the environment."""
+    parts = urlsplit(url)
+    netloc, password = parts.netloc, parts.password
+    if password is not None:
+        host = netloc.rsplit("@", 1)[1]
+        netloc = f"{parts.username}@{host}" if parts.username else host
+        password = unquote(password)
+    kept = []
+    for item in parts.query.split("&") if parts.query else []:
+        if item.lower().startswith("password="):
+            password = password if password is not None else unquote(item[len("password="):])
+        else:
+            kept.append(item)
+    if password is None:
+        return url, None
+    # spelled out: urlunsplit drops the empty host of unix:///path
+    query = "?" + "&".join(kept) if kept else ""
+    fragment = "#" + parts.fragment if parts.fragment else ""
+    return f"{parts.scheme}://{netloc}{parts.path}{query}{fragment}", password
 
 
 def check_url(url: str) -> str:
