@@ -35,7 +35,9 @@ from client.buffers import Span, adjacent, join_flags, joined
 
 
 class NodeRefusedError(TransportError):
-    """The node answered with an ERROR frame (``code`` says why); the connection stays usable."""
+    """The node answered with an ERROR frame (``code`` says why); the connection stays
+    usable, except after ``unauthorized``, where the node closes it (and so does the
+    client)."""
 
     def __init__(self, node_id: str, code: str, message: str) -> None:
         super().__init__(f"node {node_id} refused: {code}: {message}")
@@ -112,7 +114,9 @@ class _Connection:
             try:
                 await self._open(timeout)
                 return await with_timeout(work, timeout, f"{what} on {self.node.node_id}")
-            except NodeRefusedError:
+            except NodeRefusedError as exc:
+                if exc.code == "unauthorized":  # the node closed its side
+                    await self.close()
                 raise
             except BaseException as exc:
                 work.close()  # not started when the connect failed; a no-op otherwise

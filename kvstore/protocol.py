@@ -39,6 +39,9 @@ VERSION = 5
 PREAMBLE = struct.Struct("<4sHHI")
 MAX_BODY_BYTES = 8 << 20
 FIRST_MESSAGE_BYTES = 4096
+# Seconds the rest of a control frame may take once its first bytes arrived (a
+# sender writes a frame at once; a peer that starts one and stalls is dropped).
+FRAME_REST_TIMEOUT = 5.0
 # ucxx mixes these with the endpoint's own tag, so they never match another endpoint.
 CONTROL_TAG = 0xC0
 DATA_TAG = 0xDA

@@ -21,7 +21,8 @@ _METAVARS = {"capacity": "SIZE", "slab_size": "SIZE", "hugepage_size": "SIZE", "
              "auth_token": "TOKEN", "auth_token_file": "FILE", "credentials_file": "FILE", "redis_password_file": "FILE", "redis_url": "URL", "host": "ADDRESS", "metrics_host": "ADDRESS", "port": "PORT",
              "metrics_port": "PORT", "node_id": "NAME", "shm_dir": "DIR", "ucx_net_devices": "DEVICES", "ucx_tls": "TRANSPORTS",
              "high_watermark": "FRACTION", "low_watermark": "FRACTION", "heartbeat_interval": "SECONDS", "node_ttl": "SECONDS",
-             "transfer_timeout": "SECONDS", "min_put_rate": "SIZE", "tenant_quota": "FRACTION", "max_request_pages": "PAGES", "max_request_bytes": "SIZE", "shutdown_grace": "SECONDS"}
+             "transfer_timeout": "SECONDS", "min_put_rate": "SIZE", "tenant_quota": "FRACTION", "max_request_pages": "PAGES", "max_request_bytes": "SIZE", "shutdown_grace": "SECONDS",
+             "max_connections": "CONNECTIONS", "frame_timeout": "SECONDS"}
 
 
 def _add_argument(parser: Any, *names: str, **kwargs: Any) -> Any:

@@ -5,11 +5,18 @@ received straight into pool slots and sent straight from them) and Unix sockets
 for clients on the node's host (kvstore.shm: pages move through shared memory with
 one copy). One coroutine per connection reads control frames and handles one
 request at a time. A malformed frame body gets an ERROR reply; a bad preamble or a
-broken transfer closes that connection only."""
+broken transfer closes that connection only.
+
+What a peer gets before it shows a credential is bounded (docs/security.md): a
+connection over the budget is closed at once, its first request must arrive within
+the frame timeout, an ``unauthorized`` answer closes it, descriptors sent over the
+Unix socket are refused, and whatever a peer causes is logged at most once per
+interval."""
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import socket
 from dataclasses import dataclass, field
@@ -27,6 +34,7 @@ from kvstore.keys import NamespaceKey
 from kvstore.namespace import Namespace
 from kvstore.transport import Channel, started, with_timeout
 from server.eviction import Evictor, NodeIdentity
+from server.limits import RateLimitedLog
 from server.metrics import NodeMetrics
 from server.store import PageState, PageStore, StoredPage, commit_entry
 
@@ -35,6 +43,14 @@ log = logging.getLogger(__name__)
 
 class _Broken(Exception):
     """The connection can no longer be trusted to be in step; close it."""
+
+
+class _Verdict(enum.Enum):
+    """What ``_dispatch`` learnt of a request's credential."""
+
+    ADMITTED = "admitted"  # accepted: the connection may idle between requests from now on
+    UNAUTHORIZED = "unauthorized"  # answered ``unauthorized``: the connection is closed
+    UNCHECKED = "unchecked"  # refused before the credential was looked at
 
 
 class _Refused(Exception):
@@ -50,14 +66,23 @@ class _UcxConn:
 
     path = "ucx"
 
-    def __init__(self, channel: Channel) -> None:
+    def __init__(self, channel: Channel, frame_seconds: float) -> None:
         self.channel = channel
+        self.frame_seconds = frame_seconds
 
-    async def recv(self) -> tuple[bytes, list[int]]:
-        return await self.channel.recv_frame(), []
+    async def recv(self, first_timeout: float | None = None) -> tuple[bytes, list[int]]:
+        return await self.channel.recv_frame(rest_timeout=self.frame_seconds, first_timeout=first_timeout), []
 
     async def send(self, frame: Any, fds: list[int] = ()) -> None:
         await self.channel.send_frame(frame)
+
+    async def linger(self) -> None:
+        """Before closing after an error reply: wait until the peer closes or sends
+        anything, at most ``LINGER`` seconds. ucxx's close is an abort, which drops
+        what UCX has not written out yet: measured, a protocol error answered just
+        before the abort reached the client in only some of 11 tries."""
+        landed = self.channel.post_recv(np.empty(1, dtype=np.uint8), P.CONTROL_TAG)
+        await asyncio.wait([landed], timeout=LINGER)
 
     async def close(self) -> None:
         await self.channel.close()
@@ -69,15 +94,19 @@ class _ShmConn:
 
     path = "shm"
 
-    def __init__(self, channel: shm.UnixChannel) -> None:
+    def __init__(self, channel: shm.UnixChannel, frame_seconds: float) -> None:
         self.channel = channel
+        self.frame_seconds = frame_seconds
         self.sent: dict[int, tuple[int, bool]] = {}  # slab index -> (generation, writable) the client has
 
-    async def recv(self) -> tuple[bytes, list[int]]:
-        return await self.channel.recv_frame()
+    async def recv(self, first_timeout: float | None = None) -> tuple[bytes, list[int]]:
+        return await self.channel.recv_frame(rest_timeout=self.frame_seconds, first_timeout=first_timeout)
 
     async def send(self, frame: Any, fds: list[int] = ()) -> None:
         await self.channel.send_frame(frame, fds)
+
+    async def linger(self) -> None:
+        """Nothing to wait for: what was written to a Unix socket stays readable after close."""
 
     async def close(self) -> None:
         self.channel.close()
@@ -85,13 +114,20 @@ class _ShmConn:
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """What one request may ask of a node. A connection carries one request at a time, so
-    ``put_bytes`` also bounds the bytes in flight per connection."""
+    """What one request, and one connection, may ask of a node. A connection carries
+    one request at a time, so ``put_bytes`` also bounds the bytes in flight per
+    connection. ``connections`` bounds the open connections of both paths together;
+    ``frame_seconds`` is how long a new connection may take to send its first request,
+    and any frame to arrive whole once it started."""
 
     pages: int = P.MAX_PAGES_PER_REQUEST
     put_bytes: int = 1 << 62
+    connections: int = 1 << 30
+    frame_seconds: float = P.FRAME_REST_TIMEOUT
 
 
+# Seconds a connection closed after an error reply waits for the peer (_UcxConn.linger).
+LINGER = 1.0
 # Seconds every put may take beyond its size at min_put_rate (connection jitter, the
 # client hashing its pages before it sends the checksums).
 PUT_GRACE = 2.0
@@ -137,46 +173,73 @@ class DataPlane:
         self.active = 0
         self.idle = asyncio.Event()
         self.idle.set()
+        self.connections = {"ucx": 0, "shm": 0}  # open, by path
+        self.peer_log = RateLimitedLog(log)  # what remote peers cause, at most a line per interval
 
     async def serve(self, endpoint: Any) -> None:
         """UCX listener callback: serve one client endpoint until it goes away."""
-        await self._serve(_UcxConn(Channel(endpoint)))
+        await self._serve(_UcxConn(Channel(endpoint), self.limits.frame_seconds))
 
     async def serve_unix(self, sock: socket.socket) -> None:
         """Serve one same-host client on an accepted Unix socket until it goes away."""
-        await self._serve(_ShmConn(shm.UnixChannel(sock)))
+        await self._serve(_ShmConn(shm.UnixChannel(sock, accept_fds=False), self.limits.frame_seconds))
 
     async def _serve(self, conn: _UcxConn | _ShmConn) -> None:
+        """Serve one connection: admitted within the connection budget, then one request
+        at a time until the peer goes, breaks the stream, or is refused as unauthorized."""
+        if sum(self.connections.values()) >= self.limits.connections:
+            self.metrics.connections_refused.labels("budget").inc()
+            self.peer_log("refusing %s connections: %d are open, the budget (--max-connections)", conn.path, self.limits.connections)
+            await conn.close()
+            return
+        self.connections[conn.path] += 1
         try:
+            authenticated = False
             while True:
                 try:
-                    raw, fds = await conn.recv()
+                    # a client may keep its connection idle between requests, once it showed a credential
+                    raw, fds = await conn.recv(None if authenticated else self.limits.frame_seconds)
                 except ProtocolError as exc:  # a bad preamble: the stream is out of step
-                    self.metrics.errors.labels("protocol").inc()
+                    kind = "descriptors" if isinstance(exc, shm.DescriptorsRefusedError) else "protocol"
+                    self.metrics.errors.labels(kind).inc()
+                    self.peer_log("closing a %s connection: %s", conn.path, exc)
                     await self._reply_error(conn, "protocol", str(exc))
+                    await conn.linger()
+                    return
+                except asyncio.TimeoutError:
+                    self.metrics.connections_refused.labels("idle").inc()
+                    self.peer_log("closing a %s connection that sent no request within %.1f s", conn.path, self.limits.frame_seconds)
                     return
                 except Exception:  # noqa: BLE001 - any receive failure means the peer is gone
                     return
-                shm.close_fds(fds)  # a request frame carries none
+                shm.close_fds(fds)  # a request frame carries none (and a node's channel takes none)
                 if self.closing:
                     await self._reply_error(conn, "shutting_down", "node is shutting down")
+                    await conn.linger()
                     return
                 self.active += 1
                 self.idle.clear()
                 try:
-                    await self._dispatch(conn, raw)
+                    verdict = await self._dispatch(conn, raw)
                 except _Broken as exc:
                     self.metrics.errors.labels("transfer").inc()
-                    log.info("closing a %s connection after a broken transfer: %s", conn.path, exc)
+                    self.peer_log("closing a %s connection after a broken transfer: %s", conn.path, exc)
                     return
                 finally:
                     self.active -= 1
                     if self.active == 0:
                         self.idle.set()
+                if verdict is _Verdict.UNAUTHORIZED:
+                    self.metrics.connections_refused.labels("unauthorized").inc()
+                    await conn.linger()
+                    return
+                authenticated = authenticated or verdict is _Verdict.ADMITTED
         finally:
+            self.connections[conn.path] -= 1
             await conn.close()
 
-    async def _dispatch(self, conn: _UcxConn | _ShmConn, raw: bytes) -> None:
+    async def _dispatch(self, conn: _UcxConn | _ShmConn, raw: bytes) -> _Verdict:
+        """Decode and serve one request; says what was learnt of its credential."""
         try:
             frame = P.decode(raw)
             if not isinstance(frame, (P.PutRequest, P.GetRequest)):
@@ -184,7 +247,8 @@ class DataPlane:
             credential = self.credentials.find(frame.token)
             if credential is None and self.credentials.enabled:
                 self.metrics.errors.labels("auth").inc()
-                raise _Refused("unauthorized", "the data-plane token matches no credential of this node")
+                await self._reply_error(conn, "unauthorized", "the data-plane token matches no credential of this node")
+                return _Verdict.UNAUTHORIZED
             if len(frame.hashes) > self.limits.pages:
                 self.metrics.errors.labels("too_large").inc()
                 raise _Refused("too_large", f"a request may name at most {self.limits.pages} pages (--max-request-pages), this one names {len(frame.hashes)}")
@@ -195,8 +259,10 @@ class DataPlane:
         except ProtocolError as exc:
             self.metrics.errors.labels("protocol").inc()
             await self._reply_error(conn, "protocol", str(exc))
+            return _Verdict.UNCHECKED
         except _Refused as exc:
             await self._reply_error(conn, exc.code, str(exc))
+        return _Verdict.ADMITTED
 
     def _put_deadline(self, batch: PutBatch) -> float:
         """Seconds a put's checksums and payload may take once its slots are reserved:
@@ -275,6 +341,8 @@ class DataPlane:
         lists it in the registry (clients cannot)."""
         digest = req.namespace
         ns = self.namespaces.get(digest)
+        if ns is not None and ns.tenant != req.tenant:  # the same answer whether cached or not
+            raise _Refused("unknown_namespace", f"namespace {digest} of tenant {req.tenant} is not registered in the index")
         if ns is None:
             key = NamespaceKey(req.tenant, digest)
             try:
@@ -485,18 +553,22 @@ class DataPlane:
             return generation != pool.regions[r].generation or (writable and not has_write)
 
         fresh = sorted({r for r in regions if lacks(r)})
-        fds: list[int] = []
-        try:
-            for r in fresh:
-                fds.append(shm.reopen(pool.regions[r].fd, writable))
-            for start in range(0, max(len(fresh), 1), shm.MAX_FDS_PER_FRAME):
-                chunk = fresh[start : start + shm.MAX_FDS_PER_FRAME]
-                last = start + shm.MAX_FDS_PER_FRAME >= len(fresh)
-                mapped = [[r, pool.regions[r].generation] for r in chunk]
-                frame = kind(**fields, regions=regions, offsets=[p.offset % slab for p in pages], mapped=mapped) if last else kind(mapped=mapped, more=True)
-                await self._send(conn, frame, fds[start : start + shm.MAX_FDS_PER_FRAME])
-        finally:
-            shm.close_fds(fds)
+        # One frame's descriptors are open at a time: a request holds at most
+        # MAX_FDS_PER_FRAME of the node's descriptors, however many slabs it touches.
+        for start in range(0, max(len(fresh), 1), shm.MAX_FDS_PER_FRAME):
+            chunk = fresh[start : start + shm.MAX_FDS_PER_FRAME]
+            last = start + shm.MAX_FDS_PER_FRAME >= len(fresh)
+            mapped = [[r, pool.regions[r].generation] for r in chunk]
+            frame = kind(**fields, regions=regions, offsets=[p.offset % slab for p in pages], mapped=mapped) if last else kind(mapped=mapped, more=True)
+            fds: list[int] = []
+            try:
+                for r in chunk:
+                    fds.append(shm.reopen(pool.regions[r].fd, writable))
+                await self._send(conn, frame, fds)
+            except OSError as exc:  # EMFILE: the client reads a miss, the node keeps serving
+                raise _Broken(f"cannot lend slab descriptors: {exc}") from exc
+            finally:
+                shm.close_fds(fds)
         for r in fresh:
             conn.sent[r] = (pool.regions[r].generation, writable)
 

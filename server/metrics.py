@@ -44,6 +44,11 @@ class NodeMetrics:
         self.latency = Histogram(
             "kvstore_request_seconds", "Request latency", ["op"], buckets=_LATENCY_BUCKETS, registry=r
         )
+        self.connections = Gauge("kvstore_connections", "Open client connections, by data path", ["path"], registry=r)
+        self.connection_budget = Gauge("kvstore_connection_budget", "Client connections admitted at once, both paths together (--max-connections)", registry=r)
+        self.connections_refused = Counter("kvstore_connections_refused", "Client connections closed by the node: over the budget, no request within the frame timeout, or answered unauthorized", ["reason"], registry=r)
+        self.accept_errors = Counter("kvstore_accept_errors", "Failed accepts on the same-host Unix socket (EMFILE and the like); the listener backs off and retries", registry=r)
+        self.handshake_failures = Counter("kvstore_handshake_failures", "UCX connections that failed in ucxx's handshake (a client that went away while connecting)", registry=r)
         self.free_slabs = Gauge("kvstore_free_slabs", "Slabs serving no tenant yet", registry=r)
         self.index_up = Gauge("kvstore_index_up", "1 while the last heartbeat reached the index within the node TTL", registry=r)
         self.heartbeat_age = Gauge("kvstore_heartbeat_age_seconds", "Seconds since the last heartbeat reached the index", registry=r)
@@ -56,8 +61,10 @@ class NodeMetrics:
             self.latency.labels(op)
             for path in ("ucx", "shm"):
                 self.requests.labels(op, path)
-        for kind in ("protocol", "transfer", "auth", "forbidden", "too_large", "index_script"):
+        for kind in ("protocol", "descriptors", "transfer", "auth", "forbidden", "too_large", "index_script"):
             self.errors.labels(kind)
+        for reason in ("budget", "idle", "unauthorized"):
+            self.connections_refused.labels(reason)
         for direction in ("in", "out"):
             self.messages.labels(direction)
 
@@ -69,6 +76,9 @@ class NodeMetrics:
         self.pages.set_function(lambda: store.ready_pages)
         self.pins.set_function(lambda: store.pins)
         self.in_flight.set_function(lambda: dataplane.active)
+        for path in ("ucx", "shm"):
+            self.connections.labels(path).set_function(lambda path=path: dataplane.connections[path])
+        self.connection_budget.set_function(lambda: dataplane.limits.connections)
 
 
 def _version(dist: str) -> str:

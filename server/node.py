@@ -33,11 +33,16 @@ from kvstore.transport import ensure_ucx
 from server.dataplane import DataPlane, RequestLimits
 from server.eviction import Evictor, NodeIdentity
 from server.health import LoopWatchdog, start_health_server
+from server.limits import HandshakeFailures, RateLimitedLog, connection_budget, raise_descriptor_limit
 from server.metrics import NodeMetrics
 from server.pool import MemoryPool
 from server.store import PageState, PageStore, commit_entry
 
 log = logging.getLogger(__name__)
+# An accept that fails (EMFILE, ENFILE, ENOBUFS) is retried after this long, doubling
+# up to ACCEPT_BACKOFF_MAX: the listener outlives any burst of failures.
+ACCEPT_BACKOFF = 0.05
+ACCEPT_BACKOFF_MAX = 1.0
 # Every client connection leaves freed but unreturned heap behind in UCX and ucxx
 # (measured: node RSS +370 B per connect/disconnect, of which malloc_trim gives back
 # about 85 %), so the node hands free heap back to the kernel now and then.
@@ -57,9 +62,11 @@ class StorageNode:
         self.settings = settings
         self.identity = NodeIdentity(settings.node_id)
         self.metrics = NodeMetrics()
+        descriptors = raise_descriptor_limit()  # before the pool, which holds a memfd per slab
         self.pool = MemoryPool(settings.capacity, settings.slab_size, settings.hugepages, settings.hugepage_size)
         self.store = PageStore(self.pool)
         self.metrics.capacity.set(self.store.capacity)
+        connections = settings.max_connections or connection_budget(descriptors, len(self.pool.regions))
         self.index = AsyncPageIndex(settings.redis_url, password=settings.redis_password.get_secret_value() or None)
         self.node_ttl_ms = int(settings.node_ttl * 1000)
         self.evictor = Evictor(self.store, self.index, self.metrics, self.identity, settings.high_watermark, settings.low_watermark,
@@ -67,7 +74,7 @@ class StorageNode:
         self.dataplane = DataPlane(
             self.store, self.index, self.evictor, self.metrics, self.identity,
             credentials=CredentialFile(settings.credentials_file, settings.auth_token.get_secret_value()), timeout=settings.transfer_timeout, min_put_rate=settings.min_put_rate,
-            limits=RequestLimits(settings.max_request_pages, settings.max_request_bytes or self.store.capacity),
+            limits=RequestLimits(settings.max_request_pages, settings.max_request_bytes or self.store.capacity, connections, settings.frame_timeout),
         )
         self.metrics.watch(self.store, self.dataplane)
         self.watchdog = LoopWatchdog(limit=max(10.0, 3 * settings.heartbeat_interval))
@@ -94,6 +101,8 @@ class StorageNode:
         if s.ucx_tls:
             os.environ["UCX_TLS"] = s.ucx_tls
         ucxx = ensure_ucx(s.ucx_progress_mode)
+        handshakes = HandshakeFailures(self.metrics.handshake_failures)
+        logging.getLogger("ucx").addFilter(handshakes)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
@@ -106,7 +115,7 @@ class StorageNode:
             self._extra["metrics"] = f"{s.host}:{self.metrics_port}"
         heartbeat = asyncio.create_task(self._heartbeat_loop())
         watchdog = self.watchdog.start()
-        print(f"kvstore-server node={s.node_id} address={self.address} metrics_port={self.metrics_port} pool={self.pool.backing}", flush=True)
+        print(f"kvstore-server node={s.node_id} address={self.address} metrics_port={self.metrics_port} pool={self.pool.backing} max_connections={self.dataplane.limits.connections}", flush=True)
         await self._stop.wait()
         log.info("shutting down: %d requests in flight", self.dataplane.active)
         self.dataplane.closing = True
@@ -121,6 +130,7 @@ class StorageNode:
         watchdog.cancel()
         await self._deregister()
         await self.index.close()
+        logging.getLogger("ucx").removeFilter(handshakes)
         if self.fatal is not None:
             raise self.fatal
 
@@ -144,10 +154,21 @@ class StorageNode:
         self._extra.update(shm=path, host=host_id())
         loop = asyncio.get_running_loop()
 
+        failures = RateLimitedLog(log)
+
         async def accept() -> None:
+            backoff = ACCEPT_BACKOFF
             try:
                 while True:
-                    conn, _ = await loop.sock_accept(sock)
+                    try:
+                        conn, _ = await loop.sock_accept(sock)
+                    except OSError as exc:  # out of descriptors or buffers: wait, never give up the socket
+                        self.metrics.accept_errors.inc()
+                        failures("same-host accept failed, retrying in %.2f s: %s", backoff, exc)
+                        await asyncio.sleep(backoff)
+                        backoff = min(2 * backoff, ACCEPT_BACKOFF_MAX)
+                        continue
+                    backoff = ACCEPT_BACKOFF
                     loop.create_task(self.dataplane.serve_unix(conn))
             finally:
                 sock.close()
