@@ -41,16 +41,17 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvstore import Namespace, block_hash_bytes, block_hashes, keys  # noqa: E402
-from kvstore.hashing import reference_block_hashes  # noqa: E402
+from kvstore import Namespace, block_hash_bytes, block_hashes
 from kvstore.index import CommitEntry, PageIndex  # noqa: E402
-from kvstore.valkey import EmbeddedValkey, EmbeddedValkeyCluster  # noqa: E402
+from kvstore.pages import keys  # noqa: E402
+from kvstore.pages.hashing import reference_block_hashes  # noqa: E402
+from kvstore.tools.valkey import EmbeddedValkey, EmbeddedValkeyCluster  # noqa: E402
 
 BLOCKS = 8192
 COUNTS = (16, 128, 1024, 8192)
 HITS = (1.0, 0.5, 0.0)
 # what a kvstore lookup sends: the lookup script, or for a one-segment shard plain
-# commands (kvstore/index.py, _plain_lookup)
+# commands (kvstore/index/page_index.py, _plain_lookup)
 KVSTORE_COMMANDS = ("evalsha", "get", "pttl", "set", "pexpire")
 
 
@@ -82,7 +83,7 @@ def publish_plain(r: redis.Redis, hashes: list[bytes]) -> None:
 def publish_units(index: PageIndex, regs: list, storage: Namespace, hashes: list[bytes], groups: int) -> None:
     """Commit ``groups`` units of every block (as that many TP ranks would), spread over
     the two registered nodes ``regs``."""
-    from kvstore.heads import unit_hashes
+    from kvstore.pages.heads import unit_hashes
 
     index.ensure_namespace(storage)
     anchors, positions = keys.placement(hashes)

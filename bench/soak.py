@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from kvstore import Namespace, block_hashes  # noqa: E402
-from kvstore.procutil import die_with_parent, free_port  # noqa: E402
+from kvstore.tools.procutil import die_with_parent, free_port  # noqa: E402
 
 PROBE_SEED = 0  # the prompt every reader reads and every writer keeps stored
 FAULTS = ("kill", "stop", "index-empty", "index-snapshot")
@@ -145,7 +145,7 @@ def main() -> int:
         run_client(args.role, json.loads(Path(args.config).read_text()))
         return 0
 
-    from kvstore.launcher import LocalCluster
+    from kvstore.tools.launcher import LocalCluster
 
     ns = namespace(args.page_kib)
     ports = {f"node-{i}": free_port() for i in range(args.nodes)}

@@ -9,7 +9,7 @@ this host), the embedded Valkey. For each page size it moves the same pages with
 - memcpy: a single-thread numpy copy of the same bytes, page by page (the baseline);
 - valkey: Valkey as a blob store, pipelined SET (put) and GET (get, copied into the
   destination array as a kvstore get lands in the caller's tensor);
-- kvstore shm: ``put_pages``/``get_pages`` through the same-host path (kvstore.shm);
+- kvstore shm: ``put_pages``/``get_pages`` through the same-host path (kvstore.wire.shm);
 - kvstore ucx: the same calls over UCX (loopback TCP here), ``same_host=False``.
 
 Systems are interleaved (memcpy, valkey, shm, ucx, then again) for ``--repeat``
@@ -46,7 +46,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvstore import Namespace  # noqa: E402
-from kvstore.units import parse_size  # noqa: E402
+from kvstore.settings.units import parse_size  # noqa: E402
 
 SYSTEMS = ("memcpy", "valkey", "shm", "ucx")
 
@@ -211,7 +211,7 @@ def main() -> int:
         worker_main(args.worker[0], int(args.worker[1]))
         return 0
 
-    from kvstore.launcher import LocalCluster
+    from kvstore.tools.launcher import LocalCluster
 
     total, sizes = parse_size(args.total), [parse_size(s) for s in args.sizes.split(",")]
     puts_per_size = 2 * (args.repeat * 2)  # shm and ucx, quiet and with burners: all kept

@@ -41,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvstore.launcher import LocalCluster  # noqa: E402
+from kvstore.tools.launcher import LocalCluster  # noqa: E402
 
 MODEL = dict(hidden_size=1024, num_hidden_layers=10, num_attention_heads=16, num_key_value_heads=8, head_dim=64,
              intermediate_size=2048, vocab_size=512, max_position_embeddings=8192)

@@ -22,19 +22,20 @@ from typing import Any, Literal, Sequence
 import numpy as np
 import torch
 
-from kvstore import codec, heads, keys
-from kvstore.checksum import page_checksum
-from kvstore.config import ClientOptions, client_options, client_options_from_env
-from kvstore.errors import IndexScriptError, InvalidInputError, RemoteFault
-from kvstore.hashing import HASH_BYTES, block_hash_bytes, block_hashes, part_hashes, sequence_hash, split_hashes, token_array
-from kvstore.index import AsyncPageIndex, LookupResult, NodeInfo, PageLocation
-from kvstore.namespace import Namespace
-from kvstore.shm import host_id
-from kvstore.transport import cuda_capable, ensure_ucx
+from client import codec
 from client.buffers import Span, host_bytes, page_spans, split_spans
 from client.connection import NodeConnection, NodeRefusedError, OutgoingPage, SameHostUnavailableError, ShmConnection
 from client.placement import place, rank_nodes
 from client.stats import ClientStats
+from kvstore.errors import IndexScriptError, InvalidInputError, RemoteFault
+from kvstore.index import AsyncPageIndex, LookupResult, NodeInfo, PageLocation
+from kvstore.pages import heads, keys
+from kvstore.pages.checksum import page_checksum
+from kvstore.pages.hashing import HASH_BYTES, block_hash_bytes, block_hashes, part_hashes, sequence_hash, split_hashes, token_array
+from kvstore.pages.namespace import Namespace
+from kvstore.settings.config import ClientOptions, client_options, client_options_from_env
+from kvstore.wire.shm import host_id
+from kvstore.wire.transport import cuda_capable, ensure_ucx
 
 log = logging.getLogger(__name__)
 TransferMode = Literal["auto", "direct", "staged"]
@@ -110,7 +111,7 @@ class AsyncKVCacheClient:
         self.options = opts
         self.namespace = namespace
         # pages are stored per head group, keyed by the TP-independent namespace
-        # (kvstore.heads): a rank reads and writes the groups its heads fall in
+        # (kvstore.pages.heads): a rank reads and writes the groups its heads fall in
         self.storage = namespace.storage
         self.heads = heads.plan(namespace)
         self.replicas = opts.replicas

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvstore.protocol import PACK_BELOW
+from kvstore.wire.protocol import PACK_BELOW
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 ``NodeConnection`` speaks UCX (any host); ``ShmConnection`` speaks the same frames
 over a Unix socket to a node on this host and moves pages through shared memory
-(kvstore.shm). Both verify every page they receive against the index's checksum,
+(kvstore.wire.shm). Both verify every page they receive against the index's checksum,
 and hash only the pages a node asks for on a put.
 
 Requests on a connection are serialised (control frames and payloads must stay in
@@ -24,14 +24,14 @@ from typing import Any
 
 import numpy as np
 
-from kvstore import protocol as P
-from kvstore import shm
-from kvstore.checksum import copy_checksummed, page_checksum
+from client.buffers import Span, adjacent, join_flags, joined
 from kvstore.errors import ProtocolError, TransportError
 from kvstore.index import NodeInfo
-from kvstore.keys import NamespaceKey
-from kvstore.transport import Channel, connect, started, with_timeout
-from client.buffers import Span, adjacent, join_flags, joined
+from kvstore.pages.checksum import copy_checksummed, page_checksum
+from kvstore.pages.keys import NamespaceKey
+from kvstore.wire import protocol as P
+from kvstore.wire import shm
+from kvstore.wire.transport import Channel, connect, started, with_timeout
 
 
 class NodeRefusedError(TransportError):
@@ -54,7 +54,7 @@ class OutgoingPage:
     hash: bytes
     span: Span
     index: int  # position in the caller's batch (keys its checksum memo)
-    anchor: bytes  # its segment in the index and its place there (kvstore.keys.placement)
+    anchor: bytes  # its segment in the index and its place there (kvstore.pages.keys.placement)
     position: int
 
 
@@ -277,7 +277,7 @@ FAULT_AROUND = 64 << 10
 
 
 class ShmConnection(_Connection):
-    """A node on this host, over its Unix socket and shared memory (kvstore.shm)."""
+    """A node on this host, over its Unix socket and shared memory (kvstore.wire.shm)."""
 
     path = "shm"
 

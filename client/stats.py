@@ -21,7 +21,7 @@ class ClientStats:
     index_script_errors: int = 0
     direct_transfers: int = 0
     staged_transfers: int = 0
-    same_host_transfers: int = 0  # requests that moved pages through shared memory (kvstore.shm)
+    same_host_transfers: int = 0  # requests that moved pages through shared memory (kvstore.wire.shm)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

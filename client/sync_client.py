@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from kvstore.config import client_options_from_env
-from kvstore.errors import TransportError
-from kvstore.namespace import Namespace
 from client.async_client import AsyncKVCacheClient, PublishReport, StoredPrefix
 from client.stats import ClientStats
+from kvstore.errors import TransportError
+from kvstore.pages.namespace import Namespace
+from kvstore.settings.config import client_options_from_env
 
 log = logging.getLogger(__name__)
 _MARGIN = 10.0

@@ -67,10 +67,9 @@ from client.breaker import CircuitBreaker
 from client.paged_cache import GatherResult, PagedCache, StagingPool
 from client.sync_client import KVCacheClient
 from client.vllm_stats import KVStoreConnectorStats, KVStorePromMetrics
-from kvstore.config import ByteSize, ClientOptions, client_options
-from kvstore.credentials import TENANT_PATTERN
 from kvstore.errors import InvalidInputError, KVStoreError
-from kvstore.namespace import Namespace
+from kvstore.pages.namespace import Namespace, Tenant
+from kvstore.settings.config import ByteSize, ClientOptions, client_options
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -135,7 +134,7 @@ class ConnectorOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    tenant: str = Field("default", pattern=TENANT_PATTERN, description="namespace tenant: whose pages these are (credentials and index ACLs are per tenant)")
+    tenant: Tenant = Field("default", description="namespace tenant: whose pages these are (credentials and index ACLs are per tenant)")
     model: str | None = Field(None, description="model name shared by engines that load the same weights from different paths")
     load_failure_policy: Literal["recompute", "fail"] = Field("recompute", description="what vLLM does with blocks that fail to load")
     lookup_budget_ms: float = Field(50.0, gt=0, le=10_000, allow_inf_nan=False,

@@ -13,8 +13,8 @@ from kvstore.errors import (
     RemoteFault,
     TransportError,
 )
-from kvstore.hashing import block_hash_bytes, block_hashes, part_hashes, sequence_hash
-from kvstore.namespace import Namespace
+from kvstore.pages.hashing import block_hash_bytes, block_hashes, part_hashes, sequence_hash
+from kvstore.pages.namespace import Namespace
 
 __all__ = [
     "FencedError",

@@ -6,14 +6,13 @@ import asyncio
 import errno
 import logging
 import sys
-
 from typing import Any
 
 from pydantic import ValidationError
 from pydantic_settings import CliSettingsSource
 
-from kvstore.cli_errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, settings_error
-from kvstore.config import ServerSettings
+from kvstore.settings.config import ServerSettings
+from kvstore.tools.cli_errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, settings_error
 
 # What each option takes, for --help: pydantic-settings would print the Python types
 # (int for a size that accepts "4GiB", SecretStr, {int,null}).
@@ -51,9 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvstore server: {settings_error(exc)}", file=sys.stderr)
         return EXIT_USAGE
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from server.node import StorageNode  # after logging is configured
-
     from kvstore.errors import NodeIdInUseError
+    from server.node import StorageNode  # after logging is configured
 
     try:
         asyncio.run(StorageNode(settings).run())

@@ -2,7 +2,7 @@
 
 Two data paths share one request logic: UCX endpoints (any host; payloads are
 received straight into pool slots and sent straight from them) and Unix sockets
-for clients on the node's host (kvstore.shm: pages move through shared memory with
+for clients on the node's host (kvstore.wire.shm: pages move through shared memory with
 one copy). One coroutine per connection reads control frames and handles one
 request at a time. A malformed frame body gets an ERROR reply; a bad preamble or a
 broken transfer closes that connection only.
@@ -24,15 +24,15 @@ from typing import Any
 
 import numpy as np
 
-from kvstore import protocol as P
-from kvstore import shm
-from kvstore.checksum import checksum_later, page_checksum
-from kvstore.credentials import Credential, CredentialFile
 from kvstore.errors import IndexScriptError, ProtocolError, RemoteFault
 from kvstore.index import AsyncPageIndex
-from kvstore.keys import NamespaceKey
-from kvstore.namespace import Namespace
-from kvstore.transport import Channel, started, with_timeout
+from kvstore.pages.checksum import checksum_later, page_checksum
+from kvstore.pages.keys import NamespaceKey
+from kvstore.pages.namespace import Namespace
+from kvstore.security.credentials import Credential, CredentialFile
+from kvstore.wire import protocol as P
+from kvstore.wire import shm
+from kvstore.wire.transport import Channel, started, with_timeout
 from server.eviction import Evictor, NodeIdentity
 from server.limits import RateLimitedLog
 from server.metrics import NodeMetrics

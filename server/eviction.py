@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from kvstore.errors import RemoteFault
 from kvstore.index import AsyncPageIndex
-from kvstore.keys import NamespaceKey
+from kvstore.pages.keys import NamespaceKey
 from server.allocator import size_class
 from server.metrics import NodeMetrics
 from server.store import PageStore, StoredPage

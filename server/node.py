@@ -19,17 +19,17 @@ import json
 import logging
 import os
 import re
-import socket
 import signal
+import socket
 import time
 
-from kvstore.config import ServerSettings
-from kvstore.credentials import CredentialFile
 from kvstore.errors import FencedError, IndexScriptError, IndexUnavailableError, NodeIdInUseError, RemoteFault
 from kvstore.index import AsyncPageIndex, Registration
-from kvstore.keys import NamespaceKey
-from kvstore.shm import host_id
-from kvstore.transport import ensure_ucx
+from kvstore.pages.keys import NamespaceKey
+from kvstore.security.credentials import CredentialFile
+from kvstore.settings.config import ServerSettings
+from kvstore.wire.shm import host_id
+from kvstore.wire.transport import ensure_ucx
 from server.dataplane import DataPlane, RequestLimits
 from server.eviction import Evictor, NodeIdentity
 from server.health import LoopWatchdog, start_health_server
@@ -135,7 +135,7 @@ class StorageNode:
             raise self.fatal
 
     def _listen_unix(self) -> asyncio.Task | None:
-        """Listen for same-host clients (kvstore.shm) on a Unix socket in ``shm_dir``; its
+        """Listen for same-host clients (kvstore.wire.shm) on a Unix socket in ``shm_dir``; its
         path and this host's identity go into the registry entry."""
         stem = f"kvstore-{re.sub(r'[^A-Za-z0-9_.-]', '_', self.settings.node_id)}"
         _remove_stale_sockets(self.settings.shm_dir, stem)

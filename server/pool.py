@@ -2,7 +2,7 @@
 each slab of it backed by its own memfd so it can be shared with same-host clients.
 
 Why one memfd per slab: a same-host client maps the slabs that hold its pages
-(kvstore.shm), so a slab's memory must only ever hold pages of one *owner* (a
+(kvstore.wire.shm), so a slab's memory must only ever hold pages of one *owner* (a
 tenant). When a free slab is taken by another owner it gets a fresh memfd and the
 old one is emptied (hole punched): clients that still map the old one read zeros,
 which fail their checksum, and never the new owner's bytes.

@@ -42,7 +42,7 @@ class StoredPage:
     size: int
     checksum: int
     owner: str = ""  # the tenant whose slabs may hold it (server/pool.py)
-    anchor: bytes = b""  # its segment in the index (kvstore.keys), and its place there
+    anchor: bytes = b""  # its segment in the index (kvstore.pages.keys), and its place there
     position: int = 0
     offset: int | None = None  # None until a slot is assigned
     state: PageState = PageState.RECEIVING

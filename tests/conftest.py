@@ -7,9 +7,9 @@ import os
 import pytest
 
 from kvstore.index import PageIndex
-from kvstore.launcher import LocalCluster
-from kvstore.namespace import Namespace
-from kvstore.valkey import EmbeddedValkey
+from kvstore.pages.namespace import Namespace
+from kvstore.tools.launcher import LocalCluster
+from kvstore.tools.valkey import EmbeddedValkey
 from tests.helpers import tenant_for
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")

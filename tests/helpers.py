@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from client.codec import pages_to_kv
 from kvstore import Namespace, block_hashes
-from kvstore.codec import pages_to_kv
 from kvstore.index import PageIndex
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -224,7 +224,7 @@ def raw_index(url: str):
     """Plain redis-py access to the index under test (a cluster client for a cluster URL)."""
     import redis
 
-    from kvstore.routing import CLUSTER_SCHEMES, seed_urls
+    from kvstore.index.routing import CLUSTER_SCHEMES, seed_urls
 
     if url.split("://", 1)[0] in CLUSTER_SCHEMES:
         return redis.RedisCluster.from_url(seed_urls(url)[0])
@@ -234,8 +234,8 @@ def raw_index(url: str):
 def corrupt_entry_checksums(url: str, ns: Namespace, hashes: list[bytes], i: int) -> int:
     """Flip a bit of the checksum in every index entry of page ``hashes[i]`` (a chain from
     block 0); returns how many entries changed."""
-    from kvstore import keys
     from kvstore.index import ENTRY, HASH_PAIR
+    from kvstore.pages import keys
 
     raw = raw_index(url)
     key = keys.segment_key(ns.key.prefix, keys.placement(hashes)[0][i])

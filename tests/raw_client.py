@@ -13,9 +13,9 @@ import sys
 
 import numpy as np
 
-from kvstore import protocol as P
-from kvstore.checksum import page_checksum
-from kvstore.transport import Channel, ensure_ucx
+from kvstore.pages.checksum import page_checksum
+from kvstore.wire import protocol as P
+from kvstore.wire.transport import Channel, ensure_ucx
 
 
 def first_message(data: bytes) -> np.ndarray:

@@ -143,7 +143,7 @@ def test_the_pool_asks_for_the_configured_huge_page_size():
     default (2 MiB) pages whatever the pod reserved."""
     import os
 
-    from kvstore.config import ServerSettings
+    from kvstore.settings.config import ServerSettings
     from server.pool import _HUGE_FLAGS
 
     with pytest.raises(ValueError, match="2 MiB or 1 GiB"):

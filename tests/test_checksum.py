@@ -1,4 +1,4 @@
-"""Copying with checksums (kvstore.checksum.copy_checksummed), the same-host path's
+"""Copying with checksums (kvstore.pages.checksum.copy_checksummed), the same-host path's
 one copy: every byte lands and every digest is the page's xxh3, in page order,
 whichever thread copied it and however it was chunked."""
 
@@ -7,7 +7,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.checksum import CHUNK, copy_checksummed
+from kvstore.pages.checksum import CHUNK, copy_checksummed
 
 SIZES = st.sampled_from([1, 4096, 65536, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK, 3 * CHUNK + 12345])
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from kvstore.index import PageIndex
-from kvstore.procutil import free_port, pid_alive
+from kvstore.tools.procutil import free_port, pid_alive
 
-KVSTORE = [sys.executable, "-m", "kvstore.cli"]
+KVSTORE = [sys.executable, "-m", "kvstore.tools.cli"]
 ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "KVSTORE_ANONYMOUS": "true"}  # nodes started here have no credential
 
 
@@ -87,7 +87,7 @@ def test_a_port_in_use_is_one_line_and_exit_1(which):
 
 def test_stats_lists_nodes_namespaces_use_and_reads():
     from client import KVCacheClient
-    from kvstore.launcher import LocalCluster
+    from kvstore.tools.launcher import LocalCluster
     from tests.helpers import namespace_for_page_size, pages_for, wait_for
 
     ns = namespace_for_page_size(64 << 10, tenant="stats")

@@ -12,8 +12,8 @@ from client import KVCacheClient
 from client.placement import place
 from kvstore import InvalidInputError, Namespace, block_hashes
 from kvstore.index import PageIndex
-from kvstore.launcher import LocalCluster
-from tests.helpers import tenant_for, corrupt_entry_checksums, kv_for, pages_for, run_worker
+from kvstore.tools.launcher import LocalCluster
+from tests.helpers import corrupt_entry_checksums, kv_for, pages_for, run_worker, tenant_for
 
 BLOCK = 16
 
@@ -157,7 +157,7 @@ def test_paged_api_staged_and_direct_give_identical_tensors(cluster, ns):
 @pytest.mark.parametrize("same_host", [True, False], ids=["shared-memory", "ucx"])
 @pytest.mark.parametrize("page_kib", [64, 2048])
 def test_every_data_path_moves_pages_bit_exact_across_processes(single_index_cluster, same_host, page_kib):
-    """Put in one process, get in another, over shared memory (kvstore.shm) and over
+    """Put in one process, get in another, over shared memory (kvstore.wire.shm) and over
     UCX, straight into the caller's tensor and through staging, with pages the node
     does not hold mixed in (a shorter prefix)."""
     cluster = single_index_cluster

@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from client import codec
 from kvstore import Namespace
-from kvstore import codec
 
 
 def make_ns(layers, heads, head, block, hidden):

@@ -15,11 +15,12 @@ import redis
 import torch
 
 from client import AsyncKVCacheClient, KVCacheClient
-from kvstore import InvalidInputError, Namespace, TransportError, block_hashes, keys, part_hashes, sequence_hash
-from kvstore.config import client_options
+from kvstore import InvalidInputError, Namespace, TransportError, block_hashes, part_hashes, sequence_hash
 from kvstore.index import PageIndex
-from kvstore.launcher import LocalCluster
-from kvstore.procutil import free_port
+from kvstore.pages import keys
+from kvstore.settings.config import client_options
+from kvstore.tools.launcher import LocalCluster
+from kvstore.tools.procutil import free_port
 from tests.helpers import advertised_prefix, kv_for, metrics, namespace_for_page_size, pages_for, run_worker, spec, wait_for, worker_result
 
 

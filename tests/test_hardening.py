@@ -21,16 +21,15 @@ import subprocess
 import sys
 import time
 
-
 from client import KVCacheClient
-from kvstore import protocol as P
 from kvstore.index import PageIndex
-from kvstore.launcher import LocalCluster
-from kvstore.valkey import EmbeddedValkey
+from kvstore.tools.launcher import LocalCluster
+from kvstore.tools.valkey import EmbeddedValkey
+from kvstore.wire import protocol as P
 from tests.helpers import ROOT, metrics, namespace_for_page_size, pages_for, run_worker, spec, wait_for
 from tests.test_security import make_credentials
 
-KVSTORE = [sys.executable, "-m", "kvstore.cli"]
+KVSTORE = [sys.executable, "-m", "kvstore.tools.cli"]
 ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONPATH": str(ROOT)}
 for _name in ("KVSTORE_AUTH_TOKEN", "KVSTORE_AUTH_TOKEN_FILE"):
     ENV.pop(_name, None)
@@ -67,8 +66,8 @@ def shm_path(cluster: LocalCluster) -> str:
 
 TRUNCATED_SECOND = r"""
 import asyncio, json, sys, numpy as np
-from kvstore import protocol as P
-from kvstore.transport import Channel, ensure_ucx
+from kvstore.wire import protocol as P
+from kvstore.wire.transport import Channel, ensure_ucx
 
 async def main(host, port):
     ucxx = ensure_ucx()
@@ -295,7 +294,7 @@ def test_a_made_up_tenant_is_refused_whether_or_not_the_namespace_is_cached(tmp_
 
 STALLED_HANDSHAKES = r"""
 import asyncio, sys, time
-from kvstore.transport import ensure_ucx
+from kvstore.wire.transport import ensure_ucx
 
 async def main(host, port, count, hold):
     ensure_ucx()

@@ -12,7 +12,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvstore import InvalidInputError, Namespace, block_hash_bytes, block_hashes, part_hashes, sequence_hash
-from kvstore.hashing import reference_block_hashes
+from kvstore.pages.hashing import reference_block_hashes
 
 GOLDEN_NS = Namespace(model="golden/llama", dtype="bfloat16", num_layers=4, num_kv_heads=2, head_size=64, block_size=4)
 
@@ -53,7 +53,7 @@ def test_c_chain_equals_hashlib_construction(block_size, tokens):
 
 
 def test_split_hashes_undoes_the_join_and_refuses_a_partial_hash():
-    from kvstore._chainhash import split_hashes
+    from kvstore.pages._chainhash import split_hashes
 
     hashes = block_hashes(GOLDEN_NS, list(range(12)))
     assert split_hashes(b"".join(hashes)) == hashes and split_hashes(b"") == []
@@ -92,7 +92,7 @@ def test_bad_token_lists_are_refused_by_name(bad):
 
 
 def test_the_chain_names_the_bad_token_of_a_list_it_hashes_block_by_block():
-    from kvstore._chainhash import chain
+    from kvstore.pages._chainhash import chain
 
     good = list(range(10))  # two blocks of 4 and a partial one
     assert chain(GOLDEN_NS.digest, good, 16, b"kvs-block-v1", bytes(16)) == block_hash_bytes(GOLDEN_NS, np.array(good))
@@ -115,11 +115,11 @@ class _Id(int):
 @example(tokens=[True, _Id(7), _Id(2**31)], as_tuple=False)
 @given(tokens=st.lists(st.one_of(st.integers(-2**40, 2**40), st.booleans()), max_size=50), as_tuple=st.booleans())
 def test_the_c_token_conversion_agrees_with_array_array(tokens, as_tuple):
-    """kvstore._chainhash.uint32_le, which token_array uses for lists, gives array.array's
+    """kvstore.pages._chainhash.uint32_le, which token_array uses for lists, gives array.array's
     bytes for every list it accepts and refuses exactly the lists it refuses."""
     import array
 
-    from kvstore._chainhash import uint32_le
+    from kvstore.pages._chainhash import uint32_le
 
     given_ = tuple(tokens) if as_tuple else tokens
     try:
@@ -134,10 +134,10 @@ def test_the_c_token_conversion_agrees_with_array_array(tokens, as_tuple):
 @given(items=st.lists(st.one_of(st.binary(min_size=15, max_size=17), st.binary(min_size=16, max_size=16).map(bytearray), st.integers(), st.none()), max_size=20),
        as_tuple=st.booleans())
 def test_the_c_hash_join_agrees_with_a_checked_join(items, as_tuple):
-    """kvstore._chainhash.join_hashes, which every index call uses on its page hashes,
+    """kvstore.pages._chainhash.join_hashes, which every index call uses on its page hashes,
     joins exactly the lists whose items are all 16-byte bytes or bytearrays, and
     otherwise names the first item that is not."""
-    from kvstore._chainhash import join_hashes
+    from kvstore.pages._chainhash import join_hashes
 
     given_ = tuple(items) if as_tuple else items
     bad = next((i for i, h in enumerate(items) if not isinstance(h, (bytes, bytearray)) or len(h) != 16), None)

@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 from helm_python import Chart, HelmValuesError, lint
-
 from redis import exceptions as redis_errors
 
-from kvstore.config import ServerSettings
-from kvstore.units import parse_size
+from kvstore.settings.config import ServerSettings
+from kvstore.settings.units import parse_size
 from tests.helpers import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,7 +98,7 @@ def test_an_external_valkey_cluster_is_one_url():
     url = objects["ConfigMap"][0]["data"]["KVSTORE_REDIS_URL"]
     assert url.startswith("redis+cluster://valkey-0.valkey.infra.svc:6379,")
     assert [s["metadata"]["name"] for s in objects["StatefulSet"]] == ["kv-kvstore-storage"]  # no built-in Valkey
-    from kvstore.routing import seed_urls
+    from kvstore.index.routing import seed_urls
 
     assert len(seed_urls(url)) == 3  # the client reads it as three seeds
 
@@ -243,8 +242,8 @@ def test_workloads_run_hardened_by_default(values_file):
 def test_valkey_starts_through_its_entrypoint_and_keeps_its_password_out_of_argv(tmp_path):
     import redis
 
-    from kvstore.procutil import free_port
-    from kvstore.valkey import valkey_binary
+    from kvstore.tools.procutil import free_port
+    from kvstore.tools.valkey import valkey_binary
 
     objects = render({"index": {"password": "pw-in-secret"}})
     pod = pods(objects)["valkey"]
@@ -280,11 +279,11 @@ def test_chart_index_users_and_tenant_credentials_work_with_real_processes(tmp_p
     import torch
 
     from client import KVCacheClient
-    from kvstore import acl
     from kvstore.index import PageIndex
-    from kvstore.launcher import LocalCluster
-    from kvstore.procutil import free_port
-    from kvstore.valkey import valkey_binary
+    from kvstore.security import acl
+    from kvstore.tools.launcher import LocalCluster
+    from kvstore.tools.procutil import free_port
+    from kvstore.tools.valkey import valkey_binary
     from tests.helpers import namespace_for_page_size, pages_for
 
     objects = render(load_values(CHART / "ci" / "tenants-values.yaml"))

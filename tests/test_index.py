@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 import redis
 
-from kvstore import FencedError, IndexUnavailableError, InvalidInputError, NodeIdInUseError, block_hashes, keys
+from kvstore import FencedError, IndexUnavailableError, InvalidInputError, NodeIdInUseError, block_hashes
 from kvstore.index import ENTRY, AsyncPageIndex, CommitEntry, PageIndex, Registration, select_records
-from kvstore.procutil import free_port
-from kvstore.valkey import EmbeddedValkey, EmbeddedValkeyCluster
+from kvstore.pages import keys
+from kvstore.tools.procutil import free_port
+from kvstore.tools.valkey import EmbeddedValkey, EmbeddedValkeyCluster
 from tests.helpers import raw_index
 
 TTL = 60_000
@@ -199,8 +200,8 @@ def test_a_short_lookup_keeps_its_lease_read_only_until_half_is_left(index, name
     """A one-segment lookup (plain GET and PTTL, not the script) grants the segment a read
     lease, leaves it alone while more than half is left (repeated lookups write nothing),
     and renews it, with the segment's expiry, once less than half is left."""
-    from kvstore.index import _single
-    from kvstore.routing import Cmd
+    from kvstore.index.page_index import _single
+    from kvstore.index.routing import Cmd
 
     def pttl(key: str) -> int:
         return index._drive(_single(Cmd(("PTTL", key), key=key)))

@@ -16,14 +16,14 @@ import redis
 import torch
 
 from client import KVCacheClient
-from kvstore.config import ServerSettings, client_options, client_options_from_env
 from kvstore.errors import InvalidInputError
 from kvstore.index import PageIndex
-from kvstore.valkey import EmbeddedValkey
+from kvstore.settings.config import ServerSettings, client_options, client_options_from_env
+from kvstore.tools.valkey import EmbeddedValkey
 from tests.helpers import ROOT, namespace_for_page_size, pages_for
 from tests.test_security import as_bytes, cmdline
 
-KVSTORE = [sys.executable, "-m", "kvstore.cli"]
+KVSTORE = [sys.executable, "-m", "kvstore.tools.cli"]
 ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONPATH": str(ROOT)}
 for _name in ("KVSTORE_AUTH_TOKEN", "KVSTORE_AUTH_TOKEN_FILE", "KVSTORE_REDIS_PASSWORD", "KVSTORE_REDIS_PASSWORD_FILE"):
     ENV.pop(_name, None)

@@ -19,12 +19,12 @@ import torch
 
 from client import KVCacheClient
 from kvstore.index import PageIndex
-from kvstore.procutil import free_port
-from kvstore.routing import redact_url
-from kvstore.valkey import EmbeddedValkey
+from kvstore.index.routing import redact_url
+from kvstore.tools.procutil import free_port
+from kvstore.tools.valkey import EmbeddedValkey
 from tests.helpers import ROOT, namespace_for_page_size, pages_for, wait_for
 
-KVSTORE = [sys.executable, "-m", "kvstore.cli"]
+KVSTORE = [sys.executable, "-m", "kvstore.tools.cli"]
 ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONPATH": str(ROOT)}
 ENV.pop("KVSTORE_AUTH_TOKEN", None)
 ENV.pop("KVSTORE_AUTH_TOKEN_FILE", None)
@@ -143,8 +143,8 @@ def test_metrics_listen_on_loopback_unless_told_otherwise():
 
 STALLED_PUT = r"""
 import asyncio, sys, numpy as np
-from kvstore import protocol as P
-from kvstore.transport import Channel, ensure_ucx
+from kvstore.wire import protocol as P
+from kvstore.wire.transport import Channel, ensure_ucx
 
 async def main(host, port, ns_hex, tenant, pages, size):
     ucxx = ensure_ucx()
@@ -164,7 +164,7 @@ def test_a_stalled_put_releases_its_slots_within_its_deadline():
     """An attacker reserves slots with a put and never sends the payload. The node gives
     them back after 2 s plus the put's size at --min-put-rate, not after the 30 s
     transfer timeout."""
-    from kvstore.launcher import LocalCluster
+    from kvstore.tools.launcher import LocalCluster
     from tests.helpers import metrics
 
     ns = namespace_for_page_size(2 << 20, tenant="stall")
@@ -221,7 +221,7 @@ def as_bytes(t):
 def test_a_tenant_cannot_write_pages_into_another_tenants_namespace(tmp_path, same_host):
     """Finding 1: with one token for everyone, alice stored pages under bob's namespace
     first, bob's own put found them present, and bob read alice's bytes back."""
-    from kvstore.launcher import LocalCluster
+    from kvstore.tools.launcher import LocalCluster
 
     creds, token = make_credentials(tmp_path, ("alice", "readwrite", ["team-a"]), ("bob", "readwrite", ["team-b"]))
     ns = make_ns("team-b")
@@ -243,7 +243,7 @@ def test_a_tenant_cannot_write_pages_into_another_tenants_namespace(tmp_path, sa
 def test_a_tenant_cannot_read_another_tenants_pages(tmp_path, same_host):
     """Finding 2: a client of one tenant found another tenant's page hashes in the index
     and read the pages, bit-identical. A read-only credential reads but cannot write."""
-    from kvstore.launcher import LocalCluster
+    from kvstore.tools.launcher import LocalCluster
 
     creds, token = make_credentials(tmp_path, ("alice", "readwrite", ["team-a"]), ("bob", "readwrite", ["team-b"]),
                                     ("auditor", "read", ["team-b"]))
@@ -270,7 +270,7 @@ def test_a_tenant_cannot_read_another_tenants_pages(tmp_path, same_host):
 def test_credentials_rotate_without_a_restart(tmp_path):
     """A new credential works once its line is in the file, a removed one stops working,
     and a malformed file keeps the credentials loaded before; the node never restarts."""
-    from kvstore.launcher import LocalCluster
+    from kvstore.tools.launcher import LocalCluster
 
     creds, token = make_credentials(tmp_path, ("old", "readwrite", ["team-a"]))
     (tmp_path / "next").mkdir()
@@ -324,7 +324,7 @@ def acl_rules(role: str, tenant: str | None = None) -> list[str]:
 
 
 def test_the_documented_acl_rules_are_the_ones_kvstore_acl_prints():
-    from kvstore import acl
+    from kvstore.security import acl
 
     doc = (ROOT / "docs" / "security.md").read_text()
     for role, tenant in (("node", None), ("client", "team-a"), ("operator", None)):
@@ -336,7 +336,7 @@ def test_index_roles_confine_tenants_and_keep_clients_from_registering_nodes():
     page hashes (SCAN) and could register a node, which then received pages and tokens.
     With the roles of `kvstore acl`, nodes, clients of two tenants and an operator each
     work end to end, and each attack below is refused by Valkey itself."""
-    from kvstore.launcher import LocalCluster
+    from kvstore.tools.launcher import LocalCluster
 
     ns_a, ns_b = make_ns("team-a"), make_ns("team-b")
     tokens = list(range(4 * ns_a.block_size))
@@ -387,7 +387,7 @@ def test_one_tenant_cannot_flush_another_tenants_pages():
     """Finding 4: one large put evicted every page of the node. Now a put reserves at most
     --max-request-bytes, and a tenant past --tenant-quota evicts only its own pages; a
     request naming more than --max-request-pages pages is refused whole."""
-    from kvstore.launcher import LocalCluster
+    from kvstore.tools.launcher import LocalCluster
     from tests.helpers import metrics
 
     bob_ns, mallory_ns = namespace_for_page_size(64 << 10, tenant="bob"), namespace_for_page_size(64 << 10, tenant="mallory")
@@ -416,8 +416,8 @@ def test_one_tenant_cannot_flush_another_tenants_pages():
 
 OVERSIZED_CONTROL = r"""
 import asyncio, sys, numpy as np
-from kvstore import protocol as P
-from kvstore.transport import Channel, ensure_ucx
+from kvstore.wire import protocol as P
+from kvstore.wire.transport import Channel, ensure_ucx
 
 async def main(host, port, rounds):
     ucxx = ensure_ucx()
@@ -450,7 +450,7 @@ def test_an_oversized_control_message_is_refused_before_the_node_allocates_it():
     """Finding 4: a 256 MiB control message drove node RSS from 133 to 620 MiB, because its
     size was checked after it had been received. The preamble's length is checked
     before the node posts a receive for the body: eight such messages leave RSS flat."""
-    from kvstore.launcher import LocalCluster
+    from kvstore.tools.launcher import LocalCluster
 
     with LocalCluster(servers=1, capacity="64MiB", slab_size="16MiB") as c:
         node = PageIndex(c.redis_url).live_nodes()[0]

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from kvstore import block_hashes
-from kvstore import protocol as P
-from kvstore.checksum import page_checksum
 from kvstore.index import PageIndex
+from kvstore.pages.checksum import page_checksum
+from kvstore.wire import protocol as P
 from tests.helpers import ROOT, advertised_prefix, metrics, namespace_for_page_size, run_worker, spec, wait_for, worker_result
 
 
@@ -332,7 +332,7 @@ def test_page_larger_than_a_slab_is_refused(clusters):
 
 def test_thread_progress_mode_serves_and_exits_on_sigterm(clusters):
     """ucxx's notifier thread (thread mode) is not a daemon: without the exit hook in
-    kvstore.transport the node hung at exit."""
+    kvstore.wire.transport the node hung at exit."""
     cluster = clusters(extra=["--ucx-progress-mode", "thread"])
     ns = namespace_for_page_size(64 << 10, tenant="thread-mode")
     tokens = list(range(8 * ns.block_size))
@@ -344,7 +344,7 @@ def test_thread_progress_mode_serves_and_exits_on_sigterm(clusters):
 
 
 def test_bad_same_host_frames_and_a_hostile_writer_do_not_hurt_the_node(clusters):
-    """The Unix-socket path (kvstore.shm): garbage gets a protocol error; a client lent a
+    """The Unix-socket path (kvstore.wire.shm): garbage gets a protocol error; a client lent a
     writable slab cannot shrink it (the node would die of SIGBUS); bytes that do not
     match their checksum are not stored; the node serves on."""
     import mmap

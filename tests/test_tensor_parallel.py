@@ -13,7 +13,7 @@ import torch
 
 from client import KVCacheClient
 from kvstore import InvalidInputError, Namespace
-from kvstore.launcher import LocalCluster
+from kvstore.tools.launcher import LocalCluster
 from tests.helpers import metrics, rank_pages, raw_index, run_worker, spec
 
 HEADS = 4
@@ -228,7 +228,7 @@ def test_units_split_and_merge_back_to_each_ranks_heads(layout, tp_size, groups)
     model's pages, for every layout and every TP size against every group count."""
     import torch
 
-    from kvstore import heads
+    from kvstore.pages import heads
 
     full_ns = rank_ns(1, 0, heads=HEADS, groups=groups, layout=layout)
     full = torch.randn(3, *full_ns.page_shape).to(torch.float16)

@@ -8,8 +8,8 @@ import time
 
 import redis
 
-from kvstore.procutil import pid_alive
-from kvstore.valkey import EmbeddedValkey
+from kvstore.tools.procutil import pid_alive
+from kvstore.tools.valkey import EmbeddedValkey
 
 
 def test_unix_socket_server(tmp_path):
@@ -26,7 +26,7 @@ def test_server_dies_with_a_crashed_parent_and_a_stale_pidfile_is_cleaned(tmp_pa
     pidfile = tmp_path / "valkey.pid"
     code = (
         "import sys, time\n"
-        "from kvstore.valkey import EmbeddedValkey\n"
+        "from kvstore.tools.valkey import EmbeddedValkey\n"
         f"s = EmbeddedValkey(workdir={str(tmp_path)!r}, pidfile={str(pidfile)!r}).start()\n"
         "print(s.process.pid, flush=True)\n"
         "time.sleep(60)\n"

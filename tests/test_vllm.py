@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 from client import KVCacheClient  # noqa: E402
 from kvstore import Namespace, block_hashes  # noqa: E402
 from kvstore.index import PageIndex  # noqa: E402
-from kvstore.launcher import LocalCluster  # noqa: E402
+from kvstore.tools.launcher import LocalCluster  # noqa: E402
 from tests.helpers import ROOT, wait_for  # noqa: E402
 
 BLOCK = 32

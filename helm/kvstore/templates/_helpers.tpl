@@ -39,7 +39,7 @@ redis://kvstore-node@{{ include "kvstore.fullname" . }}-valkey:{{ .Values.index.
 {{- define "kvstore.indexUsers" -}}{{ if and .Values.index.valkey.enabled .Values.index.acl.enabled }}true{{ end }}{{- end -}}
 
 {{/* Redis ACL rules of an index role: (dict "role" "node"|"client"|"operator" "tenant" name).
-     Mirrors kvstore/acl.py `rules` (tests/test_helm.py holds them equal). */}}
+     Mirrors kvstore/security/acl.py `rules` (tests/test_helm.py holds them equal). */}}
 {{- define "kvstore.aclRules" -}}
 {{- $common := "resetchannels -@all +ping +time +client|setinfo +cluster|slots +script|load +evalsha_ro +zrangebyscore +hgetall" -}}
 {{- $lookup := "+evalsha +get +set +pttl +pexpire" -}}
@@ -70,7 +70,7 @@ resetkeys %R~kvs:* {{ $common }} +smembers +hget
 {{- end -}}
 {{- end -}}
 
-{{/* Bytes in a kvstore size such as 64GiB, 512MiB, 4G or 1000 (kvstore.units.parse_size). */}}
+{{/* Bytes in a kvstore size such as 64GiB, 512MiB, 4G or 1000 (kvstore.settings.units.parse_size). */}}
 {{- define "kvstore.sizeBytes" -}}
 {{- $q := toString . | trim -}}
 {{- $units := dict "" 1 "k" 1000 "m" 1000000 "g" 1000000000 "t" 1000000000000 "ki" 1024 "mi" 1048576 "gi" 1073741824 "ti" 1099511627776 -}}

@@ -11,9 +11,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvstore._chainhash import chain, split_hashes, uint32_le
 from kvstore.errors import InvalidInputError
-from kvstore.namespace import Namespace
+from kvstore.pages._chainhash import chain, split_hashes, uint32_le
+from kvstore.pages.namespace import Namespace
 
 HASH_BYTES = 16
 ZERO_HASH = bytes(HASH_BYTES)
@@ -72,7 +72,7 @@ def block_hash_bytes(namespace: Namespace, tokens: Any) -> bytes:
     """``block_hashes`` joined into one bytes object (16 bytes per full block, in order),
     without an object per block: what the index's lookup takes. The client's lookups
     (``find``) hash with it; a list costs 0.35 ms more at 8,192 blocks (measured here)."""
-    # kvstore/_chainhash.c runs the loop (8,192 blocks from a token list: 4x faster than
+    # kvstore/pages/_chainhash.c runs the loop (8,192 blocks from a token list: 4x faster than
     # the same loop over hashlib, bench/lookup.py); tests/test_hashing.py holds it to
     # hashlib. A list goes in as it is: converted a block at a time, no 512 KiB buffer.
     def hashed(data: Any) -> bytes:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from kvstore.errors import KVStoreError
 from kvstore.index import PageIndex
-from kvstore.procutil import die_with_parent
-from kvstore.routing import split_password
-from kvstore.valkey import EmbeddedValkey, EmbeddedValkeyCluster
+from kvstore.index.routing import split_password
+from kvstore.tools.procutil import die_with_parent
+from kvstore.tools.valkey import EmbeddedValkey, EmbeddedValkeyCluster
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Exit codes and one-line messages of the ``kvstore`` commands (README "Exit codes").
 
-``kvstore.cli`` and ``python -m server`` turn every error a user can cause into one
+``kvstore.tools.cli`` and ``python -m server`` turn every error a user can cause into one
 line on stderr and one of these codes, never a traceback."""
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ from __future__ import annotations
 import hashlib
 import re
 
-from kvstore import keys
-from kvstore.credentials import TENANT_PATTERN
 from kvstore.errors import InvalidInputError
+from kvstore.pages import keys
+from kvstore.pages.namespace import check_tenant
 
 ROLES = ("node", "client", "operator")
 # What every role runs: connection upkeep, the cluster's slot map, loading the scripts
@@ -49,8 +49,7 @@ def rules(role: str, tenant: str | None = None) -> str:
                  "+zadd", "+zrem", "+zremrangebyscore", "+info"]
     elif role == "client":
         assert tenant is not None
-        if not re.match(TENANT_PATTERN, tenant):
-            raise InvalidInputError(f"tenant {tenant!r} must match {TENANT_PATTERN}")
+        check_tenant(tenant)
         parts = ["resetkeys", f"~{keys.tenant_keys(tenant)}", f"%R~{_REGISTRY}", *_COMMON, *_READ_SCRIPTS, *_LOOKUP, "+hsetnx"]
     else:
         parts = ["resetkeys", "%R~kvs:*", *_COMMON, *_READ_SCRIPTS, "+smembers", "+hget"]

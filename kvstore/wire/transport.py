@@ -32,7 +32,7 @@ one-page get and a 64-page get as fast as before (5.7-6.1 and 10-12 ms either wa
 loopback TCP), since requests and connections wake the thread through the worker's
 event fd; the timeout only bounds how late it notices anything that does not.
 
-Same-host clients do not use UCX at all (``kvstore.shm``)."""
+Same-host clients do not use UCX at all (``kvstore.wire.shm``)."""
 
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ from typing import Any
 
 import numpy as np
 
-from kvstore import protocol as P
 from kvstore.errors import ProtocolError, TransportError
+from kvstore.wire import protocol as P
 
 # Defaults applied only where the environment does not set them already.
 UCX_DEFAULTS = {
@@ -160,7 +160,7 @@ class Channel:
     ``close`` returns nothing can land in any buffer the channel was given.
 
     Node and client both use it; ``send_frame``/``recv_frame`` carry control frames
-    (see ``kvstore.protocol``), ``send``/``recv`` payloads."""
+    (see ``kvstore.wire.protocol``), ``send``/``recv`` payloads."""
 
     CLOSE_WAIT = 5.0  # seconds close waits for cancelled requests (they finish at once)
 
@@ -197,7 +197,7 @@ class Channel:
         return self._start(self.ep.recv(buffer, tag=tag))
 
     def post_frame(self, frame: Any) -> list[asyncio.Future]:
-        """``post_send`` the messages of one control frame (see ``kvstore.protocol``)."""
+        """``post_send`` the messages of one control frame (see ``kvstore.wire.protocol``)."""
         return [self.post_send(np.frombuffer(message, dtype=np.uint8), P.CONTROL_TAG) for message in P.wire_messages(frame)]
 
     async def send(self, buffer: Any, tag: int) -> None:
@@ -207,7 +207,7 @@ class Channel:
         await asyncio.shield(self.post_recv(buffer, tag))
 
     async def send_frame(self, frame: Any) -> None:
-        """Send one control frame as tagged messages (see ``kvstore.protocol``)."""
+        """Send one control frame as tagged messages (see ``kvstore.wire.protocol``)."""
         await asyncio.shield(asyncio.gather(*self.post_frame(frame)))
 
     async def recv_frame(self, max_body: int = P.MAX_BODY_BYTES, rest_timeout: float = P.FRAME_REST_TIMEOUT, first_timeout: float | None = None) -> bytes:

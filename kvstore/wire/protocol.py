@@ -8,7 +8,7 @@ Over UCX they travel as tagged messages on ``CONTROL_TAG``: a first message of
 exactly ``FIRST_MESSAGE_BYTES`` (preamble, body, zero padding) and, only for bodies
 that do not fit, a second message with the rest. The receiver checks the announced
 length against its limit before it allocates anything for the rest. Over the
-same-host Unix socket (kvstore.shm) frames are sent back to back, unpadded.
+same-host Unix socket (kvstore.wire.shm) frames are sent back to back, unpadded.
 
 Why not UCX active messages: ucxx 0.52 keeps an ``am_recv`` waiter that was
 cancelled (a client timeout) keyed by the endpoint handle, and the next endpoint
@@ -30,9 +30,9 @@ from typing import Annotated, Any, ClassVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kvstore.credentials import TENANT_PATTERN
 from kvstore.errors import ProtocolError
-from kvstore.keys import SEGMENT_PAGES
+from kvstore.pages.keys import SEGMENT_PAGES
+from kvstore.pages.namespace import Tenant
 
 MAGIC = b"KVSP"
 VERSION = 5
@@ -53,8 +53,6 @@ PACK_BELOW = 256 << 10
 
 # namespace digests: 16 bytes as lowercase hex
 Hex128 = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
-# the namespace's tenant, which names where its keys live in the index
-Tenant = Annotated[str, Field(pattern=TENANT_PATTERN)]
 HASH_BYTES = 16
 # Kinds of binary array that follow a frame's JSON header: (numpy dtype, bytes per row).
 _ARRAY_TYPES: dict[str, tuple[str, int]] = {"u32": ("<u4", 4), "u64": ("<u8", 8), "bool": ("u1", 1), "hash": ("u1", HASH_BYTES)}
@@ -124,7 +122,7 @@ Array = Any  # a numpy array, checked by _Frame._arrays
 class PutRequest(_Frame):
     """Client -> server: pages the client offers to store (hash, size, whether each page
     may share a message with the one before it, and its place in the index: segment
-    anchor and position, see ``kvstore.keys``)."""
+    anchor and position, see ``kvstore.pages.keys``)."""
 
     ARRAYS = {"hashes": "hash", "sizes": "u64", "join": "bool", "anchors": "hash", "positions": "u32"}
     namespace: Hex128
@@ -153,7 +151,7 @@ class PutPlan(_Frame):
     of ``wanted``) that each travel as one message; ``present`` were already stored;
     ``refused`` did not fit. Same-host puts move no messages: ``regions`` (slab indexes)
     and ``offsets`` (within the slab) say which slot the client writes each wanted page
-    into, with writable descriptors as in ``GetPlan`` (see kvstore.shm)."""
+    into, with writable descriptors as in ``GetPlan`` (see kvstore.wire.shm)."""
 
     ARRAYS = {"wanted": "u32", "runs": "u32", "present": "u32", "refused": "u32", "regions": "u32", "offsets": "u64"}
     wanted: Array
@@ -206,7 +204,7 @@ class GetPlan(_Frame):
     say where each page lies in the node's shared memory, and the frame carries a
     read-only descriptor for each ``mapped`` [slab, generation] the client lacks; with
     more descriptors than one frame can carry, frames with ``more`` set come first
-    (see kvstore.shm)."""
+    (see kvstore.wire.shm)."""
 
     ARRAYS = {"present": "u32", "sizes": "u64", "checksums": "u64", "runs": "u32", "regions": "u32", "offsets": "u64"}
     mapped: list[tuple[int, int]] = []

@@ -10,15 +10,15 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from kvstore.credentials import CredentialFile
 from kvstore.errors import InvalidInputError
-from kvstore.routing import check_url, redact_url
-from kvstore.units import parse_size
+from kvstore.index.routing import check_url, redact_url
+from kvstore.security.credentials import CredentialFile
+from kvstore.settings.units import parse_size
 
 ByteSize = Annotated[int, BeforeValidator(parse_size)]
 # A log level, case-insensitive ("info" or "INFO").
 LogLevel = Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], BeforeValidator(lambda v: v.upper() if isinstance(v, str) else v)]
-# An index URL (kvstore.routing.check_url names the forms).
+# An index URL (kvstore.index.routing.check_url names the forms).
 IndexURL = Annotated[str, AfterValidator(check_url)]
 ProgressMode = Literal["blocking", "polling", "thread", "thread-polling"]
 
@@ -128,7 +128,7 @@ class ServerSettings(_RedactedRepr, BaseSettings):
     credentials_file: str | None = Field(None, description="file of data-plane credentials, one per line: name, sha256 of the token, read or readwrite, tenants (see kvstore credential); re-read when it changes")
     anonymous: bool = Field(False, description="serve requests without a credential, every tenant to everyone (development only); needed when neither a token nor a credentials file is given")
     redis_password_file: str | None = Field(None, description="file holding the index password")
-    ucx_progress_mode: ProgressMode = Field("thread", description="ucxx progress mode (figures for each in kvstore/transport.py)")
+    ucx_progress_mode: ProgressMode = Field("thread", description="ucxx progress mode (figures for each in kvstore/wire/transport.py)")
     ucx_net_devices: str | None = Field(None, description="sets UCX_NET_DEVICES (e.g. lo, eth0, mlx5_0:1)")
     ucx_tls: str | None = Field(None, description="sets UCX_TLS (e.g. rc,cuda_copy or tcp)")
     shm_dir: str = Field(default_factory=tempfile.gettempdir, description="directory of the Unix socket same-host clients use (shared memory path); empty disables it")
@@ -175,10 +175,10 @@ class ClientOptions(_RedactedRepr, BaseModel):
     auth_token: SecretStr = Field(SecretStr(""), description="data-plane token")
     auth_token_file: str | None = Field(None, description="file holding the data-plane token")
     redis_password_file: str | None = Field(None, description="file holding the index password")
-    ucx_progress_mode: ProgressMode = Field("thread", description="ucxx progress mode (figures for each in kvstore/transport.py)")
+    ucx_progress_mode: ProgressMode = Field("thread", description="ucxx progress mode (figures for each in kvstore/wire/transport.py)")
     node_refresh: float = Field(1.0, gt=0, le=60, allow_inf_nan=False, description="seconds between reads of the node registry")
     lease_ms: int = Field(5_000, ge=0, le=600_000, description="read lease a lookup takes on the pages it returns")
-    same_host: bool = Field(True, description="reach nodes on this host through shared memory (kvstore.shm) instead of UCX")
+    same_host: bool = Field(True, description="reach nodes on this host through shared memory (kvstore.wire.shm) instead of UCX")
 
     @model_validator(mode="before")
     @classmethod

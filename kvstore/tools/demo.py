@@ -14,8 +14,8 @@ import sys
 
 from tqdm import tqdm
 
-from kvstore.launcher import LocalCluster
-from kvstore.units import format_size
+from kvstore.settings.units import format_size
+from kvstore.tools.launcher import LocalCluster
 
 
 def _worker(role: str, redis_url: str, tokens: str) -> dict:

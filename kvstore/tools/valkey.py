@@ -17,7 +17,7 @@ from pathlib import Path
 import redis
 
 from kvstore.errors import KVStoreError
-from kvstore.procutil import die_with_parent, free_port, pid_alive
+from kvstore.tools.procutil import die_with_parent, free_port, pid_alive
 
 
 def valkey_binary() -> str:
@@ -124,7 +124,7 @@ class EmbeddedValkey:
 
 class EmbeddedValkeyCluster:
     """``shards`` Valkey primaries on 127.0.0.1 forming a Redis Cluster, the slots split
-    evenly. ``url`` is a ``redis+cluster://`` URL (kvstore.routing) naming every shard.
+    evenly. ``url`` is a ``redis+cluster://`` URL (kvstore.index.routing) naming every shard.
 
     A shard that stops does not take the others down: the cluster runs with
     ``cluster-require-full-coverage no``, so keys on live shards stay readable and

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 
 from kvstore.errors import InvalidInputError
+from kvstore.pages.namespace import check_tenant
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +39,6 @@ READ = "read"
 READWRITE = "readwrite"
 RIGHTS = (READ, READWRITE)
 ALL_TENANTS = "*"
-# Tenant names become parts of Redis key names that ACL patterns match
-# (docs/security.md), so they may not hold pattern or separator characters.
-TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
-_TENANT_RE = re.compile(TENANT_PATTERN)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")
 _DIGEST_RE = re.compile(r"^sha256:([0-9a-f]{64})$")
 
@@ -88,8 +85,7 @@ def make_credential(name: str, rights: str, tenants: list[str]) -> Credential:
             raise InvalidInputError(f"credential {name}: * stands alone, not beside other tenants")
         return Credential(name, rights, None)
     for tenant in tenants:
-        if not _TENANT_RE.match(tenant):
-            raise InvalidInputError(f"credential {name}: tenant {tenant!r} must match {TENANT_PATTERN}")
+        check_tenant(tenant, f"credential {name}: tenant")
     return Credential(name, rights, frozenset(tenants))
 
 

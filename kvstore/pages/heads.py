@@ -23,7 +23,7 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-    from kvstore.namespace import Namespace
+    from kvstore.pages.namespace import Namespace
 
 # unit s of a block: the chain hash with this u64 (bytes 8-15, little-endian) XOR s
 UNIT_MASK = 0xFFFF

@@ -8,12 +8,31 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from functools import cached_property
 from math import prod
+from typing import Annotated
 
-from kvstore.credentials import TENANT_PATTERN
-from kvstore.keys import NamespaceKey
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from kvstore.errors import InvalidInputError
+from kvstore.pages.keys import NamespaceKey
+
+# Tenant names become parts of Redis key names that ACL patterns match
+# (docs/security.md), so they may not hold pattern or separator characters.
+TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+_TENANT_RE = re.compile(TENANT_PATTERN)
+# A tenant name in a pydantic model (namespaces, wire frames, connector options).
+Tenant = Annotated[str, Field(pattern=TENANT_PATTERN)]
+
+
+def check_tenant(tenant: object, what: str = "tenant") -> str:
+    """``tenant`` if it is a valid tenant name, else ``InvalidInputError`` naming
+    ``what`` (credentials, ACL rules and the index call it with their own context)."""
+    if not isinstance(tenant, str) or not _TENANT_RE.match(tenant):
+        raise InvalidInputError(f"{what} {tenant!r} must match {TENANT_PATTERN}")
+    return tenant
+
 
 FORMAT_VERSION = 1
 NAMESPACE_PERSON = b"kvs-ns-v1"
@@ -58,7 +77,7 @@ class Namespace(BaseModel):
     tp_rank: int = Field(default=0, ge=0)
     tp_size: int = Field(default=1, gt=0)
     pp_rank: int = Field(default=0, ge=0)
-    tenant: str = Field(default="default", pattern=TENANT_PATTERN, description="who owns the pages; data-plane credentials grant rights per tenant, and index keys carry it")
+    tenant: Tenant = Field(default="default", description="who owns the pages; data-plane credentials grant rights per tenant, and index keys carry it")
     format_version: int = Field(default=FORMAT_VERSION, ge=1)
     total_kv_heads: int = Field(default=0, ge=0, description="KV heads of the model (0: num_kv_heads * tp_size); needed when tp_size exceeds them (replicated heads)")
     head_groups: int = Field(default=0, ge=0, description="groups the model's KV heads are stored in, one page each per block; engines of different TP sizes share pages when they agree on it (0: min(tp_size, KV heads))")
@@ -114,7 +133,7 @@ class Namespace(BaseModel):
 
     @property
     def groups(self) -> int:
-        """Head groups a block is stored in (kvstore.heads)."""
+        """Head groups a block is stored in (kvstore.pages.heads)."""
         return self.head_groups or min(self.tp_size, self.total_heads)
 
     @property

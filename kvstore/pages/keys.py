@@ -60,7 +60,7 @@ class NamespaceKey:
 
 def segment_key(prefix: str, anchor: bytes) -> str:
     """A segment's key under a namespace's ``prefix`` (built by the scripts too,
-    kvstore/lua/common.lua)."""
+    kvstore/index/lua/common.lua)."""
     return f"{prefix}s:{{{anchor.hex()}}}"
 
 

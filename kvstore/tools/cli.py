@@ -14,15 +14,15 @@ import tempfile
 import threading
 from typing import Any
 
-from kvstore.cli_errors import EXIT_FAILED, EXIT_INDEX, EXIT_USAGE
-from kvstore.credentials import make_credential, new_token, token_digest
 from kvstore.errors import IndexUnavailableError, InvalidInputError, KVStoreError
-from kvstore.units import format_size
+from kvstore.security.credentials import make_credential, new_token, token_digest
+from kvstore.settings.units import format_size
+from kvstore.tools.cli_errors import EXIT_FAILED, EXIT_INDEX, EXIT_USAGE
 
 
 def _up(args: argparse.Namespace) -> int:
     from kvstore.index import PageIndex
-    from kvstore.launcher import LocalCluster
+    from kvstore.tools.launcher import LocalCluster
 
     if args.servers < 1:
         raise InvalidInputError(f"--servers must be at least 1, got {args.servers}")
@@ -42,7 +42,7 @@ def _up(args: argparse.Namespace) -> int:
 
 def _index_password() -> str | None:
     """The index password from KVSTORE_REDIS_PASSWORD or KVSTORE_REDIS_PASSWORD_FILE."""
-    from kvstore.config import client_options_from_env
+    from kvstore.settings.config import client_options_from_env
 
     return client_options_from_env().redis_password.get_secret_value() or None
 
@@ -59,7 +59,7 @@ def _data_plane_token(private_dir: str) -> tuple[dict[str, str], str]:
 
 
 def _serve(args: argparse.Namespace, cluster: Any, token_note: str) -> int:
-    from kvstore.routing import redact_url
+    from kvstore.index.routing import redact_url
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -134,7 +134,7 @@ def _credential(args: argparse.Namespace) -> int:
 def _acl(args: argparse.Namespace) -> int:
     """Print the index ACL rules of a role, or with --user a whole aclfile line (the
     password as its SHA-256, read from --password-file)."""
-    from kvstore import acl
+    from kvstore.security import acl
 
     if not args.user:
         print(acl.rules(args.role, args.tenant))
@@ -219,7 +219,7 @@ def _main(argv: list[str]) -> int:
     if args.command == "up":
         return _up(args)
     if args.command == "demo":
-        from kvstore.demo import run_demo
+        from kvstore.tools.demo import run_demo
 
         if not 0 < args.shared < args.tokens:
             parser.error("--shared must lie between 0 and --tokens")

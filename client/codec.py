@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from kvstore.errors import InvalidInputError
-from kvstore.namespace import Namespace
+from kvstore.pages.namespace import Namespace
 
 TAIL_MAGIC = b"KVST"
 TAIL_VERSION = 1

@@ -38,8 +38,8 @@ import socket
 from functools import lru_cache
 from typing import Any
 
-from kvstore import protocol as P
 from kvstore.errors import ProtocolError, TransportError
+from kvstore.wire import protocol as P
 
 MAX_FDS_PER_FRAME = 253  # SCM_MAX_FD
 

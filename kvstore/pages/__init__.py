@@ -1,0 +1,1 @@
+"""Pages and their names: namespaces, block hashes (the C chain), head groups, index key names, checksums."""

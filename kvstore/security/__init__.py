@@ -1,0 +1,1 @@
+"""Data-plane credentials and the index's ACL rules."""

@@ -1,0 +1,1 @@
+"""Options of nodes and clients (pydantic-settings) and byte sizes."""

@@ -1,0 +1,1 @@
+"""Developer and operator tools: the kvstore command, the local launcher, embedded Valkey, the demo."""
