@@ -388,14 +388,14 @@ def test_a_misspelt_key_is_refused_by_the_strict_schema():
 
 def exported_series() -> set[str]:
     """Every series name a storage node exports (its registry, with sample suffixes) and
-    every ``vllm:kvstore_*`` name the connector exports (read from client/vllm_stats.py
+    every ``vllm:kvstore_*`` name the connector exports (read from client/vllm/stats.py
     without importing vLLM)."""
     import ast
 
     from server.metrics import NodeMetrics
 
     names = {s.name for metric in NodeMetrics().registry.collect() for s in metric.samples} | {"up"}
-    tree = ast.parse((ROOT / "client" / "vllm_stats.py").read_text())
+    tree = ast.parse((ROOT / "client" / "vllm" / "stats.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and node.targets[0].id in ("COUNTERS", "HISTOGRAMS"):
             for name in ast.literal_eval(node.value):

@@ -1,6 +1,6 @@
-"""Gather and scatter between store pages and a paged KV cache (client/paged_cache.py),
+"""Gather and scatter between store pages and a paged KV cache (client/vllm/paged_cache.py),
 bit-exact for every physical layout a vLLM backend may give the per-layer view, and
-the lookup circuit breaker (client/breaker.py). Runs on CPU, and on CUDA too where a
+the lookup circuit breaker (client/vllm/breaker.py). Runs on CPU, and on CUDA too where a
 GPU is present."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
-from client.breaker import CircuitBreaker
-from client.paged_cache import PagedCache, StagingPool, block_runs
+from client.vllm.breaker import CircuitBreaker
+from client.vllm.paged_cache import PagedCache, StagingPool, block_runs
 from kvstore.errors import InvalidInputError
 
 L, B, H, N, C = 3, 40, 2, 4, 6  # layers, blocks, kv heads, block size, 2 * head size
@@ -56,7 +56,7 @@ def test_the_permutations_cover_every_vllm_layout():
 @pytest.mark.parametrize("blocks", list(BLOCK_LISTS.values()), ids=list(BLOCK_LISTS))
 @pytest.mark.parametrize("max_runs", [64, 1], ids=["runs", "indexed"])
 def test_gather_then_scatter_is_bit_exact(order, blocks, device, max_runs, monkeypatch):
-    monkeypatch.setattr("client.paged_cache._MAX_RUNS", max_runs)  # past it: one indexed copy per layer
+    monkeypatch.setattr("client.vllm.paged_cache._MAX_RUNS", max_runs)  # past it: one indexed copy per layer
     source = strided_cache(order, device, seed=1)
     gathered = PagedCache(list(source.unbind(0))).gather(blocks).wait()
     assert gathered.device.type == "cpu" and gathered.shape == (len(blocks), L, H, N, C)

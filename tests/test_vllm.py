@@ -225,18 +225,18 @@ def test_a_hung_index_makes_misses_within_the_lookup_budget(model_dir, baseline)
 
 
 def test_per_request_switches_are_on_unless_false_and_a_bad_value_is_named(caplog):
-    from client.vllm_connector import request_switch
+    from client.vllm.options import request_switch
 
     assert request_switch(None, "kvstore_save", "r1") and request_switch({}, "kvstore_save", "r1")
     assert request_switch({"kvstore_load": False}, "kvstore_save", "r1")
     assert not request_switch({"kvstore_save": False}, "kvstore_save", "r1")
-    with caplog.at_level("ERROR", logger="client.vllm_connector"):
+    with caplog.at_level("ERROR", logger="client.vllm.options"):
         assert request_switch({"kvstore_save": "no"}, "kvstore_save", "r7")  # left on, and said so
     assert "r7" in caplog.text and "kvstore_save" in caplog.text and "'no'" in caplog.text
 
 
 def test_connector_options_are_validated_with_the_key_named():
-    from client.vllm_connector import connector_options
+    from client.vllm.options import connector_options
     from kvstore.errors import InvalidInputError
 
     conf, client = connector_options({"redis_url": "redis://127.0.0.1:1/0", "lookup_budget_ms": 20, "timeout": 2})
@@ -279,7 +279,7 @@ def test_a_tp2_engine_loads_what_a_tp1_engine_saved(model_dir, baseline):
 def test_every_accepted_breaker_cooldown_builds_a_breaker():
     """ConnectorOptions accepts cooldowns up to 600 s; the breaker behind them must too
     (a 120 s cooldown once failed the engine's start)."""
-    from client.vllm_connector import connector_options, lookup_breaker
+    from client.vllm.options import connector_options, lookup_breaker
 
     for cooldown in (0.1, 2.0, 120, 600):
         conf, _ = connector_options({"redis_url": "redis://127.0.0.1:1/0", "breaker_cooldown_s": cooldown})

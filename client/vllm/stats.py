@@ -10,6 +10,7 @@ save or gather."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,3 +108,29 @@ class KVStorePromMetrics(KVConnectorPromMetrics):
         for name, histogram in self.histograms.items():
             for seconds in transfer_stats_data.get(name) or ():
                 histogram[engine_idx].observe(seconds)
+
+
+class StatsRecorder:
+    """One side's statistics since vLLM last collected them, behind a lock (loader and
+    saver threads count too). ``lock`` also guards what a side updates together with
+    its counts."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.stats = KVStoreConnectorStats()
+
+    def count(self, **counts: float) -> None:
+        with self.lock:
+            self.stats.add(**counts)
+
+    def observe(self, name: str, seconds: float) -> None:
+        with self.lock:
+            self.stats.observe(name, seconds)
+
+    def take(self) -> KVStoreConnectorStats | None:
+        """What was counted since the last call, or None when nothing was."""
+        with self.lock:
+            if self.stats.is_empty():
+                return None
+            stats, self.stats = self.stats, KVStoreConnectorStats()
+        return stats

@@ -1,0 +1,127 @@
+"""The connector's options, the engine's namespace and per-request switches: what
+both sides of the connector read from vLLM's config and requests."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from client.sync_client import KVCacheClient
+from client.vllm.breaker import CircuitBreaker
+from kvstore.errors import InvalidInputError, KVStoreError
+from kvstore.pages.namespace import Namespace, Tenant
+from kvstore.settings.config import ByteSize, ClientOptions, client_options, first_error
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+log = logging.getLogger(__name__)
+
+
+def detect_layout(shape: tuple[int, ...], block_size: int, num_kv_heads: int, head_size: int) -> str:
+    """Page layout tag for a per-layer KV cache tensor of ``shape``.
+
+    vLLM's standardized per-layer view (the CPU backend and 0.32's connector view) is
+    ``[blocks, kv_heads, block_size, 2 * head_size]``: pages ``vllm_cpu``. The
+    FlashAttention layout ``[2, blocks, block_size, kv_heads, head_size]``: ``vllm_flash``."""
+    if len(shape) == 4 and tuple(shape[1:]) == (num_kv_heads, block_size, 2 * head_size):
+        return "vllm_cpu"
+    if len(shape) == 5 and shape[0] == 2 and tuple(shape[2:]) == (block_size, num_kv_heads, head_size):
+        return "vllm_flash"
+    raise KVStoreError(
+        f"unsupported KV cache layout {tuple(shape)} for block_size={block_size}, "
+        f"kv_heads={num_kv_heads}, head_size={head_size}"
+    )
+
+
+class ConnectorOptions(BaseModel):
+    """The connector's own keys in ``kv_connector_extra_config`` (every other key is a
+    client option)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tenant: Tenant = Field("default", description="namespace tenant: whose pages these are (credentials and index ACLs are per tenant)")
+    model: str | None = Field(None, description="model name shared by engines that load the same weights from different paths")
+    load_failure_policy: Literal["recompute", "fail"] = Field("recompute", description="what vLLM does with blocks that fail to load")
+    lookup_budget_ms: float = Field(50.0, gt=0, le=10_000, allow_inf_nan=False,
+                                    description="longest the scheduler waits for an index lookup; past it the request is a miss")
+    breaker_failures: int = Field(3, ge=1, le=1000, description="consecutive lookup faults that open the circuit breaker")
+    breaker_cooldown_s: float = Field(2.0, gt=0, le=600, allow_inf_nan=False,
+                                      description="seconds the open breaker answers every lookup with a miss before one probe")
+    load_threads: int = Field(2, ge=1, le=64, description="loads running at once on each worker")
+    staging_bytes: ByteSize = Field(512 << 20, description="host page buffers allocated at start and reused by loads and saves, per worker (0: allocate per transfer)")
+    max_pending_save_bytes: ByteSize = Field(2 << 30, description="page bytes waiting to be published, per worker, past which saves are dropped")
+    head_groups: int = Field(0, ge=0, description="groups the KV heads are stored in (docs/key-format.md): engines of different TP sizes share pages when they give the same value, at least their largest tp_size (0: this engine's tp_size)")
+
+
+def connector_options(extra: dict[str, Any]) -> tuple[ConnectorOptions, ClientOptions]:
+    """Split and validate ``kv_connector_extra_config``; a bad value raises
+    ``InvalidInputError`` naming the key."""
+    if "redis_url" not in extra:
+        raise InvalidInputError("kv_connector_extra_config must carry redis_url for KVStoreConnector")
+    own = {k: v for k, v in extra.items() if k in ConnectorOptions.model_fields}
+    try:
+        options = ConnectorOptions.model_validate(own)
+    except ValidationError as exc:
+        name, shown, message = first_error(exc)
+        raise InvalidInputError(f"invalid kv_connector_extra_config {name}={shown}: {message}") from None
+    return options, client_options(**{k: v for k, v in extra.items() if k not in own})
+
+
+def lookup_breaker(conf: ConnectorOptions) -> CircuitBreaker:
+    """The scheduler's breaker: backs off to 30 s, or to the configured cooldown when
+    that is longer (every cooldown ``ConnectorOptions`` accepts must build one)."""
+    return CircuitBreaker(conf.breaker_failures, conf.breaker_cooldown_s, max_cooldown=max(30.0, conf.breaker_cooldown_s))
+
+
+def engine_namespace(vllm_config: VllmConfig, conf: ConnectorOptions, *, layout: str, tp_rank: int, pp_rank: int) -> Namespace:
+    """The namespace of this engine's pages for one TP/PP rank."""
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    cache = vllm_config.cache_config
+    dtype = model.dtype if cache.cache_dtype == "auto" else {
+        "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"
+    }.get(cache.cache_dtype, cache.cache_dtype)
+    return Namespace(
+        model=str(conf.model or model.model),
+        dtype=str(dtype).removeprefix("torch."),
+        num_layers=model.get_num_layers(parallel),
+        num_kv_heads=model.get_num_kv_heads(parallel),
+        head_size=model.get_head_size(),
+        block_size=cache.block_size,
+        layout=layout,
+        tp_rank=tp_rank,
+        tp_size=parallel.tensor_parallel_size,
+        total_kv_heads=model.get_total_num_kv_heads(),
+        head_groups=conf.head_groups,
+        pp_rank=pp_rank,
+        tenant=conf.tenant,
+    )
+
+
+def rank_client(vllm_config: VllmConfig, conf: ConnectorOptions, options: ClientOptions, side: str, *, layout: str, tp_rank: int, pp_rank: int,
+                all_heads: bool = False) -> KVCacheClient:
+    """A client for one rank's pages; with ``all_heads`` (the scheduler) for every head
+    group, so a lookup counts a block only when every worker can load it."""
+    ns = engine_namespace(vllm_config, conf, layout=layout, tp_rank=tp_rank, pp_rank=pp_rank)
+    if all_heads:  # the storage namespace is the TP=1 view of every head group
+        ns = ns.storage
+    log.info("KVStoreConnector (%s) namespace %s: %s", side, ns.digest_hex, ns.canonical_json())
+    return KVCacheClient(None, ns, options=options)
+
+
+def request_switch(params: dict[str, Any] | None, name: str, req_id: str) -> bool:
+    """A per-request switch (``kvstore_load``, ``kvstore_save``) from the request's
+    ``kv_transfer_params`` (``SamplingParams(extra_args={"kv_transfer_params": {...}})``):
+    on unless set to False. A value that is not a boolean is logged as an error naming
+    the request and the key, and the switch stays on: raising here would stop the
+    scheduler, and so every other request."""
+    if not isinstance(params, dict) or name not in params:
+        return True
+    value = params[name]
+    if isinstance(value, bool):
+        return value
+    log.error("request %s: kv_transfer_params[%r] must be true or false, got %r; left on", req_id, name, value)
+    return True

@@ -1,0 +1,191 @@
+"""The scheduler side of the connector: how much of a prompt the store holds, which
+loads to start, which finished prefills to save.
+
+``get_num_new_matched_tokens`` asks the index how many full blocks of the prompt are
+stored (always leaving one prompt token to compute), waiting at most
+``lookup_budget_ms``; past it, on an index fault, or while the circuit breaker is open
+after repeated faults, the request is a miss. A hit is loaded asynchronously: the
+request waits in WAITING_FOR_REMOTE_KVS while others keep running.
+``build_connector_meta`` hands the workers the loads to start and the saves of
+requests whose prefill (possibly chunked) completed this step."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from client.async_client import StoredPrefix
+from client.sync_client import KVCacheClient
+from client.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
+from client.vllm.options import ConnectorOptions, lookup_breaker, request_switch
+from client.vllm.stats import StatsRecorder
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Tracked:
+    """A request the connector may save: its prompt and its blocks as they grow."""
+
+    prompt: list[int]
+    block_ids: list[int]
+    stored_blocks: int = 0
+    saved: bool = False
+
+
+class ConnectorScheduler:
+    """Scheduler-side state: loads found but not yet handed out, the blocks each load
+    fills, requests to save, the lookup breaker. ``client`` is None when this engine
+    does not load (a producer only)."""
+
+    def __init__(self, conf: ConnectorOptions, client: KVCacheClient | None, block_size: int, *, saves: bool, stats: StatsRecorder) -> None:
+        self._conf = conf
+        self._client = client
+        self._block_size = block_size
+        self._saves_enabled = saves
+        self._stats = stats
+        self._pending_loads: dict[str, LoadSpec] = {}
+        self._loaded_blocks: dict[str, list[int]] = {}  # req id -> blocks a load fills
+        self._tracked: dict[str, _Tracked] = {}
+        self._breaker = lookup_breaker(conf)
+
+    def _find(self, tokens: list[int]) -> StoredPrefix | None:
+        """The stored prefix of ``tokens``; None (a miss) past the budget, on a fault or
+        while the breaker is open. Never waits longer than the budget (plus the
+        cancellation's unwinding)."""
+        if not self._breaker.allow():
+            self._stats.count(lookups_skipped=1)
+            return None
+        started = time.perf_counter()
+        found = self._client.find(tokens, timeout=self._conf.lookup_budget_ms / 1000)
+        seconds = time.perf_counter() - started
+        self._breaker.record(found is not None)
+        with self._stats.lock:
+            self._stats.stats.add(lookups=1, lookup_prompt_tokens=len(tokens), lookup_hit_tokens=found.tokens if found else 0,
+                                  lookup_faults=found is None)
+            self._stats.stats.observe("lookup_seconds", seconds)
+        if found is None and self._breaker.state != "closed":
+            log.warning("index lookups keep failing: every request is a miss for the next %.1f s", self._breaker.current_cooldown)
+        return found
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self._client is None:
+            return 0, False
+        if not request_switch(request.kv_transfer_params, "kvstore_load", request.request_id):
+            return 0, False
+        prompt = list(request.prompt_token_ids or [])
+        usable = (len(prompt) - 1) // self._block_size * self._block_size  # always compute >= 1 token
+        if usable <= num_computed_tokens:
+            return 0, False
+        pending = self._pending_loads.get(request.request_id)
+        if pending is not None and pending.start_block * self._block_size == num_computed_tokens:
+            found: StoredPrefix | None = pending.found  # asked again while waiting for blocks: reuse
+        else:
+            found = self._find(prompt[:usable])
+        new = (found.tokens if found else 0) - num_computed_tokens
+        if found is None or new <= 0:
+            self._pending_loads.pop(request.request_id, None)
+            return 0, False
+        self._pending_loads[request.request_id] = LoadSpec(request.request_id, found, [], num_computed_tokens // self._block_size)
+        return new, True
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        spec = self._pending_loads.get(request.request_id)
+        if spec is None:
+            return
+        if num_external_tokens == 0:
+            del self._pending_loads[request.request_id]
+            return
+        spec.block_ids = list(blocks.get_block_ids()[0])[: spec.found.tokens // self._block_size]
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
+        meta = KVStoreConnectorMetadata(idle=scheduler_output.total_num_scheduled_tokens == 0)
+        for req_id, spec in list(self._pending_loads.items()):
+            if spec.block_ids:
+                meta.loads.append(spec)
+                self._loaded_blocks[req_id] = spec.block_ids
+                del self._pending_loads[req_id]
+        if self._saves_enabled:
+            self._track(scheduler_output)
+            meta.saves.extend(self._finished_prefills(scheduler_output))
+        for req_id in scheduler_output.finished_req_ids:
+            self._forget(req_id)
+        return meta
+
+    def _finished_prefills(self, scheduler_output: SchedulerOutput) -> list[SaveSpec]:
+        """The saves of tracked requests whose prefill (possibly over several chunks)
+        completes with this step, each once."""
+        computed_after = _computed_after_step(scheduler_output)
+        saves = []
+        for req_id, tracked in self._tracked.items():
+            computed = computed_after.get(req_id)
+            if tracked.saved or computed is None or computed < len(tracked.prompt):
+                continue
+            tracked.saved = True
+            full = len(tracked.prompt) // self._block_size
+            if full > tracked.stored_blocks:
+                saves.append(SaveSpec(req_id, tracked.prompt[: full * self._block_size], tracked.block_ids[:full]))
+        return saves
+
+    def _track(self, scheduler_output: SchedulerOutput) -> None:
+        """Follow the block lists of scheduled requests (for their saves)."""
+        for new in scheduler_output.scheduled_new_reqs:
+            loaded = self._loaded_blocks.pop(new.req_id, [])
+            extra = new.sampling_params.extra_args if new.sampling_params is not None else None
+            if not request_switch((extra or {}).get("kv_transfer_params"), "kvstore_save", new.req_id):
+                continue  # never tracked: nothing gathered or published
+            self._tracked[new.req_id] = _Tracked(list(new.prompt_token_ids or []), list(new.block_ids[0]), len(loaded))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            new_blocks = cached.new_block_ids[i]
+            if tracked is None or new_blocks is None:
+                continue
+            if req_id in cached.resumed_req_ids:  # preempted and resumed: a fresh block list
+                tracked.block_ids = list(new_blocks[0])
+            else:
+                tracked.block_ids.extend(new_blocks[0])
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Blocks that failed to load are recomputed, so they must be saved again."""
+        invalid = connector_output.invalid_block_ids
+        if not invalid:
+            return
+        for req_id, blocks in self._loaded_blocks.items():
+            bad = [i for i, b in enumerate(blocks) if b in invalid]
+            if bad:
+                self._loaded_blocks[req_id] = blocks[: bad[0]]
+
+    def _forget(self, req_id: str) -> None:
+        self._tracked.pop(req_id, None)
+        self._pending_loads.pop(req_id, None)
+        self._loaded_blocks.pop(req_id, None)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # Saves copy their blocks out before the step ends, so blocks never outlive the
+        # request; an in-flight load of an aborted request is waited for by vLLM itself
+        # (it frees the blocks once get_finished reports the load).
+        self._forget(request.request_id)
+        return False, None
+
+    def shutdown(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+def _computed_after_step(scheduler_output: SchedulerOutput) -> dict[str, int]:
+    """Tokens each scheduled request will have computed once this step has run."""
+    before = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
+    cached = scheduler_output.scheduled_cached_reqs
+    before.update(zip(cached.req_ids, cached.num_computed_tokens))
+    scheduled = scheduler_output.num_scheduled_tokens
+    return {req_id: done + scheduled[req_id] for req_id, done in before.items() if req_id in scheduled}
