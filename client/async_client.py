@@ -27,13 +27,15 @@ from client.buffers import Span, host_bytes, page_spans, split_spans
 from client.connection import NodeConnection, NodeRefusedError, OutgoingPage, SameHostUnavailableError, ShmConnection
 from client.placement import place, rank_nodes
 from client.stats import ClientStats
-from kvstore.errors import IndexScriptError, InvalidInputError, RemoteFault
+from kvstore.errors import Fault, IndexScriptError, InvalidInputError, RemoteFault
 from kvstore.index import AsyncPageIndex, LookupResult, NodeInfo, PageLocation
+from kvstore.index.routing import INDEX_TIMEOUT
 from kvstore.pages import heads, keys
 from kvstore.pages.checksum import page_checksum
 from kvstore.pages.hashing import HASH_BYTES, block_hash_bytes, block_hashes, part_hashes, sequence_hash, split_hashes, token_array
 from kvstore.pages.namespace import Namespace
 from kvstore.settings.config import ClientOptions, client_options, client_options_from_env
+from kvstore.wire import protocol as P
 from kvstore.wire.shm import host_id
 from kvstore.wire.transport import cuda_capable, ensure_ucx
 
@@ -122,7 +124,7 @@ class AsyncKVCacheClient:
         self._progress_mode = opts.ucx_progress_mode
         self._node_refresh = opts.node_refresh
         self.index = AsyncPageIndex(
-            opts.redis_url, timeout=min(opts.timeout, 2.0), lease_ms=opts.lease_ms,
+            opts.redis_url, timeout=min(opts.timeout, INDEX_TIMEOUT), lease_ms=opts.lease_ms,
             password=opts.redis_password.get_secret_value() or None,
         )
         self._ucxx: Any = None
@@ -414,7 +416,7 @@ class AsyncKVCacheClient:
         try:
             await self.index.ensure_namespace(self.storage)
             self._namespace_registered = True
-        except (RemoteFault, IndexScriptError) as exc:
+        except Fault as exc:
             self._namespace_registered = False
             log.warning("cannot register the namespace (retried on the next call): %s", exc)
 
@@ -503,7 +505,7 @@ class AsyncKVCacheClient:
                     self.stats.same_host_transfers += 1
                 return idx, outcome
             except NodeRefusedError as exc:
-                if exc.code != "unknown_namespace":
+                if exc.code is not P.RefusalCode.UNKNOWN_NAMESPACE:
                     self._node_failed(node_id, exc)
                     return idx, None
                 # the index lost the namespace: register it again, so the next put works

@@ -39,8 +39,8 @@ class NodeRefusedError(TransportError):
     usable, except after ``unauthorized``, where the node closes it (and so does the
     client)."""
 
-    def __init__(self, node_id: str, code: str, message: str) -> None:
-        super().__init__(f"node {node_id} refused: {code}: {message}")
+    def __init__(self, node_id: str, code: P.RefusalCode, message: str) -> None:
+        super().__init__(f"node {node_id} refused: {code.value}: {message}")
         self.code = code
 
 
@@ -115,7 +115,7 @@ class _Connection:
                 await self._open(timeout)
                 return await with_timeout(work, timeout, f"{what} on {self.node.node_id}")
             except NodeRefusedError as exc:
-                if exc.code == "unauthorized":  # the node closed its side
+                if exc.code is P.RefusalCode.UNAUTHORIZED:  # the node closed its side
                     await self.close()
                 raise
             except BaseException as exc:

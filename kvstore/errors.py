@@ -1,14 +1,32 @@
-"""Exception types shared by the client, the server and the index.
+"""Every exception this package raises on purpose, in one tree:
 
-Two families that callers must tell apart:
-- usage errors (``InvalidInputError``, also a ``ValueError``): the caller passed
-  something malformed. They always propagate.
-- remote faults (``RemoteFault`` and its subclasses): a node, the index or the
-  network failed. The client turns them into misses or shorter prefixes.
+    KVStoreError
+    ├── InvalidInputError (also a ValueError)   the caller passed something malformed:
+    │                                           always propagates
+    ├── SetupError                              how the store was set up or started:
+    │   ├── NodeIdInUseError                    another live node holds this node id
+    │   └── PortInUseError                      a port the node was told to use is taken
+    └── Fault                                   turns into a miss or a shorter prefix,
+        │                                       never wrong KV
+        ├── RemoteFault                         a remote component failed; never the
+        │   │                                   caller's fault
+        │   ├── IndexUnavailableError (also a ConnectionError)
+        │   ├── FencedError                     the index no longer accepts a node's
+        │   │                                   incarnation
+        │   ├── TransportError                  a node unreachable, timed out or refusing
+        │   │   │                               (the client's NodeRefusedError)
+        │   └── ProtocolError                   a malformed, truncated or oversized frame
+        └── IndexScriptError                    the index rejected a script call: a bug or
+                                                an incompatible server, logged at ERROR
+                                                and counted apart, but still a miss
 
-``IndexScriptError`` is neither: the index rejected a script call, which means a bug
-or an incompatible server. Reads still count it as a miss (the engine must keep
-running), but it is logged at ERROR and counted separately."""
+Where failures of other libraries become these: Redis errors in
+``kvstore.index.routing`` (``_failure``), UCX errors in ``kvstore.wire.transport``
+(``_settled`` and ``listen``)."""
+
+from __future__ import annotations
+
+from typing import Any
 
 
 class KVStoreError(Exception):
@@ -19,7 +37,24 @@ class InvalidInputError(KVStoreError, ValueError):
     """An argument is malformed: wrong shape, dtype, hash length, an empty list..."""
 
 
-class RemoteFault(KVStoreError):
+class SetupError(KVStoreError):
+    """The store cannot run as it was set up (an id or a port another process holds)."""
+
+
+class NodeIdInUseError(SetupError):
+    """Another live storage node is registered under the same node id."""
+
+
+class PortInUseError(SetupError):
+    """A port the node was told to listen on is taken."""
+
+
+class Fault(KVStoreError):
+    """What readers turn into a miss or a shorter prefix (and writers into pages not
+    stored): a remote failure, or the index rejecting a script."""
+
+
+class RemoteFault(Fault):
     """A remote component (index, storage node, network) failed; never the caller's fault."""
 
 
@@ -40,9 +75,15 @@ class ProtocolError(RemoteFault):
     """A frame on the data plane is malformed, truncated or too large."""
 
 
-class IndexScriptError(KVStoreError):
+class IndexScriptError(Fault):
     """The index answered a script call with an error: a bug, not a fault to hide."""
 
 
-class NodeIdInUseError(KVStoreError):
-    """Another live storage node is registered under the same node id."""
+def first_problem(exc: Any) -> tuple[str, Any, str]:
+    """Pydantic's first error of ``exc`` (a ``ValidationError``) as the dotted name of
+    the field ('' for the model as a whole), the input as given, and the message
+    (without pydantic's "Value error, " prefix). Every place that turns a validation
+    error into one line starts here (secrets are hidden by
+    ``kvstore.settings.config.first_error``)."""
+    err = exc.errors()[0]
+    return ".".join(map(str, err["loc"])), err.get("input"), str(err["msg"]).removeprefix("Value error, ")

@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_settings import CliSettingsSource
 
+from kvstore.errors import PortInUseError
 from kvstore.settings.config import ServerSettings
 from kvstore.tools.cli_errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, settings_error
 
@@ -63,9 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"kvstore server: the metrics port {settings.metrics_port} is in use; pick another with --metrics-port (0: any free port)", file=sys.stderr)
         return EXIT_FAILED
-    except Exception as exc:  # ucxx raises its own classes; match the busy one by name
-        if type(exc).__name__ != "UCXXBusyError":
-            raise
+    except PortInUseError:
         print(f"kvstore server: the UCX port {settings.port} is in use; pick another with --port (0: any free port)", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK

@@ -56,7 +56,7 @@ class _Verdict(enum.Enum):
 class _Refused(Exception):
     """The request cannot be served; answered with an ERROR frame, connection kept."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: P.RefusalCode, message: str) -> None:
         super().__init__(message)
         self.code = code
 
@@ -203,7 +203,7 @@ class DataPlane:
                     kind = "descriptors" if isinstance(exc, shm.DescriptorsRefusedError) else "protocol"
                     self.metrics.errors.labels(kind).inc()
                     self.peer_log("closing a %s connection: %s", conn.path, exc)
-                    await self._reply_error(conn, "protocol", str(exc))
+                    await self._reply_error(conn, P.RefusalCode.PROTOCOL, str(exc))
                     await conn.linger()
                     return
                 except asyncio.TimeoutError:
@@ -214,7 +214,7 @@ class DataPlane:
                     return
                 shm.close_fds(fds)  # a request frame carries none (and a node's channel takes none)
                 if self.closing:
-                    await self._reply_error(conn, "shutting_down", "node is shutting down")
+                    await self._reply_error(conn, P.RefusalCode.SHUTTING_DOWN, "node is shutting down")
                     await conn.linger()
                     return
                 self.active += 1
@@ -247,18 +247,18 @@ class DataPlane:
             credential = self.credentials.find(frame.token)
             if credential is None and self.credentials.enabled:
                 self.metrics.errors.labels("auth").inc()
-                await self._reply_error(conn, "unauthorized", "the data-plane token matches no credential of this node")
+                await self._reply_error(conn, P.RefusalCode.UNAUTHORIZED, "the data-plane token matches no credential of this node")
                 return _Verdict.UNAUTHORIZED
             if len(frame.hashes) > self.limits.pages:
                 self.metrics.errors.labels("too_large").inc()
-                raise _Refused("too_large", f"a request may name at most {self.limits.pages} pages (--max-request-pages), this one names {len(frame.hashes)}")
+                raise _Refused(P.RefusalCode.TOO_LARGE, f"a request may name at most {self.limits.pages} pages (--max-request-pages), this one names {len(frame.hashes)}")
             op = "put" if isinstance(frame, P.PutRequest) else "get"
             self.metrics.requests.labels(op, conn.path).inc()
             with self.metrics.latency.labels(op).time():
                 await (self._put(conn, frame, credential) if op == "put" else self._get(conn, frame, credential))
         except ProtocolError as exc:
             self.metrics.errors.labels("protocol").inc()
-            await self._reply_error(conn, "protocol", str(exc))
+            await self._reply_error(conn, P.RefusalCode.PROTOCOL, str(exc))
             return _Verdict.UNCHECKED
         except _Refused as exc:
             await self._reply_error(conn, exc.code, str(exc))
@@ -317,7 +317,7 @@ class DataPlane:
             raise _Broken(f"expected {kind.__name__}, got {type(frame).__name__}")
         return frame, fds
 
-    async def _reply_error(self, conn: _UcxConn | _ShmConn, code: str, message: str) -> None:
+    async def _reply_error(self, conn: _UcxConn | _ShmConn, code: P.RefusalCode, message: str) -> None:
         try:
             await self._send(conn, P.ErrorFrame(code=code, message=message))
         except _Broken:
@@ -332,7 +332,7 @@ class DataPlane:
         if credential is None or not credential.allows(ns.tenant, write):
             self.metrics.errors.labels("forbidden").inc()
             right = "write" if write else "read"
-            raise _Refused("forbidden", f"credential {credential.name if credential else '-'} may not {right} pages of tenant {ns.tenant}")
+            raise _Refused(P.RefusalCode.FORBIDDEN, f"credential {credential.name if credential else '-'} may not {right} pages of tenant {ns.tenant}")
 
     async def _namespace(self, req: P.PutRequest | P.GetRequest) -> Namespace:
         """The namespace behind a request's digest, read from the index once (under the
@@ -342,15 +342,15 @@ class DataPlane:
         digest = req.namespace
         ns = self.namespaces.get(digest)
         if ns is not None and ns.tenant != req.tenant:  # the same answer whether cached or not
-            raise _Refused("unknown_namespace", f"namespace {digest} of tenant {req.tenant} is not registered in the index")
+            raise _Refused(P.RefusalCode.UNKNOWN_NAMESPACE, f"namespace {digest} of tenant {req.tenant} is not registered in the index")
         if ns is None:
             key = NamespaceKey(req.tenant, digest)
             try:
                 ns = await self.index.namespace(key)
             except RemoteFault as exc:
-                raise _Refused("index_unavailable", f"cannot read namespace {digest} from the index: {exc}") from exc
+                raise _Refused(P.RefusalCode.INDEX_UNAVAILABLE, f"cannot read namespace {digest} from the index: {exc}") from exc
             if ns is None or ns.digest_hex != digest or ns.tenant != req.tenant:
-                raise _Refused("unknown_namespace", f"namespace {digest} of tenant {req.tenant} is not registered in the index")
+                raise _Refused(P.RefusalCode.UNKNOWN_NAMESPACE, f"namespace {digest} of tenant {req.tenant} is not registered in the index")
             try:
                 await self.index.announce_namespace(key)
             except RemoteFault as exc:  # only `kvstore stats` misses it; announced again after an index loss

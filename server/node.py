@@ -23,13 +23,13 @@ import signal
 import socket
 import time
 
-from kvstore.errors import FencedError, IndexScriptError, IndexUnavailableError, NodeIdInUseError, RemoteFault
+from kvstore.errors import Fault, FencedError, IndexUnavailableError, NodeIdInUseError
 from kvstore.index import AsyncPageIndex, Registration
 from kvstore.pages.keys import NamespaceKey
 from kvstore.security.credentials import CredentialFile
 from kvstore.settings.config import ServerSettings
 from kvstore.wire.shm import host_id
-from kvstore.wire.transport import ensure_ucx
+from kvstore.wire.transport import ensure_ucx, listen
 from server.dataplane import DataPlane, RequestLimits
 from server.eviction import Evictor, NodeIdentity
 from server.health import LoopWatchdog, start_health_server
@@ -106,7 +106,7 @@ class StorageNode:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
-        listener = ucxx.create_listener(self.dataplane.serve, port=s.port)
+        listener = listen(ucxx, self.dataplane.serve, s.port)
         self.address = f"{s.host}:{listener.port}"
         unix = self._listen_unix() if s.shm_dir else None
         if s.metrics_port is not None:
@@ -218,7 +218,7 @@ class StorageNode:
                     self._stop.set()
                     return
                 log.warning("%s; retrying until it expires", exc)
-            except (RemoteFault, IndexScriptError) as exc:
+            except Fault as exc:
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(self.settings.heartbeat_interval)
 
@@ -280,7 +280,7 @@ class StorageNode:
             return
         try:
             await self.index.deregister_node(self.identity.node_id, self.identity.incarnation)
-        except (RemoteFault, IndexScriptError) as exc:
+        except Fault as exc:
             log.warning("could not deregister (pages expire with the node TTL): %s", exc)
 
 

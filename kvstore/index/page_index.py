@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import secrets
 import struct
-from importlib import resources
 from typing import Any, Generator, Sequence
 
 import numpy as np
@@ -31,6 +30,7 @@ from kvstore.errors import (
     KVStoreError,
     NodeIdInUseError,
 )
+from kvstore.index import scripts
 from kvstore.index.records import (
     ENTRY,
     HASH_PAIR,
@@ -44,7 +44,7 @@ from kvstore.index.records import (
     incarnation_tag,
     select_records,
 )
-from kvstore.index.routing import AsyncRouter, Cmd, SyncRouter
+from kvstore.index.routing import INDEX_TIMEOUT, AsyncRouter, Cmd, SyncRouter
 from kvstore.pages import heads, keys
 from kvstore.pages._chainhash import join_hashes
 from kvstore.pages.hashing import HASH_BYTES
@@ -54,25 +54,9 @@ DEFAULT_LEASE_MS = 5_000
 # A segment key expires this long after its last commit or lease renewal: records of
 # nodes that are gone for good do not stay in the index forever.
 DEFAULT_ENTRY_TTL_MS = 24 * 3600 * 1000
-SCRIPT_NAMES = ("lookup", "commit", "remove", "register", "deregister", "live_nodes")
-# Scripts that read or write the segment keys of many slots on one shard.
-CROSS_SLOT = ("lookup", "commit", "remove")
 # A script call names a key's page count in one byte.
 MAX_PAGES_PER_KEY = 255
 
-def _load_scripts() -> dict[str, str]:
-    lua = resources.files("kvstore.index") / "lua"
-    common = (lua / "common.lua").read_text()
-    out = {}
-    for name in SCRIPT_NAMES:
-        # Scripts over segments touch keys of many slots of one shard: a cluster refuses
-        # that without the flag (a single server ignores slots). See ``_segment_call``.
-        shebang = "#!lua flags=allow-cross-slot-keys\n" if name in CROSS_SLOT else ""
-        out[name] = shebang + common + (lua / f"{name}.lua").read_text()
-    return out
-
-
-_SCRIPTS = _load_scripts()
 
 
 def _ns_key(namespace: Namespace | keys.NamespaceKey) -> keys.NamespaceKey:
@@ -166,7 +150,7 @@ def _renew_lease(prefix: str, anchor: bytes, lease_ms: int, ttl_ms: int) -> list
     return [Cmd(("SET", held, "1", "PX", lease_ms), key=held)] + ([Cmd(("PEXPIRE", seg, ttl_ms), key=seg)] if ttl_ms > 0 else [])
 
 
-def _segment_call(script: str, prefix: str, first: bytes, head: list[Any], anchors_hex: str, tail: list[Any]) -> Cmd:
+def _segment_call(script: scripts.LuaScript, prefix: str, first: bytes, head: list[Any], anchors_hex: str, tail: list[Any]) -> Cmd:
     """A call of a segment script (lookup, commit, remove): ``head`` arguments, the key
     prefix and the segments' anchors in hex, then ``tail`` arguments. The script builds
     the key names (common.lua); only the first segment's key is declared, to route the
@@ -304,7 +288,7 @@ class _IndexMethods:
                     batch += _plain_lookup(ns, anchors[js[0]], lease)
                 else:
                     run = hex_all if len(js) == len(anchors) else "".join(hex_all[32 * j : 32 * j + 32] for j in js)
-                    batch.append(_segment_call("lookup", ns, anchors[js[0]], [lease, self.entry_ttl_ms], run, []))
+                    batch.append(_segment_call(scripts.LOOKUP, ns, anchors[js[0]], [lease, self.entry_ttl_ms], run, []))
             replies = iter((yield batch))
             parts, unavailable, renew = [], None, []
             read = np.zeros(len(segs) + 1, dtype=bool)  # which segments exist; a False sentinel
@@ -362,8 +346,8 @@ class _IndexMethods:
         groups = _group_by_anchor([e.anchor for e in entries])
 
         def call(anchors: list[bytes], per_key: list[list[int]]) -> Cmd:
-            entries_bytes = b"".join(raw[48 * p : 48 * p + 48] for pos in per_key for p in pos)
-            return _segment_call("commit", ns, anchors[0], [self.entry_ttl_ms], b"".join(anchors).hex(), [bytes(map(len, per_key)), entries_bytes])
+            entries_bytes = b"".join(raw[ENTRY.itemsize * p : ENTRY.itemsize * (p + 1)] for pos in per_key for p in pos)
+            return _segment_call(scripts.COMMIT, ns, anchors[0], [self.entry_ttl_ms], b"".join(anchors).hex(), [bytes(map(len, per_key)), entries_bytes])
 
         return self._drive(self._segment_writes(ns, groups, call, len(entries), lambda reply, n: [True] * n))
 
@@ -381,7 +365,7 @@ class _IndexMethods:
 
         def call(anchor_list: list[bytes], per_key: list[list[int]]) -> Cmd:
             wanted = b"".join(blob[16 * p : 16 * p + 16] for pos in per_key for p in pos)
-            return _segment_call("remove", ns, anchor_list[0], [flag, me], b"".join(anchor_list).hex(), [bytes(map(len, per_key)), wanted])
+            return _segment_call(scripts.REMOVE, ns, anchor_list[0], [flag, me], b"".join(anchor_list).hex(), [bytes(map(len, per_key)), wanted])
 
         return self._drive(self._segment_writes(ns, groups, call, len(hashes), lambda reply, n: [c == ord("1") for c in reply]))
 
@@ -432,10 +416,10 @@ class _IndexMethods:
                 raise NodeIdInUseError(f"node id {node_id!r} is in use by a live node at {_text(raw[2])}; give every node its own --node-id")
             raise FencedError(f"incarnation {incarnation} of node {node_id!r} is no longer the registered one")
 
-        return self._drive(_single(Cmd.run_script("register", key_list, args, parse)))
+        return self._drive(_single(Cmd.run_script(scripts.REGISTER, key_list, args, parse)))
 
     def deregister_node(self, node_id: str, incarnation: str) -> Any:
-        return self._drive(_single(Cmd.run_script("deregister", [keys.NODES_ZSET, keys.node_key(node_id)], [node_id, _inc(incarnation)], bool)))
+        return self._drive(_single(Cmd.run_script(scripts.DEREGISTER, [keys.NODES_ZSET, keys.node_key(node_id)], [node_id, _inc(incarnation)], bool)))
 
     def live_nodes(self) -> Any:
         return self._drive(_single(_live_nodes_cmd()))
@@ -477,7 +461,7 @@ def _live_nodes_cmd() -> Cmd:
             nodes.append(NodeInfo(node_id, address, int(capacity), inc, int(number), fields))
         return nodes
 
-    return Cmd.run_script("live_nodes", [keys.NODES_ZSET], [keys.REGISTRY_PREFIX + "node:"], parse, readonly=True)
+    return Cmd.run_script(scripts.LIVE_NODES, [keys.NODES_ZSET], [keys.REGISTRY_PREFIX + "node:"], parse, readonly=True)
 
 
 class _IndexBase(_IndexMethods):
@@ -501,8 +485,8 @@ class _IndexBase(_IndexMethods):
 class PageIndex(_IndexBase):
     """Blocking page index (redis-py). Thread-safe: redis-py pools connections."""
 
-    def __init__(self, url: str, *, timeout: float = 2.0, password: str | None = None, **kwargs: Any) -> None:
-        super().__init__(url, SyncRouter(url, _SCRIPTS, timeout=timeout, password=password), **kwargs)
+    def __init__(self, url: str, *, timeout: float = INDEX_TIMEOUT, password: str | None = None, **kwargs: Any) -> None:
+        super().__init__(url, SyncRouter(url, scripts.ALL, timeout=timeout, password=password), **kwargs)
 
     def _drive(self, steps: Generator[list[Cmd], list[Any], Any]) -> Any:
         router: SyncRouter = self._router  # type: ignore[assignment]
@@ -521,8 +505,8 @@ class PageIndex(_IndexBase):
 class AsyncPageIndex(_IndexBase):
     """asyncio page index (redis.asyncio): the same methods, each returning an awaitable."""
 
-    def __init__(self, url: str, *, timeout: float = 2.0, password: str | None = None, **kwargs: Any) -> None:
-        super().__init__(url, AsyncRouter(url, _SCRIPTS, timeout=timeout, password=password), **kwargs)
+    def __init__(self, url: str, *, timeout: float = INDEX_TIMEOUT, password: str | None = None, **kwargs: Any) -> None:
+        super().__init__(url, AsyncRouter(url, scripts.ALL, timeout=timeout, password=password), **kwargs)
 
     def _drive(self, steps: Generator[list[Cmd], list[Any], Any]) -> Any:
         # The generator is created by the caller but must not run before the topology is

@@ -19,7 +19,6 @@ the other shards answered; the slot map is read again on the next batch."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import re
 import threading
 import time
@@ -39,6 +38,8 @@ from kvstore.errors import IndexScriptError, IndexUnavailableError, InvalidInput
 SINGLE_SCHEMES = ("redis", "rediss", "unix")
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 SLOTS = 16384
+# Seconds one index command may take before its shard counts as unavailable.
+INDEX_TIMEOUT = 2.0
 # A slot map is read again at most this often, however many batches fail meanwhile.
 REFRESH_INTERVAL = 0.5
 
@@ -103,7 +104,8 @@ def seed_urls(url: str) -> list[str]:
 
 @dataclass(frozen=True, slots=True)
 class Cmd:
-    """One command of a batch: a plain command, or a script (``script`` names it and
+    """One command of a batch: a plain command, or a script (``script``, a
+    ``kvstore.index.scripts.LuaScript``, and
     ``args`` holds its keys then its arguments, ``nkeys`` long; a ``readonly`` script is
     sent with EVALSHA_RO, which users with read-only access to its keys may run).
     Routed by ``key`` (its slot's shard) or to shard number ``shard``; ``parse`` reads
@@ -112,14 +114,14 @@ class Cmd:
     args: tuple[Any, ...]
     key: str | None = None
     shard: int | None = None
-    script: str | None = None
+    script: Any = None  # a kvstore.index.scripts.LuaScript
     nkeys: int = 0
     parse: Callable[[Any], Any] = lambda raw: raw
     readonly: bool = False
 
     @staticmethod
-    def run_script(name: str, keys: Sequence[str], argv: Sequence[Any], parse: Callable[[Any], Any] = lambda raw: raw, *, readonly: bool = False) -> Cmd:
-        return Cmd((*keys, *argv), key=keys[0] if keys else None, script=name, nkeys=len(keys), parse=parse, readonly=readonly)
+    def run_script(script: Any, keys: Sequence[str], argv: Sequence[Any], parse: Callable[[Any], Any] = lambda raw: raw, *, readonly: bool = False) -> Cmd:
+        return Cmd((*keys, *argv), key=keys[0] if keys else None, script=script, nkeys=len(keys), parse=parse, readonly=readonly)
 
 
 @dataclass
@@ -215,12 +217,11 @@ def _advance(steps: Generator[Any, Any, Any], reply: Any, error: BaseException |
 class _Router:
     """What both flavours share: URL handling, grouping, script hashes, reply order."""
 
-    def __init__(self, url: str, scripts: dict[str, str], *, timeout: float, password: str | None, module: Any) -> None:
+    def __init__(self, url: str, scripts: Sequence[Any], *, timeout: float, password: str | None, module: Any) -> None:
         self.url = check_url(url)
         self.cluster = urlsplit(url).scheme in CLUSTER_SCHEMES
         self._seeds = seed_urls(url)
-        self._scripts = scripts
-        self._shas = {name: hashlib.sha1(src.encode()).hexdigest() for name, src in scripts.items()}
+        self._scripts = scripts  # loaded again on NOSCRIPT
         # One bounded retry keeps every call within about 2 x timeout when a server is
         # gone. A separate password (from a Secret) overrides one in the URL.
         self._client_kwargs: dict[str, Any] = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 1))
@@ -257,7 +258,7 @@ class _Router:
     def _wire(self, cmd: Cmd) -> tuple[Any, ...]:
         if cmd.script is None:
             return cmd.args
-        return ("EVALSHA_RO" if cmd.readonly else "EVALSHA", self._shas[cmd.script], cmd.nkeys, *cmd.args)
+        return ("EVALSHA_RO" if cmd.readonly else "EVALSHA", cmd.script.sha, cmd.nkeys, *cmd.args)
 
     def _settle(self, batch: Sequence[Cmd], positions: list[int], raw: list[Any], url: str, out: list[Any]) -> None:
         """Parse each reply into ``out``; errors become ``KVStoreError`` values."""
@@ -294,7 +295,7 @@ class _Router:
             raw = yield client, [self._wire(batch[p]) for p in positions]
             if missing := [k for k, reply in enumerate(raw) if self._noscript(reply)]:
                 # the server lost its script cache (restart, failover, SCRIPT FLUSH)
-                yield client, [("SCRIPT", "LOAD", src) for src in self._scripts.values()]
+                yield client, [("SCRIPT", "LOAD", script.source) for script in self._scripts]
                 again = yield client, [self._wire(batch[positions[k]]) for k in missing]
                 for k, reply in zip(missing, again):
                     raw[k] = reply
@@ -324,7 +325,7 @@ class _Router:
 class SyncRouter(_Router):
     """redis-py (blocking). Thread-safe: redis-py pools connections per server."""
 
-    def __init__(self, url: str, scripts: dict[str, str], *, timeout: float = 2.0, password: str | None = None) -> None:
+    def __init__(self, url: str, scripts: Sequence[Any], *, timeout: float = INDEX_TIMEOUT, password: str | None = None) -> None:
         super().__init__(url, scripts, timeout=timeout, password=password, module=redis)
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -374,7 +375,7 @@ class SyncRouter(_Router):
 class AsyncRouter(_Router):
     """redis.asyncio: shards are asked concurrently from the caller's event loop."""
 
-    def __init__(self, url: str, scripts: dict[str, str], *, timeout: float = 2.0, password: str | None = None) -> None:
+    def __init__(self, url: str, scripts: Sequence[Any], *, timeout: float = INDEX_TIMEOUT, password: str | None = None) -> None:
         super().__init__(url, scripts, timeout=timeout, password=password, module=aioredis)
         self._refreshing: asyncio.Lock | None = None
 

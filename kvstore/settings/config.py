@@ -10,7 +10,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from kvstore.errors import InvalidInputError
+from kvstore.errors import InvalidInputError, first_problem
+from kvstore.index.page_index import DEFAULT_LEASE_MS
 from kvstore.index.routing import check_url, redact_url
 from kvstore.security.credentials import CredentialFile
 from kvstore.settings.units import parse_size
@@ -51,10 +52,8 @@ def shown_value(name: str, value: Any) -> str:
 def first_error(exc: ValidationError) -> tuple[str, str, str]:
     """Pydantic's first error as (option name, its input as it may be shown, message).
     An error of the whole model (a before-validator's) has no name and shows no input."""
-    err = exc.errors()[0]
-    name = ".".join(map(str, err["loc"]))
-    shown = shown_value(name, err.get("input")) if name else ""
-    return name, shown, str(err["msg"]).removeprefix("Value error, ")
+    name, given, message = first_problem(exc)
+    return name, shown_value(name, given) if name else "", message
 
 
 class _RedactedRepr:
@@ -93,15 +92,32 @@ def _load_secret_files(data: Any) -> Any:
     return data
 
 
-class ServerSettings(_RedactedRepr, BaseSettings):
+class IndexAccess(_RedactedRepr, BaseModel):
+    """What nodes and clients both need to reach the index and the data plane: the
+    index URL and password, the data-plane token, each secret also from a file, and
+    UCX's progress mode. ``ServerSettings`` and ``ClientOptions`` build on it, so each
+    is declared once."""
+
+    redis_url: IndexURL = Field("redis://127.0.0.1:6379/0", description="index URL: redis://, rediss:// (TLS), unix://, or redis+cluster://host:port,host:port (a Redis/Valkey Cluster; rediss+cluster:// for TLS)")
+    redis_password: SecretStr = Field(SecretStr(""), description="index password (overrides one in the URL)")
+    redis_password_file: str | None = Field(None, description="file holding the index password (keeps it out of the process arguments)")
+    auth_token: SecretStr = Field(SecretStr(""), description="data-plane token; a node's may read and write every tenant (operators, kvstore up), tenants get their own in --credentials-file")
+    auth_token_file: str | None = Field(None, description="file holding the data-plane token (keeps it out of the process arguments)")
+    ucx_progress_mode: ProgressMode = Field("thread", description="ucxx progress mode (figures for each in kvstore/wire/transport.py)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _secret_files(cls, data: Any) -> Any:
+        return _load_secret_files(data)
+
+
+class ServerSettings(IndexAccess, BaseSettings):
     """Options of ``kvstore server``; each also reads KVSTORE_<NAME> from the environment."""
 
     model_config = SettingsConfigDict(
         env_prefix="KVSTORE_", cli_kebab_case=True, cli_prog_name="kvstore server", cli_implicit_flags=True, extra="ignore"
     )
 
-    redis_url: IndexURL = Field("redis://127.0.0.1:6379/0", description="index URL: redis://, rediss:// (TLS), unix://, or redis+cluster://host:port,host:port (a Redis/Valkey Cluster; rediss+cluster:// for TLS)")
-    redis_password: SecretStr = Field(SecretStr(""), description="index password (overrides one in the URL)")
     capacity: ByteSize = Field("1GiB", validate_default=True, description="bytes of page memory, e.g. 4GiB")
     host: str = Field(default_factory=_default_host, description="address clients use to reach this node")
     port: int = Field(0, ge=0, le=65535, description="UCX listener port (0: any free port)")
@@ -123,21 +139,12 @@ class ServerSettings(_RedactedRepr, BaseSettings):
     max_connections: int = Field(0, ge=0, le=1 << 20, description="client connections (UCX and same-host together) admitted at once; more are closed as they arrive. 0: a quarter of the descriptors left after the pool's memfds and a reserve of 512 (the node raises its soft descriptor limit to the hard one at start)")
     frame_timeout: float = Field(5.0, gt=0, le=300, allow_inf_nan=False, description="seconds a new connection may take to send its first request, and a control frame to arrive whole once its first bytes did; past it the connection is closed")
     shutdown_grace: float = Field(10.0, ge=0, description="seconds to finish in-flight transfers on SIGTERM")
-    auth_token: SecretStr = Field(SecretStr(""), description="a data-plane token that may read and write every tenant (operators, kvstore up); tenants get their own in --credentials-file")
-    auth_token_file: str | None = Field(None, description="file holding that token (keeps it out of the process arguments)")
     credentials_file: str | None = Field(None, description="file of data-plane credentials, one per line: name, sha256 of the token, read or readwrite, tenants (see kvstore credential); re-read when it changes")
     anonymous: bool = Field(False, description="serve requests without a credential, every tenant to everyone (development only); needed when neither a token nor a credentials file is given")
-    redis_password_file: str | None = Field(None, description="file holding the index password")
-    ucx_progress_mode: ProgressMode = Field("thread", description="ucxx progress mode (figures for each in kvstore/wire/transport.py)")
     ucx_net_devices: str | None = Field(None, description="sets UCX_NET_DEVICES (e.g. lo, eth0, mlx5_0:1)")
     ucx_tls: str | None = Field(None, description="sets UCX_TLS (e.g. rc,cuda_copy or tcp)")
     shm_dir: str = Field(default_factory=tempfile.gettempdir, description="directory of the Unix socket same-host clients use (shared memory path); empty disables it")
     log_level: LogLevel = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _secret_files(cls, data: Any) -> Any:
-        return _load_secret_files(data)
 
     @model_validator(mode="after")
     def _consistent(self) -> ServerSettings:
@@ -160,30 +167,20 @@ class ServerSettings(_RedactedRepr, BaseSettings):
         return self
 
 
-class ClientOptions(_RedactedRepr, BaseModel):
+class ClientOptions(IndexAccess):
     """Every client option, in one place: ``AsyncKVCacheClient``/``KVCacheClient``
     keywords, ``KVSTORE_<NAME>`` environment variables (``ClientSettings``) and the vLLM
     connector's ``kv_connector_extra_config`` all validate through this model."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    redis_url: IndexURL = Field("redis://127.0.0.1:6379/0", description="index URL: redis://, rediss:// (TLS), unix://, or redis+cluster://host:port,host:port (a Redis/Valkey Cluster; rediss+cluster:// for TLS)")
-    redis_password: SecretStr = Field(SecretStr(""), description="index password (overrides one in the URL)")
     replicas: int = Field(1, ge=1, le=16, description="storage nodes each page is written to")
     timeout: float = Field(5.0, gt=0, le=3600, allow_inf_nan=False, description="seconds a call may take before missing pages count as absent")
     transfer_mode: Literal["auto", "direct", "staged"] = Field("auto", description="receive straight into the destination, or through pinned host memory")
-    auth_token: SecretStr = Field(SecretStr(""), description="data-plane token")
-    auth_token_file: str | None = Field(None, description="file holding the data-plane token")
-    redis_password_file: str | None = Field(None, description="file holding the index password")
-    ucx_progress_mode: ProgressMode = Field("thread", description="ucxx progress mode (figures for each in kvstore/wire/transport.py)")
     node_refresh: float = Field(1.0, gt=0, le=60, allow_inf_nan=False, description="seconds between reads of the node registry")
-    lease_ms: int = Field(5_000, ge=0, le=600_000, description="read lease a lookup takes on the pages it returns")
+    lease_ms: int = Field(DEFAULT_LEASE_MS, ge=0, le=600_000, description="read lease a lookup takes on the pages it returns")
     same_host: bool = Field(True, description="reach nodes on this host through shared memory (kvstore.wire.shm) instead of UCX")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _secret_files(cls, data: Any) -> Any:
-        return _load_secret_files(data)
 
 
 def client_options(base: ClientOptions | None = None, **overrides: Any) -> ClientOptions:

@@ -40,11 +40,16 @@ def _up(args: argparse.Namespace) -> int:
         return _serve(args, cluster, token_note)
 
 
-def _index_password() -> str | None:
-    """The index password from KVSTORE_REDIS_PASSWORD or KVSTORE_REDIS_PASSWORD_FILE."""
+def _index_options() -> Any:
+    """The index URL and password from KVSTORE_REDIS_URL, KVSTORE_REDIS_PASSWORD(_FILE),
+    read and checked as a client reads them."""
     from kvstore.settings.config import client_options_from_env
 
-    return client_options_from_env().redis_password.get_secret_value() or None
+    return client_options_from_env()
+
+
+def _index_password() -> str | None:
+    return _index_options().redis_password.get_secret_value() or None
 
 
 def _data_plane_token(private_dir: str) -> tuple[dict[str, str], str]:
@@ -84,7 +89,7 @@ def _serve(args: argparse.Namespace, cluster: Any, token_note: str) -> int:
 def _stats(args: argparse.Namespace) -> int:
     from kvstore.index import PageIndex
 
-    index = PageIndex(args.redis_url, password=_index_password())
+    index = PageIndex(args.redis_url or _index_options().redis_url, password=_index_password())
     stats = index.stats()
     if args.json:
         nodes = [
@@ -196,7 +201,7 @@ def _main(argv: list[str]) -> int:
     demo.add_argument("--tokens", type=int, default=2030, help="prompt length")
     demo.add_argument("--shared", type=int, default=1000, help="tokens the second session shares")
     stats = sub.add_parser("stats", help="print nodes and namespaces in an index")
-    stats.add_argument("--redis-url", default=os.environ.get("KVSTORE_REDIS_URL", "redis://127.0.0.1:6379/0"),
+    stats.add_argument("--redis-url", default=None,
                        help="the index: redis://, rediss://, unix:// or redis+cluster://host:port,... (default $KVSTORE_REDIS_URL)")
     stats.add_argument("--json", action="store_true", help="print one JSON document (nodes with used bytes and read counters, namespaces)")
     cred = sub.add_parser("credential", help="make a data-plane token for tenants and print its credentials-file line",

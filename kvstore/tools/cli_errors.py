@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
+from kvstore.errors import first_problem
+
 EXIT_OK = 0
 EXIT_FAILED = 1  # the command ran and failed: a node id or a port in use, nodes that exited
 EXIT_USAGE = 2  # a bad option or value: nothing was started
@@ -15,7 +17,5 @@ EXIT_INDEX = 3  # the Redis/Valkey index could not be reached
 
 def settings_error(exc: ValidationError) -> str:
     """The first problem of a settings validation, as ``--option: what is wrong``."""
-    err = exc.errors()[0]
-    where = ".".join(map(str, err["loc"]))
-    message = str(err["msg"]).removeprefix("Value error, ")
+    where, _, message = first_problem(exc)
     return f"--{where.replace('_', '-')}: {message}" if where else message

@@ -17,6 +17,7 @@ from pathlib import Path
 import redis
 
 from kvstore.errors import KVStoreError
+from kvstore.index.routing import SLOTS
 from kvstore.tools.procutil import die_with_parent, free_port, pid_alive
 
 
@@ -211,7 +212,6 @@ class EmbeddedValkeyCluster:
         self.stop()
 
 
-SLOTS = 16384
 
 
 def _cluster_port(shard: EmbeddedValkey) -> int:

@@ -30,7 +30,8 @@ from typing import Annotated, Any, ClassVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kvstore.errors import ProtocolError
+from kvstore.errors import ProtocolError, first_problem
+from kvstore.pages.hashing import HASH_BYTES
 from kvstore.pages.keys import SEGMENT_PAGES
 from kvstore.pages.namespace import Tenant
 
@@ -53,7 +54,6 @@ PACK_BELOW = 256 << 10
 
 # namespace digests: 16 bytes as lowercase hex
 Hex128 = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
-HASH_BYTES = 16
 # Kinds of binary array that follow a frame's JSON header: (numpy dtype, bytes per row).
 _ARRAY_TYPES: dict[str, tuple[str, int]] = {"u32": ("<u4", 4), "u64": ("<u8", 8), "bool": ("u1", 1), "hash": ("u1", HASH_BYTES)}
 
@@ -221,8 +221,20 @@ class GetDone(_Frame):
     """Client -> server after a same-host GET_PLAN: the pages are copied; unpin them."""
 
 
+class RefusalCode(str, enum.Enum):
+    """Why a node answered ERROR (docs/protocol.md); on the wire, the value."""
+
+    PROTOCOL = "protocol"  # a malformed or out-of-step frame
+    UNAUTHORIZED = "unauthorized"  # the token matches no credential; the node closes the connection
+    FORBIDDEN = "forbidden"  # the credential lacks the right on the namespace's tenant
+    TOO_LARGE = "too_large"  # more pages than --max-request-pages
+    UNKNOWN_NAMESPACE = "unknown_namespace"  # the index does not know the namespace (under that tenant)
+    INDEX_UNAVAILABLE = "index_unavailable"  # the node could not read the namespace from the index
+    SHUTTING_DOWN = "shutting_down"  # the node is stopping
+
+
 class ErrorFrame(_Frame):
-    code: str
+    code: RefusalCode
     message: str
 
 
@@ -316,8 +328,8 @@ def decode(data: bytes | bytearray | memoryview, max_body: int = MAX_BODY_BYTES)
             raise ProtocolError(f"invalid {model.__name__}: {len(body) - pos} bytes after the last field")
         return model.model_validate(fields)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        raise ProtocolError(f"invalid {model.__name__}: {err['loc']} {err['msg']}") from None
+        name, _, message = first_problem(exc)
+        raise ProtocolError(f"invalid {model.__name__}: {name or 'frame'}: {message}") from None
     except ValueError as exc:  # malformed JSON
         raise ProtocolError(f"invalid {model.__name__}: {exc}") from None
 

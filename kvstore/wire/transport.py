@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.errors import ProtocolError, TransportError
+from kvstore.errors import PortInUseError, ProtocolError, TransportError
 from kvstore.wire import protocol as P
 
 # Defaults applied only where the environment does not set them already.
@@ -126,6 +126,17 @@ def ensure_ucx(progress_mode: str = "thread") -> Any:
                 # runs when the interpreter shuts threads down, before it joins them.
                 threading._register_atexit(ucxx.stop_notifier_thread)
         return ucxx
+
+
+def listen(ucxx: Any, callback: Any, port: int) -> Any:
+    """A ucxx listener on ``port`` (0: any free one) calling ``callback`` per endpoint;
+    ``PortInUseError`` when the port is taken (ucxx raises its own busy error)."""
+    from ucxx.exceptions import UCXBusyError
+
+    try:
+        return ucxx.create_listener(callback, port=port)
+    except UCXBusyError as exc:
+        raise PortInUseError(f"the UCX port {port} is in use: {exc}") from None
 
 
 def cuda_capable() -> bool:
