@@ -46,7 +46,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvstore import Namespace  # noqa: E402
-from kvstore.settings.units import parse_size  # noqa: E402
+from kvstore.settings.sizes import parse_size  # noqa: E402
 
 SYSTEMS = ("memcpy", "valkey", "shm", "ucx")
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvstore.wire.protocol import PACK_BELOW
+from kvstore.wire import protocol as P
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,5 +66,5 @@ def join_flags(spans: list[Span]) -> list[bool]:
     flags = [False]
     for prev, cur in zip(spans, spans[1:]):
         touching = cur.base is prev.base and prev.offset + prev.nbytes == cur.offset
-        flags.append(touching or (cur.nbytes < PACK_BELOW and prev.nbytes < PACK_BELOW))
+        flags.append(P.may_share(touching, prev.nbytes, cur.nbytes))
     return flags

@@ -363,7 +363,7 @@ class DataPlane:
     async def _put(self, conn: _UcxConn | _ShmConn, req: P.PutRequest, credential: Credential | None) -> None:
         ns = await self._namespace(req)
         self._authorize(credential, ns, write=True)
-        batch = self._plan_put(req, ns.tenant)
+        batch = self._sort_offered(req, ns.tenant)
         try:
             await self._assign_slots(batch, ucx=conn.path == "ucx")
             fields = dict(wanted=batch.wanted, runs=batch.runs, present=batch.present, refused=sorted(batch.refused))
@@ -390,7 +390,7 @@ class DataPlane:
         self.metrics.received_bytes.inc(sum(p.size for p in batch.pages))
         await self._send(conn, P.PutResult(stored=batch.stored, corrupt=batch.corrupt))
 
-    def _plan_put(self, req: P.PutRequest, owner: str) -> PutBatch:
+    def _sort_offered(self, req: P.PutRequest, owner: str) -> PutBatch:
         """Sort offered pages into present, refused and wanted, claiming the wanted ones.
 
         Runs without an await, so no other request can claim a key between the check
@@ -425,8 +425,8 @@ class DataPlane:
                 batch.refused.append(i)
         batch.wanted, batch.pages = [i for i, _ in kept], [p for _, p in kept]
         if ucx:
-            joinable = _joinable([bool(batch.req.join[i]) for i in batch.wanted], batch.wanted, [p.size for p in batch.pages])
-            batch.runs = P.plan_runs([p.offset for p in batch.pages], [p.size for p in batch.pages], joinable, P.DEFAULT_MAX_RUN_BYTES)
+            join = [bool(batch.req.join[i]) for i in batch.wanted]
+            batch.runs = P.group_runs([p.offset for p in batch.pages], [p.size for p in batch.pages], join, batch.wanted, P.DEFAULT_MAX_RUN_BYTES)
 
     def _verify(self, batch: PutBatch, k: int) -> None:
         """Check the k-th wanted page against the writer's checksum."""
@@ -510,8 +510,7 @@ class DataPlane:
                 await self._lend(conn, P.GetPlan, dict(present=present, sizes=sizes, checksums=checksums), pages, writable=False)
                 await self._expect(conn, P.GetDone, "get done")
             else:
-                joinable = _joinable([bool(req.join[i]) for i in present], present, sizes)
-                runs = P.plan_runs([p.offset for p in pages], sizes, joinable, req.max_run_bytes)
+                runs = P.group_runs([p.offset for p in pages], sizes, [bool(req.join[i]) for i in present], present, req.max_run_bytes)
                 await self._reply_with_runs(conn.channel, P.GetPlan(present=present, sizes=sizes, checksums=checksums, runs=runs), pages, runs)
         except BaseException:
             await conn.close()  # no send may still read from slots that are unpinned next
@@ -571,14 +570,3 @@ class DataPlane:
                 shm.close_fds(fds)
         for r in fresh:
             conn.sent[r] = (pool.regions[r].generation, writable)
-
-
-def _joinable(flags: list[bool], indexes: list[int], sizes: list[int]) -> list[bool]:
-    """The client's join flags, restricted to pages whose request predecessor is also
-    in the run (a skipped page in between breaks adjacency in the client's memory),
-    unless both pages are small enough to be packed anyway."""
-    out = []
-    for k, (flag, i) in enumerate(zip(flags, indexes)):
-        small = k > 0 and sizes[k] < P.PACK_BELOW and sizes[k - 1] < P.PACK_BELOW
-        out.append(flag and k > 0 and (indexes[k - 1] == i - 1 or small))
-    return out

@@ -41,14 +41,14 @@ class NodeMetrics:
         self.quota_refused = Counter("kvstore_quota_refused_pages", "Pages refused because their tenant held its quota in pages it could not evict (leased)", registry=r)
         self.corrupt = Counter("kvstore_corrupt_pages", "Received pages with a wrong checksum", registry=r)
         self.errors = Counter("kvstore_errors", "Failed requests by kind", ["kind"], registry=r)
-        self.latency = Histogram(
-            "kvstore_request_seconds", "Request latency", ["op"], buckets=_LATENCY_BUCKETS, registry=r
-        )
         self.connections = Gauge("kvstore_connections", "Open client connections, by data path", ["path"], registry=r)
         self.connection_budget = Gauge("kvstore_connection_budget", "Client connections admitted at once, both paths together (--max-connections)", registry=r)
         self.connections_refused = Counter("kvstore_connections_refused", "Client connections closed by the node: over the budget, no request within the frame timeout, or answered unauthorized", ["reason"], registry=r)
         self.accept_errors = Counter("kvstore_accept_errors", "Failed accepts on the same-host Unix socket (EMFILE and the like); the listener backs off and retries", registry=r)
         self.handshake_failures = Counter("kvstore_handshake_failures", "UCX connections that failed in ucxx's handshake (a client that went away while connecting)", registry=r)
+        self.latency = Histogram(
+            "kvstore_request_seconds", "Request latency", ["op"], buckets=_LATENCY_BUCKETS, registry=r
+        )
         self.free_slabs = Gauge("kvstore_free_slabs", "Slabs serving no tenant yet", registry=r)
         self.index_up = Gauge("kvstore_index_up", "1 while the last heartbeat reached the index within the node TTL", registry=r)
         self.heartbeat_age = Gauge("kvstore_heartbeat_age_seconds", "Seconds since the last heartbeat reached the index", registry=r)

@@ -187,28 +187,9 @@ class StorageNode:
         run_ids: dict[str, str] = {}  # index shard address -> run id, as last seen
         while True:
             try:
-                # A shard that is down only shortens prefixes: the heartbeat goes on. One
-                # that restarted (new run id) or a new primary (new address) may have lost
-                # what this node published there.
-                for address, run_id in (await self.index.server_ids()).items():
-                    if run_id is None:
-                        continue
-                    if run_ids and run_ids.get(address) != run_id:
-                        log.warning("index shard %s restarted or took over: re-publishing under a new incarnation", address)
-                        self.identity.index_stale = True
-                    run_ids[address] = run_id
-                if not self.identity.incarnation or self.identity.index_stale:
-                    await self._register_new()
-                else:
-                    try:
-                        await self._register(self.identity.incarnation)
-                    except FencedError as exc:
-                        log.warning("the index no longer accepts this node (%s): registering a new incarnation", exc)
-                        await self._register_new()
-                self._last_heartbeat = time.monotonic()
-                if self._last_heartbeat - self._trimmed > TRIM_INTERVAL and not self.dataplane.active:
-                    self._trimmed = self._last_heartbeat
-                    release_free_heap()
+                await self._check_shards(run_ids)
+                await self._heartbeat()
+                self._trim_heap()
             except NodeIdInUseError as exc:
                 # A pod restarted under the same name waits for its predecessor's entry
                 # to expire; a second live process with this id is refused for good.
@@ -221,6 +202,37 @@ class StorageNode:
             except Fault as exc:
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(self.settings.heartbeat_interval)
+
+    async def _check_shards(self, run_ids: dict[str, str]) -> None:
+        """Flag the index stale when a shard restarted (new run id) or a new primary took
+        over (new address): it may have lost what this node published there. A shard
+        that is down only shortens prefixes: the heartbeat goes on."""
+        for address, run_id in (await self.index.server_ids()).items():
+            if run_id is None:
+                continue
+            if run_ids and run_ids.get(address) != run_id:
+                log.warning("index shard %s restarted or took over: re-publishing under a new incarnation", address)
+                self.identity.index_stale = True
+            run_ids[address] = run_id
+
+    async def _heartbeat(self) -> None:
+        """Refresh this incarnation's registry entry, or register a new incarnation (and
+        re-publish) when there is none, the index is stale, or the index fences it."""
+        if not self.identity.incarnation or self.identity.index_stale:
+            await self._register_new()
+        else:
+            try:
+                await self._register(self.identity.incarnation)
+            except FencedError as exc:
+                log.warning("the index no longer accepts this node (%s): registering a new incarnation", exc)
+                await self._register_new()
+        self._last_heartbeat = time.monotonic()
+
+    def _trim_heap(self) -> None:
+        """Hand free heap back to the kernel now and then, while no request runs."""
+        if self._last_heartbeat - self._trimmed > TRIM_INTERVAL and not self.dataplane.active:
+            self._trimmed = self._last_heartbeat
+            release_free_heap()
 
     async def _register(self, incarnation: str | None) -> Registration:
         # the registry carries what this node holds, so `kvstore stats` needs no index scan

@@ -16,7 +16,7 @@ from helm_python import Chart, HelmValuesError, lint
 from redis import exceptions as redis_errors
 
 from kvstore.settings.config import ServerSettings
-from kvstore.settings.units import parse_size
+from kvstore.settings.sizes import parse_size
 from tests.helpers import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -232,11 +232,11 @@ def test_units_split_and_merge_back_to_each_ranks_heads(layout, tp_size, groups)
 
     full_ns = rank_ns(1, 0, heads=HEADS, groups=groups, layout=layout)
     full = torch.randn(3, *full_ns.page_shape).to(torch.float16)
-    stored = heads.split(full_ns, full, heads.plan(full_ns))  # [groups, blocks, *unit]
+    stored = heads.split(full_ns, full, heads.rank_units(full_ns))  # [groups, blocks, *unit]
     assert stored.is_contiguous() and stored.shape[:2] == (groups, 3)
     for r in range(tp_size):
         ns = rank_ns(tp_size, r, heads=HEADS, groups=groups, layout=layout)
-        p = heads.plan(ns)
+        p = heads.rank_units(ns)
         lo, hi = ns.head_range
         out = torch.empty(3, *ns.page_shape, dtype=torch.float16)
         heads.merge(ns, stored[p.first : p.first + p.count], out, p)

@@ -36,7 +36,7 @@ async def reconnect_cycles(client: KVCacheClient, ns: Namespace, cycles: int) ->
     node = (await inner.index.live_nodes())[0]
     sink = [Span(np.zeros(ns.page_nbytes, dtype=np.uint8), 0, ns.page_nbytes)]
     for _ in range(cycles):
-        conn = NodeConnection(node, "", inner._ucxx)  # UCX on purpose: its per-connection cost
+        conn = NodeConnection(node, "", inner.nodes.ucxx)  # UCX on purpose: its per-connection cost
         await conn.get(ns.key, [bytes(16)], sink, [0], 10.0)
         await conn.close()
     return cycles

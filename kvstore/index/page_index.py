@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import secrets
 import struct
+from dataclasses import dataclass, field
 from typing import Any, Generator, Sequence
 
 import numpy as np
@@ -114,16 +115,16 @@ def _raise_first(replies: list[Any]) -> list[Any]:
     return replies
 
 
-def _plan(index: _IndexMethods, prefix: str, anchors: Sequence[bytes]) -> dict[int, list[int]]:
+def _anchors_by_shard(index: _IndexMethods, prefix: str, anchors: Sequence[bytes]) -> dict[int, list[int]]:
     """Segment numbers (indexes into ``anchors``) per shard, in order."""
     topo = index._router.topology
     assert topo is not None
     if topo.count == 1:
         return {0: list(range(len(anchors)))}
-    plan: dict[int, list[int]] = {}
+    by_shard: dict[int, list[int]] = {}
     for j, anchor in enumerate(anchors):
-        plan.setdefault(topo.shard_of(keys.segment_key(prefix, anchor)), []).append(j)
-    return plan
+        by_shard.setdefault(topo.shard_of(keys.segment_key(prefix, anchor)), []).append(j)
+    return by_shard
 
 
 def _plain_lookup(prefix: str, anchor: bytes, lease_ms: int) -> list[Cmd]:
@@ -148,6 +149,71 @@ def _renew_lease(prefix: str, anchor: bytes, lease_ms: int, ttl_ms: int) -> list
     (when set), as lookup.lua grants them."""
     held, seg = keys.lease_key(prefix, anchor), keys.segment_key(prefix, anchor)
     return [Cmd(("SET", held, "1", "PX", lease_ms), key=held)] + ([Cmd(("PEXPIRE", seg, ttl_ms), key=seg)] if ttl_ms > 0 else [])
+
+
+def _lookup_batch(ns: str, anchors: list[bytes], by_shard: dict[int, list[int]], lease: int, ttl_ms: int) -> list[Cmd]:
+    """A lookup's commands: per shard, one call of the lookup script over its segments,
+    or plain commands for a shard that holds a single one (``_plain_lookup``)."""
+    hex_all = b"".join(anchors).hex()
+    batch: list[Cmd] = []
+    for js in by_shard.values():
+        if len(js) == 1:
+            batch += _plain_lookup(ns, anchors[js[0]], lease)
+        else:
+            run = hex_all if len(js) == len(anchors) else "".join(hex_all[32 * j : 32 * j + 32] for j in js)
+            batch.append(_segment_call(scripts.LOOKUP, ns, anchors[js[0]], [lease, ttl_ms], run, []))
+    return batch
+
+
+@dataclass
+class _SegmentsRead:
+    """What a lookup's replies say: which segments exist (``read``, with a False
+    sentinel after the last), their entries (``parts``: segment numbers, records), the
+    error of a shard that could not answer (its segments count as absent), and the
+    one-segment shards whose lease is below half and must be renewed."""
+
+    read: np.ndarray
+    parts: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    unavailable: KVStoreError | None = None
+    renew: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_replies(cls, replies: Any, by_shard: dict[int, list[int]], segments: int, lease: int) -> _SegmentsRead:
+        out = cls(np.zeros(segments + 1, dtype=bool))
+        for js in by_shard.values():
+            reply = out._plain_reply(replies, js[0], lease) if len(js) == 1 else next(replies)
+            if isinstance(reply, KVStoreError):
+                out._shard_failed(reply)
+                continue
+            done = js[: len(reply)]
+            out.read[done] = True
+            counts = [len(value) // ENTRY.itemsize for value in reply]
+            out.parts.append((np.repeat(np.array(done, dtype=np.int64), counts), np.frombuffer(b"".join(reply), dtype=ENTRY)))
+        return out
+
+    def _plain_reply(self, replies: Any, segment: int, lease: int) -> Any:
+        """A one-segment shard's GET (and PTTL) replies as the script's would read."""
+        value = next(replies)
+        ttl = next(replies) if lease > 0 else None
+        failed = next((r for r in (value, ttl) if isinstance(r, KVStoreError)), None)
+        if failed is None and value is not None and ttl is not None and ttl < lease / 2:
+            self.renew.append(segment)  # as lookup.lua: a lease below half is renewed
+        return failed or ([] if value is None else [value])
+
+    def _shard_failed(self, error: KVStoreError) -> None:
+        if not isinstance(error, IndexUnavailableError):
+            raise error
+        self.unavailable = error  # its segments count as absent: the prefix ends at the first
+
+    def renewed(self, granted: Any, ttl_ms: int) -> None:
+        """Read the renewals' replies: a segment that got no lease is not read."""
+        for j in self.renew:
+            reply = next(granted)
+            if ttl_ms > 0:
+                next(granted)  # the segment's expiry: it lives on the lease's shard
+            if isinstance(reply, KVStoreError):
+                self._shard_failed(reply)
+                self.read[j] = False
 
 
 def _segment_call(script: scripts.LuaScript, prefix: str, first: bytes, head: list[Any], anchors_hex: str, tail: list[Any]) -> Cmd:
@@ -277,51 +343,14 @@ class _IndexMethods:
         lease = self.lease_ms if lease_ms is None else lease_ms
         segs = keys.segments(n, breaks)
         anchors = [blob[HASH_BYTES * start : HASH_BYTES * start + HASH_BYTES] for start, _ in segs]
-        hex_all = b"".join(anchors).hex()
-
 
         def steps() -> Generator[list[Cmd], list[Any], IndexLookup]:
-            plan = _plan(self, ns, anchors)
-            batch = []
-            for js in plan.values():
-                if len(js) == 1:  # plain commands, not the script: see _plain_lookup
-                    batch += _plain_lookup(ns, anchors[js[0]], lease)
-                else:
-                    run = hex_all if len(js) == len(anchors) else "".join(hex_all[32 * j : 32 * j + 32] for j in js)
-                    batch.append(_segment_call(scripts.LOOKUP, ns, anchors[js[0]], [lease, self.entry_ttl_ms], run, []))
-            replies = iter((yield batch))
-            parts, unavailable, renew = [], None, []
-            read = np.zeros(len(segs) + 1, dtype=bool)  # which segments exist; a False sentinel
-            for js in plan.values():
-                if len(js) == 1:
-                    value = next(replies)
-                    ttl = next(replies) if lease > 0 else None
-                    failed = next((r for r in (value, ttl) if isinstance(r, KVStoreError)), None)
-                    reply = failed or ([] if value is None else [value])
-                    if failed is None and value is not None and ttl is not None and ttl < lease / 2:
-                        renew.append(js[0])  # as lookup.lua: a lease below half is renewed
-                else:
-                    reply = next(replies)
-                if isinstance(reply, KVStoreError):
-                    if not isinstance(reply, IndexUnavailableError):
-                        raise reply
-                    unavailable = reply  # its segments count as absent: the prefix ends at the first
-                    continue
-                done = js[: len(reply)]
-                read[done] = True
-                counts = [len(value) // ENTRY.itemsize for value in reply]
-                parts.append((np.repeat(np.array(done, dtype=np.int64), counts), np.frombuffer(b"".join(reply), dtype=ENTRY)))
-            if renew:
-                granted = iter((yield [cmd for j in renew for cmd in _renew_lease(ns, anchors[j], lease, self.entry_ttl_ms)]))
-                for j in renew:
-                    reply = next(granted)
-                    if self.entry_ttl_ms > 0:
-                        next(granted)  # the segment's expiry: it lives on the lease's shard
-                    if isinstance(reply, KVStoreError):  # no lease: the segment's pages are not read
-                        if not isinstance(reply, IndexUnavailableError):
-                            raise reply
-                        unavailable, read[j] = reply, False
-            return _pick(blob, segs, parts, int(np.argmin(read)), unavailable, first, need)
+            by_shard = _anchors_by_shard(self, ns, anchors)
+            replies = yield _lookup_batch(ns, anchors, by_shard, lease, self.entry_ttl_ms)
+            found = _SegmentsRead.from_replies(iter(replies), by_shard, len(segs), lease)
+            if found.renew:
+                found.renewed(iter((yield [cmd for j in found.renew for cmd in _renew_lease(ns, anchors[j], lease, self.entry_ttl_ms)])), self.entry_ttl_ms)
+            return _pick(blob, segs, found.parts, int(np.argmin(found.read)), found.unavailable, first, need)
 
         return self._drive(steps())
 
@@ -373,9 +402,9 @@ class _IndexMethods:
         """One script call per shard over its segments (``call(anchors, positions per
         anchor)``); per page the parsed result, None where its shard failed."""
         items = list(groups.items())
-        plan = _plan(self, ns, [a for a, _ in items])
+        by_shard = _anchors_by_shard(self, ns, [a for a, _ in items])
         # a script names a segment's count in one byte: longer groups go in pieces
-        pieces = [[(items[j][0], items[j][1][i : i + MAX_PAGES_PER_KEY]) for j in js for i in range(0, len(items[j][1]), MAX_PAGES_PER_KEY)] for js in plan.values()]
+        pieces = [[(items[j][0], items[j][1][i : i + MAX_PAGES_PER_KEY]) for j in js for i in range(0, len(items[j][1]), MAX_PAGES_PER_KEY)] for js in by_shard.values()]
         batch = [call([a for a, _ in piece], [pos for _, pos in piece]) for piece in pieces]
         replies = yield batch
         out: list[Any] = [None] * total

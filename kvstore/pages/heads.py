@@ -9,7 +9,7 @@ chain hash itself, every unit of a block sits at the block's position in its ind
 segment (one lookup reads them all), and hashing costs what it always did.
 
 A tensor-parallel rank holds a range of heads (``Namespace.head_range``) and needs the
-units that cover it (``HeadPlan``). Client code calls ``plan``, ``unit_hashes``,
+units that cover it (``RankUnits``). Client code calls ``rank_units``, ``unit_hashes``,
 ``split`` (a rank's pages into its units, for a put) and ``merge`` (received units into
 the rank's pages, for a get); the index matches units by ``unit_of``."""
 
@@ -30,7 +30,7 @@ UNIT_MASK = 0xFFFF
 
 
 @dataclass(frozen=True, slots=True)
-class HeadPlan:
+class RankUnits:
     """The units one rank reads or writes: ``count`` units from ``first``, each of
     ``group_heads`` heads; the rank's heads start ``offset`` heads into the first unit
     and number ``rank_heads``. ``whole`` when the rank's heads are exactly those units
@@ -52,12 +52,12 @@ class HeadPlan:
         return self.count == 1 and self.whole
 
 
-def plan(ns: Namespace) -> HeadPlan:
+def rank_units(ns: Namespace) -> RankUnits:
     """The units covering the heads of ``ns``'s rank."""
     lo, hi = ns.head_range
     g = ns.group_heads
     first, last = lo // g, (hi - 1) // g
-    return HeadPlan(first, last - first + 1, g, lo - first * g, hi - lo)
+    return RankUnits(first, last - first + 1, g, lo - first * g, hi - lo)
 
 
 def unit_hashes(chain: list[bytes], first: int, count: int) -> list[bytes]:
@@ -86,7 +86,7 @@ def unit_of(asked: np.ndarray, found: np.ndarray) -> np.ndarray:
     return np.where(same, delta.astype(np.int64), -1)
 
 
-def split(ns: Namespace, pages: torch.Tensor, p: HeadPlan) -> torch.Tensor:
+def split(ns: Namespace, pages: torch.Tensor, p: RankUnits) -> torch.Tensor:
     """The rank's ``pages`` ``[n, *page_shape]`` as ``[count, n, *unit_shape]``,
     contiguous (one copy): the units to store, unit by unit. Unit-major order keeps
     each unit of consecutive blocks side by side, in the writer's memory and (as a put
@@ -97,7 +97,7 @@ def split(ns: Namespace, pages: torch.Tensor, p: HeadPlan) -> torch.Tensor:
     return pages.unflatten(d, (p.count, p.group_heads)).movedim(d, 0).contiguous()
 
 
-def merge(ns: Namespace, units: torch.Tensor, out: torch.Tensor, p: HeadPlan) -> None:
+def merge(ns: Namespace, units: torch.Tensor, out: torch.Tensor, p: RankUnits) -> None:
     """Copy received ``units`` ``[count, n, *unit_shape]`` into the rank's pages ``out``
     ``[n, *page_shape]``, taking only the rank's heads of partly needed units."""
     d = 1 + ns.head_dim

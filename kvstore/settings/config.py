@@ -14,7 +14,7 @@ from kvstore.errors import InvalidInputError, first_problem
 from kvstore.index.page_index import DEFAULT_LEASE_MS
 from kvstore.index.routing import check_url, redact_url
 from kvstore.security.credentials import CredentialFile
-from kvstore.settings.units import parse_size
+from kvstore.settings.sizes import parse_size
 
 ByteSize = Annotated[int, BeforeValidator(parse_size)]
 # A log level, case-insensitive ("info" or "INFO").

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvstore.errors import IndexUnavailableError, InvalidInputError, KVStoreError
 from kvstore.security.credentials import make_credential, new_token, token_digest
-from kvstore.settings.units import format_size
+from kvstore.settings.sizes import format_size
 from kvstore.tools.cli_errors import EXIT_FAILED, EXIT_INDEX, EXIT_USAGE
 
 

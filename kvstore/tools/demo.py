@@ -14,7 +14,7 @@ import sys
 
 from tqdm import tqdm
 
-from kvstore.settings.units import format_size
+from kvstore.settings.sizes import format_size
 from kvstore.tools.launcher import LocalCluster
 
 

@@ -293,40 +293,9 @@ def announced_length(first: bytes | bytearray | memoryview, max_body: int = MAX_
 def decode(data: bytes | bytearray | memoryview, max_body: int = MAX_BODY_BYTES) -> _Frame:
     """Parse one control frame (preamble and body; trailing padding is ignored);
     raises ``ProtocolError`` naming what is wrong."""
-    data = memoryview(data).cast("B")
-    length = announced_length(data, max_body)
-    if len(data) < PREAMBLE.size + length:
-        raise ProtocolError(f"truncated frame: preamble announces {length} body bytes, got {len(data) - PREAMBLE.size}")
-    ftype = PREAMBLE.unpack_from(data)[2]
-    body = data[PREAMBLE.size : PREAMBLE.size + length]
+    model, body = _typed_body(memoryview(data).cast("B"), max_body)
     try:
-        model = _MODELS[FrameType(ftype)]
-    except ValueError:
-        raise ProtocolError(f"unknown frame type {ftype}") from None
-    pos = 0
-
-    def take(n: int, what: str) -> memoryview:
-        nonlocal pos
-        if pos + n > len(body):
-            raise ProtocolError(f"truncated {model.__name__}: {what} runs past the end of the body")
-        pos += n
-        return body[pos - n : pos]
-
-    try:
-        (hlen,) = _COUNT.unpack(take(_COUNT.size, "header length"))
-        fields = json.loads(bytes(take(hlen, "header")))
-        if not isinstance(fields, dict):
-            raise ProtocolError(f"invalid {model.__name__}: the header is not a JSON object")
-        for name, kind in model.ARRAYS.items():
-            dtype, width = _ARRAY_TYPES[kind]
-            (rows,) = _COUNT.unpack(take(_COUNT.size, f"{name} count"))
-            if rows > MAX_PAGES_PER_REQUEST:
-                raise ProtocolError(f"invalid {model.__name__}: {name} has {rows} rows, more than {MAX_PAGES_PER_REQUEST}")
-            arr = np.frombuffer(take(rows * width, name), dtype=dtype)
-            fields[name] = arr.reshape(rows, HASH_BYTES) if kind == "hash" else arr
-        if pos != len(body):
-            raise ProtocolError(f"invalid {model.__name__}: {len(body) - pos} bytes after the last field")
-        return model.model_validate(fields)
+        return model.model_validate(_BodyReader(model, body).fields())
     except ValidationError as exc:
         name, _, message = first_problem(exc)
         raise ProtocolError(f"invalid {model.__name__}: {name or 'frame'}: {message}") from None
@@ -334,17 +303,74 @@ def decode(data: bytes | bytearray | memoryview, max_body: int = MAX_BODY_BYTES)
         raise ProtocolError(f"invalid {model.__name__}: {exc}") from None
 
 
-def plan_runs(offsets: list[int], sizes: list[int], joinable: list[bool], max_run_bytes: int) -> list[int]:
-    """Group consecutive items into runs that travel as one message each.
+def _typed_body(data: memoryview, max_body: int) -> tuple[type[_Frame], memoryview]:
+    """The frame model the preamble names and the body it announces, checked whole."""
+    length = announced_length(data, max_body)
+    if len(data) < PREAMBLE.size + length:
+        raise ProtocolError(f"truncated frame: preamble announces {length} body bytes, got {len(data) - PREAMBLE.size}")
+    ftype = PREAMBLE.unpack_from(data)[2]
+    try:
+        model = _MODELS[FrameType(ftype)]
+    except ValueError:
+        raise ProtocolError(f"unknown frame type {ftype}") from None
+    return model, data[PREAMBLE.size : PREAMBLE.size + length]
 
-    Used by the server on both PUT and GET: item i joins item i-1's run when their
-    pool slots touch (``offsets[i-1] + sizes[i-1] == offsets[i]``), the client allowed
-    it (``joinable[i]``: the pages touch in its memory too, or are small enough that
-    packing beats a message each) and the run stays within ``max_run_bytes``."""
+
+class _BodyReader:
+    """Reads a body in order: the JSON header, then each of the model's arrays; every
+    read is bounded by the body, and nothing may be left after the last array."""
+
+    def __init__(self, model: type[_Frame], body: memoryview) -> None:
+        self.model = model
+        self.body = body
+        self.pos = 0
+
+    def take(self, n: int, what: str) -> memoryview:
+        if self.pos + n > len(self.body):
+            raise ProtocolError(f"truncated {self.model.__name__}: {what} runs past the end of the body")
+        self.pos += n
+        return self.body[self.pos - n : self.pos]
+
+    def fields(self) -> dict[str, Any]:
+        name_ = self.model.__name__
+        (hlen,) = _COUNT.unpack(self.take(_COUNT.size, "header length"))
+        fields = json.loads(bytes(self.take(hlen, "header")))
+        if not isinstance(fields, dict):
+            raise ProtocolError(f"invalid {name_}: the header is not a JSON object")
+        for name, kind in self.model.ARRAYS.items():
+            dtype, width = _ARRAY_TYPES[kind]
+            (rows,) = _COUNT.unpack(self.take(_COUNT.size, f"{name} count"))
+            if rows > MAX_PAGES_PER_REQUEST:
+                raise ProtocolError(f"invalid {name_}: {name} has {rows} rows, more than {MAX_PAGES_PER_REQUEST}")
+            arr = np.frombuffer(self.take(rows * width, name), dtype=dtype)
+            fields[name] = arr.reshape(rows, HASH_BYTES) if kind == "hash" else arr
+        if self.pos != len(self.body):
+            raise ProtocolError(f"invalid {name_}: {len(self.body) - self.pos} bytes after the last field")
+        return fields
+
+
+def may_share(touching: bool, prev_nbytes: int, nbytes: int) -> bool:
+    """The client's side of the rule: a page may travel in one message with the page
+    before it when the two touch in the client's memory, or both are below
+    ``PACK_BELOW`` (packed through a scratch buffer). Sent as a request's ``join``."""
+    return touching or (nbytes < PACK_BELOW and prev_nbytes < PACK_BELOW)
+
+
+def group_runs(offsets: list[int], sizes: list[int], join: list[bool], indexes: list[int], max_run_bytes: int) -> list[int]:
+    """Group the pages a node sends or receives into runs that travel as one message
+    each: the whole rule, applied by the node on both PUT and GET.
+
+    Page k (request item ``indexes[k]``, pool slot ``offsets[k]``) joins page k-1's run
+    when the client allowed it (``join[k]``, see ``may_share``), its request predecessor
+    is in the run too (a page skipped in between breaks adjacency in the client's
+    memory) unless both are small enough to be packed anyway, their pool slots touch,
+    and the run stays within ``max_run_bytes``."""
     runs: list[int] = []
     run_len, run_bytes = 0, 0
-    for i, (off, size) in enumerate(zip(offsets, sizes)):
-        joins = run_len > 0 and joinable[i] and offsets[i - 1] + sizes[i - 1] == off and run_bytes + size <= max_run_bytes
+    for k, (off, size) in enumerate(zip(offsets, sizes)):
+        small = k > 0 and size < PACK_BELOW and sizes[k - 1] < PACK_BELOW
+        allowed = k > 0 and join[k] and (indexes[k - 1] == indexes[k] - 1 or small)
+        joins = run_len > 0 and allowed and offsets[k - 1] + sizes[k - 1] == off and run_bytes + size <= max_run_bytes
         if joins:
             run_len += 1
             run_bytes += size

@@ -1,0 +1,161 @@
+"""insert/select: the lookup-buffer contract of vLLM's SimpleConnector, on top of the
+paged mechanism of ``AsyncKVCacheClient``.
+
+A sequence's full blocks become shared, deduplicated pages (the paged API's); its
+trailing partial block and hidden states go into a tail object of its own, keyed by the
+sequence hash and split into parts (``client.codec``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from client import codec
+from client.buffers import page_spans, split_spans
+from kvstore.errors import InvalidInputError
+from kvstore.pages import heads, keys
+from kvstore.pages.hashing import block_hashes, part_hashes, sequence_hash, token_array
+
+if TYPE_CHECKING:
+    from client.async_client import PublishReport
+
+
+@dataclass
+class _Fetched:
+    """What ``select`` got: this rank's units of the leading ``blocks`` that arrived whole
+    (``[count, blocks, *unit_shape]``), and the tail buffer with its parts' sizes, of
+    which the leading ``parts`` arrived (0 unless every matched block did)."""
+
+    units: torch.Tensor
+    blocks: int
+    tail: np.ndarray
+    part_sizes: list[int]
+    parts: int
+
+
+class LookupBufferAPI:
+    """``insert`` and ``select``, mixed into ``AsyncKVCacheClient``: they use its
+    namespace, head groups and the paged mechanism (``_units``, ``_publish``,
+    ``_lookup``, ``_unit_requests``, ``_fetch``)."""
+
+    async def insert(self, input_tokens: Any, roi: Any, key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor | None = None) -> PublishReport:
+        """Store the KV of the tokens ``roi`` marks (a prefix of ``input_tokens``).
+
+        Full blocks become shared, deduplicated pages; the trailing partial block and
+        ``hidden`` go into the sequence's tail object."""
+        tokens, n_all = self._roi_prefix(input_tokens, roi)
+        T = len(tokens)
+        ns = self.namespace
+        key, value, hidden = (_token_prefix(t, T, n_all, dim) for t, dim in ((key, 1), (value, 1), (hidden, 0)))
+        codec.check_kv(ns, "key", key, T)
+        codec.check_kv(ns, "value", value, T)
+        if hidden is not None:
+            if ns.hidden_size == 0:
+                raise InvalidInputError("hidden states given but the namespace has hidden_size=0")
+            if tuple(hidden.shape) != (T, ns.hidden_size) or hidden.dtype != ns.torch_dtype():
+                raise InvalidInputError(f"hidden must be [{T}, {ns.hidden_size}] of {ns.torch_dtype()}, got {tuple(hidden.shape)} {hidden.dtype}")
+        hashes = block_hashes(self.storage, tokens)
+        unit_keys, spans, anchors, positions = self._units(hashes, codec.kv_to_pages(ns, key, value), "insert")
+        tail = codec.encode_tail(ns, key, value, hidden)
+        part_sizes = codec.tail_part_sizes(ns, T, hidden is not None)
+        # the tail (partial block, hidden states) is this rank's own: keyed by its TP
+        # namespace, a chain of its own in the index
+        parts = part_hashes(sequence_hash(ns, tokens, hashes), len(part_sizes))
+        part_anchors, part_positions = keys.placement(parts)
+        return await self._publish(unit_keys + parts, spans + split_spans(tail, part_sizes), anchors + part_anchors, positions + part_positions)
+
+    async def select(self, input_tokens: Any, roi: Any) -> list[Any]:
+        """``[input_tokens, roi, key, value, hidden]`` for the longest stored prefix of the
+        tokens ``roi`` marks: everything plus ``hidden`` when this exact sequence was
+        inserted, else the longest block-aligned prefix with ``hidden=None``; five
+        ``None`` on a miss. The returned ``roi`` marks the matched tokens."""
+        tokens, n_all = self._roi_prefix(input_tokens, roi)
+        ns = self.namespace
+        T = len(tokens)
+        hashes = block_hashes(self.storage, tokens)
+        sizes_h = codec.tail_part_sizes(ns, T, ns.hidden_size > 0)
+        sizes_nh = codec.tail_part_sizes(ns, T, False)
+        parts = part_hashes(sequence_hash(ns, tokens, hashes), max(len(sizes_h), len(sizes_nh)))
+        result = await self._lookup(hashes + parts, breaks=[len(hashes)])
+        if not result or result.matched == 0:
+            return [None] * 5
+        got = await self._fetch_sequence(hashes, parts, result)
+        tail = None
+        if got.blocks == len(hashes) and got.parts:
+            flags = codec.read_tail_flags(got.tail)
+            need = len(sizes_h if flags and flags[1] else sizes_nh)
+            if flags and flags[0] == T and got.parts >= need:
+                tail = codec.decode_tail(ns, got.tail[: sum(got.part_sizes[:need])])
+        key, value = codec.pages_to_kv(self._rank_pages(got), extra_tokens=T - got.blocks * ns.block_size if tail else 0)
+        hidden = None
+        if tail is not None:
+            key[:, got.blocks * ns.block_size :] = tail.partial_key
+            value[:, got.blocks * ns.block_size :] = tail.partial_value
+            hidden = tail.hidden
+        matched = T if tail is not None else got.blocks * ns.block_size
+        if matched == 0:
+            return [None] * 5
+        out_roi = torch.zeros(n_all, dtype=torch.bool)
+        out_roi[:matched] = True
+        return [input_tokens, out_roi, key, value, hidden]
+
+    async def _fetch_sequence(self, hashes: list[bytes], parts: list[bytes], result: Any) -> _Fetched:
+        """Fetch the matched blocks (this rank's units of each) and the tail parts that
+        follow them; a missing head group ends the prefix, and the tail cannot follow."""
+        ns, count = self.namespace, self.heads.count
+        nblocks = min(result.matched, len(hashes))
+        units = torch.empty(nblocks * count * ns.unit_nbytes, dtype=torch.uint8)
+        part_sizes = [loc[0].size for loc in result.locations[nblocks:]]
+        tail = np.empty(sum(part_sizes), dtype=np.uint8)
+        sinks = page_spans(units.numpy(), nblocks * count, ns.unit_nbytes) + split_spans(tail, part_sizes)
+        unit_hashes, unit_locations = self._unit_requests(hashes, result, slice(0, nblocks))
+        ok = await self._fetch(unit_hashes + parts[: result.matched - nblocks], unit_locations + result.locations[nblocks:], sinks)
+        blocks = whole_blocks(ok, count, nblocks)
+        got_parts = leading(ok[nblocks * count :]) if blocks == nblocks else 0
+        return _Fetched(units.view(ns.torch_dtype()).reshape(count, nblocks, *ns.unit_shape)[:, :blocks], blocks, tail, part_sizes, got_parts)
+
+    def _rank_pages(self, got: _Fetched) -> torch.Tensor:
+        """This rank's pages of the fetched blocks: the units as they are, or merged."""
+        ns = self.namespace
+        if self.heads.identity:
+            page_buf = got.units.reshape(-1).view(torch.uint8)
+        else:
+            rank_pages = torch.empty((got.blocks, *ns.page_shape), dtype=ns.torch_dtype())
+            heads.merge(ns, got.units, rank_pages, self.heads)
+            page_buf = rank_pages.reshape(-1).view(torch.uint8)
+        return page_buf[: got.blocks * ns.page_nbytes].view(ns.torch_dtype()).reshape(got.blocks, *ns.page_shape)
+
+    @staticmethod
+    def _roi_prefix(input_tokens: Any, roi: Any) -> tuple[np.ndarray, int]:
+        """The tokens ``roi`` marks (which must be a prefix) and the total token count."""
+        tokens = token_array(input_tokens)
+        mask = np.asarray(roi.detach().cpu() if hasattr(roi, "detach") else roi)
+        if mask.dtype != np.bool_ or mask.shape != tokens.shape:
+            raise InvalidInputError(f"roi must be a bool mask shaped like input_tokens {tokens.shape}, got {mask.dtype} {mask.shape}")
+        m = int(mask.sum())
+        if m == 0:
+            raise InvalidInputError("roi marks no tokens")
+        if not mask[:m].all():
+            raise InvalidInputError("roi must mark a prefix of the tokens (True values first, then only False)")
+        return tokens[:m], len(tokens)
+
+
+def leading(ok: list[bool]) -> int:
+    """How many leading requests arrived intact."""
+    return ok.index(False) if False in ok else len(ok)
+
+
+def whole_blocks(ok: list[bool], count: int, blocks: int) -> int:
+    """How many leading blocks arrived whole: every one of their ``count`` units, which
+    ``ok`` lists unit by unit (``heads.unit_hashes``)."""
+    return leading(np.array(ok[: count * blocks], dtype=bool).reshape(count, blocks).all(axis=0).tolist())
+
+
+def _token_prefix(t: Any, T: int, n_all: int, dim: int) -> Any:
+    """Cut a per-token tensor given for all ``n_all`` tokens down to the ``T`` that roi marks."""
+    if isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[dim] == n_all != T:
+        return t.narrow(dim, 0, T)
+    return t
