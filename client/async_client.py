@@ -204,20 +204,51 @@ class AsyncKVCacheClient(LookupBufferAPI):
         index is asked again, as ``get_pages`` would (the lease is what keeps the pages
         from eviction). Locations that went stale in between cost a shorter prefix,
         never wrong bytes: nodes check each page's hash and checksum."""
+        self._check_found(found)
+        if not self._fetchable(out, found.blocks, start_block):
+            return 0
+        return await self._get(split_hashes(found.joined), await self._found_result(found), out, start_block)
+
+    async def get_found_units(self, found: StoredPrefix, buf: torch.Tensor, start_block: int = 0) -> tuple[torch.Tensor, int]:
+        """``get_found`` for a caller that places this rank's head-group units itself (the
+        vLLM connector writes them straight into its paged cache: one host copy fewer
+        than ``get_found``'s merge into rank pages, and no staging buffer of the
+        client's). Fetches into ``buf`` (a contiguous host tensor of at least
+        ``units_nbytes(found.blocks - start_block)`` bytes) and returns the units of
+        blocks ``start_block`` on, ``[count, m, *unit_shape]`` (a view of ``buf``), and how
+        many of those blocks arrived whole (``heads.rank_parts`` cuts them)."""
+        self._check_found(found)
+        ns, count = self.namespace, self.heads.count
+        if start_block < 0:
+            raise InvalidInputError(f"start_block must not be negative, got {start_block}")
+        m = found.blocks - start_block
+        flat = host_bytes(buf) if m > 0 else None
+        if m > 0 and flat.size < self.units_nbytes(m):
+            raise InvalidInputError(f"buf holds {flat.size} bytes; {m} blocks of {count} units need {self.units_nbytes(m)}")
+        result = await self._found_result(found) if m > 0 else None
+        if not result or result.matched <= start_block:
+            return torch.empty((count, 0, *ns.unit_shape), dtype=ns.torch_dtype()), 0
+        return await self._fetch_units(split_hashes(found.joined), result, start_block, torch.from_numpy(flat))
+
+    def units_nbytes(self, blocks: int) -> int:
+        """Bytes of this rank's head-group units of ``blocks`` blocks."""
+        return blocks * self.heads.count * self.namespace.unit_nbytes
+
+    def _check_found(self, found: StoredPrefix) -> None:
         if found.storage != self.storage.digest_hex:
             raise InvalidInputError(f"found in storage namespace {found.storage[:12]}..., this client reads {self.storage.digest_hex[:12]}...")
         first, count = found.units
         if not (first <= self.heads.first and self.heads.first + self.heads.count <= first + count):
             raise InvalidInputError(f"found for head groups {first}..{first + count - 1}, this rank reads {self.heads.first}..{self.heads.first + self.heads.count - 1}")
-        if not self._fetchable(out, found.blocks, start_block):
-            return 0
+
+    async def _found_result(self, found: StoredPrefix) -> LookupResult | None:
+        """``found``'s replicas of this rank's head groups while at most half its read
+        lease has passed; else the index is asked again."""
         age = time.time() - found.taken
         if 0 <= age < found.lease_ms / 2000:
-            result: LookupResult | None = found.result.narrow(self.heads.first - first, self.heads.count)
-        else:
-            self.stats.stale_finds += 1
-            result = await self._lookup(found.joined)
-        return await self._get(split_hashes(found.joined), result, out, start_block)
+            return found.result.narrow(self.heads.first - found.units[0], self.heads.count)
+        self.stats.stale_finds += 1
+        return await self._lookup(found.joined)
 
     def _fetchable(self, out: torch.Tensor, blocks: int, start_block: int) -> bool:
         """Checks a get's arguments; False when there is nothing to fetch."""
@@ -235,15 +266,12 @@ class AsyncKVCacheClient(LookupBufferAPI):
         wanted = slice(start_block, n)
         if not self.heads.identity:  # head groups land in staging and are merged into the rank's pages
             self.stats.staged_transfers += 1
-            count, ns = self.heads.count, self.namespace
-            staging = self._staging.take((n - start_block) * count * ns.unit_nbytes)
-            units = staging[: (n - start_block) * count * ns.unit_nbytes].view(ns.torch_dtype()).view(count, n - start_block, *ns.unit_shape)
-            ok = await self._fetch(*self._unit_requests(hashes, result, wanted), page_spans(host_bytes(units), (n - start_block) * count, ns.unit_nbytes))
-            blocks = whole_blocks(ok, count, n - start_block)
+            staging = self._staging.take(self.units_nbytes(n - start_block))
+            units, blocks = await self._fetch_units(hashes, result, start_block, staging)
             if blocks:
-                heads.merge(ns, units[:, :blocks], out[start_block : start_block + blocks], self.heads)
+                heads.merge(self.namespace, units[:, :blocks], out[start_block : start_block + blocks], self.heads)
             self._staging.give(staging)  # not when cancelled: a transfer may still be landing in it
-            return (start_block + blocks) * ns.block_size
+            return (start_block + blocks) * self.namespace.block_size
         if self._mode_for(out) == "direct":
             self.stats.direct_transfers += 1
             dest = host_bytes(out) if out.device.type == "cpu" else out.reshape(-1).view(torch.uint8)
@@ -258,6 +286,15 @@ class AsyncKVCacheClient(LookupBufferAPI):
             flat[start_block * nbytes : (start_block + got) * nbytes].copy_(staging[: got * nbytes])
         self._staging.give(staging)  # not when cancelled: a transfer may still be landing in it
         return (start_block + got) * self.namespace.block_size
+
+    async def _fetch_units(self, hashes: list[bytes], result: LookupResult, start_block: int, buf: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Fetch this rank's units of blocks ``start_block`` to ``result.matched`` into the
+        uint8 host tensor ``buf``: the units ``[count, m, *unit_shape]`` and how many
+        leading blocks arrived whole."""
+        ns, count, m = self.namespace, self.heads.count, result.matched - start_block
+        units = buf[: self.units_nbytes(m)].view(ns.torch_dtype()).view(count, m, *ns.unit_shape)
+        ok = await self._fetch(*self._unit_requests(hashes, result, slice(start_block, result.matched)), page_spans(host_bytes(units), m * count, ns.unit_nbytes))
+        return units, whole_blocks(ok, count, m)
 
     def _units(self, hashes: list[bytes], pages: torch.Tensor, verb: str) -> tuple[list[bytes], list[Span], list[bytes], list[int]]:
         """What ``put_pages`` and ``insert`` publish of this rank's host ``pages`` of blocks

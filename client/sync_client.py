@@ -22,6 +22,7 @@ import torch
 from client.async_client import AsyncKVCacheClient, PublishReport, StoredPrefix
 from client.stats import ClientStats
 from kvstore.errors import TransportError
+from kvstore.pages.heads import RankUnits
 from kvstore.pages.namespace import Namespace
 from kvstore.settings.config import client_options_from_env
 
@@ -118,6 +119,18 @@ class KVCacheClient:
 
     def get_found(self, found: StoredPrefix, out: torch.Tensor, start_block: int = 0) -> int:
         return self._read(self._async.get_found(found, out, start_block), 0)
+
+    def get_found_units(self, found: StoredPrefix, buf: torch.Tensor, start_block: int = 0) -> tuple[torch.Tensor | None, int]:
+        """``AsyncKVCacheClient.get_found_units``; a fault or the deadline gives (None, 0)."""
+        return self._read(self._async.get_found_units(found, buf, start_block), (None, 0))
+
+    @property
+    def heads(self) -> RankUnits:
+        """The head-group units this rank reads and writes (``kvstore.pages.heads``)."""
+        return self._async.heads
+
+    def units_nbytes(self, blocks: int) -> int:
+        return self._async.units_nbytes(blocks)
 
     def insert(self, input_tokens: Any, roi: Any, key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor | None = None) -> PublishReport:
         return self._run(self._async.insert(input_tokens, roi, key, value, hidden), self._bound())

@@ -137,3 +137,24 @@ def test_staging_pool_reuses_its_buffers_and_never_waits():
     again = pool.take(5)
     assert again.data_ptr() == b.data_ptr()  # the pooled buffer came back, not a fresh one
     assert pool.take(1).data_ptr() not in pooled  # a is still out, the fresh ones were dropped
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scatter_writes_a_range_of_heads_and_leaves_the_others(device):
+    """A strided view of some heads (the vLLM connector's head-group loads, cut by
+    ``heads.rank_parts``) is written at its head offset only; other heads keep their
+    bytes, and a range outside the cache's heads is refused."""
+    layers = list(strided_cache((0, 1, 2, 3, 4), device, seed=7))
+    cache = PagedCache(layers)
+    before = [bits(kv) for kv in layers]
+    wide = torch.randn(5, L, H + 1, N, C)  # a buffer with more heads than the cache
+    part = wide[:, :, 2:3]  # one head, strided
+    cache.scatter(part, [4, 5, 9, 10, 11], head_at=1)
+    for layer, kv in enumerate(layers):
+        got = bits(kv)
+        assert torch.equal(got[[4, 5, 9, 10, 11], 1], bits(part[:, layer, 0]))
+        assert torch.equal(got[:, 0], before[layer][:, 0])
+        untouched = [b for b in range(B) if b not in (4, 5, 9, 10, 11)]
+        assert torch.equal(got[untouched], before[layer][untouched])
+    with pytest.raises(InvalidInputError, match="outside the cache"):
+        cache.scatter(part, [4], head_at=H)

@@ -260,3 +260,59 @@ def _nodes(cluster):
     from kvstore.index import PageIndex
 
     return PageIndex(cluster.redis_url).live_nodes()
+
+
+@pytest.mark.parametrize("layout", ["kv_lbhd", "vllm_cpu", "vllm_flash"])
+@pytest.mark.parametrize("tp_size,groups", [(1, 4), (2, 4), (2, 2), (4, 2), (4, 1), (8, 4)])
+def test_rank_parts_place_each_ranks_heads_as_merge_does(layout, tp_size, groups):
+    """Pure logic: the views ``rank_parts`` cuts from received units, each written at its
+    head offset, give exactly the pages ``merge`` copies (the vLLM connector writes them
+    straight into its paged cache), and none of them is a copy."""
+    from kvstore.pages import heads
+
+    full_ns = rank_ns(1, 0, heads=HEADS, groups=groups, layout=layout)
+    stored = heads.split(full_ns, torch.randn(3, *full_ns.page_shape).to(torch.float16), heads.rank_units(full_ns))
+    for r in range(tp_size):
+        ns = rank_ns(tp_size, r, heads=HEADS, groups=groups, layout=layout)
+        p = heads.rank_units(ns)
+        units = stored[p.first : p.first + p.count]
+        merged = torch.empty(3, *ns.page_shape, dtype=torch.float16)
+        heads.merge(ns, units, merged, p)
+        placed = torch.full_like(merged, float("nan"))
+        d = 1 + ns.head_dim
+        for part, at in heads.rank_parts(ns, units, p):
+            assert part.untyped_storage().data_ptr() == units.untyped_storage().data_ptr()
+            placed.narrow(d, at, part.shape[d]).copy_(part)
+        assert torch.equal(placed, merged)
+
+
+def test_get_found_units_fetches_what_get_found_merges(cluster):
+    """The connector's head-group load path in the client: ``get_found_units`` lands a
+    find's units in the caller's buffer (no staging of the client's), bit-exact with
+    what ``get_found`` merges, from any start block; a buffer too small is refused."""
+    from kvstore.pages import heads
+
+    kw = {"tenant": "tp-units"}
+    finder = KVCacheClient(cluster.redis_url, rank_ns(1, 0, **kw))
+    ranks = [KVCacheClient(cluster.redis_url, rank_ns(2, r, **kw)) for r in (0, 1)]
+    try:
+        for rank in ranks:
+            assert rank.put_pages(TOKENS, rank_pages(rank.namespace, TOKENS)).stored == 8
+        found = finder.find(TOKENS)
+        ns, p = finder.namespace, finder.heads
+        assert found is not None and found.blocks == 8 and not p.identity
+        expected = rank_pages(ns, TOKENS)
+        for start in (0, 3):
+            buf = torch.empty(finder.units_nbytes(8 - start), dtype=torch.uint8)
+            staged = finder.stats.staged_transfers
+            units, blocks = finder.get_found_units(found, buf, start_block=start)
+            assert blocks == 8 - start and finder.stats.staged_transfers == staged
+            assert units.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+            merged = torch.empty(blocks, *ns.page_shape, dtype=expected.dtype)
+            heads.merge(ns, units, merged, p)
+            assert torch.equal(merged.view(torch.uint8), expected[start:].view(torch.uint8))
+        with pytest.raises(InvalidInputError, match="need"):
+            finder.get_found_units(found, torch.empty(finder.units_nbytes(8) - 1, dtype=torch.uint8))
+    finally:
+        for c in (finder, *ranks):
+            c.close()

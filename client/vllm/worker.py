@@ -33,6 +33,7 @@ from client.vllm.options import ConnectorOptions, detect_layout, rank_client
 from client.vllm.paged_cache import GatherResult, PagedCache, StagingPool
 from client.vllm.stats import StatsRecorder
 from kvstore.errors import KVStoreError
+from kvstore.pages import heads
 from kvstore.settings.config import ClientOptions
 
 if TYPE_CHECKING:
@@ -125,12 +126,25 @@ class ConnectorWorker:
         got = spec.start_block
         pages = None
         try:
-            pages = self._staging.take(len(spec.block_ids))
-            got = self._client.get_found(spec.found, pages, start_block=spec.start_block) // self._block_size
+            if self._client.heads.identity:
+                pages = self._staging.take(len(spec.block_ids))
+                got = self._client.get_found(spec.found, pages, start_block=spec.start_block) // self._block_size
+                parts = [(pages[spec.start_block : got], 0)]
+            else:
+                # Head groups: this rank's heads go from the fetched units straight into the
+                # cache, from one buffer of the pool (no client staging, no merge into rank
+                # pages). Measured, a TP=1 load of 96 blocks (60 MiB) stored by TP=2 ranks,
+                # same host, 8 rounds interleaved: 17.7 ms against 22.2 ms merging first.
+                units_pages = -(-self._client.units_nbytes(spec.found.blocks - spec.start_block) // self._client.namespace.page_nbytes)
+                pages = self._staging.take(units_pages)
+                units, blocks = self._client.get_found_units(spec.found, pages, start_block=spec.start_block)
+                got = spec.start_block + blocks
+                parts = heads.rank_parts(self._client.namespace, units[:, :blocks], self._client.heads) if blocks else []
             if got > spec.start_block:
                 if after is not None:
                     self._load_stream.wait_event(after)
-                self._cache.scatter(pages[spec.start_block : got], spec.block_ids[spec.start_block : got], self._load_stream)
+                for part, head_at in parts:
+                    self._cache.scatter(part, spec.block_ids[spec.start_block : got], self._load_stream, head_at=head_at)
         except Exception as exc:  # noqa: BLE001 - a load must end as blocks to recompute, whatever broke
             log.warning("load of %s failed: %s", spec.req_id, exc)
             got = spec.start_block

@@ -11,7 +11,8 @@ segment (one lookup reads them all), and hashing costs what it always did.
 A tensor-parallel rank holds a range of heads (``Namespace.head_range``) and needs the
 units that cover it (``RankUnits``). Client code calls ``rank_units``, ``unit_hashes``,
 ``split`` (a rank's pages into its units, for a put) and ``merge`` (received units into
-the rank's pages, for a get); the index matches units by ``unit_of``."""
+the rank's pages, for a get) or ``rank_parts`` (the same as views, for a caller that
+places them itself); the index matches units by ``unit_of``."""
 
 from __future__ import annotations
 
@@ -95,6 +96,22 @@ def split(ns: Namespace, pages: torch.Tensor, p: RankUnits) -> torch.Tensor:
     per unit over UCX: 0.39x of whole pages, bench/transfer.py)."""
     d = 1 + ns.head_dim
     return pages.unflatten(d, (p.count, p.group_heads)).movedim(d, 0).contiguous()
+
+
+def rank_parts(ns: Namespace, units: torch.Tensor, p: RankUnits) -> list[tuple[torch.Tensor, int]]:
+    """The rank's pages as pieces of the received ``units`` ``[count, n, *unit_shape]``,
+    without a copy: per unit, ``[n, *unit_shape]`` narrowed to the heads the rank needs
+    of it, and where those heads start among the rank's. Writing each piece at its
+    place gives what ``merge`` copies into rank pages (the vLLM connector writes them
+    straight into its paged cache)."""
+    d = 1 + ns.head_dim
+    parts = []
+    for j in range(p.count):
+        lo = max(0, p.offset - j * p.group_heads)
+        hi = min(p.group_heads, p.offset + p.rank_heads - j * p.group_heads)
+        if hi > lo:
+            parts.append((units[j].narrow(d, lo, hi - lo), j * p.group_heads + lo - p.offset))
+    return parts
 
 
 def merge(ns: Namespace, units: torch.Tensor, out: torch.Tensor, p: RankUnits) -> None:
