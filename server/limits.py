@@ -47,28 +47,30 @@ def connection_budget(descriptor_limit: int, pool_descriptors: int) -> int:
 
 @dataclass
 class RateLimitedLog:
-    """Logs one line per ``interval`` seconds at most for one kind of event, with the
-    number of events that were not logged since the last line. Who calls it: every
-    place where a remote peer can cause a log line (refused connections, accept
-    errors, failed handshakes), so that a peer cannot flood the log."""
+    """Logs each kind of line (its message template) at most once per ``interval``
+    seconds, with the number of lines of that kind left out since the last one. Who
+    calls it: every place where a remote peer can cause a log line (refused
+    connections, protocol errors, accept errors, failed handshakes), so that a peer
+    cannot flood the log, nor hide one kind of line behind a flood of another."""
 
     logger: logging.Logger
     interval: float = 10.0
     level: int = logging.WARNING
-    _last: float = field(default=-1e18, repr=False)
-    _suppressed: int = field(default=0, repr=False)
+    _last: dict[str, tuple[float, int]] = field(default_factory=dict, repr=False)  # template -> (logged at, left out since)
 
     def __call__(self, message: str, *args: object) -> bool:
-        """Log ``message % args`` unless a line went out within ``interval``; True if logged."""
+        """Log ``message % args`` unless a line of this template went out within
+        ``interval``; True if logged."""
         now = time.monotonic()
-        if now - self._last < self.interval:
-            self._suppressed += 1
+        last, left_out = self._last.get(message, (-1e18, 0))
+        if now - last < self.interval:
+            self._last[message] = (last, left_out + 1)
             return False
-        if self._suppressed:
-            message += " (%d more like it in the last %.0f s)"
-            args = (*args, self._suppressed, now - self._last)
-        self._last, self._suppressed = now, 0
-        self.logger.log(self.level, message, *args)
+        self._last[message] = (now, 0)
+        if left_out:
+            self.logger.log(self.level, message + " (%d more like it in the last %.0f s)", *args, left_out, now - last)
+        else:
+            self.logger.log(self.level, message, *args)
         return True
 
 

@@ -329,3 +329,23 @@ def test_clients_that_stall_in_the_ucx_handshake_leave_a_count_not_tracebacks(cl
     tokens = list(range(4 * ns.block_size))
     run_worker(spec(cluster, ns, "put_pages", tokens=tokens, options={"same_host": False}))
     assert run_worker(spec(cluster, ns, "get_pages", tokens=tokens, options={"same_host": False}))["results"] == [{"blocks": 4, "matched": 4, "exact": True}]
+
+
+def test_a_flood_of_one_kind_of_peer_line_hides_no_other_kind(caplog):
+    """Pure logic: the node's rate-limited log keeps one budget per kind of line, so
+    a peer flooding one kind (say, refused descriptors) cannot silence another (a
+    failed accept) for the interval, and the next line of a kind says how many of it
+    were left out."""
+    import logging
+
+    from server.limits import RateLimitedLog
+
+    peers = RateLimitedLog(logging.getLogger("tests.peers"), interval=0.3)
+    with caplog.at_level(logging.WARNING, logger="tests.peers"):
+        assert [peers("refused %s", i) for i in range(50)] == [True] + [False] * 49
+        assert peers("accept failed: %s", "EMFILE")
+        time.sleep(0.35)
+        assert peers("refused %s", 50)
+    assert [r.getMessage() for r in caplog.records] == [
+        "refused 0", "accept failed: EMFILE", caplog.records[2].getMessage()]
+    assert caplog.records[2].getMessage().startswith("refused 50 (49 more like it in the last")

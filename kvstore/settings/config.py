@@ -57,11 +57,11 @@ def first_error(exc: ValidationError) -> tuple[str, str, str]:
 
 
 class _RedactedRepr:
-    """``repr`` shows secrets as ``shown_value`` does (a URL's password hidden too)."""
+    """``repr`` hides the password of the index URL (``SecretStr`` fields hide themselves)."""
 
     def __repr_args__(self) -> Any:
         for name, value in super().__repr_args__():  # type: ignore[misc]
-            yield (name, _Shown(shown_value(name, value)) if name in SECRET_OPTIONS or name == "redis_url" else value)
+            yield (name, _Shown(shown_value(name, value)) if name == "redis_url" else value)
 
 
 class _Shown(str):

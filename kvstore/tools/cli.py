@@ -30,7 +30,7 @@ def _up(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--index-shards must be at least 1, got {args.index_shards}")
     if args.redis_url and args.index_shards > 1:
         raise InvalidInputError("--index-shards starts an embedded index; it cannot be used with --redis-url")
-    password = _index_password() if args.redis_url else None
+    password = _index_from_env()[1] if args.redis_url else None
     if args.redis_url:
         PageIndex(args.redis_url, password=password).ping()  # fail now, not after 30 s
     with tempfile.TemporaryDirectory(prefix="kvstore-up-") as private:
@@ -40,16 +40,13 @@ def _up(args: argparse.Namespace) -> int:
         return _serve(args, cluster, token_note)
 
 
-def _index_options() -> Any:
-    """The index URL and password from KVSTORE_REDIS_URL, KVSTORE_REDIS_PASSWORD(_FILE),
-    read and checked as a client reads them."""
+def _index_from_env() -> tuple[str, str | None]:
+    """The index URL and password from KVSTORE_REDIS_URL and KVSTORE_REDIS_PASSWORD(_FILE),
+    read and checked once, as a client reads them."""
     from kvstore.settings.config import client_options_from_env
 
-    return client_options_from_env()
-
-
-def _index_password() -> str | None:
-    return _index_options().redis_password.get_secret_value() or None
+    options = client_options_from_env()
+    return options.redis_url, options.redis_password.get_secret_value() or None
 
 
 def _data_plane_token(private_dir: str) -> tuple[dict[str, str], str]:
@@ -89,7 +86,8 @@ def _serve(args: argparse.Namespace, cluster: Any, token_note: str) -> int:
 def _stats(args: argparse.Namespace) -> int:
     from kvstore.index import PageIndex
 
-    index = PageIndex(args.redis_url or _index_options().redis_url, password=_index_password())
+    url, password = _index_from_env()
+    index = PageIndex(args.redis_url or url, password=password)
     stats = index.stats()
     if args.json:
         nodes = [

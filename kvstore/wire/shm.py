@@ -99,9 +99,11 @@ class UnixChannel:
                 raise TransportError(f"unix socket send failed: {exc}") from None
             data, ancillary = data[sent:], []
 
-    async def _recv_exact(self, n: int) -> bytes:
+    async def _recv_exact(self, n: int, at_least: int | None = None) -> bytes:
+        """``n`` bytes; with ``at_least``, whatever has arrived once that many have (at
+        most ``n``)."""
         out = bytearray()
-        while len(out) < n:
+        while len(out) < (n if at_least is None else at_least):
             try:
                 data, ancdata, flags, _ = self.sock.recvmsg(n - len(out), self._ancillary, socket.MSG_CMSG_CLOEXEC)
             except (BlockingIOError, InterruptedError):
@@ -129,10 +131,12 @@ class UnixChannel:
         up to ``first_timeout`` (None: as long as it takes; ``TimeoutError`` after it);
         the rest must follow within ``rest_timeout`` seconds or ``ProtocolError`` is
         raised (the stream is then out of step: close the channel)."""
-        head = await asyncio.wait_for(self._recv_exact(1), first_timeout)
+        # one receive of up to the whole preamble, usually all of it, waits for the start
+        head = await asyncio.wait_for(self._recv_exact(P.PREAMBLE.size, at_least=1), first_timeout)
         try:
             async with asyncio.timeout(rest_timeout):
-                head += await self._recv_exact(P.PREAMBLE.size - 1)
+                if len(head) < P.PREAMBLE.size:
+                    head += await self._recv_exact(P.PREAMBLE.size - len(head))
                 body = await self._recv_exact(P.announced_length(head, max_body))
         except TimeoutError:
             raise ProtocolError(f"a control frame did not arrive whole within {rest_timeout:.1f} s of its first byte") from None
