@@ -22,7 +22,8 @@ _METAVARS = {"capacity": "SIZE", "slab_size": "SIZE", "hugepage_size": "SIZE", "
              "metrics_port": "PORT", "node_id": "NAME", "shm_dir": "DIR", "ucx_net_devices": "DEVICES", "ucx_tls": "TRANSPORTS",
              "high_watermark": "FRACTION", "low_watermark": "FRACTION", "heartbeat_interval": "SECONDS", "node_ttl": "SECONDS",
              "transfer_timeout": "SECONDS", "min_put_rate": "SIZE", "tenant_quota": "FRACTION", "max_request_pages": "PAGES", "max_request_bytes": "SIZE", "shutdown_grace": "SECONDS",
-             "max_connections": "CONNECTIONS", "frame_timeout": "SECONDS"}
+             "max_connections": "CONNECTIONS", "frame_timeout": "SECONDS", "disk_path": "DIR", "disk_capacity": "SIZE",
+             "disk_admission": "READS", "disk_queue_depth": "DEPTH"}
 
 
 def _add_argument(parser: Any, *names: str, **kwargs: Any) -> Any:

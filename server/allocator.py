@@ -51,7 +51,8 @@ class _Slab:
 class SlabAllocator:
     """Hands out byte offsets into the pool. Not thread-safe: one event loop owns it."""
 
-    def __init__(self, total_bytes: int, slab_size: int, on_new_slab: Callable[[int, str], None] | None = None) -> None:
+    def __init__(self, total_bytes: int, slab_size: int, on_new_slab: Callable[[int, str], None] | None = None,
+                 classify: Callable[[int], int] = size_class) -> None:
         if slab_size % GRANULE:
             raise ValueError(f"slab size {slab_size} must be a multiple of {GRANULE}")
         self.slab_size = slab_size
@@ -61,13 +62,14 @@ class SlabAllocator:
         self._slabs: dict[int, _Slab] = {}
         self._partial: dict[tuple[str, int], dict[int, _Slab]] = {}  # (owner, class) -> slabs with free slots
         self._on_new_slab = on_new_slab  # told which owner a free slab now serves
+        self.classify = classify  # slot size for a page of n bytes (the disk tier's slots are exact)
         self.used_bytes = 0
 
     def allocate(self, nbytes: int, owner: str = "") -> int | None:
         """Offset of a free slot for ``nbytes`` in a slab of ``owner``, or None when the
         owner's slabs of that class are full and no slab is free (the caller evicts and
         retries)."""
-        cls = size_class(nbytes)
+        cls = self.classify(nbytes)
         if cls > self.slab_size:
             raise ValueError(f"page of {nbytes} bytes exceeds the largest slot ({self.slab_size} bytes)")
         partial = self._partial.setdefault((owner, cls), {})
@@ -104,6 +106,22 @@ class SlabAllocator:
             self._free_slabs.append(slab.index)
         else:
             partial[slab.index] = slab
+
+    def restore_slab(self, index: int, slot_size: int, taken: list[int], owner: str = "") -> None:
+        """Mark slots ``taken`` of free slab ``index`` (cut into ``slot_size`` slots) as
+        used: recovery rebuilds the allocator from the records it finds on disk."""
+        slab = _Slab(index, slot_size, self.slab_size // slot_size, owner)
+        used = set(taken)
+        slab.bump = slab.slots
+        slab.free = [k for k in range(slab.slots - 1, -1, -1) if k not in used]
+        slab.used = len(used)
+        if not used:
+            return
+        self._free_slabs.remove(index)
+        self._slabs[index] = slab
+        self.used_bytes += slot_size * len(used)
+        if not slab.full:
+            self._partial.setdefault((owner, slot_size), {})[index] = slab
 
     @property
     def free_slabs(self) -> int:

@@ -175,6 +175,7 @@ class DataPlane:
         self.idle.set()
         self.connections = {"ucx": 0, "shm": 0}  # open, by path
         self.peer_log = RateLimitedLog(log)  # what remote peers cause, at most a line per interval
+        self.tier: Any = None  # the disk tier (server/disk/tier.py), when the node has one
 
     async def serve(self, endpoint: Any) -> None:
         """UCX listener callback: serve one client endpoint until it goes away."""
@@ -470,6 +471,8 @@ class DataPlane:
             if ok:  # else its index shard failed: the page stays out of the table
                 self.store.finish_put(page)
                 batch.committed.add(page)
+        if self.tier is not None:
+            self.tier.committed([p for p in good if p in batch.committed])
 
     def _receive_run(self, ch: Channel, pages: list[StoredPage], starts: list[int], r: int) -> asyncio.Future:
         """Post the receive of run ``r`` straight into its pool slots now; the future
@@ -504,6 +507,7 @@ class DataPlane:
                 if page is not None:
                     present.append(i)
                     pages.append(page)
+            present, pages = await self._in_memory(present, pages)
             sizes = [p.size for p in pages]
             checksums = np.array([p.checksum for p in pages], dtype=np.uint64)
             if conn.path == "shm":
@@ -522,6 +526,23 @@ class DataPlane:
         self.metrics.gets.inc(len(pages))
         self.metrics.get_missing.inc(len(req.hashes) - len(pages))
         self.metrics.sent_bytes.inc(sum(p.size for p in pages))
+
+    async def _in_memory(self, present: list[int], pages: list[StoredPage]) -> tuple[list[int], list[StoredPage]]:
+        """The pinned pages of a get, in memory: those only on disk are read back first
+        (server/disk/tier.py); one that could not be is unpinned and reads as missing."""
+        needed = [p for p in pages if p.offset is None or p.loading is not None]
+        from_disk = 0
+        if needed:
+            await self.tier.load(needed)
+            from_disk = sum(p.offset is not None for p in needed)
+            kept = [(i, p) for i, p in zip(present, pages) if p.offset is not None]
+            for page in needed:
+                if page.offset is None:
+                    self.store.unpin(page)
+            present, pages = [i for i, _ in kept], [p for _, p in kept]
+        self.metrics.hits.labels("disk").inc(from_disk)
+        self.metrics.hits.labels("memory").inc(len(pages) - from_disk)
+        return present, pages
 
     async def _reply_with_runs(self, ch: Channel, plan: P.GetPlan, pages: list[StoredPage], runs: list[int]) -> None:
         """Post the plan and every run's message out of the pool at once, then wait for

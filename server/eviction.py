@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from kvstore.errors import RemoteFault
@@ -46,6 +47,10 @@ class Evictor:
         self.identity = identity
         self.high = high
         self.low = low
+        self.on_drop: Callable[[StoredPage], None] | None = None  # told of every page dropped (the disk tier frees its copy)
+        # called before memory victims are chosen: the disk tier writes the oldest pages
+        # it had not written yet, so they leave memory clean instead of being dropped
+        self.before_evict: Callable[[int, str | None], Awaitable[None]] | None = None
 
     async def allocate(self, pages: list[StoredPage]) -> None:
         """Assign slots to the claimed pages of one put (one tenant). A tenant over its
@@ -53,6 +58,7 @@ class Evictor:
         node evicts when the batch would pass the high watermark. A page left without a
         slot (``offset is None``) is refused."""
         store = self.store
+        released = store.released_pages
         owner = pages[0].owner
         needed = sum(size_class(p.size) for p in pages)
         # both kinds of victim are chosen first and leave the index in one pass: with the
@@ -60,9 +66,12 @@ class Evictor:
         victims = []
         over_quota = store.tenant_bytes[owner] + needed - self.tenant_quota
         if over_quota > 0:
+            await self._clean(over_quota, owner)
             victims = store.take_victims(over_quota, owner=owner, only_owner=True)
         used = store.used_bytes - sum(store.allocator.slot_size(p.offset) for p in victims)
         if used + needed > self.high * store.capacity:
+            await self._clean(used + needed - int(self.low * store.capacity), None)
+            used = store.used_bytes - sum(store.allocator.slot_size(p.offset) for p in victims)
             victims += store.take_victims(used + needed - int(self.low * store.capacity))
         if victims:
             await self._evict(victims)
@@ -73,11 +82,24 @@ class Evictor:
             for _ in range(3):
                 if store.assign_slot(page) or not await self.evict(size_class(page.size), size_class(page.size), page.owner):
                     break
+        self.metrics.released.inc(store.released_pages - released)
 
     async def evict(self, nbytes: int, slot_size: int | None = None, owner: str = "") -> int:
         """Evict least-recently-used pages worth at least ``nbytes`` (of ``slot_size`` and
         ``owner`` first, when given); returns pages evicted."""
-        return await self._evict(self.store.take_victims(nbytes, slot_size, owner))
+        await self._clean(nbytes, None)
+        released = self.store.released_pages
+        victims = self.store.take_victims(nbytes, slot_size, owner)
+        released = self.store.released_pages - released
+        return await self._evict(victims) + released
+
+    async def _clean(self, nbytes: int, owner: str | None) -> None:
+        if self.before_evict is not None and nbytes > 0:
+            await self.before_evict(nbytes, owner)
+
+    async def evict_pages(self, victims: list[StoredPage]) -> int:
+        """Evict pages another tier took (``take_disk_victims``): see ``_evict``."""
+        return await self._evict(victims)
 
     async def _evict(self, victims: list[StoredPage]) -> int:
         """Remove victims (taken by ``take_victims``) from the index, one call per
@@ -91,6 +113,8 @@ class Evictor:
             for page, removed in zip(pages, gone):
                 if removed is not False:
                     self.store.drop(page)
+                    if self.on_drop is not None:
+                        self.on_drop(page)
                     evicted += 1
                 else:
                     self.store.restore(page)

@@ -45,8 +45,10 @@ class LoopWatchdog:
 
 
 def start_health_server(host: str, port: int, registry: CollectorRegistry, ready: Callable[[], bool],
-                        alive: Callable[[], bool] = lambda: True) -> ThreadingHTTPServer:
-    """Serve until the process exits; ``server.server_port`` is the bound port."""
+                        alive: Callable[[], bool] = lambda: True, notes: Callable[[], list[str]] = list) -> ThreadingHTTPServer:
+    """Serve until the process exits; ``server.server_port`` is the bound port. ``notes``
+    are lines /healthz adds to its body about a part that is degraded while the node
+    still serves (its status stays 200: restarting would not help)."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server API
@@ -54,7 +56,8 @@ def start_health_server(host: str, port: int, registry: CollectorRegistry, ready
                 self._reply(200, generate_latest(registry), CONTENT_TYPE_LATEST)
             elif self.path == "/healthz":
                 ok = alive()
-                self._reply(200 if ok else 503, b"ok\n" if ok else b"event loop stuck\n")
+                body = ("ok\n" if ok else "event loop stuck\n") + "".join(f"{line}\n" for line in notes())
+                self._reply(200 if ok else 503, body.encode())
             elif self.path == "/readyz":
                 ok = ready()
                 self._reply(200 if ok else 503, b"ready\n" if ok else b"not registered\n")

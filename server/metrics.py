@@ -49,6 +49,22 @@ class NodeMetrics:
         self.latency = Histogram(
             "kvstore_request_seconds", "Request latency", ["op"], buckets=_LATENCY_BUCKETS, registry=r
         )
+        # the disk tier (server/disk/); all zero on a node without one
+        self.tier_pages = Gauge("kvstore_tier_pages", "Ready pages with a copy in the tier (a page may be in both)", ["tier"], registry=r)
+        self.tier_bytes = Gauge("kvstore_tier_used_bytes", "Bytes of slots holding pages in the tier", ["tier"], registry=r)
+        self.tier_capacity = Gauge("kvstore_tier_capacity_bytes", "Bytes the tier may hold", ["tier"], registry=r)
+        self.hits = Counter("kvstore_tier_hit_pages", "Pages sent by GET requests, by the tier they were found in (disk: read back first)", ["tier"], registry=r)
+        self.demoted = Counter("kvstore_demoted_pages", "Pages written to the disk tier (write-back demotion or write-through)", registry=r)
+        self.promoted = Counter("kvstore_promoted_pages", "Pages read back from disk into memory for a get", registry=r)
+        self.released = Counter("kvstore_memory_released_pages", "Pages that left memory and stayed on disk", registry=r)
+        self.disk_evicted = Counter("kvstore_disk_evicted_pages", "Disk copies freed for space (a page only on disk also leaves the index)", registry=r)
+        self.disk_read_bytes = Counter("kvstore_disk_read_bytes", "Bytes read from the disk tier", registry=r)
+        self.disk_written_bytes = Counter("kvstore_disk_written_bytes", "Bytes written to the disk tier", registry=r)
+        self.disk_read_seconds = Histogram("kvstore_disk_read_seconds", "Time of one record read from disk (queue included)", buckets=_LATENCY_BUCKETS, registry=r)
+        self.disk_write_seconds = Histogram("kvstore_disk_write_seconds", "Time of one record write to disk (queue included)", buckets=_LATENCY_BUCKETS, registry=r)
+        self.disk_errors = Counter("kvstore_disk_errors", "Disk tier failures: io (EIO and the like), nospace (ENOSPC, EFBIG), checksum (a record that failed its check: dropped)", ["kind"], registry=r)
+        self.disk_degraded = Gauge("kvstore_disk_degraded", "1 while the disk tier's writes are stopped after an error (the node serves from memory)", registry=r)
+        self.disk_direct_io = Gauge("kvstore_disk_direct_io", "1 when the disk tier uses O_DIRECT, 0 when the filesystem refused it (buffered I/O)", registry=r)
         self.free_slabs = Gauge("kvstore_free_slabs", "Slabs serving no tenant yet", registry=r)
         self.index_up = Gauge("kvstore_index_up", "1 while the last heartbeat reached the index within the node TTL", registry=r)
         self.heartbeat_age = Gauge("kvstore_heartbeat_age_seconds", "Seconds since the last heartbeat reached the index", registry=r)
@@ -67,6 +83,10 @@ class NodeMetrics:
             self.connections_refused.labels(reason)
         for direction in ("in", "out"):
             self.messages.labels(direction)
+        for tier in ("memory", "disk"):
+            self.hits.labels(tier)
+        for kind in ("io", "nospace", "checksum"):
+            self.disk_errors.labels(kind)
 
     def watch(self, store: Any, dataplane: Any) -> None:
         """Read the gauges from the node's page table and data plane at scrape time
@@ -79,6 +99,17 @@ class NodeMetrics:
         for path in ("ucx", "shm"):
             self.connections.labels(path).set_function(lambda path=path: dataplane.connections[path])
         self.connection_budget.set_function(lambda: dataplane.limits.connections)
+        self.tier_pages.labels("memory").set_function(lambda: store.memory_pages)
+        self.tier_bytes.labels("memory").set_function(lambda: store.used_bytes)
+        self.tier_capacity.labels("memory").set_function(lambda: store.capacity)
+
+    def watch_disk(self, tier: Any) -> None:
+        """The disk tier's gauges (server/disk/tier.py)."""
+        self.tier_pages.labels("disk").set_function(lambda: len(tier.store.disk_lru))
+        self.tier_bytes.labels("disk").set_function(lambda: tier.allocator.used_bytes)
+        self.tier_capacity.labels("disk").set_function(lambda: tier.files.capacity)
+        self.disk_degraded.set_function(lambda: float(bool(tier.degraded)))
+        self.disk_direct_io.set(float(tier.files.direct))
 
 
 def _version(dist: str) -> str:

@@ -31,6 +31,9 @@ from kvstore.settings.config import ServerSettings
 from kvstore.wire.shm import host_id
 from kvstore.wire.transport import ensure_ucx, listen
 from server.dataplane import DataPlane, RequestLimits
+from server.disk.files import DiskFiles
+from server.disk.recovery import recover
+from server.disk.tier import DiskTier, TierPolicy
 from server.eviction import Evictor, NodeIdentity
 from server.health import LoopWatchdog, start_health_server
 from server.limits import HandshakeFailures, RateLimitedLog, connection_budget, raise_descriptor_limit
@@ -77,6 +80,9 @@ class StorageNode:
             limits=RequestLimits(settings.max_request_pages, settings.max_request_bytes or self.store.capacity, connections, settings.frame_timeout),
         )
         self.metrics.watch(self.store, self.dataplane)
+        self._predecessor = ""  # the incarnation the disk tier's last run registered
+        self.tier = self._disk_tier() if settings.disk_path else None
+        self.dataplane.tier = self.tier
         self.watchdog = LoopWatchdog(limit=max(10.0, 3 * settings.heartbeat_interval))
         self._started = time.monotonic()
         self._last_heartbeat = 0.0
@@ -89,6 +95,25 @@ class StorageNode:
         self._extra: dict[str, str] = {"pid": str(os.getpid())}  # published in the registry
         self.fatal: Exception | None = None  # why the node stopped by itself
         self._trimmed = 0.0
+
+    def _disk_tier(self) -> DiskTier:
+        """The disk tier under the pool, with the pages a previous run left on disk."""
+        s = self.settings
+        files = DiskFiles(s.disk_path, s.disk_capacity, s.slab_size, s.disk_queue_depth)
+        if not files.direct:
+            log.warning("disk tier: %s refuses O_DIRECT (tmpfs, overlay?): using buffered I/O (kvstore_disk_direct_io 0)", s.disk_path)
+        tier = DiskTier(self.store, files, self.index, self.evictor, self.metrics,
+                        TierPolicy(s.disk_policy, s.disk_admission, s.disk_queue_depth, s.tenant_quota), s.high_watermark, s.low_watermark)
+        self.metrics.watch_disk(tier)
+        recover(tier)
+        self._predecessor = str(files.state.get("incarnation", ""))
+        return tier
+
+    def status_lines(self) -> list[str]:
+        """What /healthz adds to its body: a degraded disk tier (the node still serves)."""
+        if self.tier is not None and self.tier.degraded:
+            return [f"disk tier degraded: {self.tier.degraded}"]
+        return []
 
     def ready(self) -> bool:
         """Registered, and the last heartbeat reached the index within the node TTL."""
@@ -110,9 +135,11 @@ class StorageNode:
         self.address = f"{s.host}:{listener.port}"
         unix = self._listen_unix() if s.shm_dir else None
         if s.metrics_port is not None:
-            http = start_health_server(s.metrics_host, s.metrics_port, self.metrics.registry, self.ready, self.watchdog.alive)
+            http = start_health_server(s.metrics_host, s.metrics_port, self.metrics.registry, self.ready, self.watchdog.alive, self.status_lines)
             self.metrics_port = http.server_port
             self._extra["metrics"] = f"{s.host}:{self.metrics_port}"
+        if self.tier is not None:
+            self.tier.start()
         heartbeat = asyncio.create_task(self._heartbeat_loop())
         watchdog = self.watchdog.start()
         print(f"kvstore-server node={s.node_id} address={self.address} metrics_port={self.metrics_port} pool={self.pool.backing} max_connections={self.dataplane.limits.connections}", flush=True)
@@ -128,6 +155,8 @@ class StorageNode:
             log.warning("shutdown grace over with %d requests in flight", self.dataplane.active)
         heartbeat.cancel()
         watchdog.cancel()
+        if self.tier is not None:
+            await self.tier.stop()
         await self._deregister()
         await self.index.close()
         logging.getLogger("ucx").removeFilter(handshakes)
@@ -237,9 +266,11 @@ class StorageNode:
     async def _register(self, incarnation: str | None) -> Registration:
         # the registry carries what this node holds, so `kvstore stats` needs no index scan
         pages = json.dumps({ns: n for ns, n in sorted(self.store.namespace_pages.items()) if n > 0}, separators=(",", ":"))
+        # After a restart the disk tier names the incarnation its last run registered: the
+        # directory's lock proves that process is gone, so the new one takes over at once.
         return await self.index.register_node(
             self.identity.node_id, self.address, self.store.capacity, self.node_ttl_ms, incarnation,
-            replaces=self.identity.incarnation, extra={**self._extra, "pages": pages, **self._usage()},
+            replaces=self.identity.incarnation or self._predecessor, extra={**self._extra, "pages": pages, **self._usage()},
         )
 
     def _usage(self) -> dict[str, str]:
@@ -249,17 +280,23 @@ class StorageNode:
             "used": str(self.store.used_bytes),
             "hits": str(int(sample("kvstore_get_pages_total") or 0)),
             "misses": str(int(sample("kvstore_get_missing_pages_total") or 0)),
+            **({"disk_used": str(self.tier.allocator.used_bytes), "disk_capacity": str(self.tier.files.capacity),
+                "disk_pages": str(len(self.store.disk_lru)), "memory_pages": str(self.store.memory_pages),
+                "disk_hits": str(int(sample("kvstore_tier_hit_pages_total", {"tier": "disk"}) or 0)),
+                "disk_degraded": "1" if self.tier.degraded else "0"} if self.tier is not None else {}),
         }
 
     async def _register_new(self) -> None:
         """Register a fresh incarnation; if this node held pages under an older one,
         re-publish them (and their namespaces) under the new one."""
         registration = await self._register(None)
-        republish = bool(self.identity.incarnation)
+        republish = bool(self.identity.incarnation) or self.store.ready_pages > 0  # pages recovered from disk too
         self.identity.incarnation, self.identity.number = registration.incarnation, registration.number
         incarnation = registration.incarnation
         self.identity.index_stale = False  # an eviction that fails from here on flags it again
         log.info("registered as %s incarnation %s at %s", self.identity.node_id, incarnation, self.address)
+        if self.tier is not None:
+            await asyncio.get_running_loop().run_in_executor(self.tier.files.writers, lambda: self.tier.files.write_state(incarnation=incarnation))
         if republish:
             try:
                 await self._republish()

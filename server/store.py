@@ -6,16 +6,20 @@ can never both own a key:
 
 - *receiving*: claimed by one PUT; invisible to readers; a second PUT of the key
   finds it here and does not claim it again;
-- *ready*: verified and committed; in the LRU; readers pin it;
-- *evicting*: taken out of the LRU while the index removes it; it ends ``ready``
+- *ready*: verified and committed; readers pin it. It has a memory slot (``offset``,
+  in the memory LRU), a disk slot (``disk``, in the disk LRU: server/disk/), or both;
+- *evicting*: taken out of the LRUs while the index removes it; it ends ``ready``
   again (a reader's lease kept it) or dropped;
 - *dropped*: out of the table; its slot is freed when the last pin goes.
 
 Pins count transfers in progress (and the claiming PUT), so eviction never frees
-memory that is being sent or received."""
+memory that is being sent or received. A ready page with a disk copy (*clean*) leaves
+memory without leaving the index: its memory slot is freed at once when no transfer
+holds it, and a read brings it back from disk (server/disk/tier.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
@@ -44,9 +48,14 @@ class StoredPage:
     owner: str = ""  # the tenant whose slabs may hold it (server/pool.py)
     anchor: bytes = b""  # its segment in the index (kvstore.pages.keys), and its place there
     position: int = 0
-    offset: int | None = None  # None until a slot is assigned
+    offset: int | None = None  # memory slot; None until one is assigned, or while only on disk
     state: PageState = PageState.RECEIVING
     pins: int = 0
+    disk: int | None = None  # disk slot, when the page has a copy on disk
+    sequence: int = 0  # its disk record's sequence number (newest wins at recovery)
+    reads: int = 0  # gets that found it (the disk tier's admission counts them)
+    writing: bool = False  # its disk copy is being written
+    loading: asyncio.Future | None = None  # set while it is read back from disk into its memory slot
 
 
 def commit_entry(page: StoredPage) -> CommitEntry:
@@ -60,10 +69,13 @@ class PageStore:
         self.pool = pool
         self.allocator = SlabAllocator(pool.capacity, pool.slab_size, pool.claim_slab)
         self.pages: dict[PageKey, StoredPage] = {}
-        self._lru: OrderedDict[PageKey, StoredPage] = OrderedDict()
-        self.namespace_pages: Counter[str] = Counter()
-        self.tenant_bytes: Counter[str] = Counter()  # slot bytes each owner holds (quota, server/eviction.py)
+        self._lru: OrderedDict[PageKey, StoredPage] = OrderedDict()  # ready pages in memory
+        self.disk_lru: OrderedDict[PageKey, StoredPage] = OrderedDict()  # ready pages with a disk copy
+        self.namespace_pages: Counter[str] = Counter()  # ready pages (either tier) per namespace
+        self.tenant_bytes: Counter[str] = Counter()  # memory slot bytes each owner holds (quota, server/eviction.py)
         self.pins = 0  # claims and transfers in progress, over all pages
+        self.ready_pages = 0  # ready pages, either tier
+        self.released_pages = 0  # clean pages whose memory copy was freed (their disk copy stays)
 
     @property
     def capacity(self) -> int:
@@ -74,7 +86,7 @@ class PageStore:
         return self.allocator.used_bytes
 
     @property
-    def ready_pages(self) -> int:
+    def memory_pages(self) -> int:
         return len(self._lru)
 
     def view(self, page: StoredPage) -> np.ndarray:
@@ -86,7 +98,11 @@ class PageStore:
         return self.pages.get(key)
 
     def ready_items(self) -> list[StoredPage]:
-        """Every ready page, least recently used first (for re-publishing after an index loss)."""
+        """Every ready page, either tier (for re-publishing after an index loss or a restart)."""
+        return [p for p in self.pages.values() if p.state is PageState.READY]
+
+    def memory_lru(self) -> list[StoredPage]:
+        """Ready pages in memory, least recently used first (the disk tier's demoter walks it)."""
         return list(self._lru.values())
 
     def claim(self, key: PageKey, size: int, checksum: int = 0, owner: str = "", anchor: bytes = b"", position: int = 0) -> StoredPage:
@@ -99,7 +115,8 @@ class PageStore:
         return page
 
     def assign_slot(self, page: StoredPage) -> bool:
-        """Give a claimed page a slot; False when no slot is free (evict and retry)."""
+        """Give a claimed page (or one coming back from disk) a memory slot; False when
+        no slot is free (evict and retry)."""
         page.offset = self.allocator.allocate(page.size, page.owner)
         if page.offset is None:
             return False
@@ -108,9 +125,8 @@ class PageStore:
 
     def finish_put(self, page: StoredPage) -> None:
         """The claimed page is verified and committed: it becomes ready."""
-        page.state = PageState.READY
+        self._become_ready(page)
         self._lru[page.key] = page
-        self.namespace_pages[page.key[0]] += 1
         self.unpin(page)
 
     def abort_put(self, page: StoredPage) -> None:
@@ -118,14 +134,26 @@ class PageStore:
         self._forget(page)
         self.unpin(page)
 
+    def recovered(self, page: StoredPage) -> None:
+        """A page found on disk at start (server/disk/recovery.py) joins the table, ready."""
+        assert page.key not in self.pages and page.disk is not None
+        self.pages[page.key] = page
+        self._become_ready(page)
+        self.disk_lru[page.key] = page
+
     def pin_for_read(self, key: PageKey) -> StoredPage | None:
-        """Pin a ready page for sending and mark it most recently used."""
+        """Pin a ready page for sending and mark it most recently used. A page that is
+        only on disk (``offset is None``) or still ``loading`` must be brought back first."""
         page = self.pages.get(key)
         if page is None or page.state is not PageState.READY:
             return None
         page.pins += 1
+        page.reads += 1
         self.pins += 1
-        self._lru.move_to_end(key)
+        if page.key in self._lru:
+            self._lru.move_to_end(key)
+        if page.key in self.disk_lru:
+            self.disk_lru.move_to_end(key)
         return page
 
     def unpin(self, page: StoredPage) -> None:
@@ -135,11 +163,14 @@ class PageStore:
             self._release_slot(page)
 
     def take_victims(self, nbytes: int, slot_size: int | None = None, owner: str = "", only_owner: bool = False) -> list[StoredPage]:
-        """Move least-recently-used ready pages worth ``nbytes`` of slots (preferring slot
+        """Free memory slots worth ``nbytes``, least recently used first (preferring slot
         size ``slot_size`` of ``owner`` when given: their slots are the ones a new page
-        can use; only ``owner``'s pages with ``only_owner``) to *evicting*, hidden from
-        readers. The caller either ``drop``s or ``restore``s each one."""
+        can use; only ``owner``'s pages with ``only_owner``). A clean page no transfer
+        holds leaves memory at once and stays ready on disk; the others that can go
+        move to *evicting*, hidden from readers, and are returned: the caller either
+        ``drop``s or ``restore``s each one. Pages being written to disk are skipped."""
         victims: list[StoredPage] = []
+        clean: list[StoredPage] = []
         freed = 0
         alloc = self.allocator
         for pass_class in ((slot_size, None) if slot_size else (None,)):
@@ -148,14 +179,60 @@ class PageStore:
                     break
                 if only_owner and page.owner != owner:
                     continue
-                if page.state is PageState.READY and (pass_class is None or (alloc.slot_size(page.offset) == pass_class and alloc.owner(page.offset) == owner)):
-                    page.state = PageState.EVICTING
-                    victims.append(page)
+                if page.state is not PageState.READY or page.writing or (page.disk is not None and page.pins):
+                    continue
+                if pass_class is None or (alloc.slot_size(page.offset) == pass_class and alloc.owner(page.offset) == owner):
+                    page.state = PageState.EVICTING  # marks it taken for the second pass
+                    (victims if page.disk is None else clean).append(page)
                     freed += self.allocator.slot_size(page.offset)
         for page in victims:
             del self._lru[page.key]
-            self.namespace_pages[page.key[0]] -= 1
+            self.state_left_ready(page)
+        for page in clean:
+            page.state = PageState.READY
+            self.release_memory(page)
+        self.released_pages += len(clean)
         return victims
+
+    def take_disk_victims(self, nbytes: int, slot_size: int, owner: str | None = None) -> tuple[list[StoredPage], list[StoredPage]]:
+        """Disk copies worth ``nbytes``, least recently used first (only ``owner``'s when
+        given): (pages only on disk, moved to *evicting* for the caller to ``drop`` or
+        ``restore``; pages also in memory, whose disk copy the caller frees)."""
+        victims: list[StoredPage] = []
+        copies: list[StoredPage] = []
+        freed = 0
+        for page in self.disk_lru.values():
+            if freed >= nbytes:
+                break
+            if (owner is not None and page.owner != owner) or page.pins or page.writing or page.loading is not None:
+                continue
+            (victims if page.offset is None else copies).append(page)
+            freed += slot_size
+        for page in victims + copies:
+            del self.disk_lru[page.key]
+        for page in victims:
+            page.state = PageState.EVICTING
+            self.state_left_ready(page)
+        return victims, copies
+
+    def add_disk_copy(self, page: StoredPage, offset: int, sequence: int) -> None:
+        """A ready page's record is on disk at ``offset``."""
+        page.disk, page.sequence = offset, sequence
+        self.disk_lru[page.key] = page
+
+    def promoted(self, page: StoredPage) -> None:
+        """A page read back from disk into its memory slot is in memory again (most recent)."""
+        self._lru[page.key] = page
+
+    def release_memory(self, page: StoredPage) -> None:
+        """Free the memory slot of a page no transfer holds (its copy is on disk, or its
+        read from disk failed)."""
+        assert page.pins == 0 or page.loading is not None
+        self._lru.pop(page.key, None)
+        if page.offset is not None:
+            self.tenant_bytes[page.owner] -= self.allocator.slot_size(page.offset)
+            self.allocator.free(page.offset)
+            page.offset = None
 
     def drop(self, page: StoredPage) -> None:
         """Forget an evicted page; its slot is freed now or when its last transfer ends."""
@@ -164,19 +241,35 @@ class PageStore:
 
     def restore(self, page: StoredPage) -> None:
         """Put back a victim the index refused to remove (it is leased by a reader)."""
+        self._become_ready(page)
+        if page.offset is not None:
+            self._lru[page.key] = page
+        if page.disk is not None:
+            self.disk_lru[page.key] = page
+
+    def _become_ready(self, page: StoredPage) -> None:
         page.state = PageState.READY
-        self._lru[page.key] = page
+        self.ready_pages += 1
         self.namespace_pages[page.key[0]] += 1
+
+    def state_left_ready(self, page: StoredPage) -> None:
+        self.ready_pages -= 1
+        self.namespace_pages[page.key[0]] -= 1
 
     def _forget(self, page: StoredPage) -> None:
         if self.pages.get(page.key) is page:
             del self.pages[page.key]
+        if page.state is PageState.READY:
+            self.state_left_ready(page)
+        if self._lru.get(page.key) is page:
+            del self._lru[page.key]
+        if self.disk_lru.get(page.key) is page:
+            del self.disk_lru[page.key]
         page.state = PageState.DROPPED
 
     def _release_slot(self, page: StoredPage) -> None:
-        """Free a dropped page's slot once no transfer holds it (at most once)."""
+        """Free a dropped page's memory slot once no transfer holds it (at most once)."""
         if page.pins == 0 and page.offset is not None:
             self.tenant_bytes[page.owner] -= self.allocator.slot_size(page.offset)
             self.allocator.free(page.offset)
             page.offset = None
-

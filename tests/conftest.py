@@ -47,8 +47,8 @@ def clusters(index_shards):
     """Factory of local stores (embedded Valkey + node processes), stopped after the test."""
     made: list[LocalCluster] = []
 
-    def make(servers: int = 1, capacity: str = "256MiB", slab: str = "16MiB", extra: list[str] | None = None) -> LocalCluster:
-        cluster = LocalCluster(servers, capacity, slab_size=slab, extra_args=extra, index_shards=index_shards)
+    def make(servers: int = 1, capacity: str = "256MiB", slab: str = "16MiB", extra: list[str] | None = None, **kw) -> LocalCluster:
+        cluster = LocalCluster(servers, capacity, slab_size=slab, extra_args=extra, index_shards=index_shards, **kw)
         made.append(cluster)
         return cluster.start()
 

@@ -143,6 +143,11 @@ class ServerSettings(IndexAccess, BaseSettings):
     anonymous: bool = Field(False, description="serve requests without a credential, every tenant to everyone (development only); needed when neither a token nor a credentials file is given")
     ucx_net_devices: str | None = Field(None, description="sets UCX_NET_DEVICES (e.g. lo, eth0, mlx5_0:1)")
     ucx_tls: str | None = Field(None, description="sets UCX_TLS (e.g. rc,cuda_copy or tcp)")
+    disk_path: str | None = Field(None, description="directory of this node's disk tier (local NVMe): pages leaving memory go there and survive a restart; none: memory only (docs/storage-tiers.md)")
+    disk_capacity: ByteSize = Field("0", validate_default=True, description="bytes the disk tier's files may take, e.g. 500GiB (needed with --disk-path; its files never exceed it)")
+    disk_policy: Literal["write-back", "write-through"] = Field("write-back", description="write-back: a page is written to disk before memory evicts it; write-through: every stored page is written at once")
+    disk_admission: int = Field(0, ge=0, le=1000, description="gets a page needs before write-back writes it to disk (saves SSD writes, loses the pages nobody read yet; docs/storage-tiers.md)")
+    disk_queue_depth: int = Field(4, ge=1, le=64, description="disk reads in flight at once (writes: half as many)")
     shm_dir: str = Field(default_factory=tempfile.gettempdir, description="directory of the Unix socket same-host clients use (shared memory path); empty disables it")
     log_level: LogLevel = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
 
@@ -160,6 +165,10 @@ class ServerSettings(IndexAccess, BaseSettings):
             CredentialFile(self.credentials_file)  # a file that does not load is an error now, not at the first request
         if self.max_request_bytes and self.max_request_bytes < self.slab_size:
             raise ValueError(f"max_request_bytes {self.max_request_bytes} must be at least one slab ({self.slab_size} bytes), or 0")
+        if self.disk_path and self.disk_capacity < self.slab_size + (1 << 20):
+            raise ValueError(f"disk_capacity {self.disk_capacity} bytes must hold at least one slab ({self.slab_size} bytes) and 1 MiB of metadata when disk_path is given")
+        if self.disk_capacity and not self.disk_path:
+            raise ValueError("disk_capacity is given without disk_path: say where the disk tier lives")
         if self.hugepage_size not in (2 << 20, 1 << 30):
             raise ValueError(f"hugepage_size must be 2MiB or 1GiB, got {self.hugepage_size} bytes")
         if self.hugepages and self.hugepage_size == 1 << 30 and self.slab_size % self.hugepage_size:

@@ -51,8 +51,11 @@ class LocalCluster:
     it over, never on their command lines (which ``/proc/<pid>/cmdline`` shows to
     every user of the host)."""
 
-    def __init__(self, servers: int = 1, capacity: str = "256MiB", *, redis_url: str | None = None, redis_password: str | None = None, index_shards: int = 1, slab_size: str = "16MiB", extra_args: list[str] | None = None, env: dict[str, str] | None = None, quiet: bool = True, log_dir: str | None = None) -> None:
+    def __init__(self, servers: int = 1, capacity: str = "256MiB", *, redis_url: str | None = None, redis_password: str | None = None, index_shards: int = 1, slab_size: str = "16MiB", extra_args: list[str] | None = None, env: dict[str, str] | None = None, quiet: bool = True, log_dir: str | None = None,
+                 disk_path: str | None = None, disk_capacity: str | None = None) -> None:
         self.num_servers = servers
+        self.disk_path = disk_path  # each node's disk tier is <disk_path>/<node id>
+        self.disk_capacity = disk_capacity
         self.index_shards = index_shards
         self.capacity = capacity
         self.slab_size = slab_size
@@ -88,7 +91,7 @@ class LocalCluster:
             sys.executable, "-m", "server", "--redis-url", self.redis_url, "--capacity", self.capacity,
             "--slab-size", self.slab_size, "--host", "127.0.0.1", "--port", "0", "--node-id", node_id,
             "--metrics-port", "0", "--metrics-host", "127.0.0.1",
-            *self.extra_args, *(extra_args or []),
+            *self.disk_args(node_id), *self.extra_args, *(extra_args or []),
         ]
         log_path = None
         out = None
@@ -104,6 +107,13 @@ class LocalCluster:
         node = NodeProcess(node_id, proc, log_path)
         self.nodes.append(node)
         return node
+
+    def disk_args(self, node_id: str) -> list[str]:
+        """A node's disk tier options: a subdirectory of ``disk_path`` of its own, so a
+        node restarted under the same id finds its pages again."""
+        if not self.disk_path:
+            return []
+        return ["--disk-path", os.path.join(self.disk_path, node_id), *(["--disk-capacity", self.disk_capacity] if self.disk_capacity else [])]
 
     def wait_registered(self, timeout: float = 30.0) -> None:
         index = PageIndex(self.redis_url, password=self.redis_password)
