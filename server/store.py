@@ -59,9 +59,10 @@ class StoredPage:
 
 
 def commit_entry(page: StoredPage) -> CommitEntry:
-    """What the index records for a verified page of this node."""
-    assert page.offset is not None
-    return CommitEntry(page.key[1], page.anchor, page.position, page.offset, page.size, page.checksum)
+    """What the index records for a verified page of this node. The slot is only
+    informative (a get names pages by hash): a page only on disk records 0, since the
+    index does not follow pages between tiers (docs/storage-tiers.md)."""
+    return CommitEntry(page.key[1], page.anchor, page.position, page.offset or 0, page.size, page.checksum)
 
 
 class PageStore:

@@ -229,7 +229,7 @@ class DiskTier:
             if self.tenant_bytes[page.owner] + cls > self.tenant_quota:
                 return None
         for _ in range(3):
-            offset = self.allocator.allocate(cls)
+            offset = self.allocator.allocate(page.size)  # classify: record_slot
             if offset is not None:
                 self.tenant_bytes[page.owner] += cls
                 return offset
