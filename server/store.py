@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,6 +78,8 @@ class PageStore:
         self.pins = 0  # claims and transfers in progress, over all pages
         self.ready_pages = 0  # ready pages, either tier
         self.released_pages = 0  # clean pages whose memory copy was freed (their disk copy stays)
+        # a dirty page the disk tier will write rather than see dropped (server/disk/tier.py)
+        self.demotable: Callable[[StoredPage], bool] = lambda page: False
 
     @property
     def capacity(self) -> int:
@@ -169,7 +172,9 @@ class PageStore:
         can use; only ``owner``'s pages with ``only_owner``). A clean page no transfer
         holds leaves memory at once and stays ready on disk; the others that can go
         move to *evicting*, hidden from readers, and are returned: the caller either
-        ``drop``s or ``restore``s each one. Pages being written to disk are skipped."""
+        ``drop``s or ``restore``s each one. Pages being written to disk, and dirty pages
+        the disk tier will write (``demotable``: the evictor has it write them first),
+        are skipped."""
         victims: list[StoredPage] = []
         clean: list[StoredPage] = []
         freed = 0
@@ -181,6 +186,8 @@ class PageStore:
                 if only_owner and page.owner != owner:
                     continue
                 if page.state is not PageState.READY or page.writing or (page.disk is not None and page.pins):
+                    continue
+                if page.disk is None and self.demotable(page):
                     continue
                 if pass_class is None or (alloc.slot_size(page.offset) == pass_class and alloc.owner(page.offset) == owner):
                     page.state = PageState.EVICTING  # marks it taken for the second pass
@@ -194,6 +201,29 @@ class PageStore:
             self.release_memory(page)
         self.released_pages += len(clean)
         return victims
+
+    def release_a_slab(self, tries: int = 8) -> bool:
+        """Free one whole slab by releasing the memory copies of its pages, when all of
+        them are clean and no transfer holds them: the slabs of the oldest pages are
+        tried first. The allocator's last resort for a page of a slot size no slab has
+        room for (a page coming back from disk, say, when memory is full of pages of
+        another size): releasing pages one by one in LRU order may free no slab."""
+        slab_size = self.allocator.slab_size
+        tried: set[int] = set()
+        for page in self._lru.values():
+            index = page.offset // slab_size
+            if index in tried:
+                continue
+            tried.add(index)
+            members = [p for p in self._lru.values() if p.offset // slab_size == index]
+            if all(p.disk is not None and not p.pins and not p.writing and p.state is PageState.READY for p in members):
+                for member in members:
+                    self.release_memory(member)
+                self.released_pages += len(members)
+                return True
+            if len(tried) >= tries:
+                break
+        return False
 
     def take_disk_victims(self, nbytes: int, slot_size: int, owner: str | None = None) -> tuple[list[StoredPage], list[StoredPage]]:
         """Disk copies worth ``nbytes``, least recently used first (only ``owner``'s when

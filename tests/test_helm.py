@@ -372,11 +372,35 @@ def test_extension_points_exporter_and_gigabyte_hugepages():
         ({"storage": {"nodeTTL": 1.5, "heartbeatInterval": 1.0}}, "at least twice storage.heartbeatInterval"),
         ({"storage": {"capacity": "64GiB"}, "rdma": {"hugepages": {"enabled": True, "amount": "16Gi"}}}, "exceeds rdma.hugepages.amount"),
         ({"storage": {"slabSize": "64MiB"}, "rdma": {"hugepages": {"enabled": True, "pageSize": "1Gi"}}}, "multiple of rdma.hugepages.pageSize"),
+        ({"storage": {"disk": {"enabled": True, "capacity": "500GiB", "size": "400Gi"}}}, "exceeds its volume"),
+        ({"storage": {"kind": "DaemonSet", "disk": {"enabled": True, "capacity": "2TiB", "size": "1Ti"}}}, "exceeds its volume"),
+        ({"storage": {"disk": {"enabled": True, "capacity": "32MiB"}}}, "must hold one slab"),
     ],
 )
 def test_values_that_cannot_work_fail_at_render_time(values, message):
     with pytest.raises(Exception, match=message):
         render(values)
+
+
+def test_disk_tier_gets_a_claim_per_pod_or_a_host_directory():
+    objects = render(load_values(CHART / "ci" / "disk-values.yaml"))
+    (sts,) = [w for w in objects["StatefulSet"] if w["metadata"]["name"].endswith("-storage")]
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "disk" and claim["spec"]["storageClassName"] == "local-nvme"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "440Gi"
+    container = storage_container(objects)
+    assert {"name": "disk", "mountPath": "/var/lib/kvstore/disk"} in container["volumeMounts"]
+    data = objects["ConfigMap"][0]["data"]
+    assert data["KVSTORE_DISK_PATH"] == "/var/lib/kvstore/disk" and data["KVSTORE_DISK_CAPACITY"] == "400GiB"
+    assert data["KVSTORE_DISK_POLICY"] == "write-back" and data["KVSTORE_DISK_ADMISSION"] == "1"
+    daemon = render(load_values(CHART / "ci" / "daemonset-disk-values.yaml"))
+    (ds,) = daemon["DaemonSet"]
+    volume = [v for v in ds["spec"]["template"]["spec"]["volumes"] if v["name"] == "disk"][0]
+    assert volume["hostPath"] == {"path": "/mnt/nvme0/kvstore", "type": "DirectoryOrCreate"}
+    # without the disk tier: no claim, no variables
+    plain = render()
+    assert all("volumeClaimTemplates" not in s["spec"] for s in plain["StatefulSet"] if s["metadata"]["name"].endswith("storage"))
+    assert "KVSTORE_DISK_PATH" not in plain["ConfigMap"][0]["data"]
 
 
 def test_a_misspelt_key_is_refused_by_the_strict_schema():
@@ -416,7 +440,8 @@ def test_dashboard_and_alerts_render_and_use_only_exported_series():
     (rule,) = objects["PrometheusRule"]
     assert rule["metadata"]["labels"]["release"] == "prometheus"
     alerts = {r["alert"]: r for r in rule["spec"]["groups"][0]["rules"]}
-    assert set(alerts) == {"KVStoreNodeDown", "KVStoreIndexUnreachable", "KVStorePoolFullEvicting", "KVStoreChecksumFailures", "KVStoreHitRateCollapse"}
+    assert set(alerts) == {"KVStoreNodeDown", "KVStoreIndexUnreachable", "KVStorePoolFullEvicting", "KVStoreChecksumFailures", "KVStoreHitRateCollapse",
+                           "KVStoreDiskTierDegraded"}
     exprs += [a["expr"] for a in alerts.values()]
     known = exported_series()
     functions = {"sum", "rate", "increase", "histogram_quantile", "clamp_min", "max", "by", "and", "le", "op", "path", "kind", "instance"}

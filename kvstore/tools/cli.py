@@ -35,8 +35,13 @@ def _up(args: argparse.Namespace) -> int:
         PageIndex(args.redis_url, password=password).ping()  # fail now, not after 30 s
     with tempfile.TemporaryDirectory(prefix="kvstore-up-") as private:
         token_env, token_note = _data_plane_token(private)
+        if args.disk_capacity and not args.disk_path:
+            raise InvalidInputError("--disk-capacity needs --disk-path (the directory the nodes' disk tiers live in)")
+        if args.disk_path and not args.disk_capacity:
+            raise InvalidInputError("--disk-path needs --disk-capacity (bytes each node's disk tier may take, e.g. 100GiB)")
         cluster = LocalCluster(args.servers, args.capacity, redis_url=args.redis_url, redis_password=password, index_shards=args.index_shards,
-                               slab_size=args.slab_size, quiet=not args.verbose, env=token_env)
+                               slab_size=args.slab_size, quiet=not args.verbose, env=token_env, disk_path=args.disk_path, disk_capacity=args.disk_capacity,
+                               extra_args=["--disk-policy", args.disk_policy] if args.disk_path else None)
         return _serve(args, cluster, token_note)
 
 
@@ -68,7 +73,8 @@ def _serve(args: argparse.Namespace, cluster: Any, token_note: str) -> int:
         signal.signal(sig, lambda *_: stop.set())
     with cluster:
         index = f"a {args.index_shards}-shard Valkey cluster" if args.index_shards > 1 else "Valkey"
-        print(f"kvstore up: {args.servers} storage node(s) of {args.capacity} and {index} on loopback")
+        disk = f" over a disk tier of {args.disk_capacity} each in {args.disk_path}/<node id>" if args.disk_path else ""
+        print(f"kvstore up: {args.servers} storage node(s) of {args.capacity}{disk} and {index} on loopback")
         print(f"KVSTORE_REDIS_URL={redact_url(cluster.redis_url)}", flush=True)
         print(token_note, flush=True)
         if cluster.log_dir is not None:
@@ -92,7 +98,7 @@ def _stats(args: argparse.Namespace) -> int:
     if args.json:
         nodes = [
             {"node_id": n.node_id, "address": n.address, "capacity": n.capacity, "incarnation": n.incarnation,
-             **{k: int(n.extra[k]) for k in ("used", "hits", "misses") if n.extra.get(k, "").isdigit()}}
+             **{k: int(n.extra[k]) for k in _NODE_FIGURES if n.extra.get(k, "").isdigit()}}
             for n in stats.nodes
         ]
         spaces = [{"digest": s.digest, "pages": s.pages, "per_node": s.per_node, "namespace": s.namespace.model_dump() if s.namespace else None} for s in stats.namespaces]
@@ -105,12 +111,25 @@ def _stats(args: argparse.Namespace) -> int:
         used = f"used {format_size(int(n.extra['used']))} of {format_size(n.capacity)}" if n.extra.get("used", "").isdigit() else f"capacity {format_size(n.capacity)}"
         hits, misses = n.extra.get("hits", ""), n.extra.get("misses", "")
         reads = f", {hits} pages read, {misses} asked but not held" if hits.isdigit() and misses.isdigit() else ""
-        print(f"  {n.node_id:20} {n.address:24} {used}{reads}, incarnation {n.incarnation}")
+        print(f"  {n.node_id:20} {n.address:24} {used}{_disk_line(n.extra)}{reads}, incarnation {n.incarnation}")
     print(f"{len(stats.namespaces)} namespace(s)")
     for s in stats.namespaces:
         name = f"{s.namespace.model} {s.namespace.dtype} tp{s.namespace.tp_rank}/{s.namespace.tp_size} {s.namespace.tenant}" if s.namespace else "?"
         print(f"  {s.digest} {s.pages:>8} pages  {name}")
     return 0
+
+
+# What `kvstore stats --json` reports of each node, from its registry entry.
+_NODE_FIGURES = ("used", "hits", "misses", "memory_pages", "disk_used", "disk_capacity", "disk_pages", "disk_hits", "disk_degraded")
+
+
+def _disk_line(extra: dict[str, str]) -> str:
+    """A node's disk tier in `kvstore stats`, or '' when it has none."""
+    if not extra.get("disk_capacity", "").isdigit():
+        return ""
+    degraded = " (DEGRADED: see its /healthz)" if extra.get("disk_degraded") == "1" else ""
+    return (f" ({extra.get('memory_pages', '?')} pages in memory), disk {format_size(int(extra['disk_used']))} of {format_size(int(extra['disk_capacity']))}"
+            f" ({extra.get('disk_pages', '?')} pages, {extra.get('disk_hits', '?')} read from disk){degraded}")
 
 
 def _write_secret(path: str, text: str) -> None:
@@ -193,11 +212,15 @@ def _main(argv: list[str]) -> int:
     up.add_argument("--slab-size", default="64MiB", help="allocator slab size, also the largest page (default 64MiB)")
     up.add_argument("--redis-url", default=None, help="use this Redis/Valkey instead of starting one")
     up.add_argument("--index-shards", type=int, default=1, help="start the embedded index as a Valkey cluster of this many shards (prints a redis+cluster:// URL)")
+    up.add_argument("--disk-path", default=None, help="give every node a disk tier in DIR/<node id> (docs/storage-tiers.md); a restart on the same DIR keeps the pages")
+    up.add_argument("--disk-capacity", default=None, help="bytes each node's disk tier may take, e.g. 100GiB (with --disk-path)")
+    up.add_argument("--disk-policy", default="write-back", choices=["write-back", "write-through"], help="how pages reach disk (default write-back)")
     up.add_argument("--verbose", action="store_true", help="show the storage nodes' logs here instead of log files")
     demo = sub.add_parser("demo", help="prefill and decode processes sharing KV through a local store")
     demo.add_argument("--servers", type=int, default=2, help="storage nodes (default 2)")
     demo.add_argument("--tokens", type=int, default=2030, help="prompt length")
     demo.add_argument("--shared", type=int, default=1000, help="tokens the second session shares")
+    demo.add_argument("--disk", action="store_true", help="nodes with a small memory pool over a disk tier: prompt A served from disk after eviction and after a restart")
     stats = sub.add_parser("stats", help="print nodes and namespaces in an index")
     stats.add_argument("--redis-url", default=None,
                        help="the index: redis://, rediss://, unix:// or redis+cluster://host:port,... (default $KVSTORE_REDIS_URL)")
@@ -226,7 +249,7 @@ def _main(argv: list[str]) -> int:
 
         if not 0 < args.shared < args.tokens:
             parser.error("--shared must lie between 0 and --tokens")
-        return run_demo(args.servers, args.tokens, args.shared)
+        return run_demo(args.servers, args.tokens, args.shared, disk=args.disk)
     return _stats(args)
 
 

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 from tqdm import tqdm
 
@@ -26,7 +27,32 @@ def _worker(role: str, redis_url: str, tokens: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run_demo(servers: int = 2, prompt_tokens: int = 2030, shared_tokens: int = 1000, capacity: str = "1GiB") -> int:
+def run_demo(servers: int = 2, prompt_tokens: int = 2030, shared_tokens: int = 1000, capacity: str = "1GiB", disk: bool = False) -> int:
+    """The demo; with ``disk`` the nodes get a small memory pool over a disk tier, and two
+    more steps show prompt A served from disk after other prompts pushed it out of
+    memory, and again after every node was killed (-9) and restarted."""
+    if disk:
+        with tempfile.TemporaryDirectory(prefix="kvstore-demo-disk-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None) as directory:
+            return _run(servers, prompt_tokens, shared_tokens, "256MiB", directory)
+    return _run(servers, prompt_tokens, shared_tokens, capacity, None)
+
+
+def _disk_reads(cluster: LocalCluster) -> int:
+    """Pages the nodes served from disk so far (their metrics)."""
+    import re
+    import urllib.request
+
+    from kvstore.index import PageIndex
+
+    total = 0
+    for node in PageIndex(cluster.redis_url).live_nodes():
+        text = urllib.request.urlopen(f"http://{node.extra['metrics']}/metrics", timeout=5).read().decode()
+        m = re.search(r'^kvstore_tier_hit_pages_total\{tier="disk"\} ([0-9.e+]+)$', text, re.M)
+        total += int(float(m.group(1))) if m else 0
+    return total
+
+
+def _run(servers: int, prompt_tokens: int, shared_tokens: int, capacity: str, disk_dir: str | None) -> int:
     prompt_a = f"0:{prompt_tokens}"
     prompt_b = f"0:{shared_tokens},{50_000}:{50_000 + prompt_tokens - shared_tokens}"
     steps = [
@@ -36,21 +62,35 @@ def run_demo(servers: int = 2, prompt_tokens: int = 2030, shared_tokens: int = 1
         ("prefill B: insert prompt B", "prefill", prompt_b),
         ("decode B: select prompt B", "decode", prompt_b),
     ]
+    if disk_dir:  # three other prompts, more than the nodes' memory, push A out of memory (onto disk)
+        steps += [(f"fill: insert prompt {name}", "prefill", f"{start}:{start + prompt_tokens}") for name, start in (("C", 100_000), ("D", 200_000), ("E", 300_000))]
+        steps += [("decode A: select after A left memory", "decode", prompt_a),
+                  ("restart: kill -9 every node, start again", "restart", ""), ("decode A: select after the restart", "decode", prompt_a)]
     rows: list[tuple[str, dict]] = []
+    disk_reads: list[int] = []
     with tqdm(total=len(steps) + 1, desc="kvstore demo", unit="step", file=sys.stderr) as bar:
         bar.set_postfix_str(f"starting Valkey and {servers} storage nodes")
-        with LocalCluster(servers=servers, capacity=capacity, slab_size="64MiB") as cluster:
+        with LocalCluster(servers=servers, capacity=capacity, slab_size="16MiB" if disk_dir else "64MiB", disk_path=disk_dir, disk_capacity="2GiB" if disk_dir else None) as cluster:
             bar.update()
             for title, role, tokens in steps:
                 bar.set_postfix_str(title)
-                rows.append((title, _worker(role, cluster.redis_url, tokens)))
+                if role == "restart":
+                    rows.append((title, {"restart": cluster.restart_nodes()}))
+                else:
+                    rows.append((title, _worker(role, cluster.redis_url, tokens)))
+                    if disk_dir and role == "decode":
+                        disk_reads.append(_disk_reads(cluster))
                 bar.update()
             url = cluster.redis_url
-    print(f"\nstore: {servers} storage nodes, Valkey at {url} (stopped)")
+    tier = f" of {capacity} memory over a 2 GiB disk tier each ({disk_dir}, removed)" if disk_dir else ""
+    print(f"\nstore: {servers} storage nodes{tier}, Valkey at {url} (stopped)")
     print("pages: 32 layers x 8 KV heads x 128 dims, fp16, 16 tokens per page = 2.0 MiB\n")
     print(f"{'step':38} {'tokens':>15} {'moved':>11} {'time':>8} {'GB/s':>6}  result")
     ok = True
     for title, r in rows:
+        if "restart" in r:
+            print(f"{title:38} {'':>15} {'':>11} {r['restart']:>7.2f}s {'':>6}  all nodes ready, pages re-published")
+            continue
         if "matched" in r:
             moved = r["bytes"]
             tokens = f"{r['matched']}/{r['tokens']}"
@@ -66,5 +106,12 @@ def run_demo(servers: int = 2, prompt_tokens: int = 2030, shared_tokens: int = 1
     expected_before = (int(prompt_b.split(",")[0].split(":")[1]) // 16) * 16
     ok &= a["matched"] == prompt_tokens and b["matched"] == prompt_tokens and b_before["matched"] == expected_before
     ok &= rows[3][1]["skipped"] == expected_before // 16
+    if disk_dir:
+        after_fill, after_restart = rows[-3][1], rows[-1][1]
+        ok &= after_fill["matched"] == prompt_tokens and after_restart["matched"] == prompt_tokens
+        from_disk = [disk_reads[i] - disk_reads[i - 1] for i in (len(disk_reads) - 2, len(disk_reads) - 1)]
+        from_disk[1] = disk_reads[-1]  # the restarted nodes count from zero
+        print(f"\nprompt A from disk: {from_disk[0]} of its {rows[0][1]['sent']} pages after it left memory, {from_disk[1]} after the restart")
+        ok &= from_disk[0] > 0 and from_disk[1] > 0
     print("\nall bytes verified: OK" if ok else "\nVERIFICATION FAILED")
     return 0 if ok else 1

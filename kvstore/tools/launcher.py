@@ -134,6 +134,43 @@ class LocalCluster:
         finally:
             index.close()
 
+    def restart_nodes(self, sig: int = signal.SIGKILL, timeout: float = 30.0) -> float:
+        """Kill every node (kill -9 by default) and start each again under its id (and its
+        disk directory); returns the seconds until all are ready again (registered, and
+        the pages their disk tiers kept re-published: /readyz)."""
+        ids = [n.node_id for n in self.nodes if n.process.poll() is None]
+        for node in self.nodes:
+            node.kill(sig)
+            node.process.wait()
+        self.nodes.clear()
+        started = time.monotonic()
+        for node_id in ids:
+            self.add_node(node_id)
+        self.wait_registered(timeout)
+        self.wait_ready(timeout)
+        return time.monotonic() - started
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Until every registered node's /readyz answers 200."""
+        import urllib.request
+
+        index = PageIndex(self.redis_url, password=self.redis_password)
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                pending = 0
+                for node in index.live_nodes():
+                    try:
+                        pending += urllib.request.urlopen(f"http://{node.extra['metrics']}/readyz", timeout=2).status != 200
+                    except (OSError, KeyError):
+                        pending += 1
+                if not pending:
+                    return
+                time.sleep(0.05)
+        finally:
+            index.close()
+        raise KVStoreError(f"storage nodes were not ready within {timeout:.0f} s")
+
     def stop(self) -> None:
         for node in self.nodes:
             node.kill(signal.SIGTERM)

@@ -87,6 +87,7 @@ class DiskTier:
         evictor.on_drop = self._dropped
         if policy.policy == "write-back":
             evictor.before_evict = self.clean_oldest
+            store.demotable = self._demotable
 
     # ---- life cycle -----------------------------------------------------------------
 
@@ -135,28 +136,40 @@ class DiskTier:
         task = self._writing[page] = asyncio.get_running_loop().create_task(self._demote(page))
         return task
 
-    async def clean_oldest(self, nbytes: int, owner: str | None) -> None:
-        """Before memory evicts ``nbytes`` (of ``owner``'s pages, when given): write the
-        oldest pages the demoter has not reached yet and wait for them, so they leave
-        memory clean instead of being dropped. Only when the demoter fell behind (puts
-        faster than the disk) does a put wait here; a degraded tier waits for nothing."""
+    def _demotable(self, page: StoredPage) -> bool:
+        """Whether write-back writes this dirty page before memory may let it go (else
+        an eviction drops it: the tier is degraded, the admission rule skips it, or the
+        page does not fit a disk slab)."""
+        return not self._paused() and self._writable(page) and page.reads >= self.policy.admission
+
+    async def clean_oldest(self, nbytes: int, owner: str | None, slot_size: int | None) -> None:
+        """Before memory evicts ``nbytes`` (``owner``'s pages only, when given; pages of
+        ``slot_size`` first, when given, as ``PageStore.take_victims`` picks them):
+        write the pages it will pick that are not on disk yet and wait for them, so they
+        leave memory clean instead of being dropped. A put waits here only when the
+        demoter fell behind (puts faster than the disk)."""
         if self._paused():
             return
-        waits = []
-        seen = 0
-        slot_size = self.store.allocator.slot_size
-        for page in self.store.memory_lru():
+        waits: dict[StoredPage, asyncio.Task] = {}
+        alloc = self.store.allocator
+        for pass_class in ((slot_size, None) if slot_size else (None,)):
+            seen = 0
+            for page in self.store.memory_lru():
+                if seen >= nbytes:
+                    break
+                if owner is not None and page.owner != owner:
+                    continue
+                if pass_class is not None and (alloc.slot_size(page.offset) != pass_class or alloc.owner(page.offset) != owner):
+                    continue
+                seen += alloc.slot_size(page.offset)
+                if page in self._writing:
+                    waits[page] = self._writing[page]
+                elif self._demotable(page):
+                    waits[page] = self._start_write(page)
             if seen >= nbytes:
                 break
-            if owner is not None and page.owner != owner:
-                continue
-            seen += slot_size(page.offset)
-            if page in self._writing:
-                waits.append(self._writing[page])
-            elif self._writable(page) and page.reads >= self.policy.admission:
-                waits.append(self._start_write(page))
         if waits:
-            await asyncio.wait(waits)
+            await asyncio.wait(list(waits.values()))
 
     def _pick(self, room: int) -> list[StoredPage]:
         """Up to ``room`` pages to write: write-through's queue first, then the oldest

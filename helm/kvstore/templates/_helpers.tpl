@@ -109,6 +109,15 @@ memory limit. */}}
 {{- if lt $capacity $slab -}}
 {{- fail (printf "storage.capacity (%s) is below one slab (storage.slabSize %s): raise the capacity or lower the slab size" (include "kvstore.capacity" .) $s.slabSize) -}}
 {{- end -}}
+{{- if $s.disk.enabled -}}
+{{- $disk := include "kvstore.sizeBytes" $s.disk.capacity | int64 -}}
+{{- if lt $disk (add $slab 1048576 | int64) -}}
+{{- fail (printf "storage.disk.capacity (%s) must hold one slab (storage.slabSize %s) and 1 MiB of metadata" $s.disk.capacity $s.slabSize) -}}
+{{- end -}}
+{{- if and (or (eq $s.kind "StatefulSet") (not $s.disk.volume)) $s.disk.size (gt $disk (include "kvstore.bytes" $s.disk.size | int64)) -}}
+{{- fail (printf "storage.disk.capacity (%s) exceeds its volume (storage.disk.size %s): the disk would fill up before the tier evicts; lower the capacity or grow the volume" $s.disk.capacity $s.disk.size) -}}
+{{- end -}}
+{{- end -}}
 {{- if $hp.enabled -}}
 {{- $amount := include "kvstore.bytes" $hp.amount | int64 -}}
 {{- if gt $capacity $amount -}}
