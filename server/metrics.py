@@ -84,7 +84,8 @@ class NodeMetrics:
         for direction in ("in", "out"):
             self.messages.labels(direction)
         for tier in ("memory", "disk"):
-            self.hits.labels(tier)
+            for family in (self.hits, self.tier_pages, self.tier_bytes, self.tier_capacity):
+                family.labels(tier)
         for kind in ("io", "nospace", "checksum"):
             self.disk_errors.labels(kind)
 
