@@ -4,8 +4,8 @@ directory, real UCX and same-host transfers, a real Valkey index."""
 from __future__ import annotations
 
 import os
-import subprocess
 import signal
+import subprocess
 import urllib.request
 
 import numpy as np
@@ -15,7 +15,7 @@ from kvstore import block_hashes
 from kvstore.index import PageIndex
 from server.disk.files import DATA_FILE, MAP_FILE
 from server.disk.layout import HEADER_BYTES, RecordHeader
-from tests.helpers import advertised_prefix, metrics, namespace_for_page_size, run_worker, spec, wait_for, worker_result
+from tests.helpers import advertised_prefix, metrics, namespace_for_page_size, run_worker, spec, wait_for
 
 SLAB = 1 << 20
 PAGE = 256 << 10  # 256 KiB pages: a 4 MiB pool holds 16 minus what the watermarks keep free

@@ -85,9 +85,9 @@ class DiskTier:
         self._sync_due = False
         self._task: asyncio.Task | None = None
         evictor.on_drop = self._dropped
-        if policy.policy == "write-back":
-            evictor.before_evict = self.clean_oldest
-            store.demotable = self._demotable
+        # both policies: a page still waiting for its write is written before memory lets it go
+        evictor.before_evict = self.clean_oldest
+        store.demotable = self._demotable
 
     # ---- life cycle -----------------------------------------------------------------
 
@@ -137,10 +137,11 @@ class DiskTier:
         return task
 
     def _demotable(self, page: StoredPage) -> bool:
-        """Whether write-back writes this dirty page before memory may let it go (else
-        an eviction drops it: the tier is degraded, the admission rule skips it, or the
-        page does not fit a disk slab)."""
-        return not self._paused() and self._writable(page) and page.reads >= self.policy.admission
+        """Whether this dirty page is written before memory may let it go (else an
+        eviction drops it: the tier is degraded, write-back's admission rule skips it,
+        or the page does not fit a disk slab)."""
+        admitted = self.policy.policy == "write-through" or page.reads >= self.policy.admission
+        return not self._paused() and self._writable(page) and admitted
 
     async def clean_oldest(self, nbytes: int, owner: str | None, slot_size: int | None) -> None:
         """Before memory evicts ``nbytes`` (``owner``'s pages only, when given; pages of
