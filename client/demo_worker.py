@@ -42,20 +42,31 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m client.demo_worker")
     parser.add_argument("role", choices=["prefill", "decode"])
     parser.add_argument("--redis-url", required=True)
-    parser.add_argument("--tokens", required=True, help="comma-separated ranges start:stop")
+    parser.add_argument("--tokens", required=True, help="comma-separated ranges start:stop; prefill: several prompts separated by ';'")
     args = parser.parse_args(argv)
-    tokens: list[int] = []
-    for part in args.tokens.split(","):
-        start, stop = map(int, part.split(":"))
-        tokens += list(range(start, stop))
+    prompts: list[list[int]] = []
+    for prompt in args.tokens.split(";"):
+        prompts.append([])
+        for part in prompt.split(","):
+            start, stop = map(int, part.split(":"))
+            prompts[-1] += list(range(start, stop))
+    tokens = prompts[0]
     ns = Namespace(**DEMO_NAMESPACE)
     key, value, hidden = synthetic_kv(ns, tokens)
     roi = torch.ones(len(tokens), dtype=torch.bool)
     with KVCacheClient(args.redis_url, ns, timeout=30) as client:
         t0 = time.perf_counter()
         if args.role == "prefill":
-            report = client.insert(torch.tensor(tokens), roi, key, value, hidden)
-            out = {"tokens": len(tokens), "seconds": time.perf_counter() - t0, **asdict(report)}
+            totals: dict[str, int] = {}
+            seconds = 0.0
+            for tokens in prompts:  # each prompt's KV made before its clock starts
+                key, value, hidden = synthetic_kv(ns, tokens)
+                t0 = time.perf_counter()
+                report = client.insert(torch.tensor(tokens), torch.ones(len(tokens), dtype=torch.bool), key, value, hidden)
+                seconds += time.perf_counter() - t0
+                for name, count in asdict(report).items():
+                    totals[name] = totals.get(name, 0) + count
+            out = {"tokens": sum(map(len, prompts)), "seconds": seconds, **totals}
         else:
             _, got_roi, k, v, h = client.select(torch.tensor(tokens), roi)
             seconds = time.perf_counter() - t0

@@ -139,6 +139,15 @@ def test_up_says_why_its_nodes_exited():
     assert "node-0: kvstore server: capacity 8388608 bytes must be at least one slab" in out.stderr, out.stderr
 
 
+def test_demo_with_a_disk_tier_serves_a_prefix_from_disk_after_eviction_and_restart():
+    out = subprocess.run([*KVSTORE, "demo", "--disk", "--servers", "1", "--tokens", "300", "--shared", "100"],
+                         capture_output=True, text=True, timeout=300, env=ENV)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "all bytes verified: OK" in out.stdout
+    assert "decode A: select after A left memory" in out.stdout and "decode A: select after the restart" in out.stdout
+    assert "prompt A from disk: 19 of its 19 pages after it left memory, 19 after the restart" in out.stdout
+
+
 def test_demo_verifies_every_byte():
     out = subprocess.run([*KVSTORE, "demo", "--servers", "1", "--tokens", "300", "--shared", "100"],
                          capture_output=True, text=True, timeout=300, env=ENV)

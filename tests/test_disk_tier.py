@@ -233,3 +233,27 @@ def test_tenant_quota_holds_in_both_tiers(clusters, tmp_path):
     records = records_on_disk(tmp_path / "disk" / "node-0")
     heavy_bytes = sum(h.slot_size for _, h in records.values() if h.tenant == "heavy")
     assert 0 < heavy_bytes <= 0.5 * (8 << 20)
+
+
+def test_stats_show_both_tiers(clusters, tmp_path):
+    import json
+    import sys
+
+    cluster = disk_cluster(clusters, tmp_path)
+    ns = namespace_for_page_size(PAGE, tenant="stats-tiers")
+    batches = batches_of(ns, 8, 4)
+    assert put_all(cluster, ns, batches) == 32
+    assert get_all(cluster, ns, batches[:1]) == [{"blocks": 4, "matched": 4, "exact": True}]
+    env = {**os.environ, "UCX_NET_DEVICES": "lo"}
+
+    def node_stats() -> dict:
+        out = subprocess.run([sys.executable, "-m", "kvstore.tools.cli", "stats", "--json", "--redis-url", cluster.redis_url], capture_output=True, text=True, timeout=60, env=env)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)["nodes"][0]
+
+    wait_for(lambda: node_stats().get("disk_hits") == 4, 10, "the heartbeat to carry the disk reads")
+    node = node_stats()
+    assert node["disk_capacity"] == 63 << 20 and node["disk_pages"] >= 24 and node["disk_used"] >= 24 * (PAGE + HEADER_BYTES)
+    assert node["memory_pages"] <= 16 and node["disk_degraded"] == 0
+    text = subprocess.run([sys.executable, "-m", "kvstore.tools.cli", "stats", "--redis-url", cluster.redis_url], capture_output=True, text=True, timeout=60, env=env).stdout
+    assert "disk 6" in text and "4 read from disk" in text

@@ -62,8 +62,9 @@ def _run(servers: int, prompt_tokens: int, shared_tokens: int, capacity: str, di
         ("prefill B: insert prompt B", "prefill", prompt_b),
         ("decode B: select prompt B", "decode", prompt_b),
     ]
-    if disk_dir:  # three other prompts, more than the nodes' memory, push A out of memory (onto disk)
-        steps += [(f"fill: insert prompt {name}", "prefill", f"{start}:{start + prompt_tokens}") for name, start in (("C", 100_000), ("D", 200_000), ("E", 300_000))]
+    if disk_dir:  # other prompts of 1,024 tokens (128 MiB), 1.5x the nodes' memory, push A out of memory (onto disk)
+        fills = 3 * servers
+        steps += [(f"fill: insert {fills} other prompts", "prefill", ";".join(f"{s}:{s + 1024}" for s in range(100_000, 100_000 + fills * 10_000, 10_000)))]
         steps += [("decode A: select after A left memory", "decode", prompt_a),
                   ("restart: kill -9 every node, start again", "restart", ""), ("decode A: select after the restart", "decode", prompt_a)]
     rows: list[tuple[str, dict]] = []
