@@ -230,6 +230,8 @@ class StorageNode:
                 log.warning("%s; retrying until it expires", exc)
             except Fault as exc:
                 log.warning("heartbeat failed: %s", exc)
+            except Exception:  # noqa: BLE001 - a bug must not end the heartbeat (the node would expire while serving)
+                log.exception("heartbeat failed unexpectedly; retrying")
             await asyncio.sleep(self.settings.heartbeat_interval)
 
     async def _check_shards(self, run_ids: dict[str, str]) -> None:
