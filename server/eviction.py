@@ -50,7 +50,7 @@ class Evictor:
         self.on_drop: Callable[[StoredPage], None] | None = None  # told of every page dropped (the disk tier frees its copy)
         # called before memory victims are chosen: the disk tier writes the oldest pages
         # it had not written yet, so they leave memory clean instead of being dropped
-        self.before_evict: Callable[[int, str | None, int | None], Awaitable[None]] | None = None
+        self.before_evict: Callable[[int, int | None, str, bool], Awaitable[None]] | None = None
 
     async def allocate(self, pages: list[StoredPage]) -> None:
         """Assign slots to the claimed pages of one put (one tenant). A tenant over its
@@ -66,11 +66,11 @@ class Evictor:
         victims = []
         over_quota = store.tenant_bytes[owner] + needed - self.tenant_quota
         if over_quota > 0:
-            await self._clean(over_quota, owner, None)
+            await self._clean(over_quota, None, owner, True)
             victims = store.take_victims(over_quota, owner=owner, only_owner=True)
         used = store.used_bytes - sum(store.allocator.slot_size(p.offset) for p in victims)
         if used + needed > self.high * store.capacity:
-            await self._clean(used + needed - int(self.low * store.capacity), None, None)
+            await self._clean(used + needed - int(self.low * store.capacity))
             used = store.used_bytes - sum(store.allocator.slot_size(p.offset) for p in victims)
             victims += store.take_victims(used + needed - int(self.low * store.capacity))
         if victims:
@@ -89,15 +89,16 @@ class Evictor:
     async def evict(self, nbytes: int, slot_size: int | None = None, owner: str = "") -> int:
         """Evict least-recently-used pages worth at least ``nbytes`` (of ``slot_size`` and
         ``owner`` first, when given); returns pages evicted."""
-        await self._clean(nbytes, owner, slot_size)
+        await self._clean(nbytes, slot_size, owner)
         released = self.store.released_pages
         victims = self.store.take_victims(nbytes, slot_size, owner)
         released = self.store.released_pages - released
         return await self._evict(victims) + released
 
-    async def _clean(self, nbytes: int, owner: str | None, slot_size: int | None = None) -> None:
+    async def _clean(self, nbytes: int, slot_size: int | None = None, owner: str = "", only_owner: bool = False) -> None:
+        """Let the disk tier write what ``take_victims`` with the same arguments will pick."""
         if self.before_evict is not None and nbytes > 0:
-            await self.before_evict(nbytes, owner, slot_size)
+            await self.before_evict(nbytes, slot_size, owner, only_owner)
 
     async def evict_pages(self, victims: list[StoredPage]) -> int:
         """Evict pages another tier took (``take_disk_victims``): see ``_evict``."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -166,38 +166,46 @@ class PageStore:
         if page.state is PageState.DROPPED:
             self._release_slot(page)
 
-    def take_victims(self, nbytes: int, slot_size: int | None = None, owner: str = "", only_owner: bool = False) -> list[StoredPage]:
-        """Free memory slots worth ``nbytes``, least recently used first (preferring slot
-        size ``slot_size`` of ``owner`` when given: their slots are the ones a new page
-        can use; only ``owner``'s pages with ``only_owner``). A clean page no transfer
-        holds leaves memory at once and stays ready on disk; the others that can go
-        move to *evicting*, hidden from readers, and are returned: the caller either
-        ``drop``s or ``restore``s each one. Pages being written to disk, and dirty pages
-        the disk tier will write (``demotable``: the evictor has it write them first),
-        are skipped."""
-        victims: list[StoredPage] = []
-        clean: list[StoredPage] = []
-        freed = 0
+    def eviction_order(self, slot_size: int | None = None, owner: str = "", only_owner: bool = False) -> Iterator[StoredPage]:
+        """Memory-resident pages in the order eviction considers them: least recently used
+        first, those of slot size ``slot_size`` in ``owner``'s slabs in a first pass when
+        given (their slots are the ones a new page can use), then all; only ``owner``'s
+        pages with ``only_owner``. A page of the first pass comes again in the second.
+        The caller must not change the LRU while it iterates."""
         alloc = self.allocator
         for pass_class in ((slot_size, None) if slot_size else (None,)):
             for page in self._lru.values():
-                if freed >= nbytes:
-                    break
                 if only_owner and page.owner != owner:
                     continue
-                if page.state is not PageState.READY or page.writing or (page.disk is not None and page.pins):
-                    continue
-                if page.disk is None and self.demotable(page):
-                    continue
                 if pass_class is None or (alloc.slot_size(page.offset) == pass_class and alloc.owner(page.offset) == owner):
-                    page.state = PageState.EVICTING  # marks it taken for the second pass
-                    (victims if page.disk is None else clean).append(page)
-                    freed += self.allocator.slot_size(page.offset)
+                    yield page
+
+    def take_victims(self, nbytes: int, slot_size: int | None = None, owner: str = "", only_owner: bool = False) -> list[StoredPage]:
+        """Free memory slots worth ``nbytes`` in ``eviction_order``. A clean page no
+        transfer holds leaves memory at once and stays ready on disk; the others that
+        can go move to *evicting*, hidden from readers, and are returned: the caller
+        either ``drop``s or ``restore``s each one. Pages being written to disk, and dirty
+        pages the disk tier will write (``demotable``: the evictor has it write them
+        first), are skipped."""
+        victims: list[StoredPage] = []
+        clean: list[StoredPage] = []
+        taken: set[PageKey] = set()
+        freed = 0
+        for page in self.eviction_order(slot_size, owner, only_owner):
+            if freed >= nbytes:
+                break
+            if page.key in taken or page.state is not PageState.READY or page.writing or (page.disk is not None and page.pins):
+                continue
+            if page.disk is None and self.demotable(page):
+                continue
+            taken.add(page.key)
+            (victims if page.disk is None else clean).append(page)
+            freed += self.allocator.slot_size(page.offset)
         for page in victims:
             del self._lru[page.key]
-            self.state_left_ready(page)
+            page.state = PageState.EVICTING
+            self._left_ready(page)
         for page in clean:
-            page.state = PageState.READY
             self.release_memory(page)
         self.released_pages += len(clean)
         return victims
@@ -243,7 +251,7 @@ class PageStore:
             del self.disk_lru[page.key]
         for page in victims:
             page.state = PageState.EVICTING
-            self.state_left_ready(page)
+            self._left_ready(page)
         return victims, copies
 
     def add_disk_copy(self, page: StoredPage, offset: int, sequence: int) -> None:
@@ -283,7 +291,7 @@ class PageStore:
         self.ready_pages += 1
         self.namespace_pages[page.key[0]] += 1
 
-    def state_left_ready(self, page: StoredPage) -> None:
+    def _left_ready(self, page: StoredPage) -> None:
         self.ready_pages -= 1
         self.namespace_pages[page.key[0]] -= 1
 
@@ -291,7 +299,7 @@ class PageStore:
         if self.pages.get(page.key) is page:
             del self.pages[page.key]
         if page.state is PageState.READY:
-            self.state_left_ready(page)
+            self._left_ready(page)
         if self._lru.get(page.key) is page:
             del self._lru[page.key]
         if self.disk_lru.get(page.key) is page:

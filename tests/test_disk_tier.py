@@ -143,16 +143,28 @@ def test_a_flipped_byte_on_disk_is_a_counted_miss_never_wrong_kv(clusters, tmp_p
     assert advertised_prefix(PageIndex(cluster.redis_url), ns, block_hashes(ns, batches[0]), lease_ms=0) == 1
 
 
+def mounted(tmp_path, fstype: str, *options: str):
+    """A fresh filesystem of ``fstype`` under ``tmp_path`` (skips where mount is not allowed)."""
+    mount = tmp_path / fstype
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", fstype, *options, fstype, str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a {fstype} here: {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
 @pytest.fixture()
 def small_filesystem(tmp_path):
     """A 3 MiB tmpfs: room for the tier's first two slabs of 1 MiB, not a third."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    yield from mounted(tmp_path, "tmpfs", "-o", "size=3m")
+
+
+@pytest.fixture()
+def ramfs(tmp_path):
+    """A ramfs: a filesystem that refuses O_DIRECT (EINVAL at open; tmpfs takes it
+    since Linux 6.6)."""
+    yield from mounted(tmp_path, "ramfs")
 
 
 def test_disk_full_degrades_the_tier_and_memory_keeps_serving(clusters, small_filesystem):
@@ -170,19 +182,6 @@ def test_disk_full_degrades_the_tier_and_memory_keeps_serving(clusters, small_fi
     got = get_all(cluster, ns, batches[-2:])
     assert got == [{"blocks": 4, "matched": 4, "exact": True}] * 2
     assert put_all(cluster, ns, batches_of(ns, 10, 4)[8:]) == 8
-
-
-@pytest.fixture()
-def ramfs(tmp_path):
-    """A ramfs mount: a filesystem that refuses O_DIRECT (EINVAL at open; tmpfs takes it
-    since Linux 6.6)."""
-    mount = tmp_path / "ramfs"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a ramfs here: {done.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_o_direct_refused_falls_back_to_buffered_io_and_says_so(clusters, ramfs):

@@ -200,6 +200,7 @@ class DiskFiles:
         return out
 
     def close(self) -> None:
+        """At shutdown (``DiskTier.stop``): let queued I/O finish, sync, release the lock."""
         self.readers.shutdown(wait=True)
         self.writers.shutdown(wait=True)
         try:

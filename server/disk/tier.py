@@ -84,7 +84,7 @@ class DiskTier:
         self._writing: dict[StoredPage, asyncio.Task] = {}  # writes in flight
         self._sync_due = False
         self._task: asyncio.Task | None = None
-        evictor.on_drop = self._dropped
+        evictor.on_drop = self._forget_copy  # a page dropped from the node loses its disk copy too
         # both policies: a page still waiting for its write is written before memory lets it go
         evictor.before_evict = self.clean_oldest
         store.demotable = self._demotable
@@ -96,12 +96,12 @@ class DiskTier:
         self._task = asyncio.get_running_loop().create_task(self._demoter())
 
     async def stop(self) -> None:
-        """Stop demoting, let writes in flight end, make everything durable."""
+        """Stop demoting, let writes in flight end, make everything durable and close the files."""
         if self._task is not None:
             self._task.cancel()
         if self._writing:
             await asyncio.wait(list(self._writing.values()))
-        await asyncio.get_running_loop().run_in_executor(self.files.writers, self._sync_quietly)
+        await asyncio.to_thread(self.files.close)
 
     def kick(self) -> None:
         """Memory use or the LRU changed: the demoter looks for pages to write."""
@@ -143,32 +143,25 @@ class DiskTier:
         admitted = self.policy.policy == "write-through" or page.reads >= self.policy.admission
         return not self._paused() and self._writable(page) and admitted
 
-    async def clean_oldest(self, nbytes: int, owner: str | None, slot_size: int | None) -> None:
-        """Before memory evicts ``nbytes`` (``owner``'s pages only, when given; pages of
-        ``slot_size`` first, when given, as ``PageStore.take_victims`` picks them):
-        write the pages it will pick that are not on disk yet and wait for them, so they
-        leave memory clean instead of being dropped. A put waits here only when the
-        demoter fell behind (puts faster than the disk)."""
+    async def clean_oldest(self, nbytes: int, slot_size: int | None, owner: str, only_owner: bool) -> None:
+        """Before memory evicts ``nbytes`` (chosen as ``PageStore.take_victims`` chooses,
+        same arguments): write the pages it will pick that are not on disk yet and wait
+        for them, so they leave memory clean instead of being dropped. A put waits here
+        only when the demoter fell behind (puts faster than the disk)."""
         if self._paused():
             return
         waits: dict[StoredPage, asyncio.Task] = {}
-        alloc = self.store.allocator
-        for pass_class in ((slot_size, None) if slot_size else (None,)):
-            seen = 0
-            for page in self.store.memory_lru():
-                if seen >= nbytes:
-                    break
-                if owner is not None and page.owner != owner:
-                    continue
-                if pass_class is not None and (alloc.slot_size(page.offset) != pass_class or alloc.owner(page.offset) != owner):
-                    continue
-                seen += alloc.slot_size(page.offset)
-                if page in self._writing:
-                    waits[page] = self._writing[page]
-                elif self._demotable(page):
-                    waits[page] = self._start_write(page)
+        seen = 0
+        for page in self.store.eviction_order(slot_size, owner, only_owner):
             if seen >= nbytes:
                 break
+            if page in waits:
+                continue
+            seen += self.store.allocator.slot_size(page.offset)
+            if page in self._writing:
+                waits[page] = self._writing[page]
+            elif self._demotable(page):
+                waits[page] = self._start_write(page)
         if waits:
             await asyncio.wait(list(waits.values()))
 
@@ -268,10 +261,6 @@ class DiskTier:
             self.store.disk_lru.pop(page.key, None)
             self._free_slot(offset, record_slot(page.size), page.owner)
 
-    def _dropped(self, page: StoredPage) -> None:
-        """The evictor dropped a page from the node: its disk copy goes too."""
-        self._forget_copy(page)
-
     def _free_slot(self, offset: int, slot_size: int, owner: str) -> None:
         """Erase the record's header, then free the slot (in that order, so the erase can
         never hit a record written into the slot after it was reused)."""
@@ -347,7 +336,6 @@ class DiskTier:
         self.store.release_memory(page)
         if page.state is not PageState.READY:
             return
-        self.store.disk_lru.pop(page.key, None)
         self._forget_copy(page)
         self.store.drop(page)
         try:
@@ -377,7 +365,10 @@ class DiskTier:
 
     def _sync(self) -> None:
         self._sync_due = False
-        asyncio.get_running_loop().run_in_executor(self.files.writers, self._sync_quietly)
+        try:
+            asyncio.get_running_loop().run_in_executor(self.files.writers, self._sync_quietly)
+        except RuntimeError:  # the tier was stopped (its files are closed, and were synced then)
+            pass
 
     def _sync_quietly(self) -> None:
         try:
