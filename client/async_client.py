@@ -7,7 +7,7 @@ Two APIs over one mechanism (publish pages, fetch a prefix of pages):
   ``client.sequences``.
 
 Nodes (registry, suspicion, connections) are ``client.nodes.NodeDirectory``; host
-staging buffers ``client.staging.HostStaging``.
+host buffers ``client.staging.HostBuffers`` (one pool per process).
 
 Remote faults (``RemoteFault``: a node that errors or times out, Redis gone, a wrong
 checksum) make the affected pages count as missing, so reads return a shorter prefix
@@ -31,7 +31,7 @@ from client.connection import NodeRefusedError, OutgoingPage
 from client.nodes import NodeDirectory
 from client.placement import place
 from client.sequences import LookupBufferAPI, leading, whole_blocks
-from client.staging import HostStaging
+from client.staging import host_buffers
 from client.stats import ClientStats
 from kvstore.errors import Fault, IndexScriptError, InvalidInputError, RemoteFault
 from kvstore.index import AsyncPageIndex, LookupResult, NodeInfo, PageLocation
@@ -123,7 +123,7 @@ class AsyncKVCacheClient(LookupBufferAPI):
         )
         self.nodes = NodeDirectory(self.index, self.stats, token=opts.auth_token.get_secret_value(), same_host=opts.same_host, refresh=opts.node_refresh)
         self._namespace_registered = False
-        self._staging = HostStaging()
+        self._buffers = host_buffers()
 
     @classmethod
     def from_env(cls, namespace: Namespace | None = None, **overrides: Any) -> AsyncKVCacheClient:
@@ -131,12 +131,16 @@ class AsyncKVCacheClient(LookupBufferAPI):
         return cls(None, namespace, options=client_options_from_env(), **overrides)
 
     async def start(self) -> AsyncKVCacheClient:
-        """Initialise UCX and register the namespace. An unreachable index is not an
-        error here: the client starts, reads miss, and the namespace is registered on
-        the first call that reaches the index (an engine must not fail to boot because
-        its cache is down)."""
+        """Initialise UCX, fault in the process's host buffers, register the namespace
+        and connect to the live nodes, so that the first request pays none of it. An
+        unreachable index or node is not an error here: the client starts, reads miss,
+        and the namespace is registered on the first call that reaches the index (an
+        engine must not fail to boot because its cache is down)."""
         self.nodes.ucxx = ensure_ucx(self._progress_mode)
+        # warmed here, not inside the first request (a fresh buffer costs its page faults)
+        await asyncio.get_running_loop().run_in_executor(None, self._buffers.reserve, self.options.host_buffer_bytes)
         await self._ensure_namespace()
+        await self.nodes.connect(self.timeout)
         return self
 
     async def __aenter__(self) -> AsyncKVCacheClient:
@@ -266,11 +270,11 @@ class AsyncKVCacheClient(LookupBufferAPI):
         wanted = slice(start_block, n)
         if not self.heads.identity:  # head groups land in staging and are merged into the rank's pages
             self.stats.staged_transfers += 1
-            staging = self._staging.take(self.units_nbytes(n - start_block))
+            staging = torch.from_numpy(self._buffers.take(self.units_nbytes(n - start_block)))
             units, blocks = await self._fetch_units(hashes, result, start_block, staging)
             if blocks:
                 heads.merge(self.namespace, units[:, :blocks], out[start_block : start_block + blocks], self.heads)
-            self._staging.give(staging)  # not when cancelled: a transfer may still be landing in it
+            self._buffers.give(staging)  # not when cancelled: a transfer may still be landing in it
             return (start_block + blocks) * self.namespace.block_size
         if self._mode_for(out) == "direct":
             self.stats.direct_transfers += 1
@@ -279,12 +283,12 @@ class AsyncKVCacheClient(LookupBufferAPI):
             got = leading(await self._fetch(*self._unit_requests(hashes, result, wanted), spans))
             return (start_block + got) * self.namespace.block_size
         self.stats.staged_transfers += 1
-        staging = self._staging.take((n - start_block) * nbytes)
+        staging = torch.from_numpy(self._buffers.take((n - start_block) * nbytes))
         got = leading(await self._fetch(*self._unit_requests(hashes, result, wanted), page_spans(staging.numpy(), n - start_block, nbytes)))
         if got:
             flat = out.reshape(-1).view(torch.uint8)
             flat[start_block * nbytes : (start_block + got) * nbytes].copy_(staging[: got * nbytes])
-        self._staging.give(staging)  # not when cancelled: a transfer may still be landing in it
+        self._buffers.give(staging)  # not when cancelled: a transfer may still be landing in it
         return (start_block + got) * self.namespace.block_size
 
     async def _fetch_units(self, hashes: list[bytes], result: LookupResult, start_block: int, buf: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -297,18 +301,25 @@ class AsyncKVCacheClient(LookupBufferAPI):
         return units, whole_blocks(ok, count, m)
 
     def _units(self, hashes: list[bytes], pages: torch.Tensor, verb: str) -> tuple[list[bytes], list[Span], list[bytes], list[int]]:
-        """What ``put_pages`` and ``insert`` publish of this rank's host ``pages`` of blocks
-        ``hashes``: its units' keys and bytes, unit by unit (``heads.split``), and each
-        unit's segment anchor and position (its block's)."""
+        """What ``put_pages`` publishes of this rank's host ``pages`` of blocks ``hashes``:
+        its units' keys and bytes, unit by unit (``heads.split``), and each unit's
+        segment anchor and position (``_unit_keys``)."""
+        unit_keys, anchors, positions = self._unit_keys(hashes, verb)
+        units = pages.contiguous() if self.heads.identity else heads.split(self.namespace, pages, self.heads)
+        spans = page_spans(host_bytes(units), len(hashes) * self.heads.count, self.namespace.unit_nbytes)
+        return unit_keys, spans, anchors, positions
+
+    def _unit_keys(self, hashes: list[bytes], verb: str) -> tuple[list[bytes], list[bytes], list[int]]:
+        """The keys of this rank's units of blocks ``hashes``, unit by unit, and each
+        unit's segment anchor and position (its block's). Raises unless the rank holds
+        whole head groups: only those can be stored (``put_pages``, ``insert``)."""
         if not self.heads.whole:
             ns = self.namespace
             raise InvalidInputError(f"this rank holds part of a head group ({ns.groups} groups of {ns.group_heads} heads for tp_size {ns.tp_size}): "
                                     f"it can read pages but not {verb} them; use head_groups of at least tp_size")
-        units = pages.contiguous() if self.heads.identity else heads.split(self.namespace, pages, self.heads)
         count = self.heads.count
         anchors, positions = keys.placement(hashes)
-        spans = page_spans(host_bytes(units), len(hashes) * count, self.namespace.unit_nbytes)
-        return heads.unit_hashes(hashes, self.heads.first, count), spans, anchors * count, positions * count
+        return heads.unit_hashes(hashes, self.heads.first, count), anchors * count, positions * count
 
     # ---- shared mechanism --------------------------------------------------------
 
@@ -498,7 +509,7 @@ class _ChecksumOnce:
     def __init__(self) -> None:
         self._memo: dict[int, int] = {}
 
-    def __call__(self, page: OutgoingPage) -> int:
+    def __call__(self, page: OutgoingPage, packed: Any = None) -> int:
         if page.index not in self._memo:
-            self._memo[page.index] = page_checksum(page.span.view())
+            self._memo[page.index] = page_checksum(page.span.view() if packed is None else packed)
         return self._memo[page.index]

@@ -1,8 +1,12 @@
 """Byte spans over host memory that pages are sent from and received into.
 
-A span is a slice of a flat uint8 array. Spans that sit back to back in one array
-travel as a single UCX message without a copy; others are packed (send) or landed
-in a scratch buffer and scattered (receive)."""
+A span is a slice of a flat uint8 array, or a page scattered over the caller's
+tensors (``pieces``: insert and select move pages straight between the nodes and the
+caller's ``[layers, tokens, heads, head_size]`` key and value, with no page buffer
+between them). Spans that sit back to back in one array travel as a single UCX
+message without a copy; others are packed (send) or landed in a scratch buffer and
+scattered (receive). The same-host path copies between a node's slots and either
+kind (kvstore.pages.checksum.copy_checksummed)."""
 
 from __future__ import annotations
 
@@ -19,9 +23,43 @@ class Span:
     base: np.ndarray
     offset: int
     nbytes: int
+    # Set for a scattered page: uint8 views whose C orders, one after another, are its bytes.
+    pieces: tuple[np.ndarray, ...] = ()
 
     def view(self) -> np.ndarray:
+        """The page's bytes in place (a contiguous span only)."""
+        if self.pieces:
+            raise ValueError("a scattered span has no single view")
         return self.base[self.offset : self.offset + self.nbytes]
+
+    def bytes(self) -> np.ndarray | tuple[np.ndarray, ...]:
+        """What ``copy_checksummed`` copies to or from: the view, or the pieces."""
+        return self.pieces or self.view()
+
+    def write(self, src: np.ndarray) -> None:
+        """Copy the contiguous uint8 ``src`` (``nbytes`` of them) into the span."""
+        if not self.pieces:
+            self.view()[:] = src
+            return
+        pos = 0
+        for piece in self.pieces:
+            piece[...] = src[pos : pos + piece.nbytes].reshape(piece.shape)
+            pos += piece.nbytes
+
+    def read(self, dst: np.ndarray) -> None:
+        """Copy the span's bytes into the contiguous uint8 ``dst``."""
+        if not self.pieces:
+            dst[:] = self.view()
+            return
+        pos = 0
+        for piece in self.pieces:
+            dst[pos : pos + piece.nbytes].reshape(piece.shape)[...] = piece
+            pos += piece.nbytes
+
+
+def scattered_span(pieces: tuple[np.ndarray, ...]) -> Span:
+    """A page held by ``pieces`` (uint8 views of the caller's tensors, in page order)."""
+    return Span(pieces[0], 0, sum(p.nbytes for p in pieces), tuple(pieces))
 
 
 def host_bytes(t: torch.Tensor) -> np.ndarray:
@@ -48,23 +86,30 @@ def adjacent(spans: list[Span]) -> bool:
     first = spans[0]
     pos = first.offset
     for s in spans:
-        if s.base is not first.base or s.offset != pos:
+        if s.pieces or s.base is not first.base or s.offset != pos:
             return False
         pos += s.nbytes
     return True
 
 
-def joined(spans: list[Span]) -> np.ndarray:
-    """One buffer holding the spans in order: a view when adjacent, else a packed copy."""
+def joined(spans: list[Span], out: np.ndarray | None = None) -> np.ndarray:
+    """One buffer holding the spans in order: a view when adjacent, else a packed copy
+    (into ``out`` when given)."""
     if adjacent(spans):
         return spans[0].base[spans[0].offset : spans[0].offset + sum(s.nbytes for s in spans)]
-    return np.concatenate([s.view() for s in spans])
+    if out is None:
+        out = np.empty(sum(s.nbytes for s in spans), dtype=np.uint8)
+    pos = 0
+    for s in spans:
+        s.read(out[pos : pos + s.nbytes])
+        pos += s.nbytes
+    return out
 
 
 def join_flags(spans: list[Span]) -> list[bool]:
     """Per span: may it travel in one message with the span before it?"""
     flags = [False]
     for prev, cur in zip(spans, spans[1:]):
-        touching = cur.base is prev.base and prev.offset + prev.nbytes == cur.offset
+        touching = not (cur.pieces or prev.pieces) and cur.base is prev.base and prev.offset + prev.nbytes == cur.offset
         flags.append(P.may_share(touching, prev.nbytes, cur.nbytes))
     return flags

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from client.buffers import Span, adjacent, join_flags, joined
+from client.staging import host_buffers
 from kvstore.errors import ProtocolError, TransportError
 from kvstore.index import NodeInfo
 from kvstore.pages.checksum import copy_checksummed, page_checksum
@@ -83,7 +84,9 @@ class GetOutcome:
             self.corrupt += 1
 
 
-Checksums = Callable[[OutgoingPage], int]  # a page's xxh3-64, computed at most once per put
+# A page's xxh3-64, computed at most once per put, of the given contiguous bytes (the
+# page's view, or where a scattered page was packed) or, when None, of its span.
+Checksums = Callable[[OutgoingPage, "np.ndarray | None"], int]
 
 
 class _Connection:
@@ -96,6 +99,7 @@ class _Connection:
         self.token = token
         self._lock = asyncio.Lock()
         self.broken = False
+        self._borrowed: list[np.ndarray] = []  # pool blocks of the request in flight (``_borrow``)
 
     async def put(self, namespace: NamespaceKey, pages: list[OutgoingPage], checksum: Checksums, timeout: float) -> PutOutcome:
         """Offer ``pages``; send only those the node wants (hashed only then)."""
@@ -111,19 +115,50 @@ class _Connection:
             if self.broken:
                 work.close()
                 raise TransportError(f"connection to {self.node.node_id} is closed")
+            settled = False  # no request of this call can still touch its buffers
             try:
                 await self._open(timeout)
-                return await with_timeout(work, timeout, f"{what} on {self.node.node_id}")
+                result = await with_timeout(work, timeout, f"{what} on {self.node.node_id}")
+                settled = True
+                return result
             except NodeRefusedError as exc:
                 if exc.code is P.RefusalCode.UNAUTHORIZED:  # the node closed its side
                     await self.close()
+                settled = True
                 raise
             except BaseException as exc:
                 work.close()  # not started when the connect failed; a no-op otherwise
                 await self.close()  # every request of the call has finished: nothing lands later
+                settled = True
                 if isinstance(exc, (TransportError, asyncio.CancelledError)):
                     raise
                 raise TransportError(f"{what} on {self.node.node_id} failed: {exc!r}") from exc
+            finally:
+                borrowed, self._borrowed = self._borrowed, []
+                if settled:  # else left to the garbage collector, out of the pool
+                    for buf in borrowed:
+                        host_buffers().give(buf)
+
+    async def open(self, timeout: float) -> None:
+        """Connect now, outside a request (client start); a failure closes the connection
+        and raises ``TransportError``, as a request's would."""
+        async with self._lock:
+            if self.broken:
+                raise TransportError(f"connection to {self.node.node_id} is closed")
+            try:
+                await self._open(timeout)
+            except BaseException as exc:
+                await self.close()
+                if isinstance(exc, (TransportError, asyncio.CancelledError)):
+                    raise
+                raise TransportError(f"connect to {self.node.node_id} failed: {exc!r}") from exc
+
+    def _borrow(self, nbytes: int) -> np.ndarray:
+        """Host memory from the pool for this request (packed runs, scratch), given back
+        once no request of the call can touch it (``_guarded``)."""
+        buf = host_buffers().take(nbytes)
+        self._borrowed.append(buf)
+        return buf
 
     def _check_frame(self, frame: Any, expected: type) -> Any:
         if isinstance(frame, P.ErrorFrame):
@@ -156,17 +191,23 @@ class _Connection:
 RECEIVES_AHEAD = 8
 
 
-async def _landed(received: asyncio.Future, scratch: np.ndarray | None, spans: list[Span] | None) -> bool:
+async def _landed(received: asyncio.Future, scratch: np.ndarray | None, spans: list[Span] | None) -> list[np.ndarray] | None:
     """Wait for one run's receive; scatter it from ``scratch`` into ``spans`` (None:
-    the run's pages do not fit the caller's, and are dropped)."""
+    the run's pages do not fit the caller's, and are dropped). Returns each page's
+    bytes as they landed, contiguous, for verification: the spans themselves when the
+    run landed in place (no scratch), else the scratch's slices they were copied from."""
     await asyncio.shield(received)
     if spans is None:
-        return False
-    off = 0
+        return None
+    if scratch is None:
+        return [s.view() for s in spans]
+    off, landed = 0, []
     for s in spans:
-        s.view()[:] = scratch[off : off + s.nbytes]
+        part = scratch[off : off + s.nbytes]
+        s.write(part)
+        landed.append(part)
         off += s.nbytes
-    return True
+    return landed
 
 
 def _put_request(namespace: NamespaceKey, token: str, pages: list[OutgoingPage]) -> P.PutRequest:
@@ -207,13 +248,21 @@ class NodeConnection(_Connection):
         # the checksums and every run are posted at once and awaited together (awaiting
         # each send cost about 1 ms through ucxx's threads: ``Channel.post_send``)
         result_arrives = started(self._recv_frame(P.PutResult))
-        sends = ep.post_frame(P.PutChecksums(checksums=np.fromiter((checksum(pages[i]) for i in wanted), dtype=np.uint64, count=len(wanted))))
-        pos, sent = 0, 0
+        # runs are packed first (a view when their pages touch) so that scattered pages
+        # are hashed where they were packed, contiguous
+        bufs, packed, pos = [], [], 0
         for run in plan.ints("runs"):
-            buf = joined([pages[i].span for i in wanted[pos : pos + run]])
-            sends.append(ep.post_send(buf, P.DATA_TAG))
-            sent += buf.nbytes
+            spans = [pages[i].span for i in wanted[pos : pos + run]]
+            buf = joined(spans, None if adjacent(spans) else self._borrow(sum(s.nbytes for s in spans)))
+            bufs.append(buf)
+            at = 0
+            for i in wanted[pos : pos + run]:
+                packed.append(buf[at : at + pages[i].span.nbytes])
+                at += pages[i].span.nbytes
             pos += run
+        sends = ep.post_frame(P.PutChecksums(checksums=np.fromiter((checksum(pages[i], b) for i, b in zip(wanted, packed)), dtype=np.uint64, count=len(wanted))))
+        sends.extend(ep.post_send(buf, P.DATA_TAG) for buf in bufs)
+        sent = sum(buf.nbytes for buf in bufs)
         await asyncio.shield(asyncio.gather(*sends))
         result: P.PutResult = await result_arrives
         return PutOutcome(result.ints("stored"), plan.ints("present"), plan.ints("refused"), sent)
@@ -238,23 +287,24 @@ class NodeConnection(_Connection):
             landed = await pending[r]
             if r + RECEIVES_AHEAD < len(runs):
                 pending.append(self._receive(ep, sinks, present, sizes, starts, r + RECEIVES_AHEAD))
-            if landed:
-                for k in range(starts[r], starts[r + 1]):
+            if landed is not None:
+                for k, page in zip(range(starts[r], starts[r + 1]), landed):
                     i = present[k]
-                    outcome.check(i, sums[k], expected[i], page_checksum(sinks[i].view()))
+                    outcome.check(i, sums[k], expected[i], page_checksum(page))
         return outcome
 
     def _receive(self, ep: Channel, sinks: list[Span], present: list[int], sizes: list[int], starts: list[int], r: int) -> asyncio.Future:
         """Post the receive of run ``r`` now (so receives are posted in run order): in
         place when its pages touch in the caller's memory, else through a scratch
-        buffer scattered on arrival. The future says whether the pages landed (a page
-        of the wrong size never can be the one asked for)."""
+        buffer scattered on arrival. The future gives the run's pages as they landed,
+        or None when they do not fit the caller's (a page of the wrong size never can
+        be the one asked for)."""
         idx = present[starts[r] : starts[r + 1]]
         spans = [sinks[i] for i in idx]
         fits = all(s.nbytes == size for s, size in zip(spans, sizes[starts[r] : starts[r + 1]]))
         if fits and adjacent(spans):
-            return started(_landed(ep.post_recv(joined(spans), P.DATA_TAG), None, []))  # lands in place
-        scratch = np.empty(sum(sizes[starts[r] : starts[r + 1]]), dtype=np.uint8)
+            return started(_landed(ep.post_recv(joined(spans), P.DATA_TAG), None, spans))  # lands in place
+        scratch = self._borrow(sum(sizes[starts[r] : starts[r + 1]]))
         return started(_landed(ep.post_recv(scratch, P.DATA_TAG), scratch, spans if fits else None))
 
     async def close(self) -> None:
@@ -329,7 +379,7 @@ class ShmConnection(_Connection):
             size = pages[i].span.nbytes
             if mapped is None or not mapped.flags.writeable or off + size > mapped.size:
                 raise ProtocolError(f"node {self.node.node_id} lent a slot outside the slabs it mapped")
-            copies.append((mapped[off : off + size], pages[i].span.view()))
+            copies.append((mapped[off : off + size], pages[i].span.bytes()))
         # The one copy, straight into the node's slots; the checksums are of our own
         # bytes, so anything else written into a slot fails the node's verification.
         sums = np.array(copy_checksummed(copies, hash_source=True), dtype=np.uint64)
@@ -350,7 +400,7 @@ class ShmConnection(_Connection):
             if mapped is None or sinks[i].nbytes != size or off + size > mapped.size:
                 continue  # a page of the wrong size can never be the one asked for
             copied.append((i, node_sum))
-            copies.append((sinks[i].view(), mapped[off : off + size]))
+            copies.append((sinks[i].bytes(), mapped[off : off + size]))
         digests = copy_checksummed(copies)  # the one copy; hashes of the bytes that landed
         await self._ch.send_frame(P.GetDone())  # the node unpins
         outcome = GetOutcome([], 0)

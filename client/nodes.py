@@ -4,6 +4,7 @@ per node (shared memory on this host, UCX elsewhere)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -55,6 +56,19 @@ class NodeDirectory:
         for node_id in [n for n, until in self._suspect.items() if until < now]:
             del self._suspect[node_id]
         return [n for n in self._nodes if include_suspect or n.node_id not in self._suspect]
+
+    async def connect(self, timeout: float) -> None:
+        """Open a connection to every live node now (client start), so that the first
+        request does not pay for it; a node that cannot be reached is left to the
+        first request, which treats it as it would any failed node."""
+        nodes = await self.live()
+        await asyncio.gather(*(self._connect(node, timeout) for node in nodes))
+
+    async def _connect(self, node: NodeInfo, timeout: float) -> None:
+        try:
+            await self.on_node(node, lambda c: c.open(timeout))
+        except RemoteFault as exc:
+            log.info("cannot connect to %s at start: %s", node.node_id, exc)
 
     def prefer(self, page_hash: bytes, locs: list[PageLocation]) -> list[PageLocation]:
         """A page's replicas in the order to try them: healthy nodes first, each group in

@@ -25,11 +25,10 @@ if TYPE_CHECKING:
 
 @dataclass
 class _Fetched:
-    """What ``select`` got: this rank's units of the leading ``blocks`` that arrived whole
-    (``[count, blocks, *unit_shape]``), and the tail buffer with its parts' sizes, of
-    which the leading ``parts`` arrived (0 unless every matched block did)."""
+    """What ``select`` got: how many leading blocks arrived whole (in the caller's
+    key/value, or merged there), and the tail buffer with its parts' sizes, of which
+    the leading ``parts`` arrived (0 unless every matched block did)."""
 
-    units: torch.Tensor
     blocks: int
     tail: np.ndarray
     part_sizes: list[int]
@@ -38,8 +37,10 @@ class _Fetched:
 
 class LookupBufferAPI:
     """``insert`` and ``select``, mixed into ``AsyncKVCacheClient``: they use its
-    namespace, head groups and the paged mechanism (``_units``, ``_publish``,
-    ``_lookup``, ``_unit_requests``, ``_fetch``)."""
+    namespace, head groups and the paged mechanism (``_unit_keys``, ``_publish``,
+    ``_lookup``, ``_unit_requests``, ``_fetch``). Pages move straight
+    between the caller's key/value and the nodes (``codec.kv_spans``); only a rank that
+    reads part of a head group receives units into a buffer and merges them."""
 
     async def insert(self, input_tokens: Any, roi: Any, key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor | None = None) -> PublishReport:
         """Store the KV of the tokens ``roi`` marks (a prefix of ``input_tokens``).
@@ -58,7 +59,9 @@ class LookupBufferAPI:
             if tuple(hidden.shape) != (T, ns.hidden_size) or hidden.dtype != ns.torch_dtype():
                 raise InvalidInputError(f"hidden must be [{T}, {ns.hidden_size}] of {ns.torch_dtype()}, got {tuple(hidden.shape)} {hidden.dtype}")
         hashes = block_hashes(self.storage, tokens)
-        unit_keys, spans, anchors, positions = self._units(hashes, codec.kv_to_pages(ns, key, value), "insert")
+        unit_keys, anchors, positions = self._unit_keys(hashes, "insert")
+        key, value = key.to("cpu").contiguous(), value.to("cpu").contiguous()  # no copy for contiguous host tensors
+        spans = codec.kv_spans(ns, key, value, len(hashes), self.heads.count)
         tail = codec.encode_tail(ns, key, value, hidden)
         part_sizes = codec.tail_part_sizes(ns, T, hidden is not None)
         # the tail (partial block, hidden states) is this rank's own: keyed by its TP
@@ -71,7 +74,8 @@ class LookupBufferAPI:
         """``[input_tokens, roi, key, value, hidden]`` for the longest stored prefix of the
         tokens ``roi`` marks: everything plus ``hidden`` when this exact sequence was
         inserted, else the longest block-aligned prefix with ``hidden=None``; five
-        ``None`` on a miss. The returned ``roi`` marks the matched tokens."""
+        ``None`` on a miss. The returned ``roi`` marks the matched tokens; key and value
+        are contiguous."""
         tokens, n_all = self._roi_prefix(input_tokens, roi)
         ns = self.namespace
         T = len(tokens)
@@ -82,51 +86,68 @@ class LookupBufferAPI:
         result = await self._lookup(hashes + parts, breaks=[len(hashes)])
         if not result or result.matched == 0:
             return [None] * 5
-        got = await self._fetch_sequence(hashes, parts, result)
+        # key and value are received into, sized for what the index says is there: the
+        # whole sequence when tail parts follow every block, else the blocks found
+        nblocks = min(result.matched, len(hashes))
+        shape = (2, ns.num_layers, T if result.matched > len(hashes) else nblocks * ns.block_size, ns.num_kv_heads, ns.head_size)
+        kv = self._buffers.lend(int(np.prod(shape)) * ns.element_size, ns.torch_dtype(), shape)
+        got = await self._fetch_sequence(hashes, parts, result, kv)
         tail = None
         if got.blocks == len(hashes) and got.parts:
             flags = codec.read_tail_flags(got.tail)
             need = len(sizes_h if flags and flags[1] else sizes_nh)
             if flags and flags[0] == T and got.parts >= need:
                 tail = codec.decode_tail(ns, got.tail[: sum(got.part_sizes[:need])])
-        key, value = codec.pages_to_kv(self._rank_pages(got), extra_tokens=T - got.blocks * ns.block_size if tail else 0)
-        hidden = None
-        if tail is not None:
-            key[:, got.blocks * ns.block_size :] = tail.partial_key
-            value[:, got.blocks * ns.block_size :] = tail.partial_value
-            hidden = tail.hidden
         matched = T if tail is not None else got.blocks * ns.block_size
         if matched == 0:
             return [None] * 5
+        hidden = None
+        if tail is not None:
+            kv[0, :, got.blocks * ns.block_size :] = tail.partial_key
+            kv[1, :, got.blocks * ns.block_size :] = tail.partial_value
+            hidden = tail.hidden
+        elif matched < kv.shape[2]:  # fewer blocks arrived than were found, or the tail did not: a shorter prefix
+            kv = kv[:, :, :matched].contiguous()
         out_roi = torch.zeros(n_all, dtype=torch.bool)
         out_roi[:matched] = True
-        return [input_tokens, out_roi, key, value, hidden]
+        return [input_tokens, out_roi, kv[0], kv[1], hidden]
 
-    async def _fetch_sequence(self, hashes: list[bytes], parts: list[bytes], result: Any) -> _Fetched:
-        """Fetch the matched blocks (this rank's units of each) and the tail parts that
-        follow them; a missing head group ends the prefix, and the tail cannot follow."""
+    async def _fetch_sequence(self, hashes: list[bytes], parts: list[bytes], result: Any, kv: torch.Tensor) -> _Fetched:
+        """Fetch the matched blocks (this rank's units of each) into ``kv``
+        ``[2, layers, tokens, heads, head_size]`` and the tail parts that follow them; a
+        missing head group ends the prefix, and the tail cannot follow."""
         ns, count = self.namespace, self.heads.count
         nblocks = min(result.matched, len(hashes))
-        units = torch.empty(nblocks * count * ns.unit_nbytes, dtype=torch.uint8)
         part_sizes = [loc[0].size for loc in result.locations[nblocks:]]
         tail = np.empty(sum(part_sizes), dtype=np.uint8)
-        sinks = page_spans(units.numpy(), nblocks * count, ns.unit_nbytes) + split_spans(tail, part_sizes)
+        tail_hashes, tail_locations = parts[: result.matched - nblocks], result.locations[nblocks:]
+        if not self.heads.whole:  # units hold heads this rank lacks: received into a buffer, merged
+            return await self._fetch_merged(hashes, result, kv, tail_hashes, tail_locations, tail, part_sizes)
         unit_hashes, unit_locations = self._unit_requests(hashes, result, slice(0, nblocks))
-        ok = await self._fetch(unit_hashes + parts[: result.matched - nblocks], unit_locations + result.locations[nblocks:], sinks)
+        sinks = codec.kv_spans(ns, kv[0], kv[1], nblocks, count) + split_spans(tail, part_sizes)
+        ok = await self._fetch(unit_hashes + tail_hashes, unit_locations + tail_locations, sinks)
         blocks = whole_blocks(ok, count, nblocks)
         got_parts = leading(ok[nblocks * count :]) if blocks == nblocks else 0
-        return _Fetched(units.view(ns.torch_dtype()).reshape(count, nblocks, *ns.unit_shape)[:, :blocks], blocks, tail, part_sizes, got_parts)
+        return _Fetched(blocks, tail, part_sizes, got_parts)
 
-    def _rank_pages(self, got: _Fetched) -> torch.Tensor:
-        """This rank's pages of the fetched blocks: the units as they are, or merged."""
-        ns = self.namespace
-        if self.heads.identity:
-            page_buf = got.units.reshape(-1).view(torch.uint8)
-        else:
-            rank_pages = torch.empty((got.blocks, *ns.page_shape), dtype=ns.torch_dtype())
-            heads.merge(ns, got.units, rank_pages, self.heads)
-            page_buf = rank_pages.reshape(-1).view(torch.uint8)
-        return page_buf[: got.blocks * ns.page_nbytes].view(ns.torch_dtype()).reshape(got.blocks, *ns.page_shape)
+    async def _fetch_merged(self, hashes: list[bytes], result: Any, kv: torch.Tensor, tail_hashes: list[bytes], tail_locations: list[Any],
+                            tail: np.ndarray, part_sizes: list[int]) -> _Fetched:
+        """``_fetch_sequence`` for a rank that reads part of a head group: the units
+        land in a buffer and the rank's heads are merged into its pages, then into
+        ``kv``. The tail is the rank's own and follows only once every block is whole."""
+        ns, count = self.namespace, self.heads.count
+        nblocks = min(result.matched, len(hashes))
+        buf = torch.empty(self.units_nbytes(nblocks), dtype=torch.uint8)
+        ok = await self._fetch(*self._unit_requests(hashes, result, slice(0, nblocks)), page_spans(buf.numpy(), nblocks * count, ns.unit_nbytes))
+        blocks = whole_blocks(ok, count, nblocks)
+        units = buf.view(ns.torch_dtype()).view(count, nblocks, *ns.unit_shape)
+        pages = torch.empty((blocks, *ns.page_shape), dtype=ns.torch_dtype())
+        heads.merge(ns, units[:, :blocks], pages, self.heads)
+        codec.pages_into_kv(pages, kv)
+        got_parts = 0
+        if blocks == nblocks and tail_hashes:
+            got_parts = leading(await self._fetch(tail_hashes, tail_locations, split_spans(tail, part_sizes)))
+        return _Fetched(blocks, tail, part_sizes, got_parts)
 
     @staticmethod
     def _roi_prefix(input_tokens: Any, roi: Any) -> tuple[np.ndarray, int]:

@@ -33,3 +33,28 @@ def test_every_page_lands_with_its_own_checksum(sizes, hash_source, seed):
         gaps[at : at + n] = False
         at += n + 7
     assert (flat[gaps] == 0xAB).all()  # nothing written outside the destinations
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 40), st.sampled_from([1, 512, 4096, CHUNK // 8]), st.booleans(), st.integers(0, 2**32 - 1))
+def test_scattered_pages_land_and_hash_as_contiguous_ones(layers, rows, row_bytes, into_pieces, seed):
+    """A page scattered over a caller's tensors (insert/select: rows of key, then of
+    value, with other tokens' rows between them) copies to and from a contiguous slot
+    byte for byte, and its digest is the page's, whichever side is scattered."""
+    rng = np.random.default_rng(seed)
+    key = rng.integers(0, 256, (layers, rows + 3, row_bytes), dtype=np.uint8)
+    value = rng.integers(0, 256, (layers, rows + 3, row_bytes), dtype=np.uint8)
+    pieces = (key[:, 1 : 1 + rows], value[:, 1 : 1 + rows])  # strided: 2 rows of other tokens around them
+    page = np.concatenate([p.reshape(-1) for p in pieces])
+    pairs_of_pages = 3  # several pairs, so both threads copy
+    if into_pieces:
+        before_key, before_value = key.copy(), value.copy()
+        key[:, 1 : 1 + rows] = 0
+        value[:, 1 : 1 + rows] = 0
+        sums = copy_checksummed([(pieces, page)] + [(np.empty_like(page), page) for _ in range(pairs_of_pages - 1)])
+        assert np.array_equal(key, before_key) and np.array_equal(value, before_value)  # every row back, nothing else touched
+    else:
+        slots = [np.zeros_like(page) for _ in range(pairs_of_pages)]
+        sums = copy_checksummed([(slots[0], pieces)] + [(s, page) for s in slots[1:]], hash_source=True)
+        assert all(np.array_equal(s, page) for s in slots)
+    assert sums == [xxhash.xxh3_64_intdigest(page)] * pairs_of_pages

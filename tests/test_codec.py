@@ -21,9 +21,18 @@ def test_pages_and_tail_round_trip(layers, heads, head, block, tokens, hidden, w
     key = torch.randn(layers, tokens, heads, head, generator=g).half()
     value = torch.randn(layers, tokens, heads, head, generator=g).half()
     hid = torch.randn(tokens, hidden, generator=g).half() if with_hidden else None
-    pages = codec.kv_to_pages(ns, key, value)
     full = tokens // block
-    assert pages.shape == (full, *ns.page_shape) and pages.is_contiguous()
+    # a page is [2, layers, block, heads, head]: block b's key rows, then its value rows
+    pages = torch.stack([key[:, : full * block], value[:, : full * block]]).unflatten(2, (full, block)).permute(2, 0, 1, 3, 4, 5).contiguous()
+    for count in [c for c in (1, 2, 3) if heads % c == 0]:  # the spans of each head group's units, unit by unit
+        spans = codec.kv_spans(ns, key, value, full, count)
+        assert len(spans) == full * count
+        g = heads // count
+        for j in range(count):
+            for b in range(full):
+                got = np.empty(spans[j * full + b].nbytes, dtype=np.uint8)
+                spans[j * full + b].read(got)
+                assert np.array_equal(got, pages[b, :, :, :, j * g : (j + 1) * g].contiguous().view(torch.uint8).reshape(-1).numpy())
     k, v = codec.pages_to_kv(pages)
     assert torch.equal(k, key[:, : full * block]) and torch.equal(v, value[:, : full * block])
     blob = codec.encode_tail(ns, key, value, hid)

@@ -67,7 +67,10 @@ def connector_options(extra: dict[str, Any]) -> tuple[ConnectorOptions, ClientOp
     except ValidationError as exc:
         name, shown, message = first_error(exc)
         raise InvalidInputError(f"invalid kv_connector_extra_config {name}={shown}: {message}") from None
-    return options, client_options(**{k: v for k, v in extra.items() if k not in own})
+    # the connector moves pages through its own staging (staging_bytes), not the
+    # client's pool, which only insert/select and UCX packing use: none unless asked
+    client = {"host_buffer_bytes": 0, **{k: v for k, v in extra.items() if k not in own}}
+    return options, client_options(**client)
 
 
 def lookup_breaker(conf: ConnectorOptions) -> CircuitBreaker:

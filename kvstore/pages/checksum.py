@@ -43,36 +43,75 @@ def checksum_later(buffer) -> Future:
     return done
 
 
-def _copy_run(pairs: Sequence[tuple[np.ndarray, np.ndarray]], hash_source: bool) -> list[int]:
-    sums = []
-    for dst, src in pairs:
-        if dst.nbytes <= CHUNK:
-            dst[:] = src
-            sums.append(xxhash.xxh3_64_intdigest(src if hash_source else dst))
+Pieces = tuple  # a page whose bytes are scattered: uint8 arrays whose C orders, one after another, are the page's bytes
+
+
+def _pieces_chunks(pieces: Pieces) -> list[np.ndarray]:
+    """The pieces cut along their first axes into chunks of at most CHUNK bytes (a row
+    larger than CHUNK stays whole), in page order."""
+    chunks = []
+    for piece in pieces:
+        if piece.nbytes <= CHUNK or piece.ndim < 2:
+            chunks.append(piece)
             continue
-        digest = xxhash.xxh3_64()  # streamed: the same value as the one-shot hash
-        for at in range(0, dst.nbytes, CHUNK):
-            d, s = dst[at : at + CHUNK], src[at : at + CHUNK]
-            d[:] = s
-            digest.update(s if hash_source else d)
-        sums.append(digest.intdigest())
-    return sums
+        step = max(1, CHUNK // (piece.nbytes // piece.shape[0]))
+        chunks.extend(piece[at : at + step] for at in range(0, piece.shape[0], step))
+    return chunks
 
 
-def copy_checksummed(pairs: Sequence[tuple[np.ndarray, np.ndarray]], hash_source: bool = False) -> list[int]:
+def _copy_one(dst: np.ndarray | Pieces, src: np.ndarray | Pieces, hash_source: bool) -> int:
+    """Copy one page and hash it chunk by chunk while the chunk is in cache. When one side
+    is scattered (``Pieces``), the contiguous side is hashed whatever ``hash_source``
+    says: for a get that is the node's pinned, read-only slot the bytes came from; for
+    a put the slot the node verifies."""
+    digest = xxhash.xxh3_64()  # streamed: the same value as the one-shot hash
+    if isinstance(dst, tuple) or isinstance(src, tuple):
+        flat, pieces, into_pieces = (src, dst, True) if isinstance(dst, tuple) else (dst, src, False)
+        pos = 0
+        for chunk in _pieces_chunks(pieces):
+            part = flat[pos : pos + chunk.nbytes]
+            if into_pieces:
+                chunk[...] = part.reshape(chunk.shape)
+            else:
+                part.reshape(chunk.shape)[...] = chunk
+            digest.update(part)
+            pos += chunk.nbytes
+        return digest.intdigest()
+    if dst.nbytes <= CHUNK:
+        dst[:] = src
+        return xxhash.xxh3_64_intdigest(src if hash_source else dst)
+    for at in range(0, dst.nbytes, CHUNK):
+        d, s = dst[at : at + CHUNK], src[at : at + CHUNK]
+        d[:] = s
+        digest.update(s if hash_source else d)
+    return digest.intdigest()
+
+
+def _copy_run(pairs: Sequence[tuple[np.ndarray | Pieces, np.ndarray | Pieces]], hash_source: bool) -> list[int]:
+    return [_copy_one(dst, src, hash_source) for dst, src in pairs]
+
+
+def _nbytes(side: np.ndarray | Pieces) -> int:
+    return sum(p.nbytes for p in side) if isinstance(side, tuple) else side.nbytes
+
+
+def copy_checksummed(pairs: Sequence[tuple[np.ndarray | Pieces, np.ndarray | Pieces]], hash_source: bool = False) -> list[int]:
     """Copy each ``(dst, src)`` pair of equal-sized uint8 arrays and return, in order,
     the xxh3-64 of the bytes that landed in ``dst`` (what a reader verifies) or, with
     ``hash_source``, of ``src`` (what a writer vouches for: bytes someone else changes
-    in ``dst`` meanwhile then fail verification). Called by the same-host data path
+    in ``dst`` meanwhile then fail verification). One side of a pair may be scattered
+    (``Pieces``: the caller's tensors in insert/select), and then the contiguous side
+    is hashed (``_copy_one``). Called by the same-host data path
     (client/connection.py) for gets and puts. The calling thread and the helper
     thread each take half the bytes; returns only once both are done, so nothing
     writes into any ``dst`` after it returns, whatever the caller's timeout."""
-    total = sum(dst.nbytes for dst, _ in pairs)
+    sizes = [_nbytes(dst) for dst, _ in pairs]
+    total = sum(sizes)
     if len(pairs) < 2 or total < 2 * OFFLOAD_MIN:
         return _copy_run(pairs, hash_source)
     half, split = 0, 0
-    while split < len(pairs) - 1 and half + pairs[split][0].nbytes <= total // 2:
-        half += pairs[split][0].nbytes
+    while split < len(pairs) - 1 and half + sizes[split] <= total // 2:
+        half += sizes[split]
         split += 1
     split = max(split, 1)
     later = _helper.submit(_copy_run, pairs[split:], hash_source)
