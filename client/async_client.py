@@ -12,7 +12,8 @@ host buffers ``client.staging.HostBuffers`` (one pool per process).
 Remote faults (``RemoteFault``: a node that errors or times out, Redis gone, a wrong
 checksum) make the affected pages count as missing, so reads return a shorter prefix
 or a miss within ``timeout``. Misuse (bad shapes, dtypes, roi, options) raises
-``InvalidInputError``. An index that rejects a script (a bug) is logged at ERROR,
+``InvalidInputError``; a put or get that every node asked refused for the client's
+credentials raises ``CredentialError`` (a ``PermissionError``). An index that rejects a script (a bug) is logged at ERROR,
 counted in ``stats.index_script_errors`` and read as a miss."""
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from client.placement import place
 from client.sequences import LookupBufferAPI, leading, whole_blocks
 from client.staging import host_buffers
 from client.stats import ClientStats
-from kvstore.errors import Fault, IndexScriptError, InvalidInputError, RemoteFault
+from kvstore.errors import CredentialError, Fault, IndexScriptError, InvalidInputError, RemoteFault
 from kvstore.index import AsyncPageIndex, LookupResult, NodeInfo, PageLocation
 from kvstore.index.routing import INDEX_TIMEOUT
 from kvstore.pages import heads, keys
@@ -95,13 +96,17 @@ def split_options(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
 
 class AsyncKVCacheClient(LookupBufferAPI):
     """Options (``ClientOptions``: replicas, timeout, transfer_mode, auth_token, ...) come
-    as keywords or as ``options=``; other keywords are ``Namespace`` fields."""
+    as keywords or as ``options=``; other keywords are ``Namespace`` fields. Without
+    ``options=``, every option not passed as a keyword is read from its ``KVSTORE_*``
+    variable (``ClientSettings``), else its default: a shell that exported what
+    ``kvstore up`` prints (the index URL and the token file) needs no other option,
+    and a missing token cannot be a silent miss (``CredentialError``)."""
 
     def __init__(self, redis_url: str | None = None, namespace: Namespace | None = None, *, options: ClientOptions | None = None, **kwargs: Any) -> None:
         overrides, namespace_fields = split_options(kwargs)
         if redis_url is not None:
             overrides["redis_url"] = redis_url
-        opts = client_options(options, **overrides)
+        opts = client_options(options if options is not None else client_options_from_env(), **overrides)
         if namespace is None:
             namespace = Namespace(**namespace_fields)
         elif namespace_fields:
@@ -127,7 +132,8 @@ class AsyncKVCacheClient(LookupBufferAPI):
 
     @classmethod
     def from_env(cls, namespace: Namespace | None = None, **overrides: Any) -> AsyncKVCacheClient:
-        """Build from KVSTORE_* variables (see ``ClientSettings``); keyword overrides win."""
+        """Build from KVSTORE_* variables (see ``ClientSettings``); keyword overrides win.
+        The same as the constructor without ``options=``; kept for callers that say so."""
         return cls(None, namespace, options=client_options_from_env(), **overrides)
 
     async def start(self) -> AsyncKVCacheClient:
@@ -370,15 +376,21 @@ class AsyncKVCacheClient(LookupBufferAPI):
         for i, h in enumerate(hashes):
             for node_id in place(h, list(nodes), self.replicas):
                 per_node[node_id].append(i)
-        outcomes = await asyncio.gather(*(self._put_on(nodes[n], [pages[i] for i in idx], checksum) for n, idx in per_node.items()))
+        refusals: list[NodeRefusedError] = []
+        outcomes = await asyncio.gather(*(self._put_on(nodes[n], [pages[i] for i in idx], checksum, refusals) for n, idx in per_node.items()))
+        self._raise_if_all_refused(refusals, set(per_node), "store")
         return self._tally(len(hashes), zip(per_node.values(), outcomes))
 
-    async def _put_on(self, node: NodeInfo, pages: list[OutgoingPage], checksum: Any) -> Any:
+    async def _put_on(self, node: NodeInfo, pages: list[OutgoingPage], checksum: Any, refusals: list[NodeRefusedError]) -> Any:
         """Put ``pages`` on ``node``; the node's outcome, or None when it failed or
-        refused (a node that lost the namespace gets it registered again)."""
+        refused (a node that lost the namespace gets it registered again; one that
+        refused the client's token goes into ``refusals``)."""
         try:
             outcome, conn = await self.nodes.on_node(node, lambda c: c.put(self.storage.key, pages, checksum, self.timeout))
         except NodeRefusedError as exc:
+            if exc.credentials:
+                self._credential_refusal(exc, refusals)
+                return None
             if exc.code is not P.RefusalCode.UNKNOWN_NAMESPACE:
                 self.nodes.failed(node.node_id, exc)
                 return None
@@ -393,6 +405,28 @@ class AsyncKVCacheClient(LookupBufferAPI):
         if conn.path == "shm":
             self.stats.same_host_transfers += 1
         return outcome
+
+    def _credential_refusal(self, exc: NodeRefusedError, refusals: list[NodeRefusedError]) -> None:
+        """A node refused this client's token: the node is healthy (not suspected), the
+        client is misconfigured; the call raises if every node it asked did."""
+        self.stats.credential_refusals += 1
+        refusals.append(exc)
+        log.warning("%s", exc)
+
+    def _raise_if_all_refused(self, refusals: list[NodeRefusedError], asked: set[str], verb: str) -> None:
+        """Raise ``CredentialError`` when every node in ``asked`` refused the client's
+        token; a node that failed otherwise (down, stalled) keeps the call a miss."""
+        if not refusals or {r.node_id for r in refusals} != asked:
+            return
+        tenant = self.namespace.tenant
+        right = "read/write" if verb == "store" else "read"
+        why = "; ".join(f"{r.node_id}: {r.code.value}: {r.message}" for r in refusals)
+        raise CredentialError(
+            f"every node asked refused to {verb} pages of tenant {tenant!r} for this client's credentials ({why}). "
+            f"Pass the data-plane token the nodes accept, with {right} rights on tenant {tenant!r}: auth_token=... to the client, "
+            f"or KVSTORE_AUTH_TOKEN / KVSTORE_AUTH_TOKEN_FILE in the environment (read by the constructor for options not passed); "
+            f"`kvstore up` prints KVSTORE_AUTH_TOKEN_FILE=..., a tenant's token comes from the nodes' --credentials-file (docs/security.md)",
+            node_ids=sorted(asked), tenant=tenant, operation=verb)
 
     def _tally(self, total: int, outcomes: Any) -> PublishReport:
         """A put's report from each node's outcome (``(indexes, outcome)`` pairs); a page
@@ -420,14 +454,18 @@ class AsyncKVCacheClient(LookupBufferAPI):
         ok = [False] * len(hashes)
         tried: list[set[str]] = [set() for _ in hashes]
         nodes = {n.node_id: n for n in await self.nodes.live()}
+        asked: set[str] = set()
+        refusals: list[NodeRefusedError] = []
         for _ in range(max(len(loc) for loc in locations[: len(hashes)])):
             per_node = self._next_round(hashes, locations, ok, tried, nodes)
             remaining = deadline - time.monotonic()
             if not per_node or remaining <= 0:
                 break
-            await asyncio.gather(*(self._get_on(nodes[n], idx, hashes, locations, sinks, ok, remaining) for n, idx in per_node.items()))
+            asked.update(per_node)
+            await asyncio.gather(*(self._get_on(nodes[n], idx, hashes, locations, sinks, ok, remaining, refusals) for n, idx in per_node.items()))
             if all(ok):
                 break
+        self._raise_if_all_refused(refusals, asked, "read")
         return ok
 
     def _next_round(self, hashes: list[bytes], locations: list[list[PageLocation]], ok: list[bool], tried: list[set[str]],
@@ -444,12 +482,19 @@ class AsyncKVCacheClient(LookupBufferAPI):
         return per_node
 
     async def _get_on(self, node: NodeInfo, idx: list[int], hashes: list[bytes], locations: list[list[PageLocation]], sinks: list[Span],
-                      ok: list[bool], seconds: float) -> None:
+                      ok: list[bool], seconds: float, refusals: list[NodeRefusedError]) -> None:
         """Get pages ``idx`` from ``node`` into their sinks, marking in ``ok`` those that
-        arrived intact; a node that fails is suspected, its pages stay missing."""
+        arrived intact; a node that fails is suspected, its pages stay missing (one
+        that refused the client's token goes into ``refusals``)."""
         expected = [next(l.checksum for l in locations[i] if l.node_id == node.node_id) for i in idx]
         try:
             got, conn = await self.nodes.on_node(node, lambda c: c.get(self.storage.key, [hashes[i] for i in idx], [sinks[i] for i in idx], expected, seconds))
+        except NodeRefusedError as exc:
+            if exc.credentials:
+                self._credential_refusal(exc, refusals)
+            else:
+                self.nodes.failed(node.node_id, exc)
+            return
         except RemoteFault as exc:
             self.nodes.failed(node.node_id, exc)
             return

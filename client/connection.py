@@ -42,7 +42,14 @@ class NodeRefusedError(TransportError):
 
     def __init__(self, node_id: str, code: P.RefusalCode, message: str) -> None:
         super().__init__(f"node {node_id} refused: {code.value}: {message}")
+        self.node_id = node_id
         self.code = code
+        self.message = message
+
+    @property
+    def credentials(self) -> bool:
+        """Refused for the client's token (none, wrong, lacking the right), not a fault."""
+        return self.code in (P.RefusalCode.UNAUTHORIZED, P.RefusalCode.FORBIDDEN)
 
 
 class SameHostUnavailableError(TransportError):

@@ -17,6 +17,7 @@ class ClientStats:
     bytes_received: int = 0
     checksum_failures: int = 0
     node_errors: int = 0
+    credential_refusals: int = 0  # requests a node refused for this client's token (CredentialError when every node asked did)
     index_errors: int = 0
     index_script_errors: int = 0
     direct_transfers: int = 0

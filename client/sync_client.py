@@ -56,7 +56,8 @@ class KVCacheClient:
 
     @classmethod
     def from_env(cls, namespace: Namespace | None = None, **overrides: Any) -> KVCacheClient:
-        """Build from KVSTORE_* variables (see ``ClientSettings``); keyword overrides win."""
+        """Build from KVSTORE_* variables (see ``ClientSettings``); keyword overrides win.
+        The same as the constructor without ``options=``."""
         return cls(None, namespace, options=client_options_from_env(), **overrides)
 
     def _run(self, coro: Any, timeout: float | None = None) -> Any:

@@ -3,6 +3,9 @@
     KVStoreError
     ├── InvalidInputError (also a ValueError)   the caller passed something malformed:
     │                                           always propagates
+    ├── CredentialError (also a PermissionError) every node asked refused the client's
+    │                                           token (none, wrong, or lacking the right):
+    │                                           configuration, not a fault; propagates
     ├── SetupError                              how the store was set up or started:
     │   ├── NodeIdInUseError                    another live node holds this node id
     │   └── PortInUseError                      a port the node was told to use is taken
@@ -35,6 +38,20 @@ class KVStoreError(Exception):
 
 class InvalidInputError(KVStoreError, ValueError):
     """An argument is malformed: wrong shape, dtype, hash length, an empty list..."""
+
+
+class CredentialError(KVStoreError, PermissionError):
+    """Every storage node a put or get asked refused it for its credentials (no token,
+    a wrong one, or one without the right on the tenant): a configuration error, raised
+    by ``insert``/``put_pages``/``select``/``get_pages`` rather than read as a miss. A
+    node that is down or stalled is still a miss (``Fault``). ``node_ids``, ``tenant``
+    and ``operation`` say who refused what."""
+
+    def __init__(self, message: str, *, node_ids: list[str], tenant: str, operation: str) -> None:
+        super().__init__(message)
+        self.node_ids = node_ids
+        self.tenant = tenant
+        self.operation = operation
 
 
 class SetupError(KVStoreError):

@@ -29,7 +29,7 @@ def test_up_serves_until_interrupted_and_leaves_no_processes(shards):
     deadline = time.monotonic() + 60
     while url is None and time.monotonic() < deadline:
         line = proc.stdout.readline()
-        if line.startswith("KVSTORE_REDIS_URL="):
+        if line.startswith("export KVSTORE_REDIS_URL="):
             url = line.strip().split("=", 1)[1]
     assert url, proc.stderr.read()
     assert url.startswith("redis+cluster://" if shards > 1 else "redis://")

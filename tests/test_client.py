@@ -11,6 +11,7 @@ import torch
 from client import KVCacheClient
 from client.placement import place
 from kvstore import InvalidInputError, Namespace, block_hashes
+from kvstore.errors import CredentialError
 from kvstore.index import PageIndex
 from kvstore.tools.launcher import LocalCluster
 from tests.helpers import corrupt_entry_checksums, kv_for, pages_for, run_worker, tenant_for
@@ -298,15 +299,33 @@ def test_client_from_environment(cluster, ns, monkeypatch):
 def test_data_plane_token_is_enforced():
     ns = make_ns("token")
     tokens = list(range(2 * BLOCK))
+    """A wrong or missing token is a configuration error, raised (a PermissionError
+    naming the node, the tenant and where a token comes from), not a silent miss, on
+    both paths and by both APIs; the refusing node is not taken for a failed one."""
+    key, value = (torch.randn(ns.num_layers, len(tokens), ns.num_kv_heads, ns.head_size).half() for _ in range(2))
+    roi = torch.ones(len(tokens), dtype=torch.bool)
     with LocalCluster(servers=1, capacity="64MiB", slab_size="16MiB", extra_args=["--auth-token", "s3cret"]) as c:
-        with KVCacheClient(c.redis_url, ns, auth_token="wrong", timeout=3) as intruder:
-            report = intruder.put_pages(tokens, pages_for(ns, tokens))
-            assert report.stored == 0 and intruder.stats.node_errors == 1
+        for same_host in (True, False):
+            for token in ("wrong", ""):
+                with KVCacheClient(c.redis_url, ns, auth_token=token, timeout=3, same_host=same_host) as intruder:
+                    for attempt in range(2):  # the second call asks the node again: it was not suspected
+                        with pytest.raises(CredentialError, match="node-0: unauthorized.*tenant 'token'.*KVSTORE_AUTH_TOKEN") as refused:
+                            intruder.put_pages(tokens, pages_for(ns, tokens))
+                        assert isinstance(refused.value, PermissionError) and refused.value.node_ids == ["node-0"] and refused.value.operation == "store"
+                    with pytest.raises(PermissionError, match="refused to store"):
+                        intruder.insert(tokens, roi, key, value)
+                    assert intruder.stats.node_errors == 0 and intruder.stats.credential_refusals == 3
         with KVCacheClient(c.redis_url, ns, auth_token="s3cret") as cl:
             assert cl.put_pages(tokens, pages_for(ns, tokens)).stored == 2
-        with KVCacheClient(c.redis_url, ns, auth_token="wrong", timeout=3) as intruder:
-            out = torch.empty(2, *ns.page_shape, dtype=torch.float16)
-            assert intruder.get_pages(tokens, out) == 0
+            assert cl.insert(tokens, roi, key, value).stored == 3  # two blocks and the tail
+        for same_host in (True, False):
+            with KVCacheClient(c.redis_url, ns, auth_token="wrong", timeout=3, same_host=same_host) as intruder:
+                out = torch.zeros(2, *ns.page_shape, dtype=torch.float16)
+                with pytest.raises(PermissionError, match="refused to read pages of tenant 'token'"):
+                    intruder.get_pages(tokens, out)
+                assert not out.any()
+                with pytest.raises(PermissionError, match="refused to read"):
+                    intruder.select(tokens, roi)
 
 
 def test_async_client_on_its_own_event_loop(cluster):

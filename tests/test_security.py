@@ -76,7 +76,8 @@ def test_a_node_takes_its_secrets_from_files_and_never_shows_them(tmp_path):
             assert token not in cmdline(node.pid) and password not in cmdline(node.pid)
             tokens = list(range(2 * ns.block_size))
             with KVCacheClient(valkey.url, ns, redis_password=password, auth_token="wrong", timeout=3) as intruder:
-                assert intruder.put_pages(tokens, pages_for(ns, tokens)).stored == 0
+                with pytest.raises(PermissionError, match="files-0: unauthorized"):
+                    intruder.put_pages(tokens, pages_for(ns, tokens))
             token_file = tmp_path / "client-token"
             token_file.write_text(token)
             with KVCacheClient(valkey.url, ns, redis_password_file=str(tmp_path / "password"), auth_token_file=str(token_file)) as client:
@@ -106,7 +107,7 @@ def test_up_starts_with_a_random_token_it_never_prints():
         deadline = time.monotonic() + 60
         while not any(line.startswith("press Ctrl-C") for line in lines) and time.monotonic() < deadline:
             lines.append(proc.stdout.readline())
-        values = dict(line.strip().split("=", 1) for line in lines if re.match(r"^KVSTORE_[A-Z_]+=", line))
+        values = dict(line.strip().removeprefix("export ").split("=", 1) for line in lines if re.match(r"^export KVSTORE_[A-Z_]+=", line))
         token_file = Path(values["KVSTORE_AUTH_TOKEN_FILE"])
         assert token_file.stat().st_mode & 0o777 == 0o600
         token = token_file.read_text()
@@ -117,7 +118,8 @@ def test_up_starts_with_a_random_token_it_never_prints():
         ns = make_ns("up-token")
         tokens = list(range(2 * ns.block_size))
         with KVCacheClient(url, ns, timeout=3) as anonymous:
-            assert anonymous.put_pages(tokens, pages_for(ns, tokens)).stored == 0  # no token, no access
+            with pytest.raises(PermissionError, match="KVSTORE_AUTH_TOKEN_FILE"):  # no token, no access, and told where one comes from
+                anonymous.put_pages(tokens, pages_for(ns, tokens))
         with KVCacheClient(url, ns, auth_token_file=str(token_file)) as client:
             assert client.put_pages(tokens, pages_for(ns, tokens)).stored == 2
     finally:
@@ -230,8 +232,9 @@ def test_a_tenant_cannot_write_pages_into_another_tenants_namespace(tmp_path, sa
     poison = torch.ones_like(genuine)
     with LocalCluster(servers=1, capacity="64MiB", slab_size="16MiB", env={"KVSTORE_CREDENTIALS_FILE": str(creds)}) as c:
         with KVCacheClient(c.redis_url, ns, auth_token_file=str(token["alice"]), timeout=3, same_host=same_host) as alice:
-            assert alice.put_pages(tokens, poison).stored == 0
-            assert alice.stats.node_errors >= 1
+            with pytest.raises(PermissionError, match="tenant 'team-b'"):
+                alice.put_pages(tokens, poison)
+            assert alice.stats.credential_refusals >= 1 and alice.stats.node_errors == 0  # the node is not suspected
         with KVCacheClient(c.redis_url, ns, auth_token_file=str(token["bob"]), same_host=same_host) as bob:
             assert bob.put_pages(tokens, genuine).stored == 4
             out = torch.zeros_like(genuine)
@@ -256,7 +259,8 @@ def test_a_tenant_cannot_read_another_tenants_pages(tmp_path, same_host):
         with KVCacheClient(c.redis_url, ns, auth_token_file=str(token["alice"]), timeout=3, same_host=same_host) as alice:
             assert alice.lookup(tokens) == len(tokens)  # the index still answers (index ACLs confine it: docs/security.md)
             out = torch.zeros_like(genuine)
-            assert alice.get_pages(tokens, out) == 0
+            with pytest.raises(PermissionError, match="refused to read pages of tenant 'team-b'"):
+                alice.get_pages(tokens, out)
             assert not as_bytes(out).any()
         other = make_ns("team-b").model_copy(update={"model": "another-model"})
         with KVCacheClient(c.redis_url, ns, auth_token_file=str(token["auditor"]), timeout=3, same_host=same_host) as auditor:
@@ -264,7 +268,8 @@ def test_a_tenant_cannot_read_another_tenants_pages(tmp_path, same_host):
             assert auditor.get_pages(tokens, out) == len(tokens)
             assert torch.equal(as_bytes(out), as_bytes(genuine))
         with KVCacheClient(c.redis_url, other, auth_token_file=str(token["auditor"]), timeout=3, same_host=same_host) as auditor:
-            assert auditor.put_pages(tokens, pages_for(other, tokens)).stored == 0
+            with pytest.raises(PermissionError, match="forbidden"):  # read rights only
+                auditor.put_pages(tokens, pages_for(other, tokens))
 
 
 def test_credentials_rotate_without_a_restart(tmp_path):
@@ -284,7 +289,10 @@ def test_credentials_rotate_without_a_restart(tmp_path):
 
     def stores(client, first: int) -> bool:
         tokens = list(range(first, first + 2 * ns.block_size))
-        return client.put_pages(tokens, pages_for(ns, tokens)).stored == 2
+        try:
+            return client.put_pages(tokens, pages_for(ns, tokens)).stored == 2
+        except PermissionError:
+            return False
 
     with LocalCluster(servers=1, capacity="64MiB", slab_size="16MiB", env={"KVSTORE_CREDENTIALS_FILE": str(creds)}) as c:
         pid = c.nodes[0].process.pid

@@ -46,7 +46,7 @@ def run_engine_full(model_dir: str, prompts: list[list[int]], redis_url: str | N
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_engine.py"), json.dumps(spec)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads([line for line in proc.stdout.splitlines() if line.startswith('{"results"')][-1])
+    return {**json.loads([line for line in proc.stdout.splitlines() if line.startswith('{"results"')][-1]), "stderr": proc.stderr}
 
 
 def run_engine(model_dir: str, prompts: list[list[int]], redis_url: str | None = None, role: str = "kv_both", **kwargs) -> list[dict]:
@@ -142,6 +142,19 @@ def test_corrupted_page_is_not_used(model_dir, baseline):
         corrupt_stored_page(cluster, ns, block_hashes(ns, PROMPT_A), 2, 16 << 20)
         (consumer,) = run_engine(model_dir, [PROMPT_B], cluster.redis_url, role="kv_consumer")
         assert consumer["tokens"] == baseline["B"]
+
+
+def test_a_refused_token_is_logged_once_counted_and_served_as_misses(model_dir, baseline):
+    """A token the nodes refuse is a configuration error for the client library, but
+    the connector must not take the engine down: its loads recompute, its saves are
+    dropped, one ERROR line says why, and the refusals are counted."""
+    with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB", extra_args=["--auth-token", "s3cret"]) as cluster:
+        run_engine(model_dir, [PROMPT_A], cluster.redis_url, role="kv_producer", extra={"auth_token": "s3cret"})
+        out = run_engine_full(model_dir, [PROMPT_B, PROMPT_A], cluster.redis_url, extra={"auth_token": "wrong"})
+    assert [r["tokens"] for r in out["results"]] == [baseline["B"], baseline["A"]]
+    assert out["metrics"]["lookup_hit_tokens"] > 0  # the index knew the pages: the loads were tried and refused
+    assert out["metrics"]["credential_refusals"] >= 2 and out["metrics"]["load_bytes"] == 0
+    assert sum("refused this engine's credentials" in line for line in out["stderr"].splitlines()) == 1
 
 
 def test_the_comparison_is_sensitive_to_the_loaded_kv(model_dir, baseline):

@@ -55,6 +55,10 @@ class ConnectorScheduler:
         self._pending_loads: dict[str, LoadSpec] = {}
         self._loaded_blocks: dict[str, list[int]] = {}  # req id -> blocks a load fills
         self._tracked: dict[str, _Tracked] = {}
+        # Requests a load failed for compute the rest: asked again, the index would name
+        # the same pages, and a fault that persists (a node refusing this engine's token,
+        # one that stays registered but fails) looped load, fail, recompute, load again.
+        self._load_failed: set[str] = set()
         self._breaker = lookup_breaker(conf)
 
     def _find(self, tokens: list[int]) -> StoredPrefix | None:
@@ -79,7 +83,7 @@ class ConnectorScheduler:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self._client is None:
             return 0, False
-        if not request_switch(request.kv_transfer_params, "kvstore_load", request.request_id):
+        if not request_switch(request.kv_transfer_params, "kvstore_load", request.request_id) or request.request_id in self._load_failed:
             return 0, False
         prompt = list(request.prompt_token_ids or [])
         usable = (len(prompt) - 1) // self._block_size * self._block_size  # always compute >= 1 token
@@ -163,11 +167,13 @@ class ConnectorScheduler:
             bad = [i for i, b in enumerate(blocks) if b in invalid]
             if bad:
                 self._loaded_blocks[req_id] = blocks[: bad[0]]
+                self._load_failed.add(req_id)
 
     def _forget(self, req_id: str) -> None:
         self._tracked.pop(req_id, None)
         self._pending_loads.pop(req_id, None)
         self._loaded_blocks.pop(req_id, None)
+        self._load_failed.discard(req_id)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Saves copy their blocks out before the step ends, so blocks never outlive the

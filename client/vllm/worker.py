@@ -32,7 +32,7 @@ from client.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from client.vllm.options import ConnectorOptions, detect_layout, rank_client
 from client.vllm.paged_cache import GatherResult, PagedCache, StagingPool
 from client.vllm.stats import StatsRecorder
-from kvstore.errors import KVStoreError
+from kvstore.errors import CredentialError, KVStoreError
 from kvstore.pages import heads
 from kvstore.settings.config import ClientOptions
 
@@ -40,6 +40,10 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 log = logging.getLogger(__name__)
+# A refused token is a configuration error the operator must see, but every load and
+# save hits it: logged at ERROR the first time, then at most once a minute (counted
+# every time in credential_refusals).
+CREDENTIAL_LOG_EVERY_S = 60.0
 # Longest an idle engine step waits in get_finished for a load to finish: short enough
 # that a request arriving meanwhile is scheduled without a noticeable delay.
 _IDLE_WAIT_S = 0.02
@@ -63,6 +67,7 @@ class ConnectorWorker:
         self._conf = conf
         self._options = options
         self._stats = stats
+        self._credential_logged = -CREDENTIAL_LOG_EVERY_S  # monotonic time of the last ERROR line
         self._block_size = vllm_config.cache_config.block_size
         self._client: KVCacheClient | None = None
         self._cache: PagedCache | None = None
@@ -145,6 +150,9 @@ class ConnectorWorker:
                     self._load_stream.wait_event(after)
                 for part, head_at in parts:
                     self._cache.scatter(part, spec.block_ids[spec.start_block : got], self._load_stream, head_at=head_at)
+        except CredentialError as exc:
+            self._credential_refused(exc)
+            got = spec.start_block
         except Exception as exc:  # noqa: BLE001 - a load must end as blocks to recompute, whatever broke
             log.warning("load of %s failed: %s", spec.req_id, exc)
             got = spec.start_block
@@ -213,6 +221,9 @@ class ConnectorWorker:
             report = self._client.put_pages(spec.token_ids, gathered.wait())
             self._stats.count(save_bytes=report.bytes_sent)
             log.debug("saved %s: %s", spec.req_id, report)
+        except CredentialError as exc:
+            self._stats.count(save_failures=1)
+            self._credential_refused(exc)
         except Exception as exc:  # noqa: BLE001 - a failed save is a future miss, never an engine error
             self._stats.count(save_failures=1)
             log.warning("save of %s failed (a future miss, not an error): %s", spec.req_id, exc)
@@ -221,6 +232,19 @@ class ConnectorWorker:
             self._stats.observe("save_seconds", time.perf_counter() - started)
             with self._stats.lock:
                 self._pending_save_bytes -= nbytes
+
+    def _credential_refused(self, exc: CredentialError) -> None:
+        """Loader or saver thread: every node refused the engine's token. The engine
+        goes on (loads recompute, saves are future misses); counted, and logged at
+        ERROR the first time and then at most once a minute."""
+        self._stats.count(credential_refusals=1)
+        with self._stats.lock:
+            now = time.monotonic()
+            if now - self._credential_logged < CREDENTIAL_LOG_EVERY_S:
+                return
+            self._credential_logged = now
+        log.error("the store refused this engine's credentials; loads recompute and saves are dropped until it is fixed "
+                  "(logged at most once a minute, counted in vllm:kvstore_credential_refusals_total): %s", exc)
 
     def shutdown(self) -> None:
         """Finish the saves in flight (each is bounded by the client's timeout), then stop."""

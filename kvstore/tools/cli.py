@@ -62,7 +62,7 @@ def _data_plane_token(private_dir: str) -> tuple[dict[str, str], str]:
         return {}, "data-plane token: the one in your KVSTORE_AUTH_TOKEN(_FILE)"
     path = os.path.join(private_dir, "auth-token")
     _write_secret(path, new_token())
-    return {"KVSTORE_AUTH_TOKEN_FILE": path}, f"KVSTORE_AUTH_TOKEN_FILE={path}"
+    return {"KVSTORE_AUTH_TOKEN_FILE": path}, f"export KVSTORE_AUTH_TOKEN_FILE={path}"
 
 
 def _serve(args: argparse.Namespace, cluster: Any, token_note: str) -> int:
@@ -75,7 +75,9 @@ def _serve(args: argparse.Namespace, cluster: Any, token_note: str) -> int:
         index = f"a {args.index_shards}-shard Valkey cluster" if args.index_shards > 1 else "Valkey"
         disk = f" over a disk tier of {args.disk_capacity} each in {args.disk_path}/<node id>" if args.disk_path else ""
         print(f"kvstore up: {args.servers} storage node(s) of {args.capacity}{disk} and {index} on loopback")
-        print(f"KVSTORE_REDIS_URL={redact_url(cluster.redis_url)}", flush=True)
+        # ready to paste into the shell of a client: KVCacheClient reads KVSTORE_* for
+        # every option it is not given (a password stays out of the printed URL)
+        print(f"export KVSTORE_REDIS_URL={redact_url(cluster.redis_url)}", flush=True)
         print(token_note, flush=True)
         if cluster.log_dir is not None:
             print(f"node logs: {cluster.log_dir}/<node id>.log (--verbose shows them here)", flush=True)
