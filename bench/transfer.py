@@ -10,7 +10,9 @@ this host), the embedded Valkey. For each page size it moves the same pages with
 - valkey: Valkey as a blob store, pipelined SET (put) and GET (get, copied into the
   destination array as a kvstore get lands in the caller's tensor);
 - kvstore shm: ``put_pages``/``get_pages`` through the same-host path (kvstore.wire.shm);
-- kvstore ucx: the same calls over UCX (loopback TCP here), ``same_host=False``.
+- kvstore ucx: the same calls over UCX (loopback TCP here), ``same_host=False``;
+- insert and select (the lookup-buffer API) of the same bytes as key and value
+  ``[layers, tokens, heads, head_size]``, on both paths, beside put and get.
 
 Systems are interleaved (memcpy, valkey, shm, ucx, then again) for ``--repeat``
 rounds, first with one reader, then with ``--readers`` readers at once (aggregate
@@ -28,7 +30,9 @@ Then head groups (docs/key-format.md): 2 MiB pages stored by two TP=2 rank clien
 (one head group each) and read by a TP=1 client (both groups, merged into its pages)
 and by a TP=2 rank (its group), beside a TP=1 client reading pages a TP=1 client
 stored (whole pages), on both paths, interleaved, as GB/s of the reader's pages and a
-ratio to the same-TP read."""
+ratio to the same-TP read.
+
+Last, the first insert and select in a fresh process against warm ones (``first_calls``)."""
 
 from __future__ import annotations
 
@@ -79,6 +83,7 @@ class Worker:
         self.valkey = redis.Redis.from_url(redis_url)
         self.clients: dict[tuple[int, str], object] = {}
         self.pages: dict[int, object] = {}
+        self.kv: dict[int, tuple] = {}
 
     def client(self, size: int, path: str):
         from client import KVCacheClient
@@ -96,6 +101,9 @@ class Worker:
             gen = torch.Generator().manual_seed(size)
             pages = torch.randint(-30000, 30000, (self.total // size, *ns.page_shape), dtype=torch.int16, generator=gen).view(torch.float16)
             self.pages[size] = (pages, torch.empty_like(pages))
+            # the same bytes as insert/select see them: key and value [layers, tokens, heads, head_size]
+            n, _, L, B, H, D = pages.shape
+            self.kv[size] = tuple(pages[:, i].permute(1, 0, 2, 3, 4).reshape(L, n * B, H, D).contiguous() for i in range(2))
         return self.pages[size]
 
     def run(self, cmd: dict) -> dict:
@@ -114,7 +122,9 @@ class Worker:
         dst.fill(0)
         cpu0, start = time.process_time(), time.time()
         ok = True
-        if system == "memcpy":
+        if op == "open":  # client start: UCX, host buffers, namespace, connections (not a transfer)
+            self.client(size, system)
+        elif system == "memcpy":
             for i in range(count):
                 np.copyto(dst[i * size : (i + 1) * size], src[i * size : (i + 1) * size])
         elif system == "valkey" and op == "put":
@@ -130,11 +140,20 @@ class Worker:
                 dst[i * size : (i + 1) * size] = np.frombuffer(blob, dtype=np.uint8)
         elif op == "put":
             ok = self.client(size, system).put_pages(tokens, pages).stored == count
+        elif op == "insert":
+            key, value = self.kv[size]
+            ok = self.client(size, system).insert(tokens, torch.ones(len(tokens), dtype=torch.bool), key, value).stored == count + 1  # and the tail object
+        elif op == "select":
+            got = self.client(size, system).select(tokens, torch.ones(len(tokens), dtype=torch.bool))
         else:
             ok = self.client(size, system).get_pages(tokens, out) == count * ns.block_size
         end, cpu = time.time(), time.process_time() - cpu0
         if op == "get":
             ok = ok and bool(np.array_equal(src, dst))  # bit-exact, outside the timing
+        if op == "select":
+            # bytes compared (random bits hold NaNs, which torch.equal calls unequal)
+            ok = got[2] is not None and all(torch.equal(g.view(torch.uint8), k.view(torch.uint8)) for g, k in zip(got[2:4], self.kv[size]))
+            del got  # select's tensors go back to the client's pool
         return {"start": start, "end": end, "cpu": cpu, "ok": ok, "bytes": count * size}
 
 
@@ -214,8 +233,8 @@ def main() -> int:
     from kvstore.tools.launcher import LocalCluster
 
     total, sizes = parse_size(args.total), [parse_size(s) for s in args.sizes.split(",")]
-    puts_per_size = 2 * (args.repeat * 2)  # shm and ucx, quiet and with burners: all kept
-    capacity = total * len(sizes) * puts_per_size + 3 * total + (256 << 20)  # + the head-group section
+    puts_per_size = 2 * 2 * (args.repeat * 2)  # puts and inserts; shm and ucx, quiet and with burners: all kept
+    capacity = total * len(sizes) * puts_per_size + 3 * total + 8 * total + (256 << 20)  # + the head-group and first-call sections
     rows: list[tuple[int, str, str, str, dict]] = []  # size, condition, system, op, samples summary
     print(f"one node, one writer, {args.readers} readers, all separate processes on this host; "
           f"{args.total} per measurement and reader; median (min-max) of {args.repeat} interleaved rounds", flush=True)
@@ -236,6 +255,10 @@ def main() -> int:
                     tag += 1
                     measure([writer], "put", system, size, tag, server_of(system))
                     measure(readers, "get", system, size, tag, server_of(system))
+                    if system != "valkey":
+                        tag += 1
+                        measure([writer], "insert", system, size, tag, server_of(system))
+                        measure(readers[:1], "select", system, size, tag, server_of(system))
                 for condition in ("1 reader", f"{args.readers} readers", "1 reader + 2 burners"):
                     single = condition.startswith("1 ")
                     hogs = burners(2) if "burners" in condition else []
@@ -254,6 +277,10 @@ def main() -> int:
                                 samples.setdefault((condition, system, "get"), []).append(measure(group, "get", system, size, last_put[system], server_of(system)))
                                 if single and system != "valkey":  # the same pages again: slabs this reader has mapped
                                     samples.setdefault((condition, system, "get again"), []).append(measure(group, "get", system, size, last_put[system], server_of(system)))
+                                if single and system != "valkey":  # the same bytes as key/value: insert, then select them back
+                                    tag += 1
+                                    samples.setdefault((condition, system, "insert"), []).append(measure([writer], "insert", system, size, tag, server_of(system)))
+                                    samples.setdefault((condition, system, "select"), []).append(measure(readers[:1], "select", system, size, tag, server_of(system)))
                     finally:
                         for hog in hogs:
                             hog.kill()
@@ -265,6 +292,7 @@ def main() -> int:
             idle = idle_cpu({"node": node_pid, "client": readers[0].proc.pid, "valkey": valkey_pid})
             print("idle CPU (share of one core, 5 s): " + ", ".join(f"{k} {v:.3f}" for k, v in idle.items()), flush=True)
             tp_transfers(cluster.redis_url, total, args.repeat)
+            first_calls(cluster.redis_url, total, max(sizes), args.repeat, tag + 1)
         finally:
             for w in [writer, *readers]:
                 w.close()
@@ -313,6 +341,41 @@ def tp_transfers(redis_url: str, total: int, repeat: int) -> None:
                                         for name, r in rates.items()), flush=True)
         for client in [*writers, *readers.values()]:
             client.close()
+
+
+def first_calls(redis_url: str, total: int, size: int, repeat: int, tag: int) -> None:
+    """The first insert and select in a fresh process against warm ones: a new process
+    per round and path starts its client (timed apart: UCX, host buffers, namespace,
+    connections), then inserts and selects fresh tokens once, then three more times.
+    Ratio: first call's time over the median warm call's, per round; median (min-max)."""
+    print(f"\nfirst call in a fresh process, {total >> 20} MiB of {size >> 10} KiB pages as key/value, {repeat} rounds; "
+          "ratio of the first call's time to the median of 3 warm calls in the same process", flush=True)
+    ratios: dict[tuple[str, str], list[float]] = {}
+    starts: dict[str, list[float]] = {}
+    for _ in range(repeat):
+        for path in ("shm", "ucx"):
+            proc = WorkerProcess(redis_url, total)
+            try:
+                proc.send(op="open", system=path, size=size)
+                opened = proc.result()
+                starts.setdefault(path, []).append(opened["end"] - opened["start"])
+                times: dict[str, list[float]] = {"insert": [], "select": []}
+                for _call in range(4):
+                    tag += 1
+                    for op in ("insert", "select"):
+                        proc.send(op=op, system=path, size=size, tag=tag)
+                        r = proc.result()
+                        if not r["ok"]:
+                            raise SystemExit(f"{path} {op} was not complete and bit-exact")
+                        times[op].append(r["end"] - r["start"])
+                for op, t in times.items():
+                    ratios.setdefault((path, op), []).append(t[0] / statistics.median(t[1:]))
+            finally:
+                proc.close()
+    for (path, op), r in ratios.items():
+        print(f"  {path} {op}: first/warm {statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f})", flush=True)
+    for path, s in starts.items():
+        print(f"  {path} client start: {statistics.median(s) * 1000:.0f} ms ({min(s) * 1000:.0f}-{max(s) * 1000:.0f})", flush=True)
 
 
 def idle_cpu(pids: dict[str, int], seconds: float = 5.0) -> dict[str, float]:

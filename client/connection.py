@@ -198,23 +198,22 @@ class _Connection:
 RECEIVES_AHEAD = 8
 
 
-async def _landed(received: asyncio.Future, scratch: np.ndarray | None, spans: list[Span] | None) -> list[np.ndarray] | None:
+async def _landed(received: asyncio.Future, scratch: np.ndarray | None, spans: list[Span] | None) -> list[int] | None:
     """Wait for one run's receive; scatter it from ``scratch`` into ``spans`` (None:
     the run's pages do not fit the caller's, and are dropped). Returns each page's
-    bytes as they landed, contiguous, for verification: the spans themselves when the
-    run landed in place (no scratch), else the scratch's slices they were copied from."""
+    xxh3 as it landed, for verification: of the spans themselves when the run landed
+    in place (no scratch), else of the scratch, hashed chunk by chunk as it is copied
+    out (``copy_checksummed``: one pass over the bytes while they are in cache)."""
     await asyncio.shield(received)
     if spans is None:
         return None
     if scratch is None:
-        return [s.view() for s in spans]
-    off, landed = 0, []
+        return [page_checksum(s.view()) for s in spans]
+    off, pairs = 0, []
     for s in spans:
-        part = scratch[off : off + s.nbytes]
-        s.write(part)
-        landed.append(part)
+        pairs.append((s.bytes(), scratch[off : off + s.nbytes]))
         off += s.nbytes
-    return landed
+    return copy_checksummed(pairs, hash_source=True)
 
 
 def _put_request(namespace: NamespaceKey, token: str, pages: list[OutgoingPage]) -> P.PutRequest:
@@ -295,17 +294,17 @@ class NodeConnection(_Connection):
             if r + RECEIVES_AHEAD < len(runs):
                 pending.append(self._receive(ep, sinks, present, sizes, starts, r + RECEIVES_AHEAD))
             if landed is not None:
-                for k, page in zip(range(starts[r], starts[r + 1]), landed):
+                for k, digest in zip(range(starts[r], starts[r + 1]), landed):
                     i = present[k]
-                    outcome.check(i, sums[k], expected[i], page_checksum(page))
+                    outcome.check(i, sums[k], expected[i], digest)
         return outcome
 
     def _receive(self, ep: Channel, sinks: list[Span], present: list[int], sizes: list[int], starts: list[int], r: int) -> asyncio.Future:
         """Post the receive of run ``r`` now (so receives are posted in run order): in
         place when its pages touch in the caller's memory, else through a scratch
-        buffer scattered on arrival. The future gives the run's pages as they landed,
-        or None when they do not fit the caller's (a page of the wrong size never can
-        be the one asked for)."""
+        buffer scattered on arrival. The future gives the run's page checksums as they
+        landed, or None when they do not fit the caller's (a page of the wrong size
+        never can be the one asked for)."""
         idx = present[starts[r] : starts[r + 1]]
         spans = [sinks[i] for i in idx]
         fits = all(s.nbytes == size for s, size in zip(spans, sizes[starts[r] : starts[r + 1]]))
