@@ -179,13 +179,12 @@ class AsyncKVCacheClient(LookupBufferAPI):
         this client or another process's) can fetch it without a second index round
         trip. None when the index could not answer at all."""
         joined = block_hash_bytes(self.storage, token_ids)
+        result = await self._lookup(joined) if joined else LookupResult.empty()
+        return None if result is None else self.stored_prefix(joined, result)
+
+    def stored_prefix(self, joined: bytes, result: LookupResult) -> StoredPrefix:
+        """What ``find`` returns for the lookup of ``joined`` that gave ``result``."""
         units = (self.heads.first, self.heads.count)
-        if not joined:
-            result: LookupResult | None = LookupResult.empty()
-        else:
-            result = await self._lookup(joined)
-        if result is None:
-            return None
         return StoredPrefix(self.storage.digest_hex, self.storage.block_size, joined[: HASH_BYTES * result.matched], units, result, time.time(), self.index.lease_ms)
 
     async def put_pages(self, token_ids: Any, pages: torch.Tensor) -> PublishReport:
@@ -338,18 +337,31 @@ class AsyncKVCacheClient(LookupBufferAPI):
             await self._ensure_namespace()
         try:
             found = await self.index.lookup(self.storage, hashes, breaks=breaks, units=(self.heads.first, self.heads.count))
-        except RemoteFault as exc:
-            self.stats.index_errors += 1
-            log.warning("lookup failed, counting as a miss: %s", exc)
-            return None
-        except IndexScriptError as exc:
+        except (RemoteFault, IndexScriptError) as exc:
+            return self.lookup_failed(exc)
+        return self.resolve_lookup(found, await self.nodes.live(include_suspect=True))
+
+    @property
+    def namespace_registered(self) -> bool:
+        return self._namespace_registered
+
+    def lookup_failed(self, exc: RemoteFault | IndexScriptError) -> None:
+        """A lookup the index could not answer: counted and logged, a miss (None)."""
+        if isinstance(exc, IndexScriptError):
             self.stats.index_script_errors += 1
             log.error("the index rejected a lookup (a bug, not a fault), counting as a miss: %s", exc)
-            return None
+        else:
+            self.stats.index_errors += 1
+            log.warning("lookup failed, counting as a miss: %s", exc)
+        return None
+
+    def resolve_lookup(self, found: Any, nodes: list[NodeInfo]) -> LookupResult:
+        """The index's answer with replicas of stale incarnations dropped (an entry
+        counts only while the registry names the same incarnation of its node)."""
         if found.unavailable is not None:
             self.stats.index_errors += 1
             log.warning("an index shard failed, the prefix ends before its segments: %s", found.unavailable)
-        return found.resolve(await self.nodes.live(include_suspect=True))
+        return found.resolve(nodes)
 
     async def _ensure_namespace(self) -> None:
         try:

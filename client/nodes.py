@@ -57,6 +57,13 @@ class NodeDirectory:
             del self._suspect[node_id]
         return [n for n in self._nodes if include_suspect or n.node_id not in self._suspect]
 
+    def cached(self) -> list[NodeInfo] | None:
+        """The registered nodes, suspects included, while the cache is fresh; else None
+        (``live`` reads the registry again). Any thread may call it: it reads two
+        attributes the loop thread replaces whole, never a structure it mutates."""
+        nodes, at = self._nodes, self._nodes_at
+        return nodes if nodes and time.monotonic() - at <= self._refresh else None
+
     async def connect(self, timeout: float) -> None:
         """Open a connection to every live node now (client start), so that the first
         request does not pay for it; a node that cannot be reached is left to the
