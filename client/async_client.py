@@ -38,7 +38,7 @@ from kvstore.errors import CredentialError, Fault, IndexScriptError, InvalidInpu
 from kvstore.index import AsyncPageIndex, LookupResult, NodeInfo, PageLocation
 from kvstore.index.routing import INDEX_TIMEOUT
 from kvstore.pages import heads, keys
-from kvstore.pages.checksum import page_checksum
+from kvstore.pages.checksum import page_checksum, start_helper
 from kvstore.pages.hashing import HASH_BYTES, block_hash_bytes, block_hashes, split_hashes
 from kvstore.pages.namespace import Namespace
 from kvstore.settings.config import ClientOptions, client_options, client_options_from_env
@@ -145,6 +145,7 @@ class AsyncKVCacheClient(LookupBufferAPI):
         self.nodes.ucxx = ensure_ucx(self._progress_mode)
         # warmed here, not inside the first request (a fresh buffer costs its page faults)
         await asyncio.get_running_loop().run_in_executor(None, self._buffers.reserve, self.options.host_buffer_bytes)
+        start_helper()
         await self._ensure_namespace()
         await self.nodes.connect(self.timeout)
         return self
@@ -566,7 +567,11 @@ class _ChecksumOnce:
     def __init__(self) -> None:
         self._memo: dict[int, int] = {}
 
-    def __call__(self, page: OutgoingPage, packed: Any = None) -> int:
+    def __call__(self, page: OutgoingPage) -> int:
         if page.index not in self._memo:
-            self._memo[page.index] = page_checksum(page.span.view() if packed is None else packed)
+            self._memo[page.index] = page_checksum(page.span.view())
         return self._memo[page.index]
+
+    def record(self, page: OutgoingPage, digest: int) -> None:
+        """A checksum computed while the page was packed (UCX puts of scattered pages)."""
+        self._memo.setdefault(page.index, digest)

@@ -92,18 +92,11 @@ def adjacent(spans: list[Span]) -> bool:
     return True
 
 
-def joined(spans: list[Span], out: np.ndarray | None = None) -> np.ndarray:
-    """One buffer holding the spans in order: a view when adjacent, else a packed copy
-    (into ``out`` when given)."""
-    if adjacent(spans):
-        return spans[0].base[spans[0].offset : spans[0].offset + sum(s.nbytes for s in spans)]
-    if out is None:
-        out = np.empty(sum(s.nbytes for s in spans), dtype=np.uint8)
-    pos = 0
-    for s in spans:
-        s.read(out[pos : pos + s.nbytes])
-        pos += s.nbytes
-    return out
+def joined(spans: list[Span]) -> np.ndarray:
+    """The one buffer of spans that lie back to back (``adjacent``): a view, no copy."""
+    if not adjacent(spans):
+        raise ValueError("joined needs spans that lie back to back")
+    return spans[0].base[spans[0].offset : spans[0].offset + sum(s.nbytes for s in spans)]
 
 
 def join_flags(spans: list[Span]) -> list[bool]:

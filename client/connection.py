@@ -18,9 +18,8 @@ import fcntl
 import mmap
 import os
 import socket
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -91,9 +90,13 @@ class GetOutcome:
             self.corrupt += 1
 
 
-# A page's xxh3-64, computed at most once per put, of the given contiguous bytes (the
-# page's view, or where a scattered page was packed) or, when None, of its span.
-Checksums = Callable[[OutgoingPage, "np.ndarray | None"], int]
+class Checksums(Protocol):
+    """A put's page checksums (xxh3-64), each computed at most once per put, however
+    many replicas it goes to: ``record`` keeps one computed while the page was packed."""
+
+    def __call__(self, page: OutgoingPage) -> int: ...
+
+    def record(self, page: OutgoingPage, digest: int) -> None: ...
 
 
 class _Connection:
@@ -254,19 +257,28 @@ class NodeConnection(_Connection):
         # the checksums and every run are posted at once and awaited together (awaiting
         # each send cost about 1 ms through ucxx's threads: ``Channel.post_send``)
         result_arrives = started(self._recv_frame(P.PutResult))
-        # runs are packed first (a view when their pages touch) so that scattered pages
-        # are hashed where they were packed, contiguous
-        bufs, packed, pos = [], [], 0
+        # Runs whose pages do not touch (insert's scattered pages, small pages) are
+        # packed first, copied and hashed in one pass on two threads (copy_checksummed),
+        # so their checksums are known before the checksums frame leaves.
+        bufs, packing, pos = [], [], []
+        start = 0
         for run in plan.ints("runs"):
-            spans = [pages[i].span for i in wanted[pos : pos + run]]
-            buf = joined(spans, None if adjacent(spans) else self._borrow(sum(s.nbytes for s in spans)))
-            bufs.append(buf)
-            at = 0
-            for i in wanted[pos : pos + run]:
-                packed.append(buf[at : at + pages[i].span.nbytes])
-                at += pages[i].span.nbytes
-            pos += run
-        sends = ep.post_frame(P.PutChecksums(checksums=np.fromiter((checksum(pages[i], b) for i, b in zip(wanted, packed)), dtype=np.uint64, count=len(wanted))))
+            idx = wanted[start : start + run]
+            spans = [pages[i].span for i in idx]
+            if adjacent(spans):
+                bufs.append(joined(spans))
+            else:
+                buf = self._borrow(sum(s.nbytes for s in spans))
+                at = 0
+                for i in idx:
+                    packing.append((buf[at : at + pages[i].span.nbytes], pages[i].span.bytes()))
+                    pos.append(i)
+                    at += pages[i].span.nbytes
+                bufs.append(buf)
+            start += run
+        for i, digest in zip(pos, copy_checksummed(packing, hash_source=True)):
+            checksum.record(pages[i], digest)
+        sends = ep.post_frame(P.PutChecksums(checksums=np.fromiter((checksum(pages[i]) for i in wanted), dtype=np.uint64, count=len(wanted))))
         sends.extend(ep.post_send(buf, P.DATA_TAG) for buf in bufs)
         sent = sum(buf.nbytes for buf in bufs)
         await asyncio.shield(asyncio.gather(*sends))

@@ -28,6 +28,11 @@ OFFLOAD_MIN = 512 << 10
 CHUNK = 1 << 20
 
 
+def start_helper() -> None:
+    """Start the helper thread now (client start), not inside the first transfer."""
+    _helper.submit(int).result()
+
+
 def page_checksum(buffer) -> int:
     """xxh3-64 of any object exposing the buffer protocol (numpy arrays, memoryviews)."""
     return xxhash.xxh3_64_intdigest(buffer)
