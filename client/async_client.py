@@ -129,6 +129,7 @@ class AsyncKVCacheClient(LookupBufferAPI):
         self.nodes = NodeDirectory(self.index, self.stats, token=opts.auth_token.get_secret_value(), same_host=opts.same_host, refresh=opts.node_refresh)
         self._namespace_registered = False
         self._buffers = host_buffers()
+        self._connecting: asyncio.Future | None = None  # start's connections and probes (``NodeDirectory.connect``)
 
     @classmethod
     def from_env(cls, namespace: Namespace | None = None, **overrides: Any) -> AsyncKVCacheClient:
@@ -138,7 +139,8 @@ class AsyncKVCacheClient(LookupBufferAPI):
 
     async def start(self) -> AsyncKVCacheClient:
         """Initialise UCX, fault in the process's host buffers, register the namespace
-        and connect to the live nodes, so that the first request pays none of it. An
+        and connect to the live nodes (in the background), so that the first request
+        pays none of it. An
         unreachable index or node is not an error here: the client starts, reads miss,
         and the namespace is registered on the first call that reaches the index (an
         engine must not fail to boot because its cache is down)."""
@@ -147,7 +149,8 @@ class AsyncKVCacheClient(LookupBufferAPI):
         await asyncio.get_running_loop().run_in_executor(None, self._buffers.reserve, self.options.host_buffer_bytes)
         start_helper()
         await self._ensure_namespace()
-        await self.nodes.connect(self.timeout)
+        # in the background: a node that is slow to answer must not hold up the start
+        self._connecting = asyncio.ensure_future(self.nodes.connect(self.timeout, self.storage.key))
         return self
 
     async def __aenter__(self) -> AsyncKVCacheClient:
@@ -157,6 +160,9 @@ class AsyncKVCacheClient(LookupBufferAPI):
         await self.close()
 
     async def close(self) -> None:
+        if self._connecting is not None and not self._connecting.done():
+            self._connecting.cancel()
+            await asyncio.gather(self._connecting, return_exceptions=True)
         await self.nodes.close()
         await self.index.close()
 

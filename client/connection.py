@@ -51,6 +51,11 @@ class NodeRefusedError(TransportError):
         return self.code in (P.RefusalCode.UNAUTHORIZED, P.RefusalCode.FORBIDDEN)
 
 
+class ClosedBeforeUseError(TransportError):
+    """The connection was closed (by another request's failure or refusal) while this
+    request waited for it; nothing was sent, so the caller may retry on a new one."""
+
+
 class SameHostUnavailableError(TransportError):
     """The node's Unix socket cannot be reached from here (another container's
     filesystem, permissions): the client uses UCX for that node instead."""
@@ -124,7 +129,7 @@ class _Connection:
         async with self._lock:
             if self.broken:
                 work.close()
-                raise TransportError(f"connection to {self.node.node_id} is closed")
+                raise ClosedBeforeUseError(f"connection to {self.node.node_id} is closed")
             settled = False  # no request of this call can still touch its buffers
             try:
                 await self._open(timeout)
@@ -148,20 +153,6 @@ class _Connection:
                 if settled:  # else left to the garbage collector, out of the pool
                     for buf in borrowed:
                         host_buffers().give(buf)
-
-    async def open(self, timeout: float) -> None:
-        """Connect now, outside a request (client start); a failure closes the connection
-        and raises ``TransportError``, as a request's would."""
-        async with self._lock:
-            if self.broken:
-                raise TransportError(f"connection to {self.node.node_id} is closed")
-            try:
-                await self._open(timeout)
-            except BaseException as exc:
-                await self.close()
-                if isinstance(exc, (TransportError, asyncio.CancelledError)):
-                    raise
-                raise TransportError(f"connect to {self.node.node_id} failed: {exc!r}") from exc
 
     def _borrow(self, nbytes: int) -> np.ndarray:
         """Host memory from the pool for this request (packed runs, scratch), given back

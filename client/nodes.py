@@ -9,11 +9,15 @@ import logging
 import time
 from typing import Any
 
-from client.connection import NodeConnection, SameHostUnavailableError, ShmConnection
+import numpy as np
+
+from client.buffers import Span
+from client.connection import ClosedBeforeUseError, NodeConnection, SameHostUnavailableError, ShmConnection
 from client.placement import rank_nodes
 from client.stats import ClientStats
 from kvstore.errors import RemoteFault
 from kvstore.index import AsyncPageIndex, NodeInfo, PageLocation
+from kvstore.pages.keys import NamespaceKey
 from kvstore.wire.shm import host_id
 
 log = logging.getLogger(__name__)
@@ -64,18 +68,22 @@ class NodeDirectory:
         nodes, at = self._nodes, self._nodes_at
         return nodes if nodes and time.monotonic() - at <= self._refresh else None
 
-    async def connect(self, timeout: float) -> None:
-        """Open a connection to every live node now (client start), so that the first
-        request does not pay for it; a node that cannot be reached is left to the
-        first request, which treats it as it would any failed node."""
+    async def connect(self, timeout: float, namespace: NamespaceKey) -> None:
+        """Open a connection to every live node now (client start) and ask each for one
+        page it does not hold, so that the first request pays neither the connection
+        nor the node's first look at ``namespace`` and this client's credential
+        (measured: a first 64 MiB same-host insert 1.45x a warm one without this probe,
+        1.23x with it). A node that cannot be reached, or refuses, is left to the first
+        request, which treats it as it would then."""
         nodes = await self.live()
-        await asyncio.gather(*(self._connect(node, timeout) for node in nodes))
+        await asyncio.gather(*(self._connect(node, timeout, namespace) for node in nodes))
 
-    async def _connect(self, node: NodeInfo, timeout: float) -> None:
+    async def _connect(self, node: NodeInfo, timeout: float, namespace: NamespaceKey) -> None:
+        probe = Span(np.zeros(1, dtype=np.uint8), 0, 1)
         try:
-            await self.on_node(node, lambda c: c.open(timeout))
+            await self.on_node(node, lambda c: c.get(namespace, [bytes(16)], [probe], [0], timeout))
         except RemoteFault as exc:
-            log.info("cannot connect to %s at start: %s", node.node_id, exc)
+            log.info("cannot reach %s at start: %s", node.node_id, exc)
 
     def prefer(self, page_hash: bytes, locs: list[PageLocation]) -> list[PageLocation]:
         """A page's replicas in the order to try them: healthy nodes first, each group in
@@ -100,9 +108,13 @@ class NodeDirectory:
         """``await work(conn)`` on the connection to ``node``. When the node's Unix socket
         cannot be reached from here (a directory not shared with this container, say),
         the same call goes over UCX, as does every later one to this incarnation: a
-        healthy node must not look dead."""
+        healthy node must not look dead. A request that found its connection closed by
+        another (a refusal, a failure) before it sent anything goes on a new one."""
         conn = self._conn(node)
         try:
+            return await work(conn), conn
+        except ClosedBeforeUseError:  # another request closed it first: a new one, once
+            conn = self._conn(node)
             return await work(conn), conn
         except SameHostUnavailableError as exc:
             self._shm_failed[node.node_id] = node.incarnation
