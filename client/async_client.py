@@ -46,6 +46,9 @@ from kvstore.wire import protocol as P
 from kvstore.wire.transport import cuda_capable, ensure_ucx
 
 log = logging.getLogger(__name__)
+# Longest a client's start waits for its connections to the live nodes (the rest
+# finish in the background, before or during the first request to each node).
+START_CONNECT_WAIT_S = 1.0
 TransferMode = Literal["auto", "direct", "staged"]
 @dataclass(frozen=True, slots=True)
 class StoredPrefix:
@@ -139,8 +142,8 @@ class AsyncKVCacheClient(LookupBufferAPI):
 
     async def start(self) -> AsyncKVCacheClient:
         """Initialise UCX, fault in the process's host buffers, register the namespace
-        and connect to the live nodes (in the background), so that the first request
-        pays none of it. An
+        and connect to the live nodes (waiting at most ``START_CONNECT_WAIT_S``), so
+        that the first request pays none of it. An
         unreachable index or node is not an error here: the client starts, reads miss,
         and the namespace is registered on the first call that reaches the index (an
         engine must not fail to boot because its cache is down)."""
@@ -149,8 +152,10 @@ class AsyncKVCacheClient(LookupBufferAPI):
         await asyncio.get_running_loop().run_in_executor(None, self._buffers.reserve, self.options.host_buffer_bytes)
         start_helper()
         await self._ensure_namespace()
-        # in the background: a node that is slow to answer must not hold up the start
+        # waited for up to a second, then left to finish in the background: a node slow
+        # to answer must not hold up an engine's start for the client timeout
         self._connecting = asyncio.ensure_future(self.nodes.connect(self.timeout, self.storage.key))
+        await asyncio.wait({self._connecting}, timeout=min(self.timeout, START_CONNECT_WAIT_S))
         return self
 
     async def __aenter__(self) -> AsyncKVCacheClient:
