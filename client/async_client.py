@@ -251,6 +251,31 @@ class AsyncKVCacheClient(LookupBufferAPI):
             return torch.empty((count, 0, *ns.unit_shape), dtype=ns.torch_dtype()), 0
         return await self._fetch_units(split_hashes(found.joined), result, start_block, torch.from_numpy(flat))
 
+    async def get_found_into(self, found: StoredPrefix, sinks: list[Span], start_block: int = 0) -> int:
+        """``get_found`` into ``sinks``, one per block from ``start_block`` on (at least
+        ``found.blocks - start_block`` of them): pages scattered over the caller's memory
+        (the vLLM connector's ``PagedCache.block_spans``: the cache's own blocks), so
+        the node's slot is copied straight there on the same host, and through one
+        scratch copy over UCX. Every page is verified by checksum; a block that did not
+        arrive intact ends the prefix, and the bytes of the blocks past it are
+        unspecified. For a rank whose head groups are its whole pages
+        (``heads.identity``)."""
+        self._check_found(found)
+        if not self.heads.identity:
+            raise InvalidInputError("get_found_into needs a rank whose pages are whole head-group units; use get_found_units")
+        if start_block < 0:
+            raise InvalidInputError(f"start_block must not be negative, got {start_block}")
+        if len(sinks) < found.blocks - start_block:
+            raise InvalidInputError(f"{len(sinks)} sinks for {found.blocks - start_block} blocks")
+        if any(s.nbytes != self.namespace.page_nbytes for s in sinks):
+            raise InvalidInputError(f"every sink must hold one page of {self.namespace.page_nbytes} bytes")
+        result = await self._found_result(found) if found.blocks > start_block else None
+        if not result or result.matched <= start_block:
+            return 0
+        wanted = slice(start_block, result.matched)
+        got = leading(await self._fetch(*self._unit_requests(split_hashes(found.joined), result, wanted), sinks[: result.matched - start_block]))
+        return (start_block + got) * self.namespace.block_size
+
     def units_nbytes(self, blocks: int) -> int:
         """Bytes of this rank's head-group units of ``blocks`` blocks."""
         return blocks * self.heads.count * self.namespace.unit_nbytes

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from client.async_client import AsyncKVCacheClient, PublishReport, StoredPrefix
+from client.buffers import Span
 from client.stats import ClientStats
 from kvstore.errors import IndexScriptError, RemoteFault, TransportError
 from kvstore.index import LookupResult, PageIndex
@@ -161,6 +162,10 @@ class KVCacheClient:
 
     def get_found(self, found: StoredPrefix, out: torch.Tensor, start_block: int = 0) -> int:
         return self._read(self._async.get_found(found, out, start_block), 0)
+
+    def get_found_into(self, found: StoredPrefix, sinks: list[Span], start_block: int = 0) -> int:
+        """``AsyncKVCacheClient.get_found_into``; a fault or the deadline gives 0."""
+        return self._read(self._async.get_found_into(found, sinks, start_block), 0)
 
     def get_found_units(self, found: StoredPrefix, buf: torch.Tensor, start_block: int = 0) -> tuple[torch.Tensor | None, int]:
         """``AsyncKVCacheClient.get_found_units``; a fault or the deadline gives (None, 0)."""

@@ -343,3 +343,34 @@ def test_async_client_on_its_own_event_loop(cluster):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     # 5 full blocks + 1 tail part, each on two replicas; lookup and get_pages ran concurrently
     assert result == {"sent": 12, "matched": 83, "exact": True, "lookup": 80, "pages": 80, "pages_exact": True}
+
+
+@pytest.mark.parametrize("same_host", [True, False], ids=["shared-memory", "ucx"])
+def test_get_found_into_writes_pages_straight_into_a_strided_cache(cluster, same_host):
+    """``get_found_into`` lands every verified page in the blocks of a paged cache whose
+    layers are strided views (``PagedCache.block_spans``), from ``start_block`` on;
+    blocks it was not asked for stay as they were, and a corrupted page ends the prefix."""
+    from client.vllm.paged_cache import PagedCache
+
+    ns = make_ns(f"into-{same_host}", layout="vllm_cpu", num_layers=3)
+    n = 6
+    tokens = list(range(n * BLOCK))
+    pages = pages_for(ns, tokens)  # [n, L, H, B, KV]
+    L = ns.num_layers
+    # the cache: per layer [blocks, H, B, KV], blocks interleaved with another layer's in memory
+    storage = torch.zeros((20, L, *ns.page_shape[1:]), dtype=pages.dtype)
+    cache = PagedCache([storage[:, layer] for layer in range(L)])
+    block_ids = [17, 3, 4, 5, 11, 0]
+    with KVCacheClient(cluster.redis_url, ns, same_host=same_host) as client:
+        assert client.put_pages(tokens, pages).stored == n
+        found = client.find(tokens)
+        assert found.blocks == n
+        assert client.get_found_into(found, cache.block_spans(block_ids[2:]), start_block=2) == len(tokens)
+        got = cache.gather(block_ids).wait()
+        assert torch.equal(got[2:].view(torch.int16), pages[2:].view(torch.int16))
+        assert not got[:2].view(torch.int16).any()  # blocks before start_block untouched
+        assert corrupt_entry_checksums(cluster.redis_url, ns, block_hashes(ns, tokens), 4) == 1
+        fresh = client.find(tokens)
+        assert client.get_found_into(fresh, cache.block_spans(block_ids), start_block=0) == 4 * BLOCK
+        with pytest.raises(InvalidInputError, match="sinks"):
+            client.get_found_into(fresh, cache.block_spans(block_ids[:2]))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -71,6 +72,38 @@ def test_gather_then_scatter_is_bit_exact(order, blocks, device, max_runs, monke
         assert torch.equal(after[:, block], bits(source[:, block]))
     untouched = [b for b in range(B) if b not in blocks]
     assert torch.equal(after[:, untouched], before[:, untouched])
+
+
+@pytest.mark.parametrize("order", PERMUTATIONS, ids=lambda o: "".join("LBHNC"[i] for i in o))
+def test_block_spans_are_the_pages_in_place_for_every_layout(order):
+    """``block_spans`` views each block of a host cache as its page, whatever the
+    layers' strides: reading a span gives what ``gather`` copies out, and writing one
+    (as a get straight into the cache does) changes that block of every layer and
+    nothing else."""
+    blocks = BLOCK_LISTS["scattered"]
+    source = strided_cache(order, "cpu", seed=1)
+    cache = PagedCache(list(source.unbind(0)))
+    spans = cache.block_spans(blocks)
+    gathered = cache.gather(blocks).wait()
+    for i, span in enumerate(spans):
+        page = np.empty(span.nbytes, dtype=np.uint8)
+        span.read(page)
+        assert np.array_equal(page, gathered[i].contiguous().view(torch.uint8).reshape(-1).numpy()), i
+    target = strided_cache(order, "cpu", seed=2)
+    before = bits(target)
+    into = PagedCache(list(target.unbind(0))).block_spans(blocks)
+    for i, span in enumerate(into):
+        span.write(gathered[i].contiguous().view(torch.uint8).reshape(-1).numpy())
+    after = bits(target)
+    for block in blocks:
+        assert torch.equal(after[:, block], bits(source[:, block]))
+    untouched = [b for b in range(B) if b not in blocks]
+    assert torch.equal(after[:, untouched], before[:, untouched])
+
+
+def test_a_cache_without_a_contiguous_last_dimension_has_no_block_spans():
+    layers = [torch.zeros(C, B, H, N).permute(1, 2, 3, 0) for _ in range(L)]  # content outermost
+    assert PagedCache(layers).block_spans([0, 1]) is None
 
 
 def test_block_runs_split_at_every_gap():

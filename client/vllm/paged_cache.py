@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from client.buffers import Span, scattered_span
 from kvstore.errors import InvalidInputError
 
 _MAX_RUNS = 64
@@ -120,6 +121,7 @@ class PagedCache:
         self.dtype = first.dtype
         self.device = first.device
         self._on_gpu = first.device.type == "cuda"
+        self._byte_layers: list[Any] | None = None  # uint8 numpy views of the layers (``block_spans``)
 
     def _check(self, block_ids: list[int], pages: torch.Tensor | None = None, head_at: int = 0) -> None:
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
@@ -136,6 +138,20 @@ class PagedCache:
                 f"pages must be [{len(block_ids)}, {', '.join(map(str, self.page_shape))}] of {self.dtype}, "
                 f"got {tuple(pages.shape)} {pages.dtype}"
             )
+
+    def block_spans(self, block_ids: list[int]) -> list[Span] | None:
+        """Each block's page as a span over the cache itself: the block's slice of every
+        layer, in layer order (the page's bytes in its order, whatever the layers'
+        strides). A get into these spans writes straight into the cache: from a node's
+        mapped slot with one copy on the same host (no host page buffer and no
+        scatter). None for a cache in device memory, or one whose layers' last
+        dimension is not contiguous (its bytes cannot be viewed)."""
+        self._check(block_ids)
+        if self._byte_layers is None:
+            if self._on_gpu or any(kv.stride(-1) != 1 for kv in self.layers):
+                return None
+            self._byte_layers = [kv.view(torch.uint8).numpy() for kv in self.layers]
+        return [scattered_span(tuple(layer[b] for layer in self._byte_layers)) for b in block_ids]
 
     def host_pages(self, count: int) -> torch.Tensor:
         """An empty host tensor for ``count`` pages, pinned when the cache is on a GPU."""

@@ -131,7 +131,14 @@ class ConnectorWorker:
         got = spec.start_block
         pages = None
         try:
-            if self._client.heads.identity:
+            spans = self._cache.block_spans(wanted) if self._client.heads.identity else None
+            if spans is not None:
+                # Straight into the cache's blocks: from the node's mapped slots with one
+                # copy on the same host (no host page buffer, no scatter), through one
+                # scratch copy over UCX; verified before get_finished reports the load.
+                got = self._client.get_found_into(spec.found, spans, start_block=spec.start_block) // self._block_size
+                parts = []
+            elif self._client.heads.identity:
                 pages = self._staging.take(len(spec.block_ids))
                 got = self._client.get_found(spec.found, pages, start_block=spec.start_block) // self._block_size
                 parts = [(pages[spec.start_block : got], 0)]
