@@ -120,10 +120,11 @@ class _Connection:
         """Offer ``pages``; send only those the node wants (hashed only then)."""
         return await self._guarded(self._put(namespace, pages, checksum), timeout, "put")
 
-    async def get(self, namespace: NamespaceKey, hashes: list[bytes], sinks: list[Span], expected: list[int], timeout: float) -> GetOutcome:
+    async def get(self, namespace: NamespaceKey, hashes: list[bytes], sinks: list[Span], expected: list[int], timeout: float,
+                  probe: bool = False) -> GetOutcome:
         """Fetch pages into ``sinks`` and verify each against ``expected`` (the index's
-        checksums)."""
-        return await self._guarded(self._get(namespace, hashes, sinks, expected), timeout, "get")
+        checksums); a ``probe`` (client start's warm-up) is left out of the node's counters."""
+        return await self._guarded(self._get(namespace, hashes, sinks, expected, probe), timeout, "get")
 
     async def _guarded(self, work: Any, timeout: float, what: str) -> Any:
         async with self._lock:
@@ -180,7 +181,7 @@ class _Connection:
     async def _put(self, namespace: NamespaceKey, pages: list[OutgoingPage], checksum: Checksums) -> PutOutcome:
         raise NotImplementedError
 
-    async def _get(self, namespace: NamespaceKey, hashes: list[bytes], sinks: list[Span], expected: list[int]) -> GetOutcome:
+    async def _get(self, namespace: NamespaceKey, hashes: list[bytes], sinks: list[Span], expected: list[int], probe: bool) -> GetOutcome:
         raise NotImplementedError
 
     async def close(self) -> None:
@@ -219,8 +220,8 @@ def _put_request(namespace: NamespaceKey, token: str, pages: list[OutgoingPage])
     )
 
 
-def _get_request(namespace: NamespaceKey, token: str, hashes: list[bytes], sinks: list[Span]) -> P.GetRequest:
-    return P.GetRequest(namespace=namespace.digest, tenant=namespace.tenant, token=token, hashes=hashes, join=join_flags(sinks))
+def _get_request(namespace: NamespaceKey, token: str, hashes: list[bytes], sinks: list[Span], probe: bool) -> P.GetRequest:
+    return P.GetRequest(namespace=namespace.digest, tenant=namespace.tenant, token=token, hashes=hashes, join=join_flags(sinks), probe=probe)
 
 
 class NodeConnection(_Connection):
@@ -276,12 +277,12 @@ class NodeConnection(_Connection):
         result: P.PutResult = await result_arrives
         return PutOutcome(result.ints("stored"), plan.ints("present"), plan.ints("refused"), sent)
 
-    async def _get(self, namespace: NamespaceKey, hashes: list[bytes], sinks: list[Span], expected: list[int]) -> GetOutcome:
+    async def _get(self, namespace: NamespaceKey, hashes: list[bytes], sinks: list[Span], expected: list[int], probe: bool) -> GetOutcome:
         ep = self._ep
         # the plan's receive is posted before the request leaves, so the wait for the
         # request's send completion (about 1 ms through ucxx's threads) overlaps the node's work
         plan_arrives = started(self._recv_frame(P.GetPlan))
-        await ep.send_frame(_get_request(namespace, self.token, hashes, sinks))
+        await ep.send_frame(_get_request(namespace, self.token, hashes, sinks, probe))
         plan: P.GetPlan = await plan_arrives
         present, sizes, sums, runs = plan.ints("present"), plan.ints("sizes"), plan.ints("checksums"), plan.ints("runs")
         if sum(runs) != len(present) or len(sizes) != len(present) or len(sums) != len(present) or any(not 0 <= i < len(hashes) for i in present):
@@ -396,8 +397,8 @@ class ShmConnection(_Connection):
         result, _ = await self._recv_frame(P.PutResult)
         return PutOutcome(result.ints("stored"), plan.ints("present"), plan.ints("refused"), sum(pages[i].span.nbytes for i in wanted))
 
-    async def _get(self, namespace: NamespaceKey, hashes: list[bytes], sinks: list[Span], expected: list[int]) -> GetOutcome:
-        await self._ch.send_frame(_get_request(namespace, self.token, hashes, sinks))
+    async def _get(self, namespace: NamespaceKey, hashes: list[bytes], sinks: list[Span], expected: list[int], probe: bool) -> GetOutcome:
+        await self._ch.send_frame(_get_request(namespace, self.token, hashes, sinks, probe))
         plan = await self._plan(P.GetPlan)
         present, sizes, sums = plan.ints("present"), plan.ints("sizes"), plan.ints("checksums")
         regions, offsets = plan.ints("regions"), plan.ints("offsets")

@@ -81,7 +81,7 @@ class NodeDirectory:
     async def _connect(self, node: NodeInfo, timeout: float, namespace: NamespaceKey) -> None:
         probe = Span(np.zeros(1, dtype=np.uint8), 0, 1)
         try:
-            await self.on_node(node, lambda c: c.get(namespace, [bytes(16)], [probe], [0], timeout))
+            await self.on_node(node, lambda c: c.get(namespace, [bytes(16)], [probe], [0], timeout, probe=True))
         except RemoteFault as exc:
             log.info("cannot reach %s at start: %s", node.node_id, exc)
 

@@ -188,6 +188,9 @@ class GetRequest(_Frame):
     hashes: Array
     join: Array
     max_run_bytes: int = Field(default=DEFAULT_MAX_RUN_BYTES, gt=0)
+    # a client's warm-up at start (connection, the node's first look at the namespace
+    # and credential): answered like any get, left out of the node's counters
+    probe: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> GetRequest:
