@@ -324,7 +324,8 @@ def test_chart_index_users_and_tenant_credentials_work_with_real_processes(tmp_p
                 assert a.get_pages(tokens, out) == len(tokens) and torch.equal(out.view(torch.uint8), pages_for(ns_a, tokens).view(torch.uint8))
             dash_url = url(dashboards["redis-username"], dashboards["redis-password"])
             with KVCacheClient(dash_url, ns_d, auth_token_file=str(tmp_path / "dashboards.token"), timeout=3) as d:
-                assert d.put_pages(tokens, pages_for(ns_d, tokens)).stored == 0  # rights: read
+                with pytest.raises(PermissionError, match="forbidden"):  # rights: read
+                    d.put_pages(tokens, pages_for(ns_d, tokens))
             with KVCacheClient(dash_url, ns_a, auth_token_file=str(tmp_path / "dashboards.token"), timeout=3) as d:
                 assert d.lookup(tokens) == 0  # team-a's entries are not readable to this index user
             with pytest.raises(Exception, match="(?i)permission"):

@@ -110,7 +110,7 @@ def test_up_takes_the_index_password_from_the_environment_a_file_or_the_url(give
             assert sorted(n.node_id for n in nodes) == ["node-0", "node-1"]
             for n in nodes:
                 assert SECRET not in cmdline(int(n.extra["pid"]))
-            values = dict(line.strip().split("=", 1) for line in lines if re.match(r"^KVSTORE_[A-Z_]+=", line))
+            values = dict(line.strip().removeprefix("export ").split("=", 1) for line in lines if re.match(r"^export KVSTORE_[A-Z_]+=", line))
             ns = namespace_for_page_size(64 << 10, tenant="up-password")
             tokens = list(range(4 * ns.block_size))
             with KVCacheClient(valkey.url, ns, redis_password=SECRET, auth_token_file=values["KVSTORE_AUTH_TOKEN_FILE"]) as client:
