@@ -2,7 +2,9 @@
 
 Every ``KVCacheClient`` in a process runs its ``AsyncKVCacheClient`` on one shared
 event loop in a daemon thread, which is also the only thread that drives UCX progress
-(a ucxx worker must not be progressed from two threads). Every call waits at most a
+(a ucxx worker must not be progressed from two threads). Lookups (``find``,
+``lookup``) only talk to the index: they run in the caller's thread over an index
+connection of their own while the node list is fresh, sparing the hop to the loop. Every call waits at most a
 bound derived from the client timeout, so a wedged transfer cannot hang the caller.
 A call that passes its bound is cancelled, and it returns only once the cancelled
 work has unwound (its endpoints closed), so nothing lands in the caller's tensors
