@@ -36,26 +36,6 @@ class Span:
         """What ``copy_checksummed`` copies to or from: the view, or the pieces."""
         return self.pieces or self.view()
 
-    def write(self, src: np.ndarray) -> None:
-        """Copy the contiguous uint8 ``src`` (``nbytes`` of them) into the span."""
-        if not self.pieces:
-            self.view()[:] = src
-            return
-        pos = 0
-        for piece in self.pieces:
-            piece[...] = src[pos : pos + piece.nbytes].reshape(piece.shape)
-            pos += piece.nbytes
-
-    def read(self, dst: np.ndarray) -> None:
-        """Copy the span's bytes into the contiguous uint8 ``dst``."""
-        if not self.pieces:
-            dst[:] = self.view()
-            return
-        pos = 0
-        for piece in self.pieces:
-            dst[pos : pos + piece.nbytes].reshape(piece.shape)[...] = piece
-            pos += piece.nbytes
-
 
 def scattered_span(pieces: tuple[np.ndarray, ...]) -> Span:
     """A page held by ``pieces`` (uint8 views of the caller's tensors, in page order)."""

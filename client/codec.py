@@ -45,15 +45,6 @@ def kv_spans(namespace: Namespace, key: torch.Tensor, value: torch.Tensor, block
             for j in range(count) for b in range(blocks)]
 
 
-def pages_to_kv(pages: torch.Tensor, extra_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[blocks, 2, L, B, H, D]`` pages -> key, value ``[L, blocks*B + extra_tokens, H, D]``
-    in one copy; the last ``extra_tokens`` rows are left for the caller to fill."""
-    n, _, L, B, H, D = pages.shape
-    kv = torch.empty(2, L, n * B + extra_tokens, H, D, dtype=pages.dtype)
-    pages_into_kv(pages, kv)
-    return kv[0], kv[1]
-
-
 def pages_into_kv(pages: torch.Tensor, kv: torch.Tensor) -> None:
     """Copy ``[blocks, 2, L, B, H, D]`` pages into the leading tokens of ``kv``
     ``[2, L, tokens, H, D]`` (one strided copy)."""

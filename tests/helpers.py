@@ -23,12 +23,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from client.codec import pages_to_kv
+from client.codec import pages_into_kv
 from kvstore import Namespace, block_hashes
 from kvstore.index import PageIndex
 
 ROOT = Path(__file__).resolve().parent.parent
 
+
+
+def pages_to_kv(pages: torch.Tensor, extra_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[blocks, 2, L, B, H, D]`` pages -> key, value ``[L, blocks*B + extra_tokens, H, D]``
+    (``codec.pages_into_kv``); the last ``extra_tokens`` rows are left unset."""
+    n, _, L, B, H, D = pages.shape
+    kv = torch.empty(2, L, n * B + extra_tokens, H, D, dtype=pages.dtype)
+    pages_into_kv(pages, kv)
+    return kv[0], kv[1]
 
 def namespace_for_page_size(nbytes: int, tenant: str = "default", **fields) -> Namespace:
     """A kv_lbhd float16 namespace whose pages are ``nbytes`` long (power of two >= 4 KiB)."""

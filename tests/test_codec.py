@@ -7,6 +7,8 @@ from hypothesis import strategies as st
 
 from client import codec
 from kvstore import Namespace
+from kvstore.pages.checksum import copy_checksummed
+from tests.helpers import pages_to_kv
 
 
 def make_ns(layers, heads, head, block, hidden):
@@ -31,9 +33,9 @@ def test_pages_and_tail_round_trip(layers, heads, head, block, tokens, hidden, w
         for j in range(count):
             for b in range(full):
                 got = np.empty(spans[j * full + b].nbytes, dtype=np.uint8)
-                spans[j * full + b].read(got)
+                copy_checksummed([(got, spans[j * full + b].bytes())])
                 assert np.array_equal(got, pages[b, :, :, :, j * g : (j + 1) * g].contiguous().view(torch.uint8).reshape(-1).numpy())
-    k, v = codec.pages_to_kv(pages)
+    k, v = pages_to_kv(pages)
     assert torch.equal(k, key[:, : full * block]) and torch.equal(v, value[:, : full * block])
     blob = codec.encode_tail(ns, key, value, hid)
     sizes = codec.tail_part_sizes(ns, tokens, hid is not None)

@@ -15,6 +15,7 @@ import torch
 from client.vllm.breaker import CircuitBreaker
 from client.vllm.paged_cache import PagedCache, StagingPool, block_runs
 from kvstore.errors import InvalidInputError
+from kvstore.pages.checksum import copy_checksummed
 
 L, B, H, N, C = 3, 40, 2, 4, 6  # layers, blocks, kv heads, block size, 2 * head size
 # Every order of the logical axes [L, B, H, N] in memory, content innermost: a superset
@@ -87,13 +88,13 @@ def test_block_spans_are_the_pages_in_place_for_every_layout(order):
     gathered = cache.gather(blocks).wait()
     for i, span in enumerate(spans):
         page = np.empty(span.nbytes, dtype=np.uint8)
-        span.read(page)
+        copy_checksummed([(page, span.bytes())])
         assert np.array_equal(page, gathered[i].contiguous().view(torch.uint8).reshape(-1).numpy()), i
     target = strided_cache(order, "cpu", seed=2)
     before = bits(target)
     into = PagedCache(list(target.unbind(0))).block_spans(blocks)
     for i, span in enumerate(into):
-        span.write(gathered[i].contiguous().view(torch.uint8).reshape(-1).numpy())
+        copy_checksummed([(span.bytes(), gathered[i].contiguous().view(torch.uint8).reshape(-1).numpy())])
     after = bits(target)
     for block in blocks:
         assert torch.equal(after[:, block], bits(source[:, block]))
