@@ -221,6 +221,17 @@ def test_a_rank_that_holds_part_of_a_group_reads_but_does_not_store(cluster):
         client.put_pages(TOKENS, rank_pages(ns, TOKENS))
 
 
+def test_a_rank_that_holds_part_of_a_group_selects_an_inserted_prefix(cluster):
+    """select's merge path (``_fetch_merged``): a TP=2 rank whose heads are half of the one
+    stored group receives the units into a buffer and merges its heads into key/value,
+    bit-exact; the producer's tail is its own, so the match is the block-aligned prefix."""
+    kw = {"groups": 1, "tenant": "tp-superset-select"}
+    (ins,) = run_ranks(cluster, 1, "insert", kw, tokens=TOKENS + [7, 7, 7])
+    assert ins["report"]["stored"] == 8 + 1
+    halves = run_ranks(cluster, 2, "select", kw, tokens=TOKENS + [7, 7, 7])
+    assert [(h["matched"], h["exact"], h["hidden"]) for h in halves] == [(len(TOKENS), True, False)] * 2
+
+
 @pytest.mark.parametrize("layout", ["kv_lbhd", "vllm_cpu", "vllm_flash"])
 @pytest.mark.parametrize("tp_size,groups", [(1, 4), (2, 4), (2, 2), (4, 2), (4, 1), (8, 4)])
 def test_units_split_and_merge_back_to_each_ranks_heads(layout, tp_size, groups):
