@@ -333,13 +333,15 @@ class AsyncKVCacheClient(LookupBufferAPI):
         self._buffers.give(staging)  # not when cancelled: a transfer may still be landing in it
         return (start_block + got) * self.namespace.block_size
 
-    async def _fetch_units(self, hashes: list[bytes], result: LookupResult, start_block: int, buf: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Fetch this rank's units of blocks ``start_block`` to ``result.matched`` into the
-        uint8 host tensor ``buf``: the units ``[count, m, *unit_shape]`` and how many
-        leading blocks arrived whole."""
-        ns, count, m = self.namespace, self.heads.count, result.matched - start_block
+    async def _fetch_units(self, hashes: list[bytes], result: LookupResult, start_block: int, buf: torch.Tensor,
+                           end: int | None = None) -> tuple[torch.Tensor, int]:
+        """Fetch this rank's units of blocks ``start_block`` to ``end`` (``result.matched``
+        when None) into the uint8 host tensor ``buf``: the units ``[count, m, *unit_shape]``
+        and how many leading blocks arrived whole."""
+        end = result.matched if end is None else end
+        ns, count, m = self.namespace, self.heads.count, end - start_block
         units = buf[: self.units_nbytes(m)].view(ns.torch_dtype()).view(count, m, *ns.unit_shape)
-        ok = await self._fetch(*self._unit_requests(hashes, result, slice(start_block, result.matched)), page_spans(host_bytes(units), m * count, ns.unit_nbytes))
+        ok = await self._fetch(*self._unit_requests(hashes, result, slice(start_block, end)), page_spans(host_bytes(units), m * count, ns.unit_nbytes))
         return units, whole_blocks(ok, count, m)
 
     def _units(self, hashes: list[bytes], pages: torch.Tensor, verb: str) -> tuple[list[bytes], list[Span], list[bytes], list[int]]:

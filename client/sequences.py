@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from client import codec
-from client.buffers import page_spans, split_spans
+from client.buffers import split_spans
 from kvstore.errors import InvalidInputError
 from kvstore.pages import heads, keys
 from kvstore.pages.hashing import block_hashes, part_hashes, sequence_hash, token_array
@@ -135,12 +135,9 @@ class LookupBufferAPI:
         """``_fetch_sequence`` for a rank that reads part of a head group: the units
         land in a buffer and the rank's heads are merged into its pages, then into
         ``kv``. The tail is the rank's own and follows only once every block is whole."""
-        ns, count = self.namespace, self.heads.count
+        ns = self.namespace
         nblocks = min(result.matched, len(hashes))
-        buf = torch.empty(self.units_nbytes(nblocks), dtype=torch.uint8)
-        ok = await self._fetch(*self._unit_requests(hashes, result, slice(0, nblocks)), page_spans(buf.numpy(), nblocks * count, ns.unit_nbytes))
-        blocks = whole_blocks(ok, count, nblocks)
-        units = buf.view(ns.torch_dtype()).view(count, nblocks, *ns.unit_shape)
+        units, blocks = await self._fetch_units(hashes, result, 0, torch.empty(self.units_nbytes(nblocks), dtype=torch.uint8), end=nblocks)
         pages = torch.empty((blocks, *ns.page_shape), dtype=ns.torch_dtype())
         heads.merge(ns, units[:, :blocks], pages, self.heads)
         codec.pages_into_kv(pages, kv)
