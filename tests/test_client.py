@@ -345,27 +345,40 @@ def test_async_client_on_its_own_event_loop(cluster):
     assert result == {"sent": 12, "matched": 83, "exact": True, "lookup": 80, "pages": 80, "pages_exact": True}
 
 
+@pytest.mark.parametrize("block_major", [True, False], ids=["block-major", "layer-major"])
 @pytest.mark.parametrize("same_host", [True, False], ids=["shared-memory", "ucx"])
-def test_get_found_into_writes_pages_straight_into_a_strided_cache(cluster, same_host):
+def test_get_found_into_writes_pages_straight_into_a_strided_cache(cluster, same_host, block_major, monkeypatch):
     """``get_found_into`` lands every verified page in the blocks of a paged cache whose
     layers are strided views (``PagedCache.block_spans``), from ``start_block`` on;
-    blocks it was not asked for stay as they were, and a corrupted page ends the prefix."""
+    blocks it was not asked for stay as they were, and a corrupted page ends the prefix.
+    A block-major cache (each block's layers back to back) gives contiguous spans, so
+    UCX receives consecutive blocks straight into it, with no scratch buffer; a
+    layer-major one lands each run in one scratch buffer first."""
+    from client.staging import HostBuffers
     from client.vllm.paged_cache import PagedCache
 
-    ns = make_ns(f"into-{same_host}", layout="vllm_cpu", num_layers=3)
+    ns = make_ns(f"into-{same_host}-{block_major}", layout="vllm_cpu", num_layers=3)
     n = 6
     tokens = list(range(n * BLOCK))
     pages = pages_for(ns, tokens)  # [n, L, H, B, KV]
     L = ns.num_layers
-    # the cache: per layer [blocks, H, B, KV], blocks interleaved with another layer's in memory
-    storage = torch.zeros((20, L, *ns.page_shape[1:]), dtype=pages.dtype)
-    cache = PagedCache([storage[:, layer] for layer in range(L)])
-    block_ids = [17, 3, 4, 5, 11, 0]
+    if block_major:  # per layer [blocks, H, B, KV], blocks interleaved with the other layers' in memory
+        storage = torch.zeros((20, L, *ns.page_shape[1:]), dtype=pages.dtype)
+        cache = PagedCache([storage[:, layer] for layer in range(L)])
+    else:
+        cache = PagedCache([torch.zeros((20, *ns.page_shape[1:]), dtype=pages.dtype) for _ in range(L)])
+    block_ids = [17, 3, 6, 7, 8, 9]  # those fetched are consecutive: one message can land in place
+    assert all(bool(s.pieces) != block_major for s in cache.block_spans(block_ids))
+    scratch = []
+    take = HostBuffers.take
+    monkeypatch.setattr(HostBuffers, "take", lambda self, nbytes: scratch.append(nbytes) or take(self, nbytes))
     with KVCacheClient(cluster.redis_url, ns, same_host=same_host) as client:
         assert client.put_pages(tokens, pages).stored == n
         found = client.find(tokens)
         assert found.blocks == n
+        scratch.clear()
         assert client.get_found_into(found, cache.block_spans(block_ids[2:]), start_block=2) == len(tokens)
+        assert bool(scratch) == (not same_host and not block_major), scratch
         got = cache.gather(block_ids).wait()
         assert torch.equal(got[2:].view(torch.int16), pages[2:].view(torch.int16))
         assert not got[:2].view(torch.int16).any()  # blocks before start_block untouched

@@ -30,6 +30,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from client.buffers import Span, scattered_span
@@ -122,6 +123,7 @@ class PagedCache:
         self.device = first.device
         self._on_gpu = first.device.type == "cuda"
         self._byte_layers: list[Any] | None = None  # uint8 numpy views of the layers (``block_spans``)
+        self._block_major: tuple[np.ndarray, int, int] | None = None
 
     def _check(self, block_ids: list[int], pages: torch.Tensor | None = None, head_at: int = 0) -> None:
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
@@ -144,14 +146,40 @@ class PagedCache:
         layer, in layer order (the page's bytes in its order, whatever the layers'
         strides). A get into these spans writes straight into the cache: from a node's
         mapped slot with one copy on the same host (no host page buffer and no
-        scatter). None for a cache in device memory, or one whose layers' last
-        dimension is not contiguous (its bytes cannot be viewed)."""
+        scatter). When the layers lie block-major in one tensor (a block's layers back
+        to back, as ``KVCacheLayout.BLHNC`` places them), each span is one contiguous
+        range of that tensor and consecutive blocks touch, so a UCX get receives
+        straight into the cache too; otherwise UCX lands in one scratch copy. None for
+        a cache in device memory, or one whose layers' last dimension is not
+        contiguous (its bytes cannot be viewed)."""
         self._check(block_ids)
         if self._byte_layers is None:
             if self._on_gpu or any(kv.stride(-1) != 1 for kv in self.layers):
                 return None
             self._byte_layers = [kv.view(torch.uint8).numpy() for kv in self.layers]
+            self._block_major = self._block_major_bytes()
+        if self._block_major is not None:
+            flat, first, stride = self._block_major
+            page_nbytes = self._byte_layers[0][0].nbytes * len(self.layers)
+            return [Span(flat, first + b * stride, page_nbytes) for b in block_ids]
         return [scattered_span(tuple(layer[b] for layer in self._byte_layers)) for b in block_ids]
+
+    def _block_major_bytes(self) -> tuple[np.ndarray, int, int] | None:
+        """``(storage bytes, offset of block 0's page, bytes from one block to the
+        next)`` when every block's page is one contiguous range of a storage all
+        layers share; else None."""
+        first = self.layers[0]
+        storage = first.untyped_storage()
+        item = first.element_size()
+        block_nbytes = first[0].numel() * item
+        if not first[0].is_contiguous():
+            return None
+        for layer, kv in enumerate(self.layers):
+            if (kv.untyped_storage().data_ptr() != storage.data_ptr() or kv.stride(0) != first.stride(0)
+                    or (kv.storage_offset() - first.storage_offset()) * item != layer * block_nbytes):
+                return None
+        flat = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+        return flat, first.storage_offset() * item, first.stride(0) * item
 
     def host_pages(self, count: int) -> torch.Tensor:
         """An empty host tensor for ``count`` pages, pinned when the cache is on a GPU."""
