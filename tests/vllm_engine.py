@@ -6,12 +6,17 @@ spec keys:
   "kv_consumer" | "kv_both"), ``extra`` (more ``kv_connector_extra_config``);
 - ``prefix_caching`` (vLLM's own, default on), ``llm_kwargs`` (more ``LLM`` arguments);
 - ``mode``: "sequential" (one prompt at a time, timed: ``ttft``, ``decode_tps``,
-  ``seconds``, and ``decode_steps``, the seconds of each step after the first token), or "steps" (every prompt
+  ``seconds``, ``decode_steps``, the seconds of each step after the first token, and
+  ``first_steps``, those of each step up to the first token), or "steps" (every prompt
   added at once, then the engine stepped by hand, recording per step how many tokens
   each request has: shows which ran while others waited);
 - ``warmup``: prompts generated (untimed, results dropped) before the measured ones;
 - ``transfer_params``: per prompt, its ``kv_transfer_params`` (or null), e.g.
-  ``{"kvstore_save": false}``.
+  ``{"kvstore_save": false}``;
+- ``beside_copy_bytes``: in sequential mode, a thread copies and hashes this many bytes
+  (1 MiB chunks, each hashed while in cache, as a same-host load does) from the moment
+  the last prompt is added: the best a load overlapped with the step could do
+  (``beside_copy_seconds`` is how long the copy took beside it).
 
 Prints one JSON line: per prompt the generated token ids, num_cached_tokens and
 seconds; in steps mode also ``steps``; and ``metrics``, the engine's ``vllm:kvstore_*``
@@ -66,6 +71,36 @@ def kvstore_metrics(llm) -> dict:
     return out
 
 
+class _BesideCopy:
+    """A load's copy and hash, run on a thread of its own beside the engine step."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self, nbytes: int) -> None:
+        import numpy as np
+
+        self.src = np.ones(nbytes, np.uint8)  # both faulted in now, as the store's pages and the cache are
+        self.dst = np.zeros(nbytes, np.uint8)
+        self.seconds = 0.0
+        self.thread = None
+
+    def start(self) -> None:
+        import threading
+
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import xxhash
+
+        began = time.perf_counter()
+        for at in range(0, self.src.nbytes, self.CHUNK):
+            chunk = self.dst[at : at + self.CHUNK]
+            chunk[...] = self.src[at : at + self.CHUNK]
+            xxhash.xxh3_64_intdigest(chunk)
+        self.seconds = time.perf_counter() - began
+
+
 def result(o) -> dict:
     return {"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens}
 
@@ -94,6 +129,7 @@ def main() -> int:
                               output_kind=RequestOutputKind.CUMULATIVE, extra_args={"kv_transfer_params": transfer} if transfer else None)
 
     transfers = spec.get("transfer_params") or [None] * len(spec["prompts"])
+    beside = _BesideCopy(spec["beside_copy_bytes"]) if spec.get("beside_copy_bytes") else None
 
     for prompt in spec.get("warmup", []):
         llm.generate([TokensPrompt(prompt_token_ids=prompt)], params(), use_tqdm=False)
@@ -119,6 +155,8 @@ def main() -> int:
     else:
         for i, (prompt, transfer) in enumerate(zip(spec["prompts"], transfers)):
             started = time.perf_counter()
+            if beside is not None and i == len(spec["prompts"]) - 1:
+                beside.start()
             engine.add_request(f"s{i}", TokensPrompt(prompt_token_ids=prompt), params(transfer))
             first = None
             step_ends = []
@@ -131,10 +169,15 @@ def main() -> int:
             ended = time.perf_counter()
             n = len(last.outputs[0].token_ids)
             decode_steps = [round(b - a, 5) for a, b in zip(step_ends, step_ends[1:]) if a >= first]
+            first_steps = [round(b - a, 5) for a, b in zip([started, *step_ends], step_ends) if a < first]
             results.append(result(last) | {"seconds": ended - started, "ttft": first - started, "decode_steps": decode_steps,
+                                           "first_steps": first_steps,
                                            "decode_tps": (n - 1) / (ended - first) if n > 1 else None})
     if kv is not None:
         out["metrics"] = kvstore_metrics(llm)
+    if beside is not None:
+        beside.thread.join()
+        out["beside_copy_seconds"] = beside.seconds
     print(json.dumps(out), flush=True)
     return 0
 
