@@ -128,6 +128,11 @@ class SlabAllocator:
         """Slabs serving no owner (any size class of any tenant may take them)."""
         return len(self._free_slabs)
 
+    def slabs_of(self, owner: str, limit: int) -> list[int]:
+        """Up to ``limit`` slabs serving ``owner``, those it took last first."""
+        newest = (index for index, slab in reversed(self._slabs.items()) if slab.owner == owner)
+        return [index for index, _ in zip(newest, range(limit))]
+
     def slot_size(self, offset: int) -> int:
         return self._slabs[offset // self.slab_size].slot_size
 

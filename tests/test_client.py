@@ -387,3 +387,31 @@ def test_get_found_into_writes_pages_straight_into_a_strided_cache(cluster, same
         assert client.get_found_into(fresh, cache.block_spans(block_ids), start_block=0) == 4 * BLOCK
         with pytest.raises(InvalidInputError, match="sinks"):
             client.get_found_into(fresh, cache.block_spans(block_ids[:2]))
+
+
+def _mapped_slabs(client: KVCacheClient) -> set[int]:
+    """Slabs the client's same-host connections map, once its start's probes are done."""
+    deadline = time.monotonic() + 10
+    while not client._async._connecting.done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return {region for conn in client._async.nodes._conns.values() for region in getattr(conn, "_maps", {})}
+
+
+def test_a_fresh_same_host_client_maps_its_tenants_slabs_at_start(cluster):
+    """A same-host client's start probe is lent its tenant's slabs read-only
+    (server/dataplane.py PROBE_MAP_BYTES), so its first get maps nothing; another
+    tenant's client is lent none of them."""
+    mine, other = make_ns("probe-maps"), make_ns("probe-maps-other")
+    tokens = list(range(6 * BLOCK))
+    pages = pages_for(mine, tokens)
+    with KVCacheClient(cluster.redis_url, mine) as writer:
+        assert writer.put_pages(tokens, pages).stored == 6
+        written = _mapped_slabs(writer)
+    assert written
+    with KVCacheClient(cluster.redis_url, mine) as reader:
+        assert _mapped_slabs(reader) >= written  # before any get
+        out = torch.zeros_like(pages)
+        assert reader.get_pages(tokens, out) == len(tokens)
+        assert torch.equal(out.view(torch.int16), pages.view(torch.int16))
+    with KVCacheClient(cluster.redis_url, other) as stranger:
+        assert not _mapped_slabs(stranger) & written
