@@ -517,7 +517,7 @@ class DataPlane:
             sizes = [p.size for p in pages]
             checksums = np.array([p.checksum for p in pages], dtype=np.uint64)
             if conn.path == "shm":
-                also = self.store.allocator.slabs_of(req.tenant, max(1, PROBE_MAP_BYTES // self.store.allocator.slab_size)) if req.probe else []
+                also = self.store.allocator.slabs_of(req.tenant, max(1, PROBE_MAP_BYTES // self.store.allocator.slab_size)) if req.probe else None
                 await self._lend(conn, P.GetPlan, dict(present=present, sizes=sizes, checksums=checksums), pages, writable=False, also=also)
                 await self._expect(conn, P.GetDone, "get done")
             else:
@@ -568,7 +568,7 @@ class DataPlane:
         except Exception as exc:  # noqa: BLE001 - UCX errors, timeouts, cancellation by a dead peer
             raise _Broken(f"sending the plan and {len(runs)} runs of {len(pages)} pages failed: {exc}") from exc
 
-    async def _lend(self, conn: _ShmConn, kind: type, fields: dict, pages: list[StoredPage], writable: bool, also: list[int] = ()) -> None:
+    async def _lend(self, conn: _ShmConn, kind: type, fields: dict, pages: list[StoredPage], writable: bool, also: list[int] | None = None) -> None:
         """Same-host plan: where each page's slot lies (slab and offset), with descriptors
         of the slabs the client lacks at their current generation (and of the slabs
         ``also`` names): read-only for a GET, writable for a PUT (the client writes the
@@ -582,7 +582,7 @@ class DataPlane:
             generation, has_write = conn.sent.get(r, (-1, False))
             return generation != pool.regions[r].generation or (writable and not has_write)
 
-        fresh = sorted({r for r in (*regions, *also) if lacks(r)})
+        fresh = sorted({r for r in (*regions, *(also or ())) if lacks(r)})
         # One frame's descriptors are open at a time: a request holds at most
         # MAX_FDS_PER_FRAME of the node's descriptors, however many slabs it touches.
         for start in range(0, max(len(fresh), 1), shm.MAX_FDS_PER_FRAME):
