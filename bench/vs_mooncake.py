@@ -2,18 +2,19 @@
 
     python -m venv /tmp/mooncake-venv
     /tmp/mooncake-venv/bin/pip install mooncake-transfer-engine==0.3.7 nvidia-cuda-runtime-cu12 numpy
-    python bench/vs_mooncake.py --mooncake-python /tmp/mooncake-venv/bin/python [--rounds 8]
+    python bench/vs_mooncake.py --mooncake-python /tmp/mooncake-venv/bin/python [--rounds 16]
 
 Mooncake runs as users run it: its master (with the HTTP metadata server), a storage
-process that mounts a 2 GiB segment, and a client process using the zero-copy batch
-API (``batch_put_from`` / ``batch_get_into`` with registered buffers), over its TCP
-transport on loopback (it has no other path between two processes here: no RDMA NIC).
-kvstore runs one storage node (``LocalCluster``, 2 GiB) and a ``KVCacheClient`` in this
-process, on both of its paths: same host (shared memory) and UCX (TCP on loopback, the
-same wire as Mooncake's). Every round each system puts ``--pages`` pages of
-``--page-bytes`` under fresh keys and reads them back, systems interleaved (A B C A B
-C); every get is checked byte for byte. Printed: medians with min-max in GB/s, each
-as a ratio to Mooncake's figure for the same operation (the baseline)."""
+process that mounts a segment (2 GiB, or room for every batch), and a client process
+using the zero-copy batch API (``batch_put_from`` / ``batch_get_into`` with registered
+buffers), over its TCP transport on loopback (it has no other path between two
+processes here: no RDMA NIC). kvstore runs one storage node (``LocalCluster``, large
+enough for every batch) and a ``KVCacheClient`` in this process, on both of its paths:
+same host (shared memory) and UCX (TCP on loopback, the same wire as Mooncake's).
+Every round each system puts ``--pages`` pages of ``--page-bytes`` under fresh keys
+and reads them back, systems interleaved (A B C A B C); every get is checked byte for
+byte, and a batch that fails is named. Printed: medians with min-max in GB/s, each as
+a ratio to Mooncake's figure for the same operation (the baseline)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def free_port() -> int:
 class Mooncake:
     """Master, storage process and client process; ``run(op, round)`` times one batch."""
 
-    def __init__(self, python: str, pages: int, page_bytes: int) -> None:
+    def __init__(self, python: str, pages: int, page_bytes: int, segment_bytes: int) -> None:
         package = Path(subprocess.run([python, "-c", "import mooncake, os; print(os.path.dirname(mooncake.__file__))"],
                                       capture_output=True, text=True, check=True).stdout.strip())
         cudart = package.parent / "nvidia" / "cuda_runtime" / "lib"
@@ -58,7 +59,7 @@ class Mooncake:
                      "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={http}"], env, wait=False)
         time.sleep(1.5)
         common = [f"http://127.0.0.1:{http}/metadata", f"127.0.0.1:{rpc}"]
-        self._start([python, str(WORKER), "storage", f"127.0.0.1:{free_port()}", *common, str(2 << 30)], env)
+        self._start([python, str(WORKER), "storage", f"127.0.0.1:{free_port()}", *common, str(segment_bytes)], env)
         self.client = self._start([python, str(WORKER), "client", f"127.0.0.1:{free_port()}", *common, str(pages), str(page_bytes)], env)
 
     def _start(self, cmd: list[str], env: dict, wait: bool = True) -> subprocess.Popen:
@@ -89,7 +90,7 @@ class Mooncake:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mooncake-python", default=os.environ.get("MOONCAKE_PYTHON"), help="Python of a virtualenv with mooncake-transfer-engine")
-    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=16)
     ap.add_argument("--pages", type=int, default=32)
     ap.add_argument("--page-bytes", type=int, default=2 << 20, choices=[64 << 10, 2 << 20])
     args = ap.parse_args()
@@ -102,10 +103,13 @@ def main() -> int:
     pages = torch.randint(-(2**15), 2**15 - 1, (args.pages, *ns.page_shape), dtype=torch.int16).view(torch.float16)
     total = args.pages * args.page_bytes
     times: dict[tuple[str, str], list[float]] = {}
-    ok = True
-    mooncake = Mooncake(args.mooncake_python, args.pages, args.page_bytes)
+    failed: list[str] = []
+    # both stores get room for every batch below their eviction watermarks (a put past
+    # one would evict or be refused, and its get would miss)
+    room = -(-(args.rounds + 1) * total * 10 // 8 // 2**30) * 2**30
+    mooncake = Mooncake(args.mooncake_python, args.pages, args.page_bytes, max(2 << 30, room))
     try:
-        with LocalCluster(servers=1, capacity="2GiB", slab_size="64MiB") as cluster:
+        with LocalCluster(servers=1, capacity=f"{max(2 << 30, 2 * room) >> 30}GiB", slab_size="64MiB") as cluster:  # two clients
             clients = {"kvstore same host": KVCacheClient(cluster.redis_url, ns, same_host=True),
                        "kvstore UCX": KVCacheClient(cluster.redis_url, ns, same_host=False)}
             # Each client faults in its 512 MiB host buffer pool at start; right after it the
@@ -116,7 +120,7 @@ def main() -> int:
                 for op in ("put", "get"):
                     seconds, good = mooncake.run(op, r)
                     times.setdefault(("Mooncake Store (TCP)", op), []).append(seconds) if r >= 0 else None
-                    ok &= good
+                    failed += [] if good else [f"Mooncake Store {op} round {r}"]
                     for k, (name, client) in enumerate(clients.items()):
                         first = 1_000_000 * (r + 2) + 100_000 * k  # fresh keys per round and system
                         tokens = list(range(first, first + args.pages * ns.block_size))
@@ -128,7 +132,7 @@ def main() -> int:
                             began = time.perf_counter()
                             good = client.get_pages(tokens, out) == len(tokens) and torch.equal(out.view(torch.int16), pages.view(torch.int16))
                         seconds = time.perf_counter() - began
-                        ok &= good
+                        failed += [] if good else [f"{name} {op} round {r}"]
                         if r >= 0:
                             times.setdefault((name, op), []).append(seconds)
             for client in clients.values():
@@ -146,8 +150,8 @@ def main() -> int:
                 continue
             med = statistics.median(ts)
             print(f"| {name} | {op} | {total / med / 1e9:.2f} | {total / max(ts) / 1e9:.2f}–{total / min(ts) / 1e9:.2f} | {base / med:.2f} |")
-    print(f"every batch stored and read back byte-identical: {'yes' if ok else 'NO'}")
-    return 0 if ok else 1
+    print(f"every batch stored and read back byte-identical: {'yes' if not failed else 'NO: ' + ', '.join(failed)}")
+    return 0 if not failed else 1
 
 
 if __name__ == "__main__":
