@@ -272,9 +272,7 @@ class AsyncKVCacheClient(LookupBufferAPI):
         result = await self._found_result(found) if found.blocks > start_block else None
         if not result or result.matched <= start_block:
             return 0
-        wanted = slice(start_block, result.matched)
-        got = leading(await self._fetch(*self._unit_requests(split_hashes(found.joined), result, wanted), sinks[: result.matched - start_block]))
-        return (start_block + got) * self.namespace.block_size
+        return await self._fetch_into(split_hashes(found.joined), result, start_block, sinks[: result.matched - start_block])
 
     def units_nbytes(self, blocks: int) -> int:
         """Bytes of this rank's head-group units of ``blocks`` blocks."""
@@ -321,9 +319,7 @@ class AsyncKVCacheClient(LookupBufferAPI):
         if self._mode_for(out) == "direct":
             self.stats.direct_transfers += 1
             dest = host_bytes(out) if out.device.type == "cpu" else out.reshape(-1).view(torch.uint8)
-            spans = page_spans(dest, n, nbytes)[wanted]
-            got = leading(await self._fetch(*self._unit_requests(hashes, result, wanted), spans))
-            return (start_block + got) * self.namespace.block_size
+            return await self._fetch_into(hashes, result, start_block, page_spans(dest, n, nbytes)[wanted])
         self.stats.staged_transfers += 1
         staging = torch.from_numpy(self._buffers.take((n - start_block) * nbytes))
         got = leading(await self._fetch(*self._unit_requests(hashes, result, wanted), page_spans(staging.numpy(), n - start_block, nbytes)))
@@ -331,6 +327,12 @@ class AsyncKVCacheClient(LookupBufferAPI):
             flat = out.reshape(-1).view(torch.uint8)
             flat[start_block * nbytes : (start_block + got) * nbytes].copy_(staging[: got * nbytes])
         self._buffers.give(staging)  # not when cancelled: a transfer may still be landing in it
+        return (start_block + got) * self.namespace.block_size
+
+    async def _fetch_into(self, hashes: list[bytes], result: LookupResult, start_block: int, spans: list[Span]) -> int:
+        """Fetch whole pages of blocks ``start_block`` to ``result.matched`` into ``spans``
+        (one per block); the tokens of the prefix that arrived."""
+        got = leading(await self._fetch(*self._unit_requests(hashes, result, slice(start_block, result.matched)), spans))
         return (start_block + got) * self.namespace.block_size
 
     async def _fetch_units(self, hashes: list[bytes], result: LookupResult, start_block: int, buf: torch.Tensor,

@@ -134,8 +134,9 @@ class ConnectorWorker:
             spans = self._cache.block_spans(wanted) if self._client.heads.identity else None
             if spans is not None:
                 # Straight into the cache's blocks: from the node's mapped slots with one
-                # copy on the same host (no host page buffer, no scatter), through one
-                # scratch copy over UCX; verified before get_finished reports the load.
+                # copy on the same host (no host page buffer, no scatter); over UCX in
+                # place when the cache is block-major, else through one scratch copy;
+                # verified before get_finished reports the load.
                 # Measured, 96 pages of 1.25 MiB (the TTFT bench's 120 MiB) into a
                 # 10-layer CPU cache, 10 rounds interleaved: 22.0 ms (20.2-28.2) against
                 # 29.5 ms (25.3-42.0) through a staging buffer and scatter.
