@@ -38,7 +38,7 @@ from kvstore.errors import CredentialError, Fault, IndexScriptError, InvalidInpu
 from kvstore.index import AsyncPageIndex, LookupResult, NodeInfo, PageLocation
 from kvstore.index.routing import INDEX_TIMEOUT
 from kvstore.pages import heads, keys
-from kvstore.pages.checksum import page_checksum, start_helper
+from kvstore.pages.checksum import HashAhead, checksums, start_helper
 from kvstore.pages.hashing import HASH_BYTES, block_hash_bytes, block_hashes, split_hashes
 from kvstore.pages.namespace import Namespace
 from kvstore.settings.config import ClientOptions, client_options, client_options_from_env
@@ -49,6 +49,11 @@ log = logging.getLogger(__name__)
 # Longest a client's start waits for its connections to the live nodes (the rest
 # finish in the background, before or during the first request to each node).
 START_CONNECT_WAIT_S = 1.0
+# Most a UCX put hashes ahead while its plan is on its way (``_ChecksumOnce.ahead``):
+# about 5 ms of the helper thread, the longest a same-host copy of this client can
+# wait behind it for its half of the work, and the most hashed in vain when the
+# node holds the pages already.
+HASH_AHEAD_BYTES = 64 << 20
 TransferMode = Literal["auto", "direct", "staged"]
 @dataclass(frozen=True, slots=True)
 class StoredPrefix:
@@ -601,16 +606,32 @@ class AsyncKVCacheClient(LookupBufferAPI):
 
 
 class _ChecksumOnce:
-    """A put's page checksums, each computed once and only for pages some node asks
-    for (a node that already holds a page never makes the client hash it)."""
+    """A put's page checksums, each computed once and, beyond what ``ahead`` hashes
+    while a plan is on its way, only for pages some node asks for (a node that already
+    holds a page makes the client hash it only if it was hashed ahead)."""
 
     def __init__(self) -> None:
-        self._memo: dict[int, int] = {}
+        self._memo: dict[int, int] = {}  # written by the helper thread too (one key per page)
 
-    def __call__(self, page: OutgoingPage) -> int:
-        if page.index not in self._memo:
-            self._memo[page.index] = page_checksum(page.span.view())
-        return self._memo[page.index]
+    def of(self, pages: list[OutgoingPage]) -> list[int]:
+        """The pages' checksums, the missing ones computed on two threads."""
+        missing = [p for p in pages if p.index not in self._memo]
+        for page, digest in zip(missing, checksums([p.span.view() for p in missing])):
+            self._memo.setdefault(page.index, digest)
+        return [self._memo[p.index] for p in pages]
+
+    def ahead(self, pages: list[OutgoingPage]) -> HashAhead:
+        """Start hashing ``pages`` (those in one piece, not hashed yet, up to
+        ``HASH_AHEAD_BYTES``) on the helper thread; ``stop`` it when the plan is in."""
+        todo, nbytes = [], 0
+        for page in pages:
+            if page.index in self._memo or page.span.pieces:
+                continue
+            if nbytes + page.span.nbytes > HASH_AHEAD_BYTES:
+                break
+            todo.append(page)
+            nbytes += page.span.nbytes
+        return HashAhead([p.span.view() for p in todo], lambda k, digest: self._memo.setdefault(todo[k].index, digest))
 
     def record(self, page: OutgoingPage, digest: int) -> None:
         """A checksum computed while the page was packed (UCX puts of scattered pages)."""

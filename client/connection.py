@@ -27,7 +27,7 @@ from client.buffers import Span, adjacent, join_flags, joined
 from client.staging import host_buffers
 from kvstore.errors import ProtocolError, TransportError
 from kvstore.index import NodeInfo
-from kvstore.pages.checksum import copy_checksummed, page_checksum
+from kvstore.pages.checksum import HashAhead, checksums, copy_checksummed
 from kvstore.pages.keys import NamespaceKey
 from kvstore.wire import protocol as P
 from kvstore.wire import shm
@@ -97,11 +97,14 @@ class GetOutcome:
 
 class Checksums(Protocol):
     """A put's page checksums (xxh3-64), each computed at most once per put, however
-    many replicas it goes to: ``record`` keeps one computed while the page was packed."""
+    many replicas it goes to: ``record`` keeps one computed while the page was packed,
+    ``ahead`` hashes pages on the helper thread while a plan is on its way."""
 
-    def __call__(self, page: OutgoingPage) -> int: ...
+    def of(self, pages: list[OutgoingPage]) -> list[int]: ...
 
     def record(self, page: OutgoingPage, digest: int) -> None: ...
+
+    def ahead(self, pages: list[OutgoingPage]) -> HashAhead: ...
 
 
 class _Connection:
@@ -203,7 +206,7 @@ async def _landed(received: asyncio.Future, scratch: np.ndarray | None, spans: l
     if spans is None:
         return None
     if scratch is None:
-        return [page_checksum(s.view()) for s in spans]
+        return checksums([s.view() for s in spans])
     off, pairs = 0, []
     for s in spans:
         pairs.append((s.bytes(), scratch[off : off + s.nbytes]))
@@ -244,7 +247,11 @@ class NodeConnection(_Connection):
     async def _put(self, namespace: NamespaceKey, pages: list[OutgoingPage], checksum: Checksums) -> PutOutcome:
         ep = self._ep
         await ep.send_frame(_put_request(namespace, self.token, pages))
-        plan: P.PutPlan = await self._recv_frame(P.PutPlan)
+        ahead = checksum.ahead(pages)  # the node usually wants them all
+        try:
+            plan: P.PutPlan = await self._recv_frame(P.PutPlan)
+        finally:
+            ahead.stop()
         wanted = self._check_put_plan(plan, len(pages))
         # the checksums and every run are posted at once and awaited together (awaiting
         # each send cost about 1 ms through ucxx's threads: ``Channel.post_send``)
@@ -270,7 +277,7 @@ class NodeConnection(_Connection):
             start += run
         for i, digest in zip(pos, copy_checksummed(packing, hash_source=True)):
             checksum.record(pages[i], digest)
-        sends = ep.post_frame(P.PutChecksums(checksums=np.fromiter((checksum(pages[i]) for i in wanted), dtype=np.uint64, count=len(wanted))))
+        sends = ep.post_frame(P.PutChecksums(checksums=np.array(checksum.of([pages[i] for i in wanted]), dtype=np.uint64)))
         sends.extend(ep.post_send(buf, P.DATA_TAG) for buf in bufs)
         sent = sum(buf.nbytes for buf in bufs)
         await asyncio.shield(asyncio.gather(*sends))

@@ -1,13 +1,16 @@
 """Copying with checksums (kvstore.pages.checksum.copy_checksummed), the same-host path's
 one copy: every byte lands and every digest is the page's xxh3, in page order,
-whichever thread copied it and however it was chunked."""
+whichever thread copied it and however it was chunked. Hashing on two threads
+(``checksums``) and ahead of a plan (``HashAhead``): the same digests, in order."""
+
+import threading
 
 import numpy as np
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.pages.checksum import CHUNK, copy_checksummed
+from kvstore.pages.checksum import CHUNK, HashAhead, checksums, copy_checksummed
 
 SIZES = st.sampled_from([1, 4096, 65536, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK, 3 * CHUNK + 12345])
 
@@ -58,3 +61,36 @@ def test_scattered_pages_land_and_hash_as_contiguous_ones(layers, rows, row_byte
         sums = copy_checksummed([(slots[0], pieces)] + [(s, page) for s in slots[1:]], hash_source=True)
         assert all(np.array_equal(s, page) for s in slots)
     assert sums == [xxhash.xxh3_64_intdigest(page)] * pairs_of_pages
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(SIZES, min_size=0, max_size=12), st.integers(0, 2**32 - 1))
+def test_checksums_on_two_threads_are_each_pages_own_in_order(sizes, seed):
+    rng = np.random.default_rng(seed)
+    pages = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    assert checksums(pages) == [xxhash.xxh3_64_intdigest(p) for p in pages]
+
+
+def test_hash_ahead_records_pages_in_order_and_stops_after_the_page_it_is_on():
+    rng = np.random.default_rng(5)
+    pages = [rng.integers(0, 256, 4 * CHUNK, dtype=np.uint8) for _ in range(16)]
+    expected = {k: xxhash.xxh3_64_intdigest(p) for k, p in enumerate(pages)}
+    got: dict[int, int] = {}
+    on_first, release = threading.Event(), threading.Event()
+
+    def record(k: int, digest: int) -> None:
+        got[k] = digest
+        if k == 0:  # hold the helper on page 0 until stop has been asked for
+            on_first.set()
+            release.wait(10)
+
+    ahead = HashAhead(pages, record)
+    assert on_first.wait(10)
+    threading.Timer(0.2, release.set).start()
+    ahead.stop()  # asks, then waits for the helper, which is released 0.2 s later
+    assert got == {0: expected[0]}
+    got.clear()
+    ahead = HashAhead(pages, got.__setitem__)
+    ahead._future.result()  # left to run: every page, in order
+    ahead.stop()
+    assert got == expected
