@@ -246,10 +246,14 @@ class NodeConnection(_Connection):
 
     async def _put(self, namespace: NamespaceKey, pages: list[OutgoingPage], checksum: Checksums) -> PutOutcome:
         ep = self._ep
-        await ep.send_frame(_put_request(namespace, self.token, pages))
-        ahead = checksum.ahead(pages)  # the node usually wants them all
+        # as a get: the plan's receive is posted first, and the request's send completion
+        # is awaited with it; the pages are hashed meanwhile (the node usually wants them all)
+        plan_arrives = started(self._recv_frame(P.PutPlan))
+        request_sent = ep.post_frame(_put_request(namespace, self.token, pages))
+        ahead = checksum.ahead(pages)
         try:
-            plan: P.PutPlan = await self._recv_frame(P.PutPlan)
+            await asyncio.shield(asyncio.gather(*request_sent))
+            plan: P.PutPlan = await plan_arrives
         finally:
             ahead.stop()
         wanted = self._check_put_plan(plan, len(pages))
