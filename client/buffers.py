@@ -84,5 +84,5 @@ def join_flags(spans: list[Span]) -> list[bool]:
     flags = [False]
     for prev, cur in zip(spans, spans[1:]):
         touching = not (cur.pieces or prev.pieces) and cur.base is prev.base and prev.offset + prev.nbytes == cur.offset
-        flags.append(P.may_share(touching, prev.nbytes, cur.nbytes))
+        flags.append(P.may_share(touching, prev.nbytes, cur.nbytes, scattered=bool(cur.pieces and prev.pieces)))
     return flags

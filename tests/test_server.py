@@ -53,6 +53,36 @@ def test_batch_of_1024_small_pages_moves_in_few_messages(clusters):
     assert m["kvstore_put_pages_total"] == 1024 and m["kvstore_get_pages_total"] == 1024
 
 
+def test_large_scattered_pages_share_ucx_messages(clusters):
+    """A layer-major paged cache's blocks are scattered (a piece per layer) and land
+    through a scratch buffer over UCX, so large ones share messages as small ones do: a
+    load of a dozen 512 KiB blocks into every other block is one message, not twelve,
+    and every byte lands in its block."""
+    import torch
+
+    from client import KVCacheClient
+    from client.vllm.paged_cache import PagedCache
+    from kvstore import Namespace
+
+    cluster = clusters()
+    ns = Namespace(model="scattered", dtype="float32", num_layers=4, num_kv_heads=8, head_size=128, block_size=16, tenant="scattered", layout="vllm_cpu")
+    assert ns.page_nbytes > P.PACK_BELOW
+    n = 12
+    tokens = list(range(n * ns.block_size))
+    pages = torch.randn(n, *ns.page_shape)
+    cache = PagedCache([torch.zeros((2 * n + 2, *ns.page_shape[1:])) for _ in range(ns.num_layers)])
+    blocks = list(range(1, 2 * n + 1, 2))
+    sent = 'kvstore_payload_messages_total{direction="out"}'
+    with KVCacheClient(cluster.redis_url, ns, same_host=False) as client:
+        assert client.put_pages(tokens, pages).stored == n
+        before = metrics(cluster, "node-0").get(sent, 0)
+        spans = cache.block_spans(blocks)
+        assert all(s.pieces for s in spans)
+        assert client.get_found_into(client.find(tokens), spans) == len(tokens)
+    assert metrics(cluster, "node-0")[sent] - before == 1
+    assert torch.equal(cache.gather(blocks).wait(), pages)
+
+
 @ON_BOTH_INDEXES
 def test_filling_past_capacity_evicts_least_recently_used(clusters):
     cluster = clusters(capacity="8MiB", slab="1MiB")
