@@ -12,7 +12,8 @@ processes here: no RDMA NIC). kvstore runs one storage node (``LocalCluster``, l
 enough for every batch) and a ``KVCacheClient`` in this process, on both of its paths:
 same host (shared memory) and UCX (TCP on loopback, the same wire as Mooncake's).
 Every round each system puts ``--pages`` pages of ``--page-bytes`` under fresh keys
-and reads them back, systems interleaved (A B C A B C); every get is checked byte for
+and reads them back, systems interleaved (A B C A B C), each operation after 0.25 s of
+quiet (SETTLE_S); every get is checked byte for
 byte, and a batch that fails is named. Printed: medians with min-max in GB/s, each as
 a ratio to Mooncake's figure for the same operation (the baseline)."""
 
@@ -37,6 +38,10 @@ from kvstore import Namespace  # noqa: E402
 from kvstore.tools.launcher import LocalCluster  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "vs_mooncake_worker.py"
+# Each operation starts on a quiet machine: after a transfer Mooncake's storage process
+# kept a core 5-20 % busy over the next 200 ms (measured: 10-40 ms of CPU, clock-tick
+# resolution), which on two cores slowed whichever system ran next.
+SETTLE_S = 0.25
 
 
 def free_port() -> int:
@@ -115,21 +120,23 @@ def main() -> int:
             # Each client faults in its 512 MiB host buffer pool at start; right after it the
             # kernel's background memory work (kdamond here) slowed the next seconds' puts and
             # gets by up to 1.5x (measured: put 3.4 against 4.7 GB/s). Let it settle.
+            out = torch.empty_like(pages)
             time.sleep(3)
             for r in range(-1, args.rounds):  # round -1 warms every system up, unrecorded
                 for op in ("put", "get"):
+                    time.sleep(SETTLE_S)
                     seconds, good = mooncake.run(op, r)
                     times.setdefault(("Mooncake Store (TCP)", op), []).append(seconds) if r >= 0 else None
                     failed += [] if good else [f"Mooncake Store {op} round {r}"]
                     for k, (name, client) in enumerate(clients.items()):
                         first = 1_000_000 * (r + 2) + 100_000 * k  # fresh keys per round and system
                         tokens = list(range(first, first + args.pages * ns.block_size))
+                        out.numpy().fill(0)  # numpy: torch's fill would leave its OpenMP threads spinning
+                        time.sleep(SETTLE_S)
                         began = time.perf_counter()
                         if op == "put":
                             good = client.put_pages(tokens, pages).stored == args.pages
                         else:
-                            out = torch.zeros_like(pages)
-                            began = time.perf_counter()
                             good = client.get_pages(tokens, out) == len(tokens) and torch.equal(out.view(torch.int16), pages.view(torch.int16))
                         seconds = time.perf_counter() - began
                         failed += [] if good else [f"{name} {op} round {r}"]
