@@ -13,9 +13,9 @@ enough for every batch) and a ``KVCacheClient`` in this process, on both of its 
 same host (shared memory) and UCX (TCP on loopback, the same wire as Mooncake's).
 Every round each system puts ``--pages`` pages of ``--page-bytes`` under fresh keys
 and reads them back, systems interleaved (A B C A B C), each operation after 0.25 s of
-quiet (SETTLE_S); every get is checked byte for
-byte, and a batch that fails is named. Printed: medians with min-max in GB/s, each as
-a ratio to Mooncake's figure for the same operation (the baseline)."""
+quiet (SETTLE_S); every get is checked byte for byte, and a batch that fails is
+named. Printed: medians with min-max in GB/s, each as a ratio to Mooncake's figure
+for the same operation (the baseline)."""
 
 from __future__ import annotations
 

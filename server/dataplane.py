@@ -452,20 +452,20 @@ class DataPlane:
             else:
                 batch.corrupt.append(batch.wanted[k])
 
-    def _post_runs(self, ch: Channel, batch: PutBatch) -> list[asyncio.Future]:
+    def _post_runs(self, ch: Channel, batch: PutBatch) -> list[tuple[int, int, asyncio.Future]]:
         """Post every run's receive straight into its slots at once (in run order, so
         they match the client's messages in order; posting one after the other landed
-        cost a trip through ucxx's threads per run)."""
+        cost a trip through ucxx's threads per run): per run, its first and past-last
+        wanted page and the future of its landing."""
         starts = np.cumsum([0] + batch.runs).tolist()
-        return [self._receive_run(ch, batch.pages, starts, r) for r in range(len(batch.runs))]
+        return [(starts[r], starts[r + 1], self._receive_run(ch, batch.pages, starts, r)) for r in range(len(batch.runs))]
 
-    async def _verify_runs(self, batch: PutBatch, landing: list[asyncio.Future]) -> None:
+    async def _verify_runs(self, batch: PutBatch, landing: list[tuple[int, int, asyncio.Future]]) -> None:
         """Verify each run once it has landed, while later ones arrive (UCX progresses
         in its own thread); the checksums are in by then."""
-        starts = np.cumsum([0] + batch.runs).tolist()
-        for r, landed in enumerate(landing):
+        for start, end, landed in landing:
             await landed
-            self._verify(batch, starts[r], starts[r + 1])
+            self._verify(batch, start, end)
 
     async def _commit(self, batch: PutBatch, ns: Namespace) -> None:
         """Publish the verified pages; they become ready only once the index has them."""

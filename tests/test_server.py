@@ -419,6 +419,43 @@ def test_bad_same_host_frames_and_a_hostile_writer_do_not_hurt_the_node(clusters
     assert cluster.nodes[0].process.poll() is None
 
 
+def test_a_node_verifying_on_two_threads_refuses_exactly_the_page_that_lies(clusters):
+    """A put large enough for the node to verify on two threads (kvstore.pages.checksum
+    ``checksums``): of four 1 MiB pages written into their lent slots, the one whose
+    checksum lies (third, so in the helper thread's half) is the only one refused as
+    corrupt; the other three are stored and read back."""
+    import mmap
+
+    cluster = clusters()
+    node = PageIndex(cluster.redis_url).live_nodes()[0]
+    ns = namespace_for_page_size(1 << 20, tenant="verify-halves")
+    PageIndex(cluster.redis_url).ensure_namespace(ns)
+    pages = [np.full(1 << 20, k + 1, dtype=np.uint8) for k in range(4)]
+    hashes = [bytes([k + 1]) * 16 for k in range(4)]
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(10)
+        sock.connect(node.extra["shm"])
+        sock.sendall(P.encode(P.PutRequest(namespace=ns.digest_hex, tenant=ns.tenant, hashes=hashes, sizes=[p.nbytes for p in pages],
+                                           join=[False] * 4, anchors=hashes, positions=[0] * 4)))
+        head, fds, _, _ = socket.recv_fds(sock, P.PREAMBLE.size, 8, socket.MSG_WAITALL)
+        plan = P.decode(head + sock.recv(P.announced_length(head), socket.MSG_WAITALL))
+        assert isinstance(plan, P.PutPlan) and plan.ints("wanted") == [0, 1, 2, 3]
+        slabs = {region: mmap.mmap(fd, os.fstat(fd).st_size) for (region, _), fd in zip(plan.mapped, fds)}
+        for page, region, off in zip(pages, plan.ints("regions"), plan.ints("offsets")):
+            slabs[region][off : off + page.nbytes] = page.tobytes()
+        sums = [page_checksum(p) for p in pages]
+        sums[2] ^= 1  # a lie about the third page
+        sock.sendall(P.encode(P.PutChecksums(checksums=np.array(sums, dtype=np.uint64))))
+        head = sock.recv(P.PREAMBLE.size, socket.MSG_WAITALL)
+        result = P.decode(head + sock.recv(P.announced_length(head), socket.MSG_WAITALL))
+        assert result.ints("corrupt") == [2] and result.ints("stored") == [0, 1, 3]
+        for m in slabs.values():
+            m.close()
+        for fd in fds:
+            os.close(fd)
+    assert metrics(cluster, "node-0")["kvstore_corrupt_pages_total"] == 1
+
+
 def test_more_slabs_than_one_frame_can_carry_descriptors_for(clusters):
     """A same-host get that touches more slabs than SCM_RIGHTS carries at once (253)
     gets its descriptors over several frames marked ``more``, bit-exact."""

@@ -116,7 +116,7 @@ def _on_both(items: Sequence, sizes: list[int], work) -> list:
 
 
 def _hash_all(buffers: Sequence) -> list[int]:
-    return [xxhash.xxh3_64_intdigest(b) for b in buffers]
+    return [page_checksum(b) for b in buffers]
 
 
 def checksums(buffers: Sequence) -> list[int]:
@@ -144,7 +144,7 @@ class HashAhead:
         for k, buf in enumerate(buffers):
             if self._stopped:
                 return
-            record(k, xxhash.xxh3_64_intdigest(buf))
+            record(k, page_checksum(buf))
 
     def stop(self) -> None:
         """Stop after the page being hashed now; returns once the helper has."""
