@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
 
+import pytest
 import redis
 
+from kvstore.errors import KVStoreError
 from kvstore.tools.procutil import pid_alive
 from kvstore.tools.valkey import EmbeddedValkey
 
@@ -50,3 +53,13 @@ def test_bound_to_loopback_only():
     with EmbeddedValkey() as server:
         config = redis.Redis.from_url(server.url).config_get("bind")
         assert config["bind"] == "127.0.0.1"
+
+
+def test_a_server_that_cannot_start_says_why():
+    """Valkey logs why it stops (here: its port is taken) to its log, not stderr; the
+    error quotes the log, so a failed start is not an empty message."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        with pytest.raises(KVStoreError, match=r"exited with status \d+(.|\n)*Address already in use"):
+            EmbeddedValkey(taken.getsockname()[1]).start()

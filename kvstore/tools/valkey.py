@@ -53,7 +53,7 @@ class EmbeddedValkey:
         args = [
             valkey_binary(), "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
             "--appendonly", "no", "--daemonize", "no", "--protected-mode", "yes",
-            "--dir", str(self.workdir), "--pidfile", str(self.pidfile), "--logfile", "",
+            "--dir", str(self.workdir), "--pidfile", str(self.pidfile), "--logfile", str(self.logfile),
         ]
         if self.unix_socket:
             args += ["--unixsocket", self.unix_socket, "--unixsocketperm", "700"]
@@ -68,12 +68,26 @@ class EmbeddedValkey:
                 break
             except redis.RedisError:
                 if self.process.poll() is not None or time.monotonic() > deadline:
-                    err = self.process.stderr.read().decode(errors="replace") if self.process.poll() is not None else ""
+                    code = self.process.poll()
+                    err = self.process.stderr.read().decode(errors="replace").strip() if code is not None else ""
+                    why = f"it exited with status {code}" if code is not None else f"it did not answer within {timeout:.0f} s"
+                    log = self._log_tail()
                     self.stop()
-                    raise KVStoreError(f"embedded Valkey did not start on {self.url}: {err.strip()}")
+                    raise KVStoreError(f"embedded Valkey did not start on {self.url}: {why}" + "".join(f"\n{t}" for t in (err, log) if t))
                 time.sleep(0.02)
         client.close()
         return self
+
+    @property
+    def logfile(self) -> Path:
+        """The server's log (its work dir): where it says why it could not start."""
+        return self.workdir / "valkey.log"
+
+    def _log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.logfile.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
 
     def _kill_stale(self) -> None:
         try:
