@@ -3,6 +3,7 @@ one copy: every byte lands and every digest is the page's xxh3, in page order,
 whichever thread copied it and however it was chunked. Hashing on two threads
 (``checksums``) and ahead of a plan (``HashAhead``): the same digests, in order."""
 
+import itertools
 import threading
 
 import numpy as np
@@ -61,6 +62,33 @@ def test_scattered_pages_land_and_hash_as_contiguous_ones(layers, rows, row_byte
         sums = copy_checksummed([(slots[0], pieces)] + [(s, page) for s in slots[1:]], hash_source=True)
         assert all(np.array_equal(s, page) for s in slots)
     assert sums == [xxhash.xxh3_64_intdigest(page)] * pairs_of_pages
+
+
+@settings(max_examples=24, deadline=None)
+@given(st.sampled_from(list(itertools.permutations(range(4)))), st.booleans(), st.integers(0, 2**32 - 1))
+def test_pages_scattered_over_any_memory_order_copy_exactly(order, into_pieces, seed):
+    """A paged cache's blocks under every order of (blocks, heads, tokens, bytes) in memory
+    (vLLM's layouts and more): each block of each layer is one piece, contiguous or not,
+    and the copy walks it in the piece's own C order."""
+    rng = np.random.default_rng(seed)
+    blocks, heads, tokens, row = 5, 3, 4, 8
+    layers = []
+    for _ in range(2):
+        physical = rng.integers(0, 256, tuple((blocks, heads, tokens, row)[k] for k in order), dtype=np.uint8)
+        layers.append(physical.transpose(np.argsort(order)))  # logical [blocks, heads, tokens, row]
+    chosen = [3, 0, 4]
+    pages = [np.concatenate([layer[b].reshape(-1) for layer in layers]) for b in chosen]
+    if into_pieces:
+        before = [layer.copy() for layer in layers]
+        for layer in layers:
+            layer[chosen] = 0
+        sums = copy_checksummed([(tuple(layer[b] for layer in layers), page) for b, page in zip(chosen, pages)])
+        assert all(np.array_equal(layer, was) for layer, was in zip(layers, before))
+    else:
+        slots = [np.zeros_like(page) for page in pages]
+        sums = copy_checksummed([(slot, tuple(layer[b] for layer in layers)) for slot, b in zip(slots, chosen)], hash_source=True)
+        assert all(np.array_equal(slot, page) for slot, page in zip(slots, pages))
+    assert sums == [xxhash.xxh3_64_intdigest(page) for page in pages]
 
 
 @settings(max_examples=30, deadline=None)
