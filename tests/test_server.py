@@ -243,40 +243,101 @@ def thread_wakeups(pid: int | str) -> int:
     return total
 
 
+def cpu_seconds(pid: int | str) -> float:
+    """User and system CPU time of a process so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 IDLE_CLIENT = """
 import json, sys, time, torch
 sys.path.insert(0, sys.argv[2])
 from client import KVCacheClient
 from kvstore import Namespace
-from tests.test_server import thread_wakeups
-ns = Namespace(model="idle", dtype="float32", num_layers=1, num_kv_heads=1, head_size=64, block_size=16)
-client = KVCacheClient(sys.argv[1], ns, same_host=False)
-pages = torch.randn(2, *ns.page_shape, generator=torch.Generator().manual_seed(0))
-client.put_pages(list(range(32)), pages)
-out = torch.empty_like(pages)
-assert client.get_pages(list(range(32)), out) == 32 and torch.equal(out, pages)
+from tests.test_server import cpu_seconds, thread_wakeups
+small = Namespace(model="idle", dtype="float32", num_layers=1, num_kv_heads=1, head_size=64, block_size=16)
+large = Namespace(model="idle-large", dtype="float16", num_layers=8, num_kv_heads=8, head_size=128, block_size=64)  # 2 MiB pages
+for ns, n in ((small, 2), (large, 8)):  # large runs spin the loop's UCX progress while they move (kvstore.wire.loop_progress)
+    client = KVCacheClient(sys.argv[1], ns, same_host=False)
+    pages = torch.randn(n, *ns.page_shape, generator=torch.Generator().manual_seed(0)).to(getattr(torch, ns.dtype))
+    tokens = list(range(n * ns.block_size))
+    assert client.put_pages(tokens, pages).stored == n
+    out = torch.empty_like(pages)
+    assert client.get_pages(tokens, out) == len(tokens) and torch.equal(out, pages)
 time.sleep(0.5)
-before = thread_wakeups("self")
+before, cpu = thread_wakeups("self"), cpu_seconds("self")
 time.sleep(2)
-print(json.dumps({"wakeups": thread_wakeups("self") - before, "ucx": client.stats.direct_transfers}))
+print(json.dumps({"wakeups": thread_wakeups("self") - before, "cpu": cpu_seconds("self") - cpu, "ucx": client.stats.direct_transfers}))
 """
 
 
 def test_idle_node_and_ucx_client_sleep(clusters):
     """ucxx's progress thread woke every millisecond (2,000 wake-ups in 2 s); idle, a
-    node and a client that moved pages over UCX now wake a few times a second
-    (heartbeats, registry refreshes)."""
+    node and a client that moved pages over UCX, small ones and runs of 16 MiB (which
+    spin UCX's progress while they move), now wake a few times a second (heartbeats,
+    registry refreshes) and use under 2 % of a core."""
     cluster = clusters()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo"}
     proc = subprocess.run([sys.executable, "-c", IDLE_CLIENT, cluster.redis_url, str(ROOT)], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     client = json.loads(proc.stdout.strip().splitlines()[-1])
     assert client["ucx"] >= 1  # the pages went over UCX
-    assert client["wakeups"] < 100, client
+    assert client["wakeups"] < 100 and client["cpu"] < 0.04, client
     node = cluster.nodes[0].process.pid
-    before = thread_wakeups(node)
-    time.sleep(2)
-    assert thread_wakeups(node) - before < 100
+    time.sleep(1)  # the node closes the client's endpoints first
+    before, cpu = thread_wakeups(node), cpu_seconds(node)
+    time.sleep(3)
+    assert thread_wakeups(node) - before < 150
+    assert cpu_seconds(node) - cpu < 0.06
+
+
+SPIN_BOUND = """
+import asyncio, json, sys, time
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from kvstore.wire import loop_progress
+from kvstore.wire.transport import connect, ensure_ucx, listen
+from tests.test_server import cpu_seconds
+
+async def main():
+    ucxx = ensure_ucx("loop")
+    served = []
+    listener = listen(ucxx, lambda ep: served.append(ep), 0)
+    channel = await connect(ucxx, "127.0.0.1", listener.port, 10, "connect")
+    progress = loop_progress._by_loop[asyncio.get_running_loop()]
+    nbytes = 64 << 20
+    pending = channel.post_recv(np.empty(nbytes, dtype=np.uint8), 7)  # no peer ever sends it
+    await asyncio.sleep(0)
+    spinning = progress.spinning
+    await asyncio.sleep(loop_progress.spin_limit(nbytes) + 0.05)
+    after_limit = progress.spinning
+    cpu = cpu_seconds("self")
+    await asyncio.sleep(1)
+    idle_cpu = cpu_seconds("self") - cpu
+    big = np.arange(nbytes, dtype=np.uint8)
+    sent = channel.post_send(big, 8)
+    await asyncio.sleep(0)
+    moving = progress.spinning
+    await channel.close()
+    print(json.dumps({"spinning": spinning, "after_limit": after_limit, "idle_cpu": idle_cpu, "moving": moving,
+                      "pending_done": pending.done(), "sent_done": sent.done(), "after_close": progress.spinning}))
+
+asyncio.run(main())
+"""
+
+
+def test_loop_progress_spins_only_while_a_large_request_may_move(clusters):
+    """A large receive nobody sends spins the loop's UCX progress for at most
+    ``spin_limit`` (a peer that never sends costs a bounded time of a core), then the
+    process idles; closing the channel ends what still spins."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo"}
+    proc = subprocess.run([sys.executable, "-c", SPIN_BOUND, str(ROOT)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["spinning"] == 1 and got["after_limit"] == 0, got
+    assert got["idle_cpu"] < 0.05, got
+    assert got["moving"] == 1 and got["pending_done"] and got["sent_done"] and got["after_close"] == 0, got
 
 
 def test_metrics_and_probes(clusters):

@@ -21,7 +21,7 @@ ByteSize = Annotated[int, BeforeValidator(parse_size)]
 LogLevel = Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], BeforeValidator(lambda v: v.upper() if isinstance(v, str) else v)]
 # An index URL (kvstore.index.routing.check_url names the forms).
 IndexURL = Annotated[str, AfterValidator(check_url)]
-ProgressMode = Literal["blocking", "polling", "thread", "thread-polling"]
+ProgressMode = Literal["loop", "blocking", "polling", "thread", "thread-polling"]
 
 
 def _default_host() -> str:
@@ -103,7 +103,7 @@ class IndexAccess(_RedactedRepr, BaseModel):
     redis_password_file: str | None = Field(None, description="file holding the index password (keeps it out of the process arguments)")
     auth_token: SecretStr = Field(SecretStr(""), description="data-plane token; a node's may read and write every tenant (operators, kvstore up), tenants get their own in --credentials-file")
     auth_token_file: str | None = Field(None, description="file holding the data-plane token (keeps it out of the process arguments)")
-    ucx_progress_mode: ProgressMode = Field("thread", description="ucxx progress mode (figures for each in kvstore/wire/transport.py)")
+    ucx_progress_mode: ProgressMode = Field("loop", description="ucxx progress mode (figures for each in kvstore/wire/transport.py)")
 
     @model_validator(mode="before")
     @classmethod
