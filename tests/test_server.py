@@ -293,7 +293,7 @@ def test_idle_node_and_ucx_client_sleep(clusters):
 
 
 SPIN_BOUND = """
-import asyncio, json, sys, time
+import asyncio, json, sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
 from kvstore.wire import loop_progress
@@ -327,7 +327,7 @@ asyncio.run(main())
 """
 
 
-def test_loop_progress_spins_only_while_a_large_request_may_move(clusters):
+def test_loop_progress_spins_only_while_a_large_request_may_move():
     """A large receive nobody sends spins the loop's UCX progress for at most
     ``spin_limit`` (a peer that never sends costs a bounded time of a core), then the
     process idles; closing the channel ends what still spins."""

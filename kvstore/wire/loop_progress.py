@@ -33,7 +33,6 @@ has each progress the same worker, which ucxx creates thread-safe)."""
 from __future__ import annotations
 
 import asyncio
-import weakref
 from typing import Any
 
 SPIN_MIN_BYTES = 1 << 20
@@ -43,8 +42,9 @@ SPIN_FLOOR_BYTES_PER_S = 1 << 30
 SPIN_SLACK_S = 0.005
 
 # ucxx makes one progress object per event loop that uses it (a process may run clients
-# on more than one loop; the worker takes progress from any thread).
-_by_loop: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# on more than one loop; the worker takes progress from any thread) and keeps it, with
+# its loop, for the process's life (its ProgressTasks); so does this map.
+_by_loop: dict[asyncio.AbstractEventLoop, LoopProgress] = {}
 
 
 def spin_limit(nbytes: int) -> float:

@@ -128,7 +128,8 @@ def ensure_ucx(progress_mode: str = "loop") -> Any:
             # every pending request would spin the loop)
             os.environ["UCXPY_ENABLE_DELAYED_SUBMISSION"] = "0"
             os.environ["UCXPY_ENABLE_PYTHON_FUTURE"] = "1"
-        if progress_mode.startswith("thread"):
+        notified = progress_mode == "loop" or progress_mode.startswith("thread")  # requests complete through ucxx's notifier thread
+        if notified:
             os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")  # see the module docstring
         import ucxx
 
@@ -139,7 +140,7 @@ def ensure_ucx(progress_mode: str = "loop") -> Any:
                 _quiet_thread_mode()
             ucxx.init(progress_mode="thread" if progress_mode == "loop" else progress_mode)
             _initialised = progress_mode
-            if progress_mode.startswith("thread") or progress_mode == "loop":
+            if notified:
                 # ucxx's notifier thread is not a daemon and runs until it is told to
                 # stop, so every process that used UCX would hang at exit. This hook
                 # runs when the interpreter shuts threads down, before it joins them.
