@@ -4,14 +4,19 @@
 
 The same-host load copies each page from the node's mapped slot into the engine's
 cache blocks (a page is one block of every layer: ten scattered pieces) and verifies
-its xxh3 checksum before the engine may read the block. Three ways, interleaved
-round by round (A B C A B C), in one process, on the TTFT bench's shape (10 layers,
-8 KV heads x 64 x 32 tokens, float32: 1.25 MiB pages):
+its xxh3 checksum before the engine may read the block. Interleaved round by round
+(A B C D E A B C D E), in one process, on the TTFT bench's shape (10 layers, 8 KV
+heads x 64 x 32 tokens, float32: 1.25 MiB pages):
 
-- copy only:        the floor, no verification (baseline);
-- hash while copying: ``copy_checksummed``, what the load does: 1 MiB chunks, each
-                    hashed while it is still in cache, both threads;
-- hash after:       copy everything (both threads), then hash each slot (both threads).
+- copy only:          numpy copies piece by piece on both threads, no verification
+                      (baseline);
+- Python loop:        copy and hash 1 MiB chunks in Python, each hashed while in cache,
+                      both threads (what ``copy_checksummed`` did before its C loop);
+- C loop:             ``copy_checksummed`` as a load runs it: one C call per thread
+                      without the GIL, 64 KiB at a time, non-temporal stores (a copy of
+                      at least ``STREAM_MIN``);
+- C loop, cached stores: the same with plain ``memcpy`` stores;
+- hash after:         copy everything (both threads), then hash each slot (both threads).
 
 The source is a memfd mapping faulted in beforehand (as a node's slab is), the cache
 tensors too. Prints medians with min-max in ms and GB/s, and each as a ratio to the
@@ -34,7 +39,8 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvstore.pages.checksum import CHUNK, _pieces_chunks, copy_checksummed  # noqa: E402
+from kvstore.pages import checksum  # noqa: E402
+from kvstore.pages.checksum import _copy_one, _pieces_chunks, copy_checksummed  # noqa: E402
 
 LAYERS, HEADS, BLOCK, HEAD_SIZE = 10, 8, 32, 64
 
@@ -70,14 +76,25 @@ def main() -> int:
     def copy_only() -> None:
         halves(plain_copy)
 
-    def while_copying() -> None:
-        assert copy_checksummed(list(zip(pieces, slots))) == expected
+    pairs = list(zip(pieces, slots))
+
+    def python_loop() -> None:
+        assert halves(lambda i: _copy_one(pieces[i], slots[i], False)) == expected
+
+    def c_loop() -> None:
+        assert copy_checksummed(pairs) == expected
+
+    def c_loop_cached() -> None:
+        assert halves(lambda i: checksum._copy_loop.copy_hash([pairs[i]], False, False)[0]) == expected
 
     def after() -> None:
         halves(plain_copy)
         assert halves(lambda i: xxhash.xxh3_64_intdigest(slots[i])) == expected
 
-    ways = {"copy only (baseline)": copy_only, "hash while copying (the load)": while_copying, "hash after copying": after}
+    if checksum._copy_loop is None:
+        sys.exit("the C loop is not bound (see the warning above)")
+    ways = {"copy only (baseline)": copy_only, "Python loop (before)": python_loop, "C loop (the load)": c_loop,
+            "C loop, cached stores": c_loop_cached, "hash after copying": after}
     times: dict[str, list[float]] = {k: [] for k in ways}
     for fn in ways.values():
         fn()  # warm: threads started, code paths taken once
@@ -89,7 +106,7 @@ def main() -> int:
     base = statistics.median(times["copy only (baseline)"])
     total = n * page_nbytes
     print(f"# {n} pages of {page_nbytes / 2**20:.2f} MiB ({total / 2**20:.0f} MiB) from a memfd mapping into "
-          f"{LAYERS} layer tensors, {args.rounds} rounds interleaved, {os.cpu_count()} cores, chunk {CHUNK >> 10} KiB")
+          f"{LAYERS} layer tensors, {args.rounds} rounds interleaved, {os.cpu_count()} cores")
     print("| way | median ms | min–max ms | GB/s | ratio to copy only |")
     print("|---|---|---|---|---|")
     for name, ts in times.items():

@@ -1,16 +1,19 @@
 """Copying with checksums (kvstore.pages.checksum.copy_checksummed), the same-host path's
 one copy: every byte lands and every digest is the page's xxh3, in page order,
-whichever thread copied it and however it was chunked. Hashing on two threads
+whichever thread copied it, however it was chunked, and whether the C loop
+(kvstore/pages/_copyhash.c: C-contiguous pieces) or the Python one (strided pieces) ran. Hashing on two threads
 (``checksums``) and ahead of a plan (``HashAhead``): the same digests, in order."""
 
 import itertools
 import threading
 
 import numpy as np
+import pytest
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstore.pages import checksum
 from kvstore.pages.checksum import CHUNK, HashAhead, checksums, copy_checksummed
 
 SIZES = st.sampled_from([1, 4096, 65536, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK, 3 * CHUNK + 12345])
@@ -89,6 +92,49 @@ def test_pages_scattered_over_any_memory_order_copy_exactly(order, into_pieces, 
         sums = copy_checksummed([(slot, tuple(layer[b] for layer in layers)) for slot, b in zip(slots, chosen)], hash_source=True)
         assert all(np.array_equal(slot, page) for slot, page in zip(slots, pages))
     assert sums == [xxhash.xxh3_64_intdigest(page) for page in pages]
+
+
+def _cut(buf: np.ndarray, cuts: list[int]) -> tuple[np.ndarray, ...]:
+    """``buf`` as pieces split at ``cuts`` (some empty when cuts repeat)."""
+    bounds = [0, *sorted(c % (buf.size + 1) for c in cuts), buf.size]
+    return tuple(buf[a:b] for a, b in zip(bounds, bounds[1:]))
+
+
+def test_this_build_copies_in_c():
+    """CI must exercise the C loop: it is bound (xxhash exports its XXH3 functions)."""
+    assert checksum._copy_loop is not None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 300_000), st.lists(st.integers(0, 300_000), max_size=5), st.lists(st.integers(0, 300_000), max_size=5),
+       st.booleans(), st.booleans(), st.integers(0, 2**32 - 1))
+def test_the_c_loop_copies_any_cut_of_a_page_and_hashes_the_page(size, dst_cuts, src_cuts, hash_source, stream, seed):
+    """Pages cut into contiguous pieces anywhere on either side (lengths that are not
+    multiples of the loop's 64 KiB or of 16-byte stores, unaligned addresses): every
+    byte lands, nothing around the destination is written, and each digest is xxhash's
+    of the page, with streaming stores or without."""
+    rng = np.random.default_rng(seed)
+    page = rng.integers(0, 256, size, dtype=np.uint8)
+    into = np.full(size + 2 * 13, 0xAB, dtype=np.uint8)
+    dst = into[13 : 13 + size]  # an odd address
+    flat_out = np.zeros(size, dtype=np.uint8)
+    pairs = [(_cut(dst, dst_cuts), page), (flat_out, _cut(page.copy(), src_cuts)), (np.zeros(size, np.uint8), page)]
+    sums = checksum._copy_loop.copy_hash(pairs, hash_source, stream)
+    assert sums == [xxhash.xxh3_64_intdigest(page)] * 3
+    assert np.array_equal(dst, page) and np.array_equal(flat_out, page) and np.array_equal(pairs[2][0], page)
+    assert (into[:13] == 0xAB).all() and (into[13 + size :] == 0xAB).all()
+
+
+def test_the_c_loop_leaves_strided_pieces_to_python_untouched_and_names_a_size_mismatch():
+    src = np.arange(64, dtype=np.uint8)
+    strided = np.zeros(128, dtype=np.uint8)[::2]  # a piece of a cache whose blocks are strided
+    contiguous = np.zeros(64, dtype=np.uint8)
+    assert checksum._copy_loop.copy_hash([(contiguous, src), ((strided,), src)], False, False) is None
+    assert not contiguous.any() and not strided.any()  # nothing copied before it gave up
+    assert copy_checksummed([(contiguous, src), ((strided,), src)]) == [xxhash.xxh3_64_intdigest(src)] * 2  # the Python loop
+    assert np.array_equal(strided, src)
+    with pytest.raises(ValueError, match="pair 1: destination and source differ in size"):
+        checksum._copy_loop.copy_hash([(contiguous, src), (np.zeros(63, np.uint8), src)], False, False)
 
 
 @settings(max_examples=30, deadline=None)

@@ -5,11 +5,15 @@ and by the client after every receive."""
 
 from __future__ import annotations
 
+import importlib
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import numpy as np
 import xxhash
+
+log = logging.getLogger(__name__)
 
 # One helper thread. It hashes or copies and hashes half of what the calling thread
 # has to (``checksums``, ``copy_checksummed``), or hashes a UCX put's pages while
@@ -25,7 +29,47 @@ OFFLOAD_MIN = 512 << 10
 # copying and hashing their half, chunk by chunk, 6.3 (256 KiB chunks 6.3, 1 MiB 6.5,
 # whole pages 5.8). Hashing the whole page after its copy reads it back from memory,
 # and the two streams compete for the memory bandwidth that bounds the copy.
+# ``CHUNK`` is the Python loop's; the C loop (below) works in 64 KiB.
 CHUNK = 1 << 20
+
+# The copy and its hash run in one C loop without the GIL (_copyhash.c) whenever every
+# piece is C-contiguous; the Python loop (``_copy_one``) takes the rest (caches whose
+# blocks are strided). Measured, the TTFT bench's 120 MiB load (96 pages, 10 pieces
+# each, from a memfd mapping into layer tensors), 20 rounds interleaved in one
+# process: Python loop 19.9 ms (16.4-21.7), C loop 13.5 ms (11.6-14.8), C loop with
+# non-temporal stores 11.2 ms (9.8-12.8). Streaming stores skip reading the
+# destination in before writing it, but leave it out of the cache: a copy of at
+# least STREAM_MIN bytes, whose destination is not hashed (it is not read back), uses
+# them.
+STREAM_MIN = 8 << 20
+
+
+def _bind_copy_loop():
+    """The C loop, or None when it cannot give xxhash's own digests: it calls the
+    XXH3 functions of the xxhash extension Python loaded, found by name; a build of
+    xxhash that does not export them, or one whose digests differ, keeps the Python
+    loop (logged)."""
+    try:
+        from kvstore.pages import _copyhash
+
+        if not _copyhash.bind(importlib.import_module("xxhash._xxhash").__file__):
+            raise ImportError("the xxhash extension exports no XXH3 functions")
+        rng = np.random.default_rng(7)
+        for size in (0, 1, 16, 17, 129, 240, 241, 1023, 65537, 300_001):
+            src = rng.integers(0, 256, size, dtype=np.uint8)
+            cut = (size // 3, size // 3 + size // 5)
+            pieces = (np.empty(cut[0], np.uint8), np.empty(cut[1] - cut[0], np.uint8), np.empty(size - cut[1], np.uint8))
+            flat = np.empty(size, np.uint8)
+            if _copyhash.copy_hash([(pieces, src), (flat, pieces)], False, False) != [xxhash.xxh3_64_intdigest(src)] * 2 \
+                    or not np.array_equal(flat, src):
+                raise ImportError(f"its digests differ from xxhash's ({size} bytes)")
+        return _copyhash
+    except (ImportError, OSError) as exc:
+        log.warning("page copies and their checksums take the slower Python loop: %s", exc)
+        return None
+
+
+_copy_loop = _bind_copy_loop()
 
 
 def start_helper() -> None:
@@ -82,7 +126,13 @@ def _copy_one(dst: np.ndarray | Pieces, src: np.ndarray | Pieces, hash_source: b
     return digest.intdigest()
 
 
-def _copy_run(pairs: Sequence[tuple[np.ndarray | Pieces, np.ndarray | Pieces]], hash_source: bool) -> list[int]:
+def _copy_run(pairs: Sequence[tuple[np.ndarray | Pieces, np.ndarray | Pieces]], hash_source: bool, stream: bool) -> list[int]:
+    """One thread's share of ``copy_checksummed``: in C when every piece is
+    C-contiguous, else in the Python loop."""
+    if _copy_loop is not None:
+        digests = _copy_loop.copy_hash(pairs, hash_source, stream)
+        if digests is not None:
+            return digests
     return [_copy_one(dst, src, hash_source) for dst, src in pairs]
 
 
@@ -157,9 +207,12 @@ def copy_checksummed(pairs: Sequence[tuple[np.ndarray | Pieces, np.ndarray | Pie
     the xxh3-64 of the bytes that landed in ``dst`` (what a reader verifies) or, with
     ``hash_source``, of ``src`` (what a writer vouches for: bytes someone else changes
     in ``dst`` meanwhile then fail verification). One side of a pair may be scattered
-    (``Pieces``: the caller's tensors in insert/select), and then the contiguous side
-    is hashed (``_copy_one``). Called by the same-host data path
-    (client/connection.py) for gets and puts. The calling thread and the helper
-    thread each take half the bytes; returns only once both are done, so nothing
-    writes into any ``dst`` after it returns, whatever the caller's timeout."""
-    return _on_both(pairs, [_nbytes(dst) for dst, _ in pairs], lambda part: _copy_run(part, hash_source))
+    (``Pieces``: the caller's tensors in insert/select, a paged cache's blocks), and
+    then the contiguous side is hashed (``_copy_one``). Called by the same-host data
+    path (client/connection.py) for gets and puts, and to pack UCX runs. The calling
+    thread and the helper thread each take half the bytes, in C without the GIL where
+    every piece is C-contiguous (``_copy_run``); returns only once both are done, so
+    nothing writes into any ``dst`` after it returns, whatever the caller's timeout."""
+    sizes = [_nbytes(dst) for dst, _ in pairs]
+    stream = sum(sizes) >= STREAM_MIN
+    return _on_both(pairs, sizes, lambda part: _copy_run(part, hash_source, stream))
