@@ -68,6 +68,16 @@ class NodeDirectory:
         nodes, at = self._nodes, self._nodes_at
         return nodes if nodes and time.monotonic() - at <= self._refresh else None
 
+    def last(self) -> list[NodeInfo]:
+        """The registered nodes as last read, however old (any thread)."""
+        return self._nodes
+
+    def adopt(self, nodes: list[NodeInfo], read_at: float) -> None:
+        """Loop thread: take a registry read made elsewhere (``KVCacheClient.find``,
+        in the caller's thread) unless a newer one is in already."""
+        if read_at > self._nodes_at:
+            self._nodes, self._nodes_at = nodes, read_at
+
     async def connect(self, timeout: float, namespace: NamespaceKey) -> None:
         """Open a connection to every live node now (client start) and ask each for one
         page it does not hold, so that the first request pays neither the connection

@@ -234,6 +234,38 @@ def test_nodes_joining_are_picked_up_without_restarting_clients():
             assert holders == {"node-0", "node-late"}
 
 
+def test_a_lookup_after_a_pause_reads_the_node_list_with_it_in_the_callers_thread():
+    """A blocking client whose node list is older than ``node_refresh`` (a fresh engine's
+    first request, any after a pause) reads the registry in the lookup's own round
+    trip: a node that joined meanwhile counts at once, and the list reaches the
+    client's loop without the loop reading the registry itself."""
+    ns = make_ns("stale-list")
+    tokens = list(range(40 * BLOCK))
+    with LocalCluster(servers=1, capacity="128MiB", slab_size="16MiB") as c:
+        with KVCacheClient(c.redis_url, ns, node_refresh=0.3) as reader:
+            c.add_node("node-late")
+            c.wait_registered()
+            with KVCacheClient(c.redis_url, ns) as writer:
+                assert writer.put_pages(tokens, pages_for(ns, tokens)).stored == 40
+            index = PageIndex(c.redis_url)
+            result = index.lookup(ns, block_hashes(ns, tokens), lease_ms=0).resolve(index.live_nodes())
+            assert {loc.node_id for locs in result.locations for loc in locs} == {"node-0", "node-late"}
+            time.sleep(0.4)  # the reader's list (node-0 alone) is stale now
+            directory = reader._async.nodes
+            loop_reads = []
+            live = directory.live
+            directory.live = lambda *a, **kw: loop_reads.append(1) or live(*a, **kw)
+            assert reader.find(tokens).tokens == 40 * BLOCK  # pages on node-late count
+            assert loop_reads == []
+            deadline = time.monotonic() + 5
+            while {n.node_id for n in directory.cached() or []} != {"node-0", "node-late"}:
+                assert time.monotonic() < deadline, "the loop never took the list the lookup read"
+                time.sleep(0.01)
+            out = torch.empty(40, *ns.page_shape, dtype=ns.torch_dtype())
+            assert reader.get_pages(tokens, out) == 40 * BLOCK
+            assert torch.equal(out.view(torch.uint8), pages_for(ns, tokens).view(torch.uint8))
+
+
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_one_of_two_nodes_killed(replicas):
     ns = make_ns(f"replicas-{replicas}")

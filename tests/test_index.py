@@ -362,6 +362,27 @@ def test_a_lookup_is_one_round_trip_per_shard_and_one_read_per_segment(index, na
     assert reads == len(keys.segments(count))
 
 
+@pytest.mark.parametrize("shards", [1, 3])
+def test_a_lookup_with_nodes_answers_both_in_one_round_trip(namespace, shards):
+    """``with_nodes``: the lookup's own answer and the registry's live nodes, read in the
+    lookup's round trip (the registry's shard is asked with the segments' shards), on a
+    single server and on a cluster whose segments and registry lie on other shards."""
+    server = EmbeddedValkeyCluster(shards) if shards > 1 else EmbeddedValkey()
+    with server:
+        index = PageIndex(server.url)
+        index.ensure_namespace(namespace)
+        a, b = register(index, "a"), register(index, "b")
+        hashes = chain(namespace, 3 * keys.SEGMENT_PAGES + 5)
+        commit(index, namespace, a, hashes[:100], chain_hashes=hashes)
+        commit(index, namespace, b, hashes[100:], chain_hashes=hashes)
+        plain = index.lookup(namespace, hashes, lease_ms=0)
+        found, nodes = index.lookup(namespace, hashes, lease_ms=0, with_nodes=True)
+        assert {n.node_id for n in nodes} == {n.node_id for n in index.live_nodes()} == {"a", "b"}
+        assert found.resolve(nodes).matched == plain.resolve(nodes).matched == len(hashes)
+        assert [{l.node_id for l in locs} for locs in found.resolve(nodes).locations] == [{"a"}] * 100 + [{"b"}] * (len(hashes) - 100)
+        index.close()
+
+
 def _collect(monitor, seen):
     for command in monitor.listen():
         seen.append(command)

@@ -323,7 +323,7 @@ class _IndexMethods:
         return self._drive(steps())
 
     def lookup(self, namespace: Namespace | keys.NamespaceKey, hashes: Sequence[bytes] | bytes, *, breaks: Sequence[int] = (), lease_ms: int | None = None,
-               units: tuple[int, int] = (0, 1)) -> Any:
+               units: tuple[int, int] = (0, 1), with_nodes: bool = False) -> Any:
         """Entries for the longest stored prefix of ``hashes`` (chains start at 0 and at
         each of ``breaks``), with a read lease: an ``IndexLookup`` to ``resolve`` against
         live nodes. One round trip per shard, all shards at once (and a second one to
@@ -332,7 +332,10 @@ class _IndexMethods:
         ``units`` ``(first, count)``: each hash of the first chain is a block whose head
         groups ``first`` to ``first + count - 1`` must all be stored (kvstore.pages.heads);
         hashes of later chains are whole pages. ``hashes`` may come joined
-        (``block_hash_bytes``), which spares an object per block."""
+        (``block_hash_bytes``), which spares an object per block. ``with_nodes``: the
+        registry's live nodes are read in the same round trip, and the answer is
+        ``(IndexLookup, nodes)``, nodes being ``live_nodes``' list or the error that
+        read met (a lookup that found its node list stale pays no second round trip)."""
         ns = _ns_key(namespace).prefix
         blob = _check_hashes(hashes, "lookup", joined_ok=True)
         n = len(blob) // HASH_BYTES
@@ -344,13 +347,15 @@ class _IndexMethods:
         segs = keys.segments(n, breaks)
         anchors = [blob[HASH_BYTES * start : HASH_BYTES * start + HASH_BYTES] for start, _ in segs]
 
-        def steps() -> Generator[list[Cmd], list[Any], IndexLookup]:
+        def steps() -> Generator[list[Cmd], list[Any], Any]:
             by_shard = _anchors_by_shard(self, ns, anchors)
-            replies = yield _lookup_batch(ns, anchors, by_shard, lease, self.entry_ttl_ms)
+            replies = yield _lookup_batch(ns, anchors, by_shard, lease, self.entry_ttl_ms) + ([_live_nodes_cmd()] if with_nodes else [])
+            nodes = replies.pop() if with_nodes else None
             found = _SegmentsRead.from_replies(iter(replies), by_shard, len(segs), lease)
             if found.renew:
                 found.renewed(iter((yield [cmd for j in found.renew for cmd in _renew_lease(ns, anchors[j], lease, self.entry_ttl_ms)])), self.entry_ttl_ms)
-            return _pick(blob, segs, found.parts, int(np.argmin(found.read)), found.unavailable, first, need)
+            result = _pick(blob, segs, found.parts, int(np.argmin(found.read)), found.unavailable, first, need)
+            return (result, nodes) if with_nodes else result
 
         return self._drive(steps())
 
