@@ -14,9 +14,9 @@ spec keys:
 - ``transfer_params``: per prompt, its ``kv_transfer_params`` (or null), e.g.
   ``{"kvstore_save": false}``;
 - ``beside_copy_bytes``: in sequential mode, a thread copies and hashes this many bytes
-  (1 MiB chunks, each hashed while in cache, as a same-host load does) from the moment
-  the last prompt is added: the best a load overlapped with the step could do
-  (``beside_copy_seconds`` is how long the copy took beside it).
+  as a same-host load does (``copy_checksummed``) from the moment the last prompt is
+  added: the best a load overlapped with the step could do (``beside_copy_seconds`` is
+  how long the copy took beside it).
 
 Prints one JSON line: per prompt the generated token ids, num_cached_tokens and
 seconds; in steps mode also ``steps``; and ``metrics``, the engine's ``vllm:kvstore_*``
@@ -72,15 +72,21 @@ def kvstore_metrics(llm) -> dict:
 
 
 class _BesideCopy:
-    """A load's copy and hash, run on a thread of its own beside the engine step."""
+    """A load's copy and hash, run on a thread of its own beside the engine step: the
+    same call a same-host load makes (``copy_checksummed``: the C loop on this thread
+    and the checksum helper, without the GIL), from one contiguous source page at a
+    time into 10 pieces per page, as a node's slot into a 10-layer cache."""
 
-    CHUNK = 1 << 20
+    LAYERS = 10
 
     def __init__(self, nbytes: int) -> None:
         import numpy as np
 
-        self.src = np.ones(nbytes, np.uint8)  # both faulted in now, as the store's pages and the cache are
-        self.dst = np.zeros(nbytes, np.uint8)
+        piece = nbytes // 96 // self.LAYERS  # the bench's 96 pages
+        self.src = np.ones(96 * self.LAYERS * piece, np.uint8)  # both faulted in now, as the store's pages and the cache are
+        self.dst = np.zeros((self.LAYERS, 96, piece), np.uint8)
+        self.pairs = [(tuple(self.dst[layer, page] for layer in range(self.LAYERS)), self.src[page * self.LAYERS * piece : (page + 1) * self.LAYERS * piece])
+                      for page in range(96)]
         self.seconds = 0.0
         self.thread = None
 
@@ -91,13 +97,10 @@ class _BesideCopy:
         self.thread.start()
 
     def _run(self) -> None:
-        import xxhash
+        from kvstore.pages.checksum import copy_checksummed
 
         began = time.perf_counter()
-        for at in range(0, self.src.nbytes, self.CHUNK):
-            chunk = self.dst[at : at + self.CHUNK]
-            chunk[...] = self.src[at : at + self.CHUNK]
-            xxhash.xxh3_64_intdigest(chunk)
+        copy_checksummed(self.pairs)
         self.seconds = time.perf_counter() - began
 
 
