@@ -1,5 +1,6 @@
 """Put and get against Mooncake Store on this host, side by side in one run.
 
+    apt-get install libibverbs1 librdmacm1 libnuma1   # Mooncake's binaries link them, RDMA or not
     python -m venv /tmp/mooncake-venv
     /tmp/mooncake-venv/bin/pip install mooncake-transfer-engine==0.3.7 nvidia-cuda-runtime-cu12 numpy
     python bench/vs_mooncake.py --mooncake-python /tmp/mooncake-venv/bin/python [--rounds 16]
