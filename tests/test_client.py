@@ -13,6 +13,7 @@ from client.placement import place
 from kvstore import InvalidInputError, Namespace, block_hashes
 from kvstore.errors import CredentialError
 from kvstore.index import PageIndex
+from kvstore.pages import keys
 from kvstore.tools.launcher import LocalCluster
 from tests.helpers import corrupt_entry_checksums, kv_for, pages_for, run_worker, tenant_for
 
@@ -264,6 +265,32 @@ def test_a_lookup_after_a_pause_reads_the_node_list_with_it_in_the_callers_threa
             out = torch.empty(40, *ns.page_shape, dtype=ns.torch_dtype())
             assert reader.get_pages(tokens, out) == 40 * BLOCK
             assert torch.equal(out.view(torch.uint8), pages_for(ns, tokens).view(torch.uint8))
+
+
+def test_a_stale_node_list_whose_registry_read_fails_keeps_the_last_list():
+    """When the registry's shard is down but the lookup's segment is elsewhere, a lookup
+    with a stale node list still answers, from the last list it had (as the loop's own
+    registry read does), and counts the fault; nothing is raised."""
+    ns = make_ns("stale-list-fault")
+    tokens = list(range(8 * BLOCK))
+    with LocalCluster(servers=1, capacity="128MiB", slab_size="16MiB", index_shards=3) as c:
+        index = PageIndex(c.redis_url)
+        index.ping()
+        topology = index._router.topology
+        registry = topology.shard_of(keys.NODES_ZSET)
+        segment = topology.shard_of(keys.segment_key(ns.storage.key.prefix, block_hashes(ns, tokens)[0]))
+        if segment == registry:  # one segment, 8 blocks: move the prompt until it lies elsewhere
+            tokens = next(t for t in (list(range(k, k + 8 * BLOCK)) for k in range(1, 10_000))
+                          if topology.shard_of(keys.segment_key(ns.storage.key.prefix, block_hashes(ns, t)[0])) != registry)
+        index.close()
+        with KVCacheClient(c.redis_url, ns, node_refresh=0.3, timeout=1.0) as client:
+            assert client.put_pages(tokens, pages_for(ns, tokens)).stored == 8
+            assert client.find(tokens).tokens == 8 * BLOCK
+            c.valkey.shards[registry].stop()
+            time.sleep(0.4)  # the node list is stale now
+            faults = client.stats.index_errors
+            assert client.find(tokens).tokens == 8 * BLOCK  # the last list names the node
+            assert client.stats.index_errors == faults + 1
 
 
 @pytest.mark.parametrize("replicas", [1, 2])

@@ -36,8 +36,9 @@ CHUNK = 1 << 20
 # piece is C-contiguous; the Python loop (``_copy_one``) takes the rest (caches whose
 # blocks are strided). Measured, the TTFT bench's 120 MiB load (96 pages, 10 pieces
 # each, from a memfd mapping into layer tensors), 20 rounds interleaved in one
-# process: Python loop 19.9 ms (16.4-21.7), C loop 13.5 ms (11.6-14.8), C loop with
-# non-temporal stores 11.2 ms (9.8-12.8). Streaming stores skip reading the
+# process (bench/load_copy.py, bench/load_copy.txt): Python loop 21.6 ms, C loop with
+# plain stores 13.8 ms, with non-temporal stores 11.3 ms (numpy's copy alone, no hash:
+# 13.6). Streaming stores skip reading the
 # destination in before writing it, but leave it out of the cache: a copy of at
 # least STREAM_MIN bytes, whose destination is not hashed (it is not read back), uses
 # them.
