@@ -39,7 +39,8 @@ from kvstore.index import AsyncPageIndex, LookupResult, NodeInfo, PageLocation
 from kvstore.index.routing import INDEX_TIMEOUT
 from kvstore.pages import heads, keys
 from kvstore.pages.checksum import HashAhead, checksums, start_helper
-from kvstore.pages.hashing import HASH_BYTES, block_hash_bytes, block_hashes, split_hashes
+from kvstore.pages.hashing import HASH_BYTES, block_hash_bytes, split_hashes
+from kvstore.pages.identity import BlockExtras, RequestIdentity, resolve
 from kvstore.pages.namespace import Namespace
 from kvstore.settings.config import ClientOptions, client_options, client_options_from_env
 from kvstore.wire import protocol as P
@@ -55,6 +56,9 @@ START_CONNECT_WAIT_S = 1.0
 # node holds the pages already.
 HASH_AHEAD_BYTES = 64 << 20
 TransferMode = Literal["auto", "direct", "staged"]
+# What a call's ``identity`` may be: a request identity, one already resolved to blocks
+# (the vLLM connector's workers get those), or None for a plain request.
+Identity = RequestIdentity | BlockExtras | None
 @dataclass(frozen=True, slots=True)
 class StoredPrefix:
     """What ``find`` learnt about a prompt's stored prefix, for ``get_found``: another
@@ -119,6 +123,10 @@ class AsyncKVCacheClient(LookupBufferAPI):
             namespace = Namespace(**namespace_fields)
         elif namespace_fields:
             raise InvalidInputError(f"unknown client options {sorted(namespace_fields)} (pass either a Namespace or namespace fields)")
+        if opts.weights_revision and opts.weights_revision != namespace.weights:
+            if namespace.weights:
+                raise InvalidInputError(f"weights_revision {opts.weights_revision!r} contradicts the namespace's weights {namespace.weights!r}")
+            namespace = namespace.model_copy(update={"weights": opts.weights_revision})
         self.options = opts
         self.namespace = namespace
         # pages are stored per head group, keyed by the TP-independent namespace
@@ -178,24 +186,34 @@ class AsyncKVCacheClient(LookupBufferAPI):
 
     # ---- paged API -------------------------------------------------------------
 
-    async def lookup(self, token_ids: Any) -> int:
-        """Tokens of ``token_ids`` covered by stored full blocks (a multiple of block_size),
-        in one index round trip. Index faults count as 0."""
-        return await self.lookup_checked(token_ids) or 0
+    def chain_hashes(self, token_ids: Any, identity: Identity = None) -> bytes:
+        """The storage chain hashes of ``token_ids``' full blocks, joined, under
+        ``identity`` (``kvstore.pages.identity``: the adapter, salt, multimodal items and
+        prompt embeddings the KV depends on; None for a plain request). Every paged and
+        lookup-buffer call keys its pages with it."""
+        extras = resolve(identity, self.storage.block_size, len(token_ids)) if identity is not None else None
+        return block_hash_bytes(self.storage, token_ids, extras) if extras else block_hash_bytes(self.storage, token_ids)
 
-    async def lookup_checked(self, token_ids: Any) -> int | None:
+    async def lookup(self, token_ids: Any, *, identity: Identity = None) -> int:
+        """Tokens of ``token_ids`` covered by stored full blocks (a multiple of block_size),
+        in one index round trip. Index faults count as 0. ``identity``: what else the
+        request's KV depends on (``RequestIdentity``); pages stored under another
+        identity never match."""
+        return await self.lookup_checked(token_ids, identity=identity) or 0
+
+    async def lookup_checked(self, token_ids: Any, *, identity: Identity = None) -> int | None:
         """``lookup``, but None when the index could not answer at all (unreachable,
         or a script error): callers that guard the index with a circuit breaker (the
         vLLM scheduler) tell a fault from a miss with it. A shard that failed while
         others answered is a shorter prefix, not None."""
-        found = await self.find(token_ids)
+        found = await self.find(token_ids, identity=identity)
         return None if found is None else found.tokens
 
-    async def find(self, token_ids: Any) -> StoredPrefix | None:
+    async def find(self, token_ids: Any, *, identity: Identity = None) -> StoredPrefix | None:
         """``lookup_checked``, keeping what the lookup found so that ``get_found`` (in
         this client or another process's) can fetch it without a second index round
         trip. None when the index could not answer at all."""
-        joined = block_hash_bytes(self.storage, token_ids)
+        joined = self.chain_hashes(token_ids, identity)
         result = await self._lookup(joined) if joined else LookupResult.empty()
         return None if result is None else self.stored_prefix(joined, result)
 
@@ -204,21 +222,22 @@ class AsyncKVCacheClient(LookupBufferAPI):
         units = (self.heads.first, self.heads.count)
         return StoredPrefix(self.storage.digest_hex, self.storage.block_size, joined[: HASH_BYTES * result.matched], units, result, time.time(), self.index.lease_ms)
 
-    async def put_pages(self, token_ids: Any, pages: torch.Tensor) -> PublishReport:
+    async def put_pages(self, token_ids: Any, pages: torch.Tensor, *, identity: Identity = None) -> PublishReport:
         """Store ``pages[i]`` (``[num_blocks, *page_shape]``) as full block i of ``token_ids``:
         as the head groups this rank holds, which engines of any TP size read. Pages a
         node already holds are not sent again; counts in the report are units (pages of
-        one head group)."""
-        hashes = block_hashes(self.storage, token_ids)
+        one head group). ``identity``: as for ``lookup``."""
+        hashes = split_hashes(self.chain_hashes(token_ids, identity))
         self._check_pages("pages", pages, len(hashes), at_least=False)
         return await self._publish(*self._units(hashes, pages[: len(hashes)].to("cpu"), "store"))
 
-    async def get_pages(self, token_ids: Any, out: torch.Tensor, start_block: int = 0) -> int:
+    async def get_pages(self, token_ids: Any, out: torch.Tensor, start_block: int = 0, *, identity: Identity = None) -> int:
         """Fill ``out[start_block:k]`` with the longest stored prefix of full blocks of
         ``token_ids`` and return k * block_size (0 when fewer than ``start_block + 1``
         blocks are stored). Blocks before ``start_block`` must be stored for the prefix to
-        count but are not transferred (the caller has them). Rows past k are unspecified."""
-        hashes = block_hashes(self.storage, token_ids)
+        count but are not transferred (the caller has them). Rows past k are unspecified.
+        ``identity``: as for ``lookup``."""
+        hashes = split_hashes(self.chain_hashes(token_ids, identity))
         if not self._fetchable(out, len(hashes), start_block):
             return 0
         return await self._get(hashes, await self._lookup(hashes), out, start_block)

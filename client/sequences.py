@@ -18,6 +18,7 @@ from client.buffers import split_spans
 from kvstore.errors import InvalidInputError
 from kvstore.pages import heads, keys
 from kvstore.pages.hashing import block_hashes, part_hashes, sequence_hash, token_array
+from kvstore.pages.identity import BlockExtras, RequestIdentity, resolve
 
 if TYPE_CHECKING:
     from client.async_client import PublishReport
@@ -42,11 +43,14 @@ class LookupBufferAPI:
     between the caller's key/value and the nodes (``codec.kv_spans``); only a rank that
     reads part of a head group receives units into a buffer and merges them."""
 
-    async def insert(self, input_tokens: Any, roi: Any, key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor | None = None) -> PublishReport:
+    async def insert(self, input_tokens: Any, roi: Any, key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor | None = None, *,
+                     identity: RequestIdentity | BlockExtras | None = None) -> PublishReport:
         """Store the KV of the tokens ``roi`` marks (a prefix of ``input_tokens``).
 
         Full blocks become shared, deduplicated pages; the trailing partial block and
-        ``hidden`` go into the sequence's tail object."""
+        ``hidden`` go into the sequence's tail object. ``identity``: what else the KV
+        depends on (adapter, salt, multimodal items, prompt embeddings); a ``select``
+        under another identity never finds it."""
         tokens, n_all = self._roi_prefix(input_tokens, roi)
         T = len(tokens)
         ns = self.namespace
@@ -58,7 +62,8 @@ class LookupBufferAPI:
                 raise InvalidInputError("hidden states given but the namespace has hidden_size=0")
             if tuple(hidden.shape) != (T, ns.hidden_size) or hidden.dtype != ns.torch_dtype():
                 raise InvalidInputError(f"hidden must be [{T}, {ns.hidden_size}] of {ns.torch_dtype()}, got {tuple(hidden.shape)} {hidden.dtype}")
-        hashes = block_hashes(self.storage, tokens)
+        extras = resolve(identity, ns.block_size, T)
+        hashes = block_hashes(self.storage, tokens, extras)
         unit_keys, anchors, positions = self._unit_keys(hashes, "insert")
         key, value = key.to("cpu").contiguous(), value.to("cpu").contiguous()  # no copy for contiguous host tensors
         spans = codec.kv_spans(ns, key, value, len(hashes), self.heads.count)
@@ -66,23 +71,24 @@ class LookupBufferAPI:
         part_sizes = codec.tail_part_sizes(ns, T, hidden is not None)
         # the tail (partial block, hidden states) is this rank's own: keyed by its TP
         # namespace, a chain of its own in the index
-        parts = part_hashes(sequence_hash(ns, tokens, hashes), len(part_sizes))
+        parts = part_hashes(sequence_hash(ns, tokens, hashes, extras), len(part_sizes))
         part_anchors, part_positions = keys.placement(parts)
         return await self._publish(unit_keys + parts, spans + split_spans(tail, part_sizes), anchors + part_anchors, positions + part_positions)
 
-    async def select(self, input_tokens: Any, roi: Any) -> list[Any]:
+    async def select(self, input_tokens: Any, roi: Any, *, identity: RequestIdentity | BlockExtras | None = None) -> list[Any]:
         """``[input_tokens, roi, key, value, hidden]`` for the longest stored prefix of the
         tokens ``roi`` marks: everything plus ``hidden`` when this exact sequence was
         inserted, else the longest block-aligned prefix with ``hidden=None``; five
         ``None`` on a miss. The returned ``roi`` marks the matched tokens; key and value
-        are contiguous."""
+        are contiguous. ``identity``: the one the sequence was inserted under."""
         tokens, n_all = self._roi_prefix(input_tokens, roi)
         ns = self.namespace
         T = len(tokens)
-        hashes = block_hashes(self.storage, tokens)
+        extras = resolve(identity, ns.block_size, T)
+        hashes = block_hashes(self.storage, tokens, extras)
         sizes_h = codec.tail_part_sizes(ns, T, ns.hidden_size > 0)
         sizes_nh = codec.tail_part_sizes(ns, T, False)
-        parts = part_hashes(sequence_hash(ns, tokens, hashes), max(len(sizes_h), len(sizes_nh)))
+        parts = part_hashes(sequence_hash(ns, tokens, hashes, extras), max(len(sizes_h), len(sizes_nh)))
         result = await self._lookup(hashes + parts, breaks=[len(hashes)])
         if not result or result.matched == 0:
             return [None] * 5

@@ -22,13 +22,12 @@ from typing import Any
 
 import torch
 
-from client.async_client import AsyncKVCacheClient, PublishReport, StoredPrefix
+from client.async_client import AsyncKVCacheClient, Identity, PublishReport, StoredPrefix
 from client.buffers import Span
 from client.stats import ClientStats
 from kvstore.errors import IndexScriptError, RemoteFault, TransportError
 from kvstore.index import LookupResult, NodeInfo, PageIndex
 from kvstore.index.routing import INDEX_TIMEOUT
-from kvstore.pages.hashing import block_hash_bytes
 from kvstore.pages.heads import RankUnits
 from kvstore.pages.namespace import Namespace
 from kvstore.settings.config import client_options_from_env
@@ -108,19 +107,20 @@ class KVCacheClient:
             log.warning("read gave up, counting it as a miss: %s", exc)
             return miss
 
-    def lookup(self, token_ids: Any) -> int:
+    def lookup(self, token_ids: Any, *, identity: Identity = None) -> int:
         """Tokens of ``token_ids`` covered by stored full blocks, in one index round
-        trip (``find``); an index fault counts as 0."""
-        found = self.find(token_ids)
+        trip (``find``); an index fault counts as 0. ``identity``: what else the
+        request's KV depends on (``kvstore.pages.identity.RequestIdentity``)."""
+        found = self.find(token_ids, identity=identity)
         return found.tokens if found else 0
 
-    def lookup_checked(self, token_ids: Any, timeout: float | None = None) -> int | None:
+    def lookup_checked(self, token_ids: Any, timeout: float | None = None, *, identity: Identity = None) -> int | None:
         """``lookup``, but None when the index could not answer within ``timeout``
         seconds (``find``)."""
-        found = self.find(token_ids, timeout)
+        found = self.find(token_ids, timeout, identity=identity)
         return None if found is None else found.tokens
 
-    def find(self, token_ids: Any, timeout: float | None = None) -> StoredPrefix | None:
+    def find(self, token_ids: Any, timeout: float | None = None, *, identity: Identity = None) -> StoredPrefix | None:
         """``AsyncKVCacheClient.find`` within ``timeout`` seconds (the client's index
         timeout when None); past it the lookup gives None.
 
@@ -136,8 +136,8 @@ class KVCacheClient:
         namespace is registered, calls go through the loop, which registers it."""
         inner = self._async
         if not inner.namespace_registered:
-            return self._read(inner.find(token_ids), None, timeout)
-        joined = block_hash_bytes(inner.storage, token_ids)
+            return self._read(inner.find(token_ids, identity=identity), None, timeout)
+        joined = inner.chain_hashes(token_ids, identity)
         if not joined:
             return inner.stored_prefix(joined, LookupResult.empty())
         inner.stats.lookups += 1
@@ -179,11 +179,11 @@ class KVCacheClient:
             self._indexes[seconds] = index
         return index
 
-    def put_pages(self, token_ids: Any, pages: torch.Tensor) -> PublishReport:
-        return self._run(self._async.put_pages(token_ids, pages), self._bound())
+    def put_pages(self, token_ids: Any, pages: torch.Tensor, *, identity: Identity = None) -> PublishReport:
+        return self._run(self._async.put_pages(token_ids, pages, identity=identity), self._bound())
 
-    def get_pages(self, token_ids: Any, out: torch.Tensor, start_block: int = 0) -> int:
-        return self._read(self._async.get_pages(token_ids, out, start_block), 0)
+    def get_pages(self, token_ids: Any, out: torch.Tensor, start_block: int = 0, *, identity: Identity = None) -> int:
+        return self._read(self._async.get_pages(token_ids, out, start_block, identity=identity), 0)
 
     def get_found(self, found: StoredPrefix, out: torch.Tensor, start_block: int = 0) -> int:
         return self._read(self._async.get_found(found, out, start_block), 0)
@@ -204,11 +204,12 @@ class KVCacheClient:
     def units_nbytes(self, blocks: int) -> int:
         return self._async.units_nbytes(blocks)
 
-    def insert(self, input_tokens: Any, roi: Any, key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor | None = None) -> PublishReport:
-        return self._run(self._async.insert(input_tokens, roi, key, value, hidden), self._bound())
+    def insert(self, input_tokens: Any, roi: Any, key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor | None = None, *,
+               identity: Identity = None) -> PublishReport:
+        return self._run(self._async.insert(input_tokens, roi, key, value, hidden, identity=identity), self._bound())
 
-    def select(self, input_tokens: Any, roi: Any) -> list[Any]:
-        return self._read(self._async.select(input_tokens, roi), [None] * 5)
+    def select(self, input_tokens: Any, roi: Any, *, identity: Identity = None) -> list[Any]:
+        return self._read(self._async.select(input_tokens, roi, identity=identity), [None] * 5)
 
     def close(self) -> None:
         if not self._closed:

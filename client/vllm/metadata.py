@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from client.async_client import StoredPrefix
+from kvstore.pages.identity import NO_EXTRAS, BlockExtras
 
 
 @dataclass
@@ -23,12 +24,14 @@ class LoadSpec:
 
 @dataclass
 class SaveSpec:
-    """Publish the full blocks ``block_ids`` of ``token_ids`` (pages the store already
-    holds are skipped by the storage nodes, so loaded blocks cost no transfer)."""
+    """Publish the full blocks ``block_ids`` of ``token_ids`` under the request's
+    identity ``extras`` (pages the store already holds are skipped by the storage
+    nodes, so loaded blocks cost no transfer)."""
 
     req_id: str
     token_ids: list[int]
     block_ids: list[int]
+    extras: BlockExtras = NO_EXTRAS
 
 
 @dataclass

@@ -12,6 +12,7 @@ from client.sync_client import KVCacheClient
 from client.vllm.breaker import CircuitBreaker
 from kvstore.errors import InvalidInputError, KVStoreError
 from kvstore.pages.namespace import Namespace, Tenant
+from kvstore.pages.weights import fingerprint
 from kvstore.settings.config import ByteSize, ClientOptions, client_options, first_error
 
 if TYPE_CHECKING:
@@ -85,8 +86,39 @@ def lookup_breaker(conf: ConnectorOptions) -> CircuitBreaker:
     return CircuitBreaker(conf.breaker_failures, conf.breaker_cooldown_s, max_cooldown=max(30.0, conf.breaker_cooldown_s))
 
 
-def engine_namespace(vllm_config: VllmConfig, conf: ConnectorOptions, *, layout: str, tp_rank: int, pp_rank: int) -> Namespace:
-    """The namespace of this engine's pages for one TP/PP rank."""
+def engine_weights(vllm_config: VllmConfig, options: ClientOptions) -> str:
+    """Which weights this engine's KV comes from (``Namespace.weights``): the operator's
+    ``weights_revision`` when set, else a fingerprint of the checkpoint's files
+    (``kvstore.pages.weights``: about a millisecond at start, the same on every machine
+    holding the same files), with the runtime quantization when there is one (the same
+    files quantized on load compute other KV). A model that is neither a local
+    checkpoint nor one in the local hub cache is named by id and revision, and said so."""
+    if options.weights_revision:
+        return options.weights_revision
+    model = vllm_config.model_config
+    found = fingerprint(model.model) or _hub_fingerprint(model.model, model.revision)
+    if found is None:
+        found = f"id:{model.model}@{model.revision or 'default'}"[:200]
+        log.warning("KVStoreConnector: cannot read the checkpoint of %s to fingerprint it; its pages are keyed by model id and "
+                    "revision only: set weights_revision in kv_connector_extra_config when the weights change under that name", model.model)
+    quantization = getattr(model, "quantization", None)
+    return f"{found} quant:{quantization}" if quantization else found
+
+
+def _hub_fingerprint(model_id: str, revision: str | None) -> str | None:
+    """The fingerprint of ``model_id``'s snapshot in the local Hugging Face cache; None
+    when it is not there (nothing is downloaded)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return fingerprint(snapshot_download(model_id, revision=revision, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not a hub id, not cached, no huggingface_hub: no fingerprint
+        return None
+
+
+def engine_namespace(vllm_config: VllmConfig, conf: ConnectorOptions, *, layout: str, tp_rank: int, pp_rank: int, weights: str = "") -> Namespace:
+    """The namespace of this engine's pages for one TP/PP rank; ``weights``: its
+    ``engine_weights``."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     cache = vllm_config.cache_config
@@ -107,6 +139,7 @@ def engine_namespace(vllm_config: VllmConfig, conf: ConnectorOptions, *, layout:
         head_groups=conf.head_groups,
         pp_rank=pp_rank,
         tenant=conf.tenant,
+        weights=weights,
     )
 
 
@@ -114,7 +147,7 @@ def rank_client(vllm_config: VllmConfig, conf: ConnectorOptions, options: Client
                 all_heads: bool = False) -> KVCacheClient:
     """A client for one rank's pages; with ``all_heads`` (the scheduler) for every head
     group, so a lookup counts a block only when every worker can load it."""
-    ns = engine_namespace(vllm_config, conf, layout=layout, tp_rank=tp_rank, pp_rank=pp_rank)
+    ns = engine_namespace(vllm_config, conf, layout=layout, tp_rank=tp_rank, pp_rank=pp_rank, weights=engine_weights(vllm_config, options))
     if all_heads:  # the storage namespace is the TP=1 view of every head group
         ns = ns.storage
     log.info("KVStoreConnector (%s) namespace %s: %s", side, ns.digest_hex, ns.canonical_json())

@@ -18,9 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 from client.async_client import StoredPrefix
 from client.sync_client import KVCacheClient
+from client.vllm.identity import IdentityReader, KeyedPrompt, Unkeyable
 from client.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from client.vllm.options import ConnectorOptions, lookup_breaker, request_switch
 from client.vllm.stats import StatsRecorder
+from kvstore.pages.identity import BlockExtras
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -33,9 +35,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Tracked:
-    """A request the connector may save: its prompt and its blocks as they grow."""
+    """A request the connector may save: its prompt, its identity resolved to blocks,
+    and its blocks as they grow."""
 
     prompt: list[int]
+    extras: BlockExtras
     block_ids: list[int]
     stored_blocks: int = 0
     saved: bool = False
@@ -55,13 +59,19 @@ class ConnectorScheduler:
         self._pending_loads: dict[str, LoadSpec] = {}
         self._loaded_blocks: dict[str, list[int]] = {}  # req id -> blocks a load fills
         self._tracked: dict[str, _Tracked] = {}
+        # Each request's prompt and identity, read once when vLLM first asks about it
+        # (``get_num_new_matched_tokens``, before the request is first scheduled): its
+        # lookups and its save key pages by both. A request vLLM never asked about, or
+        # one whose identity kvstore cannot express, is neither looked up nor saved.
+        self._identity = IdentityReader(block_size)
+        self._keyed: dict[str, KeyedPrompt | None] = {}
         # Requests a load failed for compute the rest: asked again, the index would name
         # the same pages, and a fault that persists (a node refusing this engine's token,
         # one that stays registered but fails) looped load, fail, recompute, load again.
         self._load_failed: set[str] = set()
         self._breaker = lookup_breaker(conf)
 
-    def _find(self, tokens: list[int]) -> StoredPrefix | None:
+    def _find(self, tokens: list[int], extras: BlockExtras) -> StoredPrefix | None:
         """The stored prefix of ``tokens``; None (a miss) past the budget, on a fault or
         while the breaker is open. Never waits longer than the budget (plus the
         cancellation's unwinding)."""
@@ -69,7 +79,7 @@ class ConnectorScheduler:
             self._stats.count(lookups_skipped=1)
             return None
         started = time.perf_counter()
-        found = self._client.find(tokens, timeout=self._conf.lookup_budget_ms / 1000)
+        found = self._client.find(tokens, timeout=self._conf.lookup_budget_ms / 1000, identity=extras or None)
         seconds = time.perf_counter() - started
         self._breaker.record(found is not None)
         with self._stats.lock:
@@ -80,12 +90,24 @@ class ConnectorScheduler:
             log.warning("index lookups keep failing: every request is a miss for the next %.1f s", self._breaker.current_cooldown)
         return found
 
+    def _keyed_prompt(self, request: Request) -> KeyedPrompt | None:
+        """``request``'s prompt and identity, read the first time vLLM asks; None when
+        kvstore cannot key it (counted once per request)."""
+        if request.request_id not in self._keyed:
+            try:
+                self._keyed[request.request_id] = self._identity.keyed(request)
+            except Unkeyable:
+                self._keyed[request.request_id] = None
+                self._stats.count(unkeyed_requests=1)
+        return self._keyed[request.request_id]
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self._client is None:
+        keyed = self._keyed_prompt(request) if (self._client is not None or self._saves_enabled) else None
+        if self._client is None or keyed is None:
             return 0, False
         if not request_switch(request.kv_transfer_params, "kvstore_load", request.request_id) or request.request_id in self._load_failed:
             return 0, False
-        prompt = list(request.prompt_token_ids or [])
+        prompt = keyed.tokens
         usable = (len(prompt) - 1) // self._block_size * self._block_size  # always compute >= 1 token
         if usable <= num_computed_tokens:
             return 0, False
@@ -93,7 +115,7 @@ class ConnectorScheduler:
         if pending is not None and pending.start_block * self._block_size == num_computed_tokens:
             found: StoredPrefix | None = pending.found  # asked again while waiting for blocks: reuse
         else:
-            found = self._find(prompt[:usable])
+            found = self._find(prompt[:usable], keyed.extras)
         new = (found.tokens if found else 0) - num_computed_tokens
         if found is None or new <= 0:
             self._pending_loads.pop(request.request_id, None)
@@ -136,17 +158,18 @@ class ConnectorScheduler:
             tracked.saved = True
             full = len(tracked.prompt) // self._block_size
             if full > tracked.stored_blocks:
-                saves.append(SaveSpec(req_id, tracked.prompt[: full * self._block_size], tracked.block_ids[:full]))
+                saves.append(SaveSpec(req_id, tracked.prompt[: full * self._block_size], tracked.block_ids[:full], tracked.extras))
         return saves
 
     def _track(self, scheduler_output: SchedulerOutput) -> None:
         """Follow the block lists of scheduled requests (for their saves)."""
         for new in scheduler_output.scheduled_new_reqs:
             loaded = self._loaded_blocks.pop(new.req_id, [])
+            keyed = self._keyed.get(new.req_id)
             extra = new.sampling_params.extra_args if new.sampling_params is not None else None
-            if not request_switch((extra or {}).get("kv_transfer_params"), "kvstore_save", new.req_id):
+            if keyed is None or not request_switch((extra or {}).get("kv_transfer_params"), "kvstore_save", new.req_id):
                 continue  # never tracked: nothing gathered or published
-            self._tracked[new.req_id] = _Tracked(list(new.prompt_token_ids or []), list(new.block_ids[0]), len(loaded))
+            self._tracked[new.req_id] = _Tracked(keyed.tokens, keyed.extras, list(new.block_ids[0]), len(loaded))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             tracked = self._tracked.get(req_id)
@@ -174,6 +197,7 @@ class ConnectorScheduler:
         self._pending_loads.pop(req_id, None)
         self._loaded_blocks.pop(req_id, None)
         self._load_failed.discard(req_id)
+        self._keyed.pop(req_id, None)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Saves copy their blocks out before the step ends, so blocks never outlive the

@@ -29,6 +29,7 @@ COUNTERS = {
     "save_bytes": "bytes of pages handed to the store (pages it held already are not resent)",
     "save_failures": "saves that failed (a future miss, not an error)",
     "saves_dropped": "saves skipped because too many bytes were waiting to be published",
+    "unkeyed_requests": "requests neither looked up nor saved because vLLM keys them by something kvstore cannot express (logged once per reason)",
     "credential_refusals": "loads and saves every node refused for the engine's token (misses; a configuration error, logged at ERROR at most once a minute)",
 }
 # histogram name -> (what one observation is, buckets); data[name] is a list of seconds

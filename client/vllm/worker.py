@@ -229,7 +229,7 @@ class ConnectorWorker:
         """Saver thread: publish one request's pages; failures are counted, not raised."""
         started = time.perf_counter()
         try:
-            report = self._client.put_pages(spec.token_ids, gathered.wait())
+            report = self._client.put_pages(spec.token_ids, gathered.wait(), identity=spec.extras or None)
             self._stats.count(save_bytes=report.bytes_sent)
             log.debug("saved %s: %s", spec.req_id, report)
         except CredentialError as exc:

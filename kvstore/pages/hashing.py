@@ -13,12 +13,17 @@ import numpy as np
 
 from kvstore.errors import InvalidInputError
 from kvstore.pages._chainhash import chain, split_hashes, uint32_le
+from kvstore.pages.identity import NO_EXTRAS, BlockExtras
 from kvstore.pages.namespace import Namespace
 
 HASH_BYTES = 16
 ZERO_HASH = bytes(HASH_BYTES)
 BLOCK_PERSON = b"kvs-block-v1"
+# A block whose hash a request identity changes (kvstore.pages.identity): its own
+# person, and the identity's 16-byte digest after the tokens.
+EXTRA_BLOCK_PERSON = b"kvs-blockx-v1"
 SEQUENCE_PERSON = b"kvs-seq-v1"
+EXTRA_SEQUENCE_PERSON = b"kvs-seqx-v1"
 PART_PERSON = b"kvs-part-v1"
 MAX_TOKEN_ID = 2**32 - 1
 TOKEN_RANGE = f"token ids must lie in [0, {MAX_TOKEN_ID}]"
@@ -59,25 +64,31 @@ def token_array(tokens: Any) -> np.ndarray:
     return arr.astype("<u4", copy=False)
 
 
-def block_hashes(namespace: Namespace, tokens: Any) -> list[bytes]:
+def block_hashes(namespace: Namespace, tokens: Any, extras: BlockExtras = NO_EXTRAS) -> list[bytes]:
     """Hashes of every full block of ``tokens``; a trailing partial block is ignored.
 
     hash[i] = blake2b-128(person="kvs-block-v1", ns_digest || hash[i-1] || tokens of block i
-    as uint32 little-endian), with hash[-1] = 16 zero bytes. Two token lists sharing k full
-    blocks share exactly their first k hashes."""
-    return split_hashes(block_hash_bytes(namespace, tokens))
+    as uint32 little-endian), with hash[-1] = 16 zero bytes. A block that ``extras`` names
+    (a request identity: kvstore.pages.identity) hashes with person "kvs-blockx-v1" and its
+    16-byte digest appended. Two token lists sharing k full blocks and the extras of
+    those blocks share exactly their first k hashes."""
+    return split_hashes(block_hash_bytes(namespace, tokens, extras))
 
 
-def block_hash_bytes(namespace: Namespace, tokens: Any) -> bytes:
+def block_hash_bytes(namespace: Namespace, tokens: Any, extras: BlockExtras = NO_EXTRAS) -> bytes:
     """``block_hashes`` joined into one bytes object (16 bytes per full block, in order),
     without an object per block: what the index's lookup takes. The client's lookups
     (``find``) hash with it; a list costs 0.35 ms more at 8,192 blocks (measured here)."""
     # kvstore/pages/_chainhash.c runs the loop (8,192 blocks from a token list: 4x faster than
     # the same loop over hashlib, bench/lookup.py); tests/test_hashing.py holds it to
     # hashlib. A list goes in as it is: converted a block at a time, no 512 KiB buffer.
-    def hashed(data: Any) -> bytes:
-        return chain(namespace.digest, data, 4 * namespace.block_size, BLOCK_PERSON, ZERO_HASH)
+    size = 4 * namespace.block_size
 
+    def hashed(data: Any, start: bytes = ZERO_HASH) -> bytes:
+        return chain(namespace.digest, data, size, BLOCK_PERSON, start)
+
+    if extras:
+        return _with_extras(namespace, token_array(tokens), extras, hashed)
     if isinstance(tokens, (list, tuple)):
         joined = _from_plain_ints(hashed, tokens)
         if joined is not None:
@@ -85,31 +96,66 @@ def block_hash_bytes(namespace: Namespace, tokens: Any) -> bytes:
     return hashed(token_array(tokens))
 
 
-def reference_block_hashes(namespace: Namespace, tokens: Any) -> list[bytes]:
+def _with_extras(namespace: Namespace, arr: np.ndarray, extras: BlockExtras, hashed: Callable[..., bytes]) -> bytes:
+    """The chain of ``arr``'s full blocks where ``extras`` names some: each named block
+    in Python, the plain runs between them in the C loop, started from the hash before."""
+    bs = namespace.block_size
+    full = len(arr) // bs
+    out, prev, at = [], ZERO_HASH, 0
+    for block, digest in extras.upto(full):
+        if block > at:
+            out.append(hashed(arr[at * bs : block * bs], prev))
+            prev = out[-1][-HASH_BYTES:]
+        prev = extra_block_hash(namespace, prev, arr[block * bs : (block + 1) * bs], digest)
+        out.append(prev)
+        at = block + 1
+    if at < full:
+        out.append(hashed(arr[at * bs : full * bs], prev))
+    return b"".join(out)
+
+
+def extra_block_hash(namespace: Namespace, prev: bytes, block_tokens: np.ndarray, digest: bytes) -> bytes:
+    """The hash of one block that a request identity changes (docs/key-format.md)."""
+    return hashlib.blake2b(namespace.digest + prev + block_tokens.astype("<u4", copy=False).tobytes() + digest,
+                           digest_size=HASH_BYTES, person=EXTRA_BLOCK_PERSON).digest()
+
+
+def reference_block_hashes(namespace: Namespace, tokens: Any, extras: BlockExtras = NO_EXTRAS) -> list[bytes]:
     """``block_hashes`` spelled out with hashlib, one block at a time: the construction in
     docs/key-format.md as plain Python. tests/test_hashing.py holds the C loop to it and
     bench/lookup.py times the two side by side; nothing else should call it (it is 5-7x
     slower)."""
-    data, size, prev, out = token_array(tokens).tobytes(), 4 * namespace.block_size, ZERO_HASH, []
-    for start in range(0, len(data) - size + 1, size):
-        prev = hashlib.blake2b(namespace.digest + prev + data[start : start + size], digest_size=HASH_BYTES, person=BLOCK_PERSON).digest()
+    arr = token_array(tokens)
+    bs, prev, out = namespace.block_size, ZERO_HASH, []
+    for i in range(len(arr) // bs):
+        block = arr[i * bs : (i + 1) * bs]
+        digest = extras.at(i)
+        if digest is None:
+            prev = hashlib.blake2b(namespace.digest + prev + block.tobytes(), digest_size=HASH_BYTES, person=BLOCK_PERSON).digest()
+        else:
+            prev = extra_block_hash(namespace, prev, block, digest)
         out.append(prev)
     return out
 
 
-def sequence_hash(namespace: Namespace, tokens: Any, full_block_hashes: list[bytes] | None = None) -> bytes:
+def sequence_hash(namespace: Namespace, tokens: Any, full_block_hashes: list[bytes] | None = None,
+                  extras: BlockExtras = NO_EXTRAS) -> bytes:
     """Hash of the whole token list, trailing partial block included.
 
     blake2b-128(person="kvs-seq-v1", ns_digest || last full block hash (or zeros) ||
-    uint64-le token count || partial-block tokens as uint32 little-endian)."""
+    uint64-le token count || partial-block tokens as uint32 little-endian). When
+    ``extras`` names the partial block, person "kvs-seqx-v1" and its digest appended."""
     arr = token_array(tokens)
-    hashes = full_block_hashes if full_block_hashes is not None else block_hashes(namespace, arr)
+    hashes = full_block_hashes if full_block_hashes is not None else block_hashes(namespace, arr, extras)
     nfull = len(hashes) * namespace.block_size
-    h = hashlib.blake2b(digest_size=HASH_BYTES, person=SEQUENCE_PERSON)
+    tail_digest = extras.at(len(hashes)) if nfull < len(arr) else None
+    h = hashlib.blake2b(digest_size=HASH_BYTES, person=SEQUENCE_PERSON if tail_digest is None else EXTRA_SEQUENCE_PERSON)
     h.update(namespace.digest)
     h.update(hashes[-1] if hashes else ZERO_HASH)
     h.update(struct.pack("<Q", len(arr)))
     h.update(arr[nfull:].tobytes())
+    if tail_digest is not None:
+        h.update(tail_digest)
     return h.digest()
 
 

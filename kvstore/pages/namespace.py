@@ -81,6 +81,7 @@ class Namespace(BaseModel):
     format_version: int = Field(default=FORMAT_VERSION, ge=1)
     total_kv_heads: int = Field(default=0, ge=0, description="KV heads of the model (0: num_kv_heads * tp_size); needed when tp_size exceeds them (replicated heads)")
     head_groups: int = Field(default=0, ge=0, description="groups the model's KV heads are stored in, one page each per block; engines of different TP sizes share pages when they agree on it (0: min(tp_size, KV heads))")
+    weights: str = Field(default="", max_length=256, description="which weights computed the KV: an operator's revision (weights_revision) or a fingerprint of the checkpoint's files; new weights under the same model name never read the old pages (empty: not stated)")
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -121,7 +122,7 @@ class Namespace(BaseModel):
         """The exact text hashed into the digest: sorted keys, no spaces. Fields added
         after format 1 appear only when set, so older namespaces keep their digests."""
         fields = self.model_dump()
-        for late in ("total_kv_heads", "head_groups"):
+        for late in ("total_kv_heads", "head_groups", "weights"):
             if not fields[late]:
                 del fields[late]
         return json.dumps(fields, sort_keys=True, separators=(",", ":"))

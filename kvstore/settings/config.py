@@ -189,6 +189,7 @@ class ClientOptions(IndexAccess):
     node_refresh: float = Field(1.0, gt=0, le=60, allow_inf_nan=False, description="seconds between reads of the node registry")
     lease_ms: int = Field(DEFAULT_LEASE_MS, ge=0, le=600_000, description="read lease a lookup takes on the pages it returns")
     same_host: bool = Field(True, description="reach nodes on this host through shared memory (kvstore.wire.shm) instead of UCX")
+    weights_revision: str = Field("", max_length=256, description="which weights the caller's KV comes from (a checkpoint revision, an RL policy step): set into the namespace, so pages of other weights never match; the vLLM connector's default is a fingerprint of the checkpoint (docs/key-format.md)")
     host_buffer_bytes: ByteSize = Field("512MiB", validate_default=True,
                                         description="host memory faulted in at the first client's start and reused by select's results and UCX packing and scratch (one pool per process; the largest value asked for wins); 0: fresh memory per call")
 
