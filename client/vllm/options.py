@@ -89,7 +89,7 @@ def lookup_breaker(conf: ConnectorOptions) -> CircuitBreaker:
 def engine_weights(vllm_config: VllmConfig, options: ClientOptions) -> str:
     """Which weights this engine's KV comes from (``Namespace.weights``): the operator's
     ``weights_revision`` when set, else a fingerprint of the checkpoint's files
-    (``kvstore.pages.weights``: about a millisecond at start, the same on every machine
+    (``kvstore.pages.weights``: milliseconds at start, the same on every machine
     holding the same files), with the runtime quantization when there is one (the same
     files quantized on load compute other KV). A model that is neither a local
     checkpoint nor one in the local hub cache is named by id and revision, and said so."""

@@ -47,8 +47,10 @@ def fingerprint(path: str | os.PathLike[str]) -> str | None:
     """``"fp:"`` and 32 hex digits naming the checkpoint at ``path`` (a directory or one
     file); None when ``path`` is not a readable local checkpoint (a hub model id, an
     unmounted volume, a directory with no weight files). Reads at most
-    ``SAMPLES * SAMPLE_BYTES`` of each large file: measured here, 0.6 ms for a 4-file
-    checkpoint in the page cache."""
+    ``SAMPLES * SAMPLE_BYTES`` (1 MiB) of each large file. Measured here, 4 files of 200 MB:
+    5.3 ms in the page cache, 14 ms after dropping it (hashing the samples is most of
+    it); a 163-file checkpoint (DeepSeek-V3) reads 163 MiB, a fraction of a second at
+    an engine start that takes minutes."""
     root = Path(path)
     try:
         files = checkpoint_files(root) if root.exists() else []
