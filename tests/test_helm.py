@@ -4,6 +4,7 @@ rendered objects; plus the Dockerfile lint. No helm binary or cluster is needed.
 from __future__ import annotations
 
 import base64
+import json
 import os
 import shutil
 import subprocess
@@ -207,6 +208,14 @@ def test_notes_print_client_configuration_without_secrets():
     assert "KVSTORE_REDIS_URL=redis://kv-kvstore-valkey:6379/0" in notes
     assert "KVStoreConnector" in notes and "client.vllm_connector" in notes
     assert "tok-123" not in notes
+
+
+def test_notes_carry_the_weights_revision_into_the_connector_config():
+    notes = render({"client": {"weightsRevision": "ckpt-2026-11"}})["NOTES"][0]
+    config = json.loads(notes.split("--kv-transfer-config '")[1].split("'")[0])
+    assert config["kv_connector_extra_config"]["weights_revision"] == "ckpt-2026-11"
+    unset = render({})["NOTES"][0]
+    assert "weights_revision" not in unset.split("--kv-transfer-config '")[1].split("'")[0] and "fingerprint" in unset
 
 
 def test_dockerfile_lints_clean():
