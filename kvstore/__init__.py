@@ -14,18 +14,22 @@ from kvstore.errors import (
     TransportError,
 )
 from kvstore.pages.hashing import block_hash_bytes, block_hashes, part_hashes, sequence_hash
+from kvstore.pages.identity import BlockExtras, MultimodalItem, RequestIdentity
 from kvstore.pages.namespace import Namespace
 
 __all__ = [
+    "BlockExtras",
     "FencedError",
     "IndexScriptError",
     "IndexUnavailableError",
     "InvalidInputError",
     "KVStoreError",
+    "MultimodalItem",
     "Namespace",
     "NodeIdInUseError",
     "ProtocolError",
     "RemoteFault",
+    "RequestIdentity",
     "TransportError",
     "block_hash_bytes",
     "block_hashes",
