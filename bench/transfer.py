@@ -224,6 +224,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--readers", type=int, default=4)
     parser.add_argument("--plot", default=str(Path(__file__).with_name("transfer.png")))
+    parser.add_argument("--mla-only", action="store_true", help="only the MLA section (DeepSeek-V3's latent pages)")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -232,6 +233,10 @@ def main() -> int:
 
     from kvstore.tools.launcher import LocalCluster
 
+    if args.mla_only:
+        with LocalCluster(servers=1, capacity="2GiB", slab_size="64MiB") as cluster:
+            mla_loads(cluster.redis_url, args.repeat)
+        return 0
     total, sizes = parse_size(args.total), [parse_size(s) for s in args.sizes.split(",")]
     puts_per_size = 2 * 2 * (args.repeat * 2)  # puts and inserts; shm and ucx, quiet and with burners: all kept
     capacity = total * len(sizes) * puts_per_size + 3 * total + 8 * total + (256 << 20)  # + the head-group and first-call sections
@@ -292,6 +297,7 @@ def main() -> int:
             idle = idle_cpu({"node": node_pid, "client": readers[0].proc.pid, "valkey": valkey_pid})
             print("idle CPU (share of one core, 5 s): " + ", ".join(f"{k} {v:.3f}" for k, v in idle.items()), flush=True)
             tp_transfers(cluster.redis_url, total, args.repeat)
+            mla_loads(cluster.redis_url, args.repeat)
             first_calls(cluster.redis_url, total, max(sizes), args.repeat, tag + 1)
         finally:
             for w in [writer, *readers]:
@@ -340,6 +346,59 @@ def tp_transfers(redis_url: str, total: int, repeat: int) -> None:
         print(f"  {path}: " + " | ".join(f"{name}: {statistics.median(r[1:]):.2f} ({min(r[1:]):.2f}-{max(r[1:]):.2f}) {statistics.median(r[1:]) / base_rate:.2f}x"
                                         for name, r in rates.items()), flush=True)
         for client in [*writers, *readers.values()]:
+            client.close()
+
+
+def mla_loads(redis_url: str, repeat: int) -> None:
+    """Loads of a 4,096-token prompt at DeepSeek-V3's geometry: 61 layers of one 576-wide
+    bf16 latent row per token (layout ``vllm_mla``), in blocks of 16 (vLLM's CPU MLA
+    backend) and 64 (FlashMLA's), against the same bytes in 17 MiB pages (the per-page
+    costs left out) and a memcpy of them, interleaved."""
+    import torch
+
+    from client import KVCacheClient
+
+    tokens = list(range(4096))
+    cases = {f"MLA block {bs}": Namespace(model="bench-deepseek-v3", dtype="bfloat16", num_layers=61, num_kv_heads=1, head_size=576,
+                                          block_size=bs, layout="vllm_mla", tenant="bench") for bs in (16, 64)}
+    nbytes = 4096 * 61 * 576 * 2
+    # the same bytes per token (2 x 61 x 288 x 2 = 70,272) in blocks of 256 tokens: 16 pages of 17 MiB
+    cases["same bytes, 17 MiB pages"] = Namespace(model="bench-mla-big", dtype="bfloat16", num_layers=61, num_kv_heads=1, head_size=288,
+                                                  block_size=256, tenant="bench")
+    rng = np.random.default_rng(9)
+    print(f"\nMLA (DeepSeek-V3: 61 layers x 576 bf16 per token): a 4,096-token prompt ({nbytes / 2**20:.0f} MiB) loaded end to end, "
+          f"ms and GB/s, median (min-max) of {repeat} interleaved rounds; ratio to a memcpy of the same bytes", flush=True)
+    for path in ("shm", "ucx"):
+        clients, pages, outs = {}, {}, {}
+        for name, ns in cases.items():
+            blocks = len(tokens) // ns.block_size
+            clients[name] = KVCacheClient(redis_url, ns, same_host=path == "shm")
+            raw = rng.integers(0, 1 << 15, size=(blocks, *ns.page_shape), dtype=np.int16)
+            pages[name] = torch.from_numpy(raw).view(torch.bfloat16)
+            assert clients[name].put_pages(tokens, pages[name]).stored == blocks
+            outs[name] = torch.empty_like(pages[name])
+        src, dst = np.empty(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+        src.fill(1)
+        dst.fill(0)
+        times: dict[str, list[float]] = {name: [] for name in [*cases, "memcpy"]}
+        for _ in range(repeat + 1):  # the first round warms connections and mappings
+            for name, client in clients.items():
+                t = time.perf_counter()
+                assert client.get_pages(tokens, outs[name]) == len(tokens)
+                times[name].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            np.copyto(dst, src)
+            times["memcpy"].append(time.perf_counter() - t)
+        for name in cases:
+            assert torch.equal(outs[name].view(torch.int16), pages[name].view(torch.int16)), name
+        base = statistics.median(times["memcpy"][1:])
+        for name, t in times.items():
+            ms = [x * 1e3 for x in t[1:]]
+            pages_n = len(tokens) // cases[name].block_size if name in cases else 0
+            per_page = f", {pages_n} pages of {cases[name].page_nbytes / 2**20:.2f} MiB" if pages_n else ""
+            print(f"  {path:3} {name:26} {statistics.median(ms):7.1f} ms ({min(ms):.1f}-{max(ms):.1f}) "
+                  f"{nbytes / statistics.median(t[1:]) / 1e9:5.2f} GB/s  {statistics.median(t[1:]) / base:.2f}x memcpy{per_page}", flush=True)
+        for client in clients.values():
             client.close()
 
 

@@ -36,6 +36,7 @@ unless the extra config says ``"load_failure_policy": "fail"``."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,9 +47,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from client.vllm.metadata import KVStoreConnectorMetadata
-from client.vllm.options import connector_options, rank_client
+from client.vllm.options import connector_options, engine_layout, rank_client
 from client.vllm.scheduler import ConnectorScheduler
 from client.vllm.stats import KVStoreConnectorStats, KVStorePromMetrics, StatsRecorder
+from client.vllm.support import unsupported
 from client.vllm.worker import ConnectorWorker
 
 if TYPE_CHECKING:
@@ -62,6 +64,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["KVStoreConnector", "KVStoreConnectorMetadata"]
+log = logging.getLogger(__name__)
 
 
 class KVStoreConnector(KVConnectorBase_V1):
@@ -76,14 +79,21 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._stats = StatsRecorder()
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
+        # An engine the store cannot serve says so in one line and runs without it.
+        refusal = unsupported(vllm_config, kv_cache_config)
+        if refusal is not None:
+            (log.warning if role == KVConnectorRole.SCHEDULER else log.debug)(
+                "KVStoreConnector: this engine cannot use the store, so it makes no lookups and no saves: %s", refusal)
         if role == KVConnectorRole.SCHEDULER:
             # vLLM 0.32 gives connectors the standardized per-layer view, so pages are
-            # vllm_cpu; workers check that against the tensors they actually get. Made
-            # here, at engine start, so no request pays for UCX set-up.
-            client = rank_client(vllm_config, conf, options, role.name, layout="vllm_cpu", tp_rank=0, pp_rank=0, all_heads=True) if transfer.is_kv_consumer else None
-            self._scheduler = ConnectorScheduler(conf, client, vllm_config.cache_config.block_size, saves=transfer.is_kv_producer, stats=self._stats)
+            # vllm_cpu (vllm_mla for MLA models); workers check that against the tensors
+            # they actually get. Made here, at engine start, so no request pays for UCX set-up.
+            loads, saves = transfer.is_kv_consumer and refusal is None, transfer.is_kv_producer and refusal is None
+            client = rank_client(vllm_config, conf, options, role.name, layout=engine_layout(vllm_config), tp_rank=0, pp_rank=0,
+                                 all_heads=True) if loads else None
+            self._scheduler = ConnectorScheduler(conf, client, vllm_config.cache_config.block_size, saves=saves, stats=self._stats)
         else:
-            self._worker = ConnectorWorker(vllm_config, conf, options, stats=self._stats)
+            self._worker = ConnectorWorker(vllm_config, conf, options, stats=self._stats, enabled=refusal is None)
 
     # ---- both sides ----------------------------------------------------------------
 

@@ -111,6 +111,10 @@ def test_stats_lists_nodes_namespaces_use_and_reads():
         text = subprocess.run([*KVSTORE, "stats", "--redis-url", cluster.redis_url], capture_output=True, text=True, timeout=60, env=ENV)
         assert text.returncode == 0
         assert "1 live node(s)" in text.stdout and "node-0" in text.stdout and "4 pages read" in text.stdout
+        # what tells namespaces apart, on the namespace's line
+        line = next(x for x in text.stdout.splitlines() if "       4 pages" in x)
+        assert f"{ns.model} {ns.dtype} {ns.layout} layers {ns.num_layers} heads {ns.num_kv_heads}x{ns.head_size} block {ns.block_size}" in line
+        assert "head groups 1 pp 0 tenant stats" in line
 
 
 def test_version():

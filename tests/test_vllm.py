@@ -21,6 +21,7 @@ pytest.importorskip("vllm")
 from client import KVCacheClient  # noqa: E402
 from kvstore import Namespace, block_hashes  # noqa: E402
 from kvstore.index import PageIndex  # noqa: E402
+from kvstore.pages.weights import fingerprint  # noqa: E402
 from kvstore.tools.launcher import LocalCluster  # noqa: E402
 from tests.helpers import ROOT, wait_for  # noqa: E402
 
@@ -36,17 +37,20 @@ PAGE_BYTES = 2 * 2 * BLOCK * 2 * 32 * 4  # layers, kv heads, block, K and V of h
 
 def run_engine_full(model_dir: str, prompts: list[list[int]], redis_url: str | None = None, role: str = "kv_both",
                     extra: dict | None = None, mode: str = "sequential", env: dict | None = None,
-                    transfer_params: list[dict | None] | None = None, **llm_kwargs) -> dict:
-    """One engine in its own process; its whole JSON answer (results, steps, metrics)."""
+                    transfer_params: list[dict | None] | None = None, spec: dict | None = None, **llm_kwargs) -> dict:
+    """One engine in its own process; its whole JSON answer (results, steps, metrics).
+    ``spec``: more keys of tests/vllm_engine.py's spec."""
     spec = {"model_dir": model_dir, "prompts": prompts, "role": role, "prefix_caching": False, "llm_kwargs": llm_kwargs,
-            "extra": extra or {}, "mode": mode, "transfer_params": transfer_params}
+            "extra": extra or {}, "mode": mode, "transfer_params": transfer_params, **(spec or {})}
     if redis_url:
         spec["redis_url"] = redis_url
     env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo", **(env or {})}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_engine.py"), json.dumps(spec)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return {**json.loads([line for line in proc.stdout.splitlines() if line.startswith('{"results"')][-1]), "stderr": proc.stderr}
+    # raw_decode: a worker process's log line may run on after the answer's line (TP=2)
+    line = [line for line in proc.stdout.splitlines() if line.startswith('{"results"')][-1]
+    return {**json.JSONDecoder().raw_decode(line)[0], "stderr": proc.stderr}
 
 
 def run_engine(model_dir: str, prompts: list[list[int]], redis_url: str | None = None, role: str = "kv_both", **kwargs) -> list[dict]:
@@ -160,7 +164,8 @@ def test_a_refused_token_is_logged_once_counted_and_served_as_misses(model_dir, 
 def test_the_comparison_is_sensitive_to_the_loaded_kv(model_dir, baseline):
     """Noise stored under B's block hashes (with valid checksums) is loaded and changes
     the output: so equal outputs above really mean the right KV was loaded."""
-    ns = Namespace(model=model_dir, dtype="float32", num_layers=2, num_kv_heads=2, head_size=32, block_size=BLOCK, layout="vllm_cpu")
+    ns = Namespace(model=model_dir, dtype="float32", num_layers=2, num_kv_heads=2, head_size=32, block_size=BLOCK, layout="vllm_cpu",
+                   weights=fingerprint(model_dir))  # what the connector keys the checkpoint by
     with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
         with KVCacheClient(cluster.redis_url, ns) as writer:
             noise = torch.randn((SHARED_BLOCKS, *ns.page_shape), generator=torch.Generator().manual_seed(3))

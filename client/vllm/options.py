@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from client.sync_client import KVCacheClient
 from client.vllm.breaker import CircuitBreaker
+from client.vllm.support import cache_dtype
 from kvstore.errors import InvalidInputError, KVStoreError
 from kvstore.pages.namespace import Namespace, Tenant
 from kvstore.pages.weights import fingerprint
@@ -24,13 +25,24 @@ log = logging.getLogger(__name__)
 CONNECTOR_HOST_BUFFER_BYTES = 128 << 20
 
 
-def detect_layout(shape: tuple[int, ...], block_size: int, num_kv_heads: int, head_size: int) -> str:
+def engine_layout(vllm_config: VllmConfig) -> str:
+    """The page layout of this engine's connector view: ``vllm_mla`` for MLA models
+    (DeepSeek-V2/V3/R1, Kimi-K2), else ``vllm_cpu``."""
+    return "vllm_mla" if vllm_config.model_config.use_mla else "vllm_cpu"
+
+
+def detect_layout(shape: tuple[int, ...], block_size: int, num_kv_heads: int, head_size: int, *, mla: bool = False) -> str:
     """Page layout tag for a per-layer KV cache tensor of ``shape``.
 
     vLLM's standardized per-layer view (the CPU backend and 0.32's connector view) is
     ``[blocks, kv_heads, block_size, 2 * head_size]``: pages ``vllm_cpu``. The
-    FlashAttention layout ``[2, blocks, block_size, kv_heads, head_size]``: ``vllm_flash``."""
-    if len(shape) == 4 and tuple(shape[1:]) == (num_kv_heads, block_size, 2 * head_size):
+    FlashAttention layout ``[2, blocks, block_size, kv_heads, head_size]``: ``vllm_flash``.
+    An MLA model's (``mla``) ``[blocks, 1, block_size, latent]``, where ``head_size`` is the
+    latent width (kv_lora_rank + rope dims, 576 for DeepSeek-V3): ``vllm_mla``."""
+    if mla:
+        if len(shape) == 4 and tuple(shape[1:]) == (1, block_size, head_size):
+            return "vllm_mla"
+    elif len(shape) == 4 and tuple(shape[1:]) == (num_kv_heads, block_size, 2 * head_size):
         return "vllm_cpu"
     if len(shape) == 5 and shape[0] == 2 and tuple(shape[2:]) == (block_size, num_kv_heads, head_size):
         return "vllm_flash"
@@ -122,20 +134,19 @@ def engine_namespace(vllm_config: VllmConfig, conf: ConnectorOptions, *, layout:
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     cache = vllm_config.cache_config
-    dtype = model.dtype if cache.cache_dtype == "auto" else {
-        "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"
-    }.get(cache.cache_dtype, cache.cache_dtype)
+    # MLA: one latent "head", replicated on every TP rank (stored once: stores_heads)
+    mla = model.use_mla
     return Namespace(
         model=str(conf.model or model.model),
-        dtype=str(dtype).removeprefix("torch."),
+        dtype=cache_dtype(vllm_config),
         num_layers=model.get_num_layers(parallel),
-        num_kv_heads=model.get_num_kv_heads(parallel),
+        num_kv_heads=1 if mla else model.get_num_kv_heads(parallel),
         head_size=model.get_head_size(),
         block_size=cache.block_size,
         layout=layout,
         tp_rank=tp_rank,
         tp_size=parallel.tensor_parallel_size,
-        total_kv_heads=model.get_total_num_kv_heads(),
+        total_kv_heads=1 if mla else model.get_total_num_kv_heads(),
         head_groups=conf.head_groups,
         pp_rank=pp_rank,
         tenant=conf.tenant,

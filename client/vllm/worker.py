@@ -29,7 +29,7 @@ import torch
 
 from client.sync_client import KVCacheClient
 from client.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
-from client.vllm.options import ConnectorOptions, detect_layout, rank_client
+from client.vllm.options import ConnectorOptions, detect_layout, engine_layout, rank_client
 from client.vllm.paged_cache import GatherResult, PagedCache, StagingPool
 from client.vllm.stats import StatsRecorder
 from kvstore.errors import CredentialError, KVStoreError
@@ -62,8 +62,9 @@ class ConnectorWorker:
     ``register_kv_caches`` succeeds the worker cannot load: each load it is given is
     reported finished with every block failed (recomputed)."""
 
-    def __init__(self, vllm_config: VllmConfig, conf: ConnectorOptions, options: ClientOptions, *, stats: StatsRecorder) -> None:
+    def __init__(self, vllm_config: VllmConfig, conf: ConnectorOptions, options: ClientOptions, *, stats: StatsRecorder, enabled: bool = True) -> None:
         self._vllm_config = vllm_config
+        self._enabled = enabled  # False: the engine cannot use the store (client.vllm.support); never loads or saves
         self._conf = conf
         self._options = options
         self._stats = stats
@@ -82,6 +83,8 @@ class ConnectorWorker:
         self._staging: StagingPool | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if not self._enabled:
+            return
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
         from vllm.model_executor.models.utils import extract_layer_index
 
@@ -90,9 +93,10 @@ class ConnectorWorker:
         model = self._vllm_config.model_config
         heads = model.get_num_kv_heads(self._vllm_config.parallel_config)
         try:
-            layout = detect_layout(tuple(layers[0].shape), self._block_size, heads, model.get_head_size())
-            if layout != "vllm_cpu":
-                raise KVStoreError(f"KV layout {layout} differs from the scheduler's vllm_cpu view")
+            expected = engine_layout(self._vllm_config)
+            layout = detect_layout(tuple(layers[0].shape), self._block_size, heads, model.get_head_size(), mla=expected == "vllm_mla")
+            if layout != expected:
+                raise KVStoreError(f"KV layout {layout} differs from the scheduler's {expected} view")
             self._cache = PagedCache(layers)
         except KVStoreError as exc:
             log.error("KVStoreConnector disabled on this worker: %s", exc)
@@ -209,6 +213,8 @@ class ConnectorWorker:
     def wait_for_save(self, meta: Any) -> None:
         if not isinstance(meta, KVStoreConnectorMetadata) or self._saver is None:
             return
+        if not self._client.namespace.stores_heads:
+            return  # another rank holds the same replicated heads (MLA's latent) and saves them
         page_nbytes = self._client.namespace.page_nbytes
         for spec in meta.saves:
             nbytes = len(spec.block_ids) * page_nbytes

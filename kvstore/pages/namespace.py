@@ -52,9 +52,12 @@ DTYPE_SIZES: dict[str, int] = {
 #   kv_lbhd     [2, layers, block_size, kv_heads, head_size]   (insert/select API)
 #   vllm_cpu    [layers, kv_heads, block_size, 2 * head_size]  (vLLM CPU attention backend)
 #   vllm_flash  [layers, 2, block_size, kv_heads, head_size]   (vLLM FlashAttention backend)
+#   vllm_mla    [layers, 1, block_size, latent]                (vLLM MLA: one latent row of
+#               kv_lora_rank + rope dims per token, the same on every TP rank)
 # The dimensions of each layout's page, in order: 2 (K and V), L (layers), B (block
 # size), H (KV heads), D (head size), and KV as one dimension of 2 * head size.
-_DIMS = {"kv_lbhd": ("2", "L", "B", "H", "D"), "vllm_cpu": ("L", "H", "B", "KV"), "vllm_flash": ("L", "2", "B", "H", "D")}
+_DIMS = {"kv_lbhd": ("2", "L", "B", "H", "D"), "vllm_cpu": ("L", "H", "B", "KV"), "vllm_flash": ("L", "2", "B", "H", "D"),
+         "vllm_mla": ("L", "H", "B", "D")}
 LAYOUTS = tuple(_DIMS)
 
 
@@ -150,6 +153,15 @@ class Namespace(BaseModel):
             return self.tp_rank * self.num_kv_heads, (self.tp_rank + 1) * self.num_kv_heads
         head = self.tp_rank * total // self.tp_size
         return head, head + 1
+
+    @property
+    def stores_heads(self) -> bool:
+        """Whether this rank writes its heads' pages. Every rank does, except where
+        ranks hold the same replicated head (``tp_size`` above the model's KV heads;
+        MLA's latent, one "head" on every rank): there the first rank of each head
+        writes and the others only read, their pages being the same bytes."""
+        total = self.total_heads
+        return self.tp_size <= total or self.tp_rank % (self.tp_size // total) == 0
 
     @property
     def head_dim(self) -> int:

@@ -116,9 +116,17 @@ def _stats(args: argparse.Namespace) -> int:
         print(f"  {n.node_id:20} {n.address:24} {used}{_disk_line(n.extra)}{reads}, incarnation {n.incarnation}")
     print(f"{len(stats.namespaces)} namespace(s)")
     for s in stats.namespaces:
-        name = f"{s.namespace.model} {s.namespace.dtype} tp{s.namespace.tp_rank}/{s.namespace.tp_size} {s.namespace.tenant}" if s.namespace else "?"
+        name = _namespace_line(s.namespace) if s.namespace else "?"
         print(f"  {s.digest} {s.pages:>8} pages  {name}")
     return 0
+
+
+def _namespace_line(ns: Any) -> str:
+    """What tells two namespaces apart, on one line of `kvstore stats`: engines share
+    pages only when all of it agrees (docs/key-format.md)."""
+    weights = f" weights {ns.weights[:24]}" if ns.weights else ""
+    return (f"{ns.model} {ns.dtype} {ns.layout} layers {ns.num_layers} heads {ns.num_kv_heads}x{ns.head_size} block {ns.block_size} "
+            f"head groups {ns.groups} pp {ns.pp_rank} tenant {ns.tenant}{weights}")
 
 
 # What `kvstore stats --json` reports of each node, from its registry entry.
