@@ -234,7 +234,7 @@ def main() -> int:
     from kvstore.tools.launcher import LocalCluster
 
     if args.mla_only:
-        with LocalCluster(servers=1, capacity="2GiB", slab_size="64MiB") as cluster:
+        with LocalCluster(servers=1, capacity="4GiB", slab_size="64MiB") as cluster:
             mla_loads(cluster.redis_url, args.repeat)
         return 0
     total, sizes = parse_size(args.total), [parse_size(s) for s in args.sizes.split(",")]
@@ -358,17 +358,17 @@ def mla_loads(redis_url: str, repeat: int) -> None:
 
     from client import KVCacheClient
 
-    tokens = list(range(4096))
     cases = {f"MLA block {bs}": Namespace(model="bench-deepseek-v3", dtype="bfloat16", num_layers=61, num_kv_heads=1, head_size=576,
                                           block_size=bs, layout="vllm_mla", tenant="bench") for bs in (16, 64)}
-    nbytes = 4096 * 61 * 576 * 2
+    nbytes, ntokens = 4096 * 61 * 576 * 2, 4096
     # the same bytes per token (2 x 61 x 288 x 2 = 70,272) in blocks of 256 tokens: 16 pages of 17 MiB
     cases["same bytes, 17 MiB pages"] = Namespace(model="bench-mla-big", dtype="bfloat16", num_layers=61, num_kv_heads=1, head_size=288,
                                                   block_size=256, tenant="bench")
     rng = np.random.default_rng(9)
     print(f"\nMLA (DeepSeek-V3: 61 layers x 576 bf16 per token): a 4,096-token prompt ({nbytes / 2**20:.0f} MiB) loaded end to end, "
           f"ms and GB/s, median (min-max) of {repeat} interleaved rounds; ratio to a memcpy of the same bytes", flush=True)
-    for path in ("shm", "ucx"):
+    for n, path in enumerate(("shm", "ucx")):
+        tokens = list(range(n * 4096, (n + 1) * 4096))  # other pages per path: a put of stored pages sends nothing
         clients, pages, outs = {}, {}, {}
         for name, ns in cases.items():
             blocks = len(tokens) // ns.block_size
@@ -394,7 +394,7 @@ def mla_loads(redis_url: str, repeat: int) -> None:
         base = statistics.median(times["memcpy"][1:])
         for name, t in times.items():
             ms = [x * 1e3 for x in t[1:]]
-            pages_n = len(tokens) // cases[name].block_size if name in cases else 0
+            pages_n = ntokens // cases[name].block_size if name in cases else 0
             per_page = f", {pages_n} pages of {cases[name].page_nbytes / 2**20:.2f} MiB" if pages_n else ""
             print(f"  {path:3} {name:26} {statistics.median(ms):7.1f} ms ({min(ms):.1f}-{max(ms):.1f}) "
                   f"{nbytes / statistics.median(t[1:]) / 1e9:5.2f} GB/s  {statistics.median(t[1:]) / base:.2f}x memcpy{per_page}", flush=True)
