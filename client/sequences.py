@@ -54,6 +54,7 @@ class LookupBufferAPI:
         tokens, n_all = self._roi_prefix(input_tokens, roi)
         T = len(tokens)
         ns = self.namespace
+        self._whole_model("insert")
         key, value, hidden = (_token_prefix(t, T, n_all, dim) for t, dim in ((key, 1), (value, 1), (hidden, 0)))
         codec.check_kv(ns, "key", key, T)
         codec.check_kv(ns, "value", value, T)
@@ -84,6 +85,7 @@ class LookupBufferAPI:
         tokens, n_all = self._roi_prefix(input_tokens, roi)
         ns = self.namespace
         T = len(tokens)
+        self._whole_model("select")
         extras = resolve(identity, ns.block_size, T)
         hashes = block_hashes(self.storage, tokens, extras)
         sizes_h = codec.tail_part_sizes(ns, T, ns.hidden_size > 0)
@@ -151,6 +153,14 @@ class LookupBufferAPI:
         if blocks == nblocks and tail_hashes:
             got_parts = leading(await self._fetch(tail_hashes, tail_locations, split_spans(tail, part_sizes)))
         return _Fetched(blocks, tail, part_sizes, got_parts)
+
+    def _whole_model(self, call: str) -> None:
+        """insert/select hold every layer of the model: a pipeline stage's namespace
+        (``total_layers`` beyond its own) uses ``put_pages``/``get_pages``."""
+        ns = self.namespace
+        if ns.model_layers != ns.num_layers:
+            raise InvalidInputError(f"{call} stores every layer; this namespace is a pipeline stage (layers {ns.first_layer} to "
+                                    f"{ns.first_layer + ns.num_layers - 1} of {ns.model_layers}): use put_pages/get_pages")
 
     @staticmethod
     def _roi_prefix(input_tokens: Any, roi: Any) -> tuple[np.ndarray, int]:

@@ -47,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from client.vllm.metadata import KVStoreConnectorMetadata
-from client.vllm.options import connector_options, engine_layout, rank_client
+from client.vllm.options import connector_options, engine_layout, namespace_refusal, rank_client
 from client.vllm.scheduler import ConnectorScheduler
 from client.vllm.stats import KVStoreConnectorStats, KVStorePromMetrics, StatsRecorder
 from client.vllm.support import unsupported
@@ -80,7 +80,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
         # An engine the store cannot serve says so in one line and runs without it.
-        refusal = unsupported(vllm_config, kv_cache_config)
+        refusal = unsupported(vllm_config, kv_cache_config) or namespace_refusal(vllm_config, conf)
         if refusal is not None:
             (log.warning if role == KVConnectorRole.SCHEDULER else log.debug)(
                 "KVStoreConnector: this engine cannot use the store, so it makes no lookups and no saves: %s", refusal)

@@ -291,8 +291,8 @@ def test_rank_parts_place_each_ranks_heads_as_merge_does(layout, tp_size, groups
         heads.merge(ns, units, merged, p)
         placed = torch.full_like(merged, float("nan"))
         d = 1 + ns.head_dim
-        for part, at in heads.rank_parts(ns, units, p):
-            assert part.untyped_storage().data_ptr() == units.untyped_storage().data_ptr()
+        for part, at, layer_at in heads.rank_parts(ns, units, p):
+            assert part.untyped_storage().data_ptr() == units.untyped_storage().data_ptr() and layer_at == 0
             placed.narrow(d, at, part.shape[d]).copy_(part)
         assert torch.equal(placed, merged)
 

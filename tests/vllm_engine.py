@@ -177,9 +177,9 @@ def main() -> int:
             kv_connector="KVStoreConnector", kv_connector_module_path="client.vllm_connector",
             kv_role=spec.get("role", "kv_both"), kv_connector_extra_config={"redis_url": spec["redis_url"], **spec.get("extra", {})},
         )
-    llm_kwargs = {"max_model_len": 512, "block_size": BLOCK_SIZE, **spec.get("llm_kwargs", {})}
+    llm_kwargs = {"max_model_len": 512, "block_size": BLOCK_SIZE, "enforce_eager": True, **spec.get("llm_kwargs", {})}
     llm = LLM(
-        model=spec["model_dir"], skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+        model=spec["model_dir"], skip_tokenizer_init=True, dtype="float32",
         gpu_memory_utilization=0.3, kv_transfer_config=kv, seed=0, disable_log_stats=False,
         enable_prefix_caching=spec.get("prefix_caching", True), **llm_kwargs,
     )

@@ -70,6 +70,7 @@ class ConnectorOptions(BaseModel):
     staging_bytes: ByteSize = Field(512 << 20, description="host page buffers allocated at start and reused by loads and saves, per worker (0: allocate per transfer)")
     max_pending_save_bytes: ByteSize = Field(2 << 30, description="page bytes waiting to be published, per worker, past which saves are dropped")
     head_groups: int = Field(0, ge=0, description="groups the KV heads are stored in (docs/key-format.md): engines of different TP sizes share pages when they give the same value, at least their largest tp_size (0: this engine's tp_size)")
+    layer_groups: int = Field(0, ge=0, le=1024, description="groups the layers are stored in (docs/key-format.md): engines of different PP sizes share pages when they give the same value, a multiple of their largest pipeline_parallel_size whose stages hold whole groups (0: this engine's pipeline_parallel_size)")
 
 
 def connector_options(extra: dict[str, Any]) -> tuple[ConnectorOptions, ClientOptions]:
@@ -128,18 +129,36 @@ def _hub_fingerprint(model_id: str, revision: str | None) -> str | None:
         return None
 
 
+def stage_layers(vllm_config: VllmConfig, pp_rank: int) -> tuple[int, int]:
+    """The model layers ``[start, end)`` pipeline stage ``pp_rank`` holds (vLLM's split,
+    ``VLLM_PP_LAYER_PARTITION`` included)."""
+    from vllm.distributed.utils import get_pp_indices
+
+    total = vllm_config.model_config.get_total_num_hidden_layers()
+    return get_pp_indices(total, pp_rank, vllm_config.parallel_config.pipeline_parallel_size)
+
+
+def layer_groups(vllm_config: VllmConfig, conf: ConnectorOptions) -> int:
+    """The layer groups this engine stores pages in: the option, else its PP size."""
+    return conf.layer_groups or vllm_config.parallel_config.pipeline_parallel_size
+
+
 def engine_namespace(vllm_config: VllmConfig, conf: ConnectorOptions, *, layout: str, tp_rank: int, pp_rank: int, weights: str = "") -> Namespace:
     """The namespace of this engine's pages for one TP/PP rank; ``weights``: its
-    ``engine_weights``."""
+    ``engine_weights``. With layer groups (pipeline parallelism, or ``layer_groups``) it
+    names the stage's layers among the model's, so every PP split shares the storage."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     cache = vllm_config.cache_config
+    groups = layer_groups(vllm_config, conf)
+    start, end = stage_layers(vllm_config, pp_rank)
+    layers = {"total_layers": model.get_total_num_hidden_layers(), "first_layer": start, "layer_groups": groups} if groups > 1 else {}
     # MLA: one latent "head", replicated on every TP rank (stored once: stores_heads)
     mla = model.use_mla
     return Namespace(
         model=str(conf.model or model.model),
         dtype=cache_dtype(vllm_config),
-        num_layers=model.get_num_layers(parallel),
+        num_layers=end - start,
         num_kv_heads=1 if mla else model.get_num_kv_heads(parallel),
         head_size=model.get_head_size(),
         block_size=cache.block_size,
@@ -151,7 +170,23 @@ def engine_namespace(vllm_config: VllmConfig, conf: ConnectorOptions, *, layout:
         pp_rank=pp_rank,
         tenant=conf.tenant,
         weights=weights,
+        **layers,
     )
+
+
+def namespace_refusal(vllm_config: VllmConfig, conf: ConnectorOptions) -> str | None:
+    """Why no namespace can name some rank's pages (a PP split whose stages do not hold
+    whole layer groups, a rank with part of the heads and several layer groups); None
+    when every TP and PP rank has one. Asked once at start, by both sides."""
+    parallel = vllm_config.parallel_config
+    for pp_rank in range(parallel.pipeline_parallel_size):
+        for tp_rank in range(parallel.tensor_parallel_size):
+            try:
+                engine_namespace(vllm_config, conf, layout=engine_layout(vllm_config), tp_rank=tp_rank, pp_rank=pp_rank)
+            except ValidationError as exc:
+                _, _, message = first_error(exc)
+                return f"TP rank {tp_rank} of PP stage {pp_rank}: {message.removeprefix('Value error, ')}"
+    return None
 
 
 def rank_client(vllm_config: VllmConfig, conf: ConnectorOptions, options: ClientOptions, side: str, *, layout: str, tp_rank: int, pp_rank: int,

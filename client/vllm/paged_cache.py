@@ -135,16 +135,21 @@ class PagedCache:
         self._byte_layers: list[Any] | None = None  # uint8 numpy views of the layers (``block_spans``)
         self._block_major: tuple[np.ndarray, int, int] | None = None
 
-    def _check(self, block_ids: list[int], pages: torch.Tensor | None = None, head_at: int = 0) -> None:
+    def _check(self, block_ids: list[int], pages: torch.Tensor | None = None, head_at: int = 0, layer_at: int = 0) -> None:
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
         if bad:
             raise InvalidInputError(f"block ids {bad[:4]} outside the cache's {self.num_blocks} blocks")
         shape = self.page_shape
+        if pages is not None and pages.dim() == len(self.page_shape) + 1 and (layer_at or pages.shape[1] != self.page_shape[0]):
+            layers = pages.shape[1]  # a range of layers (heads.rank_parts of layer groups)
+            if layer_at < 0 or layers < 1 or layer_at + layers > self.page_shape[0]:
+                raise InvalidInputError(f"layers {layer_at} to {layer_at + layers - 1} lie outside the cache's {self.page_shape[0]}")
+            shape = (layers, *shape[1:])
         if pages is not None and pages.dim() == len(self.page_shape) + 1 and (head_at or pages.shape[2] != self.page_shape[1]):
             heads = pages.shape[2]  # a range of heads (heads.rank_parts)
             if head_at < 0 or heads < 1 or head_at + heads > self.page_shape[1]:
                 raise InvalidInputError(f"heads {head_at} to {head_at + heads - 1} lie outside the cache's {self.page_shape[1]}")
-            shape = (self.page_shape[0], heads, *self.page_shape[2:])
+            shape = (shape[0], heads, *self.page_shape[2:])
         if pages is not None and (pages.shape[0] < len(block_ids) or tuple(pages.shape[1:]) != shape or pages.dtype != self.dtype):
             raise InvalidInputError(
                 f"pages must be [{len(block_ids)}, {', '.join(map(str, self.page_shape))}] of {self.dtype}, "
@@ -197,14 +202,15 @@ class PagedCache:
         """An empty host tensor for ``count`` pages, pinned when the cache is on a GPU."""
         return torch.empty((count, *self.page_shape), dtype=self.dtype, pin_memory=self._on_gpu)
 
-    def _copy(self, block_ids: list[int], pages: torch.Tensor, to_cache: bool, head_at: int = 0) -> None:
+    def _copy(self, block_ids: list[int], pages: torch.Tensor, to_cache: bool, head_at: int = 0, layer_at: int = 0) -> None:
         """Per layer, copy ``pages[i]`` <-> block ``block_ids[i]`` on ``pages``' device,
-        which is the cache's; ``pages`` may hold a range of heads starting at ``head_at``."""
+        which is the cache's; ``pages`` may hold a range of heads starting at ``head_at``
+        and of layers starting at ``layer_at``."""
         runs = block_runs(block_ids)
         index = None if len(runs) <= _MAX_RUNS else torch.tensor(block_ids, dtype=torch.long, device=self.device)
         n = len(block_ids)
         heads = pages.shape[2]
-        for layer, kv in enumerate(self.layers):
+        for layer, kv in enumerate(self.layers[layer_at : layer_at + pages.shape[1]]):
             if heads != kv.shape[1]:
                 kv = kv.narrow(1, head_at, heads)
             src_dst = pages[:n, layer]
@@ -236,17 +242,17 @@ class PagedCache:
         scratch.record_stream(torch.cuda.current_stream())
         return GatherResult(host, ready)
 
-    def scatter(self, pages: torch.Tensor, block_ids: list[int], stream: Any = None, head_at: int = 0) -> None:
+    def scatter(self, pages: torch.Tensor, block_ids: list[int], stream: Any = None, head_at: int = 0, layer_at: int = 0) -> None:
         """Write ``pages[i]`` (host or device) into block ``block_ids[i]`` of every layer,
         and return once the bytes are in place. ``pages`` may be a strided view holding
-        a range of heads (``heads.rank_parts``), written from head ``head_at`` on. On a
-        GPU the copies run on ``stream`` (a side stream the caller owns), and this thread
-        waits for it."""
-        self._check(block_ids, pages, head_at)
+        a range of heads and layers (``heads.rank_parts``), written from head ``head_at``
+        and layer ``layer_at`` on. On a GPU the copies run on ``stream`` (a side stream
+        the caller owns), and this thread waits for it."""
+        self._check(block_ids, pages, head_at, layer_at)
         if not self._on_gpu:
-            self._copy(block_ids, pages, to_cache=True, head_at=head_at)
+            self._copy(block_ids, pages, to_cache=True, head_at=head_at, layer_at=layer_at)
             return
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             device_pages = pages[: len(block_ids)].to(self.device, non_blocking=True)
-            self._copy(block_ids, device_pages, to_cache=True, head_at=head_at)
+            self._copy(block_ids, device_pages, to_cache=True, head_at=head_at, layer_at=layer_at)
             (stream or torch.cuda.current_stream()).synchronize()

@@ -35,8 +35,6 @@ def unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) 
     if dtype not in DTYPE_SIZES:
         return f"kv-cache dtype {vllm_config.cache_config.cache_dtype!r} ({dtype}) is not one kvstore stores ({', '.join(sorted(DTYPE_SIZES))})"
     parallel = vllm_config.parallel_config
-    if parallel.pipeline_parallel_size > 1:
-        return f"pipeline_parallel_size {parallel.pipeline_parallel_size}: stages do not share pages yet (one stage's lookup cannot vouch for another's layers)"
     if getattr(parallel, "decode_context_parallel_size", 1) > 1:
         return f"decode_context_parallel_size {parallel.decode_context_parallel_size}: blocks split across ranks by token are not stored"
     if kv_cache_config is not None:

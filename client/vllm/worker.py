@@ -29,7 +29,7 @@ import torch
 
 from client.sync_client import KVCacheClient
 from client.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
-from client.vllm.options import ConnectorOptions, detect_layout, engine_layout, rank_client
+from client.vllm.options import ConnectorOptions, detect_layout, engine_layout, rank_client, stage_layers
 from client.vllm.paged_cache import GatherResult, PagedCache, StagingPool
 from client.vllm.stats import StatsRecorder
 from kvstore.errors import CredentialError, KVStoreError
@@ -92,7 +92,12 @@ class ConnectorWorker:
         layers = [kv_caches[n] for n in names]
         model = self._vllm_config.model_config
         heads = model.get_num_kv_heads(self._vllm_config.parallel_config)
+        pp_rank = get_pp_group().rank_in_group
         try:
+            start, end = stage_layers(self._vllm_config, pp_rank)
+            indices = [extract_layer_index(n) for n in names]
+            if indices != list(range(start, end)):  # pages name the stage's layers by position
+                raise KVStoreError(f"this worker's KV caches are of layers {indices}, not PP stage {pp_rank}'s {start} to {end - 1}")
             expected = engine_layout(self._vllm_config)
             layout = detect_layout(tuple(layers[0].shape), self._block_size, heads, model.get_head_size(), mla=expected == "vllm_mla")
             if layout != expected:
@@ -102,7 +107,7 @@ class ConnectorWorker:
             log.error("KVStoreConnector disabled on this worker: %s", exc)
             return
         self._client = rank_client(self._vllm_config, self._conf, self._options, "WORKER", layout=layout,
-                                   tp_rank=get_tp_group().rank_in_group, pp_rank=get_pp_group().rank_in_group)
+                                   tp_rank=get_tp_group().rank_in_group, pp_rank=pp_rank)
         buffers = self._conf.load_threads + 1  # every load at once, and one save
         self._staging = StagingPool(self._cache, buffers, self._conf.staging_bytes // buffers // self._client.namespace.page_nbytes)
         self._loader = ThreadPoolExecutor(self._conf.load_threads, thread_name_prefix="kvstore-load")
@@ -149,7 +154,7 @@ class ConnectorWorker:
             elif self._client.heads.identity:
                 pages = self._staging.take(len(spec.block_ids))
                 got = self._client.get_found(spec.found, pages, start_block=spec.start_block) // self._block_size
-                parts = [(pages[spec.start_block : got], 0)]
+                parts = [(pages[spec.start_block : got], 0, 0)]
             else:
                 # Head groups: this rank's heads go from the fetched units straight into the
                 # cache, from one buffer of the pool (no client staging, no merge into rank
@@ -163,8 +168,8 @@ class ConnectorWorker:
             if got > spec.start_block:
                 if after is not None:
                     self._load_stream.wait_event(after)
-                for part, head_at in parts:
-                    self._cache.scatter(part, spec.block_ids[spec.start_block : got], self._load_stream, head_at=head_at)
+                for part, head_at, layer_at in parts:
+                    self._cache.scatter(part, spec.block_ids[spec.start_block : got], self._load_stream, head_at=head_at, layer_at=layer_at)
         except CredentialError as exc:
             self._credential_refused(exc)
             got = spec.start_block

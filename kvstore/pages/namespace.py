@@ -84,6 +84,9 @@ class Namespace(BaseModel):
     format_version: int = Field(default=FORMAT_VERSION, ge=1)
     total_kv_heads: int = Field(default=0, ge=0, description="KV heads of the model (0: num_kv_heads * tp_size); needed when tp_size exceeds them (replicated heads)")
     head_groups: int = Field(default=0, ge=0, description="groups the model's KV heads are stored in, one page each per block; engines of different TP sizes share pages when they agree on it (0: min(tp_size, KV heads))")
+    total_layers: int = Field(default=0, ge=0, description="layers of the model (0: num_layers); set for a pipeline stage, whose pages are then stored as layer groups that engines of any PP split share")
+    first_layer: int = Field(default=0, ge=0, description="the model layer this pipeline stage's first layer is")
+    layer_groups: int = Field(default=0, ge=0, description="groups the model's layers are stored in, one unit each per block and head group; engines of different PP sizes share pages when they agree on it and their stages hold whole groups (0: one group)")
     weights: str = Field(default="", max_length=256, description="which weights computed the KV: an operator's revision (weights_revision) or a fingerprint of the checkpoint's files; new weights under the same model name never read the old pages (empty: not stated)")
 
     @field_validator("dtype", mode="before")
@@ -113,6 +116,15 @@ class Namespace(BaseModel):
                 raise ValueError(f"with tp_size {self.tp_size} above total_kv_heads {total}, each rank holds 1 replicated head and tp_size must be a multiple of {total}")
         if total % self.groups:
             raise ValueError(f"head_groups {self.groups} must divide the model's {total} KV heads")
+        layers, groups = self.model_layers, self.lgroups
+        if self.first_layer + self.num_layers > layers:
+            raise ValueError(f"layers {self.first_layer} to {self.first_layer + self.num_layers - 1} lie past the model's {layers}")
+        if layers % groups or self.first_layer % (layers // groups) or self.num_layers % (layers // groups):
+            raise ValueError(f"layer_groups {groups} must divide the model's {layers} layers into groups this stage "
+                             f"(layers {self.first_layer} to {self.first_layer + self.num_layers - 1}) holds whole")
+        if self.num_layers > layers // groups and self.groups > 1 and not self.stores_all_heads:
+            raise ValueError(f"a rank holding part of the heads ({self.groups} head groups, tp_size {self.tp_size}) must hold one layer group, "
+                             f"not {self.num_layers // (layers // groups)}: its units would not be consecutive")
         return self
 
     def model_copy(self, *, update: dict | None = None, deep: bool = False) -> Namespace:
@@ -125,7 +137,7 @@ class Namespace(BaseModel):
         """The exact text hashed into the digest: sorted keys, no spaces. Fields added
         after format 1 appear only when set, so older namespaces keep their digests."""
         fields = self.model_dump()
-        for late in ("total_kv_heads", "head_groups", "weights"):
+        for late in ("total_kv_heads", "head_groups", "weights", "total_layers", "first_layer", "layer_groups"):
             if not fields[late]:
                 del fields[late]
         return json.dumps(fields, sort_keys=True, separators=(",", ":"))
@@ -143,6 +155,30 @@ class Namespace(BaseModel):
     @property
     def group_heads(self) -> int:
         return self.total_heads // self.groups
+
+    @property
+    def stores_all_heads(self) -> bool:
+        """Whether this rank holds every KV head of the model."""
+        return self.head_range == (0, self.total_heads)
+
+    @property
+    def model_layers(self) -> int:
+        """The model's layers (every pipeline stage's together)."""
+        return self.total_layers or self.num_layers
+
+    @property
+    def lgroups(self) -> int:
+        """Layer groups a block is stored in (kvstore.pages.heads)."""
+        return self.layer_groups or 1
+
+    @property
+    def group_layers(self) -> int:
+        return self.model_layers // self.lgroups
+
+    @property
+    def layer_dim(self) -> int:
+        """The index of the layer dimension in ``page_shape``."""
+        return _DIMS[self.layout].index("L")
 
     @property
     def head_range(self) -> tuple[int, int]:
@@ -173,14 +209,20 @@ class Namespace(BaseModel):
         """What this rank's pages are stored as, the same for every TP layout of the
         model: the TP=1 namespace of all heads, with the head groups when more than one.
         Its digest names the index namespace and goes into every block hash. With one
-        group it equals the TP=1 namespace, so a TP=1 engine's pages are what they were."""
-        return self.model_copy(update={"num_kv_heads": self.total_heads, "tp_rank": 0, "tp_size": 1, "total_kv_heads": 0,
-                                       "head_groups": self.groups if self.groups > 1 else 0})
+        group it equals the TP=1 namespace, so a TP=1 engine's pages are what they were.
+        A pipeline stage (``total_layers`` set) is stored as the whole model's layers in
+        its layer groups, the same for every PP split (``pp_rank`` 0)."""
+        update = {"num_kv_heads": self.total_heads, "tp_rank": 0, "tp_size": 1, "total_kv_heads": 0,
+                  "head_groups": self.groups if self.groups > 1 else 0, "num_layers": self.model_layers, "total_layers": 0,
+                  "first_layer": 0, "layer_groups": self.lgroups if self.lgroups > 1 else 0}
+        if self.total_layers:
+            update["pp_rank"] = 0
+        return self.model_copy(update=update)
 
     @property
     def unit_shape(self) -> tuple[int, ...]:
-        """Shape of one stored unit: a page of one head group."""
-        return self._shape(self.group_heads)
+        """Shape of one stored unit: a page of one head group and one layer group."""
+        return self._shape(self.group_heads, self.group_layers)
 
     @property
     def unit_nbytes(self) -> int:
@@ -209,10 +251,10 @@ class Namespace(BaseModel):
     @property
     def page_shape(self) -> tuple[int, ...]:
         """Shape of one page (one block of tokens, every layer) in this layout."""
-        return self._shape(self.num_kv_heads)
+        return self._shape(self.num_kv_heads, self.num_layers)
 
-    def _shape(self, heads: int) -> tuple[int, ...]:
-        sizes = {"2": 2, "L": self.num_layers, "B": self.block_size, "H": heads, "D": self.head_size, "KV": 2 * self.head_size}
+    def _shape(self, heads: int, layers: int) -> tuple[int, ...]:
+        sizes = {"2": 2, "L": layers, "B": self.block_size, "H": heads, "D": self.head_size, "KV": 2 * self.head_size}
         return tuple(sizes[d] for d in _DIMS[self.layout])
 
     @property
