@@ -34,7 +34,7 @@ from client.placement import place
 from client.sequences import LookupBufferAPI, leading, whole_blocks
 from client.staging import host_buffers
 from client.stats import ClientStats
-from kvstore.errors import CredentialError, Fault, IndexScriptError, InvalidInputError, RemoteFault
+from kvstore.errors import CredentialError, Fault, IndexScriptError, InvalidInputError, KVStoreError, RemoteFault
 from kvstore.index import AsyncPageIndex, LookupResult, NodeInfo, PageLocation
 from kvstore.index.routing import INDEX_TIMEOUT
 from kvstore.pages import heads, keys
@@ -410,7 +410,7 @@ class AsyncKVCacheClient(LookupBufferAPI):
     def namespace_registered(self) -> bool:
         return self._namespace_registered
 
-    def lookup_failed(self, exc: RemoteFault | IndexScriptError) -> None:
+    def lookup_failed(self, exc: KVStoreError) -> None:
         """A lookup the index could not answer: counted and logged, a miss (None)."""
         if isinstance(exc, IndexScriptError):
             self.stats.index_script_errors += 1
@@ -420,10 +420,16 @@ class AsyncKVCacheClient(LookupBufferAPI):
             log.warning("lookup failed, counting as a miss: %s", exc)
         return None
 
-    def resolve_lookup(self, found: Any, nodes: list[NodeInfo]) -> LookupResult:
+    def resolve_lookup(self, found: Any, nodes: list[NodeInfo]) -> LookupResult | None:
         """The index's answer with replicas of stale incarnations dropped (an entry
-        counts only while the registry names the same incarnation of its node)."""
+        counts only while the registry names the same incarnation of its node). A shard
+        that failed after the first segment shortens the prefix; one that failed on the
+        first (a single index that cannot be reached: nothing was answered) is a fault,
+        None, as an index that raised: the vLLM scheduler counts it and its circuit
+        breaker opens on it."""
         if found.unavailable is not None:
+            if found.covered == 0:
+                return self.lookup_failed(found.unavailable)
             self.stats.index_errors += 1
             log.warning("an index shard failed, the prefix ends before its segments: %s", found.unavailable)
         return found.resolve(nodes)

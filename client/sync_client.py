@@ -153,7 +153,8 @@ class KVCacheClient:
                     found = index.lookup(inner.storage, joined, units=(inner.heads.first, inner.heads.count))
         except (RemoteFault, IndexScriptError) as exc:
             return inner.lookup_failed(exc)
-        return inner.stored_prefix(joined, inner.resolve_lookup(found, nodes))
+        result = inner.resolve_lookup(found, nodes)
+        return None if result is None else inner.stored_prefix(joined, result)
 
     def _adopt(self, nodes: list[NodeInfo] | Exception, read_at: float) -> list[NodeInfo]:
         """The node list ``find`` read with its lookup, handed to the loop's directory;

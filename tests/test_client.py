@@ -474,3 +474,14 @@ def test_a_fresh_same_host_client_maps_its_tenants_slabs_at_start(cluster):
         assert torch.equal(out.view(torch.int16), pages.view(torch.int16))
     with KVCacheClient(cluster.redis_url, other) as stranger:
         assert not _mapped_slabs(stranger) & written
+
+
+@pytest.mark.parametrize("url", ["redis://kvstore-no-such-host.invalid:6379/0", "redis://127.0.0.1:1/0"], ids=["unresolvable", "refused"])
+def test_an_index_that_cannot_be_reached_is_a_fault_not_a_shorter_prefix(url):
+    """README once showed a Kubernetes Service name, pasted where it does not resolve:
+    the lookup answered "0 stored" and nothing counted a fault, so the vLLM scheduler's
+    breaker never opened. Nothing answered is a fault (None), counted."""
+    with KVCacheClient(url, make_ns("unreachable"), timeout=1) as cl:
+        tokens = list(range(3 * BLOCK))
+        assert cl.lookup_checked(tokens) is None and cl.find(tokens) is None and cl.lookup(tokens) == 0
+        assert cl.stats.index_errors >= 2
