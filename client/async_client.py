@@ -144,6 +144,7 @@ class AsyncKVCacheClient(LookupBufferAPI):
         )
         self.nodes = NodeDirectory(self.index, self.stats, token=opts.auth_token.get_secret_value(), same_host=opts.same_host, refresh=opts.node_refresh)
         self._namespace_registered = False
+        self.namespace_error: str | None = None  # why the last registration of the namespace failed
         self._buffers = host_buffers()
         self._connecting: asyncio.Future | None = None  # start's connections and probes (``NodeDirectory.connect``)
 
@@ -440,6 +441,7 @@ class AsyncKVCacheClient(LookupBufferAPI):
             self._namespace_registered = True
         except Fault as exc:
             self._namespace_registered = False
+            self.namespace_error = str(exc)
             log.warning("cannot register the namespace (retried on the next call): %s", exc)
 
     async def _publish(self, hashes: list[bytes], spans: list[Span], anchors: list[bytes], positions: list[int]) -> PublishReport:

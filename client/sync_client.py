@@ -18,6 +18,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,6 +50,15 @@ def _client_loop() -> asyncio.AbstractEventLoop:
             _shared_loop = asyncio.new_event_loop()
             threading.Thread(target=_shared_loop.run_forever, name="kvstore-client", daemon=True).start()
         return _shared_loop
+
+
+@dataclass(frozen=True)
+class StartStatus:
+    """``KVCacheClient.start_status``."""
+
+    index_reached: bool
+    index_error: str | None
+    nodes: list[str]
 
 
 class KVCacheClient:
@@ -91,6 +101,13 @@ class KVCacheClient:
     @property
     def namespace(self) -> Namespace:
         return self._async.namespace
+
+    def start_status(self) -> StartStatus:
+        """What this client reached at start (and since): whether the index answered
+        (the namespace is registered), why not, and the live nodes it last read. For a
+        caller's start-up line; asks nothing."""
+        inner = self._async
+        return StartStatus(inner.namespace_registered, inner.namespace_error, [n.node_id for n in inner.nodes.last()])
 
     @property
     def stats(self) -> ClientStats:

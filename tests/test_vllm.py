@@ -303,3 +303,25 @@ def test_every_accepted_breaker_cooldown_builds_a_breaker():
         conf, _ = connector_options({"redis_url": "redis://127.0.0.1:1/0", "breaker_cooldown_s": cooldown})
         breaker = lookup_breaker(conf)
         assert breaker.cooldown == cooldown and breaker.max_cooldown >= cooldown
+
+
+def test_the_connector_takes_kvstore_variables_for_what_its_json_leaves_out(monkeypatch, tmp_path):
+    """What `kvstore up` prints (KVSTORE_REDIS_URL, KVSTORE_AUTH_TOKEN_FILE) reaches the
+    connector as it reaches any client; the JSON wins; no index URL anywhere is one
+    clear error."""
+    from client.vllm.options import connector_options, token_source
+
+    for var in ("KVSTORE_REDIS_URL", "KVSTORE_AUTH_TOKEN", "KVSTORE_AUTH_TOKEN_FILE", "KVSTORE_REPLICAS"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ValueError, match="has no index URL: put redis_url in kv_connector_extra_config or export KVSTORE_REDIS_URL"):
+        connector_options({"tenant": "a"})
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    monkeypatch.setenv("KVSTORE_REDIS_URL", "redis://10.0.0.1:6379/0")
+    monkeypatch.setenv("KVSTORE_AUTH_TOKEN_FILE", str(token))
+    monkeypatch.setenv("KVSTORE_REPLICAS", "2")
+    conf, options = connector_options({"tenant": "team-a"})
+    assert options.redis_url == "redis://10.0.0.1:6379/0" and options.auth_token.get_secret_value() == "s3cret" and options.replicas == 2
+    assert conf.tenant == "team-a" and token_source(options) == f"KVSTORE_AUTH_TOKEN_FILE ({token})"
+    _, options = connector_options({"redis_url": "redis://127.0.0.1:7000/0", "replicas": 1, "auth_token": "other"})
+    assert options.redis_url == "redis://127.0.0.1:7000/0" and options.replicas == 1 and token_source(options) == "kv_connector_extra_config"

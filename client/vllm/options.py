@@ -4,6 +4,7 @@ both sides of the connector read from vLLM's config and requests."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -12,9 +13,10 @@ from client.sync_client import KVCacheClient
 from client.vllm.breaker import CircuitBreaker
 from client.vllm.support import cache_dtype
 from kvstore.errors import InvalidInputError, KVStoreError
+from kvstore.index.routing import redact_url
 from kvstore.pages.namespace import Namespace, Tenant
 from kvstore.pages.weights import fingerprint
-from kvstore.settings.config import ByteSize, ClientOptions, client_options, first_error
+from kvstore.settings.config import ByteSize, ClientOptions, client_options, client_options_from_env, first_error
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -75,9 +77,17 @@ class ConnectorOptions(BaseModel):
 
 def connector_options(extra: dict[str, Any]) -> tuple[ConnectorOptions, ClientOptions]:
     """Split and validate ``kv_connector_extra_config``; a bad value raises
-    ``InvalidInputError`` naming the key."""
-    if "redis_url" not in extra:
-        raise InvalidInputError("kv_connector_extra_config must carry redis_url for KVStoreConnector")
+    ``InvalidInputError`` naming the key. A client option the JSON leaves out comes
+    from its ``KVSTORE_*`` variable, as for any client (what ``kvstore up`` prints and
+    the chart's NOTES set); the JSON wins. No index URL in either is an error."""
+    env = client_options_from_env()
+    from_env = {name: getattr(env, name) for name in env.model_fields_set}
+    for pair in (("auth_token", "auth_token_file"), ("redis_password", "redis_password_file")):
+        if any(name in extra for name in pair):  # the JSON's secret wins whole, in whichever form it is given
+            for name in pair:
+                from_env.pop(name, None)
+    if "redis_url" not in extra and "redis_url" not in from_env:
+        raise InvalidInputError("KVStoreConnector has no index URL: put redis_url in kv_connector_extra_config or export KVSTORE_REDIS_URL")
     own = {k: v for k, v in extra.items() if k in ConnectorOptions.model_fields}
     try:
         options = ConnectorOptions.model_validate(own)
@@ -89,8 +99,18 @@ def connector_options(extra: dict[str, Any]) -> tuple[ConnectorOptions, ClientOp
     # first) and packing. Measured in bench/vllm_ttft.py's warm engine over UCX (120 MiB,
     # 96 messages): with no pool every message got fresh memory and the load took
     # 300-620 ms; with a pool 74-87 ms. A few messages in flight fit in 128 MiB.
-    client = {"host_buffer_bytes": CONNECTOR_HOST_BUFFER_BYTES, **{k: v for k, v in extra.items() if k not in own}}
+    client = {"host_buffer_bytes": CONNECTOR_HOST_BUFFER_BYTES, **from_env, **{k: v for k, v in extra.items() if k not in own}}
     return options, client_options(**client)
+
+
+def token_source(options: ClientOptions) -> str:
+    """Where the connector's data-plane token came from, for its start line."""
+    if options.auth_token_file:
+        where = "KVSTORE_AUTH_TOKEN_FILE" if os.environ.get("KVSTORE_AUTH_TOKEN_FILE") == options.auth_token_file else "kv_connector_extra_config"
+        return f"{where} ({options.auth_token_file})"
+    if options.auth_token.get_secret_value():
+        return "KVSTORE_AUTH_TOKEN" if os.environ.get("KVSTORE_AUTH_TOKEN") == options.auth_token.get_secret_value() else "kv_connector_extra_config"
+    return "nowhere (nodes must run --anonymous)"
 
 
 def lookup_breaker(conf: ConnectorOptions) -> CircuitBreaker:
@@ -196,8 +216,19 @@ def rank_client(vllm_config: VllmConfig, conf: ConnectorOptions, options: Client
     ns = engine_namespace(vllm_config, conf, layout=layout, tp_rank=tp_rank, pp_rank=pp_rank, weights=engine_weights(vllm_config, options))
     if all_heads:  # the storage namespace is the TP=1 view of every head group
         ns = ns.storage
-    log.info("KVStoreConnector (%s) namespace %s: %s", side, ns.digest_hex, ns.canonical_json())
-    return KVCacheClient(None, ns, options=options)
+    client = KVCacheClient(None, ns, options=options)
+    log.info("KVStoreConnector (%s): %s", side, start_line(client, options))
+    return client
+
+
+def start_line(client: KVCacheClient, options: ClientOptions) -> str:
+    """One line of what the connector reached at start: the index, the live nodes,
+    the tenant, where the token came from, and the namespace."""
+    ns = client.namespace
+    status = client.start_status()
+    index = f"index {redact_url(options.redis_url)} " + ("reached" if status.index_reached else f"NOT reached ({status.index_error}): every lookup is a miss until it is")
+    return (f"{index}, {len(status.nodes)} live node(s){' (' + ', '.join(status.nodes) + ')' if status.nodes else ''}, tenant {ns.tenant}, "
+            f"token from {token_source(options)}, namespace {ns.digest_hex} ({ns.model} {ns.dtype} {ns.layout}, weights {ns.weights or '-'})")
 
 
 def request_switch(params: dict[str, Any] | None, name: str, req_id: str) -> bool:
