@@ -22,16 +22,26 @@ ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "KVSTORE_ANONYMOUS": "true"}  # no
 
 
 @pytest.mark.parametrize("shards", [1, 3])
-def test_up_serves_until_interrupted_and_leaves_no_processes(shards):
-    proc = subprocess.Popen([*KVSTORE, "up", "--servers", "2", "--capacity", "64MiB", "--slab-size", "16MiB", "--index-shards", str(shards)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+def test_up_serves_until_interrupted_and_leaves_no_processes(shards, tmp_path):
+    log_dir = tmp_path / "logs"
+    proc = subprocess.Popen([*KVSTORE, "up", "--servers", "2", "--capacity", "64MiB", "--slab-size", "16MiB", "--index-shards", str(shards),
+                             "--log-dir", str(log_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     url = None
+    shown: list[str] = []
     deadline = time.monotonic() + 60
-    while url is None and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
         line = proc.stdout.readline()
+        shown.append(line)
         if line.startswith("export KVSTORE_REDIS_URL="):
             url = line.strip().split("=", 1)[1]
+        if line.startswith("press Ctrl-C"):
+            break
     assert url, proc.stderr.read()
+    # progress while it starts, then each node's ports and log file
+    assert any("registered after" in line for line in shown) and any("faults in 64MiB of page memory" in line for line in shown), shown
+    for node in ("node-0", "node-1"):
+        line = next(x for x in shown if x.strip().startswith(f"{node}: data 127.0.0.1:"))
+        assert "metrics http://127.0.0.1:" in line and f"log {log_dir / node}.log" in line
     assert url.startswith("redis+cluster://" if shards > 1 else "redis://")
     nodes = PageIndex(url).live_nodes()
     assert sorted(n.node_id for n in nodes) == ["node-0", "node-1"]
@@ -44,9 +54,10 @@ def test_up_serves_until_interrupted_and_leaves_no_processes(shards):
     assert (f"a cluster of {shards} shard(s)" in stats.stdout) == (shards > 1)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(30) == 0
-    assert "stopped" in proc.stdout.read()
+    assert f"stopped; node logs kept in {log_dir}" in proc.stdout.read()
     time.sleep(0.2)
     assert not any(pid_alive(p) for p in pids + valkey_pids)
+    assert "kvstore-server node=node-0" in (log_dir / "node-0.log").read_text()  # kept after exit
 
 
 UNREACHABLE = f"redis://127.0.0.1:{free_port()}/0"

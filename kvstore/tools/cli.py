@@ -39,9 +39,13 @@ def _up(args: argparse.Namespace) -> int:
             raise InvalidInputError("--disk-capacity needs --disk-path (the directory the nodes' disk tiers live in)")
         if args.disk_path and not args.disk_capacity:
             raise InvalidInputError("--disk-path needs --disk-capacity (bytes each node's disk tier may take, e.g. 100GiB)")
+        # the nodes' logs outlive `kvstore up`: they are where a failed start or a
+        # refused client is explained
+        log_dir = None if args.verbose else (args.log_dir or tempfile.mkdtemp(prefix="kvstore-up-logs-"))
         cluster = LocalCluster(args.servers, args.capacity, redis_url=args.redis_url, redis_password=password, index_shards=args.index_shards,
                                slab_size=args.slab_size, quiet=not args.verbose, env=token_env, disk_path=args.disk_path, disk_capacity=args.disk_capacity,
-                               extra_args=["--disk-policy", args.disk_policy] if args.disk_path else None)
+                               extra_args=["--disk-policy", args.disk_policy] if args.disk_path else None, log_dir=log_dir,
+                               progress=lambda line: print(f"kvstore up: {line}", flush=True))
         return _serve(args, cluster, token_note)
 
 
@@ -79,16 +83,35 @@ def _serve(args: argparse.Namespace, cluster: Any, token_note: str) -> int:
         # every option it is not given (a password stays out of the printed URL)
         print(f"export KVSTORE_REDIS_URL={redact_url(cluster.redis_url)}", flush=True)
         print(token_note, flush=True)
-        if cluster.log_dir is not None:
-            print(f"node logs: {cluster.log_dir}/<node id>.log (--verbose shows them here)", flush=True)
+        for line in _node_lines(cluster):
+            print(line, flush=True)
         print("press Ctrl-C to stop", flush=True)
         while not stop.wait(0.5):
             if all(n.process.poll() is not None for n in cluster.nodes):
                 reasons = "; ".join(f"{n.node_id} (exit {n.process.returncode}): {n.exit_reason()}" for n in cluster.nodes)
                 print(f"kvstore up: all storage nodes exited: {reasons}", file=sys.stderr)
                 return EXIT_FAILED
-    print("stopped")
+    print("stopped" + (f"; node logs kept in {cluster.log_dir}" if cluster.log_dir is not None else ""))
     return 0
+
+
+def _node_lines(cluster: Any) -> list[str]:
+    """One line per storage node: its data-plane address, metrics port and log file,
+    from the registry (what clients see)."""
+    from kvstore.index import PageIndex
+
+    index = PageIndex(cluster.redis_url, password=cluster.redis_password)
+    try:
+        registered = {n.node_id: n for n in index.live_nodes()}
+    finally:
+        index.close()
+    lines = []
+    for node in cluster.nodes:
+        info = registered.get(node.node_id)
+        metrics = info.extra.get("metrics", "none") if info else "?"
+        log = f"log {node.log_path}" if node.log_path else "log here (--verbose)"
+        lines.append(f"  {node.node_id}: data {info.address if info else 'not registered'}, metrics http://{metrics}/metrics, {log}")
+    return lines
 
 
 def _stats(args: argparse.Namespace) -> int:
@@ -226,6 +249,7 @@ def _main(argv: list[str]) -> int:
     up.add_argument("--disk-capacity", default=None, help="bytes each node's disk tier may take, e.g. 100GiB (with --disk-path)")
     up.add_argument("--disk-policy", default="write-back", choices=["write-back", "write-through"], help="how pages reach disk (default write-back)")
     up.add_argument("--verbose", action="store_true", help="show the storage nodes' logs here instead of log files")
+    up.add_argument("--log-dir", default=None, help="write each node's log to DIR/<node id>.log (default: a new directory, kept after exit)")
     demo = sub.add_parser("demo", help="prefill and decode processes sharing KV through a local store")
     demo.add_argument("--servers", type=int, default=2, help="storage nodes (default 2)")
     demo.add_argument("--tokens", type=int, default=2030, help="prompt length")

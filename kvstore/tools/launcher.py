@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,8 +53,9 @@ class LocalCluster:
     every user of the host)."""
 
     def __init__(self, servers: int = 1, capacity: str = "256MiB", *, redis_url: str | None = None, redis_password: str | None = None, index_shards: int = 1, slab_size: str = "16MiB", extra_args: list[str] | None = None, env: dict[str, str] | None = None, quiet: bool = True, log_dir: str | None = None,
-                 disk_path: str | None = None, disk_capacity: str | None = None) -> None:
+                 disk_path: str | None = None, disk_capacity: str | None = None, progress: Callable[[str], None] | None = None) -> None:
         self.num_servers = servers
+        self._progress = progress or (lambda _line: None)  # `kvstore up` prints each step of a start
         self.disk_path = disk_path  # each node's disk tier is <disk_path>/<node id>
         self.disk_capacity = disk_capacity
         self.index_shards = index_shards
@@ -77,11 +79,13 @@ class LocalCluster:
 
     def start(self, timeout: float = 30.0) -> LocalCluster:
         if not self.redis_url:
+            self._progress("starting the index (embedded Valkey)")
             self.valkey = (EmbeddedValkeyCluster(self.index_shards) if self.index_shards > 1 else EmbeddedValkey()).start()
             self.redis_url = self.valkey.url
         for i in range(self.num_servers):
             self.add_node(f"node-{i}")
         if self.num_servers:
+            self._progress(f"starting {self.num_servers} storage node(s): each faults in {self.capacity} of page memory before it registers")
             self.wait_registered(timeout)
         return self
 
@@ -117,10 +121,16 @@ class LocalCluster:
 
     def wait_registered(self, timeout: float = 30.0) -> None:
         index = PageIndex(self.redis_url, password=self.redis_password)
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
+        seen: set[str] = set()
         try:
             while True:
                 live = {n.node_id for n in index.live_nodes()}
+                for node_id in sorted(live - seen):
+                    if any(n.node_id == node_id for n in self.nodes):
+                        self._progress(f"{node_id} registered after {time.monotonic() - started:.1f} s")
+                seen |= live
                 running = [n for n in self.nodes if n.process.poll() is None]
                 if all(n.node_id in live for n in running) and running:
                     return
