@@ -67,9 +67,26 @@ __all__ = ["KVStoreConnector", "KVStoreConnectorMetadata"]
 log = logging.getLogger(__name__)
 
 
+def adopt_vllm_logging() -> None:
+    """Give kvstore's loggers (``client.*``, ``kvstore.*``) vLLM's handlers and level:
+    vLLM configures only its own logger, so their INFO lines (the start line) were lost
+    and their warnings reached stderr unformatted, not naming the process. Called by
+    every connector; a logger the application configured itself is left alone."""
+    engine = logging.getLogger("vllm")
+    for name in ("client", "kvstore"):
+        ours = logging.getLogger(name)
+        if ours.handlers or not engine.handlers:
+            continue
+        for handler in engine.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(engine.getEffectiveLevel())
+        ours.propagate = False
+
+
 class KVStoreConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        adopt_vllm_logging()
         transfer = vllm_config.kv_transfer_config
         conf, options = connector_options(dict(transfer.kv_connector_extra_config or {}))
         # A store is a cache: a block that fails to load must be recomputed, not fail the
