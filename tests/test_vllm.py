@@ -50,7 +50,8 @@ def run_engine_full(model_dir: str, prompts: list[list[int]], redis_url: str | N
     assert proc.returncode == 0, proc.stderr[-4000:]
     # raw_decode: a worker process's log line may run on after the answer's line (TP=2)
     line = [line for line in proc.stdout.splitlines() if line.startswith('{"results"')][-1]
-    return {**json.JSONDecoder().raw_decode(line)[0], "stderr": proc.stderr}
+    # "log": both streams (vLLM's handlers, which the connector's loggers use, write to stdout)
+    return {**json.JSONDecoder().raw_decode(line)[0], "stderr": proc.stderr, "log": proc.stdout + proc.stderr}
 
 
 def run_engine(model_dir: str, prompts: list[list[int]], redis_url: str | None = None, role: str = "kv_both", **kwargs) -> list[dict]:
@@ -158,7 +159,7 @@ def test_a_refused_token_is_logged_once_counted_and_served_as_misses(model_dir, 
     assert [r["tokens"] for r in out["results"]] == [baseline["B"], baseline["A"]]
     assert out["metrics"]["lookup_hit_tokens"] > 0  # the index knew the pages: the loads were tried and refused
     assert out["metrics"]["credential_refusals"] >= 2 and out["metrics"]["load_bytes"] == 0
-    assert sum("refused this engine's credentials" in line for line in out["stderr"].splitlines()) == 1
+    assert sum("refused this engine's credentials" in line for line in out["log"].splitlines()) == 1
 
 
 def test_the_comparison_is_sensitive_to_the_loaded_kv(model_dir, baseline):
