@@ -44,7 +44,7 @@ from kvstore.pages.identity import BlockExtras, RequestIdentity, resolve
 from kvstore.pages.namespace import Namespace
 from kvstore.settings.config import ClientOptions, client_options, client_options_from_env
 from kvstore.wire import protocol as P
-from kvstore.wire.transport import cuda_capable, ensure_ucx
+from kvstore.wire.transport import ensure_ucx
 
 log = logging.getLogger(__name__)
 # Longest a client's start waits for its connections to the live nodes (the rest
@@ -605,16 +605,15 @@ class AsyncKVCacheClient(LookupBufferAPI):
     def _mode_for(self, out: torch.Tensor) -> str:
         if out.device.type == "cpu":
             return "staged" if self.transfer_mode == "staged" else "direct"
-        # Device memory cannot be mapped from a node's shared memory: with the same-host
-        # path on, pages reach the device through pinned host staging.
+        # Device memory is reached through pinned host staging: every page is checked
+        # against its checksum as it lands, and the check reads host memory. A receive
+        # straight into device memory (UCX's cuda_copy) raised in that check, so each
+        # such get counted a healthy node as failed and missed; 'auto' picked it on every
+        # CUDA-capable UCX build without the same-host path (found reading the GPU
+        # check's code paths, bench/gpu_check.py; no GPU was lent to measure it).
         if self.transfer_mode == "direct":
-            if not cuda_capable():
-                raise InvalidInputError("transfer_mode='direct' into CUDA memory needs a UCX build with CUDA transports; use 'auto' or 'staged'")
-            if self.nodes.same_host:
-                raise InvalidInputError("transfer_mode='direct' into CUDA memory needs same_host=False (shared memory is host memory); use 'auto' or 'staged'")
-            return "direct"
-        if self.transfer_mode == "auto" and cuda_capable() and not self.nodes.same_host:
-            return "direct"
+            raise InvalidInputError(f"transfer_mode='direct' into {out.device.type} memory is not offered: a page received there cannot be "
+                                    "checked against its checksum; use 'auto' or 'staged' (pinned host memory, checked, then one copy to the device)")
         return "staged"
 
     def _check_pages(self, name: str, t: torch.Tensor, count: int, at_least: bool) -> None:
