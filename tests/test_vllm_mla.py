@@ -139,7 +139,7 @@ def test_an_engine_the_store_cannot_serve_is_refused_in_one_line(mla_dir):
     mla = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=LATENT, dtype=torch.float32)
     window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=64)
     assert unsupported(config(), groups(mla)) is None and unsupported(config(), groups(full)) is None
-    assert unsupported(config(pipeline_parallel_size=2), groups(mla)).startswith("pipeline_parallel_size 2")
+    assert unsupported(config(pipeline_parallel_size=2), groups(mla)) is None  # served as layer groups (tests/test_vllm_pp.py)
     assert unsupported(config(), groups(full, window)) == "2 KV-cache groups (FullAttentionSpec, SlidingWindowSpec): hybrid attention is not stored yet"
     assert unsupported(config(), groups(window)) == "attention of kind SlidingWindowSpec (kvstore stores FullAttentionSpec and MLAAttentionSpec)"
     odd = config()

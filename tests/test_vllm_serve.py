@@ -38,14 +38,7 @@ def served_model(tmp_path_factory) -> str:
     """The tiny Llama with a word-level tokenizer (t0 ... t511), which the server needs."""
     path = tmp_path_factory.mktemp("tiny-llama-served")
     subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_engine.py"), "write-model", str(path)], check=True, capture_output=True, timeout=300)
-    subprocess.run([sys.executable, "-c", f"""
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
-tok = Tokenizer(models.WordLevel(vocab={{f"t{{i}}": i for i in range(512)}}, unk_token="t0"))
-tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-tok.decoder = decoders.WordPiece()
-PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained({str(path)!r})
-"""], check=True, capture_output=True, timeout=120)
+    subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_engine.py"), "write-tokenizer", str(path)], check=True, capture_output=True, timeout=120)
     return str(path)
 
 

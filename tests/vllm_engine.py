@@ -34,7 +34,8 @@ Prometheus values (the connector's statistics as vLLM exports them), at the end 
 ``python tests/vllm_engine.py write-model DIR ['{"hidden_size": 1024, ...}']`` writes the
 model (the JSON overrides LlamaConfig fields; the bench uses a larger one; its ``seed``
 key, default 0, seeds the random weights instead: the same config, other weights);
-``write-mla-model DIR`` writes a tiny DeepSeek-V2 (MLA, block size 16)."""
+``write-mla-model DIR`` writes a tiny DeepSeek-V2 (MLA, block size 16);
+``write-tokenizer DIR`` adds a word-level tokenizer (``t0`` ... ``t511``)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,18 @@ def write_tiny_deepseek(path: str) -> None:
         moe_intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2, vocab_size=512, max_position_embeddings=512,
         initializer_range=0.2, torch_dtype="float32", tie_word_embeddings=False,
     )).save_pretrained(path)
+
+
+def write_word_tokenizer(path: str, vocab: int = 512) -> None:
+    """A word-level tokenizer, ``t0`` ... ``t<vocab-1>`` one token each, for what needs
+    text (vLLM's OpenAI server, ``vllm bench serve``): ``"t5 t7"`` is tokens 5 and 7."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(path)
 
 
 def kvstore_metrics(llm) -> dict:
@@ -248,6 +261,9 @@ def main() -> int:
 if __name__ == "__main__":
     if sys.argv[1] == "write-model":
         write_tiny_llama(sys.argv[2], json.loads(sys.argv[3]) if len(sys.argv) > 3 else None)
+        sys.exit(0)
+    if sys.argv[1] == "write-tokenizer":
+        write_word_tokenizer(sys.argv[2])
         sys.exit(0)
     if sys.argv[1] == "write-mla-model":
         write_tiny_deepseek(sys.argv[2])
