@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from client.buffers import Span
-from client.connection import ClosedBeforeUseError, NodeConnection, SameHostUnavailableError, ShmConnection
+from client.connection import ClosedBeforeUseError, NodeConnection, NodeRefusedError, SameHostUnavailableError, ShmConnection
 from client.placement import rank_nodes
 from client.stats import ClientStats
 from kvstore.errors import RemoteFault
@@ -45,6 +45,7 @@ class NodeDirectory:
         self._shm_failed: dict[str, str] = {}  # node id -> incarnation whose Unix socket failed
         self._suspect: dict[str, float] = {}  # node id -> skipped until (monotonic)
         self._strikes: dict[str, int] = {}  # node id -> failures since its last success
+        self.refused_at_start: dict[str, str] = {}  # node id -> why it refused this client's token at start
 
     async def live(self, include_suspect: bool = False) -> list[NodeInfo]:
         """Registered nodes from a cache refreshed every ``refresh`` seconds; nodes that
@@ -92,6 +93,10 @@ class NodeDirectory:
         probe = Span(np.zeros(1, dtype=np.uint8), 0, 1)
         try:
             await self.on_node(node, lambda c: c.get(namespace, [bytes(16)], [probe], [0], timeout, probe=True))
+        except NodeRefusedError as exc:
+            if exc.credentials:  # what a caller's start line reports (KVCacheClient.start_status)
+                self.refused_at_start[node.node_id] = exc.message
+            log.info("%s refused the start probe: %s", node.node_id, exc)
         except RemoteFault as exc:
             log.info("cannot reach %s at start: %s", node.node_id, exc)
 

@@ -59,6 +59,7 @@ class StartStatus:
     index_reached: bool
     index_error: str | None
     nodes: list[str]
+    refused: dict[str, str]  # node id -> why it refused the client's token in the start probe
 
 
 class KVCacheClient:
@@ -107,7 +108,7 @@ class KVCacheClient:
         (the namespace is registered), why not, and the live nodes it last read. For a
         caller's start-up line; asks nothing."""
         inner = self._async
-        return StartStatus(inner.namespace_registered, inner.namespace_error, [n.node_id for n in inner.nodes.last()])
+        return StartStatus(inner.namespace_registered, inner.namespace_error, [n.node_id for n in inner.nodes.last()], dict(inner.nodes.refused_at_start))
 
     @property
     def stats(self) -> ClientStats:

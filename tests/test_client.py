@@ -498,3 +498,15 @@ def test_device_memory_is_reached_through_checked_host_staging(cluster, ns):
         with pytest.raises(InvalidInputError, match="transfer_mode='direct' into meta memory is not offered"):
             cl._async._mode_for(device)
         assert cl._async._mode_for(torch.empty(1)) == "direct"  # host memory: checked where it lands
+
+
+def test_start_status_names_the_nodes_that_refused_the_token():
+    """The vLLM connector's start line reports a refused token at start (a user once
+    served for an hour storing nothing): the start probe records who refused and why."""
+    ns = make_ns("refused-at-start")
+    with LocalCluster(servers=1, capacity="64MiB", slab_size="16MiB", extra_args=["--auth-token", "s3cret"]) as c:
+        with KVCacheClient(c.redis_url, ns, timeout=2, auth_token="wrong") as cl:
+            status = cl.start_status()
+            assert status.index_reached and status.nodes == ["node-0"] and list(status.refused) == ["node-0"]
+        with KVCacheClient(c.redis_url, ns, timeout=2, auth_token="s3cret") as cl:
+            assert cl.start_status().refused == {}

@@ -227,8 +227,9 @@ def start_line(client: KVCacheClient, options: ClientOptions) -> str:
     ns = client.namespace
     status = client.start_status()
     index = f"index {redact_url(options.redis_url)} " + ("reached" if status.index_reached else f"NOT reached ({status.index_error}): every lookup is a miss until it is")
+    refused = f" REFUSED by {', '.join(sorted(status.refused))} ({next(iter(status.refused.values()))}): saves and loads will fail" if status.refused else ""
     return (f"{index}, {len(status.nodes)} live node(s){' (' + ', '.join(status.nodes) + ')' if status.nodes else ''}, tenant {ns.tenant}, "
-            f"token from {token_source(options)}, namespace {ns.digest_hex} ({ns.model} {ns.dtype} {ns.layout}, weights {ns.weights or '-'})")
+            f"token from {token_source(options)}{refused}, namespace {ns.digest_hex} ({ns.model} {ns.dtype} {ns.layout}, weights {ns.weights or '-'})")
 
 
 def request_switch(params: dict[str, Any] | None, name: str, req_id: str) -> bool:
