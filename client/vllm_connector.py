@@ -67,17 +67,32 @@ __all__ = ["KVStoreConnector", "KVStoreConnectorMetadata"]
 log = logging.getLogger(__name__)
 
 
+class _NamesTheConnector(logging.Filter):
+    """Starts every line of kvstore's loggers with "KVStoreConnector: ", so an operator
+    reading an engine's log knows whose line it is (the client's own lines, such as
+    "lookup failed, counting as a miss", do not say)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("KVStoreConnector"):
+            record.msg = f"KVStoreConnector: {record.msg}"
+        return True
+
+
 def adopt_vllm_logging() -> None:
-    """Give kvstore's loggers (``client.*``, ``kvstore.*``) vLLM's handlers and level:
-    vLLM configures only its own logger, so their INFO lines (the start line) were lost
-    and their warnings reached stderr unformatted, not naming the process. Called by
+    """Give kvstore's loggers (``client.*``, ``kvstore.*``) handlers like vLLM's (its
+    stream, format and level), each line naming the connector: vLLM configures only its
+    own logger, so their INFO lines (the start line) were lost and their warnings
+    reached stderr unformatted, naming neither the process nor the connector. Called by
     every connector; a logger the application configured itself is left alone."""
     engine = logging.getLogger("vllm")
     for name in ("client", "kvstore"):
         ours = logging.getLogger(name)
         if ours.handlers or not engine.handlers:
             continue
-        for handler in engine.handlers:
+        for theirs in engine.handlers:
+            handler = logging.StreamHandler(getattr(theirs, "stream", None))
+            handler.setFormatter(theirs.formatter)
+            handler.addFilter(_NamesTheConnector())
             ours.addHandler(handler)
         ours.setLevel(engine.getEffectiveLevel())
         ours.propagate = False
