@@ -27,13 +27,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvstore.tools.launcher import LocalCluster  # noqa: E402
 from kvstore.tools.procutil import free_port  # noqa: E402
+from tests.openai_server import OpenAIServer  # noqa: E402
 
 ENGINE = ROOT / "tests" / "vllm_engine.py"
 # bench/vllm_ttft.py's model: large enough that a prefill costs what a load saves
@@ -69,36 +67,13 @@ def conversations(count: int, turns: int, system: int, user: int, answer: int, s
     return out
 
 
-class Server:
+def start_server(model: str, redis_url: str | None, log: Path) -> OpenAIServer:
     """The OpenAI server on a free port; with ``redis_url``, the connector against it."""
-
-    def __init__(self, model: str, redis_url: str | None, log: Path) -> None:
-        self.port = free_port()
-        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(self.port),
-                "--host", "127.0.0.1", *SERVER, *(["--kv-transfer-config", CONNECTOR] if redis_url else [])]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo", "VLLM_CPU_KVCACHE_SPACE": "2",
-               **({"KVSTORE_REDIS_URL": redis_url} if redis_url else {})}
-        self.log = open(log, "ab")  # noqa: SIM115 - closed in stop
-        self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited; see {log}")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2)
-                return
-            except OSError:
-                time.sleep(1)
-        raise RuntimeError(f"the server did not answer /health within 300 s; see {log}")
-
-    def kvstore(self, name: str) -> float:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
-            return sum(float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines() if line.startswith(f"vllm:kvstore_{name}{{"))
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(60)
-        self.log.close()
+    port = free_port()
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
+            "--host", "127.0.0.1", *SERVER, *(["--kv-transfer-config", CONNECTOR] if redis_url else [])]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2", **({"KVSTORE_REDIS_URL": redis_url} if redis_url else {})}
+    return OpenAIServer(argv, env, log, port)
 
 
 def bench_round(port: int, model: str, prompts: list[str], output_len: int, concurrency: int, work: Path) -> dict:
@@ -143,12 +118,12 @@ def main() -> int:
                 prompts = [c[turn] for c in convs]
                 # interleaved: each round, both, each after a restart; which goes first alternates
                 for system in ("kvstore", "no connector")[:: 1 if turn % 2 == 0 else -1]:
-                    server = Server(model, cluster.redis_url if system == "kvstore" else None, work / f"{system}-{turn}.log")
+                    server = start_server(model, cluster.redis_url if system == "kvstore" else None, work / f"{system}-{turn}.log")
                     try:
                         result = bench_round(server.port, model, prompts, args.output, args.concurrency, work)
                         if system == "kvstore":
-                            asked = server.kvstore("lookup_prompt_tokens_total")
-                            result["hit_rate"] = server.kvstore("lookup_hit_tokens_total") / asked if asked else 0.0
+                            asked = server.kvstore_metric("lookup_prompt_tokens_total")
+                            result["hit_rate"] = server.kvstore_metric("lookup_hit_tokens_total") / asked if asked else 0.0
                     finally:
                         server.stop()
                     rows.append((turn, system, result))

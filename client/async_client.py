@@ -192,8 +192,7 @@ class AsyncKVCacheClient(LookupBufferAPI):
         ``identity`` (``kvstore.pages.identity``: the adapter, salt, multimodal items and
         prompt embeddings the KV depends on; None for a plain request). Every paged and
         lookup-buffer call keys its pages with it."""
-        extras = resolve(identity, self.storage.block_size, len(token_ids)) if identity is not None else None
-        return block_hash_bytes(self.storage, token_ids, extras) if extras else block_hash_bytes(self.storage, token_ids)
+        return block_hash_bytes(self.storage, token_ids, resolve(identity, self.storage.block_size, len(token_ids)))
 
     async def lookup(self, token_ids: Any, *, identity: Identity = None) -> int:
         """Tokens of ``token_ids`` covered by stored full blocks (a multiple of block_size),

@@ -160,6 +160,8 @@ def test_a_refused_token_is_logged_once_counted_and_served_as_misses(model_dir, 
     assert out["metrics"]["lookup_hit_tokens"] > 0  # the index knew the pages: the loads were tried and refused
     assert out["metrics"]["credential_refusals"] >= 2 and out["metrics"]["load_bytes"] == 0
     assert sum("refused this engine's credentials" in line for line in out["log"].splitlines()) == 1
+    # and said at start, in the connector's start line
+    assert any("KVStoreConnector" in line and "REFUSED by node-0" in line for line in out["log"].splitlines()), out["log"][-3000:]
 
 
 def test_the_comparison_is_sensitive_to_the_loaded_kv(model_dir, baseline):

@@ -7,11 +7,9 @@ loaded from the store with the same output. Skipped when vLLM is not installed."
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
@@ -21,6 +19,7 @@ pytest.importorskip("vllm")
 from kvstore.tools.launcher import LocalCluster  # noqa: E402
 from kvstore.tools.procutil import free_port  # noqa: E402
 from tests.helpers import ROOT  # noqa: E402
+from tests.openai_server import OpenAIServer  # noqa: E402
 from tests.test_readme import blocks  # noqa: E402
 
 PROMPT = list(range(3, 103))  # 3 full blocks of 32 + 4 tokens
@@ -42,25 +41,14 @@ def served_model(tmp_path_factory) -> str:
     return str(path)
 
 
-class Server:
+class Server(OpenAIServer):
     """README's serve command on a free port, with the exports in its environment."""
 
     def __init__(self, model: str, redis_url: str, log: str) -> None:
-        self.port = free_port()
+        port = free_port()
         argv = [sys.executable if a == "python" else a for a in serve_command()]
-        argv = [model if a == "MODEL_DIR" else str(self.port) if a == "8000" else a for a in argv]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo", "VLLM_CPU_KVCACHE_SPACE": "1", "KVSTORE_REDIS_URL": redis_url}
-        self.log = open(log, "ab")  # noqa: SIM115 - closed in stop
-        self.proc = subprocess.Popen([*argv, "--host", "127.0.0.1", *TINY], env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, open(log).read()[-3000:]
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2)
-                return
-            except OSError:
-                time.sleep(1)
-        raise AssertionError("the server did not answer /health within 240 s")
+        argv = [model if a == "MODEL_DIR" else str(port) if a == "8000" else a for a in argv]
+        super().__init__([*argv, "--host", "127.0.0.1", *TINY], {"VLLM_CPU_KVCACHE_SPACE": "1", "KVSTORE_REDIS_URL": redis_url}, log, port, wait_s=240)
 
     def complete(self, prompt: list[int], **extra) -> str:
         """A streamed completion's text, joined from its server-sent events."""
@@ -79,13 +67,7 @@ class Server:
             return json.load(r)["data"][0]["id"]
 
     def metric(self, name: str) -> float:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
-            return sum(float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines() if line.startswith(f"vllm:kvstore_{name}{{"))
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(60)
-        self.log.close()
+        return self.kvstore_metric(name)
 
 
 def test_the_openai_server_stores_and_after_a_restart_loads_with_the_same_output(served_model, tmp_path):

@@ -124,7 +124,7 @@ def unknown_extra_key(request: Request, block_size: int, num_tokens: int) -> Any
 
 
 def _weights_param(params: dict[str, Any] | None) -> str | None:
-    value = (params or {}).get(WEIGHTS_PARAM) if isinstance(params, dict) else None
+    value = params.get(WEIGHTS_PARAM) if isinstance(params, dict) else None
     if value is None:
         return None
     if not isinstance(value, str) or not value:
