@@ -200,7 +200,7 @@ def test_a_short_lookup_keeps_its_lease_read_only_until_half_is_left(index, name
     """A one-segment lookup (plain GET and PTTL, not the script) grants the segment a read
     lease, leaves it alone while more than half is left (repeated lookups write nothing),
     and renews it, with the segment's expiry, once less than half is left."""
-    from kvstore.index.page_index import _single
+    from kvstore.index.driver import single as _single
     from kvstore.index.routing import Cmd
 
     def pttl(key: str) -> int:

@@ -1,14 +1,8 @@
 """Which index server holds a key, and one round trip per server for a batch of commands.
 
-``kvstore.index`` builds every request as a list of ``Cmd``; a router sends them.
-
-URL forms (docs/key-format.md "Index URL"):
-
-- ``redis://[user:password@]host:port/db``, ``rediss://...`` (TLS), ``unix:///path``:
-  one Redis/Valkey server;
-- ``redis+cluster://[user:password@]host:port[,host:port...]`` and ``rediss+cluster://``:
-  a Redis/Valkey Cluster. The hosts are seeds; the router reads the slot map from the
-  first that answers (``CLUSTER SLOTS``) and talks to every shard's primary directly.
+``kvstore.index`` builds every request as a list of ``Cmd``; a router sends them to the
+server an index URL names, or to every shard of a cluster (``kvstore.index.urls`` reads
+the URL forms; a cluster's slot map is read from its seeds with ``CLUSTER SLOTS``).
 
 ``run`` groups a batch by shard, sends each shard's commands as one pipeline, all
 shards at once (threads for ``SyncRouter``, tasks for ``AsyncRouter``), and returns the
@@ -19,149 +13,60 @@ the other shards answered; the slot map is read again on the next batch."""
 from __future__ import annotations
 
 import asyncio
-import re
 import threading
 import time
+from collections.abc import Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Callable, Generator, Sequence
-from urllib.parse import unquote, urlsplit, urlunsplit
+from typing import Any
+from urllib.parse import urlsplit
 
 import redis
 import redis.asyncio as aioredis
 from redis.backoff import NoBackoff
-from redis.crc import key_slot
 from redis.retry import Retry
 
-from kvstore.errors import IndexScriptError, IndexUnavailableError, InvalidInputError, KVStoreError
+from kvstore.errors import IndexScriptError, IndexUnavailableError, KVStoreError
+from kvstore.index.commands import Cmd
+from kvstore.index.topology import SLOTS, Topology, topology_from_slots
+from kvstore.index.urls import (
+    CLUSTER_SCHEMES,
+    SINGLE_SCHEMES,
+    check_url,
+    redact_url,
+    seed_urls,
+    split_password,
+)
 
-SINGLE_SCHEMES = ("redis", "rediss", "unix")
-CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
-SLOTS = 16384
+# The URL helpers, Cmd and the topology lived here before they had modules of their own;
+# client/, the settings and tests still import them from this module.
+__all__ = [
+    "CLUSTER_SCHEMES",
+    "INDEX_TIMEOUT",
+    "SINGLE_SCHEMES",
+    "SLOTS",
+    "AsyncRouter",
+    "Cmd",
+    "SyncRouter",
+    "Topology",
+    "check_url",
+    "redact_url",
+    "seed_urls",
+    "split_password",
+]
+
 # Seconds one index command may take before its shard counts as unavailable.
 INDEX_TIMEOUT = 2.0
 # A slot map is read again at most this often, however many batches fail meanwhile.
 REFRESH_INTERVAL = 0.5
 
 
-def redact_url(url: str) -> str:
-    """The URL with any password replaced (in the user-info or a ``password=`` query
-    parameter, which redis-py also reads), for messages and logs."""
-    parts = urlsplit(url)
-    netloc, query = parts.netloc, parts.query
-    if parts.password is not None:
-        netloc = f"{parts.username or ''}:***@{netloc.rsplit('@', 1)[1]}"
-    if query:
-        query = re.sub(r"(?i)(^|&)(password=)[^&]*", r"\1\2***", query)
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
-
-
-def split_password(url: str) -> tuple[str, str | None]:
-    """``url`` without its password (user-info, or a ``password=`` query parameter)
-    and that password, unquoted (None when it has none), so that a launcher can put
-    the URL on a command line and hand the password over in the environment."""
-    parts = urlsplit(url)
-    netloc, password = parts.netloc, parts.password
-    if password is not None:
-        host = netloc.rsplit("@", 1)[1]
-        netloc = f"{parts.username}@{host}" if parts.username else host
-        password = unquote(password)
-    kept = []
-    for item in parts.query.split("&") if parts.query else []:
-        if item.lower().startswith("password="):
-            password = password if password is not None else unquote(item[len("password="):])
-        else:
-            kept.append(item)
-    if password is None:
-        return url, None
-    # spelled out: urlunsplit drops the empty host of unix:///path
-    query = "?" + "&".join(kept) if kept else ""
-    fragment = "#" + parts.fragment if parts.fragment else ""
-    return f"{parts.scheme}://{netloc}{parts.path}{query}{fragment}", password
-
-
-def check_url(url: str) -> str:
-    """``url`` when it is an index URL this module can use, else ``InvalidInputError``."""
-    scheme = urlsplit(url).scheme
-    if scheme not in SINGLE_SCHEMES + CLUSTER_SCHEMES:
-        raise InvalidInputError(
-            f"Redis URL must start with redis://, rediss://, unix://, redis+cluster:// or rediss+cluster://, got {redact_url(url)!r}"
-        )
-    if scheme in CLUSTER_SCHEMES and not urlsplit(url).netloc.rsplit("@", 1)[-1]:
-        raise InvalidInputError(f"a cluster URL needs at least one host:port, got {redact_url(url)!r}")
-    return url
-
-
-def seed_urls(url: str) -> list[str]:
-    """Single-server URLs: the URL itself, or one per seed host of a cluster URL."""
-    parts = urlsplit(check_url(url))
-    if parts.scheme not in CLUSTER_SCHEMES:
-        return [url]
-    creds, _, hosts = parts.netloc.rpartition("@")
-    scheme = parts.scheme.split("+", 1)[0]
-    return [urlunsplit((scheme, f"{creds}@{h}" if creds else h, "", parts.query, "")) for h in hosts.split(",") if h]
-
-
-@dataclass(frozen=True, slots=True)
-class Cmd:
-    """One command of a batch: a plain command, or a script (``script``, a
-    ``kvstore.index.scripts.LuaScript``, and
-    ``args`` holds its keys then its arguments, ``nkeys`` long; a ``readonly`` script is
-    sent with EVALSHA_RO, which users with read-only access to its keys may run).
-    Routed by ``key`` (its slot's shard) or to shard number ``shard``; ``parse`` reads
-    the raw reply."""
-
-    args: tuple[Any, ...]
-    key: str | None = None
-    shard: int | None = None
-    script: Any = None  # a kvstore.index.scripts.LuaScript
-    nkeys: int = 0
-    parse: Callable[[Any], Any] = lambda raw: raw
-    readonly: bool = False
-
-    @staticmethod
-    def run_script(script: Any, keys: Sequence[str], argv: Sequence[Any], parse: Callable[[Any], Any] = lambda raw: raw, *, readonly: bool = False) -> Cmd:
-        return Cmd((*keys, *argv), key=keys[0] if keys else None, script=script, nkeys=len(keys), parse=parse, readonly=readonly)
-
-
-@dataclass
-class Topology:
-    """Shard addresses (single-server URLs) and, for a cluster, each slot's shard."""
-
-    urls: list[str]
-    slot_shard: list[int] | None = None  # None: one server holds every key
-
-    def shard_of(self, key: str) -> int:
-        return 0 if self.slot_shard is None else self.slot_shard[key_slot(key.encode())]
-
-    @property
-    def count(self) -> int:
-        return len(self.urls)
-
-
-def _topology_from_slots(reply: Any, seed: str) -> Topology:
-    """A ``Topology`` from a ``CLUSTER SLOTS`` reply; a primary announced without a host
-    is reached at the seed's host."""
-    seed_parts = urlsplit(seed)
-    slot_shard = [-1] * SLOTS
-    urls: list[str] = []
-    for entry in reply:
-        start, end, primary = int(entry[0]), int(entry[1]), entry[2]
-        host = primary[0].decode() if isinstance(primary[0], bytes) else str(primary[0])
-        netloc = f"{host or seed_parts.hostname}:{int(primary[1])}"
-        creds = seed_parts.netloc.rpartition("@")[0]
-        url = urlunsplit((seed_parts.scheme, f"{creds}@{netloc}" if creds else netloc, "", seed_parts.query, ""))
-        if url not in urls:
-            urls.append(url)
-        slot_shard[start : end + 1] = [urls.index(url)] * (end - start + 1)
-    if not urls or -1 in slot_shard:
-        raise IndexUnavailableError(f"the cluster at {redact_url(seed)} does not cover every slot yet")
-    return Topology(urls, slot_shard)
-
-
 _TRANSIENT = (
-    redis.exceptions.MovedError, redis.exceptions.AskError, redis.exceptions.TryAgainError,
-    redis.exceptions.ClusterDownError, redis.exceptions.MasterDownError, redis.exceptions.BusyLoadingError,
+    redis.exceptions.MovedError,
+    redis.exceptions.AskError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.MasterDownError,
+    redis.exceptions.BusyLoadingError,
     redis.exceptions.ReadOnlyError,
 )
 
@@ -173,8 +78,16 @@ def _failure(exc: Exception, url: str) -> KVStoreError:
         return IndexUnavailableError(f"Redis at {redact_url(url)} is unreachable: {exc}")
     # redis-py turns these replies into their own classes and strips the prefix from
     # the text (a MOVED reply reads "2089 127.0.0.1:43967"): match both
-    if isinstance(exc, _TRANSIENT) or text.startswith(("LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "MOVED", "ASK", "READONLY")) or "non local key" in text:
-        return IndexUnavailableError(f"Redis at {redact_url(url)} cannot serve this now ({type(exc).__name__}: {exc})")  # failover or resharding
+    if (
+        isinstance(exc, _TRANSIENT)
+        or text.startswith(
+            ("LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "MOVED", "ASK", "READONLY")
+        )
+        or "non local key" in text
+    ):
+        return IndexUnavailableError(
+            f"Redis at {redact_url(url)} cannot serve this now ({type(exc).__name__}: {exc})"
+        )  # failover or resharding
     return IndexScriptError(f"Redis at {redact_url(url)} rejected the request: {exc}")
 
 
@@ -205,7 +118,9 @@ async def _send_async(client: Any, wire: list[tuple[Any, ...]]) -> list[Any]:
         return await pipe.execute(raise_on_error=False)
 
 
-def _advance(steps: Generator[Any, Any, Any], reply: Any, error: BaseException | None) -> tuple[Any, list[tuple[Any, ...]]] | None:
+def _advance(
+    steps: Generator[Any, Any, Any], reply: Any, error: BaseException | None
+) -> tuple[Any, list[tuple[Any, ...]]] | None:
     """Feed a step generator the last send's replies (or throw its error in); the next
     (client, commands) to send, or None when it is done."""
     try:
@@ -215,16 +130,22 @@ def _advance(steps: Generator[Any, Any, Any], reply: Any, error: BaseException |
 
 
 class _Router:
-    """What both flavours share: URL handling, grouping, script hashes, reply order."""
+    """Sends a batch of commands to the shards that hold their keys and puts the replies
+    in batch order, written once for both flavours (its one job: the steps below); each
+    flavour's ``_perform`` does the I/O, blocking or awaited."""
 
-    def __init__(self, url: str, scripts: Sequence[Any], *, timeout: float, password: str | None, module: Any) -> None:
+    def __init__(
+        self, url: str, scripts: Sequence[Any], *, timeout: float, password: str | None, module: Any
+    ) -> None:
         self.url = check_url(url)
         self.cluster = urlsplit(url).scheme in CLUSTER_SCHEMES
         self._seeds = seed_urls(url)
         self._scripts = scripts  # loaded again on NOSCRIPT
         # One bounded retry keeps every call within about 2 x timeout when a server is
         # gone. A separate password (from a Secret) overrides one in the URL.
-        self._client_kwargs: dict[str, Any] = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 1))
+        self._client_kwargs: dict[str, Any] = dict(
+            socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 1)
+        )
         if password:
             self._client_kwargs["password"] = password
         self._module = module
@@ -239,11 +160,19 @@ class _Router:
         return self._clients[url]
 
     def _needs_refresh(self) -> bool:
-        return self.cluster and (self.topology is None or (self._stale and time.monotonic() - self._read_at > REFRESH_INTERVAL))
+        return self.cluster and (
+            self.topology is None
+            or (self._stale and time.monotonic() - self._read_at > REFRESH_INTERVAL)
+        )
 
     def _candidates(self) -> list[str]:
         known = self.topology.urls if self.topology else []
         return list(dict.fromkeys(self._seeds + known))
+
+    def _shard_urls(self) -> list[str]:
+        """The shards' addresses, by shard number: a batch runs only after ``prepare``."""
+        assert self.topology is not None
+        return self.topology.urls
 
     def _group(self, batch: Sequence[Cmd]) -> dict[int, list[int]]:
         """Batch positions per shard number."""
@@ -251,7 +180,11 @@ class _Router:
         assert topo is not None
         groups: dict[int, list[int]] = {}
         for i, cmd in enumerate(batch):
-            shard = cmd.shard % topo.count if cmd.shard is not None else (topo.shard_of(cmd.key) if cmd.key is not None else 0)
+            shard = (
+                cmd.shard % topo.count
+                if cmd.shard is not None
+                else (topo.shard_of(cmd.key) if cmd.key is not None else 0)
+            )
             groups.setdefault(shard, []).append(i)
         return groups
 
@@ -260,7 +193,9 @@ class _Router:
             return cmd.args
         return ("EVALSHA_RO" if cmd.readonly else "EVALSHA", cmd.script.sha, cmd.nkeys, *cmd.args)
 
-    def _settle(self, batch: Sequence[Cmd], positions: list[int], raw: list[Any], url: str, out: list[Any]) -> None:
+    def _settle(
+        self, batch: Sequence[Cmd], positions: list[int], raw: list[Any], url: str, out: list[Any]
+    ) -> None:
         """Parse each reply into ``out``; errors become ``KVStoreError`` values."""
         for pos, reply in zip(positions, raw):
             if isinstance(reply, Exception):
@@ -288,7 +223,9 @@ class _Router:
     # and get the replies back (or the send's exception thrown in); each flavour's
     # ``_perform`` does the I/O, blocking or awaited.
 
-    def _shard_steps(self, batch: Sequence[Cmd], positions: list[int], url: str, out: list[Any]) -> Generator[Any, Any, None]:
+    def _shard_steps(
+        self, batch: Sequence[Cmd], positions: list[int], url: str, out: list[Any]
+    ) -> Generator[Any, Any, None]:
         """One shard's part of a batch, as one pipeline; replies land in ``out``."""
         client = self._client(url)
         try:
@@ -313,7 +250,7 @@ class _Router:
                 reply = (yield self._client(seed), [("CLUSTER", "SLOTS")])[0]
                 if isinstance(reply, Exception):
                     raise reply
-                self.topology = _topology_from_slots(reply, seed)
+                self.topology = topology_from_slots(reply, seed)
                 self._stale = False
                 return
             except (redis.RedisError, OSError, KVStoreError) as exc:
@@ -323,9 +260,17 @@ class _Router:
 
 
 class SyncRouter(_Router):
-    """redis-py (blocking). Thread-safe: redis-py pools connections per server."""
+    """The router for blocking callers (``PageIndex``), on redis-py; shards are asked from
+    a thread each. Thread-safe: redis-py pools connections per server."""
 
-    def __init__(self, url: str, scripts: Sequence[Any], *, timeout: float = INDEX_TIMEOUT, password: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        scripts: Sequence[Any],
+        *,
+        timeout: float = INDEX_TIMEOUT,
+        password: str | None = None,
+    ) -> None:
         super().__init__(url, scripts, timeout=timeout, password=password, module=redis)
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -337,20 +282,27 @@ class SyncRouter(_Router):
 
     def run(self, batch: Sequence[Cmd]) -> list[Any]:
         out: list[Any] = [None] * len(batch)
-        groups = self._group(batch)
+        groups, urls = self._group(batch), self._shard_urls()
         if len(groups) == 1:
             for shard, positions in groups.items():
-                self._run_shard(batch, positions, self.topology.urls[shard], out)
+                self._run_shard(batch, positions, urls[shard], out)
         else:
             with self._lock:
                 if self._pool is None:
-                    self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvstore-index")
-            futures = [self._pool.submit(self._run_shard, batch, pos, self.topology.urls[s], out) for s, pos in groups.items()]
+                    self._pool = ThreadPoolExecutor(
+                        max_workers=16, thread_name_prefix="kvstore-index"
+                    )
+            futures = [
+                self._pool.submit(self._run_shard, batch, pos, urls[s], out)
+                for s, pos in groups.items()
+            ]
             for future in futures:
                 future.result()
         return out
 
-    def _run_shard(self, batch: Sequence[Cmd], positions: list[int], url: str, out: list[Any]) -> None:
+    def _run_shard(
+        self, batch: Sequence[Cmd], positions: list[int], url: str, out: list[Any]
+    ) -> None:
         self._perform(self._shard_steps(batch, positions, url, out))
 
     def _refresh(self) -> None:
@@ -373,9 +325,17 @@ class SyncRouter(_Router):
 
 
 class AsyncRouter(_Router):
-    """redis.asyncio: shards are asked concurrently from the caller's event loop."""
+    """The router for asyncio callers (``AsyncPageIndex``), on redis.asyncio: shards are
+    asked concurrently from the caller's event loop."""
 
-    def __init__(self, url: str, scripts: Sequence[Any], *, timeout: float = INDEX_TIMEOUT, password: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        scripts: Sequence[Any],
+        *,
+        timeout: float = INDEX_TIMEOUT,
+        password: str | None = None,
+    ) -> None:
         super().__init__(url, scripts, timeout=timeout, password=password, module=aioredis)
         self._refreshing: asyncio.Lock | None = None
 
@@ -389,12 +349,15 @@ class AsyncRouter(_Router):
 
     async def run(self, batch: Sequence[Cmd]) -> list[Any]:
         out: list[Any] = [None] * len(batch)
-        groups = self._group(batch)
-        urls = self.topology.urls
-        await asyncio.gather(*(self._run_shard(batch, pos, urls[s], out) for s, pos in groups.items()))
+        groups, urls = self._group(batch), self._shard_urls()
+        await asyncio.gather(
+            *(self._run_shard(batch, pos, urls[s], out) for s, pos in groups.items())
+        )
         return out
 
-    async def _run_shard(self, batch: Sequence[Cmd], positions: list[int], url: str, out: list[Any]) -> None:
+    async def _run_shard(
+        self, batch: Sequence[Cmd], positions: list[int], url: str, out: list[Any]
+    ) -> None:
         await self._perform(self._shard_steps(batch, positions, url, out))
 
     async def _refresh(self) -> None:

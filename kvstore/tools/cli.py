@@ -70,7 +70,7 @@ def _data_plane_token(private_dir: str) -> tuple[dict[str, str], str]:
 
 
 def _serve(args: argparse.Namespace, cluster: Any, token_note: str) -> int:
-    from kvstore.index.routing import redact_url
+    from kvstore.index.urls import redact_url
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

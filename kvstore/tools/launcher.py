@@ -19,7 +19,7 @@ from pathlib import Path
 
 from kvstore.errors import KVStoreError
 from kvstore.index import PageIndex
-from kvstore.index.routing import split_password
+from kvstore.index.urls import split_password
 from kvstore.tools.procutil import die_with_parent
 from kvstore.tools.valkey import EmbeddedValkey, EmbeddedValkeyCluster
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import redis
 
 from kvstore.errors import KVStoreError
-from kvstore.index.routing import SLOTS
+from kvstore.index.topology import SLOTS
 from kvstore.tools.procutil import die_with_parent, free_port, pid_alive
 
 
@@ -139,7 +139,7 @@ class EmbeddedValkey:
 
 class EmbeddedValkeyCluster:
     """``shards`` Valkey primaries on 127.0.0.1 forming a Redis Cluster, the slots split
-    evenly. ``url`` is a ``redis+cluster://`` URL (kvstore.index.routing) naming every shard.
+    evenly. ``url`` is a ``redis+cluster://`` URL (kvstore.index.urls) naming every shard.
 
     A shard that stops does not take the others down: the cluster runs with
     ``cluster-require-full-coverage no``, so keys on live shards stay readable and

@@ -1,4 +1,4 @@
--- Shared helpers, prepended to every script by kvstore/index.py.
+-- Shared helpers, prepended to every script by kvstore/index/scripts.py.
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -21,3 +21,15 @@ end
 -- than the script costs the server (a lookup of 8,192 pages names 128 segments).
 local function segment_key(prefix, hex) return prefix .. 's:{' .. hex .. '}' end
 local function lease_key(prefix, hex) return prefix .. 'l:{' .. hex .. '}' end
+-- The read-lease rule, its one definition: lookup.lua and lease.lua call it, and
+-- kvstore/index/lookups.py (renew_below) sends the threshold. A segment a lookup read is
+-- held off eviction (remove.lua) for lease_ms. The lease is renewed only when less than
+-- renew_below_ms of it is left, so repeated lookups stay read-only, and a renewal pushes
+-- the segment's expiry back to ttl_ms (when set): a segment read stays in the index.
+local function hold_lease(prefix, hex, lease_ms, renew_below_ms, ttl_ms)
+  local held = lease_key(prefix, hex)
+  if redis.call('PTTL', held) >= renew_below_ms then return 0 end
+  redis.call('SET', held, '1', 'PX', lease_ms)
+  if ttl_ms > 0 then redis.call('PEXPIRE', segment_key(prefix, hex), ttl_ms) end
+  return 1
+end

@@ -1,0 +1,234 @@
+"""Lookups in the index: the entries of the longest stored prefix of a chain of page
+hashes, read under a read lease, one round trip per shard (clients call ``lookup``).
+
+Pages are indexed by segment (``kvstore.pages.keys``): a lookup of n pages reads n / 64
+keys. A shard that holds several segments of a lookup is read with lookup.lua, which
+stops at the first missing one; a shard that holds one is read with plain GET and PTTL,
+which cost its server far less (``_plain_lookup``).
+
+The read-lease rule has one definition: ``hold_lease`` in lua/common.lua, which
+lookup.lua calls for every segment it reads, and lease.lua for a segment read with
+plain commands whose lease ``renew_below`` says is due; ``renew_below`` is the rule's
+threshold, sent to both scripts."""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvstore.errors import IndexUnavailableError, KVStoreError
+from kvstore.index import checks, scripts
+from kvstore.index.commands import Cmd
+from kvstore.index.driver import IndexDriver
+from kvstore.index.records import ENTRY, HASH_PAIR, RAW_ENTRY, IndexLookup, select_records
+from kvstore.index.registry import live_nodes_cmd
+from kvstore.pages import heads, keys
+from kvstore.pages.hashing import HASH_BYTES
+from kvstore.pages.namespace import Namespace
+
+
+def renew_below(lease_ms: int) -> int:
+    """The read-lease rule's threshold: a lookup renews a segment's lease once less than
+    half of ``lease_ms`` is left, so repeated lookups stay read-only (common.lua's
+    ``hold_lease`` applies it). In whole milliseconds, as PTTL answers: a PTTL below
+    ``lease_ms / 2`` is one below this."""
+    return (lease_ms + 1) // 2
+
+
+def _plain_lookup(prefix: str, anchor: bytes, lease_ms: int) -> list[Cmd]:
+    """A shard's part of a lookup that is a single segment (every lookup of up to 64
+    blocks, and the shards of a cluster that hold one segment of it): plain ``GET`` of
+    the segment and, with a lease, ``PTTL`` of its lease; a lease that is due
+    (``renew_below``) is then renewed by lease.lua (``_renewal``). Measured on Valkey 9
+    (INFO commandstats): a lookup.lua call costs the server 24-30 us however small, of
+    which its GET is 1.5 us, so a 16-block lookup cost about 2 us of Valkey CPU per
+    block; GET and PTTL cost 1.5 us in all. Longer lookups keep the script, which reads
+    up to the first missing segment and saves the client packing a command per segment."""
+    seg = keys.segment_key(prefix, anchor)
+    if lease_ms <= 0:
+        return [Cmd(("GET", seg), key=seg)]
+    held = keys.lease_key(prefix, anchor)
+    return [Cmd(("GET", seg), key=seg), Cmd(("PTTL", held), key=held)]
+
+
+def _renewal(prefix: str, anchor: bytes, lease_ms: int, ttl_ms: int) -> Cmd:
+    """The renewal of a segment's read lease that a plain lookup found due: lease.lua,
+    by the rule lookup.lua applies (once a round trip, per segment and half a lease)."""
+    return scripts.segment_call(
+        scripts.LEASE, prefix, anchor, [lease_ms, renew_below(lease_ms), ttl_ms], anchor.hex(), []
+    )
+
+
+def _lookup_batch(
+    prefix: str, anchors: list[bytes], by_shard: dict[int, list[int]], lease_ms: int, ttl_ms: int
+) -> list[Cmd]:
+    """A lookup's commands: per shard, one call of the lookup script over its segments,
+    or plain commands for a shard that holds a single one (``_plain_lookup``)."""
+    hex_all = b"".join(anchors).hex()
+    head = [lease_ms, renew_below(lease_ms), ttl_ms]
+    batch: list[Cmd] = []
+    for js in by_shard.values():
+        if len(js) == 1:
+            batch += _plain_lookup(prefix, anchors[js[0]], lease_ms)
+        else:
+            run = (
+                hex_all
+                if len(js) == len(anchors)
+                else "".join(hex_all[32 * j : 32 * j + 32] for j in js)
+            )
+            batch.append(
+                scripts.segment_call(scripts.LOOKUP, prefix, anchors[js[0]], head, run, [])
+            )
+    return batch
+
+
+@dataclass
+class _SegmentsRead:
+    """What a lookup's replies say: which segments exist (``read``, with a False
+    sentinel after the last), their entries (``parts``: segment numbers, records), the
+    error of a shard that could not answer (its segments count as absent), and the
+    one-segment shards whose lease is due and must be renewed."""
+
+    read: np.ndarray
+    parts: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    unavailable: KVStoreError | None = None
+    renew: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_replies(
+        cls, replies: Iterator[Any], by_shard: dict[int, list[int]], segments: int, lease_ms: int
+    ) -> _SegmentsRead:
+        out = cls(np.zeros(segments + 1, dtype=bool))
+        for js in by_shard.values():
+            reply = out._plain_reply(replies, js[0], lease_ms) if len(js) == 1 else next(replies)
+            if isinstance(reply, KVStoreError):
+                out._shard_failed(reply)
+                continue
+            done = js[: len(reply)]
+            out.read[done] = True
+            counts = [len(value) // ENTRY.itemsize for value in reply]
+            out.parts.append(
+                (
+                    np.repeat(np.array(done, dtype=np.int64), counts),
+                    np.frombuffer(b"".join(reply), dtype=ENTRY),
+                )
+            )
+        return out
+
+    def _plain_reply(self, replies: Iterator[Any], segment: int, lease_ms: int) -> Any:
+        """A one-segment shard's GET (and PTTL) replies as the script's would read."""
+        value = next(replies)
+        ttl = next(replies) if lease_ms > 0 else None
+        failed = next((r for r in (value, ttl) if isinstance(r, KVStoreError)), None)
+        if failed is None and value is not None and ttl is not None and ttl < renew_below(lease_ms):
+            self.renew.append(segment)  # lease.lua holds it as lookup.lua would have
+        return failed or ([] if value is None else [value])
+
+    def _shard_failed(self, error: KVStoreError) -> None:
+        if not isinstance(error, IndexUnavailableError):
+            raise error
+        self.unavailable = error  # its segments count as absent: the prefix ends at the first
+
+    def renewed(self, replies: Iterator[Any]) -> None:
+        """Read the renewals' replies: a segment that got no lease is not read."""
+        for j in self.renew:
+            reply = next(replies)
+            if isinstance(reply, KVStoreError):
+                self._shard_failed(reply)
+                self.read[j] = False
+
+
+def _pick(
+    blob: bytes,
+    segs: list[tuple[int, int]],
+    parts: list[tuple[np.ndarray, np.ndarray]],
+    contiguous: int,
+    unavailable: KVStoreError | None,
+    first: np.ndarray,
+    need: np.ndarray,
+) -> IndexLookup:
+    """The entries of the asked pages out of the segments read (``parts``: per shard,
+    each entry's segment number and the entries), vectorised. Only the first
+    ``contiguous`` segments count (the prefix ends at the first missing one), and an
+    entry counts when it is a unit in ``[first, first + need)`` (per position) of the
+    hash asked at its position (kvstore.pages.heads; whole pages are unit 0 of themselves):
+    other chains that share the segment's anchor hold the rest."""
+    if contiguous == 0 or not parts:
+        empty = np.zeros(0, dtype=np.int64)
+        return IndexLookup(0, np.zeros(0, dtype=ENTRY), empty, empty, need[:0], unavailable)
+    seg = np.concatenate([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+    recs = (
+        np.concatenate([p[1].view(RAW_ENTRY) for p in parts]).view(ENTRY)
+        if len(parts) > 1
+        else parts[0][1]
+    )
+    asked = np.frombuffer(blob, dtype=HASH_PAIR)
+    starts = np.array([start for start, _ in segs])
+    lengths = np.array([end - start for start, end in segs])
+    inside = (seg < contiguous) & (recs["pos"] < lengths[seg])
+    position = np.where(inside, starts[seg] + recs["pos"], 0)
+    unit = heads.unit_of(asked[position], recs) - first[position]
+    ok = inside & (unit >= 0) & (unit < need[position])
+    covered = segs[contiguous - 1][1]
+    return IndexLookup(
+        covered, select_records(recs, ok), position[ok], unit[ok], need[:covered], unavailable
+    )
+
+
+class LookupMethods(IndexDriver):
+    """Reads the longest stored prefix of a chain of page hashes under a read lease
+    (its one job), for clients: ``lookup``."""
+
+    def lookup(
+        self,
+        namespace: Namespace | keys.NamespaceKey,
+        hashes: Sequence[bytes] | bytes,
+        *,
+        breaks: Sequence[int] = (),
+        lease_ms: int | None = None,
+        units: tuple[int, int] = (0, 1),
+        with_nodes: bool = False,
+    ) -> Any:
+        """Entries for the longest stored prefix of ``hashes`` (chains start at 0 and at
+        each of ``breaks``), with a read lease: an ``IndexLookup`` to ``resolve`` against
+        live nodes. One round trip per shard, all shards at once (and a second one to
+        renew leases of one-segment shards, ``_plain_lookup``); a shard that fails
+        ends the prefix at its first segment (a shorter prefix, never an error).
+        ``units`` ``(first, count)``: each hash of the first chain is a block whose head
+        groups ``first`` to ``first + count - 1`` must all be stored (kvstore.pages.heads);
+        hashes of later chains are whole pages. ``hashes`` may come joined
+        (``block_hash_bytes``), which spares an object per block. ``with_nodes``: the
+        registry's live nodes are read in the same round trip, and the answer is
+        ``(IndexLookup, nodes)``, nodes being ``live_nodes``' list or the error that
+        read met (a lookup that found its node list stale pays no second round trip)."""
+        prefix = checks.namespace_key(namespace).prefix
+        blob = checks.joined_hashes(hashes, "lookup", joined_ok=True)
+        n = len(blob) // HASH_BYTES
+        head_chain = min([b for b in breaks if b > 0], default=n)
+        first = np.zeros(n, dtype=np.int64)
+        need = np.ones(n, dtype=np.int64)
+        first[:head_chain], need[:head_chain] = units
+        lease = self.lease_ms if lease_ms is None else lease_ms
+        segs = keys.segments(n, breaks)
+        anchors = [blob[HASH_BYTES * start : HASH_BYTES * start + HASH_BYTES] for start, _ in segs]
+
+        def steps() -> Generator[list[Cmd], list[Any], Any]:
+            by_shard, ttl_ms = self._anchors_by_shard(prefix, anchors), self.entry_ttl_ms
+            replies = yield _lookup_batch(prefix, anchors, by_shard, lease, ttl_ms) + (
+                [live_nodes_cmd()] if with_nodes else []
+            )
+            nodes = replies.pop() if with_nodes else None
+            found = _SegmentsRead.from_replies(iter(replies), by_shard, len(segs), lease)
+            if found.renew:
+                found.renewed(
+                    iter((yield [_renewal(prefix, anchors[j], lease, ttl_ms) for j in found.renew]))
+                )
+            result = _pick(
+                blob, segs, found.parts, int(np.argmin(found.read)), found.unavailable, first, need
+            )
+            return (result, nodes) if with_nodes else result
+
+        return self._drive(steps())
