@@ -53,6 +53,7 @@ def _bind_copy_loop():
     try:
         from kvstore.pages import _copyhash
 
+        # private: xxhash exports no C API, and dlopen needs the path of its loaded extension
         if not _copyhash.bind(importlib.import_module("xxhash._xxhash").__file__):
             raise ImportError("the xxhash extension exports no XXH3 functions")
         rng = np.random.default_rng(7)

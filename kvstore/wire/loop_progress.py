@@ -35,6 +35,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from kvstore.wire import ucxx_progress
+
 SPIN_MIN_BYTES = 1 << 20
 TICK_S = 0.1
 # A request spins for at most its bytes at SPIN_FLOOR_BYTES_PER_S plus SPIN_SLACK_S.
@@ -75,7 +77,8 @@ class LoopProgress:
         self.spinning = 0
         worker.init_blocking_progress_mode()
         self._fd = worker.epoll_file_descriptor
-        event_loop._selector = _ProgressingSelector(event_loop._selector, self)  # asyncio's selector loops keep it there
+        # private: asyncio can take a selector only when a loop is made, and ucxx's loop exists already
+        event_loop._selector = _ProgressingSelector(event_loop._selector, self)  # type: ignore[attr-defined]
         self._watching = False
         self._watch(True)
         self._tick()
@@ -123,10 +126,9 @@ class LoopProgress:
 
 
 def install() -> None:
-    """Make ucxx's thread mode use ``LoopProgress``; call before ``ucxx.init``."""
-    from ucxx._lib_async import application_context
-
-    application_context.ThreadMode = LoopProgress
+    """Make ucxx's thread mode use ``LoopProgress``; ``transport.ensure_ucx`` calls it
+    before ``ucxx.init``."""
+    ucxx_progress.use_thread_mode(LoopProgress)
 
 
 def spin_while(task: asyncio.Future, nbytes: int) -> None:

@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.errors import PortInUseError, ProtocolError, TransportError
-from kvstore.wire import loop_progress
+from kvstore.wire import loop_progress, ucxx_progress
 from kvstore.wire import protocol as P
 
 # Defaults applied only where the environment does not set them already.
@@ -96,21 +96,20 @@ def _quiet_thread_mode() -> None:
     if ucxx no longer has it, the progress thread keeps ucxx's timeout and a warning
     says so."""
     try:
-        from ucxx._lib_async import application_context
-        from ucxx._lib_async.continuous_ucx_progress import ThreadMode
+        application_context, thread_mode = ucxx_progress.thread_mode_hook()
     except ImportError as exc:
         log.warning("ucxx's progress thread keeps its own epoll timeout: %s", exc)
         return
-    if getattr(application_context, "ThreadMode", None) is not ThreadMode:
+    if getattr(application_context, "ThreadMode", None) is not thread_mode:
         log.warning("ucxx's progress thread keeps its own epoll timeout: application_context.ThreadMode is not continuous_ucx_progress.ThreadMode")
         return
 
-    class QuietThreadMode(ThreadMode):
+    class QuietThreadMode(thread_mode):  # type: ignore[misc, valid-type]
         def __init__(self, worker: Any, event_loop: Any, *args: Any, **kwargs: Any) -> None:
             super().__init__(_EpollTimeout(worker), event_loop, *args, **kwargs)
             self.worker = worker
 
-    application_context.ThreadMode = QuietThreadMode
+    ucxx_progress.use_thread_mode(QuietThreadMode)
 
 
 def ensure_ucx(progress_mode: str = "loop") -> Any:
@@ -144,7 +143,8 @@ def ensure_ucx(progress_mode: str = "loop") -> Any:
                 # ucxx's notifier thread is not a daemon and runs until it is told to
                 # stop, so every process that used UCX would hang at exit. This hook
                 # runs when the interpreter shuts threads down, before it joins them.
-                threading._register_atexit(ucxx.stop_notifier_thread)
+                # private: the public atexit.register runs only after that join (too late)
+                threading._register_atexit(ucxx.stop_notifier_thread)  # type: ignore[attr-defined]
         return ucxx
 
 
