@@ -1,6 +1,6 @@
 /* Chained block hashes (docs/key-format.md "Block hashes") in one C loop.
  *
- * kvstore.hashing calls chain() for every lookup, put and get; in Python the loop
+ * kvstore.pages.hashing calls chain() for every lookup, put and get; in Python the loop
  * costs about 0.9 us per block in interpreter overhead alone (8,192 blocks: 7-17 ms
  * measured here), which is more than the whole lookup budget. BLAKE2b (RFC 7693) is
  * written out below because no dependency offers a chained, personalised BLAKE2b
@@ -350,7 +350,7 @@ static struct PyModuleDef MODULE = {PyModuleDef_HEAD_INIT, "_chainhash", NULL, -
 PyMODINIT_FUNC PyInit__chainhash(void) {
     const uint16_t probe = 1;
     if (*(const uint8_t *)&probe != 1) {
-        PyErr_SetString(PyExc_ImportError, "kvstore._chainhash supports little-endian hosts only");
+        PyErr_SetString(PyExc_ImportError, "kvstore.pages._chainhash supports little-endian hosts only");
         return NULL;
     }
     return PyModule_Create(&MODULE);

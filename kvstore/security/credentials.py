@@ -1,6 +1,6 @@
 """Data-plane credentials: a token grants read, or read and write, to named tenants.
 
-Storage nodes call ``CredentialFile.current()`` on every request and
+Storage nodes call ``CredentialFile.find(token)`` on every request and
 ``Credential.allows`` once the request's namespace is known (its tenant is part of the
 namespace the digest names, read from the index, so a frame cannot claim another
 tenant). Nodes hold only SHA-256 digests of tokens: a leaked credentials file grants
