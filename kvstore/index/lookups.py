@@ -55,8 +55,9 @@ def _plain_lookup(prefix: str, anchor: bytes, lease_ms: int) -> list[Cmd]:
 
 
 def _renewal(prefix: str, anchor: bytes, lease_ms: int, ttl_ms: int) -> Cmd:
-    """The renewal of a segment's read lease that a plain lookup found due: lease.lua,
-    by the rule lookup.lua applies (once a round trip, per segment and half a lease)."""
+    """The renewal of a segment's read lease that a plain lookup found due: a lease.lua
+    call in the lookup's second round trip (at most once per segment and half lease),
+    which holds the lease by lookup.lua's rule."""
     return scripts.segment_call(
         scripts.LEASE, prefix, anchor, [lease_ms, renew_below(lease_ms), ttl_ms], anchor.hex(), []
     )
