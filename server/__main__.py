@@ -41,7 +41,7 @@ def _add_argument(parser: Any, *names: str, **kwargs: Any) -> Any:
 
 def parse_settings(argv: list[str]) -> ServerSettings:
     """``ServerSettings`` from the command line and KVSTORE_* variables (flags win)."""
-    source = CliSettingsSource(ServerSettings, add_argument_method=_add_argument)
+    source: CliSettingsSource[ServerSettings] = CliSettingsSource(ServerSettings, add_argument_method=_add_argument)
     return ServerSettings(_cli_settings_source=source(args=argv))
 
 

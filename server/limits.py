@@ -11,6 +11,8 @@ import resource
 import time
 from dataclasses import dataclass, field
 
+from prometheus_client import Counter
+
 log = logging.getLogger(__name__)
 
 # Descriptors kept back from the connection budget: pool memfds are counted apart;
@@ -88,7 +90,7 @@ class HandshakeFailures(logging.Filter):
 
     MESSAGE = "Unexpected error in listener handler coroutine"
 
-    def __init__(self, count: object, interval: float = 10.0) -> None:
+    def __init__(self, count: Counter, interval: float = 10.0) -> None:
         super().__init__()
         self.count = count  # a prometheus Counter
         self.log = RateLimitedLog(log, interval)

@@ -6,14 +6,46 @@ README.md's operations section lists every series; the chart's dashboard and ale
 
 from __future__ import annotations
 
-from typing import Any
-
 import platform
 from importlib.metadata import PackageNotFoundError, version
+from collections.abc import Callable
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
+from server.store import PageStore
+
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class _Limits(Protocol):
+    @property
+    def connections(self) -> int: ...
+
+
+class PlaneGauges(Protocol):
+    """What the data plane's gauges read (server/dataplane/plane.py's DataPlane)."""
+
+    active: int  # requests being served
+    connections: dict[str, int]  # open connections, by path
+
+    @property
+    def limits(self) -> _Limits: ...
+
+
+class DiskGauges(Protocol):
+    """What the disk tier's gauges read (server/disk/tier.py's DiskTier)."""
+
+    @property
+    def pages(self) -> int: ...
+    @property
+    def used_bytes(self) -> int: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def degraded(self) -> str: ...
+    @property
+    def direct_io(self) -> bool: ...
 
 
 class NodeMetrics:
@@ -89,7 +121,7 @@ class NodeMetrics:
         for kind in ("io", "nospace", "checksum"):
             self.disk_errors.labels(kind)
 
-    def watch(self, store: Any, dataplane: Any) -> None:
+    def watch(self, store: PageStore, dataplane: PlaneGauges) -> None:
         """Read the gauges from the node's page table and data plane at scrape time
         (plain int attributes, safe to read from the HTTP thread)."""
         self.free_slabs.set_function(lambda: store.allocator.free_slabs)
@@ -98,19 +130,24 @@ class NodeMetrics:
         self.pins.set_function(lambda: store.pins)
         self.in_flight.set_function(lambda: dataplane.active)
         for path in ("ucx", "shm"):
-            self.connections.labels(path).set_function(lambda path=path: dataplane.connections[path])
+            self.connections.labels(path).set_function(_reader(dataplane.connections, path))
         self.connection_budget.set_function(lambda: dataplane.limits.connections)
         self.tier_pages.labels("memory").set_function(lambda: store.memory_pages)
         self.tier_bytes.labels("memory").set_function(lambda: store.used_bytes)
         self.tier_capacity.labels("memory").set_function(lambda: store.capacity)
 
-    def watch_disk(self, tier: Any) -> None:
+    def watch_disk(self, tier: DiskGauges) -> None:
         """The disk tier's gauges (server/disk/tier.py)."""
-        self.tier_pages.labels("disk").set_function(lambda: len(tier.store.disk_lru))
-        self.tier_bytes.labels("disk").set_function(lambda: tier.allocator.used_bytes)
-        self.tier_capacity.labels("disk").set_function(lambda: tier.files.capacity)
+        self.tier_pages.labels("disk").set_function(lambda: tier.pages)
+        self.tier_bytes.labels("disk").set_function(lambda: tier.used_bytes)
+        self.tier_capacity.labels("disk").set_function(lambda: tier.capacity)
         self.disk_degraded.set_function(lambda: float(bool(tier.degraded)))
-        self.disk_direct_io.set(float(tier.files.direct))
+        self.disk_direct_io.set(float(tier.direct_io))
+
+
+def _reader(counts: dict[str, int], key: str) -> Callable[[], int]:
+    """A gauge's function: ``counts[key]`` when scraped."""
+    return lambda: counts[key]
 
 
 def _version(dist: str) -> str:

@@ -1,8 +1,8 @@
 """The storage node's page table: which page sits in which slot, LRU order, pins.
 
-Owned by the node's event loop (no locks). At most one ``StoredPage`` exists per key,
-and every state change happens without an ``await`` in between, so two requests
-can never both own a key:
+Owned by the node's event loop (no locks). At most one ``StoredPage`` (server/page.py)
+exists per key, and every state change happens without an ``await`` in between, so
+two requests can never both own a key:
 
 - *receiving*: claimed by one PUT; invisible to readers; a second PUT of the key
   finds it here and does not claim it again;
@@ -12,74 +12,43 @@ can never both own a key:
   again (a reader's lease kept it) or dropped;
 - *dropped*: out of the table; its slot is freed when the last pin goes.
 
-Pins count transfers in progress (and the claiming PUT), so eviction never frees
-memory that is being sent or received. A ready page with a disk copy (*clean*) leaves
-memory without leaving the index: its memory slot is freed at once when no transfer
-holds it, and a read brings it back from disk (server/disk/tier.py)."""
+Pins count transfers in progress (and the claiming PUT, and a disk write), so
+eviction never frees memory that is being sent, received or written. A ready page
+with a disk copy (*clean*) leaves memory without leaving the index: its memory slot
+is freed at once when no transfer holds it, and a read brings it back from disk.
+
+The table is the bottom of the node's page handling: the evictor, the data plane and
+the tier below memory (server/tier.py) all change it through these methods, and it
+calls none of them."""
 
 from __future__ import annotations
 
 import asyncio
-import enum
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.index import CommitEntry
 from server.allocator import SlabAllocator
+from server.page import PageKey, PageState, StoredPage
 from server.pool import MemoryPool
-
-PageKey = tuple[str, bytes]  # (namespace digest hex, page hash)
-
-
-class PageState(enum.Enum):
-    RECEIVING = "receiving"
-    READY = "ready"
-    EVICTING = "evicting"
-    DROPPED = "dropped"
-
-
-@dataclass(slots=True, eq=False)
-class StoredPage:
-    key: PageKey
-    size: int
-    checksum: int
-    owner: str = ""  # the tenant whose slabs may hold it (server/pool.py)
-    anchor: bytes = b""  # its segment in the index (kvstore.pages.keys), and its place there
-    position: int = 0
-    offset: int | None = None  # memory slot; None until one is assigned, or while only on disk
-    state: PageState = PageState.RECEIVING
-    pins: int = 0
-    disk: int | None = None  # disk slot, when the page has a copy on disk
-    sequence: int = 0  # its disk record's sequence number (newest wins at recovery)
-    reads: int = 0  # gets that found it (the disk tier's admission counts them)
-    writing: bool = False  # its disk copy is being written
-    loading: asyncio.Future | None = None  # set while it is read back from disk into its memory slot
-
-
-def commit_entry(page: StoredPage) -> CommitEntry:
-    """What the index records for a verified page of this node. The slot is only
-    informative (a get names pages by hash): a page only on disk records 0, since the
-    index does not follow pages between tiers (docs/storage-tiers.md)."""
-    return CommitEntry(page.key[1], page.anchor, page.position, page.offset or 0, page.size, page.checksum)
 
 
 class PageStore:
+    """The page table of both tiers: the pages, their states, pins and LRU orders, and
+    the memory slots they hold."""
+
     def __init__(self, pool: MemoryPool) -> None:
         self.pool = pool
         self.allocator = SlabAllocator(pool.capacity, pool.slab_size, pool.claim_slab)
         self.pages: dict[PageKey, StoredPage] = {}
         self._lru: OrderedDict[PageKey, StoredPage] = OrderedDict()  # ready pages in memory
-        self.disk_lru: OrderedDict[PageKey, StoredPage] = OrderedDict()  # ready pages with a disk copy
+        self._disk_lru: OrderedDict[PageKey, StoredPage] = OrderedDict()  # ready pages with a disk copy
         self.namespace_pages: Counter[str] = Counter()  # ready pages (either tier) per namespace
         self.tenant_bytes: Counter[str] = Counter()  # memory slot bytes each owner holds (quota, server/eviction.py)
-        self.pins = 0  # claims and transfers in progress, over all pages
+        self.pins = 0  # claims, transfers and disk writes in progress, over all pages
         self.ready_pages = 0  # ready pages, either tier
         self.released_pages = 0  # clean pages whose memory copy was freed (their disk copy stays)
-        # a dirty page the disk tier will write rather than see dropped (server/disk/tier.py)
-        self.demotable: Callable[[StoredPage], bool] = lambda page: False
 
     @property
     def capacity(self) -> int:
@@ -93,9 +62,19 @@ class PageStore:
     def memory_pages(self) -> int:
         return len(self._lru)
 
+    @property
+    def disk_pages(self) -> int:
+        """Ready pages with a disk copy."""
+        return len(self._disk_lru)
+
     def view(self, page: StoredPage) -> np.ndarray:
         assert page.offset is not None
         return self.pool.view(page.offset, page.size)
+
+    def slot_bytes(self, page: StoredPage) -> int:
+        """Bytes of the memory slot a page holds (its size class)."""
+        assert page.offset is not None
+        return self.allocator.slot_size(page.offset)
 
     def find(self, key: PageKey) -> StoredPage | None:
         """The page under ``key`` in any state but dropped, if any."""
@@ -108,6 +87,8 @@ class PageStore:
     def memory_lru(self) -> list[StoredPage]:
         """Ready pages in memory, least recently used first (the disk tier's demoter walks it)."""
         return list(self._lru.values())
+
+    # ---- a put's pages ---------------------------------------------------------------
 
     def claim(self, key: PageKey, size: int, checksum: int = 0, owner: str = "", anchor: bytes = b"", position: int = 0) -> StoredPage:
         """Make ``key`` *receiving* for the calling PUT. The caller checked ``find`` first
@@ -138,12 +119,7 @@ class PageStore:
         self._forget(page)
         self.unpin(page)
 
-    def recovered(self, page: StoredPage) -> None:
-        """A page found on disk at start (server/disk/recovery.py) joins the table, ready."""
-        assert page.key not in self.pages and page.disk is not None
-        self.pages[page.key] = page
-        self._become_ready(page)
-        self.disk_lru[page.key] = page
+    # ---- readers -------------------------------------------------------------------------
 
     def pin_for_read(self, key: PageKey) -> StoredPage | None:
         """Pin a ready page for sending and mark it most recently used. A page that is
@@ -156,8 +132,8 @@ class PageStore:
         self.pins += 1
         if page.key in self._lru:
             self._lru.move_to_end(key)
-        if page.key in self.disk_lru:
-            self.disk_lru.move_to_end(key)
+        if page.key in self._disk_lru:
+            self._disk_lru.move_to_end(key)
         return page
 
     def unpin(self, page: StoredPage) -> None:
@@ -165,6 +141,22 @@ class PageStore:
         self.pins -= 1
         if page.state is PageState.DROPPED:
             self._release_slot(page)
+
+    def start_loading(self, pages: list[StoredPage]) -> None:
+        """These pinned pages are being read back from disk: a get that finds one waits
+        on its ``loading`` future instead of reading it again."""
+        loop = asyncio.get_running_loop()
+        for page in pages:
+            page.loading = loop.create_future()
+
+    def end_loading(self, pages: list[StoredPage]) -> None:
+        """The read-back of these pages ended (in memory now, or not): wake their waiters."""
+        for page in pages:
+            if page.loading is not None:
+                page.loading.set_result(None)
+            page.loading = None
+
+    # ---- eviction from memory --------------------------------------------------------------
 
     def eviction_order(self, slot_size: int | None = None, owner: str = "", only_owner: bool = False) -> Iterator[StoredPage]:
         """Memory-resident pages in the order eviction considers them: least recently used
@@ -177,16 +169,17 @@ class PageStore:
             for page in self._lru.values():
                 if only_owner and page.owner != owner:
                     continue
-                if pass_class is None or (alloc.slot_size(page.offset) == pass_class and alloc.owner(page.offset) == owner):
+                if pass_class is None or (alloc.slot_size(page.offset) == pass_class and alloc.owner(page.offset) == owner):  # type: ignore[arg-type]
                     yield page
 
-    def take_victims(self, nbytes: int, slot_size: int | None = None, owner: str = "", only_owner: bool = False) -> list[StoredPage]:
+    def take_victims(self, nbytes: int, slot_size: int | None = None, owner: str = "", only_owner: bool = False,
+                     demotable: Callable[[StoredPage], bool] | None = None) -> list[StoredPage]:
         """Free memory slots worth ``nbytes`` in ``eviction_order``. A clean page no
         transfer holds leaves memory at once and stays ready on disk; the others that
         can go move to *evicting*, hidden from readers, and are returned: the caller
         either ``drop``s or ``restore``s each one. Pages being written to disk, and dirty
-        pages the disk tier will write (``demotable``: the evictor has it write them
-        first), are skipped."""
+        pages the tier below will write (``demotable``, from the evictor's tier: it has
+        them written first), are skipped."""
         victims: list[StoredPage] = []
         clean: list[StoredPage] = []
         taken: set[PageKey] = set()
@@ -196,11 +189,11 @@ class PageStore:
                 break
             if page.key in taken or page.state is not PageState.READY or page.writing or (page.disk is not None and page.pins):
                 continue
-            if page.disk is None and self.demotable(page):
+            if page.disk is None and demotable is not None and demotable(page):
                 continue
             taken.add(page.key)
             (victims if page.disk is None else clean).append(page)
-            freed += self.allocator.slot_size(page.offset)
+            freed += self.slot_bytes(page)
         for page in victims:
             del self._lru[page.key]
             page.state = PageState.EVICTING
@@ -219,11 +212,11 @@ class PageStore:
         slab_size = self.allocator.slab_size
         tried: set[int] = set()
         for page in self._lru.values():
-            index = page.offset // slab_size
+            index = page.offset // slab_size  # type: ignore[operator]
             if index in tried:
                 continue
             tried.add(index)
-            members = [p for p in self._lru.values() if p.offset // slab_size == index]
+            members = [p for p in self._lru.values() if p.offset // slab_size == index]  # type: ignore[operator]
             if all(p.disk is not None and not p.pins and not p.writing and p.state is PageState.READY for p in members):
                 for member in members:
                     self.release_memory(member)
@@ -232,36 +225,6 @@ class PageStore:
             if len(tried) >= tries:
                 break
         return False
-
-    def take_disk_victims(self, nbytes: int, slot_size: int, owner: str | None = None) -> tuple[list[StoredPage], list[StoredPage]]:
-        """Disk copies worth ``nbytes``, least recently used first (only ``owner``'s when
-        given): (pages only on disk, moved to *evicting* for the caller to ``drop`` or
-        ``restore``; pages also in memory, whose disk copy the caller frees)."""
-        victims: list[StoredPage] = []
-        copies: list[StoredPage] = []
-        freed = 0
-        for page in self.disk_lru.values():
-            if freed >= nbytes:
-                break
-            if (owner is not None and page.owner != owner) or page.pins or page.writing or page.loading is not None:
-                continue
-            (victims if page.offset is None else copies).append(page)
-            freed += slot_size
-        for page in victims + copies:
-            del self.disk_lru[page.key]
-        for page in victims:
-            page.state = PageState.EVICTING
-            self._left_ready(page)
-        return victims, copies
-
-    def add_disk_copy(self, page: StoredPage, offset: int, sequence: int) -> None:
-        """A ready page's record is on disk at ``offset``."""
-        page.disk, page.sequence = offset, sequence
-        self.disk_lru[page.key] = page
-
-    def promoted(self, page: StoredPage) -> None:
-        """A page read back from disk into its memory slot is in memory again (most recent)."""
-        self._lru[page.key] = page
 
     def release_memory(self, page: StoredPage) -> None:
         """Free the memory slot of a page no transfer holds (its copy is on disk, or its
@@ -284,7 +247,68 @@ class PageStore:
         if page.offset is not None:
             self._lru[page.key] = page
         if page.disk is not None:
-            self.disk_lru[page.key] = page
+            self._disk_lru[page.key] = page
+
+    # ---- disk copies (the disk tier calls these) -------------------------------------------
+
+    def recovered(self, page: StoredPage) -> None:
+        """A page found on disk at start (server/disk/recovery.py) joins the table, ready."""
+        assert page.key not in self.pages and page.disk is not None
+        self.pages[page.key] = page
+        self._become_ready(page)
+        self._disk_lru[page.key] = page
+
+    def hold_for_write(self, page: StoredPage) -> None:
+        """A ready page's disk copy is being written: pinned (its slot stays), and
+        eviction passes over it until ``end_write``."""
+        page.writing = True
+        page.pins += 1
+        self.pins += 1
+
+    def end_write(self, page: StoredPage) -> None:
+        """The write ``hold_for_write`` announced ended, written or not."""
+        page.writing = False
+        self.unpin(page)
+
+    def add_disk_copy(self, page: StoredPage, offset: int, sequence: int) -> None:
+        """A ready page's record is on disk at ``offset``."""
+        page.disk, page.sequence = offset, sequence
+        self._disk_lru[page.key] = page
+
+    def remove_disk_copy(self, page: StoredPage) -> int | None:
+        """The page keeps no disk copy (evicted, dropped, or found corrupt): the disk slot
+        it had, for the tier to free (None when it had none)."""
+        offset, page.disk = page.disk, None
+        if offset is not None:
+            self._disk_lru.pop(page.key, None)
+        return offset
+
+    def promoted(self, page: StoredPage) -> None:
+        """A page read back from disk into its memory slot is in memory again (most recent)."""
+        self._lru[page.key] = page
+
+    def take_disk_victims(self, nbytes: int, slot_size: int, owner: str | None = None) -> tuple[list[StoredPage], list[StoredPage]]:
+        """Disk copies worth ``nbytes``, least recently used first (only ``owner``'s when
+        given): (pages only on disk, moved to *evicting* for the caller to ``drop`` or
+        ``restore``; pages also in memory, whose disk copy the caller frees)."""
+        victims: list[StoredPage] = []
+        copies: list[StoredPage] = []
+        freed = 0
+        for page in self._disk_lru.values():
+            if freed >= nbytes:
+                break
+            if (owner is not None and page.owner != owner) or page.pins or page.writing or page.loading is not None:
+                continue
+            (victims if page.offset is None else copies).append(page)
+            freed += slot_size
+        for page in victims + copies:
+            del self._disk_lru[page.key]
+        for page in victims:
+            page.state = PageState.EVICTING
+            self._left_ready(page)
+        return victims, copies
+
+    # ---- state changes -------------------------------------------------------------------
 
     def _become_ready(self, page: StoredPage) -> None:
         page.state = PageState.READY
@@ -302,8 +326,8 @@ class PageStore:
             self._left_ready(page)
         if self._lru.get(page.key) is page:
             del self._lru[page.key]
-        if self.disk_lru.get(page.key) is page:
-            del self.disk_lru[page.key]
+        if self._disk_lru.get(page.key) is page:
+            del self._disk_lru[page.key]
         page.state = PageState.DROPPED
 
     def _release_slot(self, page: StoredPage) -> None:

@@ -33,6 +33,10 @@ def _default_host() -> str:
 
 # Options whose values are secrets; redis_url may carry one (user-info or ?password=).
 SECRET_OPTIONS = frozenset({"redis_password", "auth_token"})
+# Most pages one put or get may name, unless --max-request-pages says otherwise: a
+# 256k-token prompt in 16-token blocks. The node's RequestLimits default to it too
+# (server/dataplane/plane.py); the wire format allows up to 65,536.
+DEFAULT_MAX_REQUEST_PAGES = 16_384
 
 
 def shown_value(name: str, value: Any) -> str:
@@ -134,7 +138,7 @@ class ServerSettings(IndexAccess, BaseSettings):
     transfer_timeout: float = Field(30.0, gt=0, description="seconds one request may take on the data plane")
     min_put_rate: ByteSize = Field("64MiB", validate_default=True, description="slowest put accepted, in bytes per second: a put's payload must arrive within 2 s plus its size at this rate (and the transfer timeout) or its slots are released; 0: the transfer timeout alone")
     tenant_quota: float = Field(1.0, gt=0, le=1, description="largest share of this node's page memory one tenant may hold; a tenant past it evicts its own least-recently-used pages, never another tenant's")
-    max_request_pages: int = Field(16_384, ge=1, le=65_536, description="most pages one put or get may name (a 256k-token prompt in 16-token blocks); a longer request is refused whole")
+    max_request_pages: int = Field(DEFAULT_MAX_REQUEST_PAGES, ge=1, le=65_536, description="most pages one put or get may name (a 256k-token prompt in 16-token blocks); a longer request is refused whole")
     max_request_bytes: ByteSize = Field("0", validate_default=True, description="most page bytes one put may reserve (one request at a time per connection, so also the bytes in flight per connection); pages past it are refused. 0: no limit but the pool (set it, and --tenant-quota, when tenants share nodes)")
     max_connections: int = Field(0, ge=0, le=1 << 20, description="client connections (UCX and same-host together) admitted at once; more are closed as they arrive. 0: a quarter of the descriptors left after the pool's memfds and a reserve of 512 (the node raises its soft descriptor limit to the hard one at start)")
     frame_timeout: float = Field(5.0, gt=0, le=300, allow_inf_nan=False, description="seconds a new connection may take to send its first request, and a control frame to arrive whole once its first bytes did; past it the connection is closed")
@@ -147,7 +151,7 @@ class ServerSettings(IndexAccess, BaseSettings):
     disk_capacity: ByteSize = Field("0", validate_default=True, description="bytes the disk tier's files may take, e.g. 500GiB (needed with --disk-path; its files never exceed it)")
     disk_policy: Literal["write-back", "write-through"] = Field("write-back", description="write-back: a page is written to disk before memory evicts it; write-through: every stored page is written at once")
     disk_admission: int = Field(0, ge=0, le=1000, description="gets a page needs before write-back writes it to disk (saves SSD writes, loses the pages nobody read yet; docs/storage-tiers.md)")
-    disk_queue_depth: int = Field(4, ge=1, le=64, description="disk reads in flight at once (writes: half as many)")
+    disk_queue_depth: int = Field(4, ge=1, le=64, description="the disk tier's I/O depth: reads in flight at once; the same number of pages queued for writing, written half as many at a time")
     shm_dir: str = Field(default_factory=tempfile.gettempdir, description="directory of the Unix socket same-host clients use (shared memory path); empty disables it")
     log_level: LogLevel = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
 

@@ -192,7 +192,7 @@ class DiskFiles:
 
     def slot_offsets(self) -> list[tuple[int, int]]:
         """Every (offset, slot size) a record may lie at, from the map."""
-        out = []
+        out: list[tuple[int, int]] = []
         for index, slot in enumerate(self.slab_classes):
             if slot:
                 base = index * self.slab_size

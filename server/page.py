@@ -1,0 +1,49 @@
+"""One page of a storage node's table: its key, where its copies lie, its state.
+
+``PageStore`` (server/store.py) owns these records and describes the states; the
+tiers, the evictor and the data plane read them, and change them only through the
+store's methods."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass
+
+from kvstore.index import CommitEntry
+
+PageKey = tuple[str, bytes]  # (namespace digest hex, page hash)
+
+
+class PageState(enum.Enum):
+    RECEIVING = "receiving"
+    READY = "ready"
+    EVICTING = "evicting"
+    DROPPED = "dropped"
+
+
+@dataclass(slots=True, eq=False)
+class StoredPage:
+    """One page's entry in the page table (states: server/store.py)."""
+
+    key: PageKey
+    size: int
+    checksum: int
+    owner: str = ""  # the tenant whose slabs may hold it (server/pool.py)
+    anchor: bytes = b""  # its segment in the index (kvstore.pages.keys), and its place there
+    position: int = 0
+    offset: int | None = None  # memory slot; None until one is assigned, or while only on disk
+    state: PageState = PageState.RECEIVING
+    pins: int = 0
+    disk: int | None = None  # disk slot, when the page has a copy on disk
+    sequence: int = 0  # its disk record's sequence number (newest wins at recovery)
+    reads: int = 0  # gets that found it (the disk tier's admission counts them)
+    writing: bool = False  # its disk copy is being written
+    loading: asyncio.Future[None] | None = None  # set while it is read back from disk into its memory slot
+
+
+def commit_entry(page: StoredPage) -> CommitEntry:
+    """What the index records for a verified page of this node. The slot is only
+    informative (a get names pages by hash): a page only on disk records 0, since the
+    index does not follow pages between tiers (docs/storage-tiers.md)."""
+    return CommitEntry(page.key[1], page.anchor, page.position, page.offset or 0, page.size, page.checksum)
