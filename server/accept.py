@@ -28,7 +28,9 @@ class SameHostListener:
     """Accepts same-host clients on a Unix socket in ``directory`` and hands each to the
     data plane, until closed."""
 
-    def __init__(self, directory: str, node_id: str, plane: DataPlane, metrics: NodeMetrics) -> None:
+    def __init__(
+        self, directory: str, node_id: str, plane: DataPlane, metrics: NodeMetrics
+    ) -> None:
         self.directory = directory
         self.plane = plane
         self.metrics = metrics
@@ -36,6 +38,7 @@ class SameHostListener:
         # The pid keeps two stores on one host apart (tests, a second registry).
         self.path = os.path.join(directory, f"{self._stem}-{os.getpid()}.sock")
         self._task: asyncio.Task[None] | None = None
+        self._serving: set[asyncio.Task[None]] = set()  # connections being served
 
     def start(self) -> bool:
         """Listen (owner and group may connect: share the group with engine pods) and
@@ -67,14 +70,19 @@ class SameHostListener:
             while True:
                 try:
                     conn, _ = await loop.sock_accept(sock)
-                except OSError as exc:  # out of descriptors or buffers: wait, never give up the socket
+                except (
+                    OSError
+                ) as exc:  # out of descriptors or buffers: wait, never give up the socket
                     self.metrics.accept_errors.inc()
                     failures("same-host accept failed, retrying in %.2f s: %s", backoff, exc)
                     await asyncio.sleep(backoff)
                     backoff = min(2 * backoff, ACCEPT_BACKOFF_MAX)
                     continue
                 backoff = ACCEPT_BACKOFF
-                loop.create_task(self.plane.serve_unix(conn))
+                # held until it ends: the loop keeps only a weak reference to a task
+                task = loop.create_task(self.plane.serve_unix(conn))
+                self._serving.add(task)
+                task.add_done_callback(self._serving.discard)
         finally:
             sock.close()
             try:
@@ -91,7 +99,12 @@ def _remove_stale_sockets(directory: str, stem: str) -> None:
         return
     for name in names:
         pid = name[len(stem) + 1 : -len(".sock")]
-        if name.startswith(stem + "-") and name.endswith(".sock") and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+        if (
+            name.startswith(stem + "-")
+            and name.endswith(".sock")
+            and pid.isdigit()
+            and not os.path.exists(f"/proc/{pid}")
+        ):
             try:
                 os.unlink(os.path.join(directory, name))
             except OSError:

@@ -51,8 +51,13 @@ class _Slab:
 class SlabAllocator:
     """Hands out byte offsets into the pool. Not thread-safe: one event loop owns it."""
 
-    def __init__(self, total_bytes: int, slab_size: int, on_new_slab: Callable[[int, str], None] | None = None,
-                 classify: Callable[[int], int] = size_class) -> None:
+    def __init__(
+        self,
+        total_bytes: int,
+        slab_size: int,
+        on_new_slab: Callable[[int, str], None] | None = None,
+        classify: Callable[[int], int] = size_class,
+    ) -> None:
         if slab_size % GRANULE:
             raise ValueError(f"slab size {slab_size} must be a multiple of {GRANULE}")
         self.slab_size = slab_size
@@ -60,9 +65,13 @@ class SlabAllocator:
         self.capacity = self.num_slabs * slab_size
         self._free_slabs = list(range(self.num_slabs - 1, -1, -1))
         self._slabs: dict[int, _Slab] = {}
-        self._partial: dict[tuple[str, int], dict[int, _Slab]] = {}  # (owner, class) -> slabs with free slots
+        self._partial: dict[
+            tuple[str, int], dict[int, _Slab]
+        ] = {}  # (owner, class) -> slabs with free slots
         self._on_new_slab = on_new_slab  # told which owner a free slab now serves
-        self.classify = classify  # slot size for a page of n bytes (the disk tier's slots are exact)
+        self.classify = (
+            classify  # slot size for a page of n bytes (the disk tier's slots are exact)
+        )
         self.used_bytes = 0
 
     def allocate(self, nbytes: int, owner: str = "") -> int | None:
@@ -71,7 +80,9 @@ class SlabAllocator:
         retries)."""
         cls = self.classify(nbytes)
         if cls > self.slab_size:
-            raise ValueError(f"page of {nbytes} bytes exceeds the largest slot ({self.slab_size} bytes)")
+            raise ValueError(
+                f"page of {nbytes} bytes exceeds the largest slot ({self.slab_size} bytes)"
+            )
         partial = self._partial.setdefault((owner, cls), {})
         if partial:
             slab = partial[next(reversed(partial))]

@@ -21,8 +21,16 @@ class Evictor:
     """Frees memory slots for new pages: chooses victims least recently used first and
     assigns the slots a put (or a read-back) needs."""
 
-    def __init__(self, store: PageStore, retirer: Retirer, tier: Tier, metrics: NodeMetrics, high: float, low: float,
-                 tenant_quota: int | None = None) -> None:
+    def __init__(
+        self,
+        store: PageStore,
+        retirer: Retirer,
+        tier: Tier,
+        metrics: NodeMetrics,
+        high: float,
+        low: float,
+        tenant_quota: int | None = None,
+    ) -> None:
         self.store = store
         self.retirer = retirer
         self.tier = tier
@@ -59,7 +67,9 @@ class Evictor:
                 self.metrics.quota_refused.inc()
                 continue  # the tenant's own pages are leased: the rest of its put does not fit
             for _ in range(3):
-                if store.assign_slot(page) or not await self.evict(size_class(page.size), size_class(page.size), page.owner):
+                if store.assign_slot(page) or not await self.evict(
+                    size_class(page.size), size_class(page.size), page.owner
+                ):
                     break
             if page.offset is None and store.release_a_slab():
                 store.assign_slot(page)
@@ -74,14 +84,22 @@ class Evictor:
         released = self.store.released_pages - released
         return await self._evict(victims) + released
 
-    async def _clean(self, nbytes: int, slot_size: int | None = None, owner: str = "", only_owner: bool = False) -> None:
+    async def _clean(
+        self, nbytes: int, slot_size: int | None = None, owner: str = "", only_owner: bool = False
+    ) -> None:
         """Let the tier below write what ``_take`` with the same arguments will pick."""
         if nbytes > 0:
-            await self.tier.before_evict(self.store.eviction_order(slot_size, owner, only_owner), nbytes)
+            await self.tier.before_evict(
+                self.store.eviction_order(slot_size, owner, only_owner), nbytes
+            )
 
-    def _take(self, nbytes: int, slot_size: int | None = None, owner: str = "", only_owner: bool = False) -> list[StoredPage]:
+    def _take(
+        self, nbytes: int, slot_size: int | None = None, owner: str = "", only_owner: bool = False
+    ) -> list[StoredPage]:
         """``PageStore.take_victims``, passing over the dirty pages the tier still writes."""
-        return self.store.take_victims(nbytes, slot_size, owner, only_owner, demotable=self.tier.demotable)
+        return self.store.take_victims(
+            nbytes, slot_size, owner, only_owner, demotable=self.tier.demotable
+        )
 
     async def _evict(self, victims: list[StoredPage]) -> int:
         """Victims leave the index and the table (those a read lease keeps stay); the tier

@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -44,19 +44,27 @@ class LoopWatchdog:
         return time.monotonic() - self.last_tick < self.limit
 
 
-def start_health_server(host: str, port: int, registry: CollectorRegistry, ready: Callable[[], bool],
-                        alive: Callable[[], bool] = lambda: True, notes: Callable[[], list[str]] = list) -> ThreadingHTTPServer:
+def start_health_server(
+    host: str,
+    port: int,
+    registry: CollectorRegistry,
+    ready: Callable[[], bool],
+    alive: Callable[[], bool] = lambda: True,
+    notes: Callable[[], list[str]] = list,
+) -> ThreadingHTTPServer:
     """Serve until the process exits; ``server.server_port`` is the bound port. ``notes``
     are lines /healthz adds to its body about a part that is degraded while the node
     still serves (its status stays 200: restarting would not help)."""
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server API
+        def do_GET(self) -> None:
             if self.path == "/metrics":
                 self._reply(200, generate_latest(registry), CONTENT_TYPE_LATEST)
             elif self.path == "/healthz":
                 ok = alive()
-                body = ("ok\n" if ok else "event loop stuck\n") + "".join(f"{line}\n" for line in notes())
+                body = ("ok\n" if ok else "event loop stuck\n") + "".join(
+                    f"{line}\n" for line in notes()
+                )
                 self._reply(200 if ok else 503, body.encode())
             elif self.path == "/readyz":
                 ok = ready()

@@ -58,7 +58,9 @@ class RateLimitedLog:
     logger: logging.Logger
     interval: float = 10.0
     level: int = logging.WARNING
-    _last: dict[str, tuple[float, int]] = field(default_factory=dict, repr=False)  # template -> (logged at, left out since)
+    _last: dict[str, tuple[float, int]] = field(
+        default_factory=dict, repr=False
+    )  # template -> (logged at, left out since)
 
     def __call__(self, message: str, *args: object) -> bool:
         """Log ``message % args`` unless a line of this template went out within
@@ -70,7 +72,13 @@ class RateLimitedLog:
             return False
         self._last[message] = (now, 0)
         if left_out:
-            self.logger.log(self.level, message + " (%d more like it in the last %.0f s)", *args, left_out, now - last)
+            self.logger.log(
+                self.level,
+                message + " (%d more like it in the last %.0f s)",
+                *args,
+                left_out,
+                now - last,
+            )
         else:
             self.logger.log(self.level, message, *args)
         return True
@@ -100,6 +108,10 @@ class HandshakeFailures(logging.Filter):
         if not (args and args[0] == self.MESSAGE):
             return True
         self.count.inc()
-        detail = str(args[1]).strip().splitlines()[-1] if len(args) > 1 and str(args[1]).strip() else "unknown error"
+        detail = (
+            str(args[1]).strip().splitlines()[-1]
+            if len(args) > 1 and str(args[1]).strip()
+            else "unknown error"
+        )
         self.log("a UCX client connection failed during ucxx's handshake: %s", detail)
         return False

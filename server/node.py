@@ -56,22 +56,54 @@ class StorageNode:
         self.store = PageStore(self.pool)
         self.metrics.capacity.set(self.store.capacity)
         connections = s.max_connections or connection_budget(descriptors, len(self.pool.regions))
-        self.index = AsyncPageIndex(s.redis_url, password=s.redis_password.get_secret_value() or None)
+        self.index = AsyncPageIndex(
+            s.redis_url, password=s.redis_password.get_secret_value() or None
+        )
         retirer = Retirer(self.store, self.index, self.identity, self.metrics)
         self.tier = self._tier(retirer)
-        self.evictor = Evictor(self.store, retirer, self.tier, self.metrics, s.high_watermark, s.low_watermark,
-                               tenant_quota=int(s.tenant_quota * self.store.capacity))
+        self.evictor = Evictor(
+            self.store,
+            retirer,
+            self.tier,
+            self.metrics,
+            s.high_watermark,
+            s.low_watermark,
+            tenant_quota=int(s.tenant_quota * self.store.capacity),
+        )
         namespaces = NamespaceCache(self.index)
         self.dataplane = DataPlane(
-            self.store, self.index, self.evictor, self.tier, self.metrics, self.identity, namespaces,
-            credentials=CredentialFile(s.credentials_file, s.auth_token.get_secret_value()), timeout=s.transfer_timeout, min_put_rate=s.min_put_rate,
-            limits=RequestLimits(s.max_request_pages, s.max_request_bytes or self.store.capacity, connections, s.frame_timeout),
+            self.store,
+            self.index,
+            self.evictor,
+            self.tier,
+            self.metrics,
+            self.identity,
+            namespaces,
+            credentials=CredentialFile(s.credentials_file, s.auth_token.get_secret_value()),
+            timeout=s.transfer_timeout,
+            min_put_rate=s.min_put_rate,
+            limits=RequestLimits(
+                s.max_request_pages,
+                s.max_request_bytes or self.store.capacity,
+                connections,
+                s.frame_timeout,
+            ),
         )
         self.metrics.watch(self.store, self.dataplane)
         self.watchdog = LoopWatchdog(limit=max(10.0, 3 * s.heartbeat_interval))
         self._stop = asyncio.Event()
-        self.registrar = Registrar(self.identity, self.index, self.store, namespaces, self.tier, self.metrics, HeapTrimmer(self.dataplane),
-                                   self._stop, heartbeat_interval=s.heartbeat_interval, node_ttl=s.node_ttl)
+        self.registrar = Registrar(
+            self.identity,
+            self.index,
+            self.store,
+            namespaces,
+            self.tier,
+            self.metrics,
+            HeapTrimmer(self.dataplane),
+            self._stop,
+            heartbeat_interval=s.heartbeat_interval,
+            node_ttl=s.node_ttl,
+        )
         self.metrics.index_up.set_function(lambda: float(self.registrar.ready()))
         self.metrics.heartbeat_age.set_function(self.registrar.heartbeat_age)
         self.metrics.loop_lag.set_function(lambda: self.watchdog.lag)
@@ -85,7 +117,17 @@ class StorageNode:
         if not s.disk_path:
             return NoTier()
         policy = TierPolicy(s.disk_policy, s.disk_admission, s.disk_queue_depth, s.tenant_quota)
-        return open_disk_tier(s.disk_path, s.disk_capacity, s.slab_size, policy, self.store, retirer, self.metrics, s.high_watermark, s.low_watermark)
+        return open_disk_tier(
+            s.disk_path,
+            s.disk_capacity,
+            s.slab_size,
+            policy,
+            self.store,
+            retirer,
+            self.metrics,
+            s.high_watermark,
+            s.low_watermark,
+        )
 
     async def run(self) -> None:
         s = self.settings
@@ -102,17 +144,32 @@ class StorageNode:
         listener = listen(ucxx, self.dataplane.serve, s.port)
         self.address = f"{s.host}:{listener.port}"
         extra = {"pid": str(os.getpid())}  # published in the registry
-        unix = SameHostListener(s.shm_dir, s.node_id, self.dataplane, self.metrics) if s.shm_dir else None
+        unix = (
+            SameHostListener(s.shm_dir, s.node_id, self.dataplane, self.metrics)
+            if s.shm_dir
+            else None
+        )
         if unix is not None and unix.start():
             extra.update(shm=unix.path, host=host_id())
         if s.metrics_port is not None:
-            http = start_health_server(s.metrics_host, s.metrics_port, self.metrics.registry, self.registrar.ready, self.watchdog.alive, self.tier.status_lines)
+            http = start_health_server(
+                s.metrics_host,
+                s.metrics_port,
+                self.metrics.registry,
+                self.registrar.ready,
+                self.watchdog.alive,
+                self.tier.status_lines,
+            )
             self.metrics_port = http.server_port
             extra["metrics"] = f"{s.host}:{self.metrics_port}"
         self.tier.start()
         heartbeat = self.registrar.start(self.address, extra)
         watchdog = self.watchdog.start()
-        print(f"kvstore-server node={s.node_id} address={self.address} metrics_port={self.metrics_port} pool={self.pool.backing} max_connections={self.dataplane.limits.connections}", flush=True)
+        print(
+            f"kvstore-server node={s.node_id} address={self.address} metrics_port={self.metrics_port} "
+            f"pool={self.pool.backing} max_connections={self.dataplane.limits.connections}",
+            flush=True,
+        )
         await self._stop.wait()
         log.info("shutting down: %d requests in flight", self.dataplane.active)
         self.dataplane.closing = True
@@ -121,7 +178,7 @@ class StorageNode:
             unix.close()
         try:
             await asyncio.wait_for(self.dataplane.idle.wait(), s.shutdown_grace)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("shutdown grace over with %d requests in flight", self.dataplane.active)
         heartbeat.cancel()
         watchdog.cancel()

@@ -39,11 +39,15 @@ class StoredPage:
     sequence: int = 0  # its disk record's sequence number (newest wins at recovery)
     reads: int = 0  # gets that found it (the disk tier's admission counts them)
     writing: bool = False  # its disk copy is being written
-    loading: asyncio.Future[None] | None = None  # set while it is read back from disk into its memory slot
+    loading: asyncio.Future[None] | None = (
+        None  # set while it is read back from disk into its memory slot
+    )
 
 
 def commit_entry(page: StoredPage) -> CommitEntry:
     """What the index records for a verified page of this node. The slot is only
     informative (a get names pages by hash): a page only on disk records 0, since the
     index does not follow pages between tiers (docs/storage-tiers.md)."""
-    return CommitEntry(page.key[1], page.anchor, page.position, page.offset or 0, page.size, page.checksum)
+    return CommitEntry(
+        page.key[1], page.anchor, page.position, page.offset or 0, page.size, page.checksum
+    )

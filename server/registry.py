@@ -33,8 +33,20 @@ class Registrar:
     table: registers (a new incarnation when needed), refreshes the entry every
     heartbeat, re-publishes what the node holds, deregisters at the end."""
 
-    def __init__(self, identity: NodeIdentity, index: AsyncPageIndex, store: PageStore, namespaces: NamespaceCache, tier: Tier,
-                 metrics: NodeMetrics, trimmer: HeapTrimmer, stop: asyncio.Event, *, heartbeat_interval: float, node_ttl: float) -> None:
+    def __init__(
+        self,
+        identity: NodeIdentity,
+        index: AsyncPageIndex,
+        store: PageStore,
+        namespaces: NamespaceCache,
+        tier: Tier,
+        metrics: NodeMetrics,
+        trimmer: HeapTrimmer,
+        stop: asyncio.Event,
+        *,
+        heartbeat_interval: float,
+        node_ttl: float,
+    ) -> None:
         self.identity = identity
         self.index = index
         self.store = store
@@ -53,7 +65,10 @@ class Registrar:
 
     def ready(self) -> bool:
         """Registered, and the last heartbeat reached the index within the node TTL."""
-        return bool(self.identity.incarnation) and time.monotonic() - self._last_heartbeat < self.node_ttl
+        return (
+            bool(self.identity.incarnation)
+            and time.monotonic() - self._last_heartbeat < self.node_ttl
+        )
 
     def heartbeat_age(self) -> float:
         """Seconds since the last heartbeat reached the index (since start, before the first)."""
@@ -97,7 +112,7 @@ class Registrar:
                 log.warning("%s; retrying until it expires", exc)
             except Fault as exc:
                 log.warning("heartbeat failed: %s", exc)
-            except Exception:  # noqa: BLE001 - a bug must not end the heartbeat (the node would expire while serving)
+            except Exception:
                 log.exception("heartbeat failed unexpectedly; retrying")
             await asyncio.sleep(self.heartbeat_interval)
 
@@ -109,7 +124,10 @@ class Registrar:
             if run_id is None:
                 continue
             if run_ids and run_ids.get(address) != run_id:
-                log.warning("index shard %s restarted or took over: re-publishing under a new incarnation", address)
+                log.warning(
+                    "index shard %s restarted or took over: re-publishing under a new incarnation",
+                    address,
+                )
                 self.identity.index_stale = True
             run_ids[address] = run_id
 
@@ -122,18 +140,28 @@ class Registrar:
             try:
                 await self._register(self.identity.incarnation)
             except FencedError as exc:
-                log.warning("the index no longer accepts this node (%s): registering a new incarnation", exc)
+                log.warning(
+                    "the index no longer accepts this node (%s): registering a new incarnation", exc
+                )
                 await self._register_new()
         self._last_heartbeat = time.monotonic()
 
     async def _register(self, incarnation: str | None) -> Registration:
         # the registry carries what this node holds, so `kvstore stats` needs no index scan
-        pages = json.dumps({ns: n for ns, n in sorted(self.store.namespace_pages.items()) if n > 0}, separators=(",", ":"))
+        pages = json.dumps(
+            {ns: n for ns, n in sorted(self.store.namespace_pages.items()) if n > 0},
+            separators=(",", ":"),
+        )
         # After a restart the tier below names the incarnation its last run registered: the
         # directory's lock proves that process is gone, so the new one takes over at once.
         return await self.index.register_node(
-            self.identity.node_id, self.address, self.store.capacity, int(self.node_ttl * 1000), incarnation,
-            replaces=self.identity.incarnation or self.tier.predecessor(), extra={**self.extra, "pages": pages, **self._usage()},
+            self.identity.node_id,
+            self.address,
+            self.store.capacity,
+            int(self.node_ttl * 1000),
+            incarnation,
+            replaces=self.identity.incarnation or self.tier.predecessor(),
+            extra={**self.extra, "pages": pages, **self._usage()},
         )
 
     def _usage(self) -> dict[str, str]:
@@ -150,11 +178,21 @@ class Registrar:
         """Register a fresh incarnation; if this node held pages under an older one,
         re-publish them (and their namespaces) under the new one."""
         registration = await self._register(None)
-        republish = bool(self.identity.incarnation) or self.store.ready_pages > 0  # pages recovered from disk too
-        self.identity.incarnation, self.identity.number = registration.incarnation, registration.number
+        republish = (
+            bool(self.identity.incarnation) or self.store.ready_pages > 0
+        )  # pages recovered from disk too
+        self.identity.incarnation, self.identity.number = (
+            registration.incarnation,
+            registration.number,
+        )
         incarnation = registration.incarnation
         self.identity.index_stale = False  # an eviction that fails from here on flags it again
-        log.info("registered as %s incarnation %s at %s", self.identity.node_id, incarnation, self.address)
+        log.info(
+            "registered as %s incarnation %s at %s",
+            self.identity.node_id,
+            incarnation,
+            self.address,
+        )
         await self.tier.record_incarnation(incarnation)
         if republish:
             try:
@@ -175,10 +213,22 @@ class Registrar:
                 await self.index.announce_namespace(key)
             for start in range(0, len(pages), 4096):
                 chunk = pages[start : start + 4096]
-                written = await self.index.commit(key, self.identity.number, inc, [commit_entry(p) for p in chunk])
+                written = await self.index.commit(
+                    key, self.identity.number, inc, [commit_entry(p) for p in chunk]
+                )
                 if not all(written):
-                    raise IndexUnavailableError(f"an index shard failed while re-publishing {key.member}")
+                    raise IndexUnavailableError(
+                        f"an index shard failed while re-publishing {key.member}"
+                    )
                 # pages evicted while the commit was on its way must not stay advertised
                 if gone := [p for p in chunk if p.state is not PageState.READY]:
-                    await self.index.remove(key, self.identity.number, [p.key[1] for p in gone], [p.anchor for p in gone], respect_lease=False)
-        log.info("re-published %d pages in %d namespaces", sum(map(len, by_ns.values())), len(by_ns))
+                    await self.index.remove(
+                        key,
+                        self.identity.number,
+                        [p.key[1] for p in gone],
+                        [p.anchor for p in gone],
+                        respect_lease=False,
+                    )
+        log.info(
+            "re-published %d pages in %d namespaces", sum(map(len, by_ns.values())), len(by_ns)
+        )

@@ -31,7 +31,9 @@ class Retirer:
     """Takes pages off the node in step with the index: removes them from the index,
     then drops them from the page table (or restores those a reader's lease keeps)."""
 
-    def __init__(self, store: PageStore, index: AsyncPageIndex, identity: NodeIdentity, metrics: NodeMetrics) -> None:
+    def __init__(
+        self, store: PageStore, index: AsyncPageIndex, identity: NodeIdentity, metrics: NodeMetrics
+    ) -> None:
         self.store = store
         self.index = index
         self.identity = identity
@@ -63,7 +65,13 @@ class Retirer:
         Its copies were freed by the caller."""
         self.store.drop(page)
         try:
-            await self.index.remove(NamespaceKey(page.owner, page.key[0]), self.identity.number, [page.key[1]], [page.anchor], respect_lease=False)
+            await self.index.remove(
+                NamespaceKey(page.owner, page.key[0]),
+                self.identity.number,
+                [page.key[1]],
+                [page.anchor],
+                respect_lease=False,
+            )
         except RemoteFault:
             self.identity.index_stale = True
 
@@ -71,7 +79,9 @@ class Retirer:
         """Per page: True (or None: its shard failed) when it may be dropped, False when a
         reader's lease keeps it."""
         try:
-            gone = await self.index.remove(ns, self.identity.number, [p.key[1] for p in pages], [p.anchor for p in pages])
+            gone = await self.index.remove(
+                ns, self.identity.number, [p.key[1] for p in pages], [p.anchor for p in pages]
+            )
         except RemoteFault as exc:
             # Without the index we still must not run out of memory; readers of a
             # stale entry get "missing" because the page table no longer has it,
@@ -80,6 +90,9 @@ class Retirer:
             self.identity.index_stale = True
             gone = [True] * len(pages)
         if None in gone:  # a shard failed: same as above for its pages
-            log.warning("evicting without index update: %d pages on an unreachable index shard", gone.count(None))
+            log.warning(
+                "evicting without index update: %d pages on an unreachable index shard",
+                gone.count(None),
+            )
             self.identity.index_stale = True
         return gone

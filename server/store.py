@@ -43,9 +43,13 @@ class PageStore:
         self.allocator = SlabAllocator(pool.capacity, pool.slab_size, pool.claim_slab)
         self.pages: dict[PageKey, StoredPage] = {}
         self._lru: OrderedDict[PageKey, StoredPage] = OrderedDict()  # ready pages in memory
-        self._disk_lru: OrderedDict[PageKey, StoredPage] = OrderedDict()  # ready pages with a disk copy
+        self._disk_lru: OrderedDict[PageKey, StoredPage] = (
+            OrderedDict()
+        )  # ready pages with a disk copy
         self.namespace_pages: Counter[str] = Counter()  # ready pages (either tier) per namespace
-        self.tenant_bytes: Counter[str] = Counter()  # memory slot bytes each owner holds (quota, server/eviction.py)
+        self.tenant_bytes: Counter[str] = (
+            Counter()
+        )  # memory slot bytes each owner holds (quota, server/eviction.py)
         self.pins = 0  # claims, transfers and disk writes in progress, over all pages
         self.ready_pages = 0  # ready pages, either tier
         self.released_pages = 0  # clean pages whose memory copy was freed (their disk copy stays)
@@ -90,7 +94,15 @@ class PageStore:
 
     # ---- a put's pages ---------------------------------------------------------------
 
-    def claim(self, key: PageKey, size: int, checksum: int = 0, owner: str = "", anchor: bytes = b"", position: int = 0) -> StoredPage:
+    def claim(
+        self,
+        key: PageKey,
+        size: int,
+        checksum: int = 0,
+        owner: str = "",
+        anchor: bytes = b"",
+        position: int = 0,
+    ) -> StoredPage:
         """Make ``key`` *receiving* for the calling PUT. The caller checked ``find`` first
         (no await in between) and must end with ``finish_put`` or ``abort_put``."""
         assert key not in self.pages, "claim of a key that is already in the table"
@@ -158,22 +170,34 @@ class PageStore:
 
     # ---- eviction from memory --------------------------------------------------------------
 
-    def eviction_order(self, slot_size: int | None = None, owner: str = "", only_owner: bool = False) -> Iterator[StoredPage]:
+    def eviction_order(
+        self, slot_size: int | None = None, owner: str = "", only_owner: bool = False
+    ) -> Iterator[StoredPage]:
         """Memory-resident pages in the order eviction considers them: least recently used
         first, those of slot size ``slot_size`` in ``owner``'s slabs in a first pass when
         given (their slots are the ones a new page can use), then all; only ``owner``'s
         pages with ``only_owner``. A page of the first pass comes again in the second.
         The caller must not change the LRU while it iterates."""
         alloc = self.allocator
-        for pass_class in ((slot_size, None) if slot_size else (None,)):
+        for pass_class in (slot_size, None) if slot_size else (None,):
             for page in self._lru.values():
                 if only_owner and page.owner != owner:
                     continue
-                if pass_class is None or (alloc.slot_size(page.offset) == pass_class and alloc.owner(page.offset) == owner):  # type: ignore[arg-type]
+                if pass_class is None:
+                    yield page
+                    continue
+                offset: int = page.offset  # type: ignore[assignment]  # a page in the memory LRU holds a slot
+                if alloc.slot_size(offset) == pass_class and alloc.owner(offset) == owner:
                     yield page
 
-    def take_victims(self, nbytes: int, slot_size: int | None = None, owner: str = "", only_owner: bool = False,
-                     demotable: Callable[[StoredPage], bool] | None = None) -> list[StoredPage]:
+    def take_victims(
+        self,
+        nbytes: int,
+        slot_size: int | None = None,
+        owner: str = "",
+        only_owner: bool = False,
+        demotable: Callable[[StoredPage], bool] | None = None,
+    ) -> list[StoredPage]:
         """Free memory slots worth ``nbytes`` in ``eviction_order``. A clean page no
         transfer holds leaves memory at once and stays ready on disk; the others that
         can go move to *evicting*, hidden from readers, and are returned: the caller
@@ -187,7 +211,12 @@ class PageStore:
         for page in self.eviction_order(slot_size, owner, only_owner):
             if freed >= nbytes:
                 break
-            if page.key in taken or page.state is not PageState.READY or page.writing or (page.disk is not None and page.pins):
+            if (
+                page.key in taken
+                or page.state is not PageState.READY
+                or page.writing
+                or (page.disk is not None and page.pins)
+            ):
                 continue
             if page.disk is None and demotable is not None and demotable(page):
                 continue
@@ -217,7 +246,10 @@ class PageStore:
                 continue
             tried.add(index)
             members = [p for p in self._lru.values() if p.offset // slab_size == index]  # type: ignore[operator]
-            if all(p.disk is not None and not p.pins and not p.writing and p.state is PageState.READY for p in members):
+            if all(
+                p.disk is not None and not p.pins and not p.writing and p.state is PageState.READY
+                for p in members
+            ):
                 for member in members:
                     self.release_memory(member)
                 self.released_pages += len(members)
@@ -287,7 +319,9 @@ class PageStore:
         """A page read back from disk into its memory slot is in memory again (most recent)."""
         self._lru[page.key] = page
 
-    def take_disk_victims(self, nbytes: int, slot_size: int, owner: str | None = None) -> tuple[list[StoredPage], list[StoredPage]]:
+    def take_disk_victims(
+        self, nbytes: int, slot_size: int, owner: str | None = None
+    ) -> tuple[list[StoredPage], list[StoredPage]]:
         """Disk copies worth ``nbytes``, least recently used first (only ``owner``'s when
         given): (pages only on disk, moved to *evicting* for the caller to ``drop`` or
         ``restore``; pages also in memory, whose disk copy the caller frees)."""
@@ -297,7 +331,12 @@ class PageStore:
         for page in self._disk_lru.values():
             if freed >= nbytes:
                 break
-            if (owner is not None and page.owner != owner) or page.pins or page.writing or page.loading is not None:
+            if (
+                (owner is not None and page.owner != owner)
+                or page.pins
+                or page.writing
+                or page.loading is not None
+            ):
                 continue
             (victims if page.offset is None else copies).append(page)
             freed += slot_size

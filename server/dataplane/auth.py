@@ -45,4 +45,7 @@ class Authorizer:
         if credential is None or not credential.allows(ns.tenant, write):
             self.metrics.errors.labels("forbidden").inc()
             right = "write" if write else "read"
-            raise Refused(P.RefusalCode.FORBIDDEN, f"credential {credential.name if credential else '-'} may not {right} pages of tenant {ns.tenant}")
+            raise Refused(
+                P.RefusalCode.FORBIDDEN,
+                f"credential {credential.name if credential else '-'} may not {right} pages of tenant {ns.tenant}",
+            )

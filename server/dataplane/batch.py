@@ -38,4 +38,6 @@ class PutBatch:
 
     def plan_fields(self) -> dict[str, Any]:
         """The ``PutPlan`` fields both paths send (the same-host path adds where the slots lie)."""
-        return dict(wanted=self.wanted, runs=self.runs, present=self.present, refused=sorted(self.refused))
+        return dict(
+            wanted=self.wanted, runs=self.runs, present=self.present, refused=sorted(self.refused)
+        )

@@ -62,7 +62,7 @@ class Connection(ABC):
         """Send a reply within the timeout; ``Broken`` when it cannot be sent."""
         try:
             await with_timeout(self._send_frame(frame, fds or []), self.timeout, "control reply")
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise Broken(f"cannot reply: {exc}") from exc
 
     async def expect(self, kind: type[F], what: str) -> tuple[F, list[int]]:
@@ -70,7 +70,7 @@ class Connection(ABC):
         timeout) leaves the connection out of step."""
         try:
             raw, fds = await with_timeout(self.recv(), self.timeout, what)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise Broken(f"no {what}: {exc}") from exc
         try:
             frame = P.decode(raw)
@@ -106,7 +106,13 @@ class Connection(ABC):
         as they arrive (called once the checksums are in)."""
 
     @abstractmethod
-    async def send_pages(self, req: P.GetRequest, present: list[int], pages: list[StoredPage], sizes: list[int],
-                         checksums: np.ndarray) -> int:
+    async def send_pages(
+        self,
+        req: P.GetRequest,
+        present: list[int],
+        pages: list[StoredPage],
+        sizes: list[int],
+        checksums: np.ndarray,
+    ) -> int:
         """Answer a get with its plan and the pinned pages, in memory; returns the payload
         messages sent."""

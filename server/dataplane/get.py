@@ -20,15 +20,23 @@ class GetHandler:
     into memory, and sends them over the connection's path; pages it lacks are missing
     from the plan, never wrong."""
 
-    def __init__(self, store: PageStore, readthrough: ReadThrough, metrics: NodeMetrics, namespaces: NamespaceCache,
-                 auth: Authorizer) -> None:
+    def __init__(
+        self,
+        store: PageStore,
+        readthrough: ReadThrough,
+        metrics: NodeMetrics,
+        namespaces: NamespaceCache,
+        auth: Authorizer,
+    ) -> None:
         self.store = store
         self.readthrough = readthrough
         self.metrics = metrics
         self.namespaces = namespaces
         self.auth = auth
 
-    async def serve(self, conn: Connection, req: P.GetRequest, credential: Credential | None) -> None:
+    async def serve(
+        self, conn: Connection, req: P.GetRequest, credential: Credential | None
+    ) -> None:
         if self.auth.enabled:  # an anonymous node serves any namespace it holds pages of
             self.auth.authorize(credential, await self.namespaces.lookup(req), write=False)
         store = self.store

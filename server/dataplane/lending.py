@@ -20,10 +20,19 @@ class SlabLender:
 
     def __init__(self, store: PageStore) -> None:
         self.store = store
-        self.sent: dict[int, tuple[int, bool]] = {}  # slab index -> (generation, writable) the client has
+        self.sent: dict[
+            int, tuple[int, bool]
+        ] = {}  # slab index -> (generation, writable) the client has
 
-    async def lend(self, conn: Connection, kind: type[P.PutPlan] | type[P.GetPlan], fields: dict[str, Any], pages: list[StoredPage],
-                   writable: bool, also: list[int] | None = None) -> None:
+    async def lend(
+        self,
+        conn: Connection,
+        kind: type[P.PutPlan] | type[P.GetPlan],
+        fields: dict[str, Any],
+        pages: list[StoredPage],
+        writable: bool,
+        also: list[int] | None = None,
+    ) -> None:
         """Same-host plan: where each page's slot lies (slab and offset), with descriptors
         of the slabs the client lacks at their current generation (and of the slabs
         ``also`` names): read-only for a GET, writable for a PUT (the client writes the
@@ -45,7 +54,16 @@ class SlabLender:
             chunk = fresh[start : start + shm.MAX_FDS_PER_FRAME]
             last = start + shm.MAX_FDS_PER_FRAME >= len(fresh)
             mapped = [[r, pool.regions[r].generation] for r in chunk]
-            body = {**fields, "regions": regions, "offsets": [o % slab for o in offsets], "mapped": mapped} if last else {"mapped": mapped, "more": True}
+            body = (
+                {
+                    **fields,
+                    "regions": regions,
+                    "offsets": [o % slab for o in offsets],
+                    "mapped": mapped,
+                }
+                if last
+                else {"mapped": mapped, "more": True}
+            )
             frame = kind.model_validate(body)
             fds: list[int] = []
             try:

@@ -34,18 +34,29 @@ class NamespaceCache:
         digest = req.namespace
         ns = self._known.get(digest)
         if ns is not None and ns.tenant != req.tenant:  # the same answer whether cached or not
-            raise Refused(P.RefusalCode.UNKNOWN_NAMESPACE, f"namespace {digest} of tenant {req.tenant} is not registered in the index")
+            raise Refused(
+                P.RefusalCode.UNKNOWN_NAMESPACE,
+                f"namespace {digest} of tenant {req.tenant} is not registered in the index",
+            )
         if ns is None:
             key = NamespaceKey(req.tenant, digest)
             try:
                 ns = await self.index.namespace(key)
             except RemoteFault as exc:
-                raise Refused(P.RefusalCode.INDEX_UNAVAILABLE, f"cannot read namespace {digest} from the index: {exc}") from exc
+                raise Refused(
+                    P.RefusalCode.INDEX_UNAVAILABLE,
+                    f"cannot read namespace {digest} from the index: {exc}",
+                ) from exc
             if ns is None or ns.digest_hex != digest or ns.tenant != req.tenant:
-                raise Refused(P.RefusalCode.UNKNOWN_NAMESPACE, f"namespace {digest} of tenant {req.tenant} is not registered in the index")
+                raise Refused(
+                    P.RefusalCode.UNKNOWN_NAMESPACE,
+                    f"namespace {digest} of tenant {req.tenant} is not registered in the index",
+                )
             try:
                 await self.index.announce_namespace(key)
-            except RemoteFault as exc:  # only `kvstore stats` misses it; announced again after an index loss
+            except (
+                RemoteFault
+            ) as exc:  # only `kvstore stats` misses it; announced again after an index loss
                 log.warning("cannot list namespace %s in the registry: %s", key.member, exc)
             self._known[digest] = ns
         return ns

@@ -72,17 +72,42 @@ class DataPlane:
     one may idle) and serves each one's requests in turn, handing each to the PUT or
     GET handler."""
 
-    def __init__(self, store: PageStore, index: AsyncPageIndex, evictor: Evictor, tier: Tier, metrics: NodeMetrics,
-                 identity: NodeIdentity, namespaces: NamespaceCache, *, credentials: CredentialFile, timeout: float,
-                 min_put_rate: float = 0, limits: RequestLimits = RequestLimits()) -> None:
+    def __init__(
+        self,
+        store: PageStore,
+        index: AsyncPageIndex,
+        evictor: Evictor,
+        tier: Tier,
+        metrics: NodeMetrics,
+        identity: NodeIdentity,
+        namespaces: NamespaceCache,
+        *,
+        credentials: CredentialFile,
+        timeout: float,
+        min_put_rate: float = 0,
+        limits: RequestLimits = RequestLimits(),
+    ) -> None:
         self.store = store
         self.metrics = metrics
         self.limits = limits
         self.timeout = timeout
         self.auth = Authorizer(credentials, metrics)
-        self.put = PutHandler(store, index, evictor, tier, metrics, identity, namespaces, self.auth, put_bytes=limits.put_bytes,
-                              timeout=timeout, min_put_rate=min_put_rate)
-        self.get = GetHandler(store, ReadThrough(store, evictor, tier, metrics), metrics, namespaces, self.auth)
+        self.put = PutHandler(
+            store,
+            index,
+            evictor,
+            tier,
+            metrics,
+            identity,
+            namespaces,
+            self.auth,
+            put_bytes=limits.put_bytes,
+            timeout=timeout,
+            min_put_rate=min_put_rate,
+        )
+        self.get = GetHandler(
+            store, ReadThrough(store, evictor, tier, metrics), metrics, namespaces, self.auth
+        )
         self.closing = False
         self.active = 0
         self.idle = asyncio.Event()
@@ -92,19 +117,29 @@ class DataPlane:
 
     async def serve(self, endpoint: Any) -> None:
         """UCX listener callback: serve one client endpoint until it goes away."""
-        await self._serve(UcxConnection(Channel(endpoint), self.store.pool, self.limits.frame_seconds, self.timeout))
+        await self._serve(
+            UcxConnection(
+                Channel(endpoint), self.store.pool, self.limits.frame_seconds, self.timeout
+            )
+        )
 
     async def serve_unix(self, sock: socket.socket) -> None:
         """Serve one same-host client on an accepted Unix socket until it goes away."""
         channel = shm.UnixChannel(sock, accept_fds=False)
-        await self._serve(ShmConnection(channel, self.store, self.limits.frame_seconds, self.timeout))
+        await self._serve(
+            ShmConnection(channel, self.store, self.limits.frame_seconds, self.timeout)
+        )
 
     async def _serve(self, conn: Connection) -> None:
         """Serve one connection: admitted within the connection budget, then one request
         at a time until the peer goes, breaks the stream, or is refused as unauthorized."""
         if sum(self.connections.values()) >= self.limits.connections:
             self.metrics.connections_refused.labels("budget").inc()
-            self.peer_log("refusing %s connections: %d are open, the budget (--max-connections)", conn.path, self.limits.connections)
+            self.peer_log(
+                "refusing %s connections: %d are open, the budget (--max-connections)",
+                conn.path,
+                self.limits.connections,
+            )
             await conn.close()
             return
         self.connections[conn.path] += 1
@@ -115,17 +150,25 @@ class DataPlane:
                     # a client may keep its connection idle between requests, once it showed a credential
                     raw, fds = await conn.recv(None if authenticated else self.limits.frame_seconds)
                 except ProtocolError as exc:  # a bad preamble: the stream is out of step
-                    kind = "descriptors" if isinstance(exc, shm.DescriptorsRefusedError) else "protocol"
+                    kind = (
+                        "descriptors"
+                        if isinstance(exc, shm.DescriptorsRefusedError)
+                        else "protocol"
+                    )
                     self.metrics.errors.labels(kind).inc()
                     self.peer_log("closing a %s connection: %s", conn.path, exc)
                     await conn.reply_error(P.RefusalCode.PROTOCOL, str(exc))
                     await conn.linger()
                     return
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     self.metrics.connections_refused.labels("idle").inc()
-                    self.peer_log("closing a %s connection that sent no request within %.1f s", conn.path, self.limits.frame_seconds)
+                    self.peer_log(
+                        "closing a %s connection that sent no request within %.1f s",
+                        conn.path,
+                        self.limits.frame_seconds,
+                    )
                     return
-                except Exception:  # noqa: BLE001 - any receive failure means the peer is gone
+                except Exception:
                     return
                 shm.close_fds(fds)  # a request frame carries none (and a node's channel takes none)
                 if self.closing:
@@ -138,7 +181,9 @@ class DataPlane:
                     verdict = await self._dispatch(conn, raw)
                 except Broken as exc:
                     self.metrics.errors.labels("transfer").inc()
-                    self.peer_log("closing a %s connection after a broken transfer: %s", conn.path, exc)
+                    self.peer_log(
+                        "closing a %s connection after a broken transfer: %s", conn.path, exc
+                    )
                     return
                 finally:
                     self.active -= 1
@@ -163,7 +208,11 @@ class DataPlane:
             credential = self.auth.identify(frame.token)
             if len(frame.hashes) > self.limits.pages:
                 self.metrics.errors.labels("too_large").inc()
-                raise Refused(P.RefusalCode.TOO_LARGE, f"a request may name at most {self.limits.pages} pages (--max-request-pages), this one names {len(frame.hashes)}")
+                raise Refused(
+                    P.RefusalCode.TOO_LARGE,
+                    f"a request may name at most {self.limits.pages} pages (--max-request-pages), "
+                    f"this one names {len(frame.hashes)}",
+                )
             op = "put" if isinstance(frame, P.PutRequest) else "get"
             self.metrics.requests.labels(op, conn.path).inc()
             with self.metrics.latency.labels(op).time():

@@ -36,9 +36,21 @@ class PutHandler:
     the client send them, verifies each, and commits the good ones to the index; they
     become ready only once the index has them."""
 
-    def __init__(self, store: PageStore, index: AsyncPageIndex, evictor: Evictor, tier: Tier, metrics: NodeMetrics,
-                 identity: NodeIdentity, namespaces: NamespaceCache, auth: Authorizer, *, put_bytes: int, timeout: float,
-                 min_put_rate: float) -> None:
+    def __init__(
+        self,
+        store: PageStore,
+        index: AsyncPageIndex,
+        evictor: Evictor,
+        tier: Tier,
+        metrics: NodeMetrics,
+        identity: NodeIdentity,
+        namespaces: NamespaceCache,
+        auth: Authorizer,
+        *,
+        put_bytes: int,
+        timeout: float,
+        min_put_rate: float,
+    ) -> None:
         self.store = store
         self.index = index
         self.evictor = evictor
@@ -51,7 +63,9 @@ class PutHandler:
         self.timeout = timeout
         self.min_put_rate = min_put_rate
 
-    async def serve(self, conn: Connection, req: P.PutRequest, credential: Credential | None) -> None:
+    async def serve(
+        self, conn: Connection, req: P.PutRequest, credential: Credential | None
+    ) -> None:
         ns = await self.namespaces.lookup(req)
         self.auth.authorize(credential, ns, write=True)
         batch = self._sort_offered(req, ns.tenant)
@@ -63,7 +77,10 @@ class PutHandler:
                 async with asyncio.timeout(limit):
                     await self._receive(conn, batch)
             except TimeoutError:
-                raise Broken(f"a put of {sum(p.size for p in batch.pages)} bytes did not arrive within {limit:.1f} s: its slots are released") from None
+                raise Broken(
+                    f"a put of {sum(p.size for p in batch.pages)} bytes did not arrive within {limit:.1f} s: "
+                    "its slots are released"
+                ) from None
             await self._commit(batch, ns)
         finally:
             for page in batch.pages:
@@ -97,7 +114,11 @@ class PutHandler:
             else:
                 budget -= size
                 batch.wanted.append(i)
-                batch.pages.append(self.store.claim(key, size, owner=owner, anchor=anchors[i].tobytes(), position=positions[i]))
+                batch.pages.append(
+                    self.store.claim(
+                        key, size, owner=owner, anchor=anchors[i].tobytes(), position=positions[i]
+                    )
+                )
         return batch
 
     async def _assign_slots(self, batch: PutBatch) -> None:
@@ -141,7 +162,9 @@ class PutHandler:
         """Check wanted pages ``start`` to ``end`` against the writer's checksums (on two
         threads: nothing else runs on the node's loop meanwhile but UCX, in its own)."""
         pages = batch.pages[start:end]
-        for k, page, digest in zip(range(start, end), pages, checksums([self.store.view(p) for p in pages])):
+        for k, page, digest in zip(
+            range(start, end), pages, checksums([self.store.view(p) for p in pages])
+        ):
             if digest == page.checksum:
                 batch.good.append(page)
             else:
@@ -154,7 +177,9 @@ class PutHandler:
             return
         entries = [commit_entry(p) for p in good]
         try:
-            written = await self.index.commit(ns, self.identity.number, self.identity.incarnation, entries)
+            written = await self.index.commit(
+                ns, self.identity.number, self.identity.incarnation, entries
+            )
         except RemoteFault as exc:
             log.warning("commit failed, dropping %d pages: %s", len(good), exc)
             return

@@ -17,13 +17,17 @@ class ReadThrough:
     the tier below for each page only there, one read per page however many gets ask
     for it at once; counts the tier each page was found in."""
 
-    def __init__(self, store: PageStore, evictor: Evictor, tier: Tier, metrics: NodeMetrics) -> None:
+    def __init__(
+        self, store: PageStore, evictor: Evictor, tier: Tier, metrics: NodeMetrics
+    ) -> None:
         self.store = store
         self.evictor = evictor
         self.tier = tier
         self.metrics = metrics
 
-    async def in_memory(self, present: list[int], pages: list[StoredPage]) -> tuple[list[int], list[StoredPage]]:
+    async def in_memory(
+        self, present: list[int], pages: list[StoredPage]
+    ) -> tuple[list[int], list[StoredPage]]:
         """The pinned pages of a get, in memory: those only on disk are read back first;
         one that could not be is unpinned and reads as missing."""
         needed = [p for p in pages if p.offset is None or p.loading is not None]

@@ -33,14 +33,18 @@ class ShmConnection(Connection):
 
     path = "shm"
 
-    def __init__(self, channel: shm.UnixChannel, store: PageStore, frame_seconds: float, timeout: float) -> None:
+    def __init__(
+        self, channel: shm.UnixChannel, store: PageStore, frame_seconds: float, timeout: float
+    ) -> None:
         super().__init__(frame_seconds, timeout)
         self.channel = channel
         self.store = store
         self.lender = SlabLender(store)
 
     async def recv(self, first_timeout: float | None = None) -> tuple[bytes, list[int]]:
-        return await self.channel.recv_frame(rest_timeout=self.frame_seconds, first_timeout=first_timeout)
+        return await self.channel.recv_frame(
+            rest_timeout=self.frame_seconds, first_timeout=first_timeout
+        )
 
     async def _send_frame(self, frame: BaseModel, fds: list[int]) -> None:
         await self.channel.send_frame(frame, fds)
@@ -62,13 +66,30 @@ class ShmConnection(Connection):
         """All at once: the client wrote every page into its slot before it sent the checksums."""
         yield 0, len(batch.pages)
 
-    async def send_pages(self, req: P.GetRequest, present: list[int], pages: list[StoredPage], sizes: list[int],
-                         checksums: np.ndarray) -> int:
+    async def send_pages(
+        self,
+        req: P.GetRequest,
+        present: list[int],
+        pages: list[StoredPage],
+        sizes: list[int],
+        checksums: np.ndarray,
+    ) -> int:
         """The plan with read-only descriptors (a start probe's also lends its tenant's
         slabs), then the client's word that it copied the pages out: their pins hold
         until then. No payload message."""
         slab = self.store.allocator.slab_size
-        also = self.store.allocator.slabs_of(req.tenant, max(1, PROBE_MAP_BYTES // slab)) if req.probe else None
-        await self.lender.lend(self, P.GetPlan, dict(present=present, sizes=sizes, checksums=checksums), pages, writable=False, also=also)
+        also = (
+            self.store.allocator.slabs_of(req.tenant, max(1, PROBE_MAP_BYTES // slab))
+            if req.probe
+            else None
+        )
+        await self.lender.lend(
+            self,
+            P.GetPlan,
+            dict(present=present, sizes=sizes, checksums=checksums),
+            pages,
+            writable=False,
+            also=also,
+        )
         await self.expect(P.GetDone, "get done")
         return 0

@@ -32,13 +32,17 @@ class UcxConnection(Connection):
 
     path = "ucx"
 
-    def __init__(self, channel: Channel, pool: MemoryPool, frame_seconds: float, timeout: float) -> None:
+    def __init__(
+        self, channel: Channel, pool: MemoryPool, frame_seconds: float, timeout: float
+    ) -> None:
         super().__init__(frame_seconds, timeout)
         self.channel = channel
         self.pool = pool
 
     async def recv(self, first_timeout: float | None = None) -> tuple[bytes, list[int]]:
-        return await self.channel.recv_frame(rest_timeout=self.frame_seconds, first_timeout=first_timeout), []
+        return await self.channel.recv_frame(
+            rest_timeout=self.frame_seconds, first_timeout=first_timeout
+        ), []
 
     async def _send_frame(self, frame: BaseModel, fds: list[int]) -> None:
         await self.channel.send_frame(frame)
@@ -64,17 +68,27 @@ class UcxConnection(Connection):
         are in (``plan_delivered``): waiting for its completion first cost about 1 ms
         per put."""
         join = [bool(batch.req.join[i]) for i in batch.wanted]
-        batch.runs = P.group_runs(_offsets(batch.pages), [p.size for p in batch.pages], join, batch.wanted, P.DEFAULT_MAX_RUN_BYTES)
+        batch.runs = P.group_runs(
+            _offsets(batch.pages),
+            [p.size for p in batch.pages],
+            join,
+            batch.wanted,
+            P.DEFAULT_MAX_RUN_BYTES,
+        )
         batch.plan_sent = self.channel.post_frame(P.PutPlan(**batch.plan_fields()))
         starts = np.cumsum([0, *batch.runs]).tolist()
-        batch.landing = [(starts[r], starts[r + 1], self._receive_run(batch.pages[starts[r] : starts[r + 1]]))
-                         for r in range(len(batch.runs))]
+        batch.landing = [
+            (starts[r], starts[r + 1], self._receive_run(batch.pages[starts[r] : starts[r + 1]]))
+            for r in range(len(batch.runs))
+        ]
 
     async def plan_delivered(self, batch: PutBatch) -> None:
         if batch.plan_sent:
             try:
-                await with_timeout(asyncio.shield(asyncio.gather(*batch.plan_sent)), self.timeout, "put plan")
-            except Exception as exc:  # noqa: BLE001 - UCX errors, timeouts
+                await with_timeout(
+                    asyncio.shield(asyncio.gather(*batch.plan_sent)), self.timeout, "put plan"
+                )
+            except Exception as exc:
                 raise Broken(f"cannot send the put plan: {exc}") from exc
 
     async def arrived(self, batch: PutBatch) -> AsyncIterator[tuple[int, int]]:
@@ -92,29 +106,45 @@ class UcxConnection(Connection):
         async def landed() -> None:
             try:
                 await with_timeout(asyncio.shield(received), self.timeout, "page receive")
-            except Exception as exc:  # noqa: BLE001 - UCX errors, timeouts, cancellation by a dead peer
+            except Exception as exc:
                 raise Broken(f"page receive of {len(group)} pages failed: {exc}") from exc
 
         return started(landed())
 
     # ---- GET -------------------------------------------------------------------------------
 
-    async def send_pages(self, req: P.GetRequest, present: list[int], pages: list[StoredPage], sizes: list[int],
-                         checksums: np.ndarray) -> int:
+    async def send_pages(
+        self,
+        req: P.GetRequest,
+        present: list[int],
+        pages: list[StoredPage],
+        sizes: list[int],
+        checksums: np.ndarray,
+    ) -> int:
         """Post the plan and every run's message out of the pool at once, then wait for
         all of them: the client posts each run's receive as the plan tells it, and a
         run whose receive is not posted yet waits in UCX (rendezvous) or is buffered
         (small, eager). Awaiting the plan before the payload cost about a millisecond
         per get here (``Channel.post_send``)."""
-        runs = P.group_runs(_offsets(pages), sizes, [bool(req.join[i]) for i in present], present, req.max_run_bytes)
+        runs = P.group_runs(
+            _offsets(pages), sizes, [bool(req.join[i]) for i in present], present, req.max_run_bytes
+        )
         starts = np.cumsum([0, *runs]).tolist()
-        sends = self.channel.post_frame(P.GetPlan(present=present, sizes=sizes, checksums=checksums, runs=runs, regions=[], offsets=[]))
+        sends = self.channel.post_frame(
+            P.GetPlan(
+                present=present, sizes=sizes, checksums=checksums, runs=runs, regions=[], offsets=[]
+            )
+        )
         for r in range(len(runs)):
-            sends.append(self.channel.post_send(self._run_view(pages[starts[r] : starts[r + 1]]), P.DATA_TAG))
+            sends.append(
+                self.channel.post_send(self._run_view(pages[starts[r] : starts[r + 1]]), P.DATA_TAG)
+            )
         try:
             await with_timeout(asyncio.shield(asyncio.gather(*sends)), self.timeout, "get reply")
-        except Exception as exc:  # noqa: BLE001 - UCX errors, timeouts, cancellation by a dead peer
-            raise Broken(f"sending the plan and {len(runs)} runs of {len(pages)} pages failed: {exc}") from exc
+        except Exception as exc:
+            raise Broken(
+                f"sending the plan and {len(runs)} runs of {len(pages)} pages failed: {exc}"
+            ) from exc
         return len(runs)
 
     def _run_view(self, group: list[StoredPage]) -> np.ndarray:

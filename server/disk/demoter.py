@@ -53,15 +53,27 @@ class Demoter:
     """Writes pages from memory to disk: picks them by policy, writes each as a record,
     and makes it the page's disk copy."""
 
-    def __init__(self, store: PageStore, files: DiskFiles, space: DiskSpace, health: DiskHealth, metrics: NodeMetrics,
-                 policy: TierPolicy, wake: asyncio.Event, clean_floor: float, sequence: int) -> None:
+    def __init__(
+        self,
+        store: PageStore,
+        files: DiskFiles,
+        space: DiskSpace,
+        health: DiskHealth,
+        metrics: NodeMetrics,
+        policy: TierPolicy,
+        wake: asyncio.Event,
+        clean_floor: float,
+        sequence: int,
+    ) -> None:
         self.store = store
         self.files = files
         self.space = space
         self.health = health
         self.metrics = metrics
         self.policy = policy
-        self.clean_floor = clean_floor  # write-back keeps memory clean above this many bytes of the pool
+        self.clean_floor = (
+            clean_floor  # write-back keeps memory clean above this many bytes of the pool
+        )
         self.sequence = sequence  # the next record's
         self._wake = wake
         self._through: deque[StoredPage] = deque()
@@ -152,8 +164,13 @@ class Demoter:
         return picked
 
     def _writable(self, page: StoredPage) -> bool:
-        return (page.state is PageState.READY and page.disk is None and not page.writing and page.offset is not None
-                and self.space.fits(page))
+        return (
+            page.state is PageState.READY
+            and page.disk is None
+            and not page.writing
+            and page.offset is not None
+            and self.space.fits(page)
+        )
 
     # ---- one write ---------------------------------------------------------------------------
 
@@ -171,11 +188,22 @@ class Demoter:
                 return
             sequence = self.sequence
             self.sequence += 1
-            header = RecordHeader(record_slot(page.size), page.size, page.checksum, sequence, page.position, page.key[0], page.key[1],
-                                  page.owner, page.anchor).pack()
+            header = RecordHeader(
+                record_slot(page.size),
+                page.size,
+                page.checksum,
+                sequence,
+                page.position,
+                page.key[0],
+                page.key[1],
+                page.owner,
+                page.anchor,
+            ).pack()
             data = self.store.pool.view(page.offset, round_up(page.size))
             started = time.perf_counter()
-            await asyncio.get_running_loop().run_in_executor(self.files.writers, self._write, offset, header, data)
+            await asyncio.get_running_loop().run_in_executor(
+                self.files.writers, self._write, offset, header, data
+            )
             self.metrics.disk_write_seconds.observe(time.perf_counter() - started)
             self.metrics.disk_written_bytes.inc(HEADER_BYTES + len(data))
             if page.state is PageState.READY:

@@ -65,32 +65,47 @@ class DiskFiles:
 
     def __init__(self, directory: str, capacity: int, slab_size: int, queue_depth: int = 4) -> None:
         if slab_size % BLOCK:
-            raise SetupError(f"slab size {slab_size} must be a multiple of {BLOCK} bytes for the disk tier")
+            raise SetupError(
+                f"slab size {slab_size} must be a multiple of {BLOCK} bytes for the disk tier"
+            )
         self.directory = directory
         try:
             os.makedirs(directory, exist_ok=True)
-            self._lock_fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            self._lock_fd = os.open(
+                os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
+            )
         except OSError as exc:
             raise SetupError(f"cannot use disk path {directory}: {exc.strerror}") from None
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock_fd)
-            raise SetupError(f"disk path {directory} is in use by another node process: give every node its own --disk-path") from None
+            raise SetupError(
+                f"disk path {directory} is in use by another node process: give every node its own --disk-path"
+            ) from None
         self.slab_size = slab_size
         self.slabs = max(0, (capacity - META_RESERVE) // slab_size)
         if self.slabs < 1:
-            raise SetupError(f"disk capacity {capacity} bytes holds no slab of {slab_size} bytes (plus {META_RESERVE} for metadata)")
+            raise SetupError(
+                f"disk capacity {capacity} bytes holds no slab of {slab_size} bytes (plus {META_RESERVE} for metadata)"
+            )
         self.capacity = self.slabs * slab_size
         self.state = self._read_state()
         if self.state.get("format") != FORMAT or self.state.get("slab_size") != slab_size:
             if self.state:
-                log.warning("disk tier in %s was written with slab size %s (format %s): starting it empty", directory, self.state.get("slab_size"), self.state.get("format"))
+                log.warning(
+                    "disk tier in %s was written with slab size %s (format %s): starting it empty",
+                    directory,
+                    self.state.get("slab_size"),
+                    self.state.get("format"),
+                )
             self._reset()
         self.direct = _supports_direct_io(directory)
         flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (os.O_DIRECT if self.direct else 0)
         self.data_fd = os.open(os.path.join(directory, DATA_FILE), flags, 0o600)
-        self.map_fd = os.open(os.path.join(directory, MAP_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.map_fd = os.open(
+            os.path.join(directory, MAP_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
+        )
         size = os.fstat(self.data_fd).st_size
         if size > self.capacity:  # the capacity shrank since: slabs past it are gone
             os.ftruncate(self.data_fd, self.capacity)
@@ -99,7 +114,9 @@ class DiskFiles:
         self._grown = size // slab_size  # slabs the file already holds
         self._prepare_lock = threading.Lock()
         self.readers = ThreadPoolExecutor(queue_depth, thread_name_prefix="kvstore-disk-read")
-        self.writers = ThreadPoolExecutor(max(1, queue_depth // 2), thread_name_prefix="kvstore-disk-write")
+        self.writers = ThreadPoolExecutor(
+            max(1, queue_depth // 2), thread_name_prefix="kvstore-disk-write"
+        )
         self.dirty = False  # written since the last sync
 
     # ---- metadata -----------------------------------------------------------------
@@ -137,7 +154,9 @@ class DiskFiles:
         classes = np.zeros(self.slabs, dtype="<u8")
         got = np.frombuffer(raw[: len(raw) // 8 * 8], dtype="<u8")
         classes[: len(got)] = got
-        classes[data_size // self.slab_size :] = 0  # slabs the file does not hold (a truncated grow)
+        classes[data_size // self.slab_size :] = (
+            0  # slabs the file does not hold (a truncated grow)
+        )
         return [int(c) if c and self.slab_size // c else 0 for c in classes]
 
     def prepare_slab(self, index: int, slot_size: int) -> None:
@@ -146,7 +165,11 @@ class DiskFiles:
         slot size. Idempotent; called on writer threads."""
         with self._prepare_lock:
             if index >= self._grown:
-                os.posix_fallocate(self.data_fd, self._grown * self.slab_size, (index + 1 - self._grown) * self.slab_size)
+                os.posix_fallocate(
+                    self.data_fd,
+                    self._grown * self.slab_size,
+                    (index + 1 - self._grown) * self.slab_size,
+                )
                 self._grown = index + 1
             if self.slab_classes[index] != slot_size:
                 os.pwrite(self.map_fd, int(slot_size).to_bytes(8, "little"), 8 * index)

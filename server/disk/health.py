@@ -43,8 +43,13 @@ class DiskHealth:
         kind = "nospace" if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else "io"
         self.metrics.disk_errors.labels(kind).inc()
         if not self.degraded:
-            log.error("disk tier degraded: %s failed in %s: %s; serving from memory, writes retried every %.0f s",
-                      what, self.files.directory, exc, RETRY_SECONDS)
+            log.error(
+                "disk tier degraded: %s failed in %s: %s; serving from memory, writes retried every %.0f s",
+                what,
+                self.files.directory,
+                exc,
+                RETRY_SECONDS,
+            )
         self.degraded = f"{what} failed: {exc}"
         self._retry_at = time.monotonic() + RETRY_SECONDS
         asyncio.get_running_loop().call_later(RETRY_SECONDS, self._wake.set)

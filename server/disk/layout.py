@@ -58,8 +58,22 @@ class RecordHeader:
         tenant = self.tenant.encode()
         if len(tenant) > MAX_TENANT or len(self.anchor) > HASH_BYTES:
             raise ValueError(f"tenant {self.tenant!r} or anchor too long for a record header")
-        body = _FIXED.pack(MAGIC, self.slot_size, self.size, self.checksum, self.sequence, self.position, len(tenant), len(self.anchor),
-                           bytes.fromhex(self.namespace), self.page_hash) + tenant + self.anchor
+        body = (
+            _FIXED.pack(
+                MAGIC,
+                self.slot_size,
+                self.size,
+                self.checksum,
+                self.sequence,
+                self.position,
+                len(tenant),
+                len(self.anchor),
+                bytes.fromhex(self.namespace),
+                self.page_hash,
+            )
+            + tenant
+            + self.anchor
+        )
         body += _SEAL.pack(xxhash.xxh3_64_intdigest(body))
         return body + bytes(HEADER_BYTES - len(body))
 
@@ -70,7 +84,7 @@ class RecordHeader:
         raw = bytes(raw[: _FIXED.size + MAX_TENANT + HASH_BYTES + _SEAL.size])
         if len(raw) < _FIXED.size or raw[:8] != MAGIC:
             return None
-        magic, slot, size, checksum, seq, pos, tlen, alen, ns, page_hash = _FIXED.unpack_from(raw)
+        _magic, slot, size, checksum, seq, pos, tlen, alen, ns, page_hash = _FIXED.unpack_from(raw)
         end = _FIXED.size + tlen + alen
         if tlen > MAX_TENANT or alen > HASH_BYTES or end + _SEAL.size > len(raw):
             return None
@@ -81,4 +95,6 @@ class RecordHeader:
             text = tenant.decode()
         except UnicodeDecodeError:
             return None
-        return cls(slot, size, checksum, seq, pos, ns.hex(), page_hash, text, raw[_FIXED.size + tlen : end])
+        return cls(
+            slot, size, checksum, seq, pos, ns.hex(), page_hash, text, raw[_FIXED.size + tlen : end]
+        )

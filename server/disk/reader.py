@@ -31,8 +31,15 @@ class DiskReader:
     """Reads records back into memory slots and verifies them; a page whose record cannot
     be read or is wrong leaves the node."""
 
-    def __init__(self, store: PageStore, files: DiskFiles, space: DiskSpace, health: DiskHealth, retirer: Retirer,
-                 metrics: NodeMetrics) -> None:
+    def __init__(
+        self,
+        store: PageStore,
+        files: DiskFiles,
+        space: DiskSpace,
+        health: DiskHealth,
+        retirer: Retirer,
+        metrics: NodeMetrics,
+    ) -> None:
         self.store = store
         self.files = files
         self.space = space
@@ -51,7 +58,9 @@ class DiskReader:
         data = self.store.pool.view(page.offset, round_up(page.size))
         started = time.perf_counter()
         try:
-            raw, digest = await asyncio.get_running_loop().run_in_executor(self.files.readers, self._read, page.disk, data, page.size)
+            raw, digest = await asyncio.get_running_loop().run_in_executor(
+                self.files.readers, self._read, page.disk, data, page.size
+            )
         except OSError as exc:
             self.health.failed(exc, "read")
             await self._discard(page)
@@ -60,7 +69,11 @@ class DiskReader:
         self.metrics.disk_read_bytes.inc(HEADER_BYTES + len(data))
         if not self._matches(page, RecordHeader.unpack(raw), digest):
             self.metrics.disk_errors.labels("checksum").inc()
-            log.warning("page %s of namespace %s failed its check on disk: dropped", page.key[1].hex(), page.key[0])
+            log.warning(
+                "page %s of namespace %s failed its check on disk: dropped",
+                page.key[1].hex(),
+                page.key[0],
+            )
             await self._discard(page)
             return
         self.store.promoted(page)
@@ -73,9 +86,15 @@ class DiskReader:
 
     @staticmethod
     def _matches(page: StoredPage, header: RecordHeader | None, digest: int) -> bool:
-        return (header is not None and header.slot_size == record_slot(page.size) and header.size == page.size
-                and header.checksum == page.checksum == digest and header.namespace == page.key[0] and header.page_hash == page.key[1]
-                and header.tenant == page.owner)
+        return (
+            header is not None
+            and header.slot_size == record_slot(page.size)
+            and header.size == page.size
+            and header.checksum == page.checksum == digest
+            and header.namespace == page.key[0]
+            and header.page_hash == page.key[1]
+            and header.tenant == page.owner
+        )
 
     async def _discard(self, page: StoredPage) -> None:
         """A page whose record cannot be read or is wrong: out of memory, disk, the index."""

@@ -45,7 +45,12 @@ def recover(files: DiskFiles, store: PageStore, space: DiskSpace) -> Recovery:
     stale: list[int] = []
     for (offset, slot_size), raw in zip(slots, raws):
         header = RecordHeader.unpack(raw)
-        if header is None or header.slot_size != slot_size or header.size + HEADER_BYTES > slot_size or not _TENANT.match(header.tenant):
+        if (
+            header is None
+            or header.slot_size != slot_size
+            or header.size + HEADER_BYTES > slot_size
+            or not _TENANT.match(header.tenant)
+        ):
             continue
         key = (header.namespace, header.page_hash)
         held = newest.get(key)
@@ -63,8 +68,17 @@ def recover(files: DiskFiles, store: PageStore, space: DiskSpace) -> Recovery:
     total = 0
     sequence = 1
     for header, offset in sorted(newest.values(), key=lambda item: item[0].sequence):
-        page = StoredPage((header.namespace, header.page_hash), header.size, header.checksum, header.tenant, header.anchor, header.position,
-                          pins=0, disk=offset, sequence=header.sequence)
+        page = StoredPage(
+            (header.namespace, header.page_hash),
+            header.size,
+            header.checksum,
+            header.tenant,
+            header.anchor,
+            header.position,
+            pins=0,
+            disk=offset,
+            sequence=header.sequence,
+        )
         store.recovered(page)
         space.charge(header.tenant, header.slot_size)
         sequence = max(sequence, header.sequence + 1)
@@ -72,5 +86,12 @@ def recover(files: DiskFiles, store: PageStore, space: DiskSpace) -> Recovery:
     for offset in stale:
         files.erase_header(offset)
     took = time.monotonic() - started
-    log.info("disk tier: recovered %d pages (%d bytes) from %d slots in %s in %.2f s", len(newest), total, len(slots), files.directory, took)
+    log.info(
+        "disk tier: recovered %d pages (%d bytes) from %d slots in %s in %.2f s",
+        len(newest),
+        total,
+        len(slots),
+        files.directory,
+        took,
+    )
     return Recovery(len(newest), total, len(slots), took, sequence)

@@ -24,7 +24,14 @@ from server.store import PageStore
 class DiskSpace:
     """Hands out and takes back the disk tier's slots, within each tenant's quota."""
 
-    def __init__(self, files: DiskFiles, store: PageStore, retirer: Retirer, metrics: NodeMetrics, tenant_quota: float) -> None:
+    def __init__(
+        self,
+        files: DiskFiles,
+        store: PageStore,
+        retirer: Retirer,
+        metrics: NodeMetrics,
+        tenant_quota: float,
+    ) -> None:
         self.files = files
         self.store = store
         self.retirer = retirer
@@ -84,8 +91,13 @@ class DiskSpace:
 
         async def erase_then_free() -> None:
             try:
-                await asyncio.get_running_loop().run_in_executor(self.files.writers, self.files.erase_header, offset)
-            except (OSError, RuntimeError):  # degraded or shutting down: the stale record is a valid page anyway
+                await asyncio.get_running_loop().run_in_executor(
+                    self.files.writers, self.files.erase_header, offset
+                )
+            except (
+                OSError,
+                RuntimeError,
+            ):  # degraded or shutting down: the stale record is a valid page anyway
                 pass
             finally:
                 self.allocator.free(offset)

@@ -38,8 +38,17 @@ class DiskTier(Tier):
     """The disk tier as memory and the node see it: hands each call to the part that
     does it, and reports the tier's figures and health."""
 
-    def __init__(self, store: PageStore, files: DiskFiles, space: DiskSpace, demoter: Demoter, reader: DiskReader,
-                 health: DiskHealth, metrics: NodeMetrics, predecessor: str) -> None:
+    def __init__(
+        self,
+        store: PageStore,
+        files: DiskFiles,
+        space: DiskSpace,
+        demoter: Demoter,
+        reader: DiskReader,
+        health: DiskHealth,
+        metrics: NodeMetrics,
+        predecessor: str,
+    ) -> None:
         self.store = store
         self.files = files
         self.space = space
@@ -80,14 +89,20 @@ class DiskTier(Tier):
         return self._predecessor
 
     async def record_incarnation(self, incarnation: str) -> None:
-        await asyncio.get_running_loop().run_in_executor(self.files.writers, lambda: self.files.write_state(incarnation=incarnation))
+        await asyncio.get_running_loop().run_in_executor(
+            self.files.writers, lambda: self.files.write_state(incarnation=incarnation)
+        )
 
     def usage(self) -> dict[str, str]:
         sample = self.metrics.registry.get_sample_value
-        return {"disk_used": str(self.used_bytes), "disk_capacity": str(self.capacity),
-                "disk_pages": str(self.pages), "memory_pages": str(self.store.memory_pages),
-                "disk_hits": str(int(sample("kvstore_tier_hit_pages_total", {"tier": "disk"}) or 0)),
-                "disk_degraded": "1" if self.degraded else "0"}
+        return {
+            "disk_used": str(self.used_bytes),
+            "disk_capacity": str(self.capacity),
+            "disk_pages": str(self.pages),
+            "memory_pages": str(self.store.memory_pages),
+            "disk_hits": str(int(sample("kvstore_tier_hit_pages_total", {"tier": "disk"}) or 0)),
+            "disk_degraded": "1" if self.degraded else "0",
+        }
 
     def status_lines(self) -> list[str]:
         return [f"disk tier degraded: {self.degraded}"] if self.degraded else []
@@ -115,20 +130,43 @@ class DiskTier(Tier):
         return self.files.direct
 
 
-def open_disk_tier(path: str, capacity: int, slab_size: int, policy: TierPolicy, store: PageStore, retirer: Retirer,
-                   metrics: NodeMetrics, high: float, low: float) -> DiskTier:
+def open_disk_tier(
+    path: str,
+    capacity: int,
+    slab_size: int,
+    policy: TierPolicy,
+    store: PageStore,
+    retirer: Retirer,
+    metrics: NodeMetrics,
+    high: float,
+    low: float,
+) -> DiskTier:
     """The disk tier in ``path`` under ``store``, holding the pages a previous run left
     there (recovered into the page table, ready, disk only)."""
     files = DiskFiles(path, capacity, slab_size, policy.queue_depth)
     if not files.direct:
-        log.warning("disk tier: %s refuses O_DIRECT (tmpfs, overlay?): using buffered I/O (kvstore_disk_direct_io 0)", path)
+        log.warning(
+            "disk tier: %s refuses O_DIRECT (tmpfs, overlay?): using buffered I/O (kvstore_disk_direct_io 0)",
+            path,
+        )
     space = DiskSpace(files, store, retirer, metrics, policy.tenant_quota)
     recovered = recover(files, store, space)
     wake = asyncio.Event()  # the demoter's: a kick, or health's retry
     health = DiskHealth(files, metrics, wake)
     clean_floor = max(0.0, 2 * low - high) * store.capacity
-    demoter = Demoter(store, files, space, health, metrics, policy, wake, clean_floor, recovered.next_sequence)
+    demoter = Demoter(
+        store, files, space, health, metrics, policy, wake, clean_floor, recovered.next_sequence
+    )
     reader = DiskReader(store, files, space, health, retirer, metrics)
-    tier = DiskTier(store, files, space, demoter, reader, health, metrics, predecessor=str(files.state.get("incarnation", "")))
+    tier = DiskTier(
+        store,
+        files,
+        space,
+        demoter,
+        reader,
+        health,
+        metrics,
+        predecessor=str(files.state.get("incarnation", "")),
+    )
     metrics.watch_disk(tier)
     return tier
