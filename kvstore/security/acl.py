@@ -31,7 +31,7 @@ ROLES = ("node", "client", "operator")
 # What every role runs: connection upkeep, the cluster's slot map, loading the scripts
 # after a restart or failover, read-only scripts.
 _COMMON = ["resetchannels", "-@all", "+ping", "+time", "+client|setinfo", "+cluster|slots", "+script|load", "+evalsha_ro"]
-# What the scripts call (kvstore/lua): live_nodes reads; lookup also renews leases.
+# What the scripts call (kvstore/index/lua): live_nodes reads; lookup and lease renew leases.
 _READ_SCRIPTS = ["+zrangebyscore", "+hgetall"]
 _LOOKUP = ["+evalsha", "+get", "+set", "+pttl", "+pexpire"]
 _REGISTRY = keys.REGISTRY_PREFIX + "*"
