@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from client.vllm.breaker import CircuitBreaker
+from client.staging import ALIGN, HostBuffers
 from client.vllm.paged_cache import PagedCache, StagingPool, block_runs
 from kvstore.errors import InvalidInputError
 from kvstore.pages.checksum import copy_checksummed
@@ -157,20 +158,43 @@ def test_breaker_opens_after_consecutive_faults_and_probes_after_the_cooldown():
     assert breaker.state == "closed" and breaker.allow() and breaker.opened == 3
 
 
-def test_staging_pool_reuses_its_buffers_and_never_waits():
+def test_staging_pool_takes_pages_of_the_one_host_pool_and_never_waits():
+    """The connector's page buffers are pages of the client's host-buffer pool: what
+    staging gives back, the client's next take gets, and past the pool's bound a take
+    gets fresh pages at once instead of waiting."""
     cache = PagedCache(list(torch.zeros(L, B, H, N, C).unbind(0)))
-    pool = StagingPool(cache, buffers=2, pages=8)
+    host = HostBuffers(growth=1)  # no growth, so the bound is the reservation
+    pool = StagingPool(cache, buffers=2, pages=8, pool=host)
+    per_buffer = -(-8 * cache.page_nbytes // ALIGN) * ALIGN
+    assert cache.page_nbytes == L * H * N * C * 4 and host.reserved == 2 * per_buffer
     a, b = pool.take(8), pool.take(3)
-    extra = pool.take(2)  # both pooled buffers are out: a fresh one, at once
-    big = pool.take(9)  # larger than a pooled buffer: fresh
-    assert a.shape == (8, L, H, N, C) and b.shape == (3, L, H, N, C) and extra.shape[0] == 2 and big.shape[0] == 9
+    assert a.shape == (8, L, H, N, C) and b.shape == (3, L, H, N, C) and a.dtype == b.dtype == torch.float32
+    extra = pool.take(8)  # the reservation is out: fresh pages, at once
+    assert host.fresh_takes == 1 and extra.shape == (8, L, H, N, C)
     pooled = {a.data_ptr(), b.data_ptr()}
-    assert extra.data_ptr() not in pooled and big.data_ptr() not in pooled
-    for t in (extra, big, b):
+    assert extra.data_ptr() not in pooled
+    for t in (extra, b):
         pool.give(t)
     again = pool.take(5)
-    assert again.data_ptr() == b.data_ptr()  # the pooled buffer came back, not a fresh one
-    assert pool.take(1).data_ptr() not in pooled  # a is still out, the fresh ones were dropped
+    assert again.data_ptr() == b.data_ptr()  # the pool's pages came back, not fresh ones
+    pool.give(a)
+    assert host.take(per_buffer).ctypes.data == a.data_ptr()  # the client's scratch gets what staging gave back
+
+
+def test_staging_pages_carry_a_gather_and_scatter_bit_exact():
+    src_layers = list(strided_cache((1, 0, 2, 3, 4), "cpu", seed=3))
+    dst_layers = list(torch.zeros(L, B, H, N, C).unbind(0))
+    src, dst = PagedCache(src_layers), PagedCache(dst_layers)
+    pool = StagingPool(src, buffers=1, pages=6, pool=HostBuffers())
+    ids = [3, 4, 5, 11, 20, 21]
+    pages = pool.take(len(ids))
+    pages.view(torch.int32).fill_(-1)  # whatever the pool held before
+    src.gather(ids, pages).wait()
+    dst.scatter(pages, ids)
+    for s_kv, d_kv in zip(src_layers, dst_layers):
+        assert torch.equal(bits(d_kv)[ids], bits(s_kv)[ids])
+        assert not bits(d_kv)[[0, 1, 2]].any()  # blocks not named stay untouched
+    pool.give(pages)
 
 
 @pytest.mark.parametrize("device", DEVICES)

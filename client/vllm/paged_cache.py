@@ -25,7 +25,6 @@ to a request that waits for them and nothing else touches)."""
 
 from __future__ import annotations
 
-import threading
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -34,46 +33,44 @@ import numpy as np
 import torch
 
 from client.buffers import Span
+from client.staging import ALIGN, HostBuffers, host_buffers
 from kvstore.errors import InvalidInputError
 
 _MAX_RUNS = 64
 
 
 class StagingPool:
-    """Host page buffers allocated and touched once, reused by loads and saves.
+    """The connector's host page buffers: pages of the process's one host-buffer pool
+    (``client.staging.HostBuffers``), the pool the worker's client stages and receives
+    through too, so both share what is faulted in and what the pool grew.
 
     A fresh 120 MiB host tensor costs its page faults on first write: measured here, a
-    96-page get into a reused buffer took 36 ms against 77-130 ms into a new one. So the
-    connector keeps ``buffers`` buffers of ``pages`` pages each; ``take`` hands one out
-    when it is large enough and free, else allocates (never waits), and ``give`` takes
-    a pooled one back. Thread-safe: loader threads, the engine thread (gather) and the
-    saver thread share it."""
+    96-page get into a reused buffer took 36 ms against 77-130 ms into a new one. So
+    the connector reserves room for ``buffers`` transfers of ``pages`` pages each (one
+    per loader thread and one save), faulted in now; ``take`` hands out pages of the
+    pool, which grows past that to its bound and keeps what it grew, and only past the
+    bound allocates (pinned when the cache is on a GPU; never waits); ``give`` returns
+    them. Thread-safe: loader threads, the engine thread (gather) and the saver thread
+    share it. ``pool``: the process's pool unless a test passes its own."""
 
-    def __init__(self, cache: PagedCache, buffers: int, pages: int) -> None:
+    def __init__(self, cache: PagedCache, buffers: int, pages: int, pool: HostBuffers | None = None) -> None:
         self.cache = cache
         self.pages = pages
-        self._free: list[torch.Tensor] = []
-        self._lock = threading.Lock()
-        for _ in range(buffers if pages > 0 else 0):
-            buf = cache.host_pages(pages)
-            buf.view(torch.uint8).zero_()  # fault the memory in now, not on the first load
-            self._free.append(buf)
-        self._pooled = {b.data_ptr(): b for b in self._free}
+        self._pool = host_buffers() if pool is None else pool
+        self._page_nbytes = cache.page_nbytes
+        per_buffer = -(-max(pages, 0) * self._page_nbytes // ALIGN) * ALIGN  # the pool hands out whole 4 KiB pages
+        self._pool.reserve(max(buffers, 0) * per_buffer, share="staging")
 
     def take(self, count: int) -> torch.Tensor:
         """``count`` pages of host memory; rows are uninitialised."""
-        if count <= self.pages:
-            with self._lock:
-                if self._free:
-                    return self._free.pop()[:count]
-        return self.cache.host_pages(count)
+        block = self._pool.try_take(count * self._page_nbytes)
+        if block is None:
+            return self.cache.host_pages(count)
+        return torch.from_numpy(block).view(self.cache.dtype).view((count, *self.cache.page_shape))
 
     def give(self, pages: torch.Tensor) -> None:
         """Return what ``take`` gave (a fresh allocation is simply dropped)."""
-        buf = self._pooled.get(pages.data_ptr())
-        if buf is not None:
-            with self._lock:
-                self._free.append(buf)
+        self._pool.give(pages)
 
 
 def block_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
@@ -197,6 +194,11 @@ class PagedCache:
                 return None
         flat = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
         return flat, first.storage_offset() * item, first.stride(0) * item
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes of one page (every layer's block)."""
+        return int(np.prod(self.page_shape)) * self.layers[0].element_size()
 
     def host_pages(self, count: int) -> torch.Tensor:
         """An empty host tensor for ``count`` pages, pinned when the cache is on a GPU."""
