@@ -32,7 +32,14 @@ and by a TP=2 rank (its group), beside a TP=1 client reading pages a TP=1 client
 stored (whole pages), on both paths, interleaved, as GB/s of the reader's pages and a
 ratio to the same-TP read.
 
-Last, the first insert and select in a fresh process against warm ones (``first_calls``)."""
+Then the first insert and select in a fresh process against warm ones (``first_calls``).
+
+Last, ``demo_pattern`` (alone: ``--demo-only``): a caller at the demo's geometry (32
+layers x 8 heads x 128, fp16, 2,030 tokens, with hidden states) that makes five calls
+in a row into fresh prompts, as an application loop does: insert beside put_pages of
+the same pages, and select beside get_pages, select both holding the previous result
+while it asks for the next (``kv = client.select(...)`` in a loop) and dropping it
+first. Ratio: GB/s over the paged call's on the same path."""
 
 from __future__ import annotations
 
@@ -157,14 +164,90 @@ class Worker:
         return {"start": start, "end": end, "cpu": cpu, "ok": ok, "bytes": count * size}
 
 
+DEMO_NS = dict(model="bench-demo", dtype="float16", num_layers=32, num_kv_heads=8, head_size=128, block_size=16, hidden_size=4096, tenant="bench")
+DEMO_TOKENS = 2030  # kvstore demo's prompt: 126 full blocks, a partial one of 14 tokens, hidden states
+DEMO_CALLS = 5
+
+
+class Sequences:
+    """The demo pattern's calls (``demo_pattern``), five in a row, in a worker process
+    of their own: one client per path, the demo's key/value/hidden, and the same bytes
+    as pages for put_pages/get_pages. Each call is checked bit-exact outside its timing."""
+
+    def __init__(self, redis_url: str) -> None:
+        import torch
+
+        self.redis_url = redis_url
+        self.ns = Namespace(**DEMO_NS)
+        self.clients: dict[str, object] = {}
+        gen = torch.Generator().manual_seed(41)
+        T, ns = DEMO_TOKENS, self.ns
+        # random bits (as int16) so no byte pattern is special; compared as bytes
+        self.key, self.value = (torch.randint(-30000, 30000, (ns.num_layers, T, ns.num_kv_heads, ns.head_size), dtype=torch.int16, generator=gen).view(torch.float16) for _ in range(2))
+        self.hidden = torch.randint(-30000, 30000, (T, ns.hidden_size), dtype=torch.int16, generator=gen).view(torch.float16)
+        blocks = T // ns.block_size
+        self.pages = torch.randint(-30000, 30000, (blocks, *ns.page_shape), dtype=torch.int16, generator=gen).view(torch.float16)
+        self.out = torch.empty_like(self.pages)
+        self.roi = torch.ones(T, dtype=torch.bool)
+
+    def client(self, path: str):
+        from client import KVCacheClient
+
+        if path not in self.clients:
+            self.clients[path] = KVCacheClient(self.redis_url, self.ns, timeout=120, lease_ms=0, same_host=path == "shm")
+        return self.clients[path]
+
+    def prompts(self, tag: int, tokens: int) -> list[list[int]]:
+        return [list(range((tag * DEMO_CALLS + i) * 10_000_000, (tag * DEMO_CALLS + i) * 10_000_000 + tokens)) for i in range(DEMO_CALLS)]
+
+    def run(self, cmd: dict) -> dict:
+        """Five calls of ``cmd["call"]`` (insert, put, hold, drop, get; warm: one untimed
+        select and get of each prompt) on prompts ``tag``: seconds and bytes per call."""
+        import torch
+
+        from client import codec
+
+        client, call, tag = self.client(cmd["system"]), cmd["call"], cmd["tag"]
+        units = DEMO_TOKENS // self.ns.block_size + len(codec.tail_part_sizes(self.ns, DEMO_TOKENS, True))  # blocks and tail parts
+        seq_prompts, page_prompts = self.prompts(2 * tag, DEMO_TOKENS), self.prompts(2 * tag + 1, self.pages.shape[0] * self.ns.block_size)
+        kv_bytes = self.key.nbytes + self.value.nbytes + self.hidden.nbytes
+        seconds, ok, kv = [], True, None
+        for seq, paged in zip(seq_prompts, page_prompts):
+            if call == "warm":  # the reader maps the slabs these pages landed in, untimed
+                ok &= client.select(seq, self.roi)[2] is not None and client.get_pages(paged, self.out) == len(paged)
+                continue
+            if call == "drop":
+                kv = None  # the previous result goes back to the pool before the next call
+            start = time.perf_counter()
+            if call == "insert":
+                ok &= client.insert(seq, self.roi, self.key, self.value, self.hidden).stored == units
+            elif call == "put":
+                ok &= client.put_pages(paged, self.pages).stored == self.pages.shape[0]
+            elif call == "get":
+                ok &= client.get_pages(paged, self.out) == len(paged)
+            else:  # hold, drop
+                kv = client.select(seq, self.roi)
+            seconds.append(time.perf_counter() - start)
+            if call == "get":
+                ok &= torch.equal(self.out.view(torch.int16), self.pages.view(torch.int16))
+            elif call in ("hold", "drop"):
+                ok &= kv[2] is not None and all(torch.equal(g.view(torch.int16), w.view(torch.int16)) for g, w in zip(kv[2:], (self.key, self.value, self.hidden)))
+        moved = self.pages.nbytes if call in ("put", "get") else kv_bytes
+        return {"seconds": seconds, "bytes": moved, "ok": bool(ok)}
+
+
 def worker_main(redis_url: str, total: int) -> None:
-    worker = Worker(redis_url, total)
+    worker, sequences = Worker(redis_url, total), None
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd.get("op") == "quit":
             break
+        if cmd.get("op") == "sequence":
+            sequences = sequences or Sequences(redis_url)
+            print(json.dumps(sequences.run(cmd)), flush=True)
+            continue
         print(json.dumps(worker.run(cmd)), flush=True)
-    for c in worker.clients.values():
+    for c in [*worker.clients.values(), *(sequences.clients.values() if sequences else ())]:
         c.close()
 
 
@@ -178,10 +261,14 @@ class WorkerProcess:
         self.proc.stdin.flush()
 
     def result(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("a benchmark worker died")
-        return json.loads(line)
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError("a benchmark worker died")
+            if line.startswith("{"):
+                return json.loads(line)
+            # UCXX writes its warnings to stdout ("[time] [host] ... UCXX WARN ...")
+            sys.stderr.write(line)
 
     def close(self) -> None:
         try:
@@ -225,6 +312,7 @@ def main() -> int:
     parser.add_argument("--readers", type=int, default=4)
     parser.add_argument("--plot", default=str(Path(__file__).with_name("transfer.png")))
     parser.add_argument("--mla-only", action="store_true", help="only the MLA section (DeepSeek-V3's latent pages)")
+    parser.add_argument("--demo-only", action="store_true", help="only the demo pattern (five inserts/selects in a row at the demo's geometry)")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -236,6 +324,9 @@ def main() -> int:
     if args.mla_only:
         with LocalCluster(servers=1, capacity="4GiB", slab_size="64MiB") as cluster:
             mla_loads(cluster.redis_url, args.repeat)
+        return 0
+    if args.demo_only:
+        demo_pattern(args.repeat)
         return 0
     total, sizes = parse_size(args.total), [parse_size(s) for s in args.sizes.split(",")]
     puts_per_size = 2 * 2 * (args.repeat * 2)  # puts and inserts; shm and ucx, quiet and with burners: all kept
@@ -302,6 +393,7 @@ def main() -> int:
         finally:
             for w in [writer, *readers]:
                 w.close()
+    demo_pattern(args.repeat)
     plot(rows, args.plot)
     print(f"plot: {args.plot}")
     return 0
@@ -435,6 +527,55 @@ def first_calls(redis_url: str, total: int, size: int, repeat: int, tag: int) ->
         print(f"  {path} {op}: first/warm {statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f})", flush=True)
     for path, s in starts.items():
         print(f"  {path} client start: {statistics.median(s) * 1000:.0f} ms ({min(s) * 1000:.0f}-{max(s) * 1000:.0f})", flush=True)
+
+
+def demo_pattern(repeat: int) -> None:
+    """Five calls in a row at the demo's geometry (see the module docstring), on a node
+    of its own whose pool recycles slabs (3 GiB: a round's ten prompts are 2.7 GB), so
+    the reader has mapped every slab after the first rounds, as a long-lived one has.
+    Per path and round: five inserts and five put_pages of fresh prompts, one untimed
+    read of each (slabs mapped), then five selects holding, five dropping and five
+    get_pages, their order rotated each round; the first round warms up. Figures: GB/s
+    per call, median (min-max) over every call of the counted rounds; ratio: median
+    over the median of the paged call on the same path (put_pages for insert,
+    get_pages for select), with the range of the same ratio round by round. Bytes: key, value and hidden for insert/select (2,030
+    tokens), the 126 pages for put/get."""
+    from kvstore.tools.launcher import LocalCluster
+
+    print(f"\ndemo pattern: {DEMO_TOKENS} tokens at 32 layers x 8 heads x 128, fp16, with hidden states, {DEMO_CALLS} calls in a row into "
+          f"fresh prompts, {repeat} rounds; GB/s per call, median (min-max); ratio to put_pages (insert) or get_pages (select)", flush=True)
+    with LocalCluster(servers=1, capacity="3GiB", slab_size="64MiB") as cluster:
+        proc = WorkerProcess(cluster.redis_url, 1 << 20)
+        rates: dict[tuple[str, str], list[float]] = {}  # every call's GB/s
+        rounds: dict[tuple[str, str], list[float]] = {}  # each round's median GB/s
+        try:
+            tag = 0
+            for r in range(repeat + 1):
+                for path in ("shm", "ucx"):
+                    tag += 1
+                    reads = ["hold", "drop", "get"]
+                    reads = reads[r % 3 :] + reads[: r % 3]
+                    writes = ["insert", "put"] if r % 2 else ["put", "insert"]
+                    for call in [*writes, "warm", *reads]:
+                        proc.send(op="sequence", system=path, call=call, tag=tag)
+                        got = proc.result()
+                        if not got["ok"]:
+                            raise SystemExit(f"demo pattern: {path} {call} was not complete and bit-exact")
+                        if r and call != "warm":
+                            calls = [got["bytes"] / t / 1e9 for t in got["seconds"]]
+                            rates.setdefault((path, call), []).extend(calls)
+                            rounds.setdefault((path, call), []).append(statistics.median(calls))
+        finally:
+            proc.close()
+    names = {"insert": "insert", "put": "put_pages", "hold": "select, holding the last", "drop": "select, dropping it first", "get": "get_pages"}
+    for path in ("shm", "ucx"):
+        for call, base in (("put", None), ("insert", "put"), ("get", None), ("hold", "get"), ("drop", "get")):
+            r = rates[(path, call)]
+            ratio = ""
+            if base:  # and the ratio of the same round's medians, the round-to-round swing
+                paired = [a / b for a, b in zip(rounds[(path, call)], rounds[(path, base)])]
+                ratio = f"  {statistics.median(r) / statistics.median(rates[(path, base)]):.2f}x {names[base]} (rounds {min(paired):.2f}-{max(paired):.2f})"
+            print(f"  {path:3} {names[call]:26} {statistics.median(r):5.2f} GB/s ({min(r):.2f}-{max(r):.2f}){ratio}", flush=True)
 
 
 def idle_cpu(pids: dict[str, int], seconds: float = 5.0) -> dict[str, float]:
