@@ -103,4 +103,8 @@ def first_problem(exc: Any) -> tuple[str, Any, str]:
     error into one line starts here (secrets are hidden by
     ``kvstore.settings.config.first_error``)."""
     err = exc.errors()[0]
-    return ".".join(map(str, err["loc"])), err.get("input"), str(err["msg"]).removeprefix("Value error, ")
+    return (
+        ".".join(map(str, err["loc"])),
+        err.get("input"),
+        str(err["msg"]).removeprefix("Value error, "),
+    )

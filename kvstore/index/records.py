@@ -17,10 +17,19 @@ from kvstore.pages.namespace import Namespace
 
 # One entry of a segment: a page held by a node; 48 bytes, little-endian
 # (docs/key-format.md). The page hash is read as two u64 so numpy can compare it.
-ENTRY = np.dtype([
-    ("h0", "<u8"), ("h1", "<u8"), ("node", "<u4"), ("pos", "<u2"), ("flags", "<u2"),
-    ("size", "<u4"), ("tag", "<u4"), ("slot", "<u8"), ("checksum", "<u8"),
-])
+ENTRY = np.dtype(
+    [
+        ("h0", "<u8"),
+        ("h1", "<u8"),
+        ("node", "<u4"),
+        ("pos", "<u2"),
+        ("flags", "<u2"),
+        ("size", "<u4"),
+        ("tag", "<u4"),
+        ("slot", "<u8"),
+        ("checksum", "<u8"),
+    ]
+)
 HASH_PAIR = np.dtype([("h0", "<u8"), ("h1", "<u8")])
 # ENTRY as plain 48-byte items, to select and join records: numpy copies a structured
 # dtype field by field (measured: selecting 8,192 records by a mask 345 us, joining two
@@ -113,7 +122,14 @@ class LookupResult:
 
     __slots__ = ("matched", "_records", "_positions", "_units", "_nodes", "_locations")
 
-    def __init__(self, matched: int, records: np.ndarray, positions: np.ndarray, units: np.ndarray, nodes: dict[int, NodeInfo]) -> None:
+    def __init__(
+        self,
+        matched: int,
+        records: np.ndarray,
+        positions: np.ndarray,
+        units: np.ndarray,
+        nodes: dict[int, NodeInfo],
+    ) -> None:
         self.matched = matched
         self._records = records
         self._positions = positions
@@ -127,10 +143,18 @@ class LookupResult:
         if self._locations is None:
             out: list[list[PageLocation]] = [[] for _ in range(self.matched)]
             recs = self._records
-            for number, slot, size, checksum, pos, unit in zip(recs["node"].tolist(), recs["slot"].tolist(), recs["size"].tolist(), recs["checksum"].tolist(),
-                                                               self._positions.tolist(), self._units.tolist()):
+            for number, slot, size, checksum, pos, unit in zip(
+                recs["node"].tolist(),
+                recs["slot"].tolist(),
+                recs["size"].tolist(),
+                recs["checksum"].tolist(),
+                self._positions.tolist(),
+                self._units.tolist(),
+            ):
                 node = self._nodes[number]
-                out[pos].append(PageLocation(node.node_id, node.incarnation, slot, size, checksum, unit))
+                out[pos].append(
+                    PageLocation(node.node_id, node.incarnation, slot, size, checksum, unit)
+                )
             self._locations = out
         return self._locations
 
@@ -148,7 +172,13 @@ class LookupResult:
         if first == 0 and count >= int(self._units.max(initial=0)) + 1:
             return self
         keep = (self._units >= first) & (self._units < first + count)
-        return LookupResult(self.matched, select_records(self._records, keep), self._positions[keep], self._units[keep] - first, self._nodes)
+        return LookupResult(
+            self.matched,
+            select_records(self._records, keep),
+            self._positions[keep],
+            self._units[keep] - first,
+            self._nodes,
+        )
 
     def __getstate__(self) -> tuple:
         # sent to other processes (the vLLM connector's step metadata): without the
@@ -193,10 +223,18 @@ class IndexLookup:
             has[self.positions[ok]] = True
         else:  # every unit asked at a position needs a live record: count distinct ones
             distinct = np.unique(self.positions[ok] * width + self.units[ok])
-            has[: self.covered] = np.bincount(distinct // width, minlength=self.covered)[: self.covered] == self.need
+            has[: self.covered] = (
+                np.bincount(distinct // width, minlength=self.covered)[: self.covered] == self.need
+            )
         matched = int(np.argmin(has))
         keep = ok & (self.positions < matched)
-        return LookupResult(matched, select_records(self.records, keep), self.positions[keep], self.units[keep], live)
+        return LookupResult(
+            matched,
+            select_records(self.records, keep),
+            self.positions[keep],
+            self.units[keep],
+            live,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,10 +60,15 @@ def _bind_copy_loop():
         for size in (0, 1, 16, 17, 129, 240, 241, 1023, 65537, 300_001):
             src = rng.integers(0, 256, size, dtype=np.uint8)
             cut = (size // 3, size // 3 + size // 5)
-            pieces = (np.empty(cut[0], np.uint8), np.empty(cut[1] - cut[0], np.uint8), np.empty(size - cut[1], np.uint8))
+            pieces = (
+                np.empty(cut[0], np.uint8),
+                np.empty(cut[1] - cut[0], np.uint8),
+                np.empty(size - cut[1], np.uint8),
+            )
             flat = np.empty(size, np.uint8)
-            if _copyhash.copy_hash([(pieces, src), (flat, pieces)], False, False) != [xxhash.xxh3_64_intdigest(src)] * 2 \
-                    or not np.array_equal(flat, src):
+            if _copyhash.copy_hash([(pieces, src), (flat, pieces)], False, False) != [
+                xxhash.xxh3_64_intdigest(src)
+            ] * 2 or not np.array_equal(flat, src):
                 raise ImportError(f"its digests differ from xxhash's ({size} bytes)")
         return _copyhash
     except (ImportError, OSError) as exc:
@@ -107,7 +112,9 @@ def _copy_one(dst: np.ndarray | Pieces, src: np.ndarray | Pieces, hash_source: b
     a put the slot the node verifies."""
     digest = xxhash.xxh3_64()  # streamed: the same value as the one-shot hash
     if isinstance(dst, tuple) or isinstance(src, tuple):
-        flat, pieces, into_pieces = (src, dst, True) if isinstance(dst, tuple) else (dst, src, False)
+        flat, pieces, into_pieces = (
+            (src, dst, True) if isinstance(dst, tuple) else (dst, src, False)
+        )
         pos = 0
         for chunk in _pieces_chunks(pieces):
             part = flat[pos : pos + chunk.nbytes]
@@ -128,7 +135,11 @@ def _copy_one(dst: np.ndarray | Pieces, src: np.ndarray | Pieces, hash_source: b
     return digest.intdigest()
 
 
-def _copy_run(pairs: Sequence[tuple[np.ndarray | Pieces, np.ndarray | Pieces]], hash_source: bool, stream: bool) -> list[int]:
+def _copy_run(
+    pairs: Sequence[tuple[np.ndarray | Pieces, np.ndarray | Pieces]],
+    hash_source: bool,
+    stream: bool,
+) -> list[int]:
     """One thread's share of ``copy_checksummed``: in C when every piece is
     C-contiguous, else in the Python loop."""
     if _copy_loop is not None:
@@ -204,7 +215,9 @@ class HashAhead:
         self._future.result()
 
 
-def copy_checksummed(pairs: Sequence[tuple[np.ndarray | Pieces, np.ndarray | Pieces]], hash_source: bool = False) -> list[int]:
+def copy_checksummed(
+    pairs: Sequence[tuple[np.ndarray | Pieces, np.ndarray | Pieces]], hash_source: bool = False
+) -> list[int]:
     """Copy each ``(dst, src)`` pair of equal-sized uint8 arrays and return, in order,
     the xxh3-64 of the bytes that landed in ``dst`` (what a reader verifies) or, with
     ``hash_source``, of ``src`` (what a writer vouches for: bytes someone else changes

@@ -29,7 +29,9 @@ MAX_TOKEN_ID = 2**32 - 1
 TOKEN_RANGE = f"token ids must lie in [0, {MAX_TOKEN_ID}]"
 
 
-def _from_plain_ints(convert: Callable[[list | tuple], bytes], tokens: list | tuple) -> bytes | None:
+def _from_plain_ints(
+    convert: Callable[[list | tuple], bytes], tokens: list | tuple
+) -> bytes | None:
     """``convert(tokens)`` (a C pass over a list or tuple of plain ints); None when an
     item is not a plain int, for numpy to convert or name the problem."""
     try:
@@ -96,7 +98,9 @@ def block_hash_bytes(namespace: Namespace, tokens: Any, extras: BlockExtras = NO
     return hashed(token_array(tokens))
 
 
-def _with_extras(namespace: Namespace, arr: np.ndarray, extras: BlockExtras, hashed: Callable[..., bytes]) -> bytes:
+def _with_extras(
+    namespace: Namespace, arr: np.ndarray, extras: BlockExtras, hashed: Callable[..., bytes]
+) -> bytes:
     """The chain of ``arr``'s full blocks where ``extras`` names some: each named block
     in Python, the plain runs between them in the C loop, started from the hash before."""
     bs = namespace.block_size
@@ -114,13 +118,20 @@ def _with_extras(namespace: Namespace, arr: np.ndarray, extras: BlockExtras, has
     return b"".join(out)
 
 
-def extra_block_hash(namespace: Namespace, prev: bytes, block_tokens: np.ndarray, digest: bytes) -> bytes:
+def extra_block_hash(
+    namespace: Namespace, prev: bytes, block_tokens: np.ndarray, digest: bytes
+) -> bytes:
     """The hash of one block that a request identity changes (docs/key-format.md)."""
-    return hashlib.blake2b(namespace.digest + prev + block_tokens.astype("<u4", copy=False).tobytes() + digest,
-                           digest_size=HASH_BYTES, person=EXTRA_BLOCK_PERSON).digest()
+    return hashlib.blake2b(
+        namespace.digest + prev + block_tokens.astype("<u4", copy=False).tobytes() + digest,
+        digest_size=HASH_BYTES,
+        person=EXTRA_BLOCK_PERSON,
+    ).digest()
 
 
-def reference_block_hashes(namespace: Namespace, tokens: Any, extras: BlockExtras = NO_EXTRAS) -> list[bytes]:
+def reference_block_hashes(
+    namespace: Namespace, tokens: Any, extras: BlockExtras = NO_EXTRAS
+) -> list[bytes]:
     """``block_hashes`` spelled out with hashlib, one block at a time: the construction in
     docs/key-format.md as plain Python. tests/test_hashing.py holds the C loop to it and
     bench/lookup.py times the two side by side; nothing else should call it (it is 5-7x
@@ -131,25 +142,38 @@ def reference_block_hashes(namespace: Namespace, tokens: Any, extras: BlockExtra
         block = arr[i * bs : (i + 1) * bs]
         digest = extras.at(i)
         if digest is None:
-            prev = hashlib.blake2b(namespace.digest + prev + block.tobytes(), digest_size=HASH_BYTES, person=BLOCK_PERSON).digest()
+            prev = hashlib.blake2b(
+                namespace.digest + prev + block.tobytes(),
+                digest_size=HASH_BYTES,
+                person=BLOCK_PERSON,
+            ).digest()
         else:
             prev = extra_block_hash(namespace, prev, block, digest)
         out.append(prev)
     return out
 
 
-def sequence_hash(namespace: Namespace, tokens: Any, full_block_hashes: list[bytes] | None = None,
-                  extras: BlockExtras = NO_EXTRAS) -> bytes:
+def sequence_hash(
+    namespace: Namespace,
+    tokens: Any,
+    full_block_hashes: list[bytes] | None = None,
+    extras: BlockExtras = NO_EXTRAS,
+) -> bytes:
     """Hash of the whole token list, trailing partial block included.
 
     blake2b-128(person="kvs-seq-v1", ns_digest || last full block hash (or zeros) ||
     uint64-le token count || partial-block tokens as uint32 little-endian). When
     ``extras`` names the partial block, person "kvs-seqx-v1" and its digest appended."""
     arr = token_array(tokens)
-    hashes = full_block_hashes if full_block_hashes is not None else block_hashes(namespace, arr, extras)
+    hashes = (
+        full_block_hashes if full_block_hashes is not None else block_hashes(namespace, arr, extras)
+    )
     nfull = len(hashes) * namespace.block_size
     tail_digest = extras.at(len(hashes)) if nfull < len(arr) else None
-    h = hashlib.blake2b(digest_size=HASH_BYTES, person=SEQUENCE_PERSON if tail_digest is None else EXTRA_SEQUENCE_PERSON)
+    h = hashlib.blake2b(
+        digest_size=HASH_BYTES,
+        person=SEQUENCE_PERSON if tail_digest is None else EXTRA_SEQUENCE_PERSON,
+    )
     h.update(namespace.digest)
     h.update(hashes[-1] if hashes else ZERO_HASH)
     h.update(struct.pack("<Q", len(arr)))
@@ -165,6 +189,8 @@ def part_hashes(seq_hash: bytes, count: int) -> list[bytes]:
     if len(seq_hash) != HASH_BYTES:
         raise InvalidInputError(f"sequence hash must be {HASH_BYTES} bytes, got {len(seq_hash)}")
     return [
-        hashlib.blake2b(seq_hash + struct.pack("<I", i), digest_size=HASH_BYTES, person=PART_PERSON).digest()
+        hashlib.blake2b(
+            seq_hash + struct.pack("<I", i), digest_size=HASH_BYTES, person=PART_PERSON
+        ).digest()
         for i in range(count)
     ]

@@ -73,7 +73,9 @@ def rank_units(ns: Namespace) -> RankUnits:
     first, last = lo // g, (hi - 1) // g
     layers = ns.num_layers // ns.group_layers
     first_unit = ns.first_layer // ns.group_layers * ns.groups + first
-    return RankUnits(first_unit, (layers - 1) * ns.groups + last - first + 1, g, lo - first * g, hi - lo, layers)
+    return RankUnits(
+        first_unit, (layers - 1) * ns.groups + last - first + 1, g, lo - first * g, hi - lo, layers
+    )
 
 
 def _unit_dims(ns: Namespace, t: torch.Tensor, p: RankUnits) -> torch.Tensor:
@@ -82,7 +84,9 @@ def _unit_dims(ns: Namespace, t: torch.Tensor, p: RankUnits) -> torch.Tensor:
     to the front: ``[layer units, head units, n, *unit_shape]`` (a view)."""
     dl, dh = 1 + ns.layer_dim, 1 + ns.head_dim
     group_layers = ns.num_layers // p.layer_units
-    for d, cut in sorted([(dl, (p.layer_units, group_layers)), (dh, (p.head_units, p.group_heads))], reverse=True):
+    for d, cut in sorted(
+        [(dl, (p.layer_units, group_layers)), (dh, (p.head_units, p.group_heads))], reverse=True
+    ):
         t = t.unflatten(d, cut)  # the later dimension first, so the earlier index still holds
     dl, dh = (dl, dh + 1) if dl < dh else (dl + 1, dh)
     return t.movedim((dl, dh), (0, 1))
@@ -124,7 +128,9 @@ def split(ns: Namespace, pages: torch.Tensor, p: RankUnits) -> torch.Tensor:
     return _unit_dims(ns, pages, p).flatten(0, 1).contiguous()
 
 
-def rank_parts(ns: Namespace, units: torch.Tensor, p: RankUnits) -> list[tuple[torch.Tensor, int, int]]:
+def rank_parts(
+    ns: Namespace, units: torch.Tensor, p: RankUnits
+) -> list[tuple[torch.Tensor, int, int]]:
     """The rank's pages as pieces of the received ``units`` ``[count, n, *unit_shape]``,
     without a copy: per unit, ``[n, *unit_shape]`` narrowed to the heads the rank needs
     of it, where those heads start among the rank's, and where its layers start among
@@ -138,7 +144,13 @@ def rank_parts(ns: Namespace, units: torch.Tensor, p: RankUnits) -> list[tuple[t
             lo = max(0, p.offset - j * p.group_heads)
             hi = min(p.group_heads, p.offset + p.rank_heads - j * p.group_heads)
             if hi > lo:
-                parts.append((units[i * p.head_units + j].narrow(d, lo, hi - lo), j * p.group_heads + lo - p.offset, i * group_layers))
+                parts.append(
+                    (
+                        units[i * p.head_units + j].narrow(d, lo, hi - lo),
+                        j * p.group_heads + lo - p.offset,
+                        i * group_layers,
+                    )
+                )
     return parts
 
 

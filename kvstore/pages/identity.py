@@ -64,22 +64,47 @@ class RequestIdentity(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
-    adapter: str | None = Field(None, min_length=1, description="LoRA adapter identity (the connector: name and a fingerprint of its files)")
-    cache_salt: str | None = Field(None, min_length=1, description="vLLM's cache_salt: requests of other salts (and unsalted ones) share nothing")
-    weights_revision: str | None = Field(None, min_length=1, description="weights version of this request, beside the namespace's (an RL loop's policy step)")
-    multimodal: tuple[MultimodalItem, ...] = Field((), description="multimodal items, in prompt order")
-    prompt_embeds: Any = Field(None, description="prompt embeddings, [prompt tokens, hidden] (a torch tensor or numpy array)")
+    adapter: str | None = Field(
+        None,
+        min_length=1,
+        description="LoRA adapter identity (the connector: name and a fingerprint of its files)",
+    )
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        description="vLLM's cache_salt: requests of other salts (and unsalted ones) share nothing",
+    )
+    weights_revision: str | None = Field(
+        None,
+        min_length=1,
+        description="weights version of this request, beside the namespace's (an RL loop's policy step)",
+    )
+    multimodal: tuple[MultimodalItem, ...] = Field(
+        (), description="multimodal items, in prompt order"
+    )
+    prompt_embeds: Any = Field(
+        None,
+        description="prompt embeddings, [prompt tokens, hidden] (a torch tensor or numpy array)",
+    )
 
     @model_validator(mode="after")
     def _embeds_are_rows(self) -> RequestIdentity:
         if self.prompt_embeds is not None and len(getattr(self.prompt_embeds, "shape", ())) != 2:
-            raise ValueError(f"prompt_embeds must be a 2-D tensor [tokens, hidden], got {type(self.prompt_embeds).__name__} "
-                             f"of shape {tuple(getattr(self.prompt_embeds, 'shape', ()))}")
+            raise ValueError(
+                f"prompt_embeds must be a 2-D tensor [tokens, hidden], got {type(self.prompt_embeds).__name__} "
+                f"of shape {tuple(getattr(self.prompt_embeds, 'shape', ()))}"
+            )
         return self
 
     @property
     def empty(self) -> bool:
-        return not (self.adapter or self.cache_salt or self.weights_revision or self.multimodal or self.prompt_embeds is not None)
+        return not (
+            self.adapter
+            or self.cache_salt
+            or self.weights_revision
+            or self.multimodal
+            or self.prompt_embeds is not None
+        )
 
     def block_extras(self, block_size: int, num_tokens: int) -> BlockExtras:
         """This identity resolved to the blocks of a ``num_tokens``-token sequence in
@@ -87,13 +112,22 @@ class RequestIdentity(BaseModel):
         key it). Called by the clients once per call, and by the vLLM connector's
         scheduler once per request; the digests go to workers instead of the inputs."""
         if block_size <= 0 or num_tokens < 0:
-            raise InvalidInputError(f"block_extras needs block_size > 0 and num_tokens >= 0, got {block_size}, {num_tokens}")
+            raise InvalidInputError(
+                f"block_extras needs block_size > 0 and num_tokens >= 0, got {block_size}, {num_tokens}"
+            )
         if self.empty or num_tokens == 0:
             return NO_EXTRAS
         blocks = -(-num_tokens // block_size)
         facts: dict[int, list[bytes]] = {}
-        first = b"".join(tag + _text(value) for tag, value in ((_ADAPTER, self.adapter), (_SALT, self.cache_salt),
-                                                              (_WEIGHTS, self.weights_revision)) if value)
+        first = b"".join(
+            tag + _text(value)
+            for tag, value in (
+                (_ADAPTER, self.adapter),
+                (_SALT, self.cache_salt),
+                (_WEIGHTS, self.weights_revision),
+            )
+            if value
+        )
         if first:
             facts[0] = [first]
         for item in self.multimodal:
@@ -101,15 +135,28 @@ class RequestIdentity(BaseModel):
                 continue
             end = min(item.offset + item.length, num_tokens)
             for block in range(item.offset // block_size, -(-end // block_size)):
-                relative = item.offset - block * block_size  # negative when it began in an earlier block
-                facts.setdefault(block, []).append(_MULTIMODAL + _text(item.hash) + struct.pack("<qq", relative, item.length))
+                relative = (
+                    item.offset - block * block_size
+                )  # negative when it began in an earlier block
+                facts.setdefault(block, []).append(
+                    _MULTIMODAL + _text(item.hash) + struct.pack("<qq", relative, item.length)
+                )
         if self.prompt_embeds is not None:
             rows = _embeds_rows(self.prompt_embeds)
             if rows.shape[0] < num_tokens:
-                raise InvalidInputError(f"prompt_embeds has {rows.shape[0]} rows for {num_tokens} tokens")
+                raise InvalidInputError(
+                    f"prompt_embeds has {rows.shape[0]} rows for {num_tokens} tokens"
+                )
             for block in range(blocks):
-                facts.setdefault(block, []).append(_EMBEDS + embeds_digest(rows[block * block_size : (block + 1) * block_size]))
-        digests = {b: hashlib.blake2b(b"".join(parts), digest_size=HASH_BYTES, person=EXTRA_PERSON).digest() for b, parts in facts.items()}
+                facts.setdefault(block, []).append(
+                    _EMBEDS + embeds_digest(rows[block * block_size : (block + 1) * block_size])
+                )
+        digests = {
+            b: hashlib.blake2b(
+                b"".join(parts), digest_size=HASH_BYTES, person=EXTRA_PERSON
+            ).digest()
+            for b, parts in facts.items()
+        }
         return BlockExtras(tuple(sorted(digests.items())))
 
 
@@ -117,7 +164,9 @@ def _embeds_rows(embeds: Any) -> Any:
     """``embeds`` as a numpy array of its raw elements, on the host."""
     import numpy as np
 
-    if hasattr(embeds, "detach"):  # a torch tensor; bfloat16 has no numpy dtype, so its bits go as int16
+    if hasattr(
+        embeds, "detach"
+    ):  # a torch tensor; bfloat16 has no numpy dtype, so its bits go as int16
         import torch
 
         t = embeds.detach().to("cpu").contiguous()
@@ -178,7 +227,9 @@ class BlockExtras:
 NO_EXTRAS = BlockExtras()
 
 
-def resolve(identity: RequestIdentity | BlockExtras | None, block_size: int, num_tokens: int) -> BlockExtras:
+def resolve(
+    identity: RequestIdentity | BlockExtras | None, block_size: int, num_tokens: int
+) -> BlockExtras:
     """What the clients' calls accept as ``identity``, as ``BlockExtras``."""
     if identity is None:
         return NO_EXTRAS
@@ -186,4 +237,6 @@ def resolve(identity: RequestIdentity | BlockExtras | None, block_size: int, num
         return identity
     if isinstance(identity, RequestIdentity):
         return identity.block_extras(block_size, num_tokens)
-    raise InvalidInputError(f"identity must be a RequestIdentity or BlockExtras, got {type(identity).__name__}")
+    raise InvalidInputError(
+        f"identity must be a RequestIdentity or BlockExtras, got {type(identity).__name__}"
+    )

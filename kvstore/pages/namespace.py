@@ -56,8 +56,12 @@ DTYPE_SIZES: dict[str, int] = {
 #               kv_lora_rank + rope dims per token, the same on every TP rank)
 # The dimensions of each layout's page, in order: 2 (K and V), L (layers), B (block
 # size), H (KV heads), D (head size), and KV as one dimension of 2 * head size.
-_DIMS = {"kv_lbhd": ("2", "L", "B", "H", "D"), "vllm_cpu": ("L", "H", "B", "KV"), "vllm_flash": ("L", "2", "B", "H", "D"),
-         "vllm_mla": ("L", "H", "B", "D")}
+_DIMS = {
+    "kv_lbhd": ("2", "L", "B", "H", "D"),
+    "vllm_cpu": ("L", "H", "B", "KV"),
+    "vllm_flash": ("L", "2", "B", "H", "D"),
+    "vllm_mla": ("L", "H", "B", "D"),
+}
 LAYOUTS = tuple(_DIMS)
 
 
@@ -80,14 +84,39 @@ class Namespace(BaseModel):
     tp_rank: int = Field(default=0, ge=0)
     tp_size: int = Field(default=1, gt=0)
     pp_rank: int = Field(default=0, ge=0)
-    tenant: Tenant = Field(default="default", description="who owns the pages; data-plane credentials grant rights per tenant, and index keys carry it")
+    tenant: Tenant = Field(
+        default="default",
+        description="who owns the pages; data-plane credentials grant rights per tenant, and index keys carry it",
+    )
     format_version: int = Field(default=FORMAT_VERSION, ge=1)
-    total_kv_heads: int = Field(default=0, ge=0, description="KV heads of the model (0: num_kv_heads * tp_size); needed when tp_size exceeds them (replicated heads)")
-    head_groups: int = Field(default=0, ge=0, description="groups the model's KV heads are stored in, one page each per block; engines of different TP sizes share pages when they agree on it (0: min(tp_size, KV heads))")
-    total_layers: int = Field(default=0, ge=0, description="layers of the model (0: num_layers); set for a pipeline stage, whose pages are then stored as layer groups that engines of any PP split share")
-    first_layer: int = Field(default=0, ge=0, description="the model layer this pipeline stage's first layer is")
-    layer_groups: int = Field(default=0, ge=0, description="groups the model's layers are stored in, one unit each per block and head group; engines of different PP sizes share pages when they agree on it and their stages hold whole groups (0: one group)")
-    weights: str = Field(default="", max_length=256, description="which weights computed the KV: an operator's revision (weights_revision) or a fingerprint of the checkpoint's files; new weights under the same model name never read the old pages (empty: not stated)")
+    total_kv_heads: int = Field(
+        default=0,
+        ge=0,
+        description="KV heads of the model (0: num_kv_heads * tp_size); needed when tp_size exceeds them (replicated heads)",
+    )
+    head_groups: int = Field(
+        default=0,
+        ge=0,
+        description="groups the model's KV heads are stored in, one page each per block; engines of different TP sizes share pages when they agree on it (0: min(tp_size, KV heads))",
+    )
+    total_layers: int = Field(
+        default=0,
+        ge=0,
+        description="layers of the model (0: num_layers); set for a pipeline stage, whose pages are then stored as layer groups that engines of any PP split share",
+    )
+    first_layer: int = Field(
+        default=0, ge=0, description="the model layer this pipeline stage's first layer is"
+    )
+    layer_groups: int = Field(
+        default=0,
+        ge=0,
+        description="groups the model's layers are stored in, one unit each per block and head group; engines of different PP sizes share pages when they agree on it and their stages hold whole groups (0: one group)",
+    )
+    weights: str = Field(
+        default="",
+        max_length=256,
+        description="which weights computed the KV: an operator's revision (weights_revision) or a fingerprint of the checkpoint's files; new weights under the same model name never read the old pages (empty: not stated)",
+    )
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -111,20 +140,34 @@ class Namespace(BaseModel):
         total = self.total_heads
         if self.total_kv_heads:
             if self.tp_size <= total and self.num_kv_heads * self.tp_size != total:
-                raise ValueError(f"num_kv_heads {self.num_kv_heads} x tp_size {self.tp_size} must equal total_kv_heads {total}")
+                raise ValueError(
+                    f"num_kv_heads {self.num_kv_heads} x tp_size {self.tp_size} must equal total_kv_heads {total}"
+                )
             if self.tp_size > total and (self.num_kv_heads != 1 or self.tp_size % total):
-                raise ValueError(f"with tp_size {self.tp_size} above total_kv_heads {total}, each rank holds 1 replicated head and tp_size must be a multiple of {total}")
+                raise ValueError(
+                    f"with tp_size {self.tp_size} above total_kv_heads {total}, each rank holds 1 replicated head and tp_size must be a multiple of {total}"
+                )
         if total % self.groups:
             raise ValueError(f"head_groups {self.groups} must divide the model's {total} KV heads")
         layers, groups = self.model_layers, self.lgroups
         if self.first_layer + self.num_layers > layers:
-            raise ValueError(f"layers {self.first_layer} to {self.first_layer + self.num_layers - 1} lie past the model's {layers}")
-        if layers % groups or self.first_layer % (layers // groups) or self.num_layers % (layers // groups):
-            raise ValueError(f"layer_groups {groups} must divide the model's {layers} layers into groups this stage "
-                             f"(layers {self.first_layer} to {self.first_layer + self.num_layers - 1}) holds whole")
+            raise ValueError(
+                f"layers {self.first_layer} to {self.first_layer + self.num_layers - 1} lie past the model's {layers}"
+            )
+        if (
+            layers % groups
+            or self.first_layer % (layers // groups)
+            or self.num_layers % (layers // groups)
+        ):
+            raise ValueError(
+                f"layer_groups {groups} must divide the model's {layers} layers into groups this stage "
+                f"(layers {self.first_layer} to {self.first_layer + self.num_layers - 1}) holds whole"
+            )
         if self.num_layers > layers // groups and self.groups > 1 and not self.stores_all_heads:
-            raise ValueError(f"a rank holding part of the heads ({self.groups} head groups, tp_size {self.tp_size}) must hold one layer group, "
-                             f"not {self.num_layers // (layers // groups)}: its units would not be consecutive")
+            raise ValueError(
+                f"a rank holding part of the heads ({self.groups} head groups, tp_size {self.tp_size}) must hold one layer group, "
+                f"not {self.num_layers // (layers // groups)}: its units would not be consecutive"
+            )
         return self
 
     def model_copy(self, *, update: dict | None = None, deep: bool = False) -> Namespace:
@@ -137,7 +180,14 @@ class Namespace(BaseModel):
         """The exact text hashed into the digest: sorted keys, no spaces. Fields added
         after format 1 appear only when set, so older namespaces keep their digests."""
         fields = self.model_dump()
-        for late in ("total_kv_heads", "head_groups", "weights", "total_layers", "first_layer", "layer_groups"):
+        for late in (
+            "total_kv_heads",
+            "head_groups",
+            "weights",
+            "total_layers",
+            "first_layer",
+            "layer_groups",
+        ):
             if not fields[late]:
                 del fields[late]
         return json.dumps(fields, sort_keys=True, separators=(",", ":"))
@@ -212,9 +262,17 @@ class Namespace(BaseModel):
         group it equals the TP=1 namespace, so a TP=1 engine's pages are what they were.
         A pipeline stage (``total_layers`` set) is stored as the whole model's layers in
         its layer groups, the same for every PP split (``pp_rank`` 0)."""
-        update = {"num_kv_heads": self.total_heads, "tp_rank": 0, "tp_size": 1, "total_kv_heads": 0,
-                  "head_groups": self.groups if self.groups > 1 else 0, "num_layers": self.model_layers, "total_layers": 0,
-                  "first_layer": 0, "layer_groups": self.lgroups if self.lgroups > 1 else 0}
+        update = {
+            "num_kv_heads": self.total_heads,
+            "tp_rank": 0,
+            "tp_size": 1,
+            "total_kv_heads": 0,
+            "head_groups": self.groups if self.groups > 1 else 0,
+            "num_layers": self.model_layers,
+            "total_layers": 0,
+            "first_layer": 0,
+            "layer_groups": self.lgroups if self.lgroups > 1 else 0,
+        }
         if self.total_layers:
             update["pp_rank"] = 0
         return self.model_copy(update=update)
@@ -254,7 +312,14 @@ class Namespace(BaseModel):
         return self._shape(self.num_kv_heads, self.num_layers)
 
     def _shape(self, heads: int, layers: int) -> tuple[int, ...]:
-        sizes = {"2": 2, "L": layers, "B": self.block_size, "H": heads, "D": self.head_size, "KV": 2 * self.head_size}
+        sizes = {
+            "2": 2,
+            "L": layers,
+            "B": self.block_size,
+            "H": heads,
+            "D": self.head_size,
+            "KV": 2 * self.head_size,
+        }
         return tuple(sizes[d] for d in _DIMS[self.layout])
 
     @property

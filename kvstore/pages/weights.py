@@ -40,7 +40,11 @@ def checkpoint_files(path: Path) -> list[Path]:
     ``original/`` holds the same weights in another format)."""
     if path.is_file():
         return [path]
-    return sorted(p for p in path.iterdir() if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.name in CONFIG_FILES))
+    return sorted(
+        p
+        for p in path.iterdir()
+        if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.name in CONFIG_FILES)
+    )
 
 
 def fingerprint(path: str | os.PathLike[str]) -> str | None:

@@ -30,7 +30,16 @@ from kvstore.pages.namespace import check_tenant
 ROLES = ("node", "client", "operator")
 # What every role runs: connection upkeep, the cluster's slot map, loading the scripts
 # after a restart or failover, read-only scripts.
-_COMMON = ["resetchannels", "-@all", "+ping", "+time", "+client|setinfo", "+cluster|slots", "+script|load", "+evalsha_ro"]
+_COMMON = [
+    "resetchannels",
+    "-@all",
+    "+ping",
+    "+time",
+    "+client|setinfo",
+    "+cluster|slots",
+    "+script|load",
+    "+evalsha_ro",
+]
 # What the scripts call (kvstore/index/lua): live_nodes reads; lookup and lease renew leases.
 _READ_SCRIPTS = ["+zrangebyscore", "+hgetall"]
 _LOOKUP = ["+evalsha", "+get", "+set", "+pttl", "+pexpire"]
@@ -43,14 +52,40 @@ def rules(role: str, tenant: str | None = None) -> str:
     if role not in ROLES:
         raise InvalidInputError(f"unknown index role {role!r}; expected one of {list(ROLES)}")
     if (role == "client") != (tenant is not None):
-        raise InvalidInputError("a client role names one --tenant; node and operator roles name none")
+        raise InvalidInputError(
+            "a client role names one --tenant; node and operator roles name none"
+        )
     if role == "node":
-        parts = ["resetkeys", "~kvs:*", *_COMMON, *_READ_SCRIPTS, *_LOOKUP, "+hsetnx", "+hget", "+hset", "+sadd", "+smembers", "+del", "+incr",
-                 "+zadd", "+zrem", "+zremrangebyscore", "+info"]
+        parts = [
+            "resetkeys",
+            "~kvs:*",
+            *_COMMON,
+            *_READ_SCRIPTS,
+            *_LOOKUP,
+            "+hsetnx",
+            "+hget",
+            "+hset",
+            "+sadd",
+            "+smembers",
+            "+del",
+            "+incr",
+            "+zadd",
+            "+zrem",
+            "+zremrangebyscore",
+            "+info",
+        ]
     elif role == "client":
         assert tenant is not None
         check_tenant(tenant)
-        parts = ["resetkeys", f"~{keys.tenant_keys(tenant)}", f"%R~{_REGISTRY}", *_COMMON, *_READ_SCRIPTS, *_LOOKUP, "+hsetnx"]
+        parts = [
+            "resetkeys",
+            f"~{keys.tenant_keys(tenant)}",
+            f"%R~{_REGISTRY}",
+            *_COMMON,
+            *_READ_SCRIPTS,
+            *_LOOKUP,
+            "+hsetnx",
+        ]
     else:
         parts = ["resetkeys", "%R~kvs:*", *_COMMON, *_READ_SCRIPTS, "+smembers", "+hget"]
     return " ".join(parts)

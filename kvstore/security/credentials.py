@@ -77,9 +77,13 @@ def make_credential(name: str, rights: str, tenants: list[str]) -> Credential:
     if not _NAME_RE.match(name):
         raise InvalidInputError(f"credential name {name!r} must be 1-64 letters, digits or _.@-")
     if rights not in RIGHTS:
-        raise InvalidInputError(f"credential {name}: rights must be one of {list(RIGHTS)}, got {rights!r}")
+        raise InvalidInputError(
+            f"credential {name}: rights must be one of {list(RIGHTS)}, got {rights!r}"
+        )
     if not tenants:
-        raise InvalidInputError(f"credential {name}: name at least one tenant, or * for every tenant")
+        raise InvalidInputError(
+            f"credential {name}: name at least one tenant, or * for every tenant"
+        )
     if ALL_TENANTS in tenants:
         if len(tenants) > 1:
             raise InvalidInputError(f"credential {name}: * stands alone, not beside other tenants")
@@ -99,17 +103,23 @@ def parse_credentials(text: str, source: str = "credentials") -> dict[str, Crede
             continue
         fields = line.split()
         if len(fields) != 4:
-            raise InvalidInputError(f"{source} line {number}: expected 'name sha256:<hex> rights tenants', got {len(fields)} fields")
+            raise InvalidInputError(
+                f"{source} line {number}: expected 'name sha256:<hex> rights tenants', got {len(fields)} fields"
+            )
         name, digest, rights, tenants = fields
         match = _DIGEST_RE.match(digest)
         if not match:
-            raise InvalidInputError(f"{source} line {number}: the token digest must be sha256: and 64 lowercase hex digits")
+            raise InvalidInputError(
+                f"{source} line {number}: the token digest must be sha256: and 64 lowercase hex digits"
+            )
         try:
             credential = make_credential(name, rights, tenants.split(","))
         except InvalidInputError as exc:
             raise InvalidInputError(f"{source} line {number}: {exc}") from None
         if match.group(1) in out:
-            raise InvalidInputError(f"{source} line {number}: the token of {name} is already listed as {out[match.group(1)].name}")
+            raise InvalidInputError(
+                f"{source} line {number}: the token of {name} is already listed as {out[match.group(1)].name}"
+            )
         out[match.group(1)] = credential
     return out
 
@@ -126,7 +136,11 @@ class CredentialFile:
     def __init__(self, path: str | None, legacy_token: str = "", *, recheck: float = 1.0) -> None:
         self.path = path
         self.recheck = recheck
-        self._legacy = {token_digest(legacy_token): Credential("auth-token", READWRITE, None)} if legacy_token else {}
+        self._legacy = (
+            {token_digest(legacy_token): Credential("auth-token", READWRITE, None)}
+            if legacy_token
+            else {}
+        )
         self._lock = threading.Lock()
         self._stamp: tuple[int, int, int] | None = None
         self._checked = 0.0
@@ -153,9 +167,16 @@ class CredentialFile:
         except (OSError, InvalidInputError) as exc:
             message = exc.strerror if isinstance(exc, OSError) else str(exc)
             if initial:
-                raise InvalidInputError(f"cannot load credentials file {self.path}: {message}") from None
+                raise InvalidInputError(
+                    f"cannot load credentials file {self.path}: {message}"
+                ) from None
             self.reload_errors += 1
-            log.error("credentials file %s not reloaded, keeping the %d credentials loaded before: %s", self.path, len(self._table), message)
+            log.error(
+                "credentials file %s not reloaded, keeping the %d credentials loaded before: %s",
+                self.path,
+                len(self._table),
+                message,
+            )
             return
         self._table = {**table, **self._legacy}
         self._stamp = stamp

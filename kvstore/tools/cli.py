@@ -29,23 +29,42 @@ def _up(args: argparse.Namespace) -> int:
     if args.index_shards < 1:
         raise InvalidInputError(f"--index-shards must be at least 1, got {args.index_shards}")
     if args.redis_url and args.index_shards > 1:
-        raise InvalidInputError("--index-shards starts an embedded index; it cannot be used with --redis-url")
+        raise InvalidInputError(
+            "--index-shards starts an embedded index; it cannot be used with --redis-url"
+        )
     password = _index_from_env()[1] if args.redis_url else None
     if args.redis_url:
         PageIndex(args.redis_url, password=password).ping()  # fail now, not after 30 s
     with tempfile.TemporaryDirectory(prefix="kvstore-up-") as private:
         token_env, token_note = _data_plane_token(private)
         if args.disk_capacity and not args.disk_path:
-            raise InvalidInputError("--disk-capacity needs --disk-path (the directory the nodes' disk tiers live in)")
+            raise InvalidInputError(
+                "--disk-capacity needs --disk-path (the directory the nodes' disk tiers live in)"
+            )
         if args.disk_path and not args.disk_capacity:
-            raise InvalidInputError("--disk-path needs --disk-capacity (bytes each node's disk tier may take, e.g. 100GiB)")
+            raise InvalidInputError(
+                "--disk-path needs --disk-capacity (bytes each node's disk tier may take, e.g. 100GiB)"
+            )
         # the nodes' logs outlive `kvstore up`: they are where a failed start or a
         # refused client is explained
-        log_dir = None if args.verbose else (args.log_dir or tempfile.mkdtemp(prefix="kvstore-up-logs-"))
-        cluster = LocalCluster(args.servers, args.capacity, redis_url=args.redis_url, redis_password=password, index_shards=args.index_shards,
-                               slab_size=args.slab_size, quiet=not args.verbose, env=token_env, disk_path=args.disk_path, disk_capacity=args.disk_capacity,
-                               extra_args=["--disk-policy", args.disk_policy] if args.disk_path else None, log_dir=log_dir,
-                               progress=lambda line: print(f"kvstore up: {line}", flush=True))
+        log_dir = (
+            None if args.verbose else (args.log_dir or tempfile.mkdtemp(prefix="kvstore-up-logs-"))
+        )
+        cluster = LocalCluster(
+            args.servers,
+            args.capacity,
+            redis_url=args.redis_url,
+            redis_password=password,
+            index_shards=args.index_shards,
+            slab_size=args.slab_size,
+            quiet=not args.verbose,
+            env=token_env,
+            disk_path=args.disk_path,
+            disk_capacity=args.disk_capacity,
+            extra_args=["--disk-policy", args.disk_policy] if args.disk_path else None,
+            log_dir=log_dir,
+            progress=lambda line: print(f"kvstore up: {line}", flush=True),
+        )
         return _serve(args, cluster, token_note)
 
 
@@ -77,8 +96,14 @@ def _serve(args: argparse.Namespace, cluster: Any, token_note: str) -> int:
         signal.signal(sig, lambda *_: stop.set())
     with cluster:
         index = f"a {args.index_shards}-shard Valkey cluster" if args.index_shards > 1 else "Valkey"
-        disk = f" over a disk tier of {args.disk_capacity} each in {args.disk_path}/<node id>" if args.disk_path else ""
-        print(f"kvstore up: {args.servers} storage node(s) of {args.capacity}{disk} and {index} on loopback")
+        disk = (
+            f" over a disk tier of {args.disk_capacity} each in {args.disk_path}/<node id>"
+            if args.disk_path
+            else ""
+        )
+        print(
+            f"kvstore up: {args.servers} storage node(s) of {args.capacity}{disk} and {index} on loopback"
+        )
         # ready to paste into the shell of a client: KVCacheClient reads KVSTORE_* for
         # every option it is not given (a password stays out of the printed URL)
         print(f"export KVSTORE_REDIS_URL={redact_url(cluster.redis_url)}", flush=True)
@@ -88,10 +113,16 @@ def _serve(args: argparse.Namespace, cluster: Any, token_note: str) -> int:
         print("press Ctrl-C to stop", flush=True)
         while not stop.wait(0.5):
             if all(n.process.poll() is not None for n in cluster.nodes):
-                reasons = "; ".join(f"{n.node_id} (exit {n.process.returncode}): {n.exit_reason()}" for n in cluster.nodes)
+                reasons = "; ".join(
+                    f"{n.node_id} (exit {n.process.returncode}): {n.exit_reason()}"
+                    for n in cluster.nodes
+                )
                 print(f"kvstore up: all storage nodes exited: {reasons}", file=sys.stderr)
                 return EXIT_FAILED
-    print("stopped" + (f"; node logs kept in {cluster.log_dir}" if cluster.log_dir is not None else ""))
+    print(
+        "stopped"
+        + (f"; node logs kept in {cluster.log_dir}" if cluster.log_dir is not None else "")
+    )
     return 0
 
 
@@ -110,7 +141,9 @@ def _node_lines(cluster: Any) -> list[str]:
         info = registered.get(node.node_id)
         metrics = info.extra.get("metrics", "none") if info else "?"
         log = f"log {node.log_path}" if node.log_path else "log here (--verbose)"
-        lines.append(f"  {node.node_id}: data {info.address if info else 'not registered'}, metrics http://{metrics}/metrics, {log}")
+        lines.append(
+            f"  {node.node_id}: data {info.address if info else 'not registered'}, metrics http://{metrics}/metrics, {log}"
+        )
     return lines
 
 
@@ -122,21 +155,44 @@ def _stats(args: argparse.Namespace) -> int:
     stats = index.stats()
     if args.json:
         nodes = [
-            {"node_id": n.node_id, "address": n.address, "capacity": n.capacity, "incarnation": n.incarnation,
-             **{k: int(n.extra[k]) for k in _NODE_FIGURES if n.extra.get(k, "").isdigit()}}
+            {
+                "node_id": n.node_id,
+                "address": n.address,
+                "capacity": n.capacity,
+                "incarnation": n.incarnation,
+                **{k: int(n.extra[k]) for k in _NODE_FIGURES if n.extra.get(k, "").isdigit()},
+            }
             for n in stats.nodes
         ]
-        spaces = [{"digest": s.digest, "pages": s.pages, "per_node": s.per_node, "namespace": s.namespace.model_dump() if s.namespace else None} for s in stats.namespaces]
+        spaces = [
+            {
+                "digest": s.digest,
+                "pages": s.pages,
+                "per_node": s.per_node,
+                "namespace": s.namespace.model_dump() if s.namespace else None,
+            }
+            for s in stats.namespaces
+        ]
         print(json.dumps({"shards": index.shards, "nodes": nodes, "namespaces": spaces}, indent=2))
         return 0
     if index.cluster:
         print(f"index: a cluster of {index.shards} shard(s)")
     print(f"{len(stats.nodes)} live node(s)")
     for n in stats.nodes:
-        used = f"used {format_size(int(n.extra['used']))} of {format_size(n.capacity)}" if n.extra.get("used", "").isdigit() else f"capacity {format_size(n.capacity)}"
+        used = (
+            f"used {format_size(int(n.extra['used']))} of {format_size(n.capacity)}"
+            if n.extra.get("used", "").isdigit()
+            else f"capacity {format_size(n.capacity)}"
+        )
         hits, misses = n.extra.get("hits", ""), n.extra.get("misses", "")
-        reads = f", {hits} pages read, {misses} asked but not held" if hits.isdigit() and misses.isdigit() else ""
-        print(f"  {n.node_id:20} {n.address:24} {used}{_disk_line(n.extra)}{reads}, incarnation {n.incarnation}")
+        reads = (
+            f", {hits} pages read, {misses} asked but not held"
+            if hits.isdigit() and misses.isdigit()
+            else ""
+        )
+        print(
+            f"  {n.node_id:20} {n.address:24} {used}{_disk_line(n.extra)}{reads}, incarnation {n.incarnation}"
+        )
     print(f"{len(stats.namespaces)} namespace(s)")
     for s in stats.namespaces:
         name = _namespace_line(s.namespace) if s.namespace else "?"
@@ -148,12 +204,24 @@ def _namespace_line(ns: Any) -> str:
     """What tells two namespaces apart, on one line of `kvstore stats`: engines share
     pages only when all of it agrees (docs/key-format.md)."""
     weights = f" weights {ns.weights[:24]}" if ns.weights else ""
-    return (f"{ns.model} {ns.dtype} {ns.layout} layers {ns.num_layers} heads {ns.num_kv_heads}x{ns.head_size} block {ns.block_size} "
-            f"head groups {ns.groups} pp {ns.pp_rank} tenant {ns.tenant}{weights}")
+    return (
+        f"{ns.model} {ns.dtype} {ns.layout} layers {ns.num_layers} heads {ns.num_kv_heads}x{ns.head_size} block {ns.block_size} "
+        f"head groups {ns.groups} pp {ns.pp_rank} tenant {ns.tenant}{weights}"
+    )
 
 
 # What `kvstore stats --json` reports of each node, from its registry entry.
-_NODE_FIGURES = ("used", "hits", "misses", "memory_pages", "disk_used", "disk_capacity", "disk_pages", "disk_hits", "disk_degraded")
+_NODE_FIGURES = (
+    "used",
+    "hits",
+    "misses",
+    "memory_pages",
+    "disk_used",
+    "disk_capacity",
+    "disk_pages",
+    "disk_hits",
+    "disk_degraded",
+)
 
 
 def _disk_line(extra: dict[str, str]) -> str:
@@ -161,8 +229,10 @@ def _disk_line(extra: dict[str, str]) -> str:
     if not extra.get("disk_capacity", "").isdigit():
         return ""
     degraded = " (DEGRADED: see its /healthz)" if extra.get("disk_degraded") == "1" else ""
-    return (f" ({extra.get('memory_pages', '?')} pages in memory), disk {format_size(int(extra['disk_used']))} of {format_size(int(extra['disk_capacity']))}"
-            f" ({extra.get('disk_pages', '?')} pages, {extra.get('disk_hits', '?')} read from disk){degraded}")
+    return (
+        f" ({extra.get('memory_pages', '?')} pages in memory), disk {format_size(int(extra['disk_used']))} of {format_size(int(extra['disk_capacity']))}"
+        f" ({extra.get('disk_pages', '?')} pages, {extra.get('disk_hits', '?')} read from disk){degraded}"
+    )
 
 
 def _write_secret(path: str, text: str) -> None:
@@ -180,9 +250,14 @@ def _credential(args: argparse.Namespace) -> int:
     try:
         _write_secret(args.token_file, token + "\n")
     except OSError as exc:
-        raise InvalidInputError(f"cannot create --token-file {args.token_file}: {exc.strerror}") from None
+        raise InvalidInputError(
+            f"cannot create --token-file {args.token_file}: {exc.strerror}"
+        ) from None
     print(credential.line(token_digest(token)))
-    print(f"token written to {args.token_file}: clients read it with KVSTORE_AUTH_TOKEN_FILE={args.token_file}", file=sys.stderr)
+    print(
+        f"token written to {args.token_file}: clients read it with KVSTORE_AUTH_TOKEN_FILE={args.token_file}",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -195,12 +270,16 @@ def _acl(args: argparse.Namespace) -> int:
         print(acl.rules(args.role, args.tenant))
         return 0
     if not args.password_file:
-        raise InvalidInputError("--user needs --password-file (the aclfile line holds the password's SHA-256)")
+        raise InvalidInputError(
+            "--user needs --password-file (the aclfile line holds the password's SHA-256)"
+        )
     try:
         with open(args.password_file) as f:
             password = f.read().rstrip("\r\n")
     except OSError as exc:
-        raise InvalidInputError(f"cannot read --password-file {args.password_file}: {exc.strerror}") from None
+        raise InvalidInputError(
+            f"cannot read --password-file {args.password_file}: {exc.strerror}"
+        ) from None
     print(acl.aclfile_line(args.user, args.role, args.tenant, password))
     return 0
 
@@ -235,42 +314,120 @@ def _fail(argv: list[str], exc: Exception, code: int) -> int:
 def _main(argv: list[str]) -> int:
     if argv and argv[0] == "server":
         os.execv(sys.executable, [sys.executable, "-m", "server", *argv[1:]])
-    parser = argparse.ArgumentParser(prog="kvstore", description="Storage-tier KV cache for LLM inference")
+    parser = argparse.ArgumentParser(
+        prog="kvstore", description="Storage-tier KV cache for LLM inference"
+    )
     parser.add_argument("--version", action="version", version=f"kvstore {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("server", help="run a storage node (see kvstore server --help)")
     up = sub.add_parser("up", help="run embedded Valkey and storage nodes on loopback until Ctrl-C")
     up.add_argument("--servers", type=int, default=1, help="storage nodes to start (default 1)")
-    up.add_argument("--capacity", default="1GiB", help="page memory per storage node, e.g. 4GiB (default 1GiB)")
-    up.add_argument("--slab-size", default="64MiB", help="allocator slab size, also the largest page (default 64MiB)")
-    up.add_argument("--redis-url", default=None, help="use this Redis/Valkey instead of starting one")
-    up.add_argument("--index-shards", type=int, default=1, help="start the embedded index as a Valkey cluster of this many shards (prints a redis+cluster:// URL)")
-    up.add_argument("--disk-path", default=None, help="give every node a disk tier in DIR/<node id> (docs/storage-tiers.md); a restart on the same DIR keeps the pages")
-    up.add_argument("--disk-capacity", default=None, help="bytes each node's disk tier may take, e.g. 100GiB (with --disk-path)")
-    up.add_argument("--disk-policy", default="write-back", choices=["write-back", "write-through"], help="how pages reach disk (default write-back)")
-    up.add_argument("--verbose", action="store_true", help="show the storage nodes' logs here instead of log files")
-    up.add_argument("--log-dir", default=None, help="write each node's log to DIR/<node id>.log (default: a new directory, kept after exit)")
-    demo = sub.add_parser("demo", help="prefill and decode processes sharing KV through a local store")
+    up.add_argument(
+        "--capacity", default="1GiB", help="page memory per storage node, e.g. 4GiB (default 1GiB)"
+    )
+    up.add_argument(
+        "--slab-size",
+        default="64MiB",
+        help="allocator slab size, also the largest page (default 64MiB)",
+    )
+    up.add_argument(
+        "--redis-url", default=None, help="use this Redis/Valkey instead of starting one"
+    )
+    up.add_argument(
+        "--index-shards",
+        type=int,
+        default=1,
+        help="start the embedded index as a Valkey cluster of this many shards (prints a redis+cluster:// URL)",
+    )
+    up.add_argument(
+        "--disk-path",
+        default=None,
+        help="give every node a disk tier in DIR/<node id> (docs/storage-tiers.md); a restart on the same DIR keeps the pages",
+    )
+    up.add_argument(
+        "--disk-capacity",
+        default=None,
+        help="bytes each node's disk tier may take, e.g. 100GiB (with --disk-path)",
+    )
+    up.add_argument(
+        "--disk-policy",
+        default="write-back",
+        choices=["write-back", "write-through"],
+        help="how pages reach disk (default write-back)",
+    )
+    up.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the storage nodes' logs here instead of log files",
+    )
+    up.add_argument(
+        "--log-dir",
+        default=None,
+        help="write each node's log to DIR/<node id>.log (default: a new directory, kept after exit)",
+    )
+    demo = sub.add_parser(
+        "demo", help="prefill and decode processes sharing KV through a local store"
+    )
     demo.add_argument("--servers", type=int, default=2, help="storage nodes (default 2)")
     demo.add_argument("--tokens", type=int, default=2030, help="prompt length")
     demo.add_argument("--shared", type=int, default=1000, help="tokens the second session shares")
-    demo.add_argument("--disk", action="store_true", help="nodes with a small memory pool over a disk tier: prompt A served from disk after eviction and after a restart")
+    demo.add_argument(
+        "--disk",
+        action="store_true",
+        help="nodes with a small memory pool over a disk tier: prompt A served from disk after eviction and after a restart",
+    )
     stats = sub.add_parser("stats", help="print nodes and namespaces in an index")
-    stats.add_argument("--redis-url", default=None,
-                       help="the index: redis://, rediss://, unix:// or redis+cluster://host:port,... (default $KVSTORE_REDIS_URL)")
-    stats.add_argument("--json", action="store_true", help="print one JSON document (nodes with used bytes and read counters, namespaces)")
-    cred = sub.add_parser("credential", help="make a data-plane token for tenants and print its credentials-file line",
-                          description="Writes a new random token to --token-file and prints the line a node's --credentials-file needs to accept it (the token's SHA-256, never the token).")
-    cred.add_argument("--name", required=True, help="who holds it, e.g. engine-team-a (shown in refusals and logs)")
-    cred.add_argument("--tenant", action="append", required=True, help="a tenant it may use (repeat for several; * for every tenant)")
-    cred.add_argument("--rights", choices=["read", "readwrite"], default="readwrite", help="read: get pages only; readwrite: also put (default)")
-    cred.add_argument("--token-file", required=True, help="new file to write the token to (mode 0600)")
-    acl = sub.add_parser("acl", help="print the Redis/Valkey ACL rules of an index role (node, client of a tenant, operator)",
-                         description="Prints the rules for ACL SETUSER <user> on >PASSWORD <rules>, or with --user an aclfile line. See docs/security.md.")
-    acl.add_argument("--role", required=True, choices=["node", "client", "operator"], help="node: storage nodes; client: engines of one tenant; operator: read-only")
+    stats.add_argument(
+        "--redis-url",
+        default=None,
+        help="the index: redis://, rediss://, unix:// or redis+cluster://host:port,... (default $KVSTORE_REDIS_URL)",
+    )
+    stats.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON document (nodes with used bytes and read counters, namespaces)",
+    )
+    cred = sub.add_parser(
+        "credential",
+        help="make a data-plane token for tenants and print its credentials-file line",
+        description="Writes a new random token to --token-file and prints the line a node's --credentials-file needs to accept it (the token's SHA-256, never the token).",
+    )
+    cred.add_argument(
+        "--name",
+        required=True,
+        help="who holds it, e.g. engine-team-a (shown in refusals and logs)",
+    )
+    cred.add_argument(
+        "--tenant",
+        action="append",
+        required=True,
+        help="a tenant it may use (repeat for several; * for every tenant)",
+    )
+    cred.add_argument(
+        "--rights",
+        choices=["read", "readwrite"],
+        default="readwrite",
+        help="read: get pages only; readwrite: also put (default)",
+    )
+    cred.add_argument(
+        "--token-file", required=True, help="new file to write the token to (mode 0600)"
+    )
+    acl = sub.add_parser(
+        "acl",
+        help="print the Redis/Valkey ACL rules of an index role (node, client of a tenant, operator)",
+        description="Prints the rules for ACL SETUSER <user> on >PASSWORD <rules>, or with --user an aclfile line. See docs/security.md.",
+    )
+    acl.add_argument(
+        "--role",
+        required=True,
+        choices=["node", "client", "operator"],
+        help="node: storage nodes; client: engines of one tenant; operator: read-only",
+    )
     acl.add_argument("--tenant", default=None, help="the tenant of a client role")
     acl.add_argument("--user", default=None, help="print a whole aclfile line for this user")
-    acl.add_argument("--password-file", default=None, help="file holding the user's password (with --user)")
+    acl.add_argument(
+        "--password-file", default=None, help="file holding the user's password (with --user)"
+    )
     args = parser.parse_args(argv)
     if args.command == "acl":
         return _acl(args)

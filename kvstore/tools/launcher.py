@@ -52,10 +52,27 @@ class LocalCluster:
     it over, never on their command lines (which ``/proc/<pid>/cmdline`` shows to
     every user of the host)."""
 
-    def __init__(self, servers: int = 1, capacity: str = "256MiB", *, redis_url: str | None = None, redis_password: str | None = None, index_shards: int = 1, slab_size: str = "16MiB", extra_args: list[str] | None = None, env: dict[str, str] | None = None, quiet: bool = True, log_dir: str | None = None,
-                 disk_path: str | None = None, disk_capacity: str | None = None, progress: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        servers: int = 1,
+        capacity: str = "256MiB",
+        *,
+        redis_url: str | None = None,
+        redis_password: str | None = None,
+        index_shards: int = 1,
+        slab_size: str = "16MiB",
+        extra_args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        quiet: bool = True,
+        log_dir: str | None = None,
+        disk_path: str | None = None,
+        disk_capacity: str | None = None,
+        progress: Callable[[str], None] | None = None,
+    ) -> None:
         self.num_servers = servers
-        self._progress = progress or (lambda _line: None)  # `kvstore up` prints each step of a start
+        self._progress = progress or (
+            lambda _line: None
+        )  # `kvstore up` prints each step of a start
         self.disk_path = disk_path  # each node's disk tier is <disk_path>/<node id>
         self.disk_capacity = disk_capacity
         self.index_shards = index_shards
@@ -67,7 +84,9 @@ class LocalCluster:
             # a loopback store for tests and the demo; `kvstore up` passes a token
             self.env["KVSTORE_ANONYMOUS"] = "true"
         self.quiet = quiet
-        self._tmp = None if log_dir or not quiet else tempfile.TemporaryDirectory(prefix="kvstore-nodes-")
+        self._tmp = (
+            None if log_dir or not quiet else tempfile.TemporaryDirectory(prefix="kvstore-nodes-")
+        )
         self.log_dir = Path(log_dir or self._tmp.name) if quiet else None
         self.valkey: EmbeddedValkey | EmbeddedValkeyCluster | None = None
         self.redis_url, in_url = split_password(redis_url or "")
@@ -80,22 +99,46 @@ class LocalCluster:
     def start(self, timeout: float = 30.0) -> LocalCluster:
         if not self.redis_url:
             self._progress("starting the index (embedded Valkey)")
-            self.valkey = (EmbeddedValkeyCluster(self.index_shards) if self.index_shards > 1 else EmbeddedValkey()).start()
+            self.valkey = (
+                EmbeddedValkeyCluster(self.index_shards)
+                if self.index_shards > 1
+                else EmbeddedValkey()
+            ).start()
             self.redis_url = self.valkey.url
         for i in range(self.num_servers):
             self.add_node(f"node-{i}")
         if self.num_servers:
-            self._progress(f"starting {self.num_servers} storage node(s): each faults in {self.capacity} of page memory before it registers")
+            self._progress(
+                f"starting {self.num_servers} storage node(s): each faults in {self.capacity} of page memory before it registers"
+            )
             self.wait_registered(timeout)
         return self
 
     def add_node(self, node_id: str, extra_args: list[str] | None = None) -> NodeProcess:
         """Start one more storage node (it registers itself; see ``wait_registered``)."""
         args = [
-            sys.executable, "-m", "server", "--redis-url", self.redis_url, "--capacity", self.capacity,
-            "--slab-size", self.slab_size, "--host", "127.0.0.1", "--port", "0", "--node-id", node_id,
-            "--metrics-port", "0", "--metrics-host", "127.0.0.1",
-            *self.disk_args(node_id), *self.extra_args, *(extra_args or []),
+            sys.executable,
+            "-m",
+            "server",
+            "--redis-url",
+            self.redis_url,
+            "--capacity",
+            self.capacity,
+            "--slab-size",
+            self.slab_size,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--node-id",
+            node_id,
+            "--metrics-port",
+            "0",
+            "--metrics-host",
+            "127.0.0.1",
+            *self.disk_args(node_id),
+            *self.extra_args,
+            *(extra_args or []),
         ]
         log_path = None
         out = None
@@ -104,7 +147,13 @@ class LocalCluster:
             log_path = self.log_dir / f"{node_id}.log"
             out = open(log_path, "ab")  # noqa: SIM115 - the child keeps the descriptor
         try:
-            proc = subprocess.Popen(args, env=self.env, stdout=out, stderr=subprocess.STDOUT if out else None, preexec_fn=die_with_parent)
+            proc = subprocess.Popen(
+                args,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT if out else None,
+                preexec_fn=die_with_parent,
+            )
         finally:
             if out:
                 out.close()
@@ -117,7 +166,11 @@ class LocalCluster:
         node restarted under the same id finds its pages again."""
         if not self.disk_path:
             return []
-        return ["--disk-path", os.path.join(self.disk_path, node_id), *(["--disk-capacity", self.disk_capacity] if self.disk_capacity else [])]
+        return [
+            "--disk-path",
+            os.path.join(self.disk_path, node_id),
+            *(["--disk-capacity", self.disk_capacity] if self.disk_capacity else []),
+        ]
 
     def wait_registered(self, timeout: float = 30.0) -> None:
         index = PageIndex(self.redis_url, password=self.redis_password)
@@ -129,14 +182,22 @@ class LocalCluster:
                 live = {n.node_id for n in index.live_nodes()}
                 for node_id in sorted(live - seen):
                     if any(n.node_id == node_id for n in self.nodes):
-                        self._progress(f"{node_id} registered after {time.monotonic() - started:.1f} s")
+                        self._progress(
+                            f"{node_id} registered after {time.monotonic() - started:.1f} s"
+                        )
                 seen |= live
                 running = [n for n in self.nodes if n.process.poll() is None]
                 if all(n.node_id in live for n in running) and running:
                     return
-                dead = [n.node_id for n in self.nodes if n.process.poll() is not None and n.node_id not in live]
+                dead = [
+                    n.node_id
+                    for n in self.nodes
+                    if n.process.poll() is not None and n.node_id not in live
+                ]
                 if dead and len(dead) == len(self.nodes):
-                    reasons = "; ".join(f"{n.node_id}: {n.exit_reason()}" for n in self.nodes if n.node_id in dead)
+                    reasons = "; ".join(
+                        f"{n.node_id}: {n.exit_reason()}" for n in self.nodes if n.node_id in dead
+                    )
                     raise KVStoreError(f"storage nodes exited during start ({reasons})")
                 if time.monotonic() > deadline:
                     raise KVStoreError(f"storage nodes did not register within {timeout:.0f} s")
@@ -171,7 +232,12 @@ class LocalCluster:
                 pending = 0
                 for node in index.live_nodes():
                     try:
-                        pending += urllib.request.urlopen(f"http://{node.extra['metrics']}/readyz", timeout=2).status != 200
+                        pending += (
+                            urllib.request.urlopen(
+                                f"http://{node.extra['metrics']}/readyz", timeout=2
+                            ).status
+                            != 200
+                        )
                     except (OSError, KeyError):
                         pending += 1
                 if not pending:
@@ -212,7 +278,9 @@ class LocalCluster:
 def _has_credential(env: dict[str, str], args: list[str]) -> bool:
     """True when the nodes get a data-plane credential from ``env`` or ``args``."""
     names = ("AUTH_TOKEN", "AUTH_TOKEN_FILE", "CREDENTIALS_FILE")
-    return any(env.get(f"KVSTORE_{n}") for n in names) or any(a.split("=")[0] in ("--auth-token", "--auth-token-file", "--credentials-file") for a in args)
+    return any(env.get(f"KVSTORE_{n}") for n in names) or any(
+        a.split("=")[0] in ("--auth-token", "--auth-token-file", "--credentials-file") for a in args
+    )
 
 
 def _last_line(text: str) -> str:

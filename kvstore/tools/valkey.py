@@ -34,7 +34,15 @@ class EmbeddedValkey:
     Use as a context manager or call ``start()``/``stop()``. ``url`` is what clients
     and storage nodes connect to."""
 
-    def __init__(self, port: int | None = None, *, unix_socket: str | None = None, workdir: str | None = None, pidfile: str | None = None, extra_args: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        *,
+        unix_socket: str | None = None,
+        workdir: str | None = None,
+        pidfile: str | None = None,
+        extra_args: list[str] | None = None,
+    ) -> None:
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="kvstore-valkey-")
         self.workdir = Path(workdir or self._tmp.name)
         self.unix_socket = unix_socket
@@ -45,20 +53,40 @@ class EmbeddedValkey:
 
     @property
     def url(self) -> str:
-        return f"unix://{self.unix_socket}" if self.unix_socket else f"redis://127.0.0.1:{self.port}/0"
+        return (
+            f"unix://{self.unix_socket}" if self.unix_socket else f"redis://127.0.0.1:{self.port}/0"
+        )
 
     def start(self, timeout: float = 10.0) -> EmbeddedValkey:
         self._kill_stale()
         self.workdir.mkdir(parents=True, exist_ok=True)
         args = [
-            valkey_binary(), "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
-            "--appendonly", "no", "--daemonize", "no", "--protected-mode", "yes",
-            "--dir", str(self.workdir), "--pidfile", str(self.pidfile), "--logfile", str(self.logfile),
+            valkey_binary(),
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "no",
+            "--protected-mode",
+            "yes",
+            "--dir",
+            str(self.workdir),
+            "--pidfile",
+            str(self.pidfile),
+            "--logfile",
+            str(self.logfile),
         ]
         if self.unix_socket:
             args += ["--unixsocket", self.unix_socket, "--unixsocketperm", "700"]
         args += self.extra_args
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=die_with_parent)
+        self.process = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=die_with_parent
+        )
         self.pidfile.write_text(str(self.process.pid))
         deadline = time.monotonic() + timeout
         client = redis.Redis.from_url(self.url, socket_timeout=1)
@@ -69,11 +97,22 @@ class EmbeddedValkey:
             except redis.RedisError:
                 if self.process.poll() is not None or time.monotonic() > deadline:
                     code = self.process.poll()
-                    err = self.process.stderr.read().decode(errors="replace").strip() if code is not None else ""
-                    why = f"it exited with status {code}" if code is not None else f"it did not answer within {timeout:.0f} s"
+                    err = (
+                        self.process.stderr.read().decode(errors="replace").strip()
+                        if code is not None
+                        else ""
+                    )
+                    why = (
+                        f"it exited with status {code}"
+                        if code is not None
+                        else f"it did not answer within {timeout:.0f} s"
+                    )
                     log = self._log_tail()
                     self.stop()
-                    raise KVStoreError(f"embedded Valkey did not start on {self.url}: {why}" + "".join(f"\n{t}" for t in (err, log) if t))
+                    raise KVStoreError(
+                        f"embedded Valkey did not start on {self.url}: {why}"
+                        + "".join(f"\n{t}" for t in (err, log) if t)
+                    )
                 time.sleep(0.02)
         client.close()
         return self
@@ -94,7 +133,9 @@ class EmbeddedValkey:
             pid = int(self.pidfile.read_text().strip())
         except (OSError, ValueError):
             return
-        if pid_alive(pid) and "valkey" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+        if pid_alive(pid) and "valkey" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(
+            errors="replace"
+        ):
             os.kill(pid, signal.SIGKILL)
 
     def stop(self) -> None:
@@ -153,9 +194,18 @@ class EmbeddedValkeyCluster:
         for i in range(shards):
             workdir = Path(self._tmp.name) / f"shard-{i}"
             args = [
-                "--cluster-enabled", "yes", "--cluster-config-file", str(workdir / "nodes.conf"),
-                "--cluster-port", str(free_port()), "--cluster-node-timeout", "2000",
-                "--cluster-require-full-coverage", "no", "--cluster-allow-reads-when-down", "yes",
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                str(workdir / "nodes.conf"),
+                "--cluster-port",
+                str(free_port()),
+                "--cluster-node-timeout",
+                "2000",
+                "--cluster-require-full-coverage",
+                "no",
+                "--cluster-allow-reads-when-down",
+                "yes",
             ]
             self.shards.append(EmbeddedValkey(workdir=str(workdir), extra_args=args))
 
@@ -173,7 +223,9 @@ class EmbeddedValkeyCluster:
                 last = SLOTS - 1 if i == len(clients) - 1 else (i + 1) * per - 1
                 client.execute_command("CLUSTER", "ADDSLOTSRANGE", i * per, last)
             for shard in self.shards[1:]:
-                clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", shard.port, _cluster_port(shard))
+                clients[0].execute_command(
+                    "CLUSTER", "MEET", "127.0.0.1", shard.port, _cluster_port(shard)
+                )
             self._wait_converged(clients, timeout)
             for client in clients:
                 client.close()
@@ -196,12 +248,19 @@ class EmbeddedValkeyCluster:
             if all(state == ("ok", len(clients), SLOTS) for state in states):
                 return
             if time.monotonic() > deadline:
-                shown = ", ".join(f"127.0.0.1:{s.port} {st[0]}, knows {st[1]}, serves {st[2]} slots" for s, st in zip(self.shards, states))
-                raise KVStoreError(f"the embedded Valkey cluster did not converge within {timeout:.0f} s ({shown})")
+                shown = ", ".join(
+                    f"127.0.0.1:{s.port} {st[0]}, knows {st[1]}, serves {st[2]} slots"
+                    for s, st in zip(self.shards, states)
+                )
+                raise KVStoreError(
+                    f"the embedded Valkey cluster did not converge within {timeout:.0f} s ({shown})"
+                )
             if time.monotonic() > next_meet:
                 for shard, state in zip(self.shards[1:], states[1:]):
                     if state[1] == 1:
-                        clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", shard.port, _cluster_port(shard))
+                        clients[0].execute_command(
+                            "CLUSTER", "MEET", "127.0.0.1", shard.port, _cluster_port(shard)
+                        )
                 next_meet = time.monotonic() + 1.0
             time.sleep(0.05)
 
@@ -224,8 +283,6 @@ class EmbeddedValkeyCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
 
 
 def _cluster_port(shard: EmbeddedValkey) -> int:

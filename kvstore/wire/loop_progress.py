@@ -71,7 +71,9 @@ class LoopProgress:
     """Stands in for ucxx's ``ThreadMode`` (same constructor), so ucxx keeps thread
     mode's Python futures while no progress thread runs."""
 
-    def __init__(self, worker: Any, event_loop: asyncio.AbstractEventLoop, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, worker: Any, event_loop: asyncio.AbstractEventLoop, *args: Any, **kwargs: Any
+    ) -> None:
         self.worker = worker
         self.event_loop = event_loop
         self.spinning = 0
@@ -93,7 +95,9 @@ class LoopProgress:
 
     def _tick(self) -> None:
         if not self.event_loop.is_closed():
-            self.event_loop.call_later(TICK_S, self._tick)  # wakes the loop; before_select progresses
+            self.event_loop.call_later(
+                TICK_S, self._tick
+            )  # wakes the loop; before_select progresses
 
     def before_select(self, timeout: float | None) -> float | None:
         """Progress the worker; returns the timeout the selector may sleep for: 0 while

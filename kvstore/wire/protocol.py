@@ -55,7 +55,12 @@ PACK_BELOW = 256 << 10
 # namespace digests: 16 bytes as lowercase hex
 Hex128 = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
 # Kinds of binary array that follow a frame's JSON header: (numpy dtype, bytes per row).
-_ARRAY_TYPES: dict[str, tuple[str, int]] = {"u32": ("<u4", 4), "u64": ("<u8", 8), "bool": ("u1", 1), "hash": ("u1", HASH_BYTES)}
+_ARRAY_TYPES: dict[str, tuple[str, int]] = {
+    "u32": ("<u4", 4),
+    "u64": ("<u8", 8),
+    "bool": ("u1", 1),
+    "hash": ("u1", HASH_BYTES),
+}
 
 
 class FrameType(enum.IntEnum):
@@ -72,7 +77,12 @@ class FrameType(enum.IntEnum):
 def _as_array(name: str, value: Any, kind: str) -> np.ndarray:
     dtype, _ = _ARRAY_TYPES[kind]
     if kind == "hash":
-        if isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim == 2 and value.shape[1] == HASH_BYTES:
+        if (
+            isinstance(value, np.ndarray)
+            and value.dtype == np.uint8
+            and value.ndim == 2
+            and value.shape[1] == HASH_BYTES
+        ):
             return value
         try:
             joined = b"".join(value)
@@ -124,7 +134,13 @@ class PutRequest(_Frame):
     may share a message with the one before it, and its place in the index: segment
     anchor and position, see ``kvstore.pages.keys``)."""
 
-    ARRAYS = {"hashes": "hash", "sizes": "u64", "join": "bool", "anchors": "hash", "positions": "u32"}
+    ARRAYS = {
+        "hashes": "hash",
+        "sizes": "u64",
+        "join": "bool",
+        "anchors": "hash",
+        "positions": "u32",
+    }
     namespace: Hex128
     tenant: Tenant
     token: str = ""
@@ -138,7 +154,9 @@ class PutRequest(_Frame):
     def _check(self) -> PutRequest:
         _same_length(self, "hashes", "sizes", "join", "anchors", "positions")
         if not 1 <= len(self.hashes) <= MAX_PAGES_PER_REQUEST:
-            raise ValueError(f"a put offers 1 to {MAX_PAGES_PER_REQUEST} pages, got {len(self.hashes)}")
+            raise ValueError(
+                f"a put offers 1 to {MAX_PAGES_PER_REQUEST} pages, got {len(self.hashes)}"
+            )
         if int(self.sizes.min()) == 0:
             raise ValueError("page sizes must be positive")
         if int(self.positions.max()) >= SEGMENT_PAGES:
@@ -153,7 +171,14 @@ class PutPlan(_Frame):
     and ``offsets`` (within the slab) say which slot the client writes each wanted page
     into, with writable descriptors as in ``GetPlan`` (see kvstore.wire.shm)."""
 
-    ARRAYS = {"wanted": "u32", "runs": "u32", "present": "u32", "refused": "u32", "regions": "u32", "offsets": "u64"}
+    ARRAYS = {
+        "wanted": "u32",
+        "runs": "u32",
+        "present": "u32",
+        "refused": "u32",
+        "regions": "u32",
+        "offsets": "u64",
+    }
     wanted: Array
     runs: Array
     present: Array
@@ -196,7 +221,9 @@ class GetRequest(_Frame):
     def _check(self) -> GetRequest:
         _same_length(self, "hashes", "join")
         if not 1 <= len(self.hashes) <= MAX_PAGES_PER_REQUEST:
-            raise ValueError(f"a get asks for 1 to {MAX_PAGES_PER_REQUEST} pages, got {len(self.hashes)}")
+            raise ValueError(
+                f"a get asks for 1 to {MAX_PAGES_PER_REQUEST} pages, got {len(self.hashes)}"
+            )
         return self
 
 
@@ -209,7 +236,14 @@ class GetPlan(_Frame):
     more descriptors than one frame can carry, frames with ``more`` set come first
     (see kvstore.wire.shm)."""
 
-    ARRAYS = {"present": "u32", "sizes": "u64", "checksums": "u64", "runs": "u32", "regions": "u32", "offsets": "u64"}
+    ARRAYS = {
+        "present": "u32",
+        "sizes": "u64",
+        "checksums": "u64",
+        "runs": "u32",
+        "regions": "u32",
+        "offsets": "u64",
+    }
     mapped: list[tuple[int, int]] = []
     more: bool = False
     present: Array
@@ -231,7 +265,9 @@ class RefusalCode(str, enum.Enum):
     UNAUTHORIZED = "unauthorized"  # the token matches no credential; the node closes the connection
     FORBIDDEN = "forbidden"  # the credential lacks the right on the namespace's tenant
     TOO_LARGE = "too_large"  # more pages than --max-request-pages
-    UNKNOWN_NAMESPACE = "unknown_namespace"  # the index does not know the namespace (under that tenant)
+    UNKNOWN_NAMESPACE = (
+        "unknown_namespace"  # the index does not know the namespace (under that tenant)
+    )
     INDEX_UNAVAILABLE = "index_unavailable"  # the node could not read the namespace from the index
     SHUTTING_DOWN = "shutting_down"  # the node is stopping
 
@@ -282,7 +318,9 @@ def announced_length(first: bytes | bytearray | memoryview, max_body: int = MAX_
     """Body length announced by a first message, checked against ``max_body`` before
     the receiver allocates anything; raises ``ProtocolError`` on a bad preamble."""
     if len(first) < PREAMBLE.size:
-        raise ProtocolError(f"frame of {len(first)} bytes is shorter than the {PREAMBLE.size}-byte preamble")
+        raise ProtocolError(
+            f"frame of {len(first)} bytes is shorter than the {PREAMBLE.size}-byte preamble"
+        )
     magic, version, _, length = PREAMBLE.unpack_from(first)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r}; expected {MAGIC!r}")
@@ -310,7 +348,9 @@ def _typed_body(data: memoryview, max_body: int) -> tuple[type[_Frame], memoryvi
     """The frame model the preamble names and the body it announces, checked whole."""
     length = announced_length(data, max_body)
     if len(data) < PREAMBLE.size + length:
-        raise ProtocolError(f"truncated frame: preamble announces {length} body bytes, got {len(data) - PREAMBLE.size}")
+        raise ProtocolError(
+            f"truncated frame: preamble announces {length} body bytes, got {len(data) - PREAMBLE.size}"
+        )
     ftype = PREAMBLE.unpack_from(data)[2]
     try:
         model = _MODELS[FrameType(ftype)]
@@ -330,7 +370,9 @@ class _BodyReader:
 
     def take(self, n: int, what: str) -> memoryview:
         if self.pos + n > len(self.body):
-            raise ProtocolError(f"truncated {self.model.__name__}: {what} runs past the end of the body")
+            raise ProtocolError(
+                f"truncated {self.model.__name__}: {what} runs past the end of the body"
+            )
         self.pos += n
         return self.body[self.pos - n : self.pos]
 
@@ -344,11 +386,15 @@ class _BodyReader:
             dtype, width = _ARRAY_TYPES[kind]
             (rows,) = _COUNT.unpack(self.take(_COUNT.size, f"{name} count"))
             if rows > MAX_PAGES_PER_REQUEST:
-                raise ProtocolError(f"invalid {name_}: {name} has {rows} rows, more than {MAX_PAGES_PER_REQUEST}")
+                raise ProtocolError(
+                    f"invalid {name_}: {name} has {rows} rows, more than {MAX_PAGES_PER_REQUEST}"
+                )
             arr = np.frombuffer(self.take(rows * width, name), dtype=dtype)
             fields[name] = arr.reshape(rows, HASH_BYTES) if kind == "hash" else arr
         if self.pos != len(self.body):
-            raise ProtocolError(f"invalid {name_}: {len(self.body) - self.pos} bytes after the last field")
+            raise ProtocolError(
+                f"invalid {name_}: {len(self.body) - self.pos} bytes after the last field"
+            )
         return fields
 
 
@@ -364,7 +410,9 @@ def may_share(touching: bool, prev_nbytes: int, nbytes: int, scattered: bool = F
     return touching or scattered or (nbytes < PACK_BELOW and prev_nbytes < PACK_BELOW)
 
 
-def group_runs(offsets: list[int], sizes: list[int], join: list[bool], indexes: list[int], max_run_bytes: int) -> list[int]:
+def group_runs(
+    offsets: list[int], sizes: list[int], join: list[bool], indexes: list[int], max_run_bytes: int
+) -> list[int]:
     """Group the pages a node sends or receives into runs that travel as one message
     each: the whole rule, applied by the node on both PUT and GET.
 
@@ -378,7 +426,12 @@ def group_runs(offsets: list[int], sizes: list[int], join: list[bool], indexes: 
     for k, (off, size) in enumerate(zip(offsets, sizes)):
         small = k > 0 and size < PACK_BELOW and sizes[k - 1] < PACK_BELOW
         allowed = k > 0 and join[k] and (indexes[k - 1] == indexes[k] - 1 or small)
-        joins = run_len > 0 and allowed and offsets[k - 1] + sizes[k - 1] == off and run_bytes + size <= max_run_bytes
+        joins = (
+            run_len > 0
+            and allowed
+            and offsets[k - 1] + sizes[k - 1] == off
+            and run_bytes + size <= max_run_bytes
+        )
         if joins:
             run_len += 1
             run_bytes += size

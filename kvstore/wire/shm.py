@@ -74,12 +74,18 @@ class UnixChannel:
         self.sock = sock
         self._loop = asyncio.get_running_loop()
         self._fds: list[int] = []  # received, not yet claimed by a frame
-        self._ancillary = socket.CMSG_SPACE(MAX_FDS_PER_FRAME * array.array("i").itemsize) if accept_fds else 0
+        self._ancillary = (
+            socket.CMSG_SPACE(MAX_FDS_PER_FRAME * array.array("i").itemsize) if accept_fds else 0
+        )
 
     async def _wait(self, writable: bool) -> None:
         fut = self._loop.create_future()
         fd = self.sock.fileno()
-        add, remove = (self._loop.add_writer, self._loop.remove_writer) if writable else (self._loop.add_reader, self._loop.remove_reader)
+        add, remove = (
+            (self._loop.add_writer, self._loop.remove_writer)
+            if writable
+            else (self._loop.add_reader, self._loop.remove_reader)
+        )
         add(fd, lambda: fut.done() or fut.set_result(None))
         try:
             await fut
@@ -105,7 +111,9 @@ class UnixChannel:
         out = bytearray()
         while len(out) < (n if at_least is None else at_least):
             try:
-                data, ancdata, flags, _ = self.sock.recvmsg(n - len(out), self._ancillary, socket.MSG_CMSG_CLOEXEC)
+                data, ancdata, flags, _ = self.sock.recvmsg(
+                    n - len(out), self._ancillary, socket.MSG_CMSG_CLOEXEC
+                )
             except (BlockingIOError, InterruptedError):
                 await self._wait(writable=False)
                 continue
@@ -118,14 +126,21 @@ class UnixChannel:
                     self._fds.extend(fds)
             if flags & socket.MSG_CTRUNC:
                 if not self._ancillary:
-                    raise DescriptorsRefusedError("this node takes no file descriptors from clients")
+                    raise DescriptorsRefusedError(
+                        "this node takes no file descriptors from clients"
+                    )
                 raise ProtocolError("descriptors were truncated")
             if not data:
                 raise TransportError("peer closed the unix socket")
             out += data
         return bytes(out)
 
-    async def recv_frame(self, max_body: int = P.MAX_BODY_BYTES, rest_timeout: float = P.FRAME_REST_TIMEOUT, first_timeout: float | None = None) -> tuple[bytes, list[int]]:
+    async def recv_frame(
+        self,
+        max_body: int = P.MAX_BODY_BYTES,
+        rest_timeout: float = P.FRAME_REST_TIMEOUT,
+        first_timeout: float | None = None,
+    ) -> tuple[bytes, list[int]]:
         """One frame's bytes (for ``P.decode``) and the descriptors that came with it;
         the caller owns (and must close) the descriptors. Waits for a frame's first byte
         up to ``first_timeout`` (None: as long as it takes; ``TimeoutError`` after it);
@@ -139,7 +154,9 @@ class UnixChannel:
                     head += await self._recv_exact(P.PREAMBLE.size - len(head))
                 body = await self._recv_exact(P.announced_length(head, max_body))
         except TimeoutError:
-            raise ProtocolError(f"a control frame did not arrive whole within {rest_timeout:.1f} s of its first byte") from None
+            raise ProtocolError(
+                f"a control frame did not arrive whole within {rest_timeout:.1f} s of its first byte"
+            ) from None
         fds, self._fds = self._fds, []
         return head + body, fds
 

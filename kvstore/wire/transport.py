@@ -101,7 +101,9 @@ def _quiet_thread_mode() -> None:
         log.warning("ucxx's progress thread keeps its own epoll timeout: %s", exc)
         return
     if getattr(application_context, "ThreadMode", None) is not thread_mode:
-        log.warning("ucxx's progress thread keeps its own epoll timeout: application_context.ThreadMode is not continuous_ucx_progress.ThreadMode")
+        log.warning(
+            "ucxx's progress thread keeps its own epoll timeout: application_context.ThreadMode is not continuous_ucx_progress.ThreadMode"
+        )
         return
 
     class QuietThreadMode(thread_mode):  # type: ignore[misc, valid-type]
@@ -127,7 +129,9 @@ def ensure_ucx(progress_mode: str = "loop") -> Any:
             # every pending request would spin the loop)
             os.environ["UCXPY_ENABLE_DELAYED_SUBMISSION"] = "0"
             os.environ["UCXPY_ENABLE_PYTHON_FUTURE"] = "1"
-        notified = progress_mode == "loop" or progress_mode.startswith("thread")  # requests complete through ucxx's notifier thread
+        notified = progress_mode == "loop" or progress_mode.startswith(
+            "thread"
+        )  # requests complete through ucxx's notifier thread
         if notified:
             os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")  # see the module docstring
         import ucxx
@@ -230,7 +234,10 @@ class Channel:
 
     def post_frame(self, frame: Any) -> list[asyncio.Future]:
         """``post_send`` the messages of one control frame (see ``kvstore.wire.protocol``)."""
-        return [self.post_send(np.frombuffer(message, dtype=np.uint8), P.CONTROL_TAG) for message in P.wire_messages(frame)]
+        return [
+            self.post_send(np.frombuffer(message, dtype=np.uint8), P.CONTROL_TAG)
+            for message in P.wire_messages(frame)
+        ]
 
     async def send(self, buffer: Any, tag: int) -> None:
         await asyncio.shield(self.post_send(buffer, tag))
@@ -242,7 +249,12 @@ class Channel:
         """Send one control frame as tagged messages (see ``kvstore.wire.protocol``)."""
         await asyncio.shield(asyncio.gather(*self.post_frame(frame)))
 
-    async def recv_frame(self, max_body: int = P.MAX_BODY_BYTES, rest_timeout: float = P.FRAME_REST_TIMEOUT, first_timeout: float | None = None) -> bytes:
+    async def recv_frame(
+        self,
+        max_body: int = P.MAX_BODY_BYTES,
+        rest_timeout: float = P.FRAME_REST_TIMEOUT,
+        first_timeout: float | None = None,
+    ) -> bytes:
         """Receive one control frame's bytes (preamble and body, for ``P.decode``).
 
         The announced body length is checked against ``max_body`` before anything is
@@ -286,7 +298,9 @@ class Channel:
                 break
             waited = time.monotonic() - started
             if waited >= seconds:
-                raise ProtocolError(f"the rest of a control frame ({nbytes} bytes) did not arrive within {seconds:.1f} s")
+                raise ProtocolError(
+                    f"the rest of a control frame ({nbytes} bytes) did not arrive within {seconds:.1f} s"
+                )
             await asyncio.sleep(0 if waited < PROBE_SPIN else 0.001 if waited < 0.02 else 0.005)
         # A message taken off the queue must be received (its handle owns it); one of
         # the wrong length is received into a bounded buffer and thrown away.
@@ -298,7 +312,9 @@ class Channel:
                 raise
             # else UCX truncated the message into the buffer, as asked
         if probe.length != nbytes:
-            raise ProtocolError(f"a control frame's body arrived with {probe.length} bytes in its second message, {nbytes} were announced")
+            raise ProtocolError(
+                f"a control frame's body arrived with {probe.length} bytes in its second message, {nbytes} were announced"
+            )
         return buffer
 
     def abort(self) -> None:
