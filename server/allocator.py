@@ -28,6 +28,8 @@ def size_class(nbytes: int) -> int:
 
 @dataclass(slots=True)
 class _Slab:
+    """One slab cut into slots of one size: hands out its slot numbers, freed ones first."""
+
     index: int
     slot_size: int
     slots: int

@@ -57,6 +57,8 @@ def start_health_server(
     still serves (its status stays 200: restarting would not help)."""
 
     class Handler(BaseHTTPRequestHandler):
+        """Answers the four paths on the HTTP server's thread (reads only plain values)."""
+
         def do_GET(self) -> None:
             if self.path == "/metrics":
                 self._reply(200, generate_latest(registry), CONTENT_TYPE_LATEST)

@@ -36,6 +36,8 @@ _LATENCY_BUCKETS = (
 
 
 class _Limits(Protocol):
+    """The data plane's request limits, as far as a gauge reads them."""
+
     @property
     def connections(self) -> int: ...
 

@@ -16,6 +16,8 @@ PageKey = tuple[str, bytes]  # (namespace digest hex, page hash)
 
 
 class PageState(enum.Enum):
+    """Where a page is in its life in the table (server/store.py describes each state)."""
+
     RECEIVING = "receiving"
     READY = "ready"
     EVICTING = "evicting"

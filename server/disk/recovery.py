@@ -28,6 +28,8 @@ _TENANT = re.compile(TENANT_PATTERN)
 
 @dataclass(frozen=True, slots=True)
 class Recovery:
+    """What a warm restart found on disk, for the tier's log line and its next record."""
+
     pages: int
     bytes: int
     slots_scanned: int
