@@ -1,6 +1,6 @@
 """Prefix lookups: kvstore's index against plain Redis commands, on the embedded Valkey.
 
-    python bench/lookup.py [--iterations 60] [--cluster]
+    python bench/lookup.py [--iterations 60] [--cluster] [--paused-rounds 20] [--paused-only]
 
 One prompt of 8,192 blocks (16 tokens each) is committed, its blocks spread over two
 live nodes. Each figure is a lookup of the first 16, 128, 1,024 or 8,192 blocks of a
@@ -27,7 +27,15 @@ kvstore on a 3-shard embedded Valkey cluster (shards looked up in parallel).
 Last, head groups (docs/key-format.md): a prompt stored by a TP=2 engine (two head
 groups per block) looked up by a TP=1 engine (both groups) and by one TP=2 rank (its
 group), beside a TP=1 engine looking up its own whole pages, interleaved, with each
-figure as a ratio of the same-TP one."""
+figure as a ratio of the same-TP one.
+
+Then paused lookups (alone with ``--paused-only``): 16-block lookups as an engine
+with gaps between requests makes them, in rounds of 10 calls with about a second of
+quiet before each round, through the blocking client at its default ``node_refresh``
+(1 s, so every round finds its node list a second older), beside the index call alone
+(no node list at all) and a ``PING`` (one round trip, nothing else: what a pause costs
+this machine). Systems take turns round by round; per system the median and min-max
+of every call, the p99, the first call of a round, and p99 / p50."""
 
 from __future__ import annotations
 
@@ -138,6 +146,49 @@ def tp_lookups(url: str, iterations: int) -> None:
         print(f"{count:>6} blocks | " + " | ".join(f"{name}: {fmt(samples[name])} ({statistics.median(samples[name]) / base_ms:.2f}x)" for name, _ in systems), flush=True)
 
 
+PAUSE_S = 1.0  # quiet before each round of paused lookups
+ROUND_CALLS = 10
+
+
+def paused_lookups(url: str, index: PageIndex, ns: Namespace, stored: list[int], rounds: int) -> None:
+    """Lookup latency with pauses between rounds (see the module docstring): the tail
+    an engine sees when requests do not come back to back."""
+    tokens = stored[: 16 * ns.block_size]
+    nodes = index.live_nodes()
+    ping = redis.Redis.from_url(url)
+    client = KVCacheClient(url, ns)  # default node_refresh (1 s): the registry ages between rounds
+    try:
+        systems: list[tuple[str, Callable[[], object]]] = [
+            ("kvstore client", lambda: client.lookup(tokens)),
+            ("kvstore index (no node list)", lambda: index.lookup(ns, block_hash_bytes(ns, tokens)).resolve(nodes).matched),
+            ("PING", ping.ping),
+        ]
+        for _, fn in systems:
+            fn()
+        assert client.lookup(tokens) == len(tokens)
+        calls: dict[str, list[float]] = {name: [] for name, _ in systems}
+        first: dict[str, list[float]] = {name: [] for name, _ in systems}
+        for r in range(rounds * len(systems)):
+            name, fn = systems[r % len(systems)]
+            time.sleep(PAUSE_S)
+            for k in range(ROUND_CALLS):
+                t = time.perf_counter()
+                fn()
+                ms = (time.perf_counter() - t) * 1e3
+                calls[name].append(ms)
+                if k == 0:
+                    first[name].append(ms)
+        print(f"\npaused lookups, 16 blocks: rounds of {ROUND_CALLS} calls, {PAUSE_S:.0f} s of quiet before each, "
+              f"{rounds} rounds per system taking turns; ms")
+        print(f"{'':<30} {'all calls: median (min-max)':>28} {'p99':>8} {'first of a round':>24} {'p99/p50':>8}")
+        for name, _ in systems:
+            p50, p99 = statistics.median(calls[name]), statistics.quantiles(calls[name], n=100)[98]
+            print(f"{name:<30} {fmt(calls[name]):>28} {p99:>8.2f} {fmt(first[name]):>24} {p99 / p50:>8.2f}", flush=True)
+    finally:
+        client.close()
+        ping.close()
+
+
 def plain_lookup(r: redis.Redis, ns: Namespace, tokens: list[int], command: str) -> int:
     hashes = block_hashes(ns, tokens)
     pipe = r.pipeline(transaction=False)
@@ -176,10 +227,22 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--iterations", type=int, default=60)
     parser.add_argument("--cluster", action="store_true", help="also kvstore on a 3-shard Valkey cluster")
+    parser.add_argument("--paused-rounds", type=int, default=20, help="rounds per system of the paused lookups")
+    parser.add_argument("--paused-only", action="store_true", help="only the paused lookups (about 3 s a round)")
     args = parser.parse_args()
     ns = Namespace(model="bench", dtype="float16", num_layers=32, num_kv_heads=8, head_size=128, block_size=16)
     stored = list(range(BLOCKS * ns.block_size))
     hashes = block_hashes(ns, stored)
+
+    if args.paused_only:
+        single = EmbeddedValkey().start()
+        try:
+            index = PageIndex(single.url)
+            publish(index, ns, hashes)
+            paused_lookups(single.url, index, ns, stored, args.paused_rounds)
+        finally:
+            single.stop()
+        return 0
 
     # hashing, interleaved; each result is dropped inside its timing, as a lookup's is
     def salted(ns: Namespace, tokens: list[int]) -> bytes:  # a cache_salt: block 0 keyed apart, the rest in the C loop
@@ -256,6 +319,7 @@ def main() -> int:
         print(f"\none Valkey core answers about {1e6 / per_call[('kvstore', 8192, 1.0)]:,.0f} kvstore lookups of 8192 stored blocks a second "
               f"(plain EXISTS: {1e6 / per_call[('plain exists', 8192, 1.0)]:,.0f}, plain HGETALL: {1e6 / per_call[('plain hgetall', 8192, 1.0)]:,.0f})")
         tp_lookups(single.url, args.iterations)
+        paused_lookups(single.url, index, ns, stored, args.paused_rounds)
     finally:
         single.stop()
         if cluster is not None:

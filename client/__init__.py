@@ -1,7 +1,9 @@
 """Client library of the KV-cache store: ``KVCacheClient`` (blocking) and
 ``AsyncKVCacheClient`` (asyncio), plus the vLLM connector in ``client.vllm_connector``."""
 
-from client.async_client import AsyncKVCacheClient, PublishReport, StoredPrefix
+from client.async_client import AsyncKVCacheClient
+from client.lookup import StoredPrefix
+from client.publish import PublishReport
 from client.sync_client import KVCacheClient
 
 __all__ = ["AsyncKVCacheClient", "KVCacheClient", "PublishReport", "StoredPrefix"]

@@ -133,3 +133,20 @@ def check_kv(namespace: Namespace, name: str, t: torch.Tensor, num_tokens: int) 
         raise InvalidInputError(f"{name} has shape {tuple(t.shape)}; the namespace expects {want} [layers, tokens, kv_heads, head_size]")
     if t.dtype != namespace.torch_dtype():
         raise InvalidInputError(f"{name} has dtype {t.dtype}; the namespace expects {namespace.torch_dtype()}")
+
+
+def check_pages(namespace: Namespace, name: str, t: torch.Tensor, count: int, at_least: bool) -> None:
+    """Raise ``InvalidInputError`` unless ``t`` holds pages of the namespace
+    (``[n, *page_shape]`` of its dtype): exactly ``count`` of them (a put), or at least
+    ``count`` in contiguous memory (a get receives in place)."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape[1:]) != namespace.page_shape:
+        raise InvalidInputError(f"{name} pages have shape {tuple(t.shape[1:])}; the namespace expects {namespace.page_shape} ({namespace.layout})")
+    if t.dtype != namespace.torch_dtype():
+        raise InvalidInputError(f"{name} has dtype {t.dtype}; the namespace expects {namespace.torch_dtype()}")
+    if (t.shape[0] < count) if at_least else (t.shape[0] != count):
+        rel = "at least" if at_least else "exactly"
+        raise InvalidInputError(f"{name} has {t.shape[0]} pages; {count} full blocks of tokens need {rel} {count}")
+    if at_least and not t.is_contiguous():
+        raise InvalidInputError(f"{name} must be contiguous so pages can be received in place")

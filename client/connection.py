@@ -1,9 +1,11 @@
 """One client's connection to one storage node: PUT and GET batches.
 
-``NodeConnection`` speaks UCX (any host); ``ShmConnection`` speaks the same frames
-over a Unix socket to a node on this host and moves pages through shared memory
-(kvstore.wire.shm). Both verify every page they receive against the index's checksum,
-and hash only the pages a node asks for on a put.
+``NodeConnection`` (here) speaks UCX (any host); ``ShmConnection``
+(``client.shm_connection``) speaks the same frames over a Unix socket to a node on this
+host and moves pages through shared memory (kvstore.wire.shm). Both verify every page
+they receive against the index's checksum, and hash only the pages a node asks for on
+a put. What they share (the request discipline below, errors, outcomes, the request
+frames) is here.
 
 Requests on a connection are serialised (control frames and payloads must stay in
 order). A clean refusal (an ERROR frame) raises ``NodeRefusedError`` and keeps the
@@ -14,10 +16,6 @@ returned. The caller treats the node's pages as missing."""
 from __future__ import annotations
 
 import asyncio
-import fcntl
-import mmap
-import os
-import socket
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,7 +28,6 @@ from kvstore.index import NodeInfo
 from kvstore.pages.checksum import HashAhead, checksums, copy_checksummed
 from kvstore.pages.keys import NamespaceKey
 from kvstore.wire import protocol as P
-from kvstore.wire import shm
 from kvstore.wire.transport import Channel, connect, started, with_timeout
 
 
@@ -107,8 +104,9 @@ class Checksums(Protocol):
     def ahead(self, pages: list[OutgoingPage]) -> HashAhead: ...
 
 
-class _Connection:
-    """What both data paths share: the lock, the guard that closes on failure, frames."""
+class Connection:
+    """What both data paths share: the lock, the guard that closes on failure, frames.
+    Subclasses (one per path) implement ``_open``, ``_put``, ``_get`` and ``close``."""
 
     path = ""
 
@@ -214,7 +212,7 @@ async def _landed(received: asyncio.Future, scratch: np.ndarray | None, spans: l
     return copy_checksummed(pairs, hash_source=True)
 
 
-def _put_request(namespace: NamespaceKey, token: str, pages: list[OutgoingPage]) -> P.PutRequest:
+def put_request(namespace: NamespaceKey, token: str, pages: list[OutgoingPage]) -> P.PutRequest:
     return P.PutRequest(
         namespace=namespace.digest, tenant=namespace.tenant, token=token, hashes=[p.hash for p in pages],
         sizes=np.fromiter((p.span.nbytes for p in pages), dtype=np.uint64, count=len(pages)),
@@ -223,11 +221,11 @@ def _put_request(namespace: NamespaceKey, token: str, pages: list[OutgoingPage])
     )
 
 
-def _get_request(namespace: NamespaceKey, token: str, hashes: list[bytes], sinks: list[Span], probe: bool) -> P.GetRequest:
+def get_request(namespace: NamespaceKey, token: str, hashes: list[bytes], sinks: list[Span], probe: bool) -> P.GetRequest:
     return P.GetRequest(namespace=namespace.digest, tenant=namespace.tenant, token=token, hashes=hashes, join=join_flags(sinks), probe=probe)
 
 
-class NodeConnection(_Connection):
+class NodeConnection(Connection):
     """A node over UCX."""
 
     path = "ucx"
@@ -249,7 +247,7 @@ class NodeConnection(_Connection):
         # as a get: the plan's receive is posted first, and the request's send completion
         # is awaited with it; the pages are hashed meanwhile (the node usually wants them all)
         plan_arrives = started(self._recv_frame(P.PutPlan))
-        request_sent = ep.post_frame(_put_request(namespace, self.token, pages))
+        request_sent = ep.post_frame(put_request(namespace, self.token, pages))
         ahead = checksum.ahead(pages)
         try:
             await asyncio.shield(asyncio.gather(*request_sent))
@@ -293,7 +291,7 @@ class NodeConnection(_Connection):
         # the plan's receive is posted before the request leaves, so the wait for the
         # request's send completion (about 1 ms through ucxx's threads) overlaps the node's work
         plan_arrives = started(self._recv_frame(P.GetPlan))
-        await ep.send_frame(_get_request(namespace, self.token, hashes, sinks, probe))
+        await ep.send_frame(get_request(namespace, self.token, hashes, sinks, probe))
         plan: P.GetPlan = await plan_arrives
         present, sizes, sums, runs = plan.ints("present"), plan.ints("sizes"), plan.ints("checksums"), plan.ints("runs")
         if sum(runs) != len(present) or len(sizes) != len(present) or len(sums) != len(present) or any(not 0 <= i < len(hashes) for i in present):
@@ -334,122 +332,3 @@ class NodeConnection(_Connection):
         ep, self._ep = self._ep, None
         if ep is not None:
             await ep.close()
-
-
-# Mapping a slab the client has not seen costs page-table work before the first copy.
-# Measured on a 64 MiB memfd slab (kernel 6.18, shmem without huge pages): MAP_POPULATE
-# 5-6.6 ms; no populate and faults during the copy +2.8 ms (reads, which the kernel's
-# fault-around maps 16 pages at a time) or +19 ms (writes, a fault per 4 KiB page);
-# reading one byte per 64 KiB first 2.5-3 ms, after which reads and writes copy at full
-# speed (shmem maps its pages writable on a read fault). In a put of 64 MiB into a fresh
-# slab the mapping step fell from 5.6 to 2.5-2.8 ms (of about 25 ms); a steady client
-# maps each slab of its tenant once and keeps it.
-FAULT_AROUND = 64 << 10
-
-
-class ShmConnection(_Connection):
-    """A node on this host, over its Unix socket and shared memory (kvstore.wire.shm)."""
-
-    path = "shm"
-
-    def __init__(self, node: NodeInfo, token: str) -> None:
-        super().__init__(node, token)
-        self._ch: shm.UnixChannel | None = None
-        self._maps: dict[int, np.ndarray] = {}  # slab -> its mapping (writable once a put lent it); the node tracks generations
-
-    async def _open(self, timeout: float) -> None:
-        if self._ch is None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.setblocking(False)
-            try:
-                await with_timeout(asyncio.get_running_loop().sock_connect(sock, self.node.extra["shm"]), timeout, f"connect to {self.node.node_id}")
-            except BaseException as exc:
-                sock.close()
-                if isinstance(exc, OSError):
-                    raise SameHostUnavailableError(f"cannot reach {self.node.node_id} on {self.node.extra['shm']}: {exc}") from None
-                raise
-            self._ch = shm.UnixChannel(sock)
-
-    async def _recv_frame(self, expected: type) -> tuple[Any, list[int]]:
-        raw, fds = await self._ch.recv_frame()
-        try:
-            return self._check_frame(P.decode(raw), expected), fds
-        except BaseException:
-            shm.close_fds(fds)
-            raise
-
-    async def _plan(self, kind: type) -> Any:
-        """A same-host plan, mapping the slab descriptors that come with it (and with
-        any earlier frames marked ``more``)."""
-        while True:
-            plan, fds = await self._recv_frame(kind)
-            self._map(plan.mapped, fds)
-            if not plan.more:
-                return plan
-
-    async def _put(self, namespace: NamespaceKey, pages: list[OutgoingPage], checksum: Checksums) -> PutOutcome:
-        await self._ch.send_frame(_put_request(namespace, self.token, pages))
-        plan = await self._plan(P.PutPlan)
-        wanted = self._check_put_plan(plan, len(pages))
-        regions, offsets = plan.ints("regions"), plan.ints("offsets")
-        if not len(regions) == len(offsets) == len(wanted):
-            raise ProtocolError(f"node {self.node.node_id} sent a put plan without slots")
-        copies = []
-        for i, region, off in zip(wanted, regions, offsets):
-            mapped = self._maps.get(region)
-            size = pages[i].span.nbytes
-            if mapped is None or not mapped.flags.writeable or off + size > mapped.size:
-                raise ProtocolError(f"node {self.node.node_id} lent a slot outside the slabs it mapped")
-            copies.append((mapped[off : off + size], pages[i].span.bytes()))
-        # The one copy, straight into the node's slots; the checksums are of our own
-        # bytes, so anything else written into a slot fails the node's verification.
-        sums = np.array(copy_checksummed(copies, hash_source=True), dtype=np.uint64)
-        await self._ch.send_frame(P.PutChecksums(checksums=sums))
-        result, _ = await self._recv_frame(P.PutResult)
-        return PutOutcome(result.ints("stored"), plan.ints("present"), plan.ints("refused"), sum(pages[i].span.nbytes for i in wanted))
-
-    async def _get(self, namespace: NamespaceKey, hashes: list[bytes], sinks: list[Span], expected: list[int], probe: bool) -> GetOutcome:
-        await self._ch.send_frame(_get_request(namespace, self.token, hashes, sinks, probe))
-        plan = await self._plan(P.GetPlan)
-        present, sizes, sums = plan.ints("present"), plan.ints("sizes"), plan.ints("checksums")
-        regions, offsets = plan.ints("regions"), plan.ints("offsets")
-        if not len(present) == len(sizes) == len(sums) == len(regions) == len(offsets) or any(not 0 <= i < len(hashes) for i in present):
-            raise ProtocolError(f"node {self.node.node_id} sent an inconsistent get plan")
-        copied, copies = [], []
-        for i, size, region, off, node_sum in zip(present, sizes, regions, offsets, sums):
-            mapped = self._maps.get(region)
-            if mapped is None or sinks[i].nbytes != size or off + size > mapped.size:
-                continue  # a page of the wrong size can never be the one asked for
-            copied.append((i, node_sum))
-            copies.append((sinks[i].bytes(), mapped[off : off + size]))
-        digests = copy_checksummed(copies)  # the one copy; hashes of the bytes that landed
-        await self._ch.send_frame(P.GetDone())  # the node unpins
-        outcome = GetOutcome([], 0)
-        for (i, node_sum), digest in zip(copied, digests):
-            outcome.check(i, node_sum, expected[i], digest)
-        return outcome
-
-    def _map(self, mapped: list[tuple[int, int]], fds: list[int]) -> None:
-        """Map the slabs whose descriptors came with a plan (replacing stale generations
-        and read-only mappings of slabs now lent for writing); the descriptors are
-        closed, the mappings stay."""
-        try:
-            if len(mapped) != len(fds):
-                raise ProtocolError(f"node {self.node.node_id} sent {len(fds)} descriptors for {len(mapped)} slabs")
-            for (region, _generation), fd in zip(mapped, fds):
-                size = os.fstat(fd).st_size
-                writable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
-                prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-                view = np.frombuffer(mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot), dtype=np.uint8)
-                int(view[::FAULT_AROUND].sum())  # one read per 64 KiB maps the slab (see FAULT_AROUND)
-                self._maps[region] = view
-        finally:
-            shm.close_fds(fds)
-
-    async def close(self) -> None:
-        self.broken = True
-        ch, self._ch = self._ch, None
-        if ch is not None:
-            ch.close()
-        self._maps.clear()
-

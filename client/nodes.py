@@ -1,10 +1,11 @@
-"""The storage nodes as one client sees them: the registry (read again every
-``node_refresh`` seconds), which nodes failed recently (suspects), and one connection
-per node (shared memory on this host, UCX elsewhere)."""
+"""The storage nodes as one client sees them: the registry (read again in the
+background while the client is in use, ``NodeDirectory``), which nodes failed recently
+(suspects), and one connection per node (shared memory on this host, UCX elsewhere)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any
@@ -12,8 +13,9 @@ from typing import Any
 import numpy as np
 
 from client.buffers import Span
-from client.connection import ClosedBeforeUseError, NodeConnection, NodeRefusedError, SameHostUnavailableError, ShmConnection
+from client.connection import ClosedBeforeUseError, NodeConnection, NodeRefusedError, SameHostUnavailableError
 from client.placement import rank_nodes
+from client.shm_connection import ShmConnection
 from client.stats import ClientStats
 from kvstore.errors import RemoteFault
 from kvstore.index import AsyncPageIndex, NodeInfo, PageLocation
@@ -26,11 +28,22 @@ log = logging.getLogger(__name__)
 # stall serves again within about a second, one that stays dead is not hammered.
 SUSPECT_FIRST = 0.5
 SUSPECT_MAX = 8.0
+# The registry is read again every ``node_refresh`` seconds in the background while the
+# client was used in the last KEEP_FRESH_S seconds, so no call waits for it (a 16-block
+# lookup after a pause paid about 0.3 ms, a quarter of its time, to read the registry in
+# its round trip: bench/lookup.py, paused lookups). Idle longer, the client reads nothing
+# (it costs no CPU); its next call reads the registry first when the list is then older
+# than two refreshes, so no call decides on a list older than that while the registry
+# answers. Nodes rarely change, and a node that died meanwhile costs a miss, not bytes.
+KEEP_FRESH_S = 5.0
 
 
 class NodeDirectory:
-    """``AsyncKVCacheClient``'s view of the nodes; only its event loop's thread calls it.
-    ``ucxx`` is set by the client's ``start``."""
+    """One job: the client's view of the nodes (registry, suspects, connections).
+    Called on the client's event loop, except ``fresh``, ``last`` and ``touch``, which
+    any thread may call (the blocking client's lookups, in the caller's thread).
+    ``start`` (the client's start, on its loop) begins the background reads; ``ucxx``
+    is set by the client's start too."""
 
     def __init__(self, index: AsyncPageIndex, stats: ClientStats, *, token: str, same_host: bool, refresh: float) -> None:
         self.index = index
@@ -39,45 +52,119 @@ class NodeDirectory:
         self.same_host = same_host
         self._token = token
         self._refresh = refresh
+        self._stale_after = 2 * refresh
+        # replaced whole, never mutated: other threads read them without a lock
         self._nodes: list[NodeInfo] = []
-        self._nodes_at = 0.0
+        self._nodes_at: float | None = None  # monotonic time of the read that gave _nodes; None before the first
+        self._read_failed = False  # the last background read of the registry failed
+        self._used_at = time.monotonic()
+        self._dormant = False  # the background reads wait for a call (the client was idle)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._reader: asyncio.Task[None] | None = None
         self._conns: dict[str, NodeConnection | ShmConnection] = {}
         self._shm_failed: dict[str, str] = {}  # node id -> incarnation whose Unix socket failed
         self._suspect: dict[str, float] = {}  # node id -> skipped until (monotonic)
         self._strikes: dict[str, int] = {}  # node id -> failures since its last success
         self.refused_at_start: dict[str, str] = {}  # node id -> why it refused this client's token at start
 
+    def start(self) -> None:
+        """Loop thread (client start): begin reading the registry in the background."""
+        if self._reader is None:
+            self._loop = asyncio.get_running_loop()
+            self._wake = asyncio.Event()
+            self._reader = self._loop.create_task(self._keep_fresh(), name="kvstore-node-registry")
+
     async def live(self, include_suspect: bool = False) -> list[NodeInfo]:
-        """Registered nodes from a cache refreshed every ``refresh`` seconds; nodes that
-        failed recently are left out unless ``include_suspect``."""
+        """The registered nodes for a put or a get (``current``); nodes that failed
+        recently are left out unless ``include_suspect``."""
+        nodes = await self.current()
         now = time.monotonic()
-        if now - self._nodes_at > self._refresh or not self._nodes:
-            try:
-                self._nodes = await self.index.live_nodes()
-                self._nodes_at = now
-            except RemoteFault as exc:
-                self.stats.index_errors += 1
-                log.warning("cannot list nodes: %s", exc)
         for node_id in [n for n, until in self._suspect.items() if until < now]:
             del self._suspect[node_id]
-        return [n for n in self._nodes if include_suspect or n.node_id not in self._suspect]
+        return [n for n in nodes if include_suspect or n.node_id not in self._suspect]
+
+    async def current(self) -> list[NodeInfo]:
+        """The registered nodes, suspects included, for one call: the list the
+        background reads keep, read first only when it names no node or the client was
+        idle long enough for it to be stale (``fresh``, KEEP_FRESH_S)."""
+        nodes = self.fresh()
+        if nodes is None:
+            await self._read()
+            nodes = self._nodes
+            if self._read_failed:
+                self.stats.index_errors += 1  # the call decides on the last list, however old
+        return nodes
+
+    def fresh(self) -> list[NodeInfo] | None:
+        """Any thread: the registered nodes for one call without reading the registry,
+        or None when the call must read it first (never read, empty, or stale after an
+        idle spell). Marks the client as in use. A call given the list while the last
+        read failed counts an index fault: it decides on the last list it has."""
+        self.touch()
+        nodes, at = self._nodes, self._nodes_at
+        idle = self._dormant or self._reader is None  # no background reads: this call must read
+        # no node at all: the registry may have lost them (an index restart) and be
+        # filled again by now, so the call reads it rather than miss for a refresh
+        if not nodes or at is None or (idle and time.monotonic() - at > self._stale_after):
+            return None
+        if self._read_failed:
+            self.stats.index_errors += 1
+        return nodes
 
     def cached(self) -> list[NodeInfo] | None:
-        """The registered nodes, suspects included, while the cache is fresh; else None
-        (``live`` reads the registry again). Any thread may call it: it reads two
-        attributes the loop thread replaces whole, never a structure it mutates."""
+        """Any thread: the registered nodes as last read while they are fresh, else None;
+        reads nothing and marks nothing."""
         nodes, at = self._nodes, self._nodes_at
-        return nodes if nodes and time.monotonic() - at <= self._refresh else None
+        return nodes if at is not None and time.monotonic() - at <= self._stale_after else None
 
     def last(self) -> list[NodeInfo]:
         """The registered nodes as last read, however old (any thread)."""
         return self._nodes
 
-    def adopt(self, nodes: list[NodeInfo], read_at: float) -> None:
-        """Loop thread: take a registry read made elsewhere (``KVCacheClient.find``,
-        in the caller's thread) unless a newer one is in already."""
-        if read_at > self._nodes_at:
-            self._nodes, self._nodes_at = nodes, read_at
+    def touch(self) -> None:
+        """Any thread: the client is in use; background reads resume if they had stopped."""
+        self._used_at = time.monotonic()
+        if self._dormant:  # read after _used_at is written: _keep_fresh writes _dormant before reading _used_at
+            self._wake_reader()
+
+    def _wake_reader(self) -> None:
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop stopped meanwhile
+                loop.call_soon_threadsafe(wake.set)
+
+    async def _keep_fresh(self) -> None:
+        """Read the registry every ``refresh`` seconds while the client is in use; sooner
+        when a node failed (``failed``); not at all while it is idle."""
+        assert self._wake is not None
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._refresh)
+            self._wake.clear()
+            if time.monotonic() - self._used_at > KEEP_FRESH_S:
+                self._dormant = True  # written before _used_at is read again: see touch
+                if time.monotonic() - self._used_at > KEEP_FRESH_S:
+                    await self._wake.wait()
+                    self._wake.clear()
+                self._dormant = False
+            await self._read()
+
+    async def _read(self) -> None:
+        """Read the registry; on failure the last list stays (its nodes still serve). A
+        call reads on its own rather than join a read in flight, which may have been
+        sent before the registry answered again."""
+        at = time.monotonic()
+        try:
+            nodes = await self.index.live_nodes()
+        except RemoteFault as exc:
+            if not self._read_failed:
+                log.warning("cannot list nodes (using the last list until the registry answers): %s", exc)
+            self._read_failed = True
+            return
+        if self._nodes_at is None or at > self._nodes_at:
+            self._nodes, self._nodes_at = nodes, at
+        self._read_failed = False
 
     async def connect(self, timeout: float, namespace: NamespaceKey) -> None:
         """Open a connection to every live node now (client start) and ask each for one
@@ -143,7 +230,8 @@ class NodeDirectory:
         strikes = self._strikes.get(node_id, 0) + 1
         self._strikes[node_id] = strikes
         self._suspect[node_id] = time.monotonic() + min(SUSPECT_FIRST * 2 ** (strikes - 1), SUSPECT_MAX)
-        self._nodes_at = 0.0  # re-read the registry on the next call
+        if self._wake is not None:
+            self._wake.set()  # read the registry now: the node may have gone
         log.warning("node %s failed, its pages count as missing: %s", node_id, exc)
 
     def ok(self, node_id: str) -> None:
@@ -151,6 +239,11 @@ class NodeDirectory:
         self._strikes.pop(node_id, None)
 
     async def close(self) -> None:
+        """Stop the background reads and close every connection."""
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+            self._reader = None
         for conn in self._conns.values():
             await conn.close()
         self._conns.clear()

@@ -1,5 +1,5 @@
 """insert/select: the lookup-buffer contract of vLLM's SimpleConnector, on top of the
-paged mechanism of ``AsyncKVCacheClient``.
+paged mechanism (lookups, puts, fetch rounds).
 
 A sequence's full blocks become shared, deduplicated pages (the paged API's); its
 trailing partial block and hidden states go into a tail object of its own, keyed by the
@@ -8,20 +8,24 @@ sequence hash and split into parts (``client.codec``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from client import codec
 from client.buffers import split_spans
+from client.fetch import ReplicaFetcher, leading, unit_requests, whole_blocks
+from client.lookup import Identity, PrefixLookup
+from client.publish import Outgoing, Publisher, PublishReport
+from client.reads import PageReader
+from client.staging import HostBuffers
 from kvstore.errors import InvalidInputError
+from kvstore.index import LookupResult
 from kvstore.pages import heads, keys
 from kvstore.pages.hashing import block_hashes, part_hashes, sequence_hash, token_array
-from kvstore.pages.identity import BlockExtras, RequestIdentity, resolve
-
-if TYPE_CHECKING:
-    from client.async_client import PublishReport
+from kvstore.pages.identity import resolve
+from kvstore.pages.namespace import Namespace
 
 
 @dataclass
@@ -36,15 +40,27 @@ class _Fetched:
     parts: int
 
 
-class LookupBufferAPI:
-    """``insert`` and ``select``, mixed into ``AsyncKVCacheClient``: they use its
-    namespace, head groups and the paged mechanism (``_unit_keys``, ``_publish``,
-    ``_lookup``, ``_unit_requests``, ``_fetch``). Pages move straight
+class LookupBuffer:
+    """One job: ``insert`` and ``select``, a whole sequence's KV in the caller's
+    ``[layers, tokens, heads, head_size]`` tensors, over the parts of the paged
+    mechanism it is given (``AsyncKVCacheClient`` builds it). Pages move straight
     between the caller's key/value and the nodes (``codec.kv_spans``); only a rank that
-    reads part of a head group receives units into a buffer and merges them."""
+    reads part of a head group receives units into a buffer and merges them. Runs on
+    the client's event loop."""
+
+    def __init__(self, namespace: Namespace, rank: heads.RankUnits, lookups: PrefixLookup, publisher: Publisher,
+                 fetcher: ReplicaFetcher, reader: PageReader, buffers: HostBuffers) -> None:
+        self.namespace = namespace
+        self._storage = namespace.storage
+        self.heads = rank
+        self._lookups = lookups
+        self._publisher = publisher
+        self._fetcher = fetcher
+        self._reader = reader
+        self._buffers = buffers
 
     async def insert(self, input_tokens: Any, roi: Any, key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor | None = None, *,
-                     identity: RequestIdentity | BlockExtras | None = None) -> PublishReport:
+                     identity: Identity = None) -> PublishReport:
         """Store the KV of the tokens ``roi`` marks (a prefix of ``input_tokens``).
 
         Full blocks become shared, deduplicated pages; the trailing partial block and
@@ -64,8 +80,8 @@ class LookupBufferAPI:
             if tuple(hidden.shape) != (T, ns.hidden_size) or hidden.dtype != ns.torch_dtype():
                 raise InvalidInputError(f"hidden must be [{T}, {ns.hidden_size}] of {ns.torch_dtype()}, got {tuple(hidden.shape)} {hidden.dtype}")
         extras = resolve(identity, ns.block_size, T)
-        hashes = block_hashes(self.storage, tokens, extras)
-        unit_keys, anchors, positions = self._unit_keys(hashes, "insert")
+        hashes = block_hashes(self._storage, tokens, extras)
+        blocks = self._publisher.unit_keys(hashes, "insert")
         key, value = key.to("cpu").contiguous(), value.to("cpu").contiguous()  # no copy for contiguous host tensors
         spans = codec.kv_spans(ns, key, value, len(hashes), self.heads.count)
         tail = codec.encode_tail(ns, key, value, hidden)
@@ -74,9 +90,10 @@ class LookupBufferAPI:
         # namespace, a chain of its own in the index
         parts = part_hashes(sequence_hash(ns, tokens, hashes, extras), len(part_sizes))
         part_anchors, part_positions = keys.placement(parts)
-        return await self._publish(unit_keys + parts, spans + split_spans(tail, part_sizes), anchors + part_anchors, positions + part_positions)
+        pages = Outgoing(blocks.hashes, spans, blocks.anchors, blocks.positions) + Outgoing(parts, split_spans(tail, part_sizes), part_anchors, part_positions)
+        return await self._publisher.publish(pages)
 
-    async def select(self, input_tokens: Any, roi: Any, *, identity: RequestIdentity | BlockExtras | None = None) -> list[Any]:
+    async def select(self, input_tokens: Any, roi: Any, *, identity: Identity = None) -> list[Any]:
         """``[input_tokens, roi, key, value, hidden]`` for the longest stored prefix of the
         tokens ``roi`` marks: everything plus ``hidden`` when this exact sequence was
         inserted, else the longest block-aligned prefix with ``hidden=None``; five
@@ -87,11 +104,11 @@ class LookupBufferAPI:
         T = len(tokens)
         self._whole_model("select")
         extras = resolve(identity, ns.block_size, T)
-        hashes = block_hashes(self.storage, tokens, extras)
+        hashes = block_hashes(self._storage, tokens, extras)
         sizes_h = codec.tail_part_sizes(ns, T, ns.hidden_size > 0)
         sizes_nh = codec.tail_part_sizes(ns, T, False)
         parts = part_hashes(sequence_hash(ns, tokens, hashes, extras), max(len(sizes_h), len(sizes_nh)))
-        result = await self._lookup(hashes + parts, breaks=[len(hashes)])
+        result = await self._lookups.lookup(hashes + parts, breaks=[len(hashes)])
         if not result or result.matched == 0:
             return [None] * 5
         # key and value are received into, sized for what the index says is there: the
@@ -120,7 +137,7 @@ class LookupBufferAPI:
         out_roi[:matched] = True
         return [input_tokens, out_roi, kv[0], kv[1], hidden]
 
-    async def _fetch_sequence(self, hashes: list[bytes], parts: list[bytes], result: Any, kv: torch.Tensor) -> _Fetched:
+    async def _fetch_sequence(self, hashes: list[bytes], parts: list[bytes], result: LookupResult, kv: torch.Tensor) -> _Fetched:
         """Fetch the matched blocks (this rank's units of each) into ``kv``
         ``[2, layers, tokens, heads, head_size]`` and the tail parts that follow them; a
         missing head group ends the prefix, and the tail cannot follow."""
@@ -131,27 +148,27 @@ class LookupBufferAPI:
         tail_hashes, tail_locations = parts[: result.matched - nblocks], result.locations[nblocks:]
         if not self.heads.whole:  # units hold heads this rank lacks: received into a buffer, merged
             return await self._fetch_merged(hashes, result, kv, tail_hashes, tail_locations, tail, part_sizes)
-        unit_hashes, unit_locations = self._unit_requests(hashes, result, slice(0, nblocks))
+        unit_hashes, unit_locations = unit_requests(self.heads, hashes, result, slice(0, nblocks))
         sinks = codec.kv_spans(ns, kv[0], kv[1], nblocks, count) + split_spans(tail, part_sizes)
-        ok = await self._fetch(unit_hashes + tail_hashes, unit_locations + tail_locations, sinks)
+        ok = await self._fetcher.fetch(unit_hashes + tail_hashes, unit_locations + tail_locations, sinks)
         blocks = whole_blocks(ok, count, nblocks)
         got_parts = leading(ok[nblocks * count :]) if blocks == nblocks else 0
         return _Fetched(blocks, tail, part_sizes, got_parts)
 
-    async def _fetch_merged(self, hashes: list[bytes], result: Any, kv: torch.Tensor, tail_hashes: list[bytes], tail_locations: list[Any],
+    async def _fetch_merged(self, hashes: list[bytes], result: LookupResult, kv: torch.Tensor, tail_hashes: list[bytes], tail_locations: list[Any],
                             tail: np.ndarray, part_sizes: list[int]) -> _Fetched:
         """``_fetch_sequence`` for a rank that reads part of a head group: the units
         land in a buffer and the rank's heads are merged into its pages, then into
         ``kv``. The tail is the rank's own and follows only once every block is whole."""
         ns = self.namespace
         nblocks = min(result.matched, len(hashes))
-        units, blocks = await self._fetch_units(hashes, result, 0, torch.empty(self.units_nbytes(nblocks), dtype=torch.uint8), end=nblocks)
+        units, blocks = await self._reader.fetch_units(hashes, result, 0, torch.empty(self._reader.units_nbytes(nblocks), dtype=torch.uint8), end=nblocks)
         pages = torch.empty((blocks, *ns.page_shape), dtype=ns.torch_dtype())
         heads.merge(ns, units[:, :blocks], pages, self.heads)
         codec.pages_into_kv(pages, kv)
         got_parts = 0
         if blocks == nblocks and tail_hashes:
-            got_parts = leading(await self._fetch(tail_hashes, tail_locations, split_spans(tail, part_sizes)))
+            got_parts = leading(await self._fetcher.fetch(tail_hashes, tail_locations, split_spans(tail, part_sizes)))
         return _Fetched(blocks, tail, part_sizes, got_parts)
 
     def _whole_model(self, call: str) -> None:
@@ -175,17 +192,6 @@ class LookupBufferAPI:
         if not mask[:m].all():
             raise InvalidInputError("roi must mark a prefix of the tokens (True values first, then only False)")
         return tokens[:m], len(tokens)
-
-
-def leading(ok: list[bool]) -> int:
-    """How many leading requests arrived intact."""
-    return ok.index(False) if False in ok else len(ok)
-
-
-def whole_blocks(ok: list[bool], count: int, blocks: int) -> int:
-    """How many leading blocks arrived whole: every one of their ``count`` units, which
-    ``ok`` lists unit by unit (``heads.unit_hashes``)."""
-    return leading(np.array(ok[: count * blocks], dtype=bool).reshape(count, blocks).all(axis=0).tolist())
 
 
 def _token_prefix(t: Any, T: int, n_all: int, dim: int) -> Any:

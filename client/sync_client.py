@@ -3,8 +3,9 @@
 Every ``KVCacheClient`` in a process runs its ``AsyncKVCacheClient`` on one shared
 event loop in a daemon thread, which is also the only thread that drives UCX progress
 (a ucxx worker must not be progressed from two threads). Lookups (``find``,
-``lookup``) only talk to the index: they run in the caller's thread over an index
-connection of their own while the node list is fresh, sparing the hop to the loop. Every call waits at most a
+``lookup``) only talk to the index: they take the async client's lookup path
+(``client.lookup.PrefixLookup``) in the caller's thread, over an index connection of
+their own, sparing the hop to the loop. Every call waits at most a
 bound derived from the client timeout, so a wedged transfer cannot hang the caller.
 A call that passes its bound is cancelled, and it returns only once the cancelled
 work has unwound (its endpoints closed), so nothing lands in the caller's tensors
@@ -17,17 +18,18 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from client.async_client import AsyncKVCacheClient, Identity, PublishReport, StoredPrefix
+from client.async_client import AsyncKVCacheClient
 from client.buffers import Span
+from client.lookup import Identity, StoredPrefix
+from client.publish import PublishReport
 from client.stats import ClientStats
-from kvstore.errors import IndexScriptError, RemoteFault, TransportError
-from kvstore.index import LookupResult, NodeInfo, PageIndex
+from kvstore.errors import TransportError
+from kvstore.index import PageIndex
 from kvstore.index.routing import INDEX_TIMEOUT
 from kvstore.pages.heads import RankUnits
 from kvstore.pages.namespace import Namespace
@@ -145,46 +147,18 @@ class KVCacheClient:
         Asked in the caller's thread, over an index connection of its own: the hop to
         the client's loop thread and back cost 0.14 ms, a third of a 16-block lookup
         (0.55 ms through the loop against 0.39 ms on it; bench/lookup.py). Each read of
-        the index then waits at most ``timeout``. A node list older than
-        ``node_refresh`` (the first request of a fresh engine, any after a pause) is
-        read again in the same round trip as the lookup and handed to the loop.
-        Measured, 96 blocks, one node, a pause of 1.05 s before each lookup (medians of
-        14): 3.0 ms when the loop read the list after the lookup, 1.6 ms read with it,
-        1.1 ms with a list still fresh (the pause alone costs the rest). Until the
-        namespace is registered, calls go through the loop, which registers it."""
+        the index then waits at most ``timeout``. The node list comes from the client's
+        directory, which reads the registry in the background: a lookup after a pause
+        no longer reads it in its own round trip (paused lookups in bench/lookup.py).
+        Until the namespace is registered, or when the list went stale while the client
+        was idle (``client.nodes.KEEP_FRESH_S``), the call goes through the loop, which
+        registers the namespace and reads the list first."""
         inner = self._async
-        if not inner.namespace_registered:
+        nodes = inner.nodes.fresh() if inner.namespace_registered else None
+        if nodes is None:
             return self._read(inner.find(token_ids, identity=identity), None, timeout)
-        joined = inner.chain_hashes(token_ids, identity)
-        if not joined:
-            return inner.stored_prefix(joined, LookupResult.empty())
-        inner.stats.lookups += 1
-        nodes = inner.nodes.cached()
-        try:
-            with self._index_lock:
-                index = self._index(timeout)
-                if nodes is None:
-                    read_at = time.monotonic()
-                    found, nodes = index.lookup(inner.storage, joined, units=(inner.heads.first, inner.heads.count), with_nodes=True)
-                    nodes = self._adopt(nodes, read_at)
-                else:
-                    found = index.lookup(inner.storage, joined, units=(inner.heads.first, inner.heads.count))
-        except (RemoteFault, IndexScriptError) as exc:
-            return inner.lookup_failed(exc)
-        result = inner.resolve_lookup(found, nodes)
-        return None if result is None else inner.stored_prefix(joined, result)
-
-    def _adopt(self, nodes: list[NodeInfo] | Exception, read_at: float) -> list[NodeInfo]:
-        """The node list ``find`` read with its lookup, handed to the loop's directory;
-        when that read failed, the last list however old (as ``NodeDirectory.live``
-        keeps it)."""
-        directory = self._async.nodes
-        if isinstance(nodes, Exception):
-            self._async.stats.index_errors += 1
-            log.warning("cannot list nodes: %s", nodes)
-            return directory.last()
-        self._loop.call_soon_threadsafe(directory.adopt, nodes, read_at)
-        return nodes
+        index = self._index(timeout)
+        return inner.lookups.find_blocking(index, token_ids, nodes, identity)
 
     def _index(self, timeout: float | None) -> PageIndex:
         """The caller's index connection whose reads wait at most ``timeout`` (the
@@ -193,9 +167,13 @@ class KVCacheClient:
         seconds = min(self._async.timeout, INDEX_TIMEOUT) if timeout is None else timeout
         index = self._indexes.get(seconds)
         if index is None:
-            opts = self._async.options
-            index = PageIndex(opts.redis_url, timeout=seconds, lease_ms=opts.lease_ms, password=opts.redis_password.get_secret_value() or None)
-            self._indexes[seconds] = index
+            with self._index_lock:  # one per timeout, however many threads ask at once
+                index = self._indexes.get(seconds)
+                if index is None:
+                    opts = self._async.options
+                    index = PageIndex(opts.redis_url, timeout=seconds, lease_ms=opts.lease_ms,
+                                      password=opts.redis_password.get_secret_value() or None)
+                    self._indexes[seconds] = index
         return index
 
     def put_pages(self, token_ids: Any, pages: torch.Tensor, *, identity: Identity = None) -> PublishReport:

@@ -1,0 +1,119 @@
+"""Fetch rounds: pages into the caller's memory from their replicas, each verified by
+checksum (``ReplicaFetcher``), and the requests that name this rank's units of
+blocks (``unit_requests``)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+
+import numpy as np
+
+from client.buffers import Span
+from client.connection import NodeRefusedError
+from client.credentials import CallRefusals
+from client.nodes import NodeDirectory
+from client.stats import ClientStats
+from kvstore.errors import RemoteFault
+from kvstore.index import LookupResult, NodeInfo, PageLocation
+from kvstore.pages import heads
+from kvstore.pages.heads import RankUnits
+from kvstore.pages.keys import NamespaceKey
+
+
+class ReplicaFetcher:
+    """One job: fetch pages into sinks from their replicas and say which arrived intact.
+    Each round asks every missing page's preferred untried replica, all nodes at once,
+    until every page arrived or its replicas ran out, within the client's ``timeout``
+    overall. A node that fails is suspected and its pages stay missing (a miss, never
+    wrong bytes); a call that every node asked refused for the client's token raises
+    ``CredentialError`` (``client.credentials``). Runs on the client's event loop."""
+
+    def __init__(self, nodes: NodeDirectory, stats: ClientStats, namespace: NamespaceKey, timeout: float) -> None:
+        self._nodes = nodes
+        self._stats = stats
+        self._namespace = namespace
+        self._timeout = timeout
+
+    async def fetch(self, hashes: list[bytes], locations: list[list[PageLocation]], sinks: list[Span]) -> list[bool]:
+        """Fetch page i of ``hashes`` from its replicas ``locations[i]`` into ``sinks[i]``;
+        per page, whether it arrived intact."""
+        deadline = time.monotonic() + self._timeout
+        ok = [False] * len(hashes)
+        tried: list[set[str]] = [set() for _ in hashes]
+        nodes = {n.node_id: n for n in await self._nodes.live()}
+        asked: set[str] = set()
+        refusals = CallRefusals(self._stats, self._namespace.tenant, "read")
+        for _ in range(max((len(loc) for loc in locations[: len(hashes)]), default=0)):
+            per_node = self._next_round(hashes, locations, ok, tried, nodes)
+            remaining = deadline - time.monotonic()
+            if not per_node or remaining <= 0:
+                break
+            asked.update(per_node)
+            await asyncio.gather(*(self._get_on(nodes[n], idx, hashes, locations, sinks, ok, remaining, refusals) for n, idx in per_node.items()))
+            if all(ok):
+                break
+        refusals.raise_if_all(asked)
+        return ok
+
+    def _next_round(self, hashes: list[bytes], locations: list[list[PageLocation]], ok: list[bool], tried: list[set[str]],
+                    nodes: dict[str, NodeInfo]) -> dict[str, list[int]]:
+        """Per node, the pages still missing whose preferred untried replica it holds."""
+        per_node: dict[str, list[int]] = defaultdict(list)
+        for i, locs in enumerate(locations[: len(hashes)]):
+            if ok[i]:
+                continue
+            choice = next((loc for loc in self._nodes.prefer(hashes[i], locs) if loc.node_id not in tried[i] and loc.node_id in nodes), None)
+            if choice is not None:
+                tried[i].add(choice.node_id)
+                per_node[choice.node_id].append(i)
+        return per_node
+
+    async def _get_on(self, node: NodeInfo, idx: list[int], hashes: list[bytes], locations: list[list[PageLocation]], sinks: list[Span],
+                      ok: list[bool], seconds: float, refusals: CallRefusals) -> None:
+        """Get pages ``idx`` from ``node`` into their sinks, marking in ``ok`` those that
+        arrived intact; a node that fails is suspected, its pages stay missing."""
+        expected = [next(loc.checksum for loc in locations[i] if loc.node_id == node.node_id) for i in idx]
+        try:
+            got, conn = await self._nodes.on_node(
+                node, lambda c: c.get(self._namespace, [hashes[i] for i in idx], [sinks[i] for i in idx], expected, seconds))
+        except NodeRefusedError as exc:
+            if exc.credentials:
+                refusals.add(exc)
+            else:
+                self._nodes.failed(node.node_id, exc)
+            return
+        except RemoteFault as exc:
+            self._nodes.failed(node.node_id, exc)
+            return
+        self._nodes.ok(node.node_id)
+        for k in got.ok:
+            ok[idx[k]] = True
+            self._stats.pages_received += 1
+            self._stats.bytes_received += sinks[idx[k]].nbytes
+        self._stats.checksum_failures += got.corrupt
+        if conn.path == "shm":
+            self._stats.same_host_transfers += 1
+
+
+def unit_requests(rank: RankUnits, hashes: list[bytes], result: LookupResult, blocks: slice) -> tuple[list[bytes], list[list[PageLocation]]]:
+    """The keys and replicas of ``rank``'s units of ``blocks``, unit by unit
+    (``heads.unit_hashes``)."""
+    count, first = rank.count, rank.first
+    keys_ = heads.unit_hashes(hashes[blocks], first, count)
+    if count == 1:
+        return keys_, result.locations[blocks]
+    locations = [[loc for loc in locs if loc.unit == j] for j in range(count) for locs in result.locations[blocks]]
+    return keys_, locations
+
+
+def leading(ok: list[bool]) -> int:
+    """How many leading requests arrived intact."""
+    return ok.index(False) if False in ok else len(ok)
+
+
+def whole_blocks(ok: list[bool], count: int, blocks: int) -> int:
+    """How many leading blocks arrived whole: every one of their ``count`` units, which
+    ``ok`` lists unit by unit (``heads.unit_hashes``)."""
+    return leading(np.array(ok[: count * blocks], dtype=bool).reshape(count, blocks).all(axis=0).tolist())
