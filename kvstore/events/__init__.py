@@ -1,0 +1,46 @@
+"""vLLM-format KV events: the wire format (``format``) and a bounded ZMQ publisher
+(``publisher``) for storage nodes. Routers that read a vLLM engine's KV events (llm-d,
+Dynamo) read these unchanged; docs/router-integration.md says how to point them here."""
+
+from kvstore.events.format import (
+    LOCAL,
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    MEDIUM_STORAGE,
+    OWNERSHIP,
+    REMOTE,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVCacheEvent,
+    KVEventBatch,
+    block_removed,
+    block_stored,
+    decoder,
+    pool_topic,
+)
+from kvstore.events.publisher import END_SEQ, EventPublisher, PublisherOptions, PublisherStats
+
+__all__ = [
+    "END_SEQ",
+    "LOCAL",
+    "MEDIUM_CPU",
+    "MEDIUM_GPU",
+    "MEDIUM_STORAGE",
+    "OWNERSHIP",
+    "REMOTE",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EventBatch",
+    "EventPublisher",
+    "KVCacheEvent",
+    "KVEventBatch",
+    "PublisherOptions",
+    "PublisherStats",
+    "block_removed",
+    "block_stored",
+    "decoder",
+    "pool_topic",
+]
