@@ -30,9 +30,15 @@ cache tensors. ``kv_connector_extra_config`` carries the client options
 ``ucx_progress_mode``, ...; the same names as the KVSTORE_* environment variables,
 validated the same way) plus the connector's own (``ConnectorOptions``: ``tenant``,
 ``model``, ``load_failure_policy``, ``lookup_budget_ms``, ``breaker_failures``,
-``breaker_cooldown_s``, ``load_threads``, ``staging_bytes``, ``max_pending_save_bytes``). Failed loads are
+``breaker_cooldown_s``, ``load_threads``, ``staging_bytes``, ``max_pending_save_bytes``, ``kv_events``). Failed loads are
 recomputed: the connector sets vLLM's ``kv_load_failure_policy`` to ``recompute``
-unless the extra config says ``"load_failure_policy": "fail"``."""
+unless the extra config says ``"load_failure_policy": "fail"``.
+
+KV events: an engine started with ``kv_events_config`` (``enable_kv_cache_events``)
+publishes, besides its own events, a ``BlockStored`` (medium "CPU") for every save
+whose pages every rank stored, through its own publisher and topic
+(``client.vllm.events``: the fields, and why no ``BlockRemoved`` comes from here);
+``"kv_events": false`` in the extra config turns the connector's off."""
 
 from __future__ import annotations
 
@@ -46,6 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from client.vllm.events import SaveOutcomes, StoredEvents
 from client.vllm.metadata import KVStoreConnectorMetadata
 from client.vllm.options import connector_options, engine_layout, namespace_refusal, rank_client
 from client.vllm.scheduler import ConnectorScheduler
@@ -54,7 +61,10 @@ from client.vllm.support import unsupported
 from client.vllm.worker import ConnectorWorker
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -123,7 +133,12 @@ class KVStoreConnector(KVConnectorBase_V1):
             loads, saves = transfer.is_kv_consumer and refusal is None, transfer.is_kv_producer and refusal is None
             client = rank_client(vllm_config, conf, options, role.name, layout=engine_layout(vllm_config), tp_rank=0, pp_rank=0,
                                  all_heads=True) if loads else None
-            self._scheduler = ConnectorScheduler(conf, client, vllm_config.cache_config.block_size, saves=saves, stats=self._stats)
+            block_size = vllm_config.cache_config.block_size
+            events_config = vllm_config.kv_events_config
+            events = None
+            if saves and conf.kv_events and events_config is not None and events_config.enable_kv_cache_events:
+                events = StoredEvents(block_size, vllm_config.parallel_config.world_size, kv_cache_config=kv_cache_config, stats=self._stats)
+            self._scheduler = ConnectorScheduler(conf, client, block_size, saves=saves, stats=self._stats, events=events)
         else:
             self._worker = ConnectorWorker(vllm_config, conf, options, stats=self._stats, enabled=refusal is None)
 
@@ -163,6 +178,12 @@ class KVStoreConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
 
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self._scheduler.take_events() if self._scheduler is not None else ()
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_events()
+
     # ---- worker side ---------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -176,6 +197,9 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_kv_cache_events(self) -> SaveOutcomes | None:
+        return self._worker.take_save_outcomes() if self._worker is not None else None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete before their request is scheduled again

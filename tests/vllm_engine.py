@@ -21,6 +21,11 @@ spec keys:
   ``embeds_seed`` (int: the prompt goes in as prompt embeddings instead of its token ids,
   ``torch.manual_seed(seed); torch.randn(len(prompt), hidden_size) * 0.5``, an
   ``EmbedsPrompt``; the engine needs ``llm_kwargs`` ``enable_prompt_embeds``);
+- ``kv_events``: the engine's ``kv_events_config`` (``KVEventsConfig`` fields, e.g.
+  ``{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557",
+  "topic": "kv@engine@tiny"}``); after the prompts the KV events of saves still in
+  flight are published before the engine exits (``drain_events``; ``drain_s``, default
+  10: the most it waits, and what a multiprocess engine core is given);
 - ``beside_copy_bytes``: in sequential mode, a thread copies and hashes this many bytes
   as a same-host load does (``copy_checksummed``) from the moment the last prompt is
   added: the best a load overlapped with the step could do (``beside_copy_seconds`` is
@@ -174,6 +179,27 @@ def result(o) -> dict:
     return {"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens}
 
 
+def drain_events(engine, seconds: float, out: dict) -> None:
+    """Let the KV events of saves still in flight be published before the engine exits.
+    The connector keeps the scheduler busy while a save's event waits for its workers
+    (``has_pending_push_work``): an engine core in this process is stepped until it
+    holds no work (``out["drained"]``); one in its own process (multiprocess mode) steps
+    through that by itself, and gets ``seconds`` to. Then vLLM's publisher, which closes
+    its socket without lingering at exit, is given time to hand the last batches to ZMQ."""
+    core = getattr(engine.engine_core, "engine_core", None)
+    deadline = time.monotonic() + seconds
+    if core is None:
+        time.sleep(seconds)
+        return
+    while core.scheduler.has_requests() and time.monotonic() < deadline:
+        engine.step()
+    out["drained"] = not core.scheduler.has_requests()
+    queue = getattr(core.scheduler.kv_event_publisher, "_event_queue", None)
+    while queue is not None and not queue.empty() and time.monotonic() < deadline + 2:
+        time.sleep(0.01)
+    time.sleep(0.3)
+
+
 def main() -> int:
     spec = json.loads(sys.argv[1])
     from vllm import LLM, SamplingParams
@@ -191,6 +217,10 @@ def main() -> int:
             kv_role=spec.get("role", "kv_both"), kv_connector_extra_config={"redis_url": spec["redis_url"], **spec.get("extra", {})},
         )
     llm_kwargs = {"max_model_len": 512, "block_size": BLOCK_SIZE, "enforce_eager": True, **spec.get("llm_kwargs", {})}
+    if spec.get("kv_events"):
+        from vllm.config import KVEventsConfig
+
+        llm_kwargs["kv_events_config"] = KVEventsConfig(**spec["kv_events"])
     llm = LLM(
         model=spec["model_dir"], skip_tokenizer_init=True, dtype="float32",
         gpu_memory_utilization=0.3, kv_transfer_config=kv, seed=0, disable_log_stats=False,
@@ -249,6 +279,8 @@ def main() -> int:
             results.append(result(last) | {"seconds": ended - started, "ttft": first - started, "decode_steps": decode_steps,
                                            "first_steps": first_steps,
                                            "decode_tps": (n - 1) / (ended - first) if n > 1 else None})
+    if spec.get("kv_events"):
+        drain_events(engine, spec.get("drain_s", 10), out)
     if kv is not None:
         out["metrics"] = kvstore_metrics(llm)
     if beside is not None:

@@ -26,12 +26,14 @@ class LoadSpec:
 class SaveSpec:
     """Publish the full blocks ``block_ids`` of ``token_ids`` under the request's
     identity ``extras`` (pages the store already holds are skipped by the storage
-    nodes, so loaded blocks cost no transfer)."""
+    nodes, so loaded blocks cost no transfer). ``event_id``: set when the engine
+    publishes KV events; every worker answers it once (``client.vllm.events``)."""
 
     req_id: str
     token_ids: list[int]
     block_ids: list[int]
     extras: BlockExtras = NO_EXTRAS
+    event_id: int | None = None
 
 
 @dataclass

@@ -72,6 +72,7 @@ class ConnectorOptions(BaseModel):
     staging_bytes: ByteSize = Field(512 << 20, description="host page buffers allocated at start and reused by loads and saves, per worker (0: allocate per transfer)")
     max_pending_save_bytes: ByteSize = Field(2 << 30, description="page bytes waiting to be published, per worker, past which saves are dropped")
     head_groups: int = Field(0, ge=0, description="groups the KV heads are stored in (docs/key-format.md): engines of different TP sizes share pages when they give the same value, at least their largest tp_size (0: this engine's tp_size)")
+    kv_events: bool = Field(True, description="announce saved blocks as BlockStored through the engine's KV events (only when the engine publishes them: kv_events_config)")
     layer_groups: int = Field(0, ge=0, le=1024, description="groups the layers are stored in (docs/key-format.md): engines of different PP sizes share pages when they give the same value, a multiple of their largest pipeline_parallel_size whose stages hold whole groups (0: this engine's pipeline_parallel_size)")
 
 

@@ -7,7 +7,9 @@ stored (always leaving one prompt token to compute), waiting at most
 after repeated faults, the request is a miss. A hit is loaded asynchronously: the
 request waits in WAITING_FOR_REMOTE_KVS while others keep running.
 ``build_connector_meta`` hands the workers the loads to start and the saves of
-requests whose prefill (possibly chunked) completed this step."""
+requests whose prefill (possibly chunked) completed this step. When the engine
+publishes KV events, each save's ``BlockStored`` is built here and published once
+every worker stored its part (``client.vllm.events``)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from client.async_client import StoredPrefix
 from client.sync_client import KVCacheClient
+from client.vllm.events import StoredEvents
 from client.vllm.identity import IdentityReader, KeyedPrompt, Unkeyable
 from client.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from client.vllm.options import ConnectorOptions, lookup_breaker, request_switch
@@ -25,6 +28,7 @@ from client.vllm.stats import StatsRecorder
 from kvstore.pages.identity import BlockExtras
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
@@ -48,9 +52,11 @@ class _Tracked:
 class ConnectorScheduler:
     """Scheduler-side state: loads found but not yet handed out, the blocks each load
     fills, requests to save, the lookup breaker. ``client`` is None when this engine
-    does not load (a producer only)."""
+    does not load (a producer only); ``events`` is None unless the engine publishes
+    KV events and this engine saves."""
 
-    def __init__(self, conf: ConnectorOptions, client: KVCacheClient | None, block_size: int, *, saves: bool, stats: StatsRecorder) -> None:
+    def __init__(self, conf: ConnectorOptions, client: KVCacheClient | None, block_size: int, *, saves: bool, stats: StatsRecorder,
+                 events: StoredEvents | None = None) -> None:
         self._conf = conf
         self._client = client
         self._block_size = block_size
@@ -70,6 +76,10 @@ class ConnectorScheduler:
         # one that stays registered but fails) looped load, fail, recompute, load again.
         self._load_failed: set[str] = set()
         self._breaker = lookup_breaker(conf)
+        # With KV events on, each request vLLM asked about, until it is saved: its
+        # save's event needs vLLM's block hashes, adapter and extra keys.
+        self._events = events
+        self._requests: dict[str, Request] = {}
 
     def _find(self, tokens: list[int], extras: BlockExtras) -> StoredPrefix | None:
         """The stored prefix of ``tokens``; None (a miss) past the budget, on a fault or
@@ -103,6 +113,8 @@ class ConnectorScheduler:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         keyed = self._keyed_prompt(request) if (self._client is not None or self._saves_enabled) else None
+        if self._events is not None and keyed is not None:
+            self._requests[request.request_id] = request
         if self._client is None or keyed is None:
             return 0, False
         if not request_switch(request.kv_transfer_params, "kvstore_load", request.request_id) or request.request_id in self._load_failed:
@@ -158,7 +170,10 @@ class ConnectorScheduler:
             tracked.saved = True
             full = len(tracked.prompt) // self._block_size
             if full > tracked.stored_blocks:
-                saves.append(SaveSpec(req_id, tracked.prompt[: full * self._block_size], tracked.block_ids[:full], tracked.extras))
+                tokens = tracked.prompt[: full * self._block_size]
+                request = self._requests.pop(req_id, None)
+                event_id = self._events.expect(request, tokens, full) if self._events is not None and request is not None else None
+                saves.append(SaveSpec(req_id, tokens, tracked.block_ids[:full], tracked.extras, event_id))
         return saves
 
     def _track(self, scheduler_output: SchedulerOutput) -> None:
@@ -182,7 +197,10 @@ class ConnectorScheduler:
                 tracked.block_ids.extend(new_blocks[0])
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Blocks that failed to load are recomputed, so they must be saved again."""
+        """Blocks that failed to load are recomputed, so they must be saved again; the
+        workers' save outcomes count towards their events."""
+        if self._events is not None and connector_output.kv_cache_events is not None:
+            self._events.reported(connector_output.kv_cache_events)
         invalid = connector_output.invalid_block_ids
         if not invalid:
             return
@@ -198,6 +216,7 @@ class ConnectorScheduler:
         self._loaded_blocks.pop(req_id, None)
         self._load_failed.discard(req_id)
         self._keyed.pop(req_id, None)
+        self._requests.pop(req_id, None)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Saves copy their blocks out before the step ends, so blocks never outlive the
@@ -205,6 +224,17 @@ class ConnectorScheduler:
         # (it frees the blocks once get_finished reports the load).
         self._forget(request.request_id)
         return False, None
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The ``BlockStored`` events of saves every worker finished since the last call
+        (vLLM's scheduler publishes them each step)."""
+        return self._events.take() if self._events is not None else []
+
+    def has_pending_events(self) -> bool:
+        """Saves whose workers have not all answered: the engine keeps stepping until
+        they have (bounded by ``OUTCOME_WAIT_S``), so their events are published even
+        when no request is left to run."""
+        return self._events is not None and self._events.waiting
 
     def shutdown(self) -> None:
         if self._client is not None:

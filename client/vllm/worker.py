@@ -27,7 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from client.landing import Landing, choose_landing
 from client.sync_client import KVCacheClient
+from client.vllm.events import SaveOutcomeLog, SaveOutcomes
 from client.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from client.vllm.options import ConnectorOptions, detect_layout, engine_layout, rank_client, stage_layers
 from client.vllm.paged_cache import GatherResult, PagedCache, StagingPool
@@ -79,6 +81,7 @@ class ConnectorWorker:
         self._load_errors: set[int] = set()
         self._saving: set[Future] = set()
         self._pending_save_bytes = 0
+        self._outcomes = SaveOutcomeLog()  # answers for the scheduler's KV events (client.vllm.events)
         self._load_stream: Any = None
         self._staging: StagingPool | None = None
 
@@ -140,8 +143,9 @@ class ConnectorWorker:
         got = spec.start_block
         pages = None
         try:
-            spans = self._cache.block_spans(wanted) if self._client.heads.identity else None
-            if spans is not None:
+            # how pages land: the client's gets choose the same way (client.landing)
+            landing, spans = choose_landing(self._client.heads, lambda: self._cache.block_spans(wanted))
+            if landing is Landing.IN_PLACE:
                 # Straight into the cache's blocks: from the node's mapped slots with one
                 # copy on the same host (no host page buffer, no scatter); over UCX in
                 # place when the cache is block-major, else through one scratch copy;
@@ -151,11 +155,11 @@ class ConnectorWorker:
                 # 29.5 ms (25.3-42.0) through a staging buffer and scatter.
                 got = self._client.get_found_into(spec.found, spans, start_block=spec.start_block) // self._block_size
                 parts = []
-            elif self._client.heads.identity:
+            elif landing is Landing.STAGED:
                 pages = self._staging.take(len(spec.block_ids))
                 got = self._client.get_found(spec.found, pages, start_block=spec.start_block) // self._block_size
                 parts = [(pages[spec.start_block : got], 0, 0)]
-            else:
+            else:  # Landing.UNITS
                 # Head groups: this rank's heads go from the fetched units straight into the
                 # cache, from one buffer of the pool (no client staging, no merge into rank
                 # pages). Measured, a TP=1 load of 96 blocks (60 MiB) stored by TP=2 ranks,
@@ -189,12 +193,13 @@ class ConnectorWorker:
     def get_finished(self, meta: Any) -> tuple[set[str] | None, set[str] | None]:
         """Loads finished since the last call (``meta``: this step's metadata, None
         when the step carried none)."""
-        if self._loading and isinstance(meta, KVStoreConnectorMetadata) and meta.idle:
+        if (self._loading or self._saving) and isinstance(meta, KVStoreConnectorMetadata) and meta.idle:
             # The engine has nothing to compute and would call again at once: wait for
             # a load here instead, with the GIL released. Without this the in-process
             # engine loop spins and starves the loader and transfer threads: measured
             # in bench/vllm_ttft.py, a 120 MiB load took 4.6 s, and 0.41 s with the wait.
-            wait_futures(list(self._loading.values()), timeout=_IDLE_WAIT_S, return_when=FIRST_COMPLETED)
+            # Saves too: an engine keeps stepping idle while a save's KV event waits for it.
+            wait_futures([*self._loading.values(), *self._saving], timeout=_IDLE_WAIT_S, return_when=FIRST_COMPLETED)
         done, self._unloadable = self._unloadable, set()
         for req_id, future in list(self._loading.items()):
             if not future.done():
@@ -216,10 +221,13 @@ class ConnectorWorker:
     # ---- saves ---------------------------------------------------------------------
 
     def wait_for_save(self, meta: Any) -> None:
-        if not isinstance(meta, KVStoreConnectorMetadata) or self._saver is None:
+        if not isinstance(meta, KVStoreConnectorMetadata):
             return
-        if not self._client.namespace.stores_heads:
-            return  # another rank holds the same replicated heads (MLA's latent) and saves them
+        if self._saver is None or not self._client.namespace.stores_heads:
+            # Nothing to save here: this worker cannot (its saves' events are withheld),
+            # or another rank holds the same replicated heads (MLA's latent) and saves them.
+            self._outcomes.report(meta.saves, ok=self._saver is not None)
+            return
         page_nbytes = self._client.namespace.page_nbytes
         for spec in meta.saves:
             nbytes = len(spec.block_ids) * page_nbytes
@@ -227,6 +235,7 @@ class ConnectorWorker:
                 if self._pending_save_bytes + nbytes > self._conf.max_pending_save_bytes:
                     self._stats.stats.add(saves_dropped=1)
                     log.warning("save of %s dropped: %d bytes already wait to be published", spec.req_id, self._pending_save_bytes)
+                    self._outcomes.report([spec], ok=False)
                     continue
                 self._pending_save_bytes += nbytes
             started = time.perf_counter()
@@ -239,8 +248,10 @@ class ConnectorWorker:
     def _save(self, spec: SaveSpec, gathered: GatherResult, nbytes: int) -> None:
         """Saver thread: publish one request's pages; failures are counted, not raised."""
         started = time.perf_counter()
+        stored = False
         try:
             report = self._client.put_pages(spec.token_ids, gathered.wait(), identity=spec.extras or None)
+            stored = report.refused == 0  # every page of this rank's part on some node
             self._stats.count(save_bytes=report.bytes_sent)
             log.debug("saved %s: %s", spec.req_id, report)
         except CredentialError as exc:
@@ -254,6 +265,11 @@ class ConnectorWorker:
             self._stats.observe("save_seconds", time.perf_counter() - started)
             with self._stats.lock:
                 self._pending_save_bytes -= nbytes
+            self._outcomes.report([spec], ok=stored)
+
+    def take_save_outcomes(self) -> SaveOutcomes | None:
+        """Outcomes of saves finished since the engine step last asked (its KV events)."""
+        return self._outcomes.take()
 
     def _credential_refused(self, exc: CredentialError) -> None:
         """Loader or saver thread: every node refused the engine's token. The engine
