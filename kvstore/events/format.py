@@ -6,8 +6,9 @@ publishes with vLLM's own types (``vllm/distributed/kv_events.py``, vLLM 0.32): 
 bytes, so the structs here repeat vLLM's exactly - class names (the union tags),
 field names, field order, defaults and struct options:
 
-- ``KVEventBatch``: ``array_like`` and ``omit_defaults``, so a batch is the msgpack
-  array ``[ts, events]``, or ``[ts, events, data_parallel_rank]`` when a rank is set.
+- ``KVEventBatch``: ``array_like``, so a batch is the msgpack array ``[ts, events,
+  data_parallel_rank]`` (the rank nil for a node; an array keeps every field, whatever
+  ``omit_defaults`` says).
 - The events: maps tagged by class name (``{"type": "BlockStored", ...}``),
   ``omit_defaults``, so the optional fields after ``lora_name`` are left out while
   they hold their default (None).
@@ -45,7 +46,7 @@ BlockHash = Union[bytes, int]
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
     """One published message's payload: when it was made, its events in order, and
-    the engine's data-parallel rank (None, and so left out, for a storage node)."""
+    the engine's data-parallel rank (None for a storage node)."""
 
     ts: float
     events: list[Any]

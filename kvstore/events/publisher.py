@@ -75,6 +75,7 @@ class PublisherStats:
     published_batches: int
     dropped_events: int  # by publish, on a full queue (the PUB socket's own drops are not seen here)
     next_sequence: int  # the sequence number the next batch gets (gaps included)
+    skipped_sequences: int  # numbers no batch got: one per run of dropped events
     replay_requests: int
     queued_events: int
 
@@ -108,7 +109,7 @@ class EventPublisher:
         self._held = 0  # events queued or taken by the thread and not yet sent: what the bound counts
         self._signaled = False  # a wake-up byte is in the pipe and the thread has not taken the queue since
         self._closing = False
-        self._published_events = self._published_batches = self._dropped = self._replays = 0
+        self._published_events = self._published_batches = self._dropped = self._replays = self._skipped = 0
         self._seq = 0
         self._replay: deque[tuple[int, bytes]] = deque()
         self._replay_nbytes = 0
@@ -153,7 +154,10 @@ class EventPublisher:
             return True
         n = len(events)
         with self._lock:
-            accepted = not self._closing and self._held + n <= self.options.max_queue_events
+            if self._closing:
+                self._dropped += n
+                return False
+            accepted = self._held + n <= self.options.max_queue_events
             if accepted:
                 self._queue.append(list(events))
                 self._held += n
@@ -161,14 +165,16 @@ class EventPublisher:
                 self._dropped += n
                 if not self._queue or self._queue[-1] is not _GAP:  # one skipped number per run of drops
                     self._queue.append(_GAP)
-            wake, self._signaled = not self._signaled, True
-        if wake:
-            self._wake()
+            if not self._signaled:
+                # under the lock: close() cannot have closed the pipe (it sets _closing first)
+                self._signaled = True
+                self._wake()
         return accepted
 
     def stats(self) -> PublisherStats:
         with self._lock:
-            return PublisherStats(self._published_events, self._published_batches, self._dropped, self._seq, self._replays, self._held)
+            return PublisherStats(self._published_events, self._published_batches, self._dropped, self._seq, self._skipped, self._replays,
+                                  self._held)
 
     def close(self, timeout: float = 5.0) -> None:
         """Send what is queued (at most ``timeout`` seconds), stop the thread, close
@@ -239,6 +245,7 @@ class EventPublisher:
                 batch = []
                 with self._lock:
                     self._seq += 1
+                    self._skipped += 1
                 continue
             if batch and len(batch) + len(item) > limit:
                 self._emit(batch, encoder)

@@ -7,8 +7,8 @@ nodes use them without knowing how they are stored (docs/key-format.md)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
@@ -120,7 +120,7 @@ class LookupResult:
     ``locations`` is built on first use: a scheduler that only asks how long the prefix
     is never pays for thousands of small objects."""
 
-    __slots__ = ("matched", "_records", "_positions", "_units", "_nodes", "_locations")
+    __slots__ = ("_locations", "_nodes", "_positions", "_records", "_units", "matched")
 
     def __init__(
         self,

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
 
 import numpy as np
 import xxhash

@@ -15,10 +15,11 @@ heads holds one layer group) and engines of any PP split that agree on the layer
 groups share pages.
 
 A tensor-parallel rank holds a range of heads (``Namespace.head_range``) and needs the
-units that cover it (``RankUnits``); a pipeline stage, the layer groups of its layers. Client code calls ``rank_units``, ``unit_hashes``,
-``split`` (a rank's pages into its units, for a put) and ``merge`` (received units into
-the rank's pages, for a get) or ``rank_parts`` (the same as views, for a caller that
-places them itself); the index matches units by ``unit_of``."""
+units that cover it (``RankUnits``); a pipeline stage, the layer groups of its layers.
+Client code calls ``rank_units``, ``unit_hashes``, ``split`` (a rank's pages into its
+units, for a put) and ``merge`` (received units into the rank's pages, for a get) or
+``rank_parts`` (the same as views, for a caller that places them itself); the index
+matches units by ``unit_of``."""
 
 from __future__ import annotations
 

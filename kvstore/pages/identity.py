@@ -135,9 +135,8 @@ class RequestIdentity(BaseModel):
                 continue
             end = min(item.offset + item.length, num_tokens)
             for block in range(item.offset // block_size, -(-end // block_size)):
-                relative = (
-                    item.offset - block * block_size
-                )  # negative when it began in an earlier block
+                # negative when it began in an earlier block
+                relative = item.offset - block * block_size
                 facts.setdefault(block, []).append(
                     _MULTIMODAL + _text(item.hash) + struct.pack("<qq", relative, item.length)
                 )
@@ -164,9 +163,8 @@ def _embeds_rows(embeds: Any) -> Any:
     """``embeds`` as a numpy array of its raw elements, on the host."""
     import numpy as np
 
-    if hasattr(
-        embeds, "detach"
-    ):  # a torch tensor; bfloat16 has no numpy dtype, so its bits go as int16
+    # a torch tensor; bfloat16 has no numpy dtype, so its bits go as int16
+    if hasattr(embeds, "detach"):
         import torch
 
         t = embeds.detach().to("cpu").contiguous()

@@ -12,8 +12,8 @@ key pattern confines a tenant's clients to their own keys; the registry
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 REGISTRY_PREFIX = "kvs:{registry}:"
 NODES_ZSET = REGISTRY_PREFIX + "nodes"

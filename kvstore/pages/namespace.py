@@ -92,17 +92,26 @@ class Namespace(BaseModel):
     total_kv_heads: int = Field(
         default=0,
         ge=0,
-        description="KV heads of the model (0: num_kv_heads * tp_size); needed when tp_size exceeds them (replicated heads)",
+        description=(
+            "KV heads of the model (0: num_kv_heads * tp_size); "
+            "needed when tp_size exceeds them (replicated heads)"
+        ),
     )
     head_groups: int = Field(
         default=0,
         ge=0,
-        description="groups the model's KV heads are stored in, one page each per block; engines of different TP sizes share pages when they agree on it (0: min(tp_size, KV heads))",
+        description=(
+            "groups the model's KV heads are stored in, one page each per block; engines of "
+            "different TP sizes share pages when they agree on it (0: min(tp_size, KV heads))"
+        ),
     )
     total_layers: int = Field(
         default=0,
         ge=0,
-        description="layers of the model (0: num_layers); set for a pipeline stage, whose pages are then stored as layer groups that engines of any PP split share",
+        description=(
+            "layers of the model (0: num_layers); set for a pipeline stage, whose pages are "
+            "then stored as layer groups that engines of any PP split share"
+        ),
     )
     first_layer: int = Field(
         default=0, ge=0, description="the model layer this pipeline stage's first layer is"
@@ -110,12 +119,20 @@ class Namespace(BaseModel):
     layer_groups: int = Field(
         default=0,
         ge=0,
-        description="groups the model's layers are stored in, one unit each per block and head group; engines of different PP sizes share pages when they agree on it and their stages hold whole groups (0: one group)",
+        description=(
+            "groups the model's layers are stored in, one unit each per block and head group; "
+            "engines of different PP sizes share pages when they agree on it and their stages "
+            "hold whole groups (0: one group)"
+        ),
     )
     weights: str = Field(
         default="",
         max_length=256,
-        description="which weights computed the KV: an operator's revision (weights_revision) or a fingerprint of the checkpoint's files; new weights under the same model name never read the old pages (empty: not stated)",
+        description=(
+            "which weights computed the KV: an operator's revision (weights_revision) or a "
+            "fingerprint of the checkpoint's files; new weights under the same model name "
+            "never read the old pages (empty: not stated)"
+        ),
     )
 
     @field_validator("dtype", mode="before")
@@ -141,18 +158,21 @@ class Namespace(BaseModel):
         if self.total_kv_heads:
             if self.tp_size <= total and self.num_kv_heads * self.tp_size != total:
                 raise ValueError(
-                    f"num_kv_heads {self.num_kv_heads} x tp_size {self.tp_size} must equal total_kv_heads {total}"
+                    f"num_kv_heads {self.num_kv_heads} x tp_size {self.tp_size} "
+                    f"must equal total_kv_heads {total}"
                 )
             if self.tp_size > total and (self.num_kv_heads != 1 or self.tp_size % total):
                 raise ValueError(
-                    f"with tp_size {self.tp_size} above total_kv_heads {total}, each rank holds 1 replicated head and tp_size must be a multiple of {total}"
+                    f"with tp_size {self.tp_size} above total_kv_heads {total}, each rank holds "
+                    f"1 replicated head and tp_size must be a multiple of {total}"
                 )
         if total % self.groups:
             raise ValueError(f"head_groups {self.groups} must divide the model's {total} KV heads")
         layers, groups = self.model_layers, self.lgroups
         if self.first_layer + self.num_layers > layers:
             raise ValueError(
-                f"layers {self.first_layer} to {self.first_layer + self.num_layers - 1} lie past the model's {layers}"
+                f"layers {self.first_layer} to {self.first_layer + self.num_layers - 1} "
+                f"lie past the model's {layers}"
             )
         if (
             layers % groups
@@ -165,7 +185,8 @@ class Namespace(BaseModel):
             )
         if self.num_layers > layers // groups and self.groups > 1 and not self.stores_all_heads:
             raise ValueError(
-                f"a rank holding part of the heads ({self.groups} head groups, tp_size {self.tp_size}) must hold one layer group, "
+                f"a rank holding part of the heads ({self.groups} head groups, "
+                f"tp_size {self.tp_size}) must hold one layer group, "
                 f"not {self.num_layers // (layers // groups)}: its units would not be consecutive"
             )
         return self

@@ -142,7 +142,8 @@ def _node_lines(cluster: Any) -> list[str]:
         metrics = info.extra.get("metrics", "none") if info else "?"
         log = f"log {node.log_path}" if node.log_path else "log here (--verbose)"
         lines.append(
-            f"  {node.node_id}: data {info.address if info else 'not registered'}, metrics http://{metrics}/metrics, {log}"
+            f"  {node.node_id}: data {info.address if info else 'not registered'}, "
+            f"metrics http://{metrics}/metrics, {log}"
         )
     return lines
 
@@ -205,7 +206,8 @@ def _namespace_line(ns: Any) -> str:
     pages only when all of it agrees (docs/key-format.md)."""
     weights = f" weights {ns.weights[:24]}" if ns.weights else ""
     return (
-        f"{ns.model} {ns.dtype} {ns.layout} layers {ns.num_layers} heads {ns.num_kv_heads}x{ns.head_size} block {ns.block_size} "
+        f"{ns.model} {ns.dtype} {ns.layout} layers {ns.num_layers} "
+        f"heads {ns.num_kv_heads}x{ns.head_size} block {ns.block_size} "
         f"head groups {ns.groups} pp {ns.pp_rank} tenant {ns.tenant}{weights}"
     )
 
@@ -230,7 +232,8 @@ def _disk_line(extra: dict[str, str]) -> str:
         return ""
     degraded = " (DEGRADED: see its /healthz)" if extra.get("disk_degraded") == "1" else ""
     return (
-        f" ({extra.get('memory_pages', '?')} pages in memory), disk {format_size(int(extra['disk_used']))} of {format_size(int(extra['disk_capacity']))}"
+        f" ({extra.get('memory_pages', '?')} pages in memory), "
+        f"disk {format_size(int(extra['disk_used']))} of {format_size(int(extra['disk_capacity']))}"
         f" ({extra.get('disk_pages', '?')} pages, {extra.get('disk_hits', '?')} read from disk){degraded}"
     )
 
@@ -342,7 +345,10 @@ def _main(argv: list[str]) -> int:
     up.add_argument(
         "--disk-path",
         default=None,
-        help="give every node a disk tier in DIR/<node id> (docs/storage-tiers.md); a restart on the same DIR keeps the pages",
+        help=(
+            "give every node a disk tier in DIR/<node id> (docs/storage-tiers.md); "
+            "a restart on the same DIR keeps the pages"
+        ),
     )
     up.add_argument(
         "--disk-capacity",
@@ -374,7 +380,10 @@ def _main(argv: list[str]) -> int:
     demo.add_argument(
         "--disk",
         action="store_true",
-        help="nodes with a small memory pool over a disk tier: prompt A served from disk after eviction and after a restart",
+        help=(
+            "nodes with a small memory pool over a disk tier: "
+            "prompt A served from disk after eviction and after a restart"
+        ),
     )
     stats = sub.add_parser("stats", help="print nodes and namespaces in an index")
     stats.add_argument(
@@ -390,7 +399,10 @@ def _main(argv: list[str]) -> int:
     cred = sub.add_parser(
         "credential",
         help="make a data-plane token for tenants and print its credentials-file line",
-        description="Writes a new random token to --token-file and prints the line a node's --credentials-file needs to accept it (the token's SHA-256, never the token).",
+        description=(
+            "Writes a new random token to --token-file and prints the line a node's "
+            "--credentials-file needs to accept it (the token's SHA-256, never the token)."
+        ),
     )
     cred.add_argument(
         "--name",
@@ -415,7 +427,10 @@ def _main(argv: list[str]) -> int:
     acl = sub.add_parser(
         "acl",
         help="print the Redis/Valkey ACL rules of an index role (node, client of a tenant, operator)",
-        description="Prints the rules for ACL SETUSER <user> on >PASSWORD <rules>, or with --user an aclfile line. See docs/security.md.",
+        description=(
+            "Prints the rules for ACL SETUSER <user> on >PASSWORD <rules>, "
+            "or with --user an aclfile line. See docs/security.md."
+        ),
     )
     acl.add_argument(
         "--role",

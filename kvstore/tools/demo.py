@@ -175,12 +175,15 @@ def _run(
         ]
         from_disk[1] = disk_reads[-1]  # the restarted nodes count from zero
         print(
-            f"\nprompt A from disk: {from_disk[0]} of its {rows[0][1]['sent']} pages after it left memory, {from_disk[1]} after the restart"
+            f"\nprompt A from disk: {from_disk[0]} of its {rows[0][1]['sent']} pages "
+            f"after it left memory, {from_disk[1]} after the restart"
         )
         ok &= from_disk[0] > 0 and from_disk[1] > 0
     print(
-        "\ntime: the insert or select call itself, the first in a fresh process whose client has started (UCX, host buffers,"
-        "\nconnections): hashing, the index round trips, the transfer and its checksums; bench/transfer.py compares it with put/get"
+        "\ntime: the insert or select call itself, the first in a fresh process whose client "
+        "has started (UCX, host buffers,"
+        "\nconnections): hashing, the index round trips, the transfer and its checksums; "
+        "bench/transfer.py compares it with put/get"
     )
     print("\nall bytes verified: OK" if ok else "\nVERIFICATION FAILED")
     return 0 if ok else 1

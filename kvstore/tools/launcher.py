@@ -70,9 +70,8 @@ class LocalCluster:
         progress: Callable[[str], None] | None = None,
     ) -> None:
         self.num_servers = servers
-        self._progress = progress or (
-            lambda _line: None
-        )  # `kvstore up` prints each step of a start
+        # `kvstore up` prints each step of a start
+        self._progress = progress or (lambda _line: None)
         self.disk_path = disk_path  # each node's disk tier is <disk_path>/<node id>
         self.disk_capacity = disk_capacity
         self.index_shards = index_shards
@@ -84,10 +83,13 @@ class LocalCluster:
             # a loopback store for tests and the demo; `kvstore up` passes a token
             self.env["KVSTORE_ANONYMOUS"] = "true"
         self.quiet = quiet
-        self._tmp = (
-            None if log_dir or not quiet else tempfile.TemporaryDirectory(prefix="kvstore-nodes-")
-        )
-        self.log_dir = Path(log_dir or self._tmp.name) if quiet else None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self.log_dir: Path | None = None
+        if quiet and log_dir:
+            self.log_dir = Path(log_dir)
+        elif quiet:
+            self._tmp = tempfile.TemporaryDirectory(prefix="kvstore-nodes-")
+            self.log_dir = Path(self._tmp.name)
         self.valkey: EmbeddedValkey | EmbeddedValkeyCluster | None = None
         self.redis_url, in_url = split_password(redis_url or "")
         self.redis_password = redis_password or in_url
@@ -109,7 +111,8 @@ class LocalCluster:
             self.add_node(f"node-{i}")
         if self.num_servers:
             self._progress(
-                f"starting {self.num_servers} storage node(s): each faults in {self.capacity} of page memory before it registers"
+                f"starting {self.num_servers} storage node(s): "
+                f"each faults in {self.capacity} of page memory before it registers"
             )
             self.wait_registered(timeout)
         return self

@@ -43,8 +43,12 @@ class EmbeddedValkey:
         pidfile: str | None = None,
         extra_args: list[str] | None = None,
     ) -> None:
-        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="kvstore-valkey-")
-        self.workdir = Path(workdir or self._tmp.name)
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if workdir:
+            self.workdir = Path(workdir)
+        else:
+            self._tmp = tempfile.TemporaryDirectory(prefix="kvstore-valkey-")
+            self.workdir = Path(self._tmp.name)
         self.unix_socket = unix_socket
         self.port = 0 if unix_socket else (port or free_port())
         self.pidfile = Path(pidfile) if pidfile else self.workdir / "valkey.pid"
@@ -94,12 +98,13 @@ class EmbeddedValkey:
             try:
                 client.ping()
                 break
-            except redis.RedisError:
+            except redis.RedisError as exc:
                 if self.process.poll() is not None or time.monotonic() > deadline:
                     code = self.process.poll()
+                    stderr = self.process.stderr  # a pipe: Popen above asks for one
                     err = (
-                        self.process.stderr.read().decode(errors="replace").strip()
-                        if code is not None
+                        stderr.read().decode(errors="replace").strip()
+                        if code is not None and stderr is not None
                         else ""
                     )
                     why = (
@@ -112,7 +117,7 @@ class EmbeddedValkey:
                     raise KVStoreError(
                         f"embedded Valkey did not start on {self.url}: {why}"
                         + "".join(f"\n{t}" for t in (err, log) if t)
-                    )
+                    ) from exc
                 time.sleep(0.02)
         client.close()
         return self

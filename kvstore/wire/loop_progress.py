@@ -95,9 +95,8 @@ class LoopProgress:
 
     def _tick(self) -> None:
         if not self.event_loop.is_closed():
-            self.event_loop.call_later(
-                TICK_S, self._tick
-            )  # wakes the loop; before_select progresses
+            # wakes the loop; before_select progresses
+            self.event_loop.call_later(TICK_S, self._tick)
 
     def before_select(self, timeout: float | None) -> float | None:
         """Progress the worker; returns the timeout the selector may sleep for: 0 while

@@ -258,16 +258,16 @@ class GetDone(_Frame):
     """Client -> server after a same-host GET_PLAN: the pages are copied; unpin them."""
 
 
-class RefusalCode(str, enum.Enum):
+# Not StrEnum: str() of a (str, Enum) member is "RefusalCode.X", of a StrEnum member the value.
+class RefusalCode(str, enum.Enum):  # noqa: UP042
     """Why a node answered ERROR (docs/protocol.md); on the wire, the value."""
 
     PROTOCOL = "protocol"  # a malformed or out-of-step frame
     UNAUTHORIZED = "unauthorized"  # the token matches no credential; the node closes the connection
     FORBIDDEN = "forbidden"  # the credential lacks the right on the namespace's tenant
     TOO_LARGE = "too_large"  # more pages than --max-request-pages
-    UNKNOWN_NAMESPACE = (
-        "unknown_namespace"  # the index does not know the namespace (under that tenant)
-    )
+    # the index does not know the namespace (under that tenant)
+    UNKNOWN_NAMESPACE = "unknown_namespace"
     INDEX_UNAVAILABLE = "index_unavailable"  # the node could not read the namespace from the index
     SHUTTING_DOWN = "shutting_down"  # the node is stopping
 

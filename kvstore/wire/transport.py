@@ -102,7 +102,8 @@ def _quiet_thread_mode() -> None:
         return
     if getattr(application_context, "ThreadMode", None) is not thread_mode:
         log.warning(
-            "ucxx's progress thread keeps its own epoll timeout: application_context.ThreadMode is not continuous_ucx_progress.ThreadMode"
+            "ucxx's progress thread keeps its own epoll timeout: "
+            "application_context.ThreadMode is not continuous_ucx_progress.ThreadMode"
         )
         return
 
@@ -129,9 +130,8 @@ def ensure_ucx(progress_mode: str = "loop") -> Any:
             # every pending request would spin the loop)
             os.environ["UCXPY_ENABLE_DELAYED_SUBMISSION"] = "0"
             os.environ["UCXPY_ENABLE_PYTHON_FUTURE"] = "1"
-        notified = progress_mode == "loop" or progress_mode.startswith(
-            "thread"
-        )  # requests complete through ucxx's notifier thread
+        # requests complete through ucxx's notifier thread
+        notified = progress_mode == "loop" or progress_mode.startswith("thread")
         if notified:
             os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")  # see the module docstring
         import ucxx
@@ -169,7 +169,7 @@ def cuda_capable() -> bool:
         import ucxx
 
         return any(t.startswith("cuda") for t in ucxx.get_active_transports())
-    except Exception:  # noqa: BLE001 - no CUDA driver or no UCX context: not capable
+    except Exception:  # no CUDA driver or no UCX context: not capable
         return False
 
 
@@ -177,7 +177,7 @@ async def with_timeout(awaitable: Any, seconds: float, what: str) -> Any:
     """Await with a deadline; a timeout becomes ``TransportError`` naming the step."""
     try:
         return await asyncio.wait_for(awaitable, seconds)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise TransportError(f"{what} timed out after {seconds:.1f} s") from None
 
 
@@ -313,7 +313,8 @@ class Channel:
             # else UCX truncated the message into the buffer, as asked
         if probe.length != nbytes:
             raise ProtocolError(
-                f"a control frame's body arrived with {probe.length} bytes in its second message, {nbytes} were announced"
+                f"a control frame's body arrived with {probe.length} bytes in its second message, "
+                f"{nbytes} were announced"
             )
         return buffer
 
@@ -323,7 +324,7 @@ class Channel:
         if ep is not None:
             try:
                 ep.abort()
-            except Exception:  # noqa: BLE001 - already gone
+            except Exception:  # already gone
                 pass
 
     async def close(self) -> None:
@@ -345,7 +346,7 @@ async def _settled(op: Any) -> Any:
     the traceback breaks the cycle (370 B per connection, as in blocking mode)."""
     try:
         return await op
-    except Exception as exc:  # noqa: BLE001 - every UCX failure is a transport failure
+    except Exception as exc:  # every UCX failure is a transport failure
         exc.__traceback__ = None
         raise TransportError(f"UCX request failed: {exc!r}") from None
 
@@ -378,5 +379,5 @@ def _abort_late_endpoint(task: asyncio.Future) -> None:
         return
     try:
         task.result().abort()
-    except Exception:  # noqa: BLE001 - already gone
+    except Exception:  # already gone
         pass
