@@ -1,0 +1,367 @@
+"""kvstore.events: the vLLM KV-event format and the bounded publisher a storage node uses,
+checked with vLLM's own types (``vllm.distributed.kv_events``) and, for replay, beside
+vLLM's own ``ZmqEventPublisher``."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from kvstore import events as ev
+
+vk = pytest.importorskip("vllm.distributed.kv_events")
+
+TOPIC = ev.pool_topic("store-1", "llama-3-8b")
+
+
+def vllm_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(type=vk.KVEventBatch)
+
+
+class Reader:
+    """A SUB socket read on a thread of its own until ``close``; ``messages``: (topic,
+    sequence, payload) as they came. ``bind``: bind (the publisher connects) instead
+    of connecting to ``endpoint``."""
+
+    def __init__(self, endpoint: str | None = None, *, hwm: int = 1000, read: bool = True) -> None:
+        self._ctx = zmq.Context()
+        self.sock = self._ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.RCVHWM, hwm)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        if endpoint is None:
+            self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        else:
+            self.sock.connect(endpoint)
+            self.endpoint = endpoint
+        self.messages: list[tuple[bytes, int, bytes]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True) if read else None
+        if self._thread is not None:
+            self._thread.start()
+
+    def _read(self) -> None:
+        while not self._stop.is_set():
+            if self.sock.poll(20):
+                topic, seq, payload = self.sock.recv_multipart()
+                self.messages.append((topic, int.from_bytes(seq, "big"), payload))
+
+    def events(self) -> list:
+        decoder = vllm_decoder()
+        return [e for _, _, payload in list(self.messages) for e in decoder.decode(payload).events]
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.sock.close(linger=0)
+        self._ctx.term()
+
+
+def wait_until(predicate, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def connected(pub: ev.EventPublisher, reader: Reader) -> None:
+    """Publish probes until the reader sees one (a SUB joins a PUB asynchronously), then
+    forget them."""
+    deadline = time.monotonic() + 10
+    while not reader.messages:
+        assert time.monotonic() < deadline, "the subscriber never joined"
+        pub.publish([ev.block_removed([0])])
+        time.sleep(0.02)
+    wait_until(lambda: pub.stats().queued_events == 0)
+    time.sleep(0.05)
+    reader.messages.clear()
+
+
+def stored(i: int, *, parent: int | None = None, block_size: int = 16) -> ev.BlockStored:
+    return ev.block_stored([i], list(range(i, i + block_size)), block_size, parent_block_hash=parent)
+
+
+# ---- the format ----------------------------------------------------------------------
+
+
+def test_events_are_the_bytes_vllm_encodes_and_decode_with_vllms_types():
+    """Each kind, with hashes as bytes and as ints, the optional fields set and left out,
+    a batch with and without a data-parallel rank: the same bytes as vLLM's classes give,
+    decoded by vLLM's decoder to equal vLLM objects."""
+    h = [bytes([i]) * 32 for i in range(3)]
+    ours = [
+        ev.block_stored(h[1:], list(range(32)), 16, parent_block_hash=h[0], lora_name="adapter", lora_id=7, extra_keys=[("adapter",), None]),
+        ev.block_stored([11, 12], list(range(8)), 4, medium=ev.MEDIUM_STORAGE, locality=ev.LOCAL, ownership=None),
+        ev.block_removed([11, 12], medium=ev.MEDIUM_CPU),
+        ev.AllBlocksCleared(),
+    ]
+    theirs = [
+        vk.BlockStored(block_hashes=h[1:], parent_block_hash=h[0], token_ids=list(range(32)), block_size=16, lora_id=7, medium="CPU",
+                       lora_name="adapter", extra_keys=[("adapter",), None], ownership="kvstore"),
+        vk.BlockStored(block_hashes=[11, 12], parent_block_hash=None, token_ids=list(range(8)), block_size=4, lora_id=None, medium="STORAGE",
+                       lora_name=None, locality="LOCAL"),
+        vk.BlockRemoved(block_hashes=[11, 12], medium="CPU", ownership="kvstore"),
+        vk.AllBlocksCleared(),
+    ]
+    for rank in (None, 3):
+        ours_bytes = msgspec.msgpack.encode(ev.EventBatch(ts=1234.5, events=ours, data_parallel_rank=rank))
+        theirs_bytes = msgspec.msgpack.encode(vk.KVEventBatch(ts=1234.5, events=theirs, data_parallel_rank=rank))
+        assert ours_bytes == theirs_bytes
+        decoded = vllm_decoder().decode(ours_bytes)
+        assert decoded.events == theirs and decoded.data_parallel_rank == rank
+    # the wire shape routers parse: [ts, events, rank] (array-like structs keep every
+    # field), each event a map tagged by its kind, without the fields at their defaults
+    raw = msgspec.msgpack.decode(msgspec.msgpack.encode(ev.EventBatch(ts=1.0, events=ours[2:])))
+    assert raw == [1.0, [{"type": "BlockRemoved", "block_hashes": [11, 12], "medium": "CPU", "ownership": "kvstore"}, {"type": "AllBlocksCleared"}], None]
+
+
+def test_field_order_and_defaults_match_vllms_structs():
+    """The golden check of the structs themselves: a vLLM upgrade that adds, moves or
+    re-defaults a field fails here."""
+    for ours, theirs in ((ev.BlockStored, vk.BlockStored), (ev.BlockRemoved, vk.BlockRemoved), (ev.AllBlocksCleared, vk.AllBlocksCleared),
+                         (ev.EventBatch, vk.EventBatch)):
+        assert ours.__struct_fields__ == theirs.__struct_fields__, ours
+        assert ours.__struct_defaults__ == theirs.__struct_defaults__, ours
+        for option in ("array_like", "omit_defaults", "tag", "tag_field"):
+            assert getattr(ours.__struct_config__, option) == getattr(theirs.__struct_config__, option), (ours, option)
+
+
+def test_a_stored_event_must_carry_its_blocks_tokens_and_a_topic_its_parts():
+    with pytest.raises(ValueError, match="2 blocks of 16 tokens need 32 token ids, got 31"):
+        ev.block_stored([1, 2], list(range(31)), 16)
+    assert TOPIC == "kv@pool:store-1@llama-3-8b"
+    for store, model in (("a@b", "m"), ("s", ""), ("", "m")):
+        with pytest.raises(ValueError):
+            ev.pool_topic(store, model)
+
+
+# ---- the publisher -------------------------------------------------------------------
+
+
+@pytest.fixture()
+def publisher():
+    made: list[ev.EventPublisher] = []
+
+    def make(**options) -> ev.EventPublisher:
+        pub = ev.EventPublisher(ev.PublisherOptions(**{"endpoint": "tcp://127.0.0.1:0", "mode": "bind", "topic": TOPIC, **options}))
+        made.append(pub)
+        return pub
+
+    yield make
+    for pub in made:
+        pub.close()
+
+
+def test_batches_arrive_in_three_frames_in_order_with_consecutive_sequence_numbers(publisher):
+    """[topic, u64 big-endian sequence, payload]: sequence from 0, one per batch; every
+    event, in publish order, decoded by vLLM's types; a call's events stay together."""
+    pub = publisher(data_parallel_rank=None)
+    reader = Reader(pub.endpoint)
+    try:
+        connected(pub, reader)
+        before = pub.stats()
+        first = before.next_sequence
+        calls = [[stored(i, parent=i - 1 if i else None)] for i in range(50)] + [[stored(100 + i) for i in range(10)]]
+        for call in calls:
+            assert pub.publish(call)
+        wait_until(lambda: len(reader.events()) == 60)
+        assert {topic for topic, _, _ in reader.messages} == {TOPIC.encode()}
+        seqs = [seq for _, seq, _ in reader.messages]
+        assert seqs == list(range(first, first + len(seqs)))
+        got = reader.events()
+        assert got == [vk.BlockStored(**msgspec.structs.asdict(e)) for call in calls for e in call]
+        assert all(len(vllm_decoder().decode(p).events) for _, _, p in reader.messages)
+        last = vllm_decoder().decode(reader.messages[-1][2])
+        assert last.data_parallel_rank is None and [e.block_hashes[0] for e in last.events][-10:] == list(range(100, 110))
+        stats = pub.stats()
+        assert stats.published_events - before.published_events == 60 and stats.dropped_events == 0 and stats.skipped_sequences == 0
+    finally:
+        reader.close()
+
+
+def test_a_publisher_connects_to_a_subscriber_that_binds(publisher):
+    """llm-d's manager binds and engines connect: mode "connect" (and "auto" for a host
+    address, as vLLM decides)."""
+    reader = Reader(None)
+    try:
+        pub = publisher(endpoint=reader.endpoint, mode="auto")
+        assert pub.endpoint == reader.endpoint
+        connected(pub, reader)
+        pub.publish([stored(5)])
+        wait_until(lambda: reader.events() == [vk.BlockStored(**msgspec.structs.asdict(stored(5)))])
+    finally:
+        reader.close()
+
+
+def test_replay_answers_as_vllms_publisher_does(publisher):
+    """The same replay request to vLLM's ZmqEventPublisher and to ours: the same frames
+    (identity, empty, topic, sequence, payload) for every batch from the asked sequence
+    on, then the end marker (empty, empty, -1, empty); the payloads decode to the same
+    events."""
+    pub = publisher(replay_endpoint="tcp://127.0.0.1:0")
+    theirs = vk.ZmqEventPublisher(data_parallel_rank=0, endpoint="inproc://vllm-publisher", replay_endpoint="tcp://127.0.0.1:0", topic=TOPIC)
+    try:
+        their_replay = theirs._replay.getsockopt_string(zmq.LAST_ENDPOINT)  # vLLM reports the ":0" it was given
+        batches = [[stored(3 * i + k) for k in range(3)] for i in range(5)]
+        for i, batch in enumerate(batches):
+            assert pub.publish(batch)
+            wait_until(lambda: pub.stats().next_sequence == i + 1)  # one batch each: published one at a time
+            theirs.publish(vk.KVEventBatch(ts=time.time(), events=[vk.BlockStored(**msgspec.structs.asdict(e)) for e in batch]))
+        wait_until(lambda: theirs._event_queue.unfinished_tasks == 0)
+
+        def replay(endpoint: str, start: int) -> list[list[bytes]]:
+            ctx = zmq.Context()
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.connect(endpoint)
+            dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            frames = []
+            while True:
+                assert dealer.poll(5000), "no replay answer"
+                frames.append(dealer.recv_multipart())
+                if frames[-1][2] == ev.END_SEQ:
+                    break
+            dealer.close(linger=0)
+            ctx.term()
+            return frames
+
+        ours_frames, their_frames = replay(pub.replay_endpoint, 2), replay(their_replay, 2)
+        assert [f[:3] for f in ours_frames] == [f[:3] for f in their_frames]  # empty, topic, sequence
+        assert [int.from_bytes(f[2], "big") for f in ours_frames[:-1]] == [2, 3, 4]
+        assert ours_frames[-1] == [b"", b"", ev.END_SEQ, b""]
+        decoder = vllm_decoder()
+        assert [decoder.decode(f[3]).events for f in ours_frames[:-1]] == [decoder.decode(f[3]).events for f in their_frames[:-1]]
+        assert pub.stats().replay_requests == 1
+        assert replay(pub.replay_endpoint, 99) == [[b"", b"", ev.END_SEQ, b""]]  # past the newest: the end marker only
+    finally:
+        theirs.shutdown()
+
+
+def test_replay_window_keeps_the_newest_batches_within_its_bounds(publisher):
+    pub = publisher(replay_endpoint="tcp://127.0.0.1:0", replay_batches=3)
+    for i in range(6):
+        pub.publish([stored(i)])
+        wait_until(lambda: pub.stats().next_sequence == i + 1)
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(pub.replay_endpoint)
+    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+    seqs = []
+    while dealer.poll(5000):
+        frames = dealer.recv_multipart()
+        if frames[2] == ev.END_SEQ:
+            break
+        seqs.append(int.from_bytes(frames[2], "big"))
+    dealer.close(linger=0)
+    ctx.term()
+    assert seqs == [3, 4, 5]
+
+
+def test_drops_are_counted_and_leave_one_sequence_gap_per_run(publisher):
+    """A call that does not fit the queue is dropped whole and counted; the batch it
+    would have gone into consumes a sequence number, so the subscriber sees the gap;
+    publishing goes on after it."""
+    pub = publisher(max_queue_events=10)
+    reader = Reader(pub.endpoint)
+    try:
+        connected(pub, reader)
+        first = pub.stats().next_sequence
+        assert pub.publish([stored(1)])
+        wait_until(lambda: pub.stats().next_sequence == first + 1)
+        assert not pub.publish([stored(i) for i in range(11)])  # more than the queue holds
+        assert not pub.publish([stored(i) for i in range(12)])  # the same run of drops: no second gap
+        assert pub.publish([stored(2)])
+        wait_until(lambda: len(reader.messages) == 2)
+        assert [seq for _, seq, _ in reader.messages] == [first, first + 2]
+        assert [e.block_hashes for e in reader.events()] == [[1], [2]]
+        stats = pub.stats()
+        assert (stats.dropped_events, stats.skipped_sequences, stats.next_sequence) == (23, 1, first + 3)
+    finally:
+        reader.close()
+
+
+def test_a_burst_is_bounded_and_every_gap_is_a_drop(publisher):
+    """200,000 one-event calls as fast as one thread can make them into a queue of 1,000:
+    the queue never holds more than its bound, what was not dropped arrives (a reading
+    subscriber), and the missing sequence numbers are exactly the skipped ones."""
+    pub = publisher(max_queue_events=1000, max_batch_events=256)
+    reader = Reader(pub.endpoint, hwm=0)
+    try:
+        connected(pub, reader)
+        before = pub.stats()
+        first = before.next_sequence
+        peak = 0
+        events = [stored(i) for i in range(200_000)]
+        for i, event in enumerate(events):
+            pub.publish([event])
+            if i % 1000 == 0:
+                peak = max(peak, pub.stats().queued_events)
+        wait_until(lambda: pub.stats().queued_events == 0)
+        stats = pub.stats()
+        published = stats.published_events - before.published_events
+        wait_until(lambda: len(reader.messages) == stats.published_batches - before.published_batches)
+        assert peak <= 1000
+        assert published + stats.dropped_events == 200_000
+        assert len(reader.events()) == published
+        seqs = [seq for _, seq, _ in reader.messages]
+        missing = set(range(first, stats.next_sequence)) - set(seqs)
+        assert len(missing) == stats.skipped_sequences and (stats.dropped_events > 0) == (stats.skipped_sequences > 0)
+        assert seqs == sorted(seqs)
+        print(f"burst: {stats.dropped_events} of 200,000 events dropped, {stats.skipped_sequences} gaps, peak queue {peak}")
+    finally:
+        reader.close()
+
+
+def test_a_subscriber_that_stops_reading_never_blocks_or_grows_the_publisher(publisher):
+    """A SUB that reads nothing, with small high-water marks on both sides: the publisher
+    sends everything it accepted without waiting, and drops nothing itself (ZMQ drops
+    for that subscriber)."""
+    pub = publisher(hwm=10)
+    stalled = Reader(pub.endpoint, hwm=10, read=False)
+    try:
+        time.sleep(0.2)
+        started = time.monotonic()
+        for i in range(50_000):
+            pub.publish([stored(i)])
+        wait_until(lambda: pub.stats().queued_events == 0, 20)
+        assert time.monotonic() - started < 20
+        stats = pub.stats()
+        assert stats.published_events == 50_000 and stats.dropped_events == 0
+    finally:
+        stalled.close()
+
+
+def test_close_sends_what_was_queued_and_later_publishes_are_dropped(publisher):
+    pub = publisher()
+    reader = Reader(pub.endpoint)
+    try:
+        connected(pub, reader)
+        for i in range(100):
+            pub.publish([stored(i)])
+        pub.close()
+        wait_until(lambda: len(reader.events()) == 100)
+        assert not pub.publish([stored(1)]) and pub.stats().dropped_events == 1
+    finally:
+        reader.close()
+
+
+def test_an_idle_publisher_uses_no_cpu(publisher):
+    """At most 2 % of a core while idle, replay socket included (measured: the process's
+    CPU time over 3 s while nothing is published; this thread sleeps)."""
+    pub = publisher(replay_endpoint="tcp://127.0.0.1:0")
+    reader = Reader(pub.endpoint)
+    try:
+        connected(pub, reader)
+        time.sleep(0.2)
+        reader._stop.set()
+        reader._thread.join()  # the test's own reader polls; stop it first
+        cpu, wall = time.process_time(), time.monotonic()
+        time.sleep(3)
+        share = (time.process_time() - cpu) / (time.monotonic() - wall)
+        assert share <= 0.02, share
+        print(f"idle publisher: {share * 100:.3f} % of a core")
+    finally:
+        reader.close()
