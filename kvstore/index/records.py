@@ -186,7 +186,7 @@ class LookupResult:
         return self.matched, self._records, self._positions, self._units, self._nodes
 
     def __setstate__(self, state: tuple) -> None:
-        self.__init__(*state)
+        LookupResult.__init__(self, *state)
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,8 +211,8 @@ class IndexLookup:
         size = max(live, default=0) + 1
         tags = np.zeros(size, dtype="<u8")
         known = np.zeros(size, dtype=bool)
-        for number, node in live.items():
-            tags[number], known[number] = node.tag, True
+        for number, info in live.items():
+            tags[number], known[number] = info.tag, True
         node = self.records["node"]
         inside = node < size
         slot = np.where(inside, node, 0)

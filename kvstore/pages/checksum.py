@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import numpy as np
 import xxhash
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +50,13 @@ CHUNK = 1 << 20
 STREAM_MIN = 8 << 20
 
 
-def _bind_copy_loop():
+def page_checksum(buffer: Buffer | np.ndarray) -> int:
+    """xxh3-64 of any object exposing the buffer protocol (numpy arrays, memoryviews)."""
+    # numpy's stubs give ndarray __buffer__ only from Python 3.12; it has the protocol at run time
+    return xxhash.xxh3_64_intdigest(buffer)  # type: ignore[arg-type]
+
+
+def _bind_copy_loop() -> ModuleType | None:
     """The C loop, or None when it cannot give xxhash's own digests: it calls the
     XXH3 functions of the xxhash extension Python loaded, found by name; a build of
     xxhash that does not export them, or one whose digests differ, keeps the Python
@@ -54,7 +65,10 @@ def _bind_copy_loop():
         from kvstore.pages import _copyhash
 
         # private: xxhash exports no C API, and dlopen needs the path of its loaded extension
-        if not _copyhash.bind(importlib.import_module("xxhash._xxhash").__file__):
+        path = importlib.import_module("xxhash._xxhash").__file__
+        if path is None:
+            raise ImportError("the xxhash extension was not loaded from a file")
+        if not _copyhash.bind(path):
             raise ImportError("the xxhash extension exports no XXH3 functions")
         rng = np.random.default_rng(7)
         for size in (0, 1, 16, 17, 129, 240, 241, 1023, 65537, 300_001):
@@ -67,7 +81,7 @@ def _bind_copy_loop():
             )
             flat = np.empty(size, np.uint8)
             if _copyhash.copy_hash([(pieces, src), (flat, pieces)], False, False) != [
-                xxhash.xxh3_64_intdigest(src)
+                page_checksum(src)
             ] * 2 or not np.array_equal(flat, src):
                 raise ImportError(f"its digests differ from xxhash's ({size} bytes)")
         return _copyhash
@@ -84,12 +98,9 @@ def start_helper() -> None:
     _helper.submit(int).result()
 
 
-def page_checksum(buffer) -> int:
-    """xxh3-64 of any object exposing the buffer protocol (numpy arrays, memoryviews)."""
-    return xxhash.xxh3_64_intdigest(buffer)
-
-
-Pieces = tuple  # a page whose bytes are scattered: uint8 arrays whose C orders, one after another, are the page's bytes
+# A page whose bytes are scattered: uint8 arrays whose C orders, one after another, are
+# the page's bytes.
+Pieces: TypeAlias = tuple[np.ndarray, ...]
 
 
 def _pieces_chunks(pieces: Pieces) -> list[np.ndarray]:
@@ -110,28 +121,36 @@ def _copy_one(dst: np.ndarray | Pieces, src: np.ndarray | Pieces, hash_source: b
     is scattered (``Pieces``), the contiguous side is hashed whatever ``hash_source``
     says: for a get that is the node's pinned, read-only slot the bytes came from; for
     a put the slot the node verifies."""
-    digest = xxhash.xxh3_64()  # streamed: the same value as the one-shot hash
-    if isinstance(dst, tuple) or isinstance(src, tuple):
-        flat, pieces, into_pieces = (
-            (src, dst, True) if isinstance(dst, tuple) else (dst, src, False)
-        )
-        pos = 0
-        for chunk in _pieces_chunks(pieces):
-            part = flat[pos : pos + chunk.nbytes]
-            if into_pieces:
-                chunk[...] = part.reshape(chunk.shape)
-            else:
-                part.reshape(chunk.shape)[...] = chunk
-            digest.update(part)
-            pos += chunk.nbytes
-        return digest.intdigest()
+    if isinstance(dst, tuple):
+        # one side of a pair at most is scattered (copy_checksummed)
+        assert not isinstance(src, tuple)
+        return _copy_scattered(src, dst, into_pieces=True)
+    if isinstance(src, tuple):
+        return _copy_scattered(dst, src, into_pieces=False)
     if dst.nbytes <= CHUNK:
         dst[:] = src
-        return xxhash.xxh3_64_intdigest(src if hash_source else dst)
+        return page_checksum(src if hash_source else dst)
+    digest = xxhash.xxh3_64()  # streamed: the same value as the one-shot hash
     for at in range(0, dst.nbytes, CHUNK):
         d, s = dst[at : at + CHUNK], src[at : at + CHUNK]
         d[:] = s
-        digest.update(s if hash_source else d)
+        digest.update(s if hash_source else d)  # type: ignore[arg-type]  # ndarray: see page_checksum
+    return digest.intdigest()
+
+
+def _copy_scattered(flat: np.ndarray, pieces: Pieces, into_pieces: bool) -> int:
+    """``_copy_one`` where one side is scattered: copy between ``flat`` and ``pieces``
+    (into the pieces when ``into_pieces``), hashing ``flat`` chunk by chunk."""
+    digest = xxhash.xxh3_64()  # streamed: the same value as the one-shot hash
+    pos = 0
+    for chunk in _pieces_chunks(pieces):
+        part = flat[pos : pos + chunk.nbytes]
+        if into_pieces:
+            chunk[...] = part.reshape(chunk.shape)
+        else:
+            part.reshape(chunk.shape)[...] = chunk
+        digest.update(part)  # type: ignore[arg-type]  # ndarray: see page_checksum
+        pos += chunk.nbytes
     return digest.intdigest()
 
 
@@ -163,7 +182,15 @@ def _split(sizes: list[int]) -> int:
     return max(split, 1)
 
 
-def _on_both(items: Sequence, sizes: list[int], work) -> list:
+_Item = TypeVar("_Item")
+_Result = TypeVar("_Result")
+
+
+def _on_both(
+    items: Sequence[_Item],
+    sizes: list[int],
+    work: Callable[[Sequence[_Item]], list[_Result]],
+) -> list[_Result]:
     """``work(items)`` with the calling thread and the helper thread each taking about
     half the bytes (``work`` maps a list to a list of results, in order); returns only
     once both halves are done. Small or single items stay on the calling thread."""
@@ -199,11 +226,11 @@ class HashAhead:
     (about 2 ms here); ``stop`` bounds the waste when the node holds them already to
     what was hashed meanwhile."""
 
-    def __init__(self, buffers: Sequence, record) -> None:
+    def __init__(self, buffers: Sequence[Any], record: Callable[[int, int], object]) -> None:
         self._stopped = False
         self._future = _helper.submit(self._run, list(buffers), record)
 
-    def _run(self, buffers: list, record) -> None:
+    def _run(self, buffers: list[Any], record: Callable[[int, int], object]) -> None:
         for k, buf in enumerate(buffers):
             if self._stopped:
                 return

@@ -83,7 +83,7 @@ def segments(count: int, breaks: Sequence[int] = ()) -> list[tuple[int, int]]:
     """``(start, end)`` of every segment of ``count`` hashes made of chains that begin at
     position 0 and at each of ``breaks`` (a select's tail parts form a second chain)."""
     starts = sorted({0, *(b for b in breaks if 0 < b < count)})
-    out = []
+    out: list[tuple[int, int]] = []
     for first, stop in zip(starts, starts[1:] + [count]):
         out.extend((s, min(s + SEGMENT_PAGES, stop)) for s in range(first, stop, SEGMENT_PAGES))
     return out

@@ -11,12 +11,17 @@ import json
 import re
 from functools import cached_property
 from math import prod
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvstore.errors import InvalidInputError
 from kvstore.pages.keys import NamespaceKey
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    import torch
 
 # Tenant names become parts of Redis key names that ACL patterns match
 # (docs/security.md), so they may not hold pattern or separator characters.
@@ -191,7 +196,7 @@ class Namespace(BaseModel):
             )
         return self
 
-    def model_copy(self, *, update: dict | None = None, deep: bool = False) -> Namespace:
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
         """A validated copy with ``update`` applied. pydantic's own copy would carry the
         cached ``digest`` of this namespace over to the copy (measured: a copy with
         another layout kept the original digest), naming the wrong pages."""
@@ -352,7 +357,8 @@ class Namespace(BaseModel):
         """Bytes of K plus V for one token across every layer."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_size * self.element_size
 
-    def torch_dtype(self):  # -> torch.dtype; torch is imported lazily for light CLI start-up
+    def torch_dtype(self) -> torch.dtype:
+        # torch is imported here, not at the top: the CLI starts without it
         import torch
 
         return getattr(torch, self.dtype)

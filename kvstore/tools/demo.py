@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 
-from tqdm import tqdm
+from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no types; types-tqdm is not a dependency
 
 from kvstore.settings.sizes import format_size
 from kvstore.tools.launcher import LocalCluster

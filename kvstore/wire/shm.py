@@ -35,6 +35,7 @@ import array
 import asyncio
 import os
 import socket
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -86,13 +87,18 @@ class UnixChannel:
             if writable
             else (self._loop.add_reader, self._loop.remove_reader)
         )
-        add(fd, lambda: fut.done() or fut.set_result(None))
+
+        def ready() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        add(fd, ready)
         try:
             await fut
         finally:
             remove(fd)
 
-    async def send_frame(self, frame: Any, fds: list[int] = ()) -> None:
+    async def send_frame(self, frame: Any, fds: Sequence[int] = ()) -> None:
         data = memoryview(P.encode(frame))
         ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
         while data:
