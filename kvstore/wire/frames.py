@@ -1,0 +1,251 @@
+"""The control frames of the data-plane protocol (docs/protocol.md): one pydantic model
+per frame type, holding and validating what that frame says. Encoding them on the
+wire is ``kvstore.wire.protocol``'s job; callers import both from there."""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Any, ClassVar
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvstore.pages.hashing import HASH_BYTES
+from kvstore.pages.keys import SEGMENT_PAGES
+from kvstore.pages.namespace import Tenant
+from kvstore.wire.runs import DEFAULT_MAX_RUN_BYTES
+
+MAX_PAGES_PER_REQUEST = 65_536
+
+# namespace digests: 16 bytes as lowercase hex
+Hex128 = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+# Kinds of binary array that follow a frame's JSON header: (numpy dtype, bytes per row).
+ARRAY_TYPES: dict[str, tuple[str, int]] = {
+    "u32": ("<u4", 4),
+    "u64": ("<u8", 8),
+    "bool": ("u1", 1),
+    "hash": ("u1", HASH_BYTES),
+}
+
+
+class FrameType(enum.IntEnum):
+    """The frame type a preamble names: which model the body decodes into."""
+
+    PUT_REQUEST = 1
+    PUT_PLAN = 2
+    PUT_RESULT = 3
+    GET_REQUEST = 4
+    GET_PLAN = 5
+    PUT_CHECKSUMS = 6
+    GET_DONE = 7
+    ERROR = 15
+
+
+def _as_array(name: str, value: Any, kind: str) -> np.ndarray:
+    """``value`` as the packed array of ``kind`` a frame field holds; raises
+    ``ValueError`` (a validation error of the frame) when it cannot be one."""
+    dtype, _ = ARRAY_TYPES[kind]
+    if kind == "hash":
+        if (
+            isinstance(value, np.ndarray)
+            and value.dtype == np.uint8
+            and value.ndim == 2
+            and value.shape[1] == HASH_BYTES
+        ):
+            return value
+        try:
+            joined = b"".join(value)
+        except TypeError:
+            joined = b""
+        if len(joined) != HASH_BYTES * len(value):
+            raise ValueError(f"{name} must be {HASH_BYTES}-byte hashes")
+        return np.frombuffer(joined, dtype=np.uint8).reshape(-1, HASH_BYTES)
+    arr = np.asarray(value)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iub"):
+        raise ValueError(f"{name} must be a flat integer array")
+    if arr.size and (int(arr.min()) < 0 or (kind == "u32" and int(arr.max()) >= 2**32)):
+        raise ValueError(f"{name} holds a value out of range for {kind}")
+    return arr.astype(dtype, copy=False)
+
+
+class _Frame(BaseModel):
+    """Base of every control frame: validates its fields. Scalar fields travel as a JSON
+    header, the per-page fields named in ``ARRAYS`` as packed little-endian arrays after
+    it (numpy arrays here, built from lists, tuples or arrays)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+    ARRAYS: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _arrays(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = dict(data)
+            for name, kind in cls.ARRAYS.items():
+                data[name] = _as_array(name, data.get(name, ()), kind)
+        return data
+
+    def ints(self, name: str) -> list[int]:
+        """A numeric array field as a list of Python ints."""
+        return getattr(self, name).tolist()
+
+
+def _same_length(frame: _Frame, *names: str) -> None:
+    if len({len(getattr(frame, n)) for n in names}) > 1:
+        raise ValueError(f"{', '.join(names)} must have the same length")
+
+
+Array = Any  # a numpy array, checked by _Frame._arrays
+
+
+class PutRequest(_Frame):
+    """Client -> server: pages the client offers to store (hash, size, whether each page
+    may share a message with the one before it, and its place in the index: segment
+    anchor and position, see ``kvstore.pages.keys``)."""
+
+    ARRAYS = {
+        "hashes": "hash",
+        "sizes": "u64",
+        "join": "bool",
+        "anchors": "hash",
+        "positions": "u32",
+    }
+    namespace: Hex128
+    tenant: Tenant
+    token: str = ""
+    hashes: Array
+    sizes: Array
+    join: Array
+    anchors: Array
+    positions: Array
+
+    @model_validator(mode="after")
+    def _check(self) -> PutRequest:
+        _same_length(self, "hashes", "sizes", "join", "anchors", "positions")
+        if not 1 <= len(self.hashes) <= MAX_PAGES_PER_REQUEST:
+            raise ValueError(
+                f"a put offers 1 to {MAX_PAGES_PER_REQUEST} pages, got {len(self.hashes)}"
+            )
+        if int(self.sizes.min()) == 0:
+            raise ValueError("page sizes must be positive")
+        if int(self.positions.max()) >= SEGMENT_PAGES:
+            raise ValueError(f"page positions in their segments must lie in [0, {SEGMENT_PAGES})")
+        return self
+
+
+class PutPlan(_Frame):
+    """Server -> client: which offered pages to send, grouped into runs (lengths, in order
+    of ``wanted``) that each travel as one message; ``present`` were already stored;
+    ``refused`` did not fit. Same-host puts move no messages: ``regions`` (slab indexes)
+    and ``offsets`` (within the slab) say which slot the client writes each wanted page
+    into, with writable descriptors as in ``GetPlan`` (see kvstore.wire.shm)."""
+
+    ARRAYS = {
+        "wanted": "u32",
+        "runs": "u32",
+        "present": "u32",
+        "refused": "u32",
+        "regions": "u32",
+        "offsets": "u64",
+    }
+    wanted: Array
+    runs: Array
+    present: Array
+    refused: Array
+    regions: Array
+    offsets: Array
+    mapped: list[tuple[int, int]] = []
+    more: bool = False
+
+
+class PutChecksums(_Frame):
+    """Client -> server, after PUT_PLAN: the xxh3-64 of each wanted page, in the order
+    of ``wanted``. Pages the node did not ask for are never hashed."""
+
+    ARRAYS = {"checksums": "u64"}
+    checksums: Array
+
+
+class PutResult(_Frame):
+    """Server -> client after the payloads: which wanted pages are now committed."""
+
+    ARRAYS = {"stored": "u32", "corrupt": "u32"}
+    stored: Array
+    corrupt: Array
+
+
+class GetRequest(_Frame):
+    """Client -> server: pages the client asks for (hash, and whether each page may
+    share a message with the one before it), and the largest run it takes."""
+
+    ARRAYS = {"hashes": "hash", "join": "bool"}
+    namespace: Hex128
+    tenant: Tenant
+    token: str = ""
+    hashes: Array
+    join: Array
+    max_run_bytes: int = Field(default=DEFAULT_MAX_RUN_BYTES, gt=0)
+    # a client's warm-up at start (connection, the node's first look at the namespace
+    # and credential): answered like any get, left out of the node's counters
+    probe: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> GetRequest:
+        _same_length(self, "hashes", "join")
+        if not 1 <= len(self.hashes) <= MAX_PAGES_PER_REQUEST:
+            raise ValueError(
+                f"a get asks for 1 to {MAX_PAGES_PER_REQUEST} pages, got {len(self.hashes)}"
+            )
+        return self
+
+
+class GetPlan(_Frame):
+    """Server -> client: ``present`` pages follow as runs (lengths, in order of ``present``);
+    ``sizes`` and ``checksums`` are the server's record of each present page. Same-host
+    gets move no messages: ``regions`` (slab indexes) and ``offsets`` (within the slab)
+    say where each page lies in the node's shared memory, and the frame carries a
+    read-only descriptor for each ``mapped`` [slab, generation] the client lacks; with
+    more descriptors than one frame can carry, frames with ``more`` set come first
+    (see kvstore.wire.shm)."""
+
+    ARRAYS = {
+        "present": "u32",
+        "sizes": "u64",
+        "checksums": "u64",
+        "runs": "u32",
+        "regions": "u32",
+        "offsets": "u64",
+    }
+    mapped: list[tuple[int, int]] = []
+    more: bool = False
+    present: Array
+    sizes: Array
+    checksums: Array
+    runs: Array
+    regions: Array
+    offsets: Array
+
+
+class GetDone(_Frame):
+    """Client -> server after a same-host GET_PLAN: the pages are copied; unpin them."""
+
+
+# Not StrEnum: str() of a (str, Enum) member is "RefusalCode.X", of a StrEnum member the value.
+class RefusalCode(str, enum.Enum):  # noqa: UP042
+    """Why a node answered ERROR (docs/protocol.md); on the wire, the value."""
+
+    PROTOCOL = "protocol"  # a malformed or out-of-step frame
+    UNAUTHORIZED = "unauthorized"  # the token matches no credential; the node closes the connection
+    FORBIDDEN = "forbidden"  # the credential lacks the right on the namespace's tenant
+    TOO_LARGE = "too_large"  # more pages than --max-request-pages
+    # the index does not know the namespace (under that tenant)
+    UNKNOWN_NAMESPACE = "unknown_namespace"
+    INDEX_UNAVAILABLE = "index_unavailable"  # the node could not read the namespace from the index
+    SHUTTING_DOWN = "shutting_down"  # the node is stopping
+
+
+class ErrorFrame(_Frame):
+    """Server -> client: the node refuses the request (``code``), saying why."""
+
+    code: RefusalCode
+    message: str
