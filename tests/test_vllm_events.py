@@ -194,3 +194,80 @@ def test_kv_events_false_leaves_the_engines_own_events_only(model_dir):
     ours, theirs = stored_events(messages)
     assert not ours and len(theirs) == 1 and theirs[0].token_ids == PROMPT_A[: 6 * BLOCK]
     assert out["metrics"]["save_bytes"] > 0 and not out["metrics"].get("event_blocks"), out["metrics"]
+
+
+# --- scheduler level: vLLM's own Request objects and output types ----------------------
+
+
+def hashed_request(req_id: str, tokens: list[int]):
+    """A vLLM ``Request`` hashed as the engine core hashes them (sha256, the default)."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    return Request(req_id, tokens, SamplingParams(max_tokens=1), None, block_hasher=get_request_block_hasher(BLOCK, hash_fn))
+
+
+def test_an_event_waits_for_every_worker_and_a_failed_rank_withholds_it():
+    """Two workers (TP=2): a save's event is ready only once both answered ok, through
+    vLLM's own aggregation of the workers' outputs; one failed part withholds it (which
+    pages the store holds is then unknown), counted."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    from client.vllm.events import SaveOutcomeLog, StoredEvents
+    from client.vllm.metadata import SaveSpec
+    from client.vllm.stats import StatsRecorder
+
+    stats = StatsRecorder()
+    events = StoredEvents(BLOCK, 2, kv_cache_config=None, stats=stats)
+    good, bad = hashed_request("good", PROMPT_A), hashed_request("bad", PROMPT_B)
+    specs = []
+    for request in (good, bad):
+        full = len(request.prompt_token_ids) // BLOCK
+        tokens = request.prompt_token_ids[: full * BLOCK]
+        specs.append(SaveSpec(request.request_id, tokens, [], event_id=events.expect(request, tokens, full)))
+    workers = [SaveOutcomeLog(), SaveOutcomeLog()]
+    aggregator = KVOutputAggregator(expected_finished_count=2)
+
+    def step() -> list:
+        outputs = [ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=KVConnectorOutput(kv_cache_events=w.take()))
+                   for w in workers]
+        events.reported(aggregator.aggregate(outputs).kv_connector_output.kv_cache_events)
+        return events.take()
+
+    workers[0].report(specs, ok=True)
+    assert step() == [] and events.waiting  # one worker of two answered
+    workers[1].report(specs[:1], ok=True)
+    workers[1].report(specs[1:], ok=False)
+    (event,) = step()
+    assert not events.waiting
+    assert event.token_ids == PROMPT_A[: 6 * BLOCK] and event.parent_block_hash is None
+    assert event.block_hashes == _external(good.block_hashes[:6])
+    taken = stats.take()
+    assert taken.data["event_blocks"] == 6 and taken.data["events_withheld"] == 1
+
+
+def _external(hashes) -> list:
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    return [maybe_convert_block_hash(h) for h in hashes]
+
+
+def test_an_event_whose_workers_never_answer_is_given_up(monkeypatch):
+    """A lost answer cannot hold an event, and the engine awake, forever."""
+    import client.vllm.events as connector_events
+    from client.vllm.stats import StatsRecorder
+
+    stats = StatsRecorder()
+    events = connector_events.StoredEvents(BLOCK, 1, kv_cache_config=None, stats=stats)
+    assert events.expect(hashed_request("lost", PROMPT_A), PROMPT_A[: 6 * BLOCK], 6) is not None
+    assert events.take() == [] and events.waiting
+    monkeypatch.setattr(connector_events, "OUTCOME_WAIT_S", 0.0)
+    assert events.take() == [] and not events.waiting
+    assert stats.take().data["events_withheld"] == 1
+    # a request vLLM has not hashed that far announces nothing
+    assert events.expect(hashed_request("short", PROMPT_A[:40]), PROMPT_A[:64], 2) is None
