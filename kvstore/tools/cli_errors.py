@@ -1,4 +1,5 @@
-"""Exit codes and one-line messages of the ``kvstore`` commands (README "Exit codes").
+"""Exit codes and one-line messages of the ``kvstore`` commands (docs/operations.md,
+"Exit codes and node ids").
 
 ``kvstore.tools.cli`` and ``python -m server`` turn every error a user can cause into one
 line on stderr and one of these codes, never a traceback."""
