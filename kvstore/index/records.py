@@ -249,5 +249,7 @@ class NamespaceStats:
 
 @dataclass(frozen=True, slots=True)
 class IndexStats:
+    """What ``stats`` reads of an index: its live nodes and its namespaces' page counts."""
+
     nodes: list[NodeInfo]
     namespaces: list[NamespaceStats]

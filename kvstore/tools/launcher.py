@@ -26,6 +26,9 @@ from kvstore.tools.valkey import EmbeddedValkey, EmbeddedValkeyCluster
 
 @dataclass
 class NodeProcess:
+    """One started storage node: its process, and where its output goes (what the
+    cluster reports when it exits)."""
+
     node_id: str
     process: subprocess.Popen
     log_path: Path | None = None

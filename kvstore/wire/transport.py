@@ -108,6 +108,8 @@ def _quiet_thread_mode() -> None:
         return
 
     class QuietThreadMode(thread_mode):  # type: ignore[misc, valid-type]
+        """ucxx's ThreadMode, handed a worker whose progress thread uses our epoll timeout."""
+
         def __init__(self, worker: Any, event_loop: Any, *args: Any, **kwargs: Any) -> None:
             super().__init__(_EpollTimeout(worker), event_loop, *args, **kwargs)
             self.worker = worker
