@@ -50,7 +50,14 @@ from kvstore.pages.namespace import Namespace
 from kvstore.settings.config import ClientOptions, client_options, client_options_from_env
 from kvstore.wire.transport import ensure_ucx
 
-__all__ = ["AsyncKVCacheClient", "Identity", "PublishReport", "StoredPrefix", "TransferMode", "split_options"]
+__all__ = [
+    "AsyncKVCacheClient",
+    "Identity",
+    "PublishReport",
+    "StoredPrefix",
+    "TransferMode",
+    "split_options",
+]
 # Longest a client's start waits for its connections to the live nodes (the rest
 # finish in the background, before or during the first request to each node).
 START_CONNECT_WAIT_S = 1.0
@@ -62,16 +69,22 @@ def split_options(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
     return options, {k: v for k, v in kwargs.items() if k not in options}
 
 
-def _namespace_of(namespace: Namespace | None, fields: dict[str, Any], weights_revision: str) -> Namespace:
+def _namespace_of(
+    namespace: Namespace | None, fields: dict[str, Any], weights_revision: str
+) -> Namespace:
     """The client's namespace: given, or built from the constructor's namespace fields,
     with the options' ``weights_revision`` set into it."""
     if namespace is None:
         namespace = Namespace(**fields)
     elif fields:
-        raise InvalidInputError(f"unknown client options {sorted(fields)} (pass either a Namespace or namespace fields)")
+        raise InvalidInputError(
+            f"unknown client options {sorted(fields)} (pass either a Namespace or namespace fields)"
+        )
     if weights_revision and weights_revision != namespace.weights:
         if namespace.weights:
-            raise InvalidInputError(f"weights_revision {weights_revision!r} contradicts the namespace's weights {namespace.weights!r}")
+            raise InvalidInputError(
+                f"weights_revision {weights_revision!r} contradicts the namespace's weights {namespace.weights!r}"
+            )
         namespace = namespace.model_copy(update={"weights": weights_revision})
     return namespace
 
@@ -87,12 +100,20 @@ class AsyncKVCacheClient:
     ``kvstore up`` prints (the index URL and the token file) needs no other option,
     and a missing token cannot be a silent miss (``CredentialError``)."""
 
-    def __init__(self, redis_url: str | None = None, namespace: Namespace | None = None, *, options: ClientOptions | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        namespace: Namespace | None = None,
+        *,
+        options: ClientOptions | None = None,
+        **kwargs: Any,
+    ) -> None:
         overrides, namespace_fields = split_options(kwargs)
         if redis_url is not None:
             overrides["redis_url"] = redis_url
-        opts = client_options(options if options is not None else client_options_from_env(), **overrides)
+        opts = client_options(
+            options if options is not None else client_options_from_env(), **overrides
+        )
         self.options = opts
         self.namespace = _namespace_of(namespace, namespace_fields, opts.weights_revision)
         # pages are stored per head group, keyed by the TP-independent namespace
@@ -102,20 +123,56 @@ class AsyncKVCacheClient:
         self.replicas = opts.replicas
         self.timeout = opts.timeout
         self.stats = ClientStats()
-        self.index = AsyncPageIndex(opts.redis_url, timeout=min(opts.timeout, INDEX_TIMEOUT), lease_ms=opts.lease_ms,
-                                    password=opts.redis_password.get_secret_value() or None)
-        self.nodes = NodeDirectory(self.index, self.stats, token=opts.auth_token.get_secret_value(), same_host=opts.same_host,
-                                   refresh=opts.node_refresh)
+        self.index = AsyncPageIndex(
+            opts.redis_url,
+            timeout=min(opts.timeout, INDEX_TIMEOUT),
+            lease_ms=opts.lease_ms,
+            password=opts.redis_password.get_secret_value() or None,
+        )
+        self.nodes = NodeDirectory(
+            self.index,
+            self.stats,
+            token=opts.auth_token.get_secret_value(),
+            same_host=opts.same_host,
+            refresh=opts.node_refresh,
+        )
         self.registration = NamespaceRegistration(self.index, self.storage)
-        self.lookups = PrefixLookup(self.index, self.storage, self.heads, self.nodes, self.registration, self.stats)
+        self.lookups = PrefixLookup(
+            self.index, self.storage, self.heads, self.nodes, self.registration, self.stats
+        )
         fetcher = ReplicaFetcher(self.nodes, self.stats, self.storage.key, opts.timeout)
-        publisher = Publisher(self.nodes, self.registration, self.stats, self.namespace, self.heads, replicas=opts.replicas,
-                              timeout=opts.timeout)
+        publisher = Publisher(
+            self.nodes,
+            self.registration,
+            self.stats,
+            self.namespace,
+            self.heads,
+            replicas=opts.replicas,
+            timeout=opts.timeout,
+        )
         self._buffers = host_buffers()
         self._publisher = publisher
-        self._reader = PageReader(self.lookups, fetcher, self.namespace, self.heads, self.stats, self._buffers, opts.transfer_mode)
-        self._sequences = LookupBuffer(self.namespace, self.heads, self.lookups, publisher, fetcher, self._reader, self._buffers)
-        self._connecting: asyncio.Future[None] | None = None  # start's connections and probes (``NodeDirectory.connect``)
+        self._reader = PageReader(
+            self.lookups,
+            fetcher,
+            self.namespace,
+            self.heads,
+            self.stats,
+            self._buffers,
+            opts.transfer_mode,
+        )
+        self._sequences = LookupBuffer(
+            self.namespace,
+            self.heads,
+            self.lookups,
+            publisher,
+            fetcher,
+            self._reader,
+            self._buffers,
+        )
+        self._connecting: asyncio.Future[None] | None = (
+            None  # start's connections and probes (``NodeDirectory.connect``)
+        )
 
     @classmethod
     def from_env(cls, namespace: Namespace | None = None, **overrides: Any) -> AsyncKVCacheClient:
@@ -146,7 +203,9 @@ class AsyncKVCacheClient:
         index (an engine must not fail to boot because its cache is down)."""
         self.nodes.ucxx = ensure_ucx(self.options.ucx_progress_mode)
         # warmed here, not inside the first request (a fresh buffer costs its page faults)
-        await asyncio.get_running_loop().run_in_executor(None, self._buffers.reserve, self.options.host_buffer_bytes)
+        await asyncio.get_running_loop().run_in_executor(
+            None, self._buffers.reserve, self.options.host_buffer_bytes
+        )
         start_helper()
         await self.registration.ensure()
         self.nodes.start()
@@ -203,16 +262,22 @@ class AsyncKVCacheClient:
         """What ``find`` returns for the lookup of ``joined`` that gave ``result``."""
         return self.lookups.stored_prefix(joined, result)
 
-    async def put_pages(self, token_ids: Any, pages: torch.Tensor, *, identity: Identity = None) -> PublishReport:
+    async def put_pages(
+        self, token_ids: Any, pages: torch.Tensor, *, identity: Identity = None
+    ) -> PublishReport:
         """Store ``pages[i]`` (``[num_blocks, *page_shape]``) as full block i of ``token_ids``:
         as the head groups this rank holds, which engines of any TP size read. Pages a
         node already holds are not sent again; counts in the report are units (pages of
         one head group). ``identity``: as for ``lookup``."""
         hashes = split_hashes(self.chain_hashes(token_ids, identity))
         check_pages(self.namespace, "pages", pages, len(hashes), at_least=False)
-        return await self._publisher.publish(self._publisher.units(hashes, pages[: len(hashes)].to("cpu")))
+        return await self._publisher.publish(
+            self._publisher.units(hashes, pages[: len(hashes)].to("cpu"))
+        )
 
-    async def get_pages(self, token_ids: Any, out: torch.Tensor, start_block: int = 0, *, identity: Identity = None) -> int:
+    async def get_pages(
+        self, token_ids: Any, out: torch.Tensor, start_block: int = 0, *, identity: Identity = None
+    ) -> int:
         """Fill ``out[start_block:k]`` with the longest stored prefix of full blocks of
         ``token_ids`` and return k * block_size (0 when fewer than ``start_block + 1``
         blocks are stored). Blocks before ``start_block`` must be stored for the prefix to
@@ -229,7 +294,9 @@ class AsyncKVCacheClient:
         never wrong bytes: nodes check each page's hash and checksum."""
         return await self._reader.get_found(found, out, start_block)
 
-    async def get_found_units(self, found: StoredPrefix, buf: torch.Tensor, start_block: int = 0) -> tuple[torch.Tensor, int]:
+    async def get_found_units(
+        self, found: StoredPrefix, buf: torch.Tensor, start_block: int = 0
+    ) -> tuple[torch.Tensor, int]:
         """``get_found`` for a caller that places this rank's head-group units itself (the
         vLLM connector writes them straight into its paged cache: one host copy fewer
         than ``get_found``'s merge into rank pages, and no staging buffer of the
@@ -239,7 +306,9 @@ class AsyncKVCacheClient:
         many of those blocks arrived whole (``heads.rank_parts`` cuts them)."""
         return await self._reader.get_found_units(found, buf, start_block)
 
-    async def get_found_into(self, found: StoredPrefix, sinks: list[Span], start_block: int = 0) -> int:
+    async def get_found_into(
+        self, found: StoredPrefix, sinks: list[Span], start_block: int = 0
+    ) -> int:
         """``get_found`` into ``sinks``, one per block from ``start_block`` on (at least
         ``found.blocks - start_block`` of them): pages scattered over the caller's memory
         (the vLLM connector's ``PagedCache.block_spans``: the cache's own blocks), so
@@ -256,15 +325,25 @@ class AsyncKVCacheClient:
 
     # ---- lookup-buffer API (client.sequences) ------------------------------------
 
-    async def insert(self, input_tokens: Any, roi: Any, key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor | None = None, *,
-                     identity: Identity = None) -> PublishReport:
+    async def insert(
+        self,
+        input_tokens: Any,
+        roi: Any,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        hidden: torch.Tensor | None = None,
+        *,
+        identity: Identity = None,
+    ) -> PublishReport:
         """Store the KV of the tokens ``roi`` marks (a prefix of ``input_tokens``).
 
         Full blocks become shared, deduplicated pages; the trailing partial block and
         ``hidden`` go into the sequence's tail object. ``identity``: what else the KV
         depends on (adapter, salt, multimodal items, prompt embeddings); a ``select``
         under another identity never finds it."""
-        return await self._sequences.insert(input_tokens, roi, key, value, hidden, identity=identity)
+        return await self._sequences.insert(
+            input_tokens, roi, key, value, hidden, identity=identity
+        )
 
     async def select(self, input_tokens: Any, roi: Any, *, identity: Identity = None) -> list[Any]:
         """``[input_tokens, roi, key, value, hidden]`` for the longest stored prefix of the

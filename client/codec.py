@@ -29,7 +29,9 @@ TAIL_PART_BYTES = 4 << 20
 FLAG_HIDDEN = 1
 
 
-def kv_spans(namespace: Namespace, key: torch.Tensor, value: torch.Tensor, blocks: int, count: int) -> list[Span]:
+def kv_spans(
+    namespace: Namespace, key: torch.Tensor, value: torch.Tensor, blocks: int, count: int
+) -> list[Span]:
     """The units of the first ``blocks`` full blocks of ``key``/``value`` (contiguous CPU
     ``[layers, tokens, heads, head_size]``, the rank's heads in ``count`` groups it holds
     whole) as spans over the tensors themselves, unit by unit (every block's unit 0,
@@ -41,14 +43,22 @@ def kv_spans(namespace: Namespace, key: torch.Tensor, value: torch.Tensor, block
     2.4-3.2 here)."""
     B, g = namespace.block_size, key.shape[2] // count
     k8, v8 = key.view(torch.uint8).numpy(), value.view(torch.uint8).numpy()
-    return [scattered_span((k8[:, b * B : (b + 1) * B, j * g : (j + 1) * g], v8[:, b * B : (b + 1) * B, j * g : (j + 1) * g]))
-            for j in range(count) for b in range(blocks)]
+    return [
+        scattered_span(
+            (
+                k8[:, b * B : (b + 1) * B, j * g : (j + 1) * g],
+                v8[:, b * B : (b + 1) * B, j * g : (j + 1) * g],
+            )
+        )
+        for j in range(count)
+        for b in range(blocks)
+    ]
 
 
 def pages_into_kv(pages: torch.Tensor, kv: torch.Tensor) -> None:
     """Copy ``[blocks, 2, L, B, H, D]`` pages into the leading tokens of ``kv``
     ``[2, L, tokens, H, D]`` (one strided copy)."""
-    n, _, L, B, H, D = pages.shape
+    n, _, _, B, _, _ = pages.shape
     kv[:, :, : n * B].unflatten(2, (n, B)).copy_(pages.permute(1, 2, 0, 3, 4, 5))
 
 
@@ -65,11 +75,20 @@ def tail_part_sizes(namespace: Namespace, num_tokens: int, with_hidden: bool) ->
     return [min(TAIL_PART_BYTES, total - start) for start in range(0, total, TAIL_PART_BYTES)]
 
 
-def encode_tail(namespace: Namespace, key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor | None) -> np.ndarray:
+def encode_tail(
+    namespace: Namespace, key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor | None
+) -> np.ndarray:
     """The tail object of a sequence of ``key.shape[1]`` tokens as one uint8 array."""
     T = key.shape[1]
     nfull = T - T % namespace.block_size
-    header = TAIL_HEADER.pack(TAIL_MAGIC, TAIL_VERSION, FLAG_HIDDEN if hidden is not None else 0, T, T - nfull, namespace.hidden_size)
+    header = TAIL_HEADER.pack(
+        TAIL_MAGIC,
+        TAIL_VERSION,
+        FLAG_HIDDEN if hidden is not None else 0,
+        T,
+        T - nfull,
+        namespace.hidden_size,
+    )
     parts = [np.frombuffer(header, dtype=np.uint8)]
     partial_kv = torch.stack([key[:, nfull:], value[:, nfull:]]).to("cpu").contiguous()
     parts.append(_bytes_of(partial_kv))
@@ -90,7 +109,9 @@ def read_tail_flags(first_part: np.ndarray) -> tuple[int, bool] | None:
     """(token count, hidden present) from the header, or None if it is not a tail header."""
     if first_part.nbytes < TAIL_HEADER.size:
         return None
-    magic, version, flags, tokens, _, _ = TAIL_HEADER.unpack(first_part[: TAIL_HEADER.size].tobytes())
+    magic, version, flags, tokens, _, _ = TAIL_HEADER.unpack(
+        first_part[: TAIL_HEADER.size].tobytes()
+    )
     if magic != TAIL_MAGIC or version != TAIL_VERSION:
         return None
     return tokens, bool(flags & FLAG_HIDDEN)
@@ -130,23 +151,36 @@ def check_kv(namespace: Namespace, name: str, t: torch.Tensor, num_tokens: int) 
     if not isinstance(t, torch.Tensor):
         raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if tuple(t.shape) != want:
-        raise InvalidInputError(f"{name} has shape {tuple(t.shape)}; the namespace expects {want} [layers, tokens, kv_heads, head_size]")
+        raise InvalidInputError(
+            f"{name} has shape {tuple(t.shape)}; the namespace expects {want} [layers, tokens, kv_heads, head_size]"
+        )
     if t.dtype != namespace.torch_dtype():
-        raise InvalidInputError(f"{name} has dtype {t.dtype}; the namespace expects {namespace.torch_dtype()}")
+        raise InvalidInputError(
+            f"{name} has dtype {t.dtype}; the namespace expects {namespace.torch_dtype()}"
+        )
 
 
-def check_pages(namespace: Namespace, name: str, t: torch.Tensor, count: int, at_least: bool) -> None:
+def check_pages(
+    namespace: Namespace, name: str, t: torch.Tensor, count: int, at_least: bool
+) -> None:
     """Raise ``InvalidInputError`` unless ``t`` holds pages of the namespace
     (``[n, *page_shape]`` of its dtype): exactly ``count`` of them (a put), or at least
     ``count`` in contiguous memory (a get receives in place)."""
     if not isinstance(t, torch.Tensor):
         raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if tuple(t.shape[1:]) != namespace.page_shape:
-        raise InvalidInputError(f"{name} pages have shape {tuple(t.shape[1:])}; the namespace expects {namespace.page_shape} ({namespace.layout})")
+        raise InvalidInputError(
+            f"{name} pages have shape {tuple(t.shape[1:])}; "
+            f"the namespace expects {namespace.page_shape} ({namespace.layout})"
+        )
     if t.dtype != namespace.torch_dtype():
-        raise InvalidInputError(f"{name} has dtype {t.dtype}; the namespace expects {namespace.torch_dtype()}")
+        raise InvalidInputError(
+            f"{name} has dtype {t.dtype}; the namespace expects {namespace.torch_dtype()}"
+        )
     if (t.shape[0] < count) if at_least else (t.shape[0] != count):
         rel = "at least" if at_least else "exactly"
-        raise InvalidInputError(f"{name} has {t.shape[0]} pages; {count} full blocks of tokens need {rel} {count}")
+        raise InvalidInputError(
+            f"{name} has {t.shape[0]} pages; {count} full blocks of tokens need {rel} {count}"
+        )
     if at_least and not t.is_contiguous():
         raise InvalidInputError(f"{name} must be contiguous so pages can be received in place")

@@ -117,15 +117,30 @@ class Connection:
         self.broken = False
         self._borrowed: list[np.ndarray] = []  # pool blocks of the request in flight (``_borrow``)
 
-    async def put(self, namespace: NamespaceKey, pages: list[OutgoingPage], checksum: Checksums, timeout: float) -> PutOutcome:
+    async def put(
+        self,
+        namespace: NamespaceKey,
+        pages: list[OutgoingPage],
+        checksum: Checksums,
+        timeout: float,
+    ) -> PutOutcome:
         """Offer ``pages``; send only those the node wants (hashed only then)."""
         return await self._guarded(self._put(namespace, pages, checksum), timeout, "put")
 
-    async def get(self, namespace: NamespaceKey, hashes: list[bytes], sinks: list[Span], expected: list[int], timeout: float,
-                  probe: bool = False) -> GetOutcome:
+    async def get(
+        self,
+        namespace: NamespaceKey,
+        hashes: list[bytes],
+        sinks: list[Span],
+        expected: list[int],
+        timeout: float,
+        probe: bool = False,
+    ) -> GetOutcome:
         """Fetch pages into ``sinks`` and verify each against ``expected`` (the index's
         checksums); a ``probe`` (client start's warm-up) is left out of the node's counters."""
-        return await self._guarded(self._get(namespace, hashes, sinks, expected, probe), timeout, "get")
+        return await self._guarded(
+            self._get(namespace, hashes, sinks, expected, probe), timeout, "get"
+        )
 
     async def _guarded(self, work: Any, timeout: float, what: str) -> Any:
         async with self._lock:
@@ -167,22 +182,35 @@ class Connection:
         if isinstance(frame, P.ErrorFrame):
             raise NodeRefusedError(self.node.node_id, frame.code, frame.message)
         if not isinstance(frame, expected):
-            raise ProtocolError(f"node {self.node.node_id} sent {type(frame).__name__}, expected {expected.__name__}")
+            raise ProtocolError(
+                f"node {self.node.node_id} sent {type(frame).__name__}, expected {expected.__name__}"
+            )
         return frame
 
     def _check_put_plan(self, plan: P.PutPlan, count: int) -> list[int]:
         wanted = plan.ints("wanted")
-        if any(not 0 <= i < count for i in wanted) or (plan.runs.size and int(plan.runs.sum()) != len(wanted)):
+        if any(not 0 <= i < count for i in wanted) or (
+            plan.runs.size and int(plan.runs.sum()) != len(wanted)
+        ):
             raise ProtocolError(f"node {self.node.node_id} sent an inconsistent put plan")
         return wanted
 
     async def _open(self, timeout: float) -> None:
         raise NotImplementedError
 
-    async def _put(self, namespace: NamespaceKey, pages: list[OutgoingPage], checksum: Checksums) -> PutOutcome:
+    async def _put(
+        self, namespace: NamespaceKey, pages: list[OutgoingPage], checksum: Checksums
+    ) -> PutOutcome:
         raise NotImplementedError
 
-    async def _get(self, namespace: NamespaceKey, hashes: list[bytes], sinks: list[Span], expected: list[int], probe: bool) -> GetOutcome:
+    async def _get(
+        self,
+        namespace: NamespaceKey,
+        hashes: list[bytes],
+        sinks: list[Span],
+        expected: list[int],
+        probe: bool,
+    ) -> GetOutcome:
         raise NotImplementedError
 
     async def close(self) -> None:
@@ -194,7 +222,9 @@ class Connection:
 RECEIVES_AHEAD = 8
 
 
-async def _landed(received: asyncio.Future, scratch: np.ndarray | None, spans: list[Span] | None) -> list[int] | None:
+async def _landed(
+    received: asyncio.Future, scratch: np.ndarray | None, spans: list[Span] | None
+) -> list[int] | None:
     """Wait for one run's receive; scatter it from ``scratch`` into ``spans`` (None:
     the run's pages do not fit the caller's, and are dropped). Returns each page's
     xxh3 as it landed, for verification: of the spans themselves when the run landed
@@ -214,15 +244,28 @@ async def _landed(received: asyncio.Future, scratch: np.ndarray | None, spans: l
 
 def put_request(namespace: NamespaceKey, token: str, pages: list[OutgoingPage]) -> P.PutRequest:
     return P.PutRequest(
-        namespace=namespace.digest, tenant=namespace.tenant, token=token, hashes=[p.hash for p in pages],
+        namespace=namespace.digest,
+        tenant=namespace.tenant,
+        token=token,
+        hashes=[p.hash for p in pages],
         sizes=np.fromiter((p.span.nbytes for p in pages), dtype=np.uint64, count=len(pages)),
         join=join_flags([p.span for p in pages]),
-        anchors=[p.anchor for p in pages], positions=[p.position for p in pages],
+        anchors=[p.anchor for p in pages],
+        positions=[p.position for p in pages],
     )
 
 
-def get_request(namespace: NamespaceKey, token: str, hashes: list[bytes], sinks: list[Span], probe: bool) -> P.GetRequest:
-    return P.GetRequest(namespace=namespace.digest, tenant=namespace.tenant, token=token, hashes=hashes, join=join_flags(sinks), probe=probe)
+def get_request(
+    namespace: NamespaceKey, token: str, hashes: list[bytes], sinks: list[Span], probe: bool
+) -> P.GetRequest:
+    return P.GetRequest(
+        namespace=namespace.digest,
+        tenant=namespace.tenant,
+        token=token,
+        hashes=hashes,
+        join=join_flags(sinks),
+        probe=probe,
+    )
 
 
 class NodeConnection(Connection):
@@ -237,13 +280,27 @@ class NodeConnection(Connection):
 
     async def _open(self, timeout: float) -> None:
         if self._ep is None:
-            self._ep = await connect(self._ucxx, self.node.host, self.node.port, timeout, f"connect to {self.node.node_id}")
+            self._ep = await connect(
+                self._ucxx,
+                self.node.host,
+                self.node.port,
+                timeout,
+                f"connect to {self.node.node_id}",
+            )
+
+    def _channel(self) -> Channel:
+        """The endpoint ``_open`` made; requests run only after it (``_guarded``)."""
+        if self._ep is None:
+            raise TransportError(f"connection to {self.node.node_id} is not open")
+        return self._ep
 
     async def _recv_frame(self, expected: type) -> Any:
-        return self._check_frame(P.decode(await self._ep.recv_frame()), expected)
+        return self._check_frame(P.decode(await self._channel().recv_frame()), expected)
 
-    async def _put(self, namespace: NamespaceKey, pages: list[OutgoingPage], checksum: Checksums) -> PutOutcome:
-        ep = self._ep
+    async def _put(
+        self, namespace: NamespaceKey, pages: list[OutgoingPage], checksum: Checksums
+    ) -> PutOutcome:
+        ep = self._channel()
         # as a get: the plan's receive is posted first, and the request's send completion
         # is awaited with it; the pages are hashed meanwhile (the node usually wants them all)
         plan_arrives = started(self._recv_frame(P.PutPlan))
@@ -279,29 +336,53 @@ class NodeConnection(Connection):
             start += run
         for i, digest in zip(pos, copy_checksummed(packing, hash_source=True)):
             checksum.record(pages[i], digest)
-        sends = ep.post_frame(P.PutChecksums(checksums=np.array(checksum.of([pages[i] for i in wanted]), dtype=np.uint64)))
+        sends = ep.post_frame(
+            P.PutChecksums(
+                checksums=np.array(checksum.of([pages[i] for i in wanted]), dtype=np.uint64)
+            )
+        )
         sends.extend(ep.post_send(buf, P.DATA_TAG) for buf in bufs)
         sent = sum(buf.nbytes for buf in bufs)
         await asyncio.shield(asyncio.gather(*sends))
         result: P.PutResult = await result_arrives
         return PutOutcome(result.ints("stored"), plan.ints("present"), plan.ints("refused"), sent)
 
-    async def _get(self, namespace: NamespaceKey, hashes: list[bytes], sinks: list[Span], expected: list[int], probe: bool) -> GetOutcome:
-        ep = self._ep
+    async def _get(
+        self,
+        namespace: NamespaceKey,
+        hashes: list[bytes],
+        sinks: list[Span],
+        expected: list[int],
+        probe: bool,
+    ) -> GetOutcome:
+        ep = self._channel()
         # the plan's receive is posted before the request leaves, so the wait for the
         # request's send completion (about 1 ms through ucxx's threads) overlaps the node's work
         plan_arrives = started(self._recv_frame(P.GetPlan))
         await ep.send_frame(get_request(namespace, self.token, hashes, sinks, probe))
         plan: P.GetPlan = await plan_arrives
-        present, sizes, sums, runs = plan.ints("present"), plan.ints("sizes"), plan.ints("checksums"), plan.ints("runs")
-        if sum(runs) != len(present) or len(sizes) != len(present) or len(sums) != len(present) or any(not 0 <= i < len(hashes) for i in present):
+        present, sizes, sums, runs = (
+            plan.ints("present"),
+            plan.ints("sizes"),
+            plan.ints("checksums"),
+            plan.ints("runs"),
+        )
+        if (
+            sum(runs) != len(present)
+            or len(sizes) != len(present)
+            or len(sums) != len(present)
+            or any(not 0 <= i < len(hashes) for i in present)
+        ):
             raise ProtocolError(f"node {self.node.node_id} sent an inconsistent get plan")
         outcome = GetOutcome([], 0)
         starts = np.cumsum([0] + runs).tolist()
         # Receives are posted RECEIVES_AHEAD runs ahead (awaiting each before posting the
         # next cost a trip through ucxx's threads per run); each run is verified while
         # later ones arrive (UCX progresses in its own thread).
-        pending = [self._receive(ep, sinks, present, sizes, starts, r) for r in range(min(RECEIVES_AHEAD, len(runs)))]
+        pending = [
+            self._receive(ep, sinks, present, sizes, starts, r)
+            for r in range(min(RECEIVES_AHEAD, len(runs)))
+        ]
         for r in range(len(runs)):
             landed = await pending[r]
             if r + RECEIVES_AHEAD < len(runs):
@@ -312,7 +393,15 @@ class NodeConnection(Connection):
                     outcome.check(i, sums[k], expected[i], digest)
         return outcome
 
-    def _receive(self, ep: Channel, sinks: list[Span], present: list[int], sizes: list[int], starts: list[int], r: int) -> asyncio.Future:
+    def _receive(
+        self,
+        ep: Channel,
+        sinks: list[Span],
+        present: list[int],
+        sizes: list[int],
+        starts: list[int],
+        r: int,
+    ) -> asyncio.Future:
         """Post the receive of run ``r`` now (so receives are posted in run order): in
         place when its pages touch in the caller's memory, else through a scratch
         buffer scattered on arrival. The future gives the run's page checksums as they
@@ -322,7 +411,9 @@ class NodeConnection(Connection):
         spans = [sinks[i] for i in idx]
         fits = all(s.nbytes == size for s, size in zip(spans, sizes[starts[r] : starts[r + 1]]))
         if fits and adjacent(spans):
-            return started(_landed(ep.post_recv(joined(spans), P.DATA_TAG), None, spans))  # lands in place
+            return started(
+                _landed(ep.post_recv(joined(spans), P.DATA_TAG), None, spans)
+            )  # lands in place
         scratch = self._borrow(sum(sizes[starts[r] : starts[r + 1]]))
         return started(_landed(ep.post_recv(scratch, P.DATA_TAG), scratch, spans if fits else None))
 

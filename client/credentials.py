@@ -43,11 +43,11 @@ class CallRefusals:
         right = "read/write" if verb == "store" else "read"
         why = "; ".join(f"{r.node_id}: {r.code.value}: {r.message}" for r in refusals)
         raise CredentialError(
-            f"every node asked refused to {verb} pages of tenant {tenant!r} for this client's credentials ({why}). "
-            f"Pass the data-plane token the nodes accept, with {right} rights on tenant {tenant!r}: auth_token=... to the client, "
-            f"or KVSTORE_AUTH_TOKEN / KVSTORE_AUTH_TOKEN_FILE in the environment (read by the constructor for options not passed); "
-            f"`kvstore up` prints KVSTORE_AUTH_TOKEN_FILE=..., a tenant's token comes from the nodes' --credentials-file "
-            f"(docs/security.md)",
+            f"every node asked refused to {verb} pages of tenant {tenant!r} for this client's credentials "
+            f"({why}). Pass the data-plane token the nodes accept, with {right} rights on tenant {tenant!r}: "
+            f"auth_token=... to the client, or KVSTORE_AUTH_TOKEN / KVSTORE_AUTH_TOKEN_FILE in the environment "
+            f"(read by the constructor for options not passed); `kvstore up` prints KVSTORE_AUTH_TOKEN_FILE=..., "
+            f"a tenant's token comes from the nodes' --credentials-file (docs/security.md)",
             node_ids=sorted(asked),
             tenant=tenant,
             operation=verb,

@@ -18,7 +18,15 @@ import torch
 from client import KVCacheClient
 from kvstore import Namespace, block_hashes, sequence_hash
 
-DEMO_NAMESPACE = dict(model="demo/llama-3-8b-shaped", dtype="float16", num_layers=32, num_kv_heads=8, head_size=128, block_size=16, hidden_size=4096)
+DEMO_NAMESPACE = dict(
+    model="demo/llama-3-8b-shaped",
+    dtype="float16",
+    num_layers=32,
+    num_kv_heads=8,
+    head_size=128,
+    block_size=16,
+    hidden_size=4096,
+)
 
 
 def _seeded(h: bytes, *shape: int) -> torch.Tensor:
@@ -26,7 +34,9 @@ def _seeded(h: bytes, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=g).to(torch.float16)
 
 
-def synthetic_kv(ns: Namespace, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def synthetic_kv(
+    ns: Namespace, tokens: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """key, value ``[layers, tokens, heads, head]`` and hidden ``[tokens, hidden]``."""
     L, H, D, B = ns.num_layers, ns.num_kv_heads, ns.head_size, ns.block_size
     hashes = block_hashes(ns, tokens)
@@ -42,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m client.demo_worker")
     parser.add_argument("role", choices=["prefill", "decode"])
     parser.add_argument("--redis-url", required=True)
-    parser.add_argument("--tokens", required=True, help="comma-separated ranges start:stop; prefill: several prompts separated by ';'")
+    parser.add_argument(
+        "--tokens",
+        required=True,
+        help="comma-separated ranges start:stop; prefill: several prompts separated by ';'",
+    )
     args = parser.parse_args(argv)
     prompts: list[list[int]] = []
     for prompt in args.tokens.split(";"):
@@ -62,7 +76,13 @@ def main(argv: list[str] | None = None) -> int:
             for tokens in prompts:  # each prompt's KV made before its clock starts
                 key, value, hidden = synthetic_kv(ns, tokens)
                 t0 = time.perf_counter()
-                report = client.insert(torch.tensor(tokens), torch.ones(len(tokens), dtype=torch.bool), key, value, hidden)
+                report = client.insert(
+                    torch.tensor(tokens),
+                    torch.ones(len(tokens), dtype=torch.bool),
+                    key,
+                    value,
+                    hidden,
+                )
                 seconds += time.perf_counter() - t0
                 for name, count in asdict(report).items():
                     totals[name] = totals.get(name, 0) + count
@@ -73,11 +93,19 @@ def main(argv: list[str] | None = None) -> int:
             matched = 0 if got_roi is None else int(got_roi.sum())
             exact = matched == 0 or (
                 torch.equal(k.view(torch.uint8), key[:, :matched].contiguous().view(torch.uint8))
-                and torch.equal(v.view(torch.uint8), value[:, :matched].contiguous().view(torch.uint8))
+                and torch.equal(
+                    v.view(torch.uint8), value[:, :matched].contiguous().view(torch.uint8)
+                )
                 and (h is None or torch.equal(h.view(torch.uint8), hidden.view(torch.uint8)))
             )
-            out = {"tokens": len(tokens), "matched": matched, "hidden": h is not None, "exact": bool(exact),
-                   "seconds": seconds, "bytes": client.stats.bytes_received}
+            out = {
+                "tokens": len(tokens),
+                "matched": matched,
+                "hidden": h is not None,
+                "exact": bool(exact),
+                "seconds": seconds,
+                "bytes": client.stats.bytes_received,
+            }
     print(json.dumps(out), flush=True)
     return 0
 

@@ -30,13 +30,17 @@ class ReplicaFetcher:
     wrong bytes); a call that every node asked refused for the client's token raises
     ``CredentialError`` (``client.credentials``). Runs on the client's event loop."""
 
-    def __init__(self, nodes: NodeDirectory, stats: ClientStats, namespace: NamespaceKey, timeout: float) -> None:
+    def __init__(
+        self, nodes: NodeDirectory, stats: ClientStats, namespace: NamespaceKey, timeout: float
+    ) -> None:
         self._nodes = nodes
         self._stats = stats
         self._namespace = namespace
         self._timeout = timeout
 
-    async def fetch(self, hashes: list[bytes], locations: list[list[PageLocation]], sinks: list[Span]) -> list[bool]:
+    async def fetch(
+        self, hashes: list[bytes], locations: list[list[PageLocation]], sinks: list[Span]
+    ) -> list[bool]:
         """Fetch page i of ``hashes`` from its replicas ``locations[i]`` into ``sinks[i]``;
         per page, whether it arrived intact."""
         deadline = time.monotonic() + self._timeout
@@ -51,33 +55,70 @@ class ReplicaFetcher:
             if not per_node or remaining <= 0:
                 break
             asked.update(per_node)
-            await asyncio.gather(*(self._get_on(nodes[n], idx, hashes, locations, sinks, ok, remaining, refusals) for n, idx in per_node.items()))
+            await asyncio.gather(
+                *(
+                    self._get_on(nodes[n], idx, hashes, locations, sinks, ok, remaining, refusals)
+                    for n, idx in per_node.items()
+                )
+            )
             if all(ok):
                 break
         refusals.raise_if_all(asked)
         return ok
 
-    def _next_round(self, hashes: list[bytes], locations: list[list[PageLocation]], ok: list[bool], tried: list[set[str]],
-                    nodes: dict[str, NodeInfo]) -> dict[str, list[int]]:
+    def _next_round(
+        self,
+        hashes: list[bytes],
+        locations: list[list[PageLocation]],
+        ok: list[bool],
+        tried: list[set[str]],
+        nodes: dict[str, NodeInfo],
+    ) -> dict[str, list[int]]:
         """Per node, the pages still missing whose preferred untried replica it holds."""
         per_node: dict[str, list[int]] = defaultdict(list)
         for i, locs in enumerate(locations[: len(hashes)]):
             if ok[i]:
                 continue
-            choice = next((loc for loc in self._nodes.prefer(hashes[i], locs) if loc.node_id not in tried[i] and loc.node_id in nodes), None)
+            choice = next(
+                (
+                    loc
+                    for loc in self._nodes.prefer(hashes[i], locs)
+                    if loc.node_id not in tried[i] and loc.node_id in nodes
+                ),
+                None,
+            )
             if choice is not None:
                 tried[i].add(choice.node_id)
                 per_node[choice.node_id].append(i)
         return per_node
 
-    async def _get_on(self, node: NodeInfo, idx: list[int], hashes: list[bytes], locations: list[list[PageLocation]], sinks: list[Span],
-                      ok: list[bool], seconds: float, refusals: CallRefusals) -> None:
+    async def _get_on(
+        self,
+        node: NodeInfo,
+        idx: list[int],
+        hashes: list[bytes],
+        locations: list[list[PageLocation]],
+        sinks: list[Span],
+        ok: list[bool],
+        seconds: float,
+        refusals: CallRefusals,
+    ) -> None:
         """Get pages ``idx`` from ``node`` into their sinks, marking in ``ok`` those that
         arrived intact; a node that fails is suspected, its pages stay missing."""
-        expected = [next(loc.checksum for loc in locations[i] if loc.node_id == node.node_id) for i in idx]
+        expected = [
+            next(loc.checksum for loc in locations[i] if loc.node_id == node.node_id) for i in idx
+        ]
         try:
             got, conn = await self._nodes.on_node(
-                node, lambda c: c.get(self._namespace, [hashes[i] for i in idx], [sinks[i] for i in idx], expected, seconds))
+                node,
+                lambda c: c.get(
+                    self._namespace,
+                    [hashes[i] for i in idx],
+                    [sinks[i] for i in idx],
+                    expected,
+                    seconds,
+                ),
+            )
         except NodeRefusedError as exc:
             if exc.credentials:
                 refusals.add(exc)
@@ -97,14 +138,20 @@ class ReplicaFetcher:
             self._stats.same_host_transfers += 1
 
 
-def unit_requests(rank: RankUnits, hashes: list[bytes], result: LookupResult, blocks: slice) -> tuple[list[bytes], list[list[PageLocation]]]:
+def unit_requests(
+    rank: RankUnits, hashes: list[bytes], result: LookupResult, blocks: slice
+) -> tuple[list[bytes], list[list[PageLocation]]]:
     """The keys and replicas of ``rank``'s units of ``blocks``, unit by unit
     (``heads.unit_hashes``)."""
     count, first = rank.count, rank.first
     keys_ = heads.unit_hashes(hashes[blocks], first, count)
     if count == 1:
         return keys_, result.locations[blocks]
-    locations = [[loc for loc in locs if loc.unit == j] for j in range(count) for locs in result.locations[blocks]]
+    locations = [
+        [loc for loc in locs if loc.unit == j]
+        for j in range(count)
+        for locs in result.locations[blocks]
+    ]
     return keys_, locations
 
 
@@ -116,4 +163,5 @@ def leading(ok: list[bool]) -> int:
 def whole_blocks(ok: list[bool], count: int, blocks: int) -> int:
     """How many leading blocks arrived whole: every one of their ``count`` units, which
     ``ok`` lists unit by unit (``heads.unit_hashes``)."""
-    return leading(np.array(ok[: count * blocks], dtype=bool).reshape(count, blocks).all(axis=0).tolist())
+    whole = np.array(ok[: count * blocks], dtype=bool).reshape(count, blocks).all(axis=0)
+    return blocks if whole.all() else int(np.argmin(whole))

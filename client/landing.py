@@ -13,8 +13,9 @@ both the client's gets (``client.reads``) and the vLLM worker's loads
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum
-from typing import Callable, Literal, TypeVar
+from typing import Literal, TypeVar
 
 from kvstore.errors import InvalidInputError
 from kvstore.pages.heads import RankUnits
@@ -29,7 +30,9 @@ class Landing(Enum):
     UNITS = "units"
 
 
-def choose_landing(heads: RankUnits, in_place: Callable[[], Spans | None]) -> tuple[Landing, Spans | None]:
+def choose_landing(
+    heads: RankUnits, in_place: Callable[[], Spans | None]
+) -> tuple[Landing, Spans | None]:
     """How pages of a get land (see the module docstring), and with ``IN_PLACE`` the
     destination's spans to land in. ``in_place`` gives the destination's own spans, or
     None where it cannot take pages in place; it is asked only when whole pages land
@@ -55,6 +58,7 @@ def lands_in_place(device_type: str, transfer_mode: TransferMode) -> bool:
     if transfer_mode == "direct":
         raise InvalidInputError(
             f"transfer_mode='direct' into {device_type} memory is not offered: a page received there cannot be "
-            "checked against its checksum; use 'auto' or 'staged' (pinned host memory, checked, then one copy to the device)"
+            "checked against its checksum; use 'auto' or 'staged' (pinned host memory, checked, "
+            "then one copy to the device)"
         )
     return False

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from client.nodes import NodeDirectory
 from client.registration import NamespaceRegistration
@@ -69,8 +70,15 @@ class PrefixLookup:
     shorter prefix when one shard failed after others answered. The async methods run
     on the client's event loop; ``find_blocking`` in any thread."""
 
-    def __init__(self, index: AsyncPageIndex, storage: Namespace, heads: RankUnits, nodes: NodeDirectory,
-                 registration: NamespaceRegistration, stats: ClientStats) -> None:
+    def __init__(
+        self,
+        index: AsyncPageIndex,
+        storage: Namespace,
+        heads: RankUnits,
+        nodes: NodeDirectory,
+        registration: NamespaceRegistration,
+        stats: ClientStats,
+    ) -> None:
         self._index = index
         self._storage = storage
         self._units = (heads.first, heads.count)
@@ -82,7 +90,9 @@ class PrefixLookup:
     def chain_hashes(self, token_ids: Any, identity: Identity = None) -> bytes:
         """The storage chain hashes of ``token_ids``' full blocks, joined, under
         ``identity`` (``kvstore.pages.identity``)."""
-        return block_hash_bytes(self._storage, token_ids, resolve(identity, self._storage.block_size, len(token_ids)))
+        return block_hash_bytes(
+            self._storage, token_ids, resolve(identity, self._storage.block_size, len(token_ids))
+        )
 
     async def find(self, token_ids: Any, identity: Identity = None) -> StoredPrefix | None:
         """The stored prefix of ``token_ids`` (None on an index fault), registering the
@@ -90,7 +100,9 @@ class PrefixLookup:
         joined = self.chain_hashes(token_ids, identity)
         return self._prefix(joined, await self.lookup(joined) if joined else LookupResult.empty())
 
-    def find_blocking(self, index: PageIndex, token_ids: Any, nodes: list[NodeInfo], identity: Identity = None) -> StoredPrefix | None:
+    def find_blocking(
+        self, index: PageIndex, token_ids: Any, nodes: list[NodeInfo], identity: Identity = None
+    ) -> StoredPrefix | None:
         """``find`` in the caller's thread over ``index`` (its reads bound its wait),
         against ``nodes`` (``NodeDirectory.fresh``), for a registered namespace."""
         joined = self.chain_hashes(token_ids, identity)
@@ -99,34 +111,51 @@ class PrefixLookup:
         try:
             found = self._ask(index, joined, ())
         except (RemoteFault, IndexScriptError) as exc:
-            return self._failed(exc)
+            self._failed(exc)
+            return None
         return self._prefix(joined, self._resolve(found, nodes))
 
-    async def lookup(self, hashes: list[bytes] | bytes, breaks: Sequence[int] = ()) -> LookupResult | None:
+    async def lookup(
+        self, hashes: list[bytes] | bytes, breaks: Sequence[int] = ()
+    ) -> LookupResult | None:
         """The index's answer for ``hashes`` (chains start at 0 and at each of
         ``breaks``) with replicas of stale incarnations dropped; None on an index fault."""
         await self._registration.ensure()
         try:
             found = await self._ask(self._index, hashes, breaks)
         except (RemoteFault, IndexScriptError) as exc:
-            return self._failed(exc)
+            self._failed(exc)
+            return None
         return self._resolve(found, await self._nodes.current())
 
     def stored_prefix(self, joined: bytes, result: LookupResult) -> StoredPrefix:
         """What ``find`` returns for the lookup of ``joined`` that gave ``result``."""
         units = self._units
-        return StoredPrefix(self._storage.digest_hex, self._storage.block_size, joined[: HASH_BYTES * result.matched], units, result,
-                            time.time(), self._index.lease_ms)
+        return StoredPrefix(
+            self._storage.digest_hex,
+            self._storage.block_size,
+            joined[: HASH_BYTES * result.matched],
+            units,
+            result,
+            time.time(),
+            self._index.lease_ms,
+        )
 
     def check_found(self, found: StoredPrefix) -> None:
         """Raise unless ``found`` is of this client's storage namespace and covers the
         head groups this rank reads."""
         if found.storage != self._storage.digest_hex:
-            raise InvalidInputError(f"found in storage namespace {found.storage[:12]}..., this client reads {self._storage.digest_hex[:12]}...")
+            raise InvalidInputError(
+                f"found in storage namespace {found.storage[:12]}..., "
+                f"this client reads {self._storage.digest_hex[:12]}..."
+            )
         first, count = found.units
         mine = self._heads
         if not (first <= mine.first and mine.first + mine.count <= first + count):
-            raise InvalidInputError(f"found for head groups {first}..{first + count - 1}, this rank reads {mine.first}..{mine.first + mine.count - 1}")
+            raise InvalidInputError(
+                f"found for head groups {first}..{first + count - 1}, "
+                f"this rank reads {mine.first}..{mine.first + mine.count - 1}"
+            )
 
     async def found_result(self, found: StoredPrefix) -> LookupResult | None:
         """``found``'s replicas of this rank's head groups while at most half its read
@@ -138,7 +167,9 @@ class PrefixLookup:
         self._stats.stale_finds += 1
         return await self.lookup(found.joined)
 
-    def _ask(self, index: PageIndex | AsyncPageIndex, hashes: list[bytes] | bytes, breaks: Sequence[int]) -> Any:
+    def _ask(
+        self, index: PageIndex | AsyncPageIndex, hashes: list[bytes] | bytes, breaks: Sequence[int]
+    ) -> Any:
         """The index call of a lookup: its answer, or an awaitable of it for the async index."""
         self._stats.lookups += 1
         return index.lookup(self._storage, hashes, breaks=breaks, units=self._units)
@@ -155,16 +186,21 @@ class PrefixLookup:
         breaker opens on it."""
         if found.unavailable is not None:
             if found.covered == 0:
-                return self._failed(found.unavailable)
+                self._failed(found.unavailable)
+                return None
             self._stats.index_errors += 1
-            log.warning("an index shard failed, the prefix ends before its segments: %s", found.unavailable)
+            log.warning(
+                "an index shard failed, the prefix ends before its segments: %s", found.unavailable
+            )
         return found.resolve(nodes)
 
     def _failed(self, exc: KVStoreError) -> None:
         """A lookup the index could not answer: counted and logged, a miss (None)."""
         if isinstance(exc, IndexScriptError):
             self._stats.index_script_errors += 1
-            log.error("the index rejected a lookup (a bug, not a fault), counting as a miss: %s", exc)
+            log.error(
+                "the index rejected a lookup (a bug, not a fault), counting as a miss: %s", exc
+            )
         else:
             self._stats.index_errors += 1
             log.warning("lookup failed, counting as a miss: %s", exc)

@@ -13,7 +13,12 @@ from typing import Any
 import numpy as np
 
 from client.buffers import Span
-from client.connection import ClosedBeforeUseError, NodeConnection, NodeRefusedError, SameHostUnavailableError
+from client.connection import (
+    ClosedBeforeUseError,
+    NodeConnection,
+    NodeRefusedError,
+    SameHostUnavailableError,
+)
 from client.placement import rank_nodes
 from client.shm_connection import ShmConnection
 from client.stats import ClientStats
@@ -45,7 +50,15 @@ class NodeDirectory:
     ``start`` (the client's start, on its loop) begins the background reads; ``ucxx``
     is set by the client's start too."""
 
-    def __init__(self, index: AsyncPageIndex, stats: ClientStats, *, token: str, same_host: bool, refresh: float) -> None:
+    def __init__(
+        self,
+        index: AsyncPageIndex,
+        stats: ClientStats,
+        *,
+        token: str,
+        same_host: bool,
+        refresh: float,
+    ) -> None:
         self.index = index
         self.stats = stats
         self.ucxx: Any = None
@@ -55,7 +68,9 @@ class NodeDirectory:
         self._stale_after = 2 * refresh
         # replaced whole, never mutated: other threads read them without a lock
         self._nodes: list[NodeInfo] = []
-        self._nodes_at: float | None = None  # monotonic time of the read that gave _nodes; None before the first
+        self._nodes_at: float | None = (
+            None  # monotonic time of the read that gave _nodes; None before the first
+        )
         self._read_failed = False  # the last background read of the registry failed
         self._used_at = time.monotonic()
         self._dormant = False  # the background reads wait for a call (the client was idle)
@@ -66,7 +81,9 @@ class NodeDirectory:
         self._shm_failed: dict[str, str] = {}  # node id -> incarnation whose Unix socket failed
         self._suspect: dict[str, float] = {}  # node id -> skipped until (monotonic)
         self._strikes: dict[str, int] = {}  # node id -> failures since its last success
-        self.refused_at_start: dict[str, str] = {}  # node id -> why it refused this client's token at start
+        self.refused_at_start: dict[
+            str, str
+        ] = {}  # node id -> why it refused this client's token at start
 
     def start(self) -> None:
         """Loop thread (client start): begin reading the registry in the background."""
@@ -125,7 +142,9 @@ class NodeDirectory:
     def touch(self) -> None:
         """Any thread: the client is in use; background reads resume if they had stopped."""
         self._used_at = time.monotonic()
-        if self._dormant:  # read after _used_at is written: _keep_fresh writes _dormant before reading _used_at
+        if (
+            self._dormant
+        ):  # read after _used_at is written: _keep_fresh writes _dormant before reading _used_at
             self._wake_reader()
 
     def _wake_reader(self) -> None:
@@ -159,7 +178,9 @@ class NodeDirectory:
             nodes = await self.index.live_nodes()
         except RemoteFault as exc:
             if not self._read_failed:
-                log.warning("cannot list nodes (using the last list until the registry answers): %s", exc)
+                log.warning(
+                    "cannot list nodes (using the last list until the registry answers): %s", exc
+                )
             self._read_failed = True
             return
         if self._nodes_at is None or at > self._nodes_at:
@@ -179,7 +200,9 @@ class NodeDirectory:
     async def _connect(self, node: NodeInfo, timeout: float, namespace: NamespaceKey) -> None:
         probe = Span(np.zeros(1, dtype=np.uint8), 0, 1)
         try:
-            await self.on_node(node, lambda c: c.get(namespace, [bytes(16)], [probe], [0], timeout, probe=True))
+            await self.on_node(
+                node, lambda c: c.get(namespace, [bytes(16)], [probe], [0], timeout, probe=True)
+            )
         except NodeRefusedError as exc:
             if exc.credentials:  # what a caller's start line reports (KVCacheClient.start_status)
                 self.refused_at_start[node.node_id] = exc.message
@@ -190,15 +213,22 @@ class NodeDirectory:
     def prefer(self, page_hash: bytes, locs: list[PageLocation]) -> list[PageLocation]:
         """A page's replicas in the order to try them: healthy nodes first, each group in
         rendezvous order (so readers of a page agree on a node and its cache stays warm)."""
-        order = {n: r for r, n in enumerate(rank_nodes(page_hash, [l.node_id for l in locs]))}
-        return sorted(locs, key=lambda l: (l.node_id in self._suspect, order[l.node_id]))
+        order = {n: r for r, n in enumerate(rank_nodes(page_hash, [loc.node_id for loc in locs]))}
+        return sorted(locs, key=lambda loc: (loc.node_id in self._suspect, order[loc.node_id]))
 
     def _conn(self, node: NodeInfo) -> NodeConnection | ShmConnection:
         """The connection to ``node``: shared memory when it runs on this host (same
         kernel) and its Unix socket has not failed for this incarnation, else UCX."""
         conn = self._conns.get(node.node_id)
-        if conn is None or conn.broken or conn.node.address != node.address or conn.node.incarnation != node.incarnation:
-            same_host = self.same_host and node.extra.get("shm") and node.extra.get("host") == host_id()
+        if (
+            conn is None
+            or conn.broken
+            or conn.node.address != node.address
+            or conn.node.incarnation != node.incarnation
+        ):
+            same_host = (
+                self.same_host and node.extra.get("shm") and node.extra.get("host") == host_id()
+            )
             if same_host and self._shm_failed.get(node.node_id) != node.incarnation:
                 conn = ShmConnection(node, self._token)
             else:
@@ -206,7 +236,9 @@ class NodeDirectory:
             self._conns[node.node_id] = conn
         return conn
 
-    async def on_node(self, node: NodeInfo, work: Any) -> tuple[Any, NodeConnection | ShmConnection]:
+    async def on_node(
+        self, node: NodeInfo, work: Any
+    ) -> tuple[Any, NodeConnection | ShmConnection]:
         """``await work(conn)`` on the connection to ``node``. When the node's Unix socket
         cannot be reached from here (a directory not shared with this container, say),
         the same call goes over UCX, as does every later one to this incarnation: a
@@ -229,7 +261,9 @@ class NodeDirectory:
         self.stats.node_errors += 1
         strikes = self._strikes.get(node_id, 0) + 1
         self._strikes[node_id] = strikes
-        self._suspect[node_id] = time.monotonic() + min(SUSPECT_FIRST * 2 ** (strikes - 1), SUSPECT_MAX)
+        self._suspect[node_id] = time.monotonic() + min(
+            SUSPECT_FIRST * 2 ** (strikes - 1), SUSPECT_MAX
+        )
         if self._wake is not None:
             self._wake.set()  # read the registry now: the node may have gone
         log.warning("node %s failed, its pages count as missing: %s", node_id, exc)

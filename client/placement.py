@@ -10,7 +10,9 @@ import hashlib
 
 
 def _score(node_id: str, page_hash: bytes) -> int:
-    return int.from_bytes(hashlib.blake2b(node_id.encode() + page_hash, digest_size=8).digest(), "little")
+    return int.from_bytes(
+        hashlib.blake2b(node_id.encode() + page_hash, digest_size=8).digest(), "little"
+    )
 
 
 def rank_nodes(page_hash: bytes, node_ids: list[str]) -> list[str]:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 
@@ -57,7 +57,12 @@ class Outgoing:
     positions: list[int]
 
     def __add__(self, other: Outgoing) -> Outgoing:
-        return Outgoing(self.hashes + other.hashes, self.spans + other.spans, self.anchors + other.anchors, self.positions + other.positions)
+        return Outgoing(
+            self.hashes + other.hashes,
+            self.spans + other.spans,
+            self.anchors + other.anchors,
+            self.positions + other.positions,
+        )
 
 
 class Publisher:
@@ -67,8 +72,17 @@ class Publisher:
     count as refused; a call that every node asked refused for the client's token
     raises ``CredentialError``. Runs on the client's event loop."""
 
-    def __init__(self, nodes: NodeDirectory, registration: NamespaceRegistration, stats: ClientStats, namespace: Namespace,
-                 rank: heads.RankUnits, *, replicas: int, timeout: float) -> None:
+    def __init__(
+        self,
+        nodes: NodeDirectory,
+        registration: NamespaceRegistration,
+        stats: ClientStats,
+        namespace: Namespace,
+        rank: heads.RankUnits,
+        *,
+        replicas: int,
+        timeout: float,
+    ) -> None:
         self._nodes = nodes
         self._registration = registration
         self._stats = stats
@@ -86,17 +100,31 @@ class Publisher:
         rank = self._rank
         if not rank.whole:
             ns = self._namespace
-            raise InvalidInputError(f"this rank holds part of a head group ({ns.groups} groups of {ns.group_heads} heads for tp_size {ns.tp_size}): "
-                                    f"it can read pages but not {verb} them; use head_groups of at least tp_size")
+            raise InvalidInputError(
+                f"this rank holds part of a head group ({ns.groups} groups of {ns.group_heads} heads "
+                f"for tp_size {ns.tp_size}): "
+                f"it can read pages but not {verb} them; use head_groups of at least tp_size"
+            )
         anchors, positions = keys.placement(hashes)
-        return Outgoing(heads.unit_hashes(hashes, rank.first, rank.count), [], anchors * rank.count, positions * rank.count)
+        return Outgoing(
+            heads.unit_hashes(hashes, rank.first, rank.count),
+            [],
+            anchors * rank.count,
+            positions * rank.count,
+        )
 
     def units(self, hashes: list[bytes], pages: torch.Tensor) -> Outgoing:
         """What ``put_pages`` publishes of this rank's host ``pages`` of blocks
         ``hashes``: its units' keys and bytes, unit by unit (``heads.split``)."""
         out = self.unit_keys(hashes, "store")
-        units = pages.contiguous() if self._rank.identity else heads.split(self._namespace, pages, self._rank)
-        spans = page_spans(host_bytes(units), len(hashes) * self._rank.count, self._namespace.unit_nbytes)
+        units = (
+            pages.contiguous()
+            if self._rank.identity
+            else heads.split(self._namespace, pages, self._rank)
+        )
+        spans = page_spans(
+            host_bytes(units), len(hashes) * self._rank.count, self._namespace.unit_nbytes
+        )
         return Outgoing(out.hashes, spans, out.anchors, out.positions)
 
     async def publish(self, out: Outgoing) -> PublishReport:
@@ -108,22 +136,38 @@ class Publisher:
         if not nodes or not hashes:
             self._stats.pages_refused += len(hashes)
             return PublishReport(0, 0, 0, len(hashes), 0)
-        pages = [OutgoingPage(h, out.spans[i], i, out.anchors[i], out.positions[i]) for i, h in enumerate(hashes)]
+        pages = [
+            OutgoingPage(h, out.spans[i], i, out.anchors[i], out.positions[i])
+            for i, h in enumerate(hashes)
+        ]
         checksum = ChecksumOnce()
         per_node: dict[str, list[int]] = defaultdict(list)
         for i, h in enumerate(hashes):
             for node_id in place(h, list(nodes), self._replicas):
                 per_node[node_id].append(i)
         refusals = CallRefusals(self._stats, self._key.tenant, "store")
-        outcomes = await asyncio.gather(*(self._put_on(nodes[n], [pages[i] for i in idx], checksum, refusals) for n, idx in per_node.items()))
+        outcomes = await asyncio.gather(
+            *(
+                self._put_on(nodes[n], [pages[i] for i in idx], checksum, refusals)
+                for n, idx in per_node.items()
+            )
+        )
         refusals.raise_if_all(set(per_node))
         return self._tally(len(hashes), zip(per_node.values(), outcomes))
 
-    async def _put_on(self, node: NodeInfo, pages: list[OutgoingPage], checksum: ChecksumOnce, refusals: CallRefusals) -> PutOutcome | None:
+    async def _put_on(
+        self,
+        node: NodeInfo,
+        pages: list[OutgoingPage],
+        checksum: ChecksumOnce,
+        refusals: CallRefusals,
+    ) -> PutOutcome | None:
         """Put ``pages`` on ``node``; the node's outcome, or None when it failed or
         refused (a node that lost the namespace gets it registered again)."""
         try:
-            outcome, conn = await self._nodes.on_node(node, lambda c: c.put(self._key, pages, checksum, self._timeout))
+            outcome, conn = await self._nodes.on_node(
+                node, lambda c: c.put(self._key, pages, checksum, self._timeout)
+            )
         except NodeRefusedError as exc:
             if exc.credentials:
                 refusals.add(exc)
@@ -143,7 +187,9 @@ class Publisher:
             self._stats.same_host_transfers += 1
         return outcome
 
-    def _tally(self, total: int, outcomes: Iterable[tuple[list[int], PutOutcome | None]]) -> PublishReport:
+    def _tally(
+        self, total: int, outcomes: Iterable[tuple[list[int], PutOutcome | None]]
+    ) -> PublishReport:
         """A put's report from each node's outcome (``(indexes, outcome)`` pairs)."""
         held: set[int] = set()
         sent = skipped = nbytes = 0
@@ -190,7 +236,10 @@ class ChecksumOnce:
                 break
             todo.append(page)
             nbytes += page.span.nbytes
-        return HashAhead([p.span.view() for p in todo], lambda k, digest: self._memo.setdefault(todo[k].index, digest))
+        return HashAhead(
+            [p.span.view() for p in todo],
+            lambda k, digest: self._memo.setdefault(todo[k].index, digest),
+        )
 
     def record(self, page: OutgoingPage, digest: int) -> None:
         """A checksum computed while the page was packed (UCX puts of scattered pages)."""

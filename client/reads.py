@@ -30,8 +30,16 @@ class PageReader:
     verified by checksum; a block that did not arrive whole ends the prefix, and rows
     past it are unspecified. Runs on the client's event loop."""
 
-    def __init__(self, lookups: PrefixLookup, fetcher: ReplicaFetcher, namespace: Namespace, rank: RankUnits, stats: ClientStats,
-                 buffers: HostBuffers, transfer_mode: TransferMode) -> None:
+    def __init__(
+        self,
+        lookups: PrefixLookup,
+        fetcher: ReplicaFetcher,
+        namespace: Namespace,
+        rank: RankUnits,
+        stats: ClientStats,
+        buffers: HostBuffers,
+        transfer_mode: TransferMode,
+    ) -> None:
         self._lookups = lookups
         self._fetcher = fetcher
         self._ns = namespace
@@ -44,7 +52,9 @@ class PageReader:
         """Bytes of this rank's head-group units of ``blocks`` blocks."""
         return blocks * self._rank.count * self._ns.unit_nbytes
 
-    async def get_pages(self, token_ids: Any, out: torch.Tensor, start_block: int, identity: Identity) -> int:
+    async def get_pages(
+        self, token_ids: Any, out: torch.Tensor, start_block: int, identity: Identity
+    ) -> int:
         """``AsyncKVCacheClient.get_pages``: a lookup, then its blocks into ``out``."""
         hashes = split_hashes(self._lookups.chain_hashes(token_ids, identity))
         if not self._fetchable(out, len(hashes), start_block):
@@ -56,9 +66,13 @@ class PageReader:
         self._lookups.check_found(found)
         if not self._fetchable(out, found.blocks, start_block):
             return 0
-        return await self._get(split_hashes(found.joined), await self._lookups.found_result(found), out, start_block)
+        return await self._get(
+            split_hashes(found.joined), await self._lookups.found_result(found), out, start_block
+        )
 
-    async def get_found_units(self, found: StoredPrefix, buf: torch.Tensor, start_block: int) -> tuple[torch.Tensor, int]:
+    async def get_found_units(
+        self, found: StoredPrefix, buf: torch.Tensor, start_block: int
+    ) -> tuple[torch.Tensor, int]:
         """``AsyncKVCacheClient.get_found_units``: ``found``'s units into ``buf``."""
         self._lookups.check_found(found)
         ns, count = self._ns, self._rank.count
@@ -66,29 +80,45 @@ class PageReader:
         m = found.blocks - start_block
         flat = host_bytes(buf) if m > 0 else None
         if flat is not None and flat.size < self.units_nbytes(m):
-            raise InvalidInputError(f"buf holds {flat.size} bytes; {m} blocks of {count} units need {self.units_nbytes(m)}")
+            raise InvalidInputError(
+                f"buf holds {flat.size} bytes; {m} blocks of {count} units need {self.units_nbytes(m)}"
+            )
         result = await self._lookups.found_result(found) if flat is not None else None
         if flat is None or not result or result.matched <= start_block:
             return torch.empty((count, 0, *ns.unit_shape), dtype=ns.torch_dtype()), 0
-        return await self.fetch_units(split_hashes(found.joined), result, start_block, torch.from_numpy(flat))
+        return await self.fetch_units(
+            split_hashes(found.joined), result, start_block, torch.from_numpy(flat)
+        )
 
     async def get_found_into(self, found: StoredPrefix, sinks: list[Span], start_block: int) -> int:
         """``AsyncKVCacheClient.get_found_into``: ``found``'s pages into ``sinks``."""
         self._lookups.check_found(found)
         if not self._rank.identity:
-            raise InvalidInputError("get_found_into needs a rank whose pages are whole head-group units; use get_found_units")
+            raise InvalidInputError(
+                "get_found_into needs a rank whose pages are whole head-group units; use get_found_units"
+            )
         _check_start(start_block)
         if len(sinks) < found.blocks - start_block:
             raise InvalidInputError(f"{len(sinks)} sinks for {found.blocks - start_block} blocks")
         if any(s.nbytes != self._ns.page_nbytes for s in sinks):
-            raise InvalidInputError(f"every sink must hold one page of {self._ns.page_nbytes} bytes")
+            raise InvalidInputError(
+                f"every sink must hold one page of {self._ns.page_nbytes} bytes"
+            )
         result = await self._lookups.found_result(found) if found.blocks > start_block else None
         if not result or result.matched <= start_block:
             return 0
-        return await self._fetch_into(split_hashes(found.joined), result, start_block, sinks[: result.matched - start_block])
+        return await self._fetch_into(
+            split_hashes(found.joined), result, start_block, sinks[: result.matched - start_block]
+        )
 
-    async def fetch_units(self, hashes: list[bytes], result: LookupResult, start_block: int, buf: torch.Tensor,
-                          end: int | None = None) -> tuple[torch.Tensor, int]:
+    async def fetch_units(
+        self,
+        hashes: list[bytes],
+        result: LookupResult,
+        start_block: int,
+        buf: torch.Tensor,
+        end: int | None = None,
+    ) -> tuple[torch.Tensor, int]:
         """Fetch this rank's units of blocks ``start_block`` to ``end`` (``result.matched``
         when None) into the uint8 host tensor ``buf``: the units ``[count, m, *unit_shape]``
         and how many leading blocks arrived whole."""
@@ -96,7 +126,9 @@ class PageReader:
         ns, count, m = self._ns, self._rank.count, end - start_block
         units = buf[: self.units_nbytes(m)].view(ns.torch_dtype()).view(count, m, *ns.unit_shape)
         requests = unit_requests(self._rank, hashes, result, slice(start_block, end))
-        ok = await self._fetcher.fetch(*requests, page_spans(host_bytes(units), m * count, ns.unit_nbytes))
+        ok = await self._fetcher.fetch(
+            *requests, page_spans(host_bytes(units), m * count, ns.unit_nbytes)
+        )
         return units, whole_blocks(ok, count, m)
 
     def in_place_spans(self, out: torch.Tensor, blocks: slice) -> list[Span] | None:
@@ -112,7 +144,9 @@ class PageReader:
         _check_start(start_block)
         return start_block < blocks
 
-    async def _get(self, hashes: list[bytes], result: LookupResult | None, out: torch.Tensor, start_block: int) -> int:
+    async def _get(
+        self, hashes: list[bytes], result: LookupResult | None, out: torch.Tensor, start_block: int
+    ) -> int:
         """Fetch blocks ``start_block`` to ``result.matched`` of ``hashes`` into ``out``;
         the tokens of the prefix that arrived (see ``get_pages``)."""
         if not result or result.matched <= start_block:
@@ -124,15 +158,22 @@ class PageReader:
             self._stats.direct_transfers += 1
             return await self._fetch_into(hashes, result, start_block, spans or [])
         self._stats.staged_transfers += 1
-        if landing is Landing.UNITS:  # head groups land in staging and are merged into the rank's pages
+        if (
+            landing is Landing.UNITS
+        ):  # head groups land in staging and are merged into the rank's pages
             staging = torch.from_numpy(self._buffers.take(self.units_nbytes(n - start_block)))
             units, blocks = await self.fetch_units(hashes, result, start_block, staging)
             if blocks:
-                heads.merge(self._ns, units[:, :blocks], out[start_block : start_block + blocks], self._rank)
+                heads.merge(
+                    self._ns, units[:, :blocks], out[start_block : start_block + blocks], self._rank
+                )
             self._buffers.give(staging)  # not when cancelled: a transfer may still be landing in it
             return (start_block + blocks) * block_size
         staging = torch.from_numpy(self._buffers.take((n - start_block) * nbytes))
-        ok = await self._fetcher.fetch(*unit_requests(self._rank, hashes, result, wanted), page_spans(staging.numpy(), n - start_block, nbytes))
+        ok = await self._fetcher.fetch(
+            *unit_requests(self._rank, hashes, result, wanted),
+            page_spans(staging.numpy(), n - start_block, nbytes),
+        )
         got = leading(ok)
         if got:
             flat = out.reshape(-1).view(torch.uint8)
@@ -140,10 +181,14 @@ class PageReader:
         self._buffers.give(staging)  # not when cancelled: a transfer may still be landing in it
         return (start_block + got) * block_size
 
-    async def _fetch_into(self, hashes: list[bytes], result: LookupResult, start_block: int, spans: list[Span]) -> int:
+    async def _fetch_into(
+        self, hashes: list[bytes], result: LookupResult, start_block: int, spans: list[Span]
+    ) -> int:
         """Fetch whole pages of blocks ``start_block`` to ``result.matched`` into ``spans``
         (one per block); the tokens of the prefix that arrived."""
-        ok = await self._fetcher.fetch(*unit_requests(self._rank, hashes, result, slice(start_block, result.matched)), spans)
+        ok = await self._fetcher.fetch(
+            *unit_requests(self._rank, hashes, result, slice(start_block, result.matched)), spans
+        )
         return (start_block + leading(ok)) * self._ns.block_size
 
 

@@ -48,8 +48,16 @@ class LookupBuffer:
     reads part of a head group receives units into a buffer and merges them. Runs on
     the client's event loop."""
 
-    def __init__(self, namespace: Namespace, rank: heads.RankUnits, lookups: PrefixLookup, publisher: Publisher,
-                 fetcher: ReplicaFetcher, reader: PageReader, buffers: HostBuffers) -> None:
+    def __init__(
+        self,
+        namespace: Namespace,
+        rank: heads.RankUnits,
+        lookups: PrefixLookup,
+        publisher: Publisher,
+        fetcher: ReplicaFetcher,
+        reader: PageReader,
+        buffers: HostBuffers,
+    ) -> None:
         self.namespace = namespace
         self._storage = namespace.storage
         self.heads = rank
@@ -59,8 +67,16 @@ class LookupBuffer:
         self._reader = reader
         self._buffers = buffers
 
-    async def insert(self, input_tokens: Any, roi: Any, key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor | None = None, *,
-                     identity: Identity = None) -> PublishReport:
+    async def insert(
+        self,
+        input_tokens: Any,
+        roi: Any,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        hidden: torch.Tensor | None = None,
+        *,
+        identity: Identity = None,
+    ) -> PublishReport:
         """Store the KV of the tokens ``roi`` marks (a prefix of ``input_tokens``).
 
         Full blocks become shared, deduplicated pages; the trailing partial block and
@@ -71,18 +87,26 @@ class LookupBuffer:
         T = len(tokens)
         ns = self.namespace
         self._whole_model("insert")
-        key, value, hidden = (_token_prefix(t, T, n_all, dim) for t, dim in ((key, 1), (value, 1), (hidden, 0)))
+        key, value, hidden = (
+            _token_prefix(t, T, n_all, dim) for t, dim in ((key, 1), (value, 1), (hidden, 0))
+        )
         codec.check_kv(ns, "key", key, T)
         codec.check_kv(ns, "value", value, T)
         if hidden is not None:
             if ns.hidden_size == 0:
                 raise InvalidInputError("hidden states given but the namespace has hidden_size=0")
             if tuple(hidden.shape) != (T, ns.hidden_size) or hidden.dtype != ns.torch_dtype():
-                raise InvalidInputError(f"hidden must be [{T}, {ns.hidden_size}] of {ns.torch_dtype()}, got {tuple(hidden.shape)} {hidden.dtype}")
+                raise InvalidInputError(
+                    f"hidden must be [{T}, {ns.hidden_size}] of {ns.torch_dtype()}, "
+                    f"got {tuple(hidden.shape)} {hidden.dtype}"
+                )
         extras = resolve(identity, ns.block_size, T)
         hashes = block_hashes(self._storage, tokens, extras)
         blocks = self._publisher.unit_keys(hashes, "insert")
-        key, value = key.to("cpu").contiguous(), value.to("cpu").contiguous()  # no copy for contiguous host tensors
+        key, value = (
+            key.to("cpu").contiguous(),
+            value.to("cpu").contiguous(),
+        )  # no copy for contiguous host tensors
         spans = codec.kv_spans(ns, key, value, len(hashes), self.heads.count)
         tail = codec.encode_tail(ns, key, value, hidden)
         part_sizes = codec.tail_part_sizes(ns, T, hidden is not None)
@@ -90,7 +114,9 @@ class LookupBuffer:
         # namespace, a chain of its own in the index
         parts = part_hashes(sequence_hash(ns, tokens, hashes, extras), len(part_sizes))
         part_anchors, part_positions = keys.placement(parts)
-        pages = Outgoing(blocks.hashes, spans, blocks.anchors, blocks.positions) + Outgoing(parts, split_spans(tail, part_sizes), part_anchors, part_positions)
+        pages = Outgoing(blocks.hashes, spans, blocks.anchors, blocks.positions) + Outgoing(
+            parts, split_spans(tail, part_sizes), part_anchors, part_positions
+        )
         return await self._publisher.publish(pages)
 
     async def select(self, input_tokens: Any, roi: Any, *, identity: Identity = None) -> list[Any]:
@@ -107,14 +133,22 @@ class LookupBuffer:
         hashes = block_hashes(self._storage, tokens, extras)
         sizes_h = codec.tail_part_sizes(ns, T, ns.hidden_size > 0)
         sizes_nh = codec.tail_part_sizes(ns, T, False)
-        parts = part_hashes(sequence_hash(ns, tokens, hashes, extras), max(len(sizes_h), len(sizes_nh)))
+        parts = part_hashes(
+            sequence_hash(ns, tokens, hashes, extras), max(len(sizes_h), len(sizes_nh))
+        )
         result = await self._lookups.lookup(hashes + parts, breaks=[len(hashes)])
         if not result or result.matched == 0:
             return [None] * 5
         # key and value are received into, sized for what the index says is there: the
         # whole sequence when tail parts follow every block, else the blocks found
         nblocks = min(result.matched, len(hashes))
-        shape = (2, ns.num_layers, T if result.matched > len(hashes) else nblocks * ns.block_size, ns.num_kv_heads, ns.head_size)
+        shape = (
+            2,
+            ns.num_layers,
+            T if result.matched > len(hashes) else nblocks * ns.block_size,
+            ns.num_kv_heads,
+            ns.head_size,
+        )
         kv = self._buffers.lend(int(np.prod(shape)) * ns.element_size, ns.torch_dtype(), shape)
         got = await self._fetch_sequence(hashes, parts, result, kv)
         tail = None
@@ -131,13 +165,17 @@ class LookupBuffer:
             kv[0, :, got.blocks * ns.block_size :] = tail.partial_key
             kv[1, :, got.blocks * ns.block_size :] = tail.partial_value
             hidden = tail.hidden
-        elif matched < kv.shape[2]:  # fewer blocks arrived than were found, or the tail did not: a shorter prefix
+        elif (
+            matched < kv.shape[2]
+        ):  # fewer blocks arrived than were found, or the tail did not: a shorter prefix
             kv = kv[:, :, :matched].contiguous()
         out_roi = torch.zeros(n_all, dtype=torch.bool)
         out_roi[:matched] = True
         return [input_tokens, out_roi, kv[0], kv[1], hidden]
 
-    async def _fetch_sequence(self, hashes: list[bytes], parts: list[bytes], result: LookupResult, kv: torch.Tensor) -> _Fetched:
+    async def _fetch_sequence(
+        self, hashes: list[bytes], parts: list[bytes], result: LookupResult, kv: torch.Tensor
+    ) -> _Fetched:
         """Fetch the matched blocks (this rank's units of each) into ``kv``
         ``[2, layers, tokens, heads, head_size]`` and the tail parts that follow them; a
         missing head group ends the prefix, and the tail cannot follow."""
@@ -147,28 +185,50 @@ class LookupBuffer:
         tail = np.empty(sum(part_sizes), dtype=np.uint8)
         tail_hashes, tail_locations = parts[: result.matched - nblocks], result.locations[nblocks:]
         if not self.heads.whole:  # units hold heads this rank lacks: received into a buffer, merged
-            return await self._fetch_merged(hashes, result, kv, tail_hashes, tail_locations, tail, part_sizes)
+            return await self._fetch_merged(
+                hashes, result, kv, tail_hashes, tail_locations, tail, part_sizes
+            )
         unit_hashes, unit_locations = unit_requests(self.heads, hashes, result, slice(0, nblocks))
         sinks = codec.kv_spans(ns, kv[0], kv[1], nblocks, count) + split_spans(tail, part_sizes)
-        ok = await self._fetcher.fetch(unit_hashes + tail_hashes, unit_locations + tail_locations, sinks)
+        ok = await self._fetcher.fetch(
+            unit_hashes + tail_hashes, unit_locations + tail_locations, sinks
+        )
         blocks = whole_blocks(ok, count, nblocks)
         got_parts = leading(ok[nblocks * count :]) if blocks == nblocks else 0
         return _Fetched(blocks, tail, part_sizes, got_parts)
 
-    async def _fetch_merged(self, hashes: list[bytes], result: LookupResult, kv: torch.Tensor, tail_hashes: list[bytes], tail_locations: list[Any],
-                            tail: np.ndarray, part_sizes: list[int]) -> _Fetched:
+    async def _fetch_merged(
+        self,
+        hashes: list[bytes],
+        result: LookupResult,
+        kv: torch.Tensor,
+        tail_hashes: list[bytes],
+        tail_locations: list[Any],
+        tail: np.ndarray,
+        part_sizes: list[int],
+    ) -> _Fetched:
         """``_fetch_sequence`` for a rank that reads part of a head group: the units
         land in a buffer and the rank's heads are merged into its pages, then into
         ``kv``. The tail is the rank's own and follows only once every block is whole."""
         ns = self.namespace
         nblocks = min(result.matched, len(hashes))
-        units, blocks = await self._reader.fetch_units(hashes, result, 0, torch.empty(self._reader.units_nbytes(nblocks), dtype=torch.uint8), end=nblocks)
+        units, blocks = await self._reader.fetch_units(
+            hashes,
+            result,
+            0,
+            torch.empty(self._reader.units_nbytes(nblocks), dtype=torch.uint8),
+            end=nblocks,
+        )
         pages = torch.empty((blocks, *ns.page_shape), dtype=ns.torch_dtype())
         heads.merge(ns, units[:, :blocks], pages, self.heads)
         codec.pages_into_kv(pages, kv)
         got_parts = 0
         if blocks == nblocks and tail_hashes:
-            got_parts = leading(await self._fetcher.fetch(tail_hashes, tail_locations, split_spans(tail, part_sizes)))
+            got_parts = leading(
+                await self._fetcher.fetch(
+                    tail_hashes, tail_locations, split_spans(tail, part_sizes)
+                )
+            )
         return _Fetched(blocks, tail, part_sizes, got_parts)
 
     def _whole_model(self, call: str) -> None:
@@ -176,8 +236,10 @@ class LookupBuffer:
         (``total_layers`` beyond its own) uses ``put_pages``/``get_pages``."""
         ns = self.namespace
         if ns.model_layers != ns.num_layers:
-            raise InvalidInputError(f"{call} stores every layer; this namespace is a pipeline stage (layers {ns.first_layer} to "
-                                    f"{ns.first_layer + ns.num_layers - 1} of {ns.model_layers}): use put_pages/get_pages")
+            raise InvalidInputError(
+                f"{call} stores every layer; this namespace is a pipeline stage (layers {ns.first_layer} to "
+                f"{ns.first_layer + ns.num_layers - 1} of {ns.model_layers}): use put_pages/get_pages"
+            )
 
     @staticmethod
     def _roi_prefix(input_tokens: Any, roi: Any) -> tuple[np.ndarray, int]:
@@ -185,12 +247,16 @@ class LookupBuffer:
         tokens = token_array(input_tokens)
         mask = np.asarray(roi.detach().cpu() if hasattr(roi, "detach") else roi)
         if mask.dtype != np.bool_ or mask.shape != tokens.shape:
-            raise InvalidInputError(f"roi must be a bool mask shaped like input_tokens {tokens.shape}, got {mask.dtype} {mask.shape}")
+            raise InvalidInputError(
+                f"roi must be a bool mask shaped like input_tokens {tokens.shape}, got {mask.dtype} {mask.shape}"
+            )
         m = int(mask.sum())
         if m == 0:
             raise InvalidInputError("roi marks no tokens")
         if not mask[:m].all():
-            raise InvalidInputError("roi must mark a prefix of the tokens (True values first, then only False)")
+            raise InvalidInputError(
+                "roi must mark a prefix of the tokens (True values first, then only False)"
+            )
         return tokens[:m], len(tokens)
 
 

@@ -13,9 +13,18 @@ from typing import Any
 
 import numpy as np
 
-from client.connection import Checksums, Connection, GetOutcome, OutgoingPage, PutOutcome, SameHostUnavailableError, get_request, put_request
 from client.buffers import Span
-from kvstore.errors import ProtocolError
+from client.connection import (
+    Checksums,
+    Connection,
+    GetOutcome,
+    OutgoingPage,
+    PutOutcome,
+    SameHostUnavailableError,
+    get_request,
+    put_request,
+)
+from kvstore.errors import ProtocolError, TransportError
 from kvstore.index import NodeInfo
 from kvstore.pages.checksum import copy_checksummed
 from kvstore.pages.keys import NamespaceKey
@@ -42,23 +51,37 @@ class ShmConnection(Connection):
     def __init__(self, node: NodeInfo, token: str) -> None:
         super().__init__(node, token)
         self._ch: shm.UnixChannel | None = None
-        self._maps: dict[int, np.ndarray] = {}  # slab -> its mapping (writable once a put lent it); the node tracks generations
+        self._maps: dict[
+            int, np.ndarray
+        ] = {}  # slab -> its mapping (writable once a put lent it); the node tracks generations
 
     async def _open(self, timeout: float) -> None:
         if self._ch is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.setblocking(False)
             try:
-                await with_timeout(asyncio.get_running_loop().sock_connect(sock, self.node.extra["shm"]), timeout, f"connect to {self.node.node_id}")
+                await with_timeout(
+                    asyncio.get_running_loop().sock_connect(sock, self.node.extra["shm"]),
+                    timeout,
+                    f"connect to {self.node.node_id}",
+                )
             except BaseException as exc:
                 sock.close()
                 if isinstance(exc, OSError):
-                    raise SameHostUnavailableError(f"cannot reach {self.node.node_id} on {self.node.extra['shm']}: {exc}") from None
+                    raise SameHostUnavailableError(
+                        f"cannot reach {self.node.node_id} on {self.node.extra['shm']}: {exc}"
+                    ) from None
                 raise
             self._ch = shm.UnixChannel(sock)
 
+    def _channel(self) -> shm.UnixChannel:
+        """The channel ``_open`` made; requests run only after it (``_guarded``)."""
+        if self._ch is None:
+            raise TransportError(f"connection to {self.node.node_id} is not open")
+        return self._ch
+
     async def _recv_frame(self, expected: type) -> tuple[Any, list[int]]:
-        raw, fds = await self._ch.recv_frame()
+        raw, fds = await self._channel().recv_frame()
         try:
             return self._check_frame(P.decode(raw), expected), fds
         except BaseException:
@@ -74,8 +97,10 @@ class ShmConnection(Connection):
             if not plan.more:
                 return plan
 
-    async def _put(self, namespace: NamespaceKey, pages: list[OutgoingPage], checksum: Checksums) -> PutOutcome:
-        await self._ch.send_frame(put_request(namespace, self.token, pages))
+    async def _put(
+        self, namespace: NamespaceKey, pages: list[OutgoingPage], checksum: Checksums
+    ) -> PutOutcome:
+        await self._channel().send_frame(put_request(namespace, self.token, pages))
         plan = await self._plan(P.PutPlan)
         wanted = self._check_put_plan(plan, len(pages))
         regions, offsets = plan.ints("regions"), plan.ints("offsets")
@@ -86,21 +111,37 @@ class ShmConnection(Connection):
             mapped = self._maps.get(region)
             size = pages[i].span.nbytes
             if mapped is None or not mapped.flags.writeable or off + size > mapped.size:
-                raise ProtocolError(f"node {self.node.node_id} lent a slot outside the slabs it mapped")
+                raise ProtocolError(
+                    f"node {self.node.node_id} lent a slot outside the slabs it mapped"
+                )
             copies.append((mapped[off : off + size], pages[i].span.bytes()))
         # The one copy, straight into the node's slots; the checksums are of our own
         # bytes, so anything else written into a slot fails the node's verification.
         sums = np.array(copy_checksummed(copies, hash_source=True), dtype=np.uint64)
-        await self._ch.send_frame(P.PutChecksums(checksums=sums))
+        await self._channel().send_frame(P.PutChecksums(checksums=sums))
         result, _ = await self._recv_frame(P.PutResult)
-        return PutOutcome(result.ints("stored"), plan.ints("present"), plan.ints("refused"), sum(pages[i].span.nbytes for i in wanted))
+        return PutOutcome(
+            result.ints("stored"),
+            plan.ints("present"),
+            plan.ints("refused"),
+            sum(pages[i].span.nbytes for i in wanted),
+        )
 
-    async def _get(self, namespace: NamespaceKey, hashes: list[bytes], sinks: list[Span], expected: list[int], probe: bool) -> GetOutcome:
-        await self._ch.send_frame(get_request(namespace, self.token, hashes, sinks, probe))
+    async def _get(
+        self,
+        namespace: NamespaceKey,
+        hashes: list[bytes],
+        sinks: list[Span],
+        expected: list[int],
+        probe: bool,
+    ) -> GetOutcome:
+        await self._channel().send_frame(get_request(namespace, self.token, hashes, sinks, probe))
         plan = await self._plan(P.GetPlan)
         present, sizes, sums = plan.ints("present"), plan.ints("sizes"), plan.ints("checksums")
         regions, offsets = plan.ints("regions"), plan.ints("offsets")
-        if not len(present) == len(sizes) == len(sums) == len(regions) == len(offsets) or any(not 0 <= i < len(hashes) for i in present):
+        if not len(present) == len(sizes) == len(sums) == len(regions) == len(offsets) or any(
+            not 0 <= i < len(hashes) for i in present
+        ):
             raise ProtocolError(f"node {self.node.node_id} sent an inconsistent get plan")
         copied, copies = [], []
         for i, size, region, off, node_sum in zip(present, sizes, regions, offsets, sums):
@@ -110,7 +151,7 @@ class ShmConnection(Connection):
             copied.append((i, node_sum))
             copies.append((sinks[i].bytes(), mapped[off : off + size]))
         digests = copy_checksummed(copies)  # the one copy; hashes of the bytes that landed
-        await self._ch.send_frame(P.GetDone())  # the node unpins
+        await self._channel().send_frame(P.GetDone())  # the node unpins
         outcome = GetOutcome([], 0)
         for (i, node_sum), digest in zip(copied, digests):
             outcome.check(i, node_sum, expected[i], digest)
@@ -122,13 +163,19 @@ class ShmConnection(Connection):
         closed, the mappings stay."""
         try:
             if len(mapped) != len(fds):
-                raise ProtocolError(f"node {self.node.node_id} sent {len(fds)} descriptors for {len(mapped)} slabs")
+                raise ProtocolError(
+                    f"node {self.node.node_id} sent {len(fds)} descriptors for {len(mapped)} slabs"
+                )
             for (region, _generation), fd in zip(mapped, fds):
                 size = os.fstat(fd).st_size
                 writable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
                 prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-                view = np.frombuffer(mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot), dtype=np.uint8)
-                int(view[::FAULT_AROUND].sum())  # one read per 64 KiB maps the slab (see FAULT_AROUND)
+                view = np.frombuffer(
+                    mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot), dtype=np.uint8
+                )
+                int(
+                    view[::FAULT_AROUND].sum()
+                )  # one read per 64 KiB maps the slab (see FAULT_AROUND)
                 self._maps[region] = view
         finally:
             shm.close_fds(fds)
@@ -139,4 +186,3 @@ class ShmConnection(Connection):
         if ch is not None:
             ch.close()
         self._maps.clear()
-

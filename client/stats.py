@@ -8,7 +8,9 @@ from dataclasses import asdict, dataclass
 @dataclass
 class ClientStats:
     lookups: int = 0
-    stale_finds: int = 0  # get_found calls that asked the index again: the find was past half its lease
+    stale_finds: int = (
+        0  # get_found calls that asked the index again: the find was past half its lease
+    )
     pages_sent: int = 0
     pages_skipped: int = 0
     pages_refused: int = 0
@@ -17,12 +19,15 @@ class ClientStats:
     bytes_received: int = 0
     checksum_failures: int = 0
     node_errors: int = 0
-    credential_refusals: int = 0  # requests a node refused for this client's token (CredentialError when every node asked did)
+    # requests a node refused for this client's token (CredentialError when every node asked did)
+    credential_refusals: int = 0
     index_errors: int = 0
     index_script_errors: int = 0
     direct_transfers: int = 0
     staged_transfers: int = 0
-    same_host_transfers: int = 0  # requests that moved pages through shared memory (kvstore.wire.shm)
+    same_host_transfers: int = (
+        0  # requests that moved pages through shared memory (kvstore.wire.shm)
+    )
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -50,7 +50,9 @@ def _client_loop() -> asyncio.AbstractEventLoop:
     with _shared_lock:
         if _shared_loop is None:
             _shared_loop = asyncio.new_event_loop()
-            threading.Thread(target=_shared_loop.run_forever, name="kvstore-client", daemon=True).start()
+            threading.Thread(
+                target=_shared_loop.run_forever, name="kvstore-client", daemon=True
+            ).start()
         return _shared_loop
 
 
@@ -67,12 +69,18 @@ class StartStatus:
 class KVCacheClient:
     """Same constructor as ``AsyncKVCacheClient``: options as keywords or ``options=``."""
 
-    def __init__(self, redis_url: str | None = None, namespace: Namespace | None = None, **options: Any) -> None:
+    def __init__(
+        self, redis_url: str | None = None, namespace: Namespace | None = None, **options: Any
+    ) -> None:
         self._loop = _client_loop()
         self._closed = False
-        client = AsyncKVCacheClient(redis_url, namespace, **options)  # validates options here, in the caller
+        client = AsyncKVCacheClient(
+            redis_url, namespace, **options
+        )  # validates options here, in the caller
         self._async = self._run(client.start(), _MARGIN + 30)
-        self._indexes: dict[float, PageIndex] = {}  # socket timeout -> the caller's own index (``find``)
+        self._indexes: dict[
+            float, PageIndex
+        ] = {}  # socket timeout -> the caller's own index (``find``)
         self._index_lock = threading.Lock()
 
     @classmethod
@@ -85,7 +93,9 @@ class KVCacheClient:
         task: list[asyncio.Task] = []
 
         async def tracked() -> Any:
-            task.append(asyncio.current_task())
+            current = asyncio.current_task()
+            if current is not None:
+                task.append(current)
             return await coro
 
         future = asyncio.run_coroutine_threadsafe(tracked(), self._loop)
@@ -110,7 +120,12 @@ class KVCacheClient:
         (the namespace is registered), why not, and the live nodes it last read. For a
         caller's start-up line; asks nothing."""
         inner = self._async
-        return StartStatus(inner.namespace_registered, inner.namespace_error, [n.node_id for n in inner.nodes.last()], dict(inner.nodes.refused_at_start))
+        return StartStatus(
+            inner.namespace_registered,
+            inner.namespace_error,
+            [n.node_id for n in inner.nodes.last()],
+            dict(inner.nodes.refused_at_start),
+        )
 
     @property
     def stats(self) -> ClientStats:
@@ -134,13 +149,17 @@ class KVCacheClient:
         found = self.find(token_ids, identity=identity)
         return found.tokens if found else 0
 
-    def lookup_checked(self, token_ids: Any, timeout: float | None = None, *, identity: Identity = None) -> int | None:
+    def lookup_checked(
+        self, token_ids: Any, timeout: float | None = None, *, identity: Identity = None
+    ) -> int | None:
         """``lookup``, but None when the index could not answer within ``timeout``
         seconds (``find``)."""
         found = self.find(token_ids, timeout, identity=identity)
         return None if found is None else found.tokens
 
-    def find(self, token_ids: Any, timeout: float | None = None, *, identity: Identity = None) -> StoredPrefix | None:
+    def find(
+        self, token_ids: Any, timeout: float | None = None, *, identity: Identity = None
+    ) -> StoredPrefix | None:
         """``AsyncKVCacheClient.find`` within ``timeout`` seconds (the client's index
         timeout when None); past it the lookup gives None.
 
@@ -171,15 +190,23 @@ class KVCacheClient:
                 index = self._indexes.get(seconds)
                 if index is None:
                     opts = self._async.options
-                    index = PageIndex(opts.redis_url, timeout=seconds, lease_ms=opts.lease_ms,
-                                      password=opts.redis_password.get_secret_value() or None)
+                    index = PageIndex(
+                        opts.redis_url,
+                        timeout=seconds,
+                        lease_ms=opts.lease_ms,
+                        password=opts.redis_password.get_secret_value() or None,
+                    )
                     self._indexes[seconds] = index
         return index
 
-    def put_pages(self, token_ids: Any, pages: torch.Tensor, *, identity: Identity = None) -> PublishReport:
+    def put_pages(
+        self, token_ids: Any, pages: torch.Tensor, *, identity: Identity = None
+    ) -> PublishReport:
         return self._run(self._async.put_pages(token_ids, pages, identity=identity), self._bound())
 
-    def get_pages(self, token_ids: Any, out: torch.Tensor, start_block: int = 0, *, identity: Identity = None) -> int:
+    def get_pages(
+        self, token_ids: Any, out: torch.Tensor, start_block: int = 0, *, identity: Identity = None
+    ) -> int:
         return self._read(self._async.get_pages(token_ids, out, start_block, identity=identity), 0)
 
     def get_found(self, found: StoredPrefix, out: torch.Tensor, start_block: int = 0) -> int:
@@ -189,7 +216,9 @@ class KVCacheClient:
         """``AsyncKVCacheClient.get_found_into``; a fault or the deadline gives 0."""
         return self._read(self._async.get_found_into(found, sinks, start_block), 0)
 
-    def get_found_units(self, found: StoredPrefix, buf: torch.Tensor, start_block: int = 0) -> tuple[torch.Tensor | None, int]:
+    def get_found_units(
+        self, found: StoredPrefix, buf: torch.Tensor, start_block: int = 0
+    ) -> tuple[torch.Tensor | None, int]:
         """``AsyncKVCacheClient.get_found_units``; a fault or the deadline gives (None, 0)."""
         return self._read(self._async.get_found_units(found, buf, start_block), (None, 0))
 
@@ -201,9 +230,20 @@ class KVCacheClient:
     def units_nbytes(self, blocks: int) -> int:
         return self._async.units_nbytes(blocks)
 
-    def insert(self, input_tokens: Any, roi: Any, key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor | None = None, *,
-               identity: Identity = None) -> PublishReport:
-        return self._run(self._async.insert(input_tokens, roi, key, value, hidden, identity=identity), self._bound())
+    def insert(
+        self,
+        input_tokens: Any,
+        roi: Any,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        hidden: torch.Tensor | None = None,
+        *,
+        identity: Identity = None,
+    ) -> PublishReport:
+        return self._run(
+            self._async.insert(input_tokens, roi, key, value, hidden, identity=identity),
+            self._bound(),
+        )
 
     def select(self, input_tokens: Any, roi: Any, *, identity: Identity = None) -> list[Any]:
         return self._read(self._async.select(input_tokens, roi, identity=identity), [None] * 5)
