@@ -170,9 +170,8 @@ class AsyncKVCacheClient:
             self._reader,
             self._buffers,
         )
-        self._connecting: asyncio.Future[None] | None = (
-            None  # start's connections and probes (``NodeDirectory.connect``)
-        )
+        # start's connections and probes (``NodeDirectory.connect``)
+        self._connecting: asyncio.Future[None] | None = None
 
     @classmethod
     def from_env(cls, namespace: Namespace | None = None, **overrides: Any) -> AsyncKVCacheClient:

@@ -4,8 +4,8 @@
 (``client.shm_connection``) speaks the same frames over a Unix socket to a node on this
 host and moves pages through shared memory (kvstore.wire.shm). Both verify every page
 they receive against the index's checksum, and hash only the pages a node asks for on
-a put. What they share (the request discipline below, errors, outcomes, the request
-frames) is here.
+a put. ``Connection`` (here) is the request discipline they share; what a call carries
+and returns (pages, outcomes, refusals, request frames) is ``client.node_calls``.
 
 Requests on a connection are serialised (control frames and payloads must stay in
 order). A clean refusal (an ERROR frame) raises ``NodeRefusedError`` and keeps the
@@ -16,92 +16,28 @@ returned. The caller treats the node's pages as missing."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from client.buffers import Span, adjacent, join_flags, joined
+from client.buffers import Span, adjacent, joined
+from client.node_calls import (
+    Checksums,
+    ClosedBeforeUseError,
+    GetOutcome,
+    NodeRefusedError,
+    OutgoingPage,
+    PutOutcome,
+    get_request,
+    put_request,
+)
 from client.staging import host_buffers
 from kvstore.errors import ProtocolError, TransportError
 from kvstore.index import NodeInfo
-from kvstore.pages.checksum import HashAhead, checksums, copy_checksummed
+from kvstore.pages.checksum import checksums, copy_checksummed
 from kvstore.pages.keys import NamespaceKey
 from kvstore.wire import protocol as P
 from kvstore.wire.transport import Channel, connect, started, with_timeout
-
-
-class NodeRefusedError(TransportError):
-    """The node answered with an ERROR frame (``code`` says why); the connection stays
-    usable, except after ``unauthorized``, where the node closes it (and so does the
-    client)."""
-
-    def __init__(self, node_id: str, code: P.RefusalCode, message: str) -> None:
-        super().__init__(f"node {node_id} refused: {code.value}: {message}")
-        self.node_id = node_id
-        self.code = code
-        self.message = message
-
-    @property
-    def credentials(self) -> bool:
-        """Refused for the client's token (none, wrong, lacking the right), not a fault."""
-        return self.code in (P.RefusalCode.UNAUTHORIZED, P.RefusalCode.FORBIDDEN)
-
-
-class ClosedBeforeUseError(TransportError):
-    """The connection was closed (by another request's failure or refusal) while this
-    request waited for it; nothing was sent, so the caller may retry on a new one."""
-
-
-class SameHostUnavailableError(TransportError):
-    """The node's Unix socket cannot be reached from here (another container's
-    filesystem, permissions): the client uses UCX for that node instead."""
-
-
-@dataclass(frozen=True, slots=True)
-class OutgoingPage:
-    hash: bytes
-    span: Span
-    index: int  # position in the caller's batch (keys its checksum memo)
-    anchor: bytes  # its segment in the index and its place there (kvstore.pages.keys.placement)
-    position: int
-
-
-@dataclass(frozen=True, slots=True)
-class PutOutcome:
-    stored: list[int]
-    present: list[int]
-    refused: list[int]
-    bytes_sent: int
-
-
-@dataclass(slots=True)
-class GetOutcome:
-    """Request positions whose bytes arrived and match the expected checksum, and how
-    many arrived with a wrong one."""
-
-    ok: list[int]
-    corrupt: int
-
-    def check(self, i: int, node_checksum: int, expected: int, digest: int) -> None:
-        """Count page ``i``: good only if the node's record and the bytes' ``digest``
-        both equal the index's checksum."""
-        if node_checksum == expected == digest:
-            self.ok.append(i)
-        else:
-            self.corrupt += 1
-
-
-class Checksums(Protocol):
-    """A put's page checksums (xxh3-64), each computed at most once per put, however
-    many replicas it goes to: ``record`` keeps one computed while the page was packed,
-    ``ahead`` hashes pages on the helper thread while a plan is on its way."""
-
-    def of(self, pages: list[OutgoingPage]) -> list[int]: ...
-
-    def record(self, page: OutgoingPage, digest: int) -> None: ...
-
-    def ahead(self, pages: list[OutgoingPage]) -> HashAhead: ...
 
 
 class Connection:
@@ -240,32 +176,6 @@ async def _landed(
         pairs.append((s.bytes(), scratch[off : off + s.nbytes]))
         off += s.nbytes
     return copy_checksummed(pairs, hash_source=True)
-
-
-def put_request(namespace: NamespaceKey, token: str, pages: list[OutgoingPage]) -> P.PutRequest:
-    return P.PutRequest(
-        namespace=namespace.digest,
-        tenant=namespace.tenant,
-        token=token,
-        hashes=[p.hash for p in pages],
-        sizes=np.fromiter((p.span.nbytes for p in pages), dtype=np.uint64, count=len(pages)),
-        join=join_flags([p.span for p in pages]),
-        anchors=[p.anchor for p in pages],
-        positions=[p.position for p in pages],
-    )
-
-
-def get_request(
-    namespace: NamespaceKey, token: str, hashes: list[bytes], sinks: list[Span], probe: bool
-) -> P.GetRequest:
-    return P.GetRequest(
-        namespace=namespace.digest,
-        tenant=namespace.tenant,
-        token=token,
-        hashes=hashes,
-        join=join_flags(sinks),
-        probe=probe,
-    )
 
 
 class NodeConnection(Connection):

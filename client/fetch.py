@@ -11,8 +11,8 @@ from collections import defaultdict
 import numpy as np
 
 from client.buffers import Span
-from client.connection import NodeRefusedError
 from client.credentials import CallRefusals
+from client.node_calls import NodeRefusedError
 from client.nodes import NodeDirectory
 from client.stats import ClientStats
 from kvstore.errors import RemoteFault

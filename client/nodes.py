@@ -13,12 +13,8 @@ from typing import Any
 import numpy as np
 
 from client.buffers import Span
-from client.connection import (
-    ClosedBeforeUseError,
-    NodeConnection,
-    NodeRefusedError,
-    SameHostUnavailableError,
-)
+from client.connection import NodeConnection
+from client.node_calls import ClosedBeforeUseError, NodeRefusedError, SameHostUnavailableError
 from client.placement import rank_nodes
 from client.shm_connection import ShmConnection
 from client.stats import ClientStats
@@ -68,9 +64,8 @@ class NodeDirectory:
         self._stale_after = 2 * refresh
         # replaced whole, never mutated: other threads read them without a lock
         self._nodes: list[NodeInfo] = []
-        self._nodes_at: float | None = (
-            None  # monotonic time of the read that gave _nodes; None before the first
-        )
+        # monotonic time of the read that gave _nodes; None before the first
+        self._nodes_at: float | None = None
         self._read_failed = False  # the last background read of the registry failed
         self._used_at = time.monotonic()
         self._dormant = False  # the background reads wait for a call (the client was idle)
@@ -81,9 +76,8 @@ class NodeDirectory:
         self._shm_failed: dict[str, str] = {}  # node id -> incarnation whose Unix socket failed
         self._suspect: dict[str, float] = {}  # node id -> skipped until (monotonic)
         self._strikes: dict[str, int] = {}  # node id -> failures since its last success
-        self.refused_at_start: dict[
-            str, str
-        ] = {}  # node id -> why it refused this client's token at start
+        # node id -> why it refused this client's token at start
+        self.refused_at_start: dict[str, str] = {}
 
     def start(self) -> None:
         """Loop thread (client start): begin reading the registry in the background."""
@@ -142,9 +136,9 @@ class NodeDirectory:
     def touch(self) -> None:
         """Any thread: the client is in use; background reads resume if they had stopped."""
         self._used_at = time.monotonic()
-        if (
-            self._dormant
-        ):  # read after _used_at is written: _keep_fresh writes _dormant before reading _used_at
+        # _dormant is read after _used_at is written, and _keep_fresh writes _dormant
+        # before it reads _used_at: one of the two sees the other (no lost wake-up)
+        if self._dormant:
             self._wake_reader()
 
     def _wake_reader(self) -> None:

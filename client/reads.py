@@ -158,9 +158,8 @@ class PageReader:
             self._stats.direct_transfers += 1
             return await self._fetch_into(hashes, result, start_block, spans or [])
         self._stats.staged_transfers += 1
-        if (
-            landing is Landing.UNITS
-        ):  # head groups land in staging and are merged into the rank's pages
+        if landing is Landing.UNITS:
+            # head groups land in staging and are merged into the rank's pages
             staging = torch.from_numpy(self._buffers.take(self.units_nbytes(n - start_block)))
             units, blocks = await self.fetch_units(hashes, result, start_block, staging)
             if blocks:

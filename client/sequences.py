@@ -165,9 +165,8 @@ class LookupBuffer:
             kv[0, :, got.blocks * ns.block_size :] = tail.partial_key
             kv[1, :, got.blocks * ns.block_size :] = tail.partial_value
             hidden = tail.hidden
-        elif (
-            matched < kv.shape[2]
-        ):  # fewer blocks arrived than were found, or the tail did not: a shorter prefix
+        elif matched < kv.shape[2]:
+            # fewer blocks arrived than were found, or the tail did not: a shorter prefix
             kv = kv[:, :, :matched].contiguous()
         out_roi = torch.zeros(n_all, dtype=torch.bool)
         out_roi[:matched] = True

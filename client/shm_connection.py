@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 
 from client.buffers import Span
-from client.connection import (
+from client.connection import Connection
+from client.node_calls import (
     Checksums,
-    Connection,
     GetOutcome,
     OutgoingPage,
     PutOutcome,
@@ -51,9 +51,8 @@ class ShmConnection(Connection):
     def __init__(self, node: NodeInfo, token: str) -> None:
         super().__init__(node, token)
         self._ch: shm.UnixChannel | None = None
-        self._maps: dict[
-            int, np.ndarray
-        ] = {}  # slab -> its mapping (writable once a put lent it); the node tracks generations
+        # slab -> its mapping (writable once a put lent it); the node tracks generations
+        self._maps: dict[int, np.ndarray] = {}
 
     async def _open(self, timeout: float) -> None:
         if self._ch is None:

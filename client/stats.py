@@ -8,9 +8,8 @@ from dataclasses import asdict, dataclass
 @dataclass
 class ClientStats:
     lookups: int = 0
-    stale_finds: int = (
-        0  # get_found calls that asked the index again: the find was past half its lease
-    )
+    # get_found calls that asked the index again: the find was past half its lease
+    stale_finds: int = 0
     pages_sent: int = 0
     pages_skipped: int = 0
     pages_refused: int = 0
@@ -25,9 +24,8 @@ class ClientStats:
     index_script_errors: int = 0
     direct_transfers: int = 0
     staged_transfers: int = 0
-    same_host_transfers: int = (
-        0  # requests that moved pages through shared memory (kvstore.wire.shm)
-    )
+    # requests that moved pages through shared memory (kvstore.wire.shm)
+    same_host_transfers: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -78,9 +78,8 @@ class KVCacheClient:
             redis_url, namespace, **options
         )  # validates options here, in the caller
         self._async = self._run(client.start(), _MARGIN + 30)
-        self._indexes: dict[
-            float, PageIndex
-        ] = {}  # socket timeout -> the caller's own index (``find``)
+        # socket timeout -> the caller's own index (``find``)
+        self._indexes: dict[float, PageIndex] = {}
         self._index_lock = threading.Lock()
 
     @classmethod

@@ -1,0 +1,116 @@
+"""What one call to a storage node carries and returns, for both connections
+(``client.connection``, ``client.shm_connection``) and their callers: the pages of a
+put and their checksums, the outcomes of a put and a get, the ways a node refuses or a
+connection fails, and the request frames."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from client.buffers import Span, join_flags
+from kvstore.errors import TransportError
+from kvstore.pages.checksum import HashAhead
+from kvstore.pages.keys import NamespaceKey
+from kvstore.wire import protocol as P
+
+
+class NodeRefusedError(TransportError):
+    """The node answered with an ERROR frame (``code`` says why); the connection stays
+    usable, except after ``unauthorized``, where the node closes it (and so does the
+    client)."""
+
+    def __init__(self, node_id: str, code: P.RefusalCode, message: str) -> None:
+        super().__init__(f"node {node_id} refused: {code.value}: {message}")
+        self.node_id = node_id
+        self.code = code
+        self.message = message
+
+    @property
+    def credentials(self) -> bool:
+        """Refused for the client's token (none, wrong, lacking the right), not a fault."""
+        return self.code in (P.RefusalCode.UNAUTHORIZED, P.RefusalCode.FORBIDDEN)
+
+
+class ClosedBeforeUseError(TransportError):
+    """The connection was closed (by another request's failure or refusal) while this
+    request waited for it; nothing was sent, so the caller may retry on a new one."""
+
+
+class SameHostUnavailableError(TransportError):
+    """The node's Unix socket cannot be reached from here (another container's
+    filesystem, permissions): the client uses UCX for that node instead."""
+
+
+@dataclass(frozen=True, slots=True)
+class OutgoingPage:
+    hash: bytes
+    span: Span
+    index: int  # position in the caller's batch (keys its checksum memo)
+    anchor: bytes  # its segment in the index and its place there (kvstore.pages.keys.placement)
+    position: int
+
+
+@dataclass(frozen=True, slots=True)
+class PutOutcome:
+    stored: list[int]
+    present: list[int]
+    refused: list[int]
+    bytes_sent: int
+
+
+@dataclass(slots=True)
+class GetOutcome:
+    """Request positions whose bytes arrived and match the expected checksum, and how
+    many arrived with a wrong one."""
+
+    ok: list[int]
+    corrupt: int
+
+    def check(self, i: int, node_checksum: int, expected: int, digest: int) -> None:
+        """Count page ``i``: good only if the node's record and the bytes' ``digest``
+        both equal the index's checksum."""
+        if node_checksum == expected == digest:
+            self.ok.append(i)
+        else:
+            self.corrupt += 1
+
+
+class Checksums(Protocol):
+    """A put's page checksums (xxh3-64), each computed at most once per put, however
+    many replicas it goes to: ``record`` keeps one computed while the page was packed,
+    ``ahead`` hashes pages on the helper thread while a plan is on its way."""
+
+    def of(self, pages: list[OutgoingPage]) -> list[int]: ...
+
+    def record(self, page: OutgoingPage, digest: int) -> None: ...
+
+    def ahead(self, pages: list[OutgoingPage]) -> HashAhead: ...
+
+
+def put_request(namespace: NamespaceKey, token: str, pages: list[OutgoingPage]) -> P.PutRequest:
+    return P.PutRequest(
+        namespace=namespace.digest,
+        tenant=namespace.tenant,
+        token=token,
+        hashes=[p.hash for p in pages],
+        sizes=np.fromiter((p.span.nbytes for p in pages), dtype=np.uint64, count=len(pages)),
+        join=join_flags([p.span for p in pages]),
+        anchors=[p.anchor for p in pages],
+        positions=[p.position for p in pages],
+    )
+
+
+def get_request(
+    namespace: NamespaceKey, token: str, hashes: list[bytes], sinks: list[Span], probe: bool
+) -> P.GetRequest:
+    return P.GetRequest(
+        namespace=namespace.digest,
+        tenant=namespace.tenant,
+        token=token,
+        hashes=hashes,
+        join=join_flags(sinks),
+        probe=probe,
+    )
