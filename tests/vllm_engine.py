@@ -7,6 +7,9 @@ spec keys:
 - ``redis_url`` (omit for an engine without connector), ``role`` ("kv_producer" |
   "kv_consumer" | "kv_both"), ``extra`` (more ``kv_connector_extra_config``);
 - ``prefix_caching`` (vLLM's own, default on), ``llm_kwargs`` (more ``LLM`` arguments);
+- ``spec_decode_metrics``: also answer ``spec_decode``, vLLM's speculative-decoding
+  counters (``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``); speculative
+  decoding itself is ``llm_kwargs`` ``speculative_config``;
 - ``mode``: "sequential" (one prompt at a time, timed: ``ttft``, ``decode_tps``,
   ``seconds``, ``decode_steps``, the seconds of each step after the first token, and
   ``first_steps``, those of each step up to the first token), or "steps" (every prompt
@@ -40,6 +43,10 @@ Prometheus values (the connector's statistics as vLLM exports them), at the end 
 model (the JSON overrides LlamaConfig fields; the bench uses a larger one; its ``seed``
 key, default 0, seeds the random weights instead: the same config, other weights);
 ``write-mla-model DIR`` writes a tiny DeepSeek-V2 (MLA, block size 16);
+``write-gemma3-model DIR`` a tiny Gemma-3 text model (sliding-window layers of 64 tokens
+between full-attention ones); ``write-eagle-model DIR`` an EAGLE-1 head for the tiny
+Llama (``speculative_config`` ``{"method": "eagle", "model": DIR}``);
+``write-nemotron-h-model DIR`` a tiny Nemotron-H (Mamba-2 and attention layers);
 ``write-tokenizer DIR`` adds a word-level tokenizer (``t0`` ... ``t511``)."""
 
 from __future__ import annotations
@@ -87,6 +94,62 @@ def write_tiny_deepseek(path: str) -> None:
         moe_intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2, vocab_size=512, max_position_embeddings=512,
         initializer_range=0.2, torch_dtype="float32", tie_word_embeddings=False,
     )).save_pretrained(path)
+
+
+def write_tiny_gemma3(path: str) -> None:
+    """A tiny random Gemma-3 text model: 4 layers, sliding-window (64 tokens, two blocks
+    of 32) and full attention alternating, untied embeddings (tied ones made every
+    output one token); vLLM's hybrid KV-cache manager puts the two kinds in two groups."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    Gemma3ForCausalLM(Gemma3TextConfig(
+        hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        intermediate_size=256, vocab_size=512, max_position_embeddings=512, initializer_range=0.2,
+        sliding_window=64, query_pre_attn_scalar=32, layer_types=["sliding_attention", "full_attention"] * 2,
+        torch_dtype="float32", tie_word_embeddings=False,
+    )).save_pretrained(path)
+
+
+def write_tiny_eagle(path: str) -> None:
+    """A random EAGLE-1 head for the tiny Llama (``write_tiny_llama``'s shapes): one
+    decoder layer and ``fc`` (2 x hidden -> hidden), under EAGLE's checkpoint names (no
+    ``model.`` prefix, no lm_head: it shares the target's). vLLM names its attention layer
+    ``model.layers.2`` (after the target's two), in the target's KV-cache group."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    torch.manual_seed(2)
+    config = LlamaConfig(hidden_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=32, intermediate_size=256, vocab_size=512, max_position_embeddings=512,
+                         torch_dtype="float32", tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    config.save_pretrained(path)
+    h, q, kv, inter = 128, 4 * 32, 2 * 32, 256
+    shapes = {"fc.weight": (h, 2 * h), "embed_tokens.weight": (512, h),
+              "layers.0.self_attn.q_proj.weight": (q, h), "layers.0.self_attn.k_proj.weight": (kv, h),
+              "layers.0.self_attn.v_proj.weight": (kv, h), "layers.0.self_attn.o_proj.weight": (h, q),
+              "layers.0.mlp.gate_proj.weight": (inter, h), "layers.0.mlp.up_proj.weight": (inter, h),
+              "layers.0.mlp.down_proj.weight": (h, inter)}
+    weights = {name: torch.randn(shape) * 0.2 for name, shape in shapes.items()}
+    weights["layers.0.post_attention_layernorm.weight"] = torch.ones(h)
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+
+def write_tiny_nemotron_h(path: str) -> None:
+    """A tiny random Nemotron-H: Mamba-2, attention, Mamba-2 and MLP layers, float32 (the
+    CPU Mamba-2 kernels run it; Jamba's Mamba-1 scan and Qwen3-Next's float32 GDN do not)."""
+    import torch
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    torch.manual_seed(0)
+    NemotronHForCausalLM(NemotronHConfig(
+        hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256,
+        mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=16, n_groups=1, conv_kernel=4, chunk_size=64,
+        layers_block_type=["mamba", "attention", "mamba", "mlp"], vocab_size=512, max_position_embeddings=512,
+        initializer_range=0.2, tie_word_embeddings=False,
+    )).to(torch.float32).save_pretrained(path)
 
 
 def write_word_tokenizer(path: str, vocab: int = 512) -> None:
@@ -283,6 +346,9 @@ def main() -> int:
         drain_events(engine, spec.get("drain_s", 10), out)
     if kv is not None:
         out["metrics"] = kvstore_metrics(llm)
+    if spec.get("spec_decode_metrics"):  # vLLM's counters of drafts, draft tokens and accepted tokens
+        out["spec_decode"] = {m.name.removeprefix("vllm:spec_decode_"): m.value for m in llm.get_metrics()
+                              if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value")}
     if beside is not None:
         beside.thread.join()
         out["beside_copy_seconds"] = beside.seconds
@@ -296,6 +362,11 @@ if __name__ == "__main__":
         sys.exit(0)
     if sys.argv[1] == "write-tokenizer":
         write_word_tokenizer(sys.argv[2])
+        sys.exit(0)
+    writers = {"write-gemma3-model": write_tiny_gemma3, "write-eagle-model": write_tiny_eagle,
+               "write-nemotron-h-model": write_tiny_nemotron_h}
+    if sys.argv[1] in writers:
+        writers[sys.argv[1]](sys.argv[2])
         sys.exit(0)
     if sys.argv[1] == "write-mla-model":
         write_tiny_deepseek(sys.argv[2])
