@@ -67,7 +67,10 @@ class StartStatus:
 
 
 class KVCacheClient:
-    """Same constructor as ``AsyncKVCacheClient``: options as keywords or ``options=``."""
+    """One job: ``AsyncKVCacheClient`` for blocking callers: each call runs on the
+    process's client loop within a bound (module docstring), lookups in the caller's
+    thread. Same constructor as ``AsyncKVCacheClient``: options as keywords or
+    ``options=``."""
 
     def __init__(
         self, redis_url: str | None = None, namespace: Namespace | None = None, **options: Any
