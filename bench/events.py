@@ -279,7 +279,7 @@ def bench_engines(rounds: int) -> None:
                 print(f"round {r} events {mode}: {saves} saves, save {save_ms:.2f} ms, gather {gather_ms:.3f} ms, request {request_ms:.1f} ms"
                       + (f", {announced[-1]} blocks announced" if mode == "on" else ""), flush=True)
     print("\n### Connector: a save with KV events on and off (8 prompts of 480 tokens per engine, rounds interleaved)\n")
-    print(f"Blocks announced per events-on engine: {announced} (8 saves x 15 blocks = 120 each)\n")
+    print(f"Blocks announced per events-on engine: {announced} (expected {8 * 15 + 3} each: 8 saves of 15 blocks and the warm-up's 3)\n")
     print("| per engine (mean per save / median per request) | events off, median (min–max) | events on | on / off |")
     print("|---|---|---|---|")
     for key, name in (("save_ms", "save on the saver thread, ms"), ("gather_ms", "gather in the engine step, ms"),
