@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -211,14 +212,14 @@ class Sequences:
         units = DEMO_TOKENS // self.ns.block_size + len(codec.tail_part_sizes(self.ns, DEMO_TOKENS, True))  # blocks and tail parts
         seq_prompts, page_prompts = self.prompts(2 * tag, DEMO_TOKENS), self.prompts(2 * tag + 1, self.pages.shape[0] * self.ns.block_size)
         kv_bytes = self.key.nbytes + self.value.nbytes + self.hidden.nbytes
-        seconds, ok, kv = [], True, None
+        seconds, cpu, faults, ok, kv = [], [], [], True, None
         for seq, paged in zip(seq_prompts, page_prompts):
             if call == "warm":  # the reader maps the slabs these pages landed in, untimed
                 ok &= client.select(seq, self.roi)[2] is not None and client.get_pages(paged, self.out) == len(paged)
                 continue
             if call == "drop":
                 kv = None  # the previous result goes back to the pool before the next call
-            start = time.perf_counter()
+            start, cpu0, faulted = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             if call == "insert":
                 ok &= client.insert(seq, self.roi, self.key, self.value, self.hidden).stored == units
             elif call == "put":
@@ -228,12 +229,14 @@ class Sequences:
             else:  # hold, drop
                 kv = client.select(seq, self.roi)
             seconds.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - cpu0)  # every thread of the client: the copy, its helper, UCX's
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faulted)  # fresh memory shows here
             if call == "get":
                 ok &= torch.equal(self.out.view(torch.int16), self.pages.view(torch.int16))
             elif call in ("hold", "drop"):
                 ok &= kv[2] is not None and all(torch.equal(g.view(torch.int16), w.view(torch.int16)) for g, w in zip(kv[2:], (self.key, self.value, self.hidden)))
         moved = self.pages.nbytes if call in ("put", "get") else kv_bytes
-        return {"seconds": seconds, "bytes": moved, "ok": bool(ok)}
+        return {"seconds": seconds, "cpu": cpu, "faults": faults, "bytes": moved, "ok": bool(ok)}
 
 
 def worker_main(redis_url: str, total: int) -> None:
@@ -538,7 +541,9 @@ def demo_pattern(repeat: int) -> None:
     get_pages, their order rotated each round; the first round warms up. Figures: GB/s
     per call, median (min-max) over every call of the counted rounds; ratio: median
     over the median of the paged call on the same path (put_pages for insert,
-    get_pages for select), with the range of the same ratio round by round. Bytes: key, value and hidden for insert/select (2,030
+    get_pages for select), with the range of the same ratio round by round; and the
+    client's CPU time and page faults per call (fresh memory costs a fault per 4 KiB
+    touched), which other processes on the host disturb less than the wall time. Bytes: key, value and hidden for insert/select (2,030
     tokens), the 126 pages for put/get."""
     from kvstore.tools.launcher import LocalCluster
 
@@ -548,6 +553,8 @@ def demo_pattern(repeat: int) -> None:
         proc = WorkerProcess(cluster.redis_url, 1 << 20)
         rates: dict[tuple[str, str], list[float]] = {}  # every call's GB/s
         rounds: dict[tuple[str, str], list[float]] = {}  # each round's median GB/s
+        faults: dict[tuple[str, str], list[int]] = {}  # the client's page faults per call
+        cpu: dict[tuple[str, str], list[float]] = {}  # the client's CPU seconds per call
         try:
             tag = 0
             for r in range(repeat + 1):
@@ -565,6 +572,8 @@ def demo_pattern(repeat: int) -> None:
                             calls = [got["bytes"] / t / 1e9 for t in got["seconds"]]
                             rates.setdefault((path, call), []).extend(calls)
                             rounds.setdefault((path, call), []).append(statistics.median(calls))
+                            faults.setdefault((path, call), []).extend(got["faults"])
+                            cpu.setdefault((path, call), []).extend(got["cpu"])
         finally:
             proc.close()
     names = {"insert": "insert", "put": "put_pages", "hold": "select, holding the last", "drop": "select, dropping it first", "get": "get_pages"}
@@ -575,7 +584,9 @@ def demo_pattern(repeat: int) -> None:
             if base:  # and the ratio of the same round's medians, the round-to-round swing
                 paired = [a / b for a, b in zip(rounds[(path, call)], rounds[(path, base)])]
                 ratio = f"  {statistics.median(r) / statistics.median(rates[(path, base)]):.2f}x {names[base]} (rounds {min(paired):.2f}-{max(paired):.2f})"
-            print(f"  {path:3} {names[call]:26} {statistics.median(r):5.2f} GB/s ({min(r):.2f}-{max(r):.2f}){ratio}", flush=True)
+            f, c = faults[(path, call)], cpu[(path, call)]
+            print(f"  {path:3} {names[call]:26} {statistics.median(r):5.2f} GB/s ({min(r):.2f}-{max(r):.2f}){ratio}; "
+                  f"client CPU {statistics.median(c) * 1e3:.0f} ms, page faults {statistics.median(f):.0f} ({min(f)}-{max(f)}) per call", flush=True)
 
 
 def idle_cpu(pids: dict[str, int], seconds: float = 5.0) -> dict[str, float]:
