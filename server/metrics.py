@@ -1,7 +1,7 @@
 """Prometheus metrics of one storage node, in a registry of its own.
 
 Names follow Prometheus conventions (``_total`` counters, ``_bytes``/``_seconds`` units).
-README.md's operations section lists every series; the chart's dashboard and alerts
+docs/operations.md ("Metrics, probes and alerts") lists every series; the chart's dashboard and alerts
 (helm/kvstore/files/) use only these, which tests/test_helm.py checks."""
 
 from __future__ import annotations

@@ -458,7 +458,7 @@ def _mapped_slabs(client: KVCacheClient) -> set[int]:
 
 def test_a_fresh_same_host_client_maps_its_tenants_slabs_at_start(cluster):
     """A same-host client's start probe is lent its tenant's slabs read-only
-    (server/dataplane.py PROBE_MAP_BYTES), so its first get maps nothing; another
+    (server/dataplane/same_host.py PROBE_MAP_BYTES), so its first get maps nothing; another
     tenant's client is lent none of them."""
     mine, other = make_ns("probe-maps"), make_ns("probe-maps-other")
     tokens = list(range(6 * BLOCK))

@@ -19,7 +19,7 @@ from kvstore.settings.sizes import parse_size
 ByteSize = Annotated[int, BeforeValidator(parse_size)]
 # A log level, case-insensitive ("info" or "INFO").
 LogLevel = Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], BeforeValidator(lambda v: v.upper() if isinstance(v, str) else v)]
-# An index URL (kvstore.index.routing.check_url names the forms).
+# An index URL (kvstore.index.urls.check_url names the forms).
 IndexURL = Annotated[str, AfterValidator(check_url)]
 ProgressMode = Literal["loop", "blocking", "polling", "thread", "thread-polling"]
 
