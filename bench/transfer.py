@@ -165,7 +165,8 @@ class Worker:
         return {"start": start, "end": end, "cpu": cpu, "ok": ok, "bytes": count * size}
 
 
-DEMO_NS = dict(model="bench-demo", dtype="float16", num_layers=32, num_kv_heads=8, head_size=128, block_size=16, hidden_size=4096, tenant="bench")
+DEMO_NS = dict(model="bench-demo", dtype="float16", num_layers=32, num_kv_heads=8, head_size=128, block_size=16,
+               hidden_size=4096, tenant="bench")
 DEMO_TOKENS = 2030  # kvstore demo's prompt: 126 full blocks, a partial one of 14 tokens, hidden states
 DEMO_CALLS = 5
 
@@ -184,10 +185,12 @@ class Sequences:
         gen = torch.Generator().manual_seed(41)
         T, ns = DEMO_TOKENS, self.ns
         # random bits (as int16) so no byte pattern is special; compared as bytes
-        self.key, self.value = (torch.randint(-30000, 30000, (ns.num_layers, T, ns.num_kv_heads, ns.head_size), dtype=torch.int16, generator=gen).view(torch.float16) for _ in range(2))
-        self.hidden = torch.randint(-30000, 30000, (T, ns.hidden_size), dtype=torch.int16, generator=gen).view(torch.float16)
-        blocks = T // ns.block_size
-        self.pages = torch.randint(-30000, 30000, (blocks, *ns.page_shape), dtype=torch.int16, generator=gen).view(torch.float16)
+        def bits(*shape: int) -> torch.Tensor:
+            return torch.randint(-30000, 30000, shape, dtype=torch.int16, generator=gen).view(torch.float16)
+
+        self.key, self.value = (bits(ns.num_layers, T, ns.num_kv_heads, ns.head_size) for _ in range(2))
+        self.hidden = bits(T, ns.hidden_size)
+        self.pages = bits(T // ns.block_size, *ns.page_shape)
         self.out = torch.empty_like(self.pages)
         self.roi = torch.ones(T, dtype=torch.bool)
 
@@ -195,11 +198,13 @@ class Sequences:
         from client import KVCacheClient
 
         if path not in self.clients:
-            self.clients[path] = KVCacheClient(self.redis_url, self.ns, timeout=120, lease_ms=0, same_host=path == "shm")
+            self.clients[path] = KVCacheClient(self.redis_url, self.ns, timeout=120, lease_ms=0,
+                                               same_host=path == "shm")
         return self.clients[path]
 
     def prompts(self, tag: int, tokens: int) -> list[list[int]]:
-        return [list(range((tag * DEMO_CALLS + i) * 10_000_000, (tag * DEMO_CALLS + i) * 10_000_000 + tokens)) for i in range(DEMO_CALLS)]
+        firsts = [(tag * DEMO_CALLS + i) * 10_000_000 for i in range(DEMO_CALLS)]
+        return [list(range(first, first + tokens)) for first in firsts]
 
     def run(self, cmd: dict) -> dict:
         """Five calls of ``cmd["call"]`` (insert, put, hold, drop, get; warm: one untimed
@@ -209,8 +214,10 @@ class Sequences:
         from client import codec
 
         client, call, tag = self.client(cmd["system"]), cmd["call"], cmd["tag"]
-        units = DEMO_TOKENS // self.ns.block_size + len(codec.tail_part_sizes(self.ns, DEMO_TOKENS, True))  # blocks and tail parts
-        seq_prompts, page_prompts = self.prompts(2 * tag, DEMO_TOKENS), self.prompts(2 * tag + 1, self.pages.shape[0] * self.ns.block_size)
+        blocks = self.pages.shape[0]
+        units = blocks + len(codec.tail_part_sizes(self.ns, DEMO_TOKENS, True))  # blocks and tail parts
+        seq_prompts = self.prompts(2 * tag, DEMO_TOKENS)
+        page_prompts = self.prompts(2 * tag + 1, blocks * self.ns.block_size)
         kv_bytes = self.key.nbytes + self.value.nbytes + self.hidden.nbytes
         seconds, cpu, faults, ok, kv = [], [], [], True, None
         for seq, paged in zip(seq_prompts, page_prompts):
@@ -219,7 +226,8 @@ class Sequences:
                 continue
             if call == "drop":
                 kv = None  # the previous result goes back to the pool before the next call
-            start, cpu0, faulted = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            start, cpu0 = time.perf_counter(), time.process_time()
             if call == "insert":
                 ok &= client.insert(seq, self.roi, self.key, self.value, self.hidden).stored == units
             elif call == "put":
@@ -234,7 +242,9 @@ class Sequences:
             if call == "get":
                 ok &= torch.equal(self.out.view(torch.int16), self.pages.view(torch.int16))
             elif call in ("hold", "drop"):
-                ok &= kv[2] is not None and all(torch.equal(g.view(torch.int16), w.view(torch.int16)) for g, w in zip(kv[2:], (self.key, self.value, self.hidden)))
+                wanted = (self.key, self.value, self.hidden)
+                ok &= kv[2] is not None and all(torch.equal(g.view(torch.int16), w.view(torch.int16))
+                                                for g, w in zip(kv[2:], wanted))
         moved = self.pages.nbytes if call in ("put", "get") else kv_bytes
         return {"seconds": seconds, "cpu": cpu, "faults": faults, "bytes": moved, "ok": bool(ok)}
 
@@ -543,12 +553,14 @@ def demo_pattern(repeat: int) -> None:
     over the median of the paged call on the same path (put_pages for insert,
     get_pages for select), with the range of the same ratio round by round; and the
     client's CPU time and page faults per call (fresh memory costs a fault per 4 KiB
-    touched), which other processes on the host disturb less than the wall time. Bytes: key, value and hidden for insert/select (2,030
-    tokens), the 126 pages for put/get."""
+    touched), which other processes on the host disturb less than the wall time.
+    Bytes: key, value and hidden for insert/select (2,030 tokens), the 126 pages for
+    put/get."""
     from kvstore.tools.launcher import LocalCluster
 
-    print(f"\ndemo pattern: {DEMO_TOKENS} tokens at 32 layers x 8 heads x 128, fp16, with hidden states, {DEMO_CALLS} calls in a row into "
-          f"fresh prompts, {repeat} rounds; GB/s per call, median (min-max); ratio to put_pages (insert) or get_pages (select)", flush=True)
+    print(f"\ndemo pattern: {DEMO_TOKENS} tokens at 32 layers x 8 heads x 128, fp16, with hidden states, "
+          f"{DEMO_CALLS} calls in a row into fresh prompts, {repeat} rounds; GB/s per call, median (min-max); "
+          "ratio to put_pages (insert) or get_pages (select)", flush=True)
     with LocalCluster(servers=1, capacity="3GiB", slab_size="64MiB") as cluster:
         proc = WorkerProcess(cluster.redis_url, 1 << 20)
         rates: dict[tuple[str, str], list[float]] = {}  # every call's GB/s
@@ -576,17 +588,20 @@ def demo_pattern(repeat: int) -> None:
                             cpu.setdefault((path, call), []).extend(got["cpu"])
         finally:
             proc.close()
-    names = {"insert": "insert", "put": "put_pages", "hold": "select, holding the last", "drop": "select, dropping it first", "get": "get_pages"}
+    names = {"insert": "insert", "put": "put_pages", "hold": "select, holding the last",
+             "drop": "select, dropping it first", "get": "get_pages"}
     for path in ("shm", "ucx"):
         for call, base in (("put", None), ("insert", "put"), ("get", None), ("hold", "get"), ("drop", "get")):
             r = rates[(path, call)]
             ratio = ""
             if base:  # and the ratio of the same round's medians, the round-to-round swing
                 paired = [a / b for a, b in zip(rounds[(path, call)], rounds[(path, base)])]
-                ratio = f"  {statistics.median(r) / statistics.median(rates[(path, base)]):.2f}x {names[base]} (rounds {min(paired):.2f}-{max(paired):.2f})"
+                ratio = (f"  {statistics.median(r) / statistics.median(rates[(path, base)]):.2f}x {names[base]} "
+                         f"(rounds {min(paired):.2f}-{max(paired):.2f})")
             f, c = faults[(path, call)], cpu[(path, call)]
             print(f"  {path:3} {names[call]:26} {statistics.median(r):5.2f} GB/s ({min(r):.2f}-{max(r):.2f}){ratio}; "
-                  f"client CPU {statistics.median(c) * 1e3:.0f} ms, page faults {statistics.median(f):.0f} ({min(f)}-{max(f)}) per call", flush=True)
+                  f"client CPU {statistics.median(c) * 1e3:.0f} ms, "
+                  f"page faults {statistics.median(f):.0f} ({min(f)}-{max(f)}) per call", flush=True)
 
 
 def idle_cpu(pids: dict[str, int], seconds: float = 5.0) -> dict[str, float]:

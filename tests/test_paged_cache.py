@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from client.vllm.breaker import CircuitBreaker
 from client.staging import ALIGN, HostBuffers
+from client.vllm.breaker import CircuitBreaker
 from client.vllm.paged_cache import PagedCache, StagingPool, block_runs
 from kvstore.errors import InvalidInputError
 from kvstore.pages.checksum import copy_checksummed
