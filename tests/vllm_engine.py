@@ -29,6 +29,9 @@ spec keys:
   "topic": "kv@engine@tiny"}``); after the prompts the KV events of saves still in
   flight are published before the engine exits (``drain_events``; ``drain_s``, default
   10: the most it waits, and what a multiprocess engine core is given);
+- ``idle_cpu_s``: at the end, this process's CPU time over that many seconds with no
+  request, as a share of one core (``idle_cpu``: what the engine's and the connector's
+  threads use while idle);
 - ``beside_copy_bytes``: in sequential mode, a thread copies and hashes this many bytes
   as a same-host load does (``copy_checksummed``) from the moment the last prompt is
   added: the best a load overlapped with the step could do (``beside_copy_seconds`` is
@@ -344,6 +347,10 @@ def main() -> int:
                                            "decode_tps": (n - 1) / (ended - first) if n > 1 else None})
     if spec.get("kv_events"):
         drain_events(engine, spec.get("drain_s", 10), out)
+    if spec.get("idle_cpu_s"):
+        cpu, wall = time.process_time(), time.monotonic()
+        time.sleep(spec["idle_cpu_s"])
+        out["idle_cpu"] = (time.process_time() - cpu) / (time.monotonic() - wall)
     if kv is not None:
         out["metrics"] = kvstore_metrics(llm)
     if spec.get("spec_decode_metrics"):  # vLLM's counters of drafts, draft tokens and accepted tokens
