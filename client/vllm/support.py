@@ -19,7 +19,12 @@ if TYPE_CHECKING:
 # The kinds of vLLM KV-cache groups whose pages the connector moves: full attention
 # (K and V per head) and MLA (one latent row per token).
 SUPPORTED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
-CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+CACHE_DTYPES = {
+    "auto": None,
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+}
 
 
 def cache_dtype(vllm_config: VllmConfig) -> str:
@@ -29,15 +34,53 @@ def cache_dtype(vllm_config: VllmConfig) -> str:
     return str(name).removeprefix("torch.")
 
 
+def draft_layers(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> list[str]:
+    """The KV-cache layers of ``kv_cache_config`` that are not the target model's: a
+    draft model's (``draft_model.model.layers.N``, the same index as a target layer) or an
+    EAGLE/MTP head's (``model.layers.N`` past the target's last layer). Judged from the
+    groups' layer names, which the scheduler's and the workers' configs share (vLLM gives
+    the scheduler only the first layer's spec of a group whose layers differ,
+    ``generate_scheduler_kv_cache_config``, so specs cannot tell), so both sides decide
+    alike. ngram and suffix decoding add no layers and are not named here."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    if vllm_config.speculative_config is None:  # no draft: every layer is the target's
+        return []
+    total = vllm_config.model_config.get_total_num_hidden_layers()
+    names = [name for group in kv_cache_config.kv_cache_groups for name in group.layer_names]
+    seen: set[int] = set()
+    drafts = []
+    # the target's layers first, so a draft layer sharing a target layer's index is the one named
+    for name in sorted(names, key=lambda n: n.startswith("draft_model.")):
+        try:
+            index = extract_layer_index(name)
+        except AssertionError:  # several indices in one name: no decoder layer of either model
+            continue
+        if index >= total or index in seen or name.startswith("draft_model."):
+            drafts.append(name)
+        seen.add(index)
+    return drafts
+
+
 def unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str | None:
     """Why this engine cannot use the store, in a few words; None when it can."""
     dtype = cache_dtype(vllm_config)
     if dtype not in DTYPE_SIZES:
-        return f"kv-cache dtype {vllm_config.cache_config.cache_dtype!r} ({dtype}) is not one kvstore stores ({', '.join(sorted(DTYPE_SIZES))})"
+        stored = ", ".join(sorted(DTYPE_SIZES))
+        return f"kv-cache dtype {vllm_config.cache_config.cache_dtype!r} ({dtype}) is not one kvstore stores ({stored})"
     parallel = vllm_config.parallel_config
     if getattr(parallel, "decode_context_parallel_size", 1) > 1:
-        return f"decode_context_parallel_size {parallel.decode_context_parallel_size}: blocks split across ranks by token are not stored"
+        size = parallel.decode_context_parallel_size
+        return f"decode_context_parallel_size {size}: blocks split across ranks by token are not stored"
     if kv_cache_config is not None:
+        drafts = draft_layers(vllm_config, kv_cache_config)
+        if drafts:
+            spec = vllm_config.speculative_config
+            method = getattr(spec, "method", None) or "a draft"
+            return (
+                f"speculative decoding ({method}) with a draft's own KV-cache layers ({', '.join(drafts[:2])}"
+                f"{', ...' if len(drafts) > 2 else ''}): they are not stored yet"
+            )
         groups = kv_cache_config.kv_cache_groups
         kinds = [type(g.kv_cache_spec).__name__ for g in groups]
         if len(groups) != 1:
@@ -46,5 +89,7 @@ def unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) 
             return f"attention of kind {kinds[0]} (kvstore stores {' and '.join(SUPPORTED_SPECS)})"
         quant = getattr(groups[0].kv_cache_spec, "kv_quant_mode", None)
         if quant:  # quantized KV keeps scales beside the blocks, which pages would not carry
-            return f"quantized KV cache ({getattr(quant, 'name', quant)}): its scales are not stored"
+            return (
+                f"quantized KV cache ({getattr(quant, 'name', quant)}): its scales are not stored"
+            )
     return None
