@@ -134,10 +134,9 @@ def decode_tail(namespace: Namespace, blob: np.ndarray) -> Tail:
 
 
 def _tensor_of(raw: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A fresh tensor holding a copy of ``raw`` (also when it is empty)."""
-    out = torch.empty(raw.nbytes, dtype=torch.uint8)
-    out.numpy()[:] = raw
-    return out.view(dtype).reshape(shape)
+    """A tensor viewing ``raw`` (no copy: select lends the tail's buffer from the pool, and
+    the view keeps it alive until the caller drops the hidden states)."""
+    return torch.from_numpy(raw).view(dtype).reshape(shape)
 
 
 def _bytes_of(t: torch.Tensor) -> np.ndarray:

@@ -88,8 +88,15 @@ static PyObject *bind(PyObject *self, PyObject *arg) {
 
 /* Growable arrays of what one call holds: the buffers to release and the segments. */
 typedef struct {
+    char *buf;
+    Py_ssize_t len;
+} range_t;
+
+typedef struct {
     Py_buffer *bufs;
     Py_ssize_t nbufs, capbufs;
+    range_t *ranges;
+    Py_ssize_t nranges, capranges;
     segment *segs;
     Py_ssize_t nsegs, capsegs;
 } plan;
@@ -98,6 +105,7 @@ static void plan_free(plan *p) {
     for (Py_ssize_t i = 0; i < p->nbufs; i++)
         PyBuffer_Release(&p->bufs[i]);
     PyMem_Free(p->bufs);
+    PyMem_Free(p->ranges);
     PyMem_Free(p->segs);
 }
 
@@ -116,8 +124,19 @@ static void *grow(void *items, Py_ssize_t *cap, Py_ssize_t need, size_t item) {
     return out;
 }
 
-/* The pieces of one side of a pair: a tuple of buffers, or one buffer. Each must be
- * C-contiguous; 0 (no exception set) when one is not, so the caller can fall back. */
+/* One contiguous byte range of a side, in the page's order. */
+static int add_range(plan *p, char *buf, Py_ssize_t len) {
+    range_t *r = grow(p->ranges, &p->capranges, p->nranges + 1, sizeof(range_t));
+    if (!r)
+        return -1;
+    p->ranges = r;
+    p->ranges[p->nranges++] = (range_t){buf, len};
+    return 1;
+}
+
+/* The pieces of one side of a pair: a tuple of buffers, or one buffer, each C-contiguous or
+ * made of C-contiguous rows along its first axis (a block's slice of every layer: one range
+ * per row); 0 (no exception set) when one is neither, so the caller can fall back. */
 static int side(plan *p, PyObject *obj, int writable, Py_ssize_t *first, Py_ssize_t *count) {
     int is_tuple = PyTuple_Check(obj);
     Py_ssize_t n = is_tuple ? PyTuple_GET_SIZE(obj) : 1;
@@ -125,16 +144,34 @@ static int side(plan *p, PyObject *obj, int writable, Py_ssize_t *first, Py_ssiz
     if (!bufs)
         return -1;
     p->bufs = bufs;
-    *first = p->nbufs;
+    *first = p->nranges;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = is_tuple ? PyTuple_GET_ITEM(obj, i) : obj;
-        if (PyObject_GetBuffer(item, &p->bufs[p->nbufs], PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) {
+        Py_buffer *b = &p->bufs[p->nbufs];
+        if (PyObject_GetBuffer(item, b, PyBUF_STRIDES | (writable ? PyBUF_WRITABLE : 0)) < 0) {
             PyErr_Clear();
             return 0;
         }
         p->nbufs++;
+        if (PyBuffer_IsContiguous(b, 'C')) {
+            if (add_range(p, b->buf, b->len) < 0)
+                return -1;
+            continue;
+        }
+        /* rows along the first axis, each C-contiguous (a block's slice of every layer) */
+        if (b->ndim < 2 || !b->strides || b->strides[0] <= 0)
+            return 0;
+        Py_ssize_t row = b->itemsize;
+        for (int d = b->ndim - 1; d >= 1; d--) {
+            if (b->shape[d] > 1 && b->strides[d] != row)
+                return 0;
+            row *= b->shape[d];
+        }
+        for (Py_ssize_t r = 0; r < b->shape[0]; r++)
+            if (add_range(p, (char *)b->buf + r * b->strides[0], row) < 0)
+                return -1;
     }
-    *count = n;
+    *count = p->nranges - *first;
     return 1;
 }
 
@@ -180,28 +217,31 @@ static PyObject *copy_hash(PyObject *self, PyObject *args) {
             Py_INCREF(out);
             goto done;
         }
-        /* the contiguous side of a scattered page is hashed (see checksum._copy_one) */
-        int d_scattered = PyTuple_Check(dst), s_scattered = PyTuple_Check(src);
-        hash_dst[k] = (d_scattered || s_scattered) ? s_scattered : !hash_source;
+        /* A scattered destination is never re-read: the source is hashed as it is read. A
+         * scattered source is hashed as it is read too (not the destination after the write),
+         * so the copy may use streaming stores: re-reading 2 MiB just written doubled insert's
+         * copy time against put's. */
+        int d_scattered = PyTuple_Check(dst);
+        hash_dst[k] = d_scattered ? 0 : !hash_source;
         Py_ssize_t di = d0, si = s0, doff = 0, soff = 0;
         while (di < d0 + dn && si < s0 + sn) {
-            Py_ssize_t dleft = p.bufs[di].len - doff, sleft = p.bufs[si].len - soff;
+            Py_ssize_t dleft = p.ranges[di].len - doff, sleft = p.ranges[si].len - soff;
             Py_ssize_t len = dleft < sleft ? dleft : sleft;
             if (len > 0) {
                 segment *segs = grow(p.segs, &p.capsegs, p.nsegs + 1, sizeof(segment));
                 if (!segs)
                     goto done;
                 p.segs = segs;
-                p.segs[p.nsegs++] = (segment){(char *)p.bufs[di].buf + doff, (const char *)p.bufs[si].buf + soff, (size_t)len};
+                p.segs[p.nsegs++] = (segment){p.ranges[di].buf + doff, (const char *)p.ranges[si].buf + soff, (size_t)len};
             }
             doff += len, soff += len;
-            if (doff == p.bufs[di].len)
+            if (doff == p.ranges[di].len)
                 di++, doff = 0;
-            if (soff == p.bufs[si].len)
+            if (soff == p.ranges[si].len)
                 si++, soff = 0;
         }
-        for (; di < d0 + dn && p.bufs[di].len == doff; di++, doff = 0) {}
-        for (; si < s0 + sn && p.bufs[si].len == soff; si++, soff = 0) {}
+        for (; di < d0 + dn && p.ranges[di].len == doff; di++, doff = 0) {}
+        for (; si < s0 + sn && p.ranges[si].len == soff; si++, soff = 0) {}
         if (di != d0 + dn || si != s0 + sn) {
             PyErr_Format(PyExc_ValueError, "copy_hash: pair %zd: destination and source differ in size", k);
             goto done;
