@@ -18,6 +18,8 @@ import logging
 import os
 import signal
 
+from kvstore.errors import KVStoreError
+from kvstore.events import PublisherOptions
 from kvstore.index import AsyncPageIndex
 from kvstore.security.credentials import CredentialFile
 from kvstore.settings.config import ServerSettings
@@ -28,6 +30,7 @@ from server.dataplane import DataPlane, RequestLimits
 from server.dataplane.namespaces import NamespaceCache
 from server.disk.demoter import TierPolicy
 from server.disk.tier import open_disk_tier
+from server.events import NodeEvents
 from server.eviction import Evictor
 from server.health import LoopWatchdog, start_health_server
 from server.heap import HeapTrimmer
@@ -53,12 +56,14 @@ class StorageNode:
         self.metrics = NodeMetrics()
         descriptors = raise_descriptor_limit()  # before the pool, which holds a memfd per slab
         self.pool = MemoryPool(s.capacity, s.slab_size, s.hugepages, s.hugepage_size)
-        self.store = PageStore(self.pool)
-        self.metrics.capacity.set(self.store.capacity)
-        connections = s.max_connections or connection_budget(descriptors, len(self.pool.regions))
         self.index = AsyncPageIndex(
             s.redis_url, password=s.redis_password.get_secret_value() or None
         )
+        namespaces = NamespaceCache(self.index)
+        self.events = self._events(namespaces)
+        self.store = PageStore(self.pool, self.events)
+        self.metrics.capacity.set(self.store.capacity)
+        connections = s.max_connections or connection_budget(descriptors, len(self.pool.regions))
         retirer = Retirer(self.store, self.index, self.identity, self.metrics)
         self.tier = self._tier(retirer)
         self.evictor = Evictor(
@@ -70,7 +75,6 @@ class StorageNode:
             s.low_watermark,
             tenant_quota=int(s.tenant_quota * self.store.capacity),
         )
-        namespaces = NamespaceCache(self.index)
         self.dataplane = DataPlane(
             self.store,
             self.index,
@@ -109,6 +113,43 @@ class StorageNode:
         self.metrics.loop_lag.set_function(lambda: self.watchdog.lag)
         self.address = ""
         self.metrics_port: int | None = None
+
+    def _events(self, namespaces: NamespaceCache) -> NodeEvents | None:
+        """The KV-event publisher with ``--kv-events-endpoint`` (binding fails here, at
+        start), else None."""
+        s = self.settings
+        if not s.kv_events_endpoint:
+            return None
+        options = PublisherOptions(
+            endpoint=s.kv_events_endpoint,
+            replay_endpoint=s.kv_events_replay_endpoint,
+            max_queue_events=s.kv_events_queue,
+        )
+        return NodeEvents(
+            options, s.kv_events_store_id or s.node_id, namespaces.get, self.metrics.registry
+        )
+
+    async def _announce_start(self) -> None:
+        """Send what the tier recovered, or, when the node starts with no page (no disk
+        tier, or an empty one), ``AllBlocksCleared`` under every model the index's
+        namespace registry names: a router drops what an earlier run announced."""
+        events = self.events
+        if events is None:
+            return
+        if self.store.ready_pages:
+            events.flush()
+            return
+        try:
+            async with asyncio.timeout(5):
+                stats = await self.index.stats()
+        except (KVStoreError, TimeoutError) as exc:
+            log.warning(
+                "KV events: no AllBlocksCleared sent, the index's namespaces are unknown: %s", exc
+            )
+            return
+        events.cleared(
+            [space.namespace.model for space in stats.namespaces if space.namespace is not None]
+        )
 
     def _tier(self, retirer: Retirer) -> Tier:
         """The tier below memory: the disk tier with the pages a previous run left on
@@ -162,6 +203,7 @@ class StorageNode:
             )
             self.metrics_port = http.server_port
             extra["metrics"] = f"{s.host}:{self.metrics_port}"
+        await self._announce_start()
         self.tier.start()
         heartbeat = self.registrar.start(self.address, extra)
         watchdog = self.watchdog.start()
@@ -183,6 +225,8 @@ class StorageNode:
         heartbeat.cancel()
         watchdog.cancel()
         await self.tier.stop()
+        if self.events is not None:
+            self.events.close()
         await self.registrar.deregister()
         await self.index.close()
         logging.getLogger("ucx").removeFilter(handshakes)

@@ -29,7 +29,9 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from kvstore.events import MEDIUM_CPU, MEDIUM_DISK
 from server.allocator import SlabAllocator
+from server.events import NoEvents, PageEvents
 from server.page import PageKey, PageState, StoredPage
 from server.pool import MemoryPool
 
@@ -38,8 +40,11 @@ class PageStore:
     """The page table of both tiers: the pages, their states, pins and LRU orders, and
     the memory slots they hold."""
 
-    def __init__(self, pool: MemoryPool) -> None:
+    def __init__(self, pool: MemoryPool, events: PageEvents | None = None) -> None:
         self.pool = pool
+        # told of every change of where a ready page's copies lie (server/events.py):
+        # here, at the bottom, no path that moves a page between tiers can miss it
+        self.events: PageEvents = events if events is not None else NoEvents()
         self.allocator = SlabAllocator(pool.capacity, pool.slab_size, pool.claim_slab)
         self.pages: dict[PageKey, StoredPage] = {}
         self._lru: OrderedDict[PageKey, StoredPage] = OrderedDict()  # ready pages in memory
@@ -124,6 +129,7 @@ class PageStore:
         """The claimed page is verified and committed: it becomes ready."""
         self._become_ready(page)
         self._lru[page.key] = page
+        self.events.stored(page, MEDIUM_CPU)
         self.unpin(page)
 
     def abort_put(self, page: StoredPage) -> None:
@@ -262,7 +268,10 @@ class PageStore:
         """Free the memory slot of a page no transfer holds (its copy is on disk, or its
         read from disk failed)."""
         assert page.pins == 0 or page.loading is not None
-        self._lru.pop(page.key, None)
+        if (
+            self._lru.pop(page.key, None) is not None
+        ):  # a slot given for a read-back was never announced
+            self.events.removed(page, MEDIUM_CPU)
         if page.offset is not None:
             self.tenant_bytes[page.owner] -= self.allocator.slot_size(page.offset)
             self.allocator.free(page.offset)
@@ -270,6 +279,13 @@ class PageStore:
 
     def drop(self, page: StoredPage) -> None:
         """Forget an evicted page; its slot is freed now or when its last transfer ends."""
+        # its disk copy, if any, is announced removed when the tier frees it (remove_disk_copy)
+        if (
+            page.state in (PageState.READY, PageState.EVICTING)
+            and page.offset is not None
+            and page.loading is None
+        ):
+            self.events.removed(page, MEDIUM_CPU)
         self._forget(page)
         self._release_slot(page)
 
@@ -289,6 +305,7 @@ class PageStore:
         self.pages[page.key] = page
         self._become_ready(page)
         self._disk_lru[page.key] = page
+        self.events.stored(page, MEDIUM_DISK)
 
     def hold_for_write(self, page: StoredPage) -> None:
         """A ready page's disk copy is being written: pinned (its slot stays), and
@@ -306,6 +323,7 @@ class PageStore:
         """A ready page's record is on disk at ``offset``."""
         page.disk, page.sequence = offset, sequence
         self._disk_lru[page.key] = page
+        self.events.stored(page, MEDIUM_DISK)
 
     def remove_disk_copy(self, page: StoredPage) -> int | None:
         """The page keeps no disk copy (evicted, dropped, or found corrupt): the disk slot
@@ -313,11 +331,13 @@ class PageStore:
         offset, page.disk = page.disk, None
         if offset is not None:
             self._disk_lru.pop(page.key, None)
+            self.events.removed(page, MEDIUM_DISK)
         return offset
 
     def promoted(self, page: StoredPage) -> None:
         """A page read back from disk into its memory slot is in memory again (most recent)."""
         self._lru[page.key] = page
+        self.events.stored(page, MEDIUM_CPU)
 
     def take_disk_victims(
         self, nbytes: int, slot_size: int, owner: str | None = None

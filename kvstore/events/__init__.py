@@ -5,6 +5,7 @@ Dynamo) read these unchanged; docs/router-integration.md says how to point them 
 from kvstore.events.format import (
     LOCAL,
     MEDIUM_CPU,
+    MEDIUM_DISK,
     MEDIUM_GPU,
     MEDIUM_STORAGE,
     OWNERSHIP,
@@ -26,6 +27,7 @@ __all__ = [
     "END_SEQ",
     "LOCAL",
     "MEDIUM_CPU",
+    "MEDIUM_DISK",
     "MEDIUM_GPU",
     "MEDIUM_STORAGE",
     "OWNERSHIP",

@@ -19,7 +19,7 @@ A change to vLLM's structs must be mirrored here field for field."""
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -30,6 +30,10 @@ import msgspec
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 MEDIUM_STORAGE = "STORAGE"
+# A storage node's disk tier: "DISK" is the name every Dynamo revision we read maps to
+# its disk tier (weight 0.25; "STORAGE" only in later ones), and llm-d weighs it by an
+# entry named "disk" (docs/router-integration.md).
+MEDIUM_DISK = "DISK"
 # ``locality`` values (vLLM's ``Locality``): where the blocks live relative to the
 # process that publishes the event.
 LOCAL = "LOCAL"
@@ -41,10 +45,10 @@ OWNERSHIP = "kvstore"
 
 # vLLM's ExternalBlockHash: a block hash is bytes (sha256-based hashing, the default),
 # or an int when the engine sets VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES.
-BlockHash = Union[bytes, int]
+BlockHash = bytes | int
 
 
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One published message's payload: when it was made, its events in order, and
     the engine's data-parallel rank (None for a storage node)."""
 
@@ -53,7 +57,7 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     """Base of the three event kinds; each is tagged by its class name."""
 
 
@@ -96,27 +100,56 @@ class AllBlocksCleared(KVCacheEvent):
 class KVEventBatch(EventBatch):
     """``EventBatch`` whose events decode as the three kinds (what subscribers decode)."""
 
-    events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
-def block_stored(block_hashes: list[BlockHash], token_ids: list[int], block_size: int, *, parent_block_hash: BlockHash | None = None,
-                 medium: str = MEDIUM_CPU, lora_name: str | None = None, lora_id: int | None = None,
-                 extra_keys: list[tuple[Any, ...] | None] | None = None, locality: str | None = None,
-                 ownership: str | None = OWNERSHIP) -> BlockStored:
+def block_stored(
+    block_hashes: list[BlockHash],
+    token_ids: list[int],
+    block_size: int,
+    *,
+    parent_block_hash: BlockHash | None = None,
+    medium: str = MEDIUM_CPU,
+    lora_name: str | None = None,
+    lora_id: int | None = None,
+    extra_keys: list[tuple[Any, ...] | None] | None = None,
+    locality: str | None = None,
+    ownership: str | None = OWNERSHIP,
+) -> BlockStored:
     """A ``BlockStored`` of whole blocks: ``token_ids`` must be ``block_size`` tokens per
     hash (routers re-hash the tokens block by block; a short or long list would name
     other blocks). Raises ValueError otherwise. Called by a storage node per put."""
     if block_size <= 0 or len(token_ids) != len(block_hashes) * block_size:
-        raise ValueError(f"{len(block_hashes)} blocks of {block_size} tokens need {len(block_hashes) * block_size} token ids, got {len(token_ids)}")
-    return BlockStored(block_hashes=block_hashes, parent_block_hash=parent_block_hash, token_ids=token_ids, block_size=block_size,
-                       lora_id=lora_id, medium=medium, lora_name=lora_name, extra_keys=extra_keys, locality=locality, ownership=ownership)
+        raise ValueError(
+            f"{len(block_hashes)} blocks of {block_size} tokens need "
+            f"{len(block_hashes) * block_size} token ids, got {len(token_ids)}"
+        )
+    return BlockStored(
+        block_hashes=block_hashes,
+        parent_block_hash=parent_block_hash,
+        token_ids=token_ids,
+        block_size=block_size,
+        lora_id=lora_id,
+        medium=medium,
+        lora_name=lora_name,
+        extra_keys=extra_keys,
+        locality=locality,
+        ownership=ownership,
+    )
 
 
-def block_removed(block_hashes: list[BlockHash], *, medium: str = MEDIUM_CPU, locality: str | None = None,
-                  ownership: str | None = OWNERSHIP) -> BlockRemoved:
+def block_removed(
+    block_hashes: list[BlockHash],
+    *,
+    medium: str = MEDIUM_CPU,
+    locality: str | None = None,
+    ownership: str | None = OWNERSHIP,
+) -> BlockRemoved:
     """A ``BlockRemoved`` of ``block_hashes`` from ``medium`` (a demotion is this from
     "CPU" followed by a ``block_stored`` in "STORAGE")."""
-    return BlockRemoved(block_hashes=block_hashes, medium=medium, locality=locality, ownership=ownership)
+    return BlockRemoved(
+        block_hashes=block_hashes, medium=medium, locality=locality, ownership=ownership
+    )
 
 
 def pool_topic(store_id: str, model: str) -> str:

@@ -53,18 +53,42 @@ class PublisherOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    endpoint: str = Field(description="PUB address, e.g. tcp://*:5557 (binds) or tcp://router:5557 (connects); see mode")
+    endpoint: str = Field(
+        description="PUB address, e.g. tcp://*:5557 (binds) or tcp://router:5557 (connects); see mode"
+    )
     mode: Literal["auto", "bind", "connect"] = Field(
-        "auto", description="auto: bind a wildcard (tcp://*:PORT, tcp://[::]:PORT), ipc:// or inproc:// address and connect to any other, as vLLM does")
-    replay_endpoint: str | None = Field(None, description="ROUTER address (always bound) serving missed batches; None: no replay")
-    topic: str = Field("", description="first frame of every message (kvstore.events.pool_topic gives a node's)")
-    max_queue_events: int = Field(100_000, ge=1, description="events waiting to be sent, past which publish drops (counted)")
+        "auto",
+        description=(
+            "auto: bind a wildcard (tcp://*:PORT, tcp://[::]:PORT), ipc:// or inproc:// address "
+            "and connect to any other, as vLLM does"
+        ),
+    )
+    replay_endpoint: str | None = Field(
+        None, description="ROUTER address (always bound) serving missed batches; None: no replay"
+    )
+    topic: str = Field(
+        "", description="first frame of every message (kvstore.events.pool_topic gives a node's)"
+    )
+    max_queue_events: int = Field(
+        100_000, ge=1, description="events waiting to be sent, past which publish drops (counted)"
+    )
     max_batch_events: int = Field(1024, ge=1, description="events per message at most")
     replay_batches: int = Field(10_000, ge=0, description="batches kept for replay")
     replay_bytes: ByteSize = Field(64 << 20, description="payload bytes kept for replay at most")
-    hwm: int = Field(100_000, ge=0, description="messages queued per subscriber before ZMQ drops (0: no limit)")
-    data_parallel_rank: int | None = Field(None, ge=0, description="set in every batch when given (engines set it; a node does not)")
-    close_linger_ms: int = Field(500, ge=0, description="how long close() lets ZMQ deliver what it already queued")
+    hwm: int = Field(
+        100_000,
+        ge=1,
+        description=(
+            "messages queued per subscriber before ZMQ drops "
+            "(ZMQ's 0, no limit, is refused: a slow subscriber would grow memory)"
+        ),
+    )
+    data_parallel_rank: int | None = Field(
+        None, ge=0, description="set in every batch when given (engines set it; a node does not)"
+    )
+    close_linger_ms: int = Field(
+        500, ge=0, description="how long close() lets ZMQ deliver what it already queued"
+    )
 
 
 @dataclass(frozen=True)
@@ -73,7 +97,9 @@ class PublisherStats:
 
     published_events: int
     published_batches: int
-    dropped_events: int  # by publish, on a full queue (the PUB socket's own drops are not seen here)
+    dropped_events: (
+        int  # by publish, on a full queue (the PUB socket's own drops are not seen here)
+    )
     next_sequence: int  # the sequence number the next batch gets (gaps included)
     skipped_sequences: int  # numbers no batch got: one per run of dropped events
     replay_requests: int
@@ -105,13 +131,19 @@ class EventPublisher:
     def __init__(self, options: PublisherOptions) -> None:
         self.options = options
         self._lock = threading.Lock()
-        self._queue: deque[list[KVCacheEvent] | _Gap] = deque()
-        self._held = 0  # events queued or taken by the thread and not yet sent: what the bound counts
-        self._signaled = False  # a wake-up byte is in the pipe and the thread has not taken the queue since
+        self._queue: deque[tuple[bytes, list[KVCacheEvent]] | _Gap] = deque()
+        self._held = (
+            0  # events queued or taken by the thread and not yet sent: what the bound counts
+        )
+        self._signaled = (
+            False  # a wake-up byte is in the pipe and the thread has not taken the queue since
+        )
         self._closing = False
-        self._published_events = self._published_batches = self._dropped = self._replays = self._skipped = 0
+        self._published_events = self._published_batches = self._dropped = self._replays = (
+            self._skipped
+        ) = 0
         self._seq = 0
-        self._replay: deque[tuple[int, bytes]] = deque()
+        self._replay: deque[tuple[int, bytes, bytes]] = deque()  # (sequence, topic, payload)
         self._replay_nbytes = 0
         self._topic = options.topic.encode()
         self._ctx = zmq.Context(io_threads=1)
@@ -121,7 +153,9 @@ class EventPublisher:
         try:
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.SNDHWM, options.hwm)
-            self.endpoint = self._attach(self._pub, options.endpoint, _binds(options.endpoint, options.mode))
+            self.endpoint = self._attach(
+                self._pub, options.endpoint, _binds(options.endpoint, options.mode)
+            )
             self._router: zmq.Socket | None = None
             self.replay_endpoint: str | None = None
             if options.replay_endpoint is not None:
@@ -147,23 +181,29 @@ class EventPublisher:
 
     # ---- any thread --------------------------------------------------------------
 
-    def publish(self, events: Sequence[KVCacheEvent]) -> bool:
+    def publish(self, events: Sequence[KVCacheEvent], topic: str | None = None) -> bool:
         """Queue ``events`` to be sent in order; never waits. False when they were
-        dropped (the queue is full, or the publisher is closing); counted either way."""
+        dropped (the queue is full, or the publisher is closing); counted either way.
+        ``topic``: this call's first frame instead of the options' (a storage node
+        publishes each model's blocks under that model's topic; one socket and one
+        sequence serve them all, as one vLLM engine's do)."""
         if not events:
             return True
         n = len(events)
+        frame = self._topic if topic is None else topic.encode()
         with self._lock:
             if self._closing:
                 self._dropped += n
                 return False
             accepted = self._held + n <= self.options.max_queue_events
             if accepted:
-                self._queue.append(list(events))
+                self._queue.append((frame, list(events)))
                 self._held += n
             else:
                 self._dropped += n
-                if not self._queue or self._queue[-1] is not _GAP:  # one skipped number per run of drops
+                if (
+                    not self._queue or self._queue[-1] is not _GAP
+                ):  # one skipped number per run of drops
                     self._queue.append(_GAP)
             if not self._signaled:
                 # under the lock: close() cannot have closed the pipe (it sets _closing first)
@@ -173,8 +213,15 @@ class EventPublisher:
 
     def stats(self) -> PublisherStats:
         with self._lock:
-            return PublisherStats(self._published_events, self._published_batches, self._dropped, self._seq, self._skipped, self._replays,
-                                  self._held)
+            return PublisherStats(
+                self._published_events,
+                self._published_batches,
+                self._dropped,
+                self._seq,
+                self._skipped,
+                self._replays,
+                self._held,
+            )
 
     def close(self, timeout: float = 5.0) -> None:
         """Send what is queued (at most ``timeout`` seconds), stop the thread, close
@@ -233,56 +280,69 @@ class EventPublisher:
                     self._send(left, encoder)
                 return
 
-    def _send(self, items: deque[list[KVCacheEvent] | _Gap], encoder: msgspec.msgpack.Encoder) -> None:
-        """Send ``items`` as batches of at most ``max_batch_events`` events (a call's
-        events are never split across batches unless they alone exceed the limit),
-        skipping a sequence number at each gap."""
+    def _send(
+        self,
+        items: deque[tuple[bytes, list[KVCacheEvent]] | _Gap],
+        encoder: msgspec.msgpack.Encoder,
+    ) -> None:
+        """Send ``items`` as batches of at most ``max_batch_events`` events of one topic
+        (a call's events are never split across batches unless they alone exceed the
+        limit), skipping a sequence number at each gap."""
         limit = self.options.max_batch_events
         batch: list[KVCacheEvent] = []
+        topic = self._topic
         for item in items:
-            if item is _GAP:
-                self._emit(batch, encoder)
+            if isinstance(item, _Gap):
+                self._emit(batch, encoder, topic)
                 batch = []
                 with self._lock:
                     self._seq += 1
                     self._skipped += 1
                 continue
-            if batch and len(batch) + len(item) > limit:
-                self._emit(batch, encoder)
+            frame, events = item
+            if batch and (len(batch) + len(events) > limit or frame != topic):
+                self._emit(batch, encoder, topic)
                 batch = []
-            batch.extend(item)
+            topic = frame
+            batch.extend(events)
             while len(batch) > limit:
-                self._emit(batch[:limit], encoder)
+                self._emit(batch[:limit], encoder, topic)
                 batch = batch[limit:]
-        self._emit(batch, encoder)
+        self._emit(batch, encoder, topic)
 
-    def _emit(self, events: list[KVCacheEvent], encoder: msgspec.msgpack.Encoder) -> None:
+    def _emit(
+        self, events: list[KVCacheEvent], encoder: msgspec.msgpack.Encoder, topic: bytes
+    ) -> None:
         if not events:
             return
-        payload = encoder.encode(EventBatch(ts=time.time(), events=events, data_parallel_rank=self.options.data_parallel_rank))
+        payload = encoder.encode(
+            EventBatch(
+                ts=time.time(), events=events, data_parallel_rank=self.options.data_parallel_rank
+            )
+        )
         with self._lock:
             seq = self._seq
             self._seq += 1
         seq_bytes = seq.to_bytes(8, "big")
         try:
-            self._pub.send_multipart((self._topic, seq_bytes, payload), flags=zmq.NOBLOCK)
+            self._pub.send_multipart((topic, seq_bytes, payload), flags=zmq.NOBLOCK)
         except zmq.Again:
             pass  # no room for this message (a connecting PUB with its peer away): dropped, the gap shows
-        self._keep(seq, payload)
+        self._keep(seq, topic, payload)
         with self._lock:
             self._held -= len(events)
             self._published_events += len(events)
             self._published_batches += 1
 
-    def _keep(self, seq: int, payload: bytes) -> None:
+    def _keep(self, seq: int, topic: bytes, payload: bytes) -> None:
         """Add a batch to the replay window, dropping the oldest past either bound."""
         opts = self.options
         if self._router is None or opts.replay_batches == 0 or len(payload) > opts.replay_bytes:
             return
-        self._replay.append((seq, payload))
+        self._replay.append((seq, topic, payload))
         self._replay_nbytes += len(payload)
         while len(self._replay) > opts.replay_batches or self._replay_nbytes > opts.replay_bytes:
-            self._replay_nbytes -= len(self._replay.popleft()[1])
+            self._replay_nbytes -= len(self._replay.popleft()[2])
 
     def _serve_replays(self) -> None:
         """Answer every replay request waiting, from the replay window."""
@@ -293,16 +353,21 @@ class EventPublisher:
             except zmq.Again:
                 return
             if len(frames) != 3:
-                log.warning("ignored a replay request of %d frames (expected identity, empty, start sequence)", len(frames))
+                log.warning(
+                    "ignored a replay request of %d frames (expected identity, empty, start sequence)",
+                    len(frames),
+                )
                 continue
             client, _, start = frames
             with self._lock:
                 self._replays += 1
             first = int.from_bytes(start, "big")
             try:
-                for seq, payload in list(self._replay):
+                for seq, topic, payload in list(self._replay):
                     if seq >= first:
-                        self._router.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
+                        self._router.send_multipart(
+                            (client, b"", topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK
+                        )
                 self._router.send_multipart((client, b"", b"", END_SEQ, b""), flags=zmq.NOBLOCK)
             except zmq.Again:
                 log.warning("a replay client stopped reading; the rest of its replay was dropped")

@@ -95,6 +95,16 @@ def _main(argv: list[str]) -> int:
         help="how pages reach disk (default write-back)",
     )
     up.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        metavar="ADDRESS",
+        help=(
+            "every node publishes vLLM-format KV events to this ZMQ address, e.g. tcp://127.0.0.1:5557 "
+            "where a router (or `kvstore`'s bench) binds a SUB socket; with one node a wildcard "
+            "(tcp://*:5557) makes the node bind instead (docs/router-integration.md)"
+        ),
+    )
+    up.add_argument(
         "--verbose",
         action="store_true",
         help="show the storage nodes' logs here instead of log files",

@@ -49,6 +49,15 @@ def run_up(args: argparse.Namespace) -> int:
             raise InvalidInputError(
                 "--disk-path needs --disk-capacity (bytes each node's disk tier may take, e.g. 100GiB)"
             )
+        events = args.kv_events_endpoint
+        if events and args.servers > 1 and ("*" in events or "[::]" in events):
+            raise InvalidInputError(
+                f"--kv-events-endpoint {events} would have {args.servers} nodes bind one port: "
+                "give the address a router binds (tcp://HOST:PORT), which every node connects to"
+            )
+        extra = ["--disk-policy", args.disk_policy] if args.disk_path else []
+        if events:
+            extra += ["--kv-events-endpoint", events]
         # the nodes' logs outlive `kvstore up`: they are where a failed start or a
         # refused client is explained
         log_dir = (
@@ -65,7 +74,7 @@ def run_up(args: argparse.Namespace) -> int:
             env=token_env,
             disk_path=args.disk_path,
             disk_capacity=args.disk_capacity,
-            extra_args=["--disk-policy", args.disk_policy] if args.disk_path else None,
+            extra_args=extra or None,
             log_dir=log_dir,
             progress=lambda line: print(f"kvstore up: {line}", flush=True),
         )

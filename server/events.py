@@ -1,0 +1,232 @@
+"""A storage node's KV events: what its page table gains and loses, per tier, in
+vLLM's event format (kvstore.events), so cache-aware routers see the store.
+
+The page table (server/store.py) tells a ``PageEvents`` of every change of where a
+page's copies lie, page by page, as it makes the change:
+
+- a put's page became ready in memory, or a page was read back from disk into memory:
+  stored, medium "CPU";
+- a page's record was written to disk (a demotion, write-back or write-through), or
+  was found on disk at start: stored, "DISK";
+- a page's memory copy was freed while its disk copy stays (the second half of a
+  demotion): removed, "CPU";
+- a page left the node (evicted through the retirer, purged as corrupt) or lost its
+  disk copy: removed, from each tier it was in.
+
+``NodeEvents`` gathers those calls and hands them to the publisher once per turn of
+the event loop (``call_soon``), as few events as the order allows: consecutive pages of
+one kind, tier and model go into one event. The table is never slowed by a subscriber:
+the publisher's queue is bounded and drops (counted) instead of waiting.
+
+Block hashes are the store's page keys (16 bytes): for a namespace stored in head or
+layer groups each unit of a block is a page of its own, and is announced as a block
+(the units of a block carry the same tokens). A put does not carry token ids, so
+``token_ids`` is empty and ``parent_block_hash`` None (docs/router-integration.md says
+what a router can do with such events)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvstore.events import (
+    MEDIUM_CPU,
+    MEDIUM_DISK,
+    OWNERSHIP,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventPublisher,
+    KVCacheEvent,
+    PublisherOptions,
+    pool_topic,
+)
+from kvstore.pages.namespace import Namespace
+from server.page import StoredPage
+
+STORED, REMOVED = True, False
+
+
+class PageEvents(Protocol):
+    """What the page table tells of each change of where a page's copies lie. Called
+    on the node's event loop (or before it runs, at recovery), never waits."""
+
+    def stored(self, page: StoredPage, medium: str) -> None:
+        """``page`` now has a copy in ``medium``."""
+
+    def removed(self, page: StoredPage, medium: str) -> None:
+        """``page`` no longer has a copy in ``medium``."""
+
+
+class NoEvents(PageEvents):
+    """A node without ``--kv-events-endpoint``: the table's calls cost a method call."""
+
+    def stored(self, page: StoredPage, medium: str) -> None:
+        return None
+
+    def removed(self, page: StoredPage, medium: str) -> None:
+        return None
+
+
+class NodeEvents(PageEvents):
+    """Publishes the page table's changes as vLLM KV events under
+    ``kv@pool:<store id>@<model>``. Built by the node at start when events are on
+    (binding raises ``zmq.ZMQError`` there); ``close`` at shutdown.
+
+    Guarantees: events come out in the order the table made the changes; a page's
+    stored event for a tier comes before its removed event for that tier; events that
+    do not fit the bounded queue are dropped whole, counted in
+    ``kvstore_events_dropped_total``, and the sequence numbers show the gap."""
+
+    def __init__(
+        self,
+        options: PublisherOptions,
+        store_id: str,
+        models: Callable[[str], Namespace | None],
+        registry: CollectorRegistry,
+    ) -> None:
+        pool_topic(store_id, "m")  # the store id's own check, before anything binds
+        self.publisher = EventPublisher(options)
+        self.store_id = store_id
+        self._models = models  # namespace digest -> its Namespace, when the node knows it
+        self._pending: list[tuple[bool, str, StoredPage]] = []
+        self._scheduled = False
+        self._topics: dict[str, str] = {}  # namespace digest -> topic
+        registry.register(_EventCollector(self.publisher))
+
+    # ---- the page table's calls --------------------------------------------------------
+
+    def stored(self, page: StoredPage, medium: str) -> None:
+        self._add(STORED, medium, page)
+
+    def removed(self, page: StoredPage, medium: str) -> None:
+        self._add(REMOVED, medium, page)
+
+    def _add(self, kind: bool, medium: str, page: StoredPage) -> None:
+        self._pending.append((kind, medium, page))
+        if self._scheduled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # recovery, before the loop runs: the node flushes once it starts
+        self._scheduled = True
+        loop.call_soon(self.flush)
+
+    # ---- the node's calls ---------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Hand what the table told since the last flush to the publisher, grouped into
+        as few events as the order allows (one ``publish`` per topic run)."""
+        self._scheduled = False
+        pending, self._pending = self._pending, []
+        run: list[KVCacheEvent] = []
+        run_topic = ""
+        for digest, kind, medium, hashes in _groups(pending):
+            topic = self._topic(digest)
+            if run and topic != run_topic:
+                self.publisher.publish(run, run_topic)
+                run = []
+            run_topic = topic
+            if kind is STORED:
+                run.append(
+                    BlockStored(
+                        block_hashes=hashes,
+                        parent_block_hash=None,
+                        token_ids=[],
+                        block_size=self._block_size(digest),
+                        lora_id=None,
+                        medium=medium,
+                        lora_name=None,
+                        ownership=OWNERSHIP,
+                    )
+                )
+            else:
+                run.append(BlockRemoved(block_hashes=hashes, medium=medium, ownership=OWNERSHIP))
+        if run:
+            self.publisher.publish(run, run_topic)
+
+    def cleared(self, models: list[str]) -> None:
+        """The node started without the pages a previous run held (no disk tier, or an
+        empty one): ``AllBlocksCleared`` under each model's topic, so a router forgets
+        what this store id announced before."""
+        for model in sorted(set(models)):
+            self.publisher.publish(
+                [AllBlocksCleared()], pool_topic(self.store_id, _topic_model(model))
+            )
+
+    def close(self) -> None:
+        self.flush()
+        self.publisher.close()
+
+    def _block_size(self, digest: str) -> int:
+        """Tokens per page of the namespace (0 while the node has not learnt it)."""
+        ns = self._models(digest)
+        return ns.block_size if ns is not None else 0
+
+    def _topic(self, digest: str) -> str:
+        topic = self._topics.get(digest)
+        if topic is None:
+            ns = self._models(digest)
+            # a namespace the node has not learnt (a page recovered from disk before any
+            # put of it) is published under its digest; not cached, so the model's
+            # topic is used once the node learns it
+            if ns is None:
+                return pool_topic(self.store_id, digest)
+            topic = self._topics[digest] = pool_topic(self.store_id, _topic_model(ns.model))
+        return topic
+
+
+def _topic_model(model: str) -> str:
+    """A model name fit for the topic: "@" separates the topic's parts."""
+    return model.replace("@", "_")
+
+
+def _groups(
+    pending: list[tuple[bool, str, StoredPage]],
+) -> Iterator[tuple[str, bool, str, list[int | bytes]]]:
+    """Runs of consecutive changes of one kind, medium and namespace, as (namespace
+    digest, kind, medium, page keys)."""
+    key: tuple[bool, str, str] | None = None
+    hashes: list[int | bytes] = []
+    for kind, medium, page in pending:
+        k = (kind, medium, page.key[0])
+        if k != key:
+            if key is not None:
+                yield key[2], key[0], key[1], hashes
+            key, hashes = k, []
+        hashes.append(page.key[1])
+    if key is not None:
+        yield key[2], key[0], key[1], hashes
+
+
+class _EventCollector(Collector):
+    """The publisher's counts on /metrics, read at scrape time."""
+
+    def __init__(self, publisher: EventPublisher) -> None:
+        self.publisher = publisher
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        s = self.publisher.stats()
+        yield CounterMetricFamily(
+            "kvstore_events_published", "KV events sent to subscribers", value=s.published_events
+        )
+        yield CounterMetricFamily(
+            "kvstore_events_dropped",
+            "KV events dropped because the bounded queue was full (the sequence shows the gap)",
+            value=s.dropped_events,
+        )
+        yield CounterMetricFamily(
+            "kvstore_events_batches", "KV event batches (messages) sent", value=s.published_batches
+        )
+        yield GaugeMetricFamily(
+            "kvstore_events_queued", "KV events waiting to be sent", value=s.queued_events
+        )
+
+
+__all__ = ["MEDIUM_CPU", "MEDIUM_DISK", "NoEvents", "NodeEvents", "PageEvents"]

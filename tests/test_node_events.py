@@ -1,0 +1,195 @@
+"""A storage node's KV events, read with vLLM's own decoder (``vllm.distributed.kv_events``)
+from a real node process: what it announces per tier is what it holds.
+
+Each test starts a node with ``--kv-events-endpoint`` and ``--kv-events-replay-endpoint``,
+puts pages with a real client (tests/worker.py), and reads every batch the node sent
+through the replay socket from sequence 0 (a SUB socket that connects after the node
+started misses its first batches: ZMQ's slow joiner), then checks the stream against
+the node's metrics and the index."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from collections import defaultdict
+
+import msgspec
+import pytest
+import zmq
+
+from kvstore import block_hashes
+from kvstore.events import END_SEQ
+from kvstore.index import PageIndex
+from tests.helpers import advertised_prefix, metrics, namespace_for_page_size, run_worker, spec, wait_for
+
+kv_events = pytest.importorskip("vllm.distributed.kv_events")
+
+PAGE = 256 << 10  # a 4 MiB pool holds 16 pages minus what the watermarks keep free
+OPTS = {"lease_ms": 0}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def events_args(pub: int, replay: int) -> list[str]:
+    return ["--kv-events-endpoint", f"tcp://*:{pub}", "--kv-events-replay-endpoint", f"tcp://*:{replay}"]
+
+
+def replay(port: int, start: int = 0, timeout: float = 10.0) -> list[tuple[str, int, object]]:
+    """Every batch the node still holds from ``start`` on, as (topic, sequence, vLLM
+    KVEventBatch), through vLLM's replay protocol."""
+    decoder = msgspec.msgpack.Decoder(type=kv_events.KVEventBatch)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    out = []
+    try:
+        sock.send_multipart([b"", start.to_bytes(8, "big")])
+        while True:
+            if not sock.poll(int(timeout * 1000)):
+                raise AssertionError("the replay did not end")
+            _, topic, seq, payload = sock.recv_multipart()
+            if seq == END_SEQ:
+                return out
+            out.append((topic.decode(), int.from_bytes(seq, "big"), decoder.decode(payload)))
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def events_of(batches) -> list[tuple[str, object]]:
+    return [(topic, e) for topic, _, batch in batches for e in batch.events]
+
+
+def live_sets(events) -> dict[str, set[bytes]]:
+    """Blocks per medium after applying the events in order; every removal must name a
+    block announced stored in that medium before."""
+    live: dict[str, set[bytes]] = defaultdict(set)
+    for _, e in events:
+        if isinstance(e, kv_events.BlockStored):
+            live[e.medium].update(e.block_hashes)
+        elif isinstance(e, kv_events.BlockRemoved):
+            missing = set(e.block_hashes) - live[e.medium]
+            assert not missing, f"{len(missing)} blocks removed from {e.medium} before they were stored there"
+            live[e.medium].difference_update(e.block_hashes)
+        else:
+            live.clear()
+    return live
+
+
+def batches_of(ns, count: int, blocks: int) -> list[list[int]]:
+    return [list(range(b * 100_000, b * 100_000 + blocks * ns.block_size)) for b in range(count)]
+
+
+def put_all(cluster, ns, batches) -> int:
+    reports = run_worker(spec(cluster, ns, "put_pages", token_lists=batches, options=OPTS))["reports"]
+    return sum(r["stored"] for r in reports)
+
+
+def test_memory_stores_and_evictions_are_announced_in_order_with_vllms_decoder(clusters):
+    pub, rep = free_port(), free_port()
+    cluster = clusters(capacity="4MiB", slab="1MiB", extra=events_args(pub, rep))
+    ns = namespace_for_page_size(PAGE, tenant="events-mem")
+    batches = batches_of(ns, 8, 4)  # 32 pages, twice the pool: the oldest are evicted
+    assert put_all(cluster, ns, batches) == 32
+    m = metrics(cluster, "node-0")
+    wait_for(lambda: metrics(cluster, "node-0")["kvstore_events_queued"] == 0, 10, "the queue to drain")
+    got = replay(rep)
+    seqs = [s for _, s, _ in got]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "a gap in the sequence numbers"
+    events = events_of(got)
+    assert {t for t, _ in events} <= {f"kv@pool:node-0@{ns.model}", "kv@pool:node-0@" + ns.model}
+    assert {t for t, e in events if not isinstance(e, kv_events.AllBlocksCleared)} == {f"kv@pool:node-0@{ns.model}"}
+    stored = [e for _, e in events if isinstance(e, kv_events.BlockStored)]
+    removed = [e for _, e in events if isinstance(e, kv_events.BlockRemoved)]
+    assert all(e.medium == "CPU" and e.block_size == ns.block_size and e.token_ids == [] for e in stored)
+    assert all(e.parent_block_hash is None for e in stored)
+    # every page put was announced once, in the order of the puts (one batch after another)
+    announced = [h for e in stored for h in e.block_hashes]
+    expected = [h for b in batches for h in block_hashes(ns, b)]
+    assert announced == expected
+    # every eviction was announced, and nothing else left memory
+    assert sum(len(e.block_hashes) for e in removed) == m["kvstore_evicted_pages_total"] > 0
+    live = live_sets(events)["CPU"]
+    assert len(live) == m["kvstore_pages"]
+    index = PageIndex(cluster.redis_url)
+    try:
+        for b in batches:  # what the events say the node holds is what the index advertises
+            hashes = block_hashes(ns, b)
+            held = advertised_prefix(index, ns, hashes, lease_ms=0)
+            assert all(h in live for h in hashes[:held]), "the index advertises a block the events removed"
+            if all(h in live for h in hashes):
+                assert held == len(hashes), "the events announce a block the index lacks"
+    finally:
+        index.close()
+    assert m["kvstore_events_dropped_total"] == 0
+
+
+def test_demotion_is_removed_from_cpu_and_stored_on_disk(clusters, tmp_path):
+    pub, rep = free_port(), free_port()
+    cluster = clusters(
+        capacity="4MiB", slab="1MiB", disk_path=str(tmp_path / "disk"), disk_capacity="64MiB", extra=events_args(pub, rep)
+    )
+    ns = namespace_for_page_size(PAGE, tenant="events-disk")
+    batches = batches_of(ns, 8, 4)
+    assert put_all(cluster, ns, batches) == 32
+    wait_for(lambda: metrics(cluster, "node-0")["kvstore_events_queued"] == 0, 10, "the queue to drain")
+    m = metrics(cluster, "node-0")
+    events = events_of(replay(rep))
+    live = live_sets(events)
+    every = {h for b in batches for h in block_hashes(ns, b)}
+    # nothing left the node: each page is in memory, on disk, or both, as the events say
+    assert live["CPU"] | live["DISK"] == every
+    assert len(live["DISK"]) == m['kvstore_tier_pages{tier="disk"}'] > 0
+    assert len(live["CPU"]) == m['kvstore_tier_pages{tier="memory"}']
+    # a demotion: stored on disk first, its memory copy removed after
+    first_disk: dict[bytes, int] = {}
+    for i, (_, e) in enumerate(events):
+        if isinstance(e, kv_events.BlockStored) and e.medium == "DISK":
+            for h in e.block_hashes:
+                first_disk.setdefault(h, i)
+        if isinstance(e, kv_events.BlockRemoved) and e.medium == "CPU":
+            assert all(first_disk.get(h, len(events)) < i for h in e.block_hashes), "memory copy removed before the disk copy"
+    assert m["kvstore_evicted_pages_total"] == 0
+
+
+def test_a_node_restarted_without_its_disk_clears_what_it_announced(clusters):
+    pub, rep = free_port(), free_port()
+    cluster = clusters(capacity="4MiB", slab="1MiB", extra=events_args(pub, rep))
+    ns = namespace_for_page_size(PAGE, tenant="events-restart")
+    assert put_all(cluster, ns, batches_of(ns, 2, 2)) == 4
+    cluster.nodes[0].kill(signal.SIGKILL)
+    restarted = cluster.add_node("node-0")
+    # the dead node's registry entry lives on until its TTL: wait for the new one's start line
+    wait_for(lambda: "kvstore-server node=" in restarted.log(), 30, "the restarted node to start")
+    got: list = []
+    wait_for(lambda: got.extend(replay(rep)) or got, 10, "the restarted node's first batch")
+    first_topic, first_seq, first = got[0]
+    assert first_seq == 0 and isinstance(first.events[0], kv_events.AllBlocksCleared)
+    cleared = {t for t, _, b in got if any(isinstance(e, kv_events.AllBlocksCleared) for e in b.events)}
+    assert f"kv@pool:node-0@{ns.model}" in cleared
+
+
+def test_an_idle_node_with_events_on_uses_little_cpu(clusters):
+    pub, rep = free_port(), free_port()
+    cluster = clusters(capacity="4MiB", slab="1MiB", extra=events_args(pub, rep))
+    ns = namespace_for_page_size(PAGE, tenant="events-idle")
+    assert put_all(cluster, ns, batches_of(ns, 2, 2)) == 4
+    time.sleep(1)
+    pid = cluster.nodes[0].process.pid
+
+    def cpu() -> float:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    before, start = cpu(), time.monotonic()
+    time.sleep(10)
+    share = (cpu() - before) / (time.monotonic() - start)
+    print(f"idle node with events on: {100 * share:.2f} % of a core")
+    assert share <= 0.02
