@@ -184,8 +184,8 @@ class LookupBuffer:
         # the tail (partial block, hidden states) lands in pool memory, not a fresh array: a
         # select into fresh memory paid ~4,000 page faults per call (35 MB at the demo's size)
         tail_bytes = sum(part_sizes)
-        tail = self._buffers.lend(max(tail_bytes, 1), torch.uint8, (max(tail_bytes, 1),))
-        tail = tail.numpy()[:tail_bytes]
+        lent = self._buffers.lend(max(tail_bytes, 1), torch.uint8, (max(tail_bytes, 1),))
+        tail = lent.numpy()[:tail_bytes]
         tail_hashes, tail_locations = parts[: result.matched - nblocks], result.locations[nblocks:]
         if not self.heads.whole:  # units hold heads this rank lacks: received into a buffer, merged
             return await self._fetch_merged(
