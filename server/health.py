@@ -51,13 +51,20 @@ def start_health_server(
     ready: Callable[[], bool],
     alive: Callable[[], bool] = lambda: True,
     notes: Callable[[], list[str]] = list,
+    post: Callable[[str, bytes, str], tuple[int, bytes]] | None = None,
+    max_body: int = 16 << 20,
 ) -> ThreadingHTTPServer:
     """Serve until the process exits; ``server.server_port`` is the bound port. ``notes``
     are lines /healthz adds to its body about a part that is degraded while the node
-    still serves (its status stays 200: restarting would not help)."""
+    still serves (its status stays 200: restarting would not help). ``post``: answers
+    POSTs (the prefix query API, server/query.py) as (status, JSON body), given the
+    path, the body (at most ``max_body`` bytes) and the Authorization header."""
 
     class Handler(BaseHTTPRequestHandler):
         """Answers the four paths on the HTTP server's thread (reads only plain values)."""
+
+        # keep-alive: a router asking the query API per request reuses its connection
+        protocol_version = "HTTP/1.1"
 
         def do_GET(self) -> None:
             if self.path == "/metrics":
@@ -73,6 +80,24 @@ def start_health_server(
                 self._reply(200 if ok else 503, b"ready\n" if ok else b"not registered\n")
             else:
                 self._reply(404, b"not found\n")
+
+        def do_POST(self) -> None:
+            if post is None:
+                self._reply(404, b"not found\n")
+                return
+            try:
+                length = int(self.headers.get("Content-Length", ""))
+            except ValueError:
+                self._reply(411, b'{"error": "a Content-Length is needed"}', "application/json")
+                return
+            if not 0 <= length <= max_body:
+                self.close_connection = True  # the body is not read
+                self._reply(413, b'{"error": "request body too large"}', "application/json")
+                return
+            status, body = post(
+                self.path, self.rfile.read(length), self.headers.get("Authorization", "")
+            )
+            self._reply(status, body, "application/json")
 
         def _reply(self, status: int, body: bytes, ctype: str = "text/plain") -> None:
             self.send_response(status)

@@ -20,7 +20,7 @@ import signal
 
 from kvstore.errors import KVStoreError
 from kvstore.events import PublisherOptions
-from kvstore.index import AsyncPageIndex
+from kvstore.index import AsyncPageIndex, PageIndex
 from kvstore.security.credentials import CredentialFile
 from kvstore.settings.config import ServerSettings
 from kvstore.wire.shm import host_id
@@ -38,6 +38,7 @@ from server.identity import NodeIdentity
 from server.limits import HandshakeFailures, connection_budget, raise_descriptor_limit
 from server.metrics import NodeMetrics
 from server.pool import MemoryPool
+from server.query import PrefixQuery
 from server.registry import Registrar
 from server.retire import Retirer
 from server.store import PageStore
@@ -60,6 +61,7 @@ class StorageNode:
             s.redis_url, password=s.redis_password.get_secret_value() or None
         )
         namespaces = NamespaceCache(self.index)
+        self.credentials = CredentialFile(s.credentials_file, s.auth_token.get_secret_value())
         self.events = self._events(namespaces)
         self.store = PageStore(self.pool, self.events)
         self.metrics.capacity.set(self.store.capacity)
@@ -83,7 +85,7 @@ class StorageNode:
             self.metrics,
             self.identity,
             namespaces,
-            credentials=CredentialFile(s.credentials_file, s.auth_token.get_secret_value()),
+            credentials=self.credentials,
             timeout=s.transfer_timeout,
             min_put_rate=s.min_put_rate,
             limits=RequestLimits(
@@ -128,6 +130,13 @@ class StorageNode:
         return NodeEvents(
             options, s.kv_events_store_id or s.node_id, namespaces.get, self.metrics.registry
         )
+
+    def _query(self) -> PrefixQuery:
+        """The prefix query API (server/query.py), with a blocking index connection of
+        its own: it runs on the HTTP server's threads, not on the event loop."""
+        s = self.settings
+        index = PageIndex(s.redis_url, password=s.redis_password.get_secret_value() or None)
+        return PrefixQuery(index, self.credentials, self.store, s.node_id)
 
     async def _announce_start(self) -> None:
         """Send what the tier recovered, or, when the node starts with no page (no disk
@@ -200,6 +209,7 @@ class StorageNode:
                 self.registrar.ready,
                 self.watchdog.alive,
                 self.tier.status_lines,
+                post=self._query().handle,
             )
             self.metrics_port = http.server_port
             extra["metrics"] = f"{s.host}:{self.metrics_port}"

@@ -1,0 +1,340 @@
+"""The prefix query API for routers that ask instead of listening to events:
+``POST /v1/kv/query`` (token ids) and ``POST /v1/kv/query_by_hash`` (the store's block
+hashes), served on every node's metrics port (server/health.py).
+
+A router knows a model name and token ids, not kvstore's namespaces (dtype, geometry,
+layout, head groups). ``PrefixQuery`` reads the namespaces registered under the model
+(and tenant) from the index's namespace registry (cached for ``REGISTRY_TTL``), hashes
+the tokens as a client would for each (kvstore.pages.hashing, with the adapter and
+salt as a ``RequestIdentity``), and asks the index in one round trip per namespace,
+the one ``KVCacheClient.lookup`` makes (``PageIndex.lookup``, with the live nodes read in
+the same round trip). The answer per namespace: the longest stored prefix in tokens
+and blocks, the blocks each live node holds of it, and, for the answering node, how
+many of them are in its memory ("CPU") and only on its disk ("DISK"); the best
+namespace's figures on top.
+
+Authorized like the data plane: the bearer token (``Authorization: Bearer <token>``)
+must name a credential of the node's credentials file that may read the tenant asked
+(default "default"); an anonymous node answers everyone. A tenant's token therefore
+sees only that tenant's pages (the tenant is part of every namespace key).
+
+Runs on the HTTP server's threads, never on the node's event loop: it has its own
+blocking index connection (one at a time, under a lock), and reads the page table's
+dict and page attributes without the loop (single reads, atomic under the GIL; a page
+that moves meanwhile is counted in the tier it was in when read)."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kvstore.errors import KVStoreError
+from kvstore.events import MEDIUM_CPU, MEDIUM_DISK
+from kvstore.index import PageIndex
+from kvstore.pages.hashing import HASH_BYTES, block_hash_bytes
+from kvstore.pages.heads import rank_units, unit_hashes
+from kvstore.pages.identity import NO_EXTRAS, RequestIdentity
+from kvstore.pages.namespace import TENANT_PATTERN, Namespace
+from kvstore.security.credentials import CredentialFile
+from server.store import PageStore
+
+REGISTRY_TTL = 2.0  # seconds the namespace registry read is reused (new models appear this late)
+MAX_QUERY_BYTES = 16 << 20  # a request body past this is refused before it is read
+MAX_TOKENS = 1 << 22
+
+
+class QueryRequest(BaseModel):
+    """``POST /v1/kv/query``: token ids as a JSON list, or (faster to parse: 131,072 ids
+    cost 10 ms as a list here) ``token_ids_b64``, their little-endian u32 bytes in
+    base64. ``lora_name`` and ``cache_salt`` key blocks as ``RequestIdentity``'s
+    ``adapter`` and ``cache_salt`` do (the vLLM connector's adapter identity is the
+    name, a NUL and a fingerprint of the adapter's files: pass that string)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(min_length=1)
+    token_ids: list[int] | None = None
+    token_ids_b64: str | None = None
+    lora_name: str | None = Field(None, min_length=1)
+    cache_salt: str | None = Field(None, min_length=1)
+    block_size: int | None = Field(None, gt=0, description="only namespaces of this block size")
+    tenant: str = Field("default", pattern=TENANT_PATTERN)
+
+    @model_validator(mode="after")
+    def _one_token_field(self) -> QueryRequest:
+        if (self.token_ids is None) == (self.token_ids_b64 is None):
+            raise ValueError("give token_ids or token_ids_b64 (one of them)")
+        return self
+
+    def tokens(self) -> np.ndarray:
+        """The token ids as a u32 array; ValueError when they are not valid ids."""
+        if self.token_ids_b64 is not None:
+            try:
+                raw = base64.b64decode(self.token_ids_b64, validate=True)
+            except binascii.Error as exc:
+                raise ValueError(f"token_ids_b64 is not base64: {exc}") from None
+            if len(raw) % 4:
+                raise ValueError(f"token_ids_b64 holds {len(raw)} bytes, not whole u32 ids")
+            return np.frombuffer(raw, dtype="<u4")
+        arr = np.asarray(self.token_ids, dtype=np.int64)
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= 2**32):
+            raise ValueError("token ids must lie in [0, 2**32)")
+        return arr.astype("<u4")
+
+
+class HashQueryRequest(BaseModel):
+    """``POST /v1/kv/query_by_hash``: the store's block hashes (32 hex digits each, as
+    the node's events carry them) in prefix order, of the namespace ``namespace`` (its
+    digest) or of every namespace of ``model``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    block_hashes: list[str] = Field(min_length=1)
+    namespace: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")
+    model: str | None = Field(None, min_length=1)
+    tenant: str = Field("default", pattern=TENANT_PATTERN)
+
+    @model_validator(mode="after")
+    def _named(self) -> HashQueryRequest:
+        if self.namespace is None and self.model is None:
+            raise ValueError("give namespace (a digest) or model")
+        return self
+
+    def joined(self) -> bytes:
+        try:
+            raw = [bytes.fromhex(h) for h in self.block_hashes]
+        except ValueError:
+            raise ValueError("block_hashes must be hex strings") from None
+        if any(len(h) != HASH_BYTES for h in raw):
+            raise ValueError(f"block hashes are {HASH_BYTES} bytes ({2 * HASH_BYTES} hex digits)")
+        return b"".join(raw)
+
+
+class NodeBlocks(BaseModel):
+    """Blocks of the prefix one live node holds (every unit of the block there);
+    ``tiers``: of those, in its memory and only on its disk (the answering node only)."""
+
+    node_id: str
+    blocks: int
+    tiers: dict[str, int] | None = None
+
+
+class NamespaceAnswer(BaseModel):
+    namespace: str
+    tenant: str
+    dtype: str
+    layout: str
+    block_size: int
+    blocks: int
+    tokens: int
+    nodes: list[NodeBlocks]
+
+
+class QueryAnswer(BaseModel):
+    """The best namespace's prefix on top (the most tokens), then every namespace's."""
+
+    model: str | None
+    tokens: int
+    blocks: int
+    answered_by: str
+    namespaces: list[NamespaceAnswer]
+
+
+class QueryRefused(Exception):
+    """An HTTP error: ``status`` and a message for the body."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class _Registry:
+    read_at: float
+    spaces: list[Namespace]
+
+
+class PrefixQuery:
+    """Answers the two query paths; built by the node, called by the HTTP server's
+    threads (``handle``)."""
+
+    def __init__(
+        self,
+        index: PageIndex,
+        credentials: CredentialFile,
+        store: PageStore,
+        node_id: str,
+    ) -> None:
+        self.index = index
+        self.credentials = credentials
+        self.store = store
+        self.node_id = node_id
+        self._lock = threading.Lock()  # one index connection, one query at a time on it
+        self._registry: _Registry | None = None
+
+    def handle(self, path: str, body: bytes, authorization: str) -> tuple[int, bytes]:
+        """(HTTP status, JSON body) for a POST to ``path``."""
+        try:
+            if path == "/v1/kv/query":
+                req = QueryRequest.model_validate_json(body)
+                self._authorize(authorization, req.tenant)
+                answer = self.query(req)
+            elif path == "/v1/kv/query_by_hash":
+                hreq = HashQueryRequest.model_validate_json(body)
+                self._authorize(authorization, hreq.tenant)
+                answer = self.query_by_hash(hreq)
+            else:
+                raise QueryRefused(404, f"no such path {path}")
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first.get("loc", ()))
+            return 400, _error(f"invalid request: {where}: {first['msg']}")
+        except ValueError as exc:
+            return 400, _error(f"invalid request: {exc}")
+        except QueryRefused as exc:
+            return exc.status, _error(str(exc))
+        except KVStoreError as exc:
+            return 503, _error(f"the index could not answer: {exc}")
+        return 200, answer.model_dump_json(exclude_none=True).encode()
+
+    def _authorize(self, authorization: str, tenant: str) -> None:
+        if not self.credentials.enabled:
+            return
+        token = (
+            authorization.removeprefix("Bearer ").strip()
+            if authorization.startswith("Bearer ")
+            else ""
+        )
+        credential = self.credentials.find(token) if token else None
+        if credential is None:
+            raise QueryRefused(401, "the bearer token matches no credential of this node")
+        if not credential.allows(tenant, write=False):
+            raise QueryRefused(
+                403, f"credential {credential.name} may not read pages of tenant {tenant}"
+            )
+
+    # ---- the two queries ------------------------------------------------------------------
+
+    def query(self, req: QueryRequest) -> QueryAnswer:
+        tokens = req.tokens()
+        if len(tokens) > MAX_TOKENS:
+            raise ValueError(f"at most {MAX_TOKENS} token ids, got {len(tokens)}")
+        identity = RequestIdentity(adapter=req.lora_name, cache_salt=req.cache_salt)
+        answers = []
+        for ns in self._namespaces(req.model, req.tenant):
+            if req.block_size is not None and ns.block_size != req.block_size:
+                continue
+            extras = (
+                NO_EXTRAS if identity.empty else identity.block_extras(ns.block_size, len(tokens))
+            )
+            answers.append(self._lookup(ns, block_hash_bytes(ns, tokens, extras)))
+        return _best(req.model, self.node_id, answers)
+
+    def query_by_hash(self, req: HashQueryRequest) -> QueryAnswer:
+        joined = req.joined()
+        spaces = self._namespaces(req.model, req.tenant, refresh=req.namespace is not None)
+        if req.namespace is not None:
+            spaces = [ns for ns in spaces if ns.digest_hex == req.namespace]
+        return _best(req.model, self.node_id, [self._lookup(ns, joined) for ns in spaces])
+
+    def _lookup(self, ns: Namespace, joined: bytes) -> NamespaceAnswer:
+        """One index round trip: the stored prefix of ``joined`` with every unit of each
+        block, and the live nodes; then the answering node's tiers from its table."""
+        units = rank_units(ns)
+        first, count = units.first, units.count
+        matched = 0
+        per_node: dict[str, set[int]] = {}
+        if joined:
+            with self._lock:
+                found, nodes = self.index.lookup(ns, joined, units=(first, count), with_nodes=True)
+            if isinstance(nodes, Exception):
+                raise nodes
+            result = found.resolve(nodes)
+            matched = result.matched
+            held: dict[str, dict[int, set[int]]] = {}
+            for pos, locs in enumerate(result.locations):
+                for loc in locs:
+                    held.setdefault(loc.node_id, {}).setdefault(pos, set()).add(loc.unit)
+            per_node = {
+                node: {pos for pos, got in blocks.items() if len(got) == count}
+                for node, blocks in held.items()
+            }
+        answer_nodes = [
+            NodeBlocks(
+                node_id=node,
+                blocks=len(blocks),
+                tiers=self._tiers(ns, joined[: HASH_BYTES * matched], count)
+                if node == self.node_id
+                else None,
+            )
+            for node, blocks in sorted(per_node.items())
+        ]
+        return NamespaceAnswer(
+            namespace=ns.digest_hex,
+            tenant=ns.tenant,
+            dtype=ns.dtype,
+            layout=ns.layout,
+            block_size=ns.block_size,
+            blocks=matched,
+            tokens=matched * ns.block_size,
+            nodes=answer_nodes,
+        )
+
+    def _tiers(self, ns: Namespace, joined: bytes, count: int) -> dict[str, int]:
+        """Blocks of the prefix whose every unit this node holds in memory ("CPU"), and
+        those it holds whole with some unit only on disk ("DISK")."""
+        chain = [joined[i : i + HASH_BYTES] for i in range(0, len(joined), HASH_BYTES)]
+        keys = unit_hashes(chain, 0, count) if count > 1 else chain
+        n = len(chain)
+        in_memory = np.zeros(n, dtype=bool)
+        held = np.zeros(n, dtype=np.int64)
+        memory = np.zeros(n, dtype=np.int64)
+        pages = self.store.pages
+        digest = ns.digest_hex
+        for i, key in enumerate(keys):
+            page = pages.get((digest, key))
+            if page is None:
+                continue
+            offset, disk = page.offset, page.disk
+            if offset is not None or disk is not None:
+                held[i % n] += 1
+                memory[i % n] += offset is not None
+        whole = held == count
+        in_memory = whole & (memory == count)
+        return {MEDIUM_CPU: int(in_memory.sum()), MEDIUM_DISK: int((whole & ~in_memory).sum())}
+
+    def _namespaces(self, model: str | None, tenant: str, refresh: bool = False) -> list[Namespace]:
+        """The registered namespaces of ``model`` (any model when None) and ``tenant``."""
+        now = time.monotonic()
+        reg = self._registry
+        if reg is None or refresh or now - reg.read_at > REGISTRY_TTL:
+            with self._lock:
+                stats = self.index.stats()
+            reg = self._registry = _Registry(
+                now, [s.namespace for s in stats.namespaces if s.namespace is not None]
+            )
+        return [
+            ns for ns in reg.spaces if ns.tenant == tenant and (model is None or ns.model == model)
+        ]
+
+
+def _best(model: str | None, node_id: str, answers: list[NamespaceAnswer]) -> QueryAnswer:
+    best = max(answers, key=lambda a: a.tokens, default=None)
+    return QueryAnswer(
+        model=model,
+        tokens=best.tokens if best else 0,
+        blocks=best.blocks if best else 0,
+        answered_by=node_id,
+        namespaces=answers,
+    )
+
+
+def _error(message: str) -> bytes:
+    return json.dumps({"error": message}).encode()

@@ -1,0 +1,155 @@
+"""The prefix query API (server/query.py) on a real node's metrics port, over pages a
+real client put, against a real Valkey: what it answers is what the client's own
+lookup finds, per namespace, node and tier, and a tenant's token sees only its tenant."""
+
+from __future__ import annotations
+
+import base64
+import json
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from client import KVCacheClient
+from kvstore import block_hashes
+from kvstore.index import PageIndex
+from kvstore.pages.identity import RequestIdentity
+from kvstore.tools.launcher import LocalCluster
+from tests.helpers import namespace_for_page_size, pages_for
+from tests.test_security import make_credentials
+
+
+def metrics_address(cluster, node_id: str = "node-0") -> str:
+    index = PageIndex(cluster.redis_url)
+    try:
+        return next(n for n in index.live_nodes() if n.node_id == node_id).extra["metrics"]
+    finally:
+        index.close()
+
+
+def post(address: str, path: str, body: dict, token: str | None = None) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(f"http://{address}{path}", json.dumps(body).encode(), headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_the_query_answers_what_the_clients_lookup_finds_per_namespace_node_and_tier(clusters):
+    cluster = clusters(capacity="64MiB", slab="16MiB")
+    ns = namespace_for_page_size(64 << 10, tenant="query-a")
+    other = ns.model_copy(update={"block_size": ns.block_size * 2, "num_layers": 1})  # same model, other geometry
+    tokens = list(range(6 * ns.block_size + 5))
+    salted = RequestIdentity(cache_salt="s1")
+    with KVCacheClient(cluster.redis_url, ns) as client, KVCacheClient(cluster.redis_url, other) as client2:
+        stored = tokens[: 4 * ns.block_size]  # 4 of the 6 full blocks
+        assert client.put_pages(stored, pages_for(ns, stored)).stored == 4
+        assert client.put_pages(stored[: 2 * ns.block_size], pages_for(ns, stored)[:2], identity=salted).stored == 2
+        assert client2.put_pages(stored[: other.block_size], pages_for(other, stored[: other.block_size])).stored == 1
+        assert client.lookup(tokens) == 4 * ns.block_size
+        addr = metrics_address(cluster)
+        status, got = post(addr, "/v1/kv/query", {"model": ns.model, "token_ids": tokens, "tenant": ns.tenant})
+        assert status == 200, got
+        by_size = {a["block_size"]: a for a in got["namespaces"]}
+        assert set(by_size) == {ns.block_size, other.block_size}
+        mine = by_size[ns.block_size]
+        assert mine["namespace"] == ns.storage.digest_hex
+        assert (mine["blocks"], mine["tokens"]) == (4, client.lookup(tokens))
+        assert mine["nodes"] == [{"node_id": "node-0", "blocks": 4, "tiers": {"CPU": 4, "DISK": 0}}]
+        assert by_size[other.block_size]["tokens"] == client2.lookup(tokens) == other.block_size
+        assert (got["tokens"], got["blocks"], got["answered_by"]) == (4 * ns.block_size, 4, "node-0")
+        # the same tokens as little-endian u32 in base64: the same answer
+        b64 = base64.b64encode(np.asarray(tokens, dtype="<u4").tobytes()).decode()
+        status, fast = post(addr, "/v1/kv/query", {"model": ns.model, "token_ids_b64": b64, "tenant": ns.tenant})
+        assert status == 200 and fast == got
+        # block_size picks one namespace; a salt keys other blocks; a prompt that diverges is shorter
+        _, one = post(addr, "/v1/kv/query", {"model": ns.model, "token_ids": tokens, "tenant": ns.tenant, "block_size": other.block_size})
+        assert [a["block_size"] for a in one["namespaces"]] == [other.block_size]
+        _, salt = post(addr, "/v1/kv/query", {"model": ns.model, "token_ids": tokens, "tenant": ns.tenant, "cache_salt": "s1"})
+        assert salt["namespaces"][0]["tokens"] == client.lookup(tokens, identity=salted) == 2 * ns.block_size
+        diverged = tokens[: 3 * ns.block_size - 1] + [999_999] + tokens[3 * ns.block_size :]
+        _, short = post(addr, "/v1/kv/query", {"model": ns.model, "token_ids": diverged, "tenant": ns.tenant, "block_size": ns.block_size})
+        assert short["tokens"] == client.lookup(diverged) == 2 * ns.block_size
+        # by the store's block hashes (what the node's events carry)
+        hexes = [h.hex() for h in block_hashes(ns.storage, tokens)]
+        status, by_hash = post(addr, "/v1/kv/query_by_hash", {"namespace": ns.storage.digest_hex, "block_hashes": hexes, "tenant": ns.tenant})
+        assert status == 200 and by_hash["blocks"] == 4 and by_hash["namespaces"][0]["nodes"][0]["blocks"] == 4
+        # other tenants' and unknown models' pages are not there
+        _, none = post(addr, "/v1/kv/query", {"model": "no-such-model", "token_ids": tokens, "tenant": ns.tenant})
+        assert (none["tokens"], none["namespaces"]) == (0, [])
+        _, elsewhere = post(addr, "/v1/kv/query", {"model": ns.model, "token_ids": tokens, "tenant": "default"})
+        assert elsewhere["tokens"] == 0
+
+
+def test_pages_on_two_nodes_are_counted_per_node(clusters):
+    cluster = clusters(servers=2, capacity="64MiB", slab="16MiB")
+    ns = namespace_for_page_size(64 << 10, tenant="query-two")
+    tokens = list(range(8 * ns.block_size))
+    with KVCacheClient(cluster.redis_url, ns, replicas=2) as client:
+        assert client.put_pages(tokens, pages_for(ns, tokens)).stored >= 8
+        for node in ("node-0", "node-1"):
+            _, got = post(metrics_address(cluster, node), "/v1/kv/query", {"model": ns.model, "token_ids": tokens, "tenant": ns.tenant})
+            nodes = {n["node_id"]: n for n in got["namespaces"][0]["nodes"]}
+            assert got["tokens"] == len(tokens) and set(nodes) == {"node-0", "node-1"}
+            assert all(n["blocks"] == 8 for n in nodes.values())
+            # only the answering node tells its tiers
+            assert nodes[node]["tiers"] == {"CPU": 8, "DISK": 0} and "tiers" not in nodes[{"node-0": "node-1", "node-1": "node-0"}[node]]
+
+
+def test_bad_queries_get_a_clear_error(clusters):
+    cluster = clusters(capacity="64MiB", slab="16MiB")
+    addr = metrics_address(cluster)
+    cases = [
+        ({"token_ids": [1, 2]}, "model"),
+        ({"model": "m"}, "token_ids or token_ids_b64"),
+        ({"model": "m", "token_ids": [1, -2]}, "[0, 2**32)"),
+        ({"model": "m", "token_ids_b64": "AAA"}, "base64"),
+        ({"model": "m", "token_ids": [1], "tenant": "bad tenant!"}, "tenant"),
+        ({"model": "m", "token_ids": [1], "colour": "red"}, "colour"),
+    ]
+    for body, words in cases:
+        status, got = post(addr, "/v1/kv/query", body)
+        assert status == 400 and words in got["error"], (body, got)
+    status, got = post(addr, "/v1/kv/query_by_hash", {"block_hashes": ["00" * 16]})
+    assert status == 400 and "namespace" in got["error"]
+    status, got = post(addr, "/v1/kv/query_by_hash", {"model": "m", "block_hashes": ["abc"]})
+    assert status == 400 and "hex" in got["error"]
+    status, got = post(addr, "/v1/kv/nothing", {})
+    assert status == 404
+
+
+def test_a_tenants_token_sees_only_its_tenants_pages(tmp_path):
+    creds, token = make_credentials(tmp_path, ("alice", "readwrite", ["team-a"]), ("bob", "readwrite", ["team-b"]))
+    tokens = list(range(4 * namespace_for_page_size(64 << 10).block_size))
+    with LocalCluster(servers=1, capacity="64MiB", slab_size="16MiB", env={"KVSTORE_CREDENTIALS_FILE": str(creds)}) as c:
+        for who, tenant in (("alice", "team-a"), ("bob", "team-b")):
+            ns = namespace_for_page_size(64 << 10, tenant=tenant)
+            with KVCacheClient(c.redis_url, ns, auth_token_file=str(token[who])) as client:
+                assert client.put_pages(tokens, pages_for(ns, tokens)).stored == 4
+        addr = metrics_address(c)
+        alice = token["alice"].read_text().strip()
+        model = namespace_for_page_size(64 << 10).model
+        status, got = post(addr, "/v1/kv/query", {"model": model, "token_ids": tokens, "tenant": "team-a"}, alice)
+        assert status == 200 and got["tokens"] == len(tokens)
+        status, got = post(addr, "/v1/kv/query", {"model": model, "token_ids": tokens, "tenant": "team-b"}, alice)
+        assert status == 403 and "team-b" in got["error"]
+        status, got = post(addr, "/v1/kv/query", {"model": model, "token_ids": tokens, "tenant": "team-a"})
+        assert status == 401
+        status, got = post(addr, "/v1/kv/query", {"model": model, "token_ids": tokens, "tenant": "team-a"}, "wrong-token")
+        assert status == 401
+
+
+@pytest.mark.parametrize("path", ["/v1/kv/query", "/v1/kv/query_by_hash"])
+def test_an_oversized_body_is_refused_unread(clusters, path):
+    cluster = clusters(capacity="64MiB", slab="16MiB")
+    addr = metrics_address(cluster)
+    req = urllib.request.Request(f"http://{addr}{path}", b"{}", {"Content-Length": str(64 << 20)}, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as exc:
+        urllib.request.urlopen(req, timeout=10)
+    assert exc.value.code == 413
