@@ -24,8 +24,9 @@ def vllm_decoder() -> msgspec.msgpack.Decoder:
 
 class Reader:
     """A SUB socket read on a thread of its own until ``close``; ``messages``: (topic,
-    sequence, payload) as they came. ``bind``: bind (the publisher connects) instead
-    of connecting to ``endpoint``."""
+    sequence, payload) as they came. Connects to ``endpoint``; without one it binds a
+    free port (``self.endpoint``) for the publisher to connect to. ``read=False``: a
+    subscriber that never reads."""
 
     def __init__(self, endpoint: str | None = None, *, hwm: int = 1000, read: bool = True) -> None:
         self._ctx = zmq.Context()
@@ -53,10 +54,13 @@ class Reader:
         decoder = vllm_decoder()
         return [e for _, _, payload in list(self.messages) for e in decoder.decode(payload).events]
 
-    def close(self) -> None:
+    def stop_reading(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+
+    def close(self) -> None:
+        self.stop_reading()
         self.sock.close(linger=0)
         self._ctx.term()
 
@@ -137,6 +141,15 @@ def test_a_stored_event_must_carry_its_blocks_tokens_and_a_topic_its_parts():
     for store, model in (("a@b", "m"), ("s", ""), ("", "m")):
         with pytest.raises(ValueError):
             ev.pool_topic(store, model)
+
+
+def test_options_refuse_unbounded_queues():
+    from pydantic import ValidationError
+
+    for bad in ({"hwm": 0}, {"max_queue_events": 0}, {"replay_bytes": "-1"}, {"mode": "listen"}):
+        with pytest.raises(ValidationError):
+            ev.PublisherOptions(endpoint="tcp://127.0.0.1:0", **bad)
+    assert ev.PublisherOptions(endpoint="tcp://127.0.0.1:0", replay_bytes="8MiB").replay_bytes == 8 << 20
 
 
 # ---- the publisher -------------------------------------------------------------------
@@ -356,8 +369,7 @@ def test_an_idle_publisher_uses_no_cpu(publisher):
     try:
         connected(pub, reader)
         time.sleep(0.2)
-        reader._stop.set()
-        reader._thread.join()  # the test's own reader polls; stop it first
+        reader.stop_reading()  # the test's own reader polls; stop it first
         cpu, wall = time.process_time(), time.monotonic()
         time.sleep(3)
         share = (time.process_time() - cpu) / (time.monotonic() - wall)
