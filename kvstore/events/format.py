@@ -24,9 +24,9 @@ from typing import Any
 import msgspec
 
 # The ``medium`` values vLLM names (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE). A storage
-# node's memory tier is host DRAM: "CPU" (llm-d's "cpu", Dynamo's host tier); its
-# disk tier is "STORAGE" (vLLM's name for a tier below host memory, as its own file
-# system offloading tier publishes).
+# node's memory tier is host DRAM: "CPU" (llm-d's "cpu", Dynamo's host tier); its disk
+# tier is MEDIUM_DISK below, not vLLM's "STORAGE", which older Dynamo revisions do not
+# map (an unknown medium counts as a GPU block there).
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 MEDIUM_STORAGE = "STORAGE"
