@@ -24,6 +24,7 @@ An index that rejects a script (a bug) is logged at ERROR, counted in
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import torch
@@ -45,7 +46,7 @@ from kvstore.index import AsyncPageIndex
 from kvstore.index.routing import INDEX_TIMEOUT
 from kvstore.pages import heads
 from kvstore.pages.checksum import start_helper
-from kvstore.pages.hashing import split_hashes
+from kvstore.pages.hashing import split_hashes, token_array
 from kvstore.pages.namespace import Namespace
 from kvstore.settings.config import ClientOptions, client_options, client_options_from_env
 from kvstore.wire.transport import ensure_ucx
@@ -270,9 +271,13 @@ class AsyncKVCacheClient:
         one head group). ``identity``: as for ``lookup``."""
         hashes = split_hashes(self.chain_hashes(token_ids, identity))
         check_pages(self.namespace, "pages", pages, len(hashes), at_least=False)
-        return await self._publisher.publish(
-            self._publisher.units(hashes, pages[: len(hashes)].to("cpu"))
-        )
+        out = self._publisher.units(hashes, pages[: len(hashes)].to("cpu"))
+        # each block's token ids go with its pages, for the nodes' KV events (4 bytes a token)
+        raw = token_array(token_ids)[: len(hashes) * self.namespace.block_size].tobytes()
+        width = 4 * self.namespace.block_size
+        blocks = [raw[i * width : (i + 1) * width] for i in range(len(hashes))]
+        units = blocks * (len(out.hashes) // max(len(hashes), 1))  # unit by unit, as out's pages
+        return await self._publisher.publish(dataclasses.replace(out, tokens=units))
 
     async def get_pages(
         self, token_ids: Any, out: torch.Tensor, start_block: int = 0, *, identity: Identity = None

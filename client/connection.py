@@ -214,7 +214,9 @@ class NodeConnection(Connection):
         # as a get: the plan's receive is posted first, and the request's send completion
         # is awaited with it; the pages are hashed meanwhile (the node usually wants them all)
         plan_arrives = started(self._recv_frame(P.PutPlan))
-        request_sent = ep.post_frame(put_request(namespace, self.token, pages))
+        request_sent = ep.post_frame(
+            put_request(namespace, self.token, pages, self.node.extra.get("put_tokens") == "1")
+        )
         ahead = checksum.ahead(pages)
         try:
             await asyncio.shield(asyncio.gather(*request_sent))

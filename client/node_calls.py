@@ -51,6 +51,7 @@ class OutgoingPage:
     index: int  # position in the caller's batch (keys its checksum memo)
     anchor: bytes  # its segment in the index and its place there (kvstore.pages.keys.placement)
     position: int
+    tokens: bytes = b""  # its block's token ids (u32 LE), for the node's KV events; b"": none
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +91,15 @@ class Checksums(Protocol):
     def ahead(self, pages: list[OutgoingPage]) -> HashAhead: ...
 
 
-def put_request(namespace: NamespaceKey, token: str, pages: list[OutgoingPage]) -> P.PutRequest:
+def put_request(
+    namespace: NamespaceKey, token: str, pages: list[OutgoingPage], with_tokens: bool = False
+) -> P.PutRequest:
+    """The PUT of ``pages``; with their token ids when ``with_tokens`` (the node
+    advertises ``put_tokens``) and every page has the same number of them."""
+    width = len(pages[0].tokens) if pages else 0
+    send = with_tokens and width and all(len(p.tokens) == width for p in pages)
     return P.PutRequest(
+        token_ids=np.frombuffer(b"".join(p.tokens for p in pages), dtype="<u4") if send else (),
         namespace=namespace.digest,
         tenant=namespace.tenant,
         token=token,

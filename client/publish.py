@@ -55,6 +55,7 @@ class Outgoing:
     spans: list[Span]
     anchors: list[bytes]
     positions: list[int]
+    tokens: list[bytes] | None = None  # per page, its block's token ids (u32 LE): KV events
 
     def __add__(self, other: Outgoing) -> Outgoing:
         return Outgoing(
@@ -62,6 +63,9 @@ class Outgoing:
             self.spans + other.spans,
             self.anchors + other.anchors,
             self.positions + other.positions,
+            self.tokens + other.tokens
+            if self.tokens is not None and other.tokens is not None
+            else None,
         )
 
 
@@ -137,7 +141,14 @@ class Publisher:
             self._stats.pages_refused += len(hashes)
             return PublishReport(0, 0, 0, len(hashes), 0)
         pages = [
-            OutgoingPage(h, out.spans[i], i, out.anchors[i], out.positions[i])
+            OutgoingPage(
+                h,
+                out.spans[i],
+                i,
+                out.anchors[i],
+                out.positions[i],
+                out.tokens[i] if out.tokens else b"",
+            )
             for i, h in enumerate(hashes)
         ]
         checksum = ChecksumOnce()

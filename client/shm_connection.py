@@ -99,7 +99,9 @@ class ShmConnection(Connection):
     async def _put(
         self, namespace: NamespaceKey, pages: list[OutgoingPage], checksum: Checksums
     ) -> PutOutcome:
-        await self._channel().send_frame(put_request(namespace, self.token, pages))
+        await self._channel().send_frame(
+            put_request(namespace, self.token, pages, self.node.extra.get("put_tokens") == "1")
+        )
         plan = await self._plan(P.PutPlan)
         wanted = self._check_put_plan(plan, len(pages))
         regions, offsets = plan.ints("regions"), plan.ints("offsets")

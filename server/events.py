@@ -20,9 +20,13 @@ the publisher's queue is bounded and drops (counted) instead of waiting.
 
 Block hashes are the store's page keys (16 bytes): for a namespace stored in head or
 layer groups each unit of a block is a page of its own, and is announced as a block
-(the units of a block carry the same tokens). A put does not carry token ids, so
-``token_ids`` is empty and ``parent_block_hash`` None (docs/router-integration.md says
-what a router can do with such events)."""
+(the units of a block carry the same tokens). ``token_ids`` are those the put carried
+(an optional field of the put: ``KVCacheClient.put_pages`` sends them to nodes that
+advertise ``put_tokens``), ``block_size`` per block; a run of pages of which one came
+without them (an older client, another put path, a page recovered from disk: records
+do not keep them) is announced with none. ``parent_block_hash`` is None: a put's pages
+are not always one chain (docs/router-integration.md says what a router does with
+such events)."""
 
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ import asyncio
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
+import numpy as np
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -127,8 +132,9 @@ class NodeEvents(PageEvents):
         pending, self._pending = self._pending, []
         run: list[KVCacheEvent] = []
         run_topic = ""
-        for digest, kind, medium, hashes in _groups(pending):
+        for digest, kind, medium, group in _groups(pending):
             topic = self._topic(digest)
+            hashes: list[int | bytes] = [p.key[1] for p in group]
             if run and topic != run_topic:
                 self.publisher.publish(run, run_topic)
                 run = []
@@ -138,7 +144,7 @@ class NodeEvents(PageEvents):
                     BlockStored(
                         block_hashes=hashes,
                         parent_block_hash=None,
-                        token_ids=[],
+                        token_ids=_tokens(group, self._block_size(digest)),
                         block_size=self._block_size(digest),
                         lora_id=None,
                         medium=medium,
@@ -189,20 +195,29 @@ def _topic_model(model: str) -> str:
 
 def _groups(
     pending: list[tuple[bool, str, StoredPage]],
-) -> Iterator[tuple[str, bool, str, list[int | bytes]]]:
+) -> Iterator[tuple[str, bool, str, list[StoredPage]]]:
     """Runs of consecutive changes of one kind, medium and namespace, as (namespace
-    digest, kind, medium, page keys)."""
+    digest, kind, medium, pages)."""
     key: tuple[bool, str, str] | None = None
-    hashes: list[int | bytes] = []
+    pages: list[StoredPage] = []
     for kind, medium, page in pending:
         k = (kind, medium, page.key[0])
         if k != key:
             if key is not None:
-                yield key[2], key[0], key[1], hashes
-            key, hashes = k, []
-        hashes.append(page.key[1])
+                yield key[2], key[0], key[1], pages
+            key, pages = k, []
+        pages.append(page)
     if key is not None:
-        yield key[2], key[0], key[1], hashes
+        yield key[2], key[0], key[1], pages
+
+
+def _tokens(pages: list[StoredPage], block_size: int) -> list[int]:
+    """The token ids of ``pages``' blocks, page after page, when every page has its
+    block's ``block_size`` of them; else none (a partial list would name other blocks)."""
+    width = 4 * block_size
+    if not block_size or any(len(p.tokens) != width for p in pages):
+        return []
+    return np.frombuffer(b"".join(p.tokens for p in pages), dtype="<u4").tolist()
 
 
 class _EventCollector(Collector):

@@ -193,7 +193,9 @@ class StorageNode:
             loop.add_signal_handler(sig, self._stop.set)
         listener = listen(ucxx, self.dataplane.serve, s.port)
         self.address = f"{s.host}:{listener.port}"
-        extra = {"pid": str(os.getpid())}  # published in the registry
+        # published in the registry; put_tokens: puts may carry token ids (a client sends
+        # them only to nodes that say so: an older node refuses the field)
+        extra = {"pid": str(os.getpid()), "put_tokens": "1"}
         unix = (
             SameHostListener(s.shm_dir, s.node_id, self.dataplane, self.metrics)
             if s.shm_dir

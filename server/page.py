@@ -44,6 +44,9 @@ class StoredPage:
     loading: asyncio.Future[None] | None = (
         None  # set while it is read back from disk into its memory slot
     )
+    # the token ids of its block (u32 little-endian) when the put carried them: the
+    # node's KV events announce them (server/events.py); not kept on disk
+    tokens: bytes = b""
 
 
 def commit_entry(page: StoredPage) -> CommitEntry:

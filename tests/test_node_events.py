@@ -16,6 +16,7 @@ import time
 from collections import defaultdict
 
 import msgspec
+import numpy as np
 import pytest
 import zmq
 
@@ -86,6 +87,24 @@ def batches_of(ns, count: int, blocks: int) -> list[list[int]]:
     return [list(range(b * 100_000, b * 100_000 + blocks * ns.block_size)) for b in range(count)]
 
 
+def block_tokens(ns, batches) -> dict[bytes, list[int]]:
+    """Each block's token ids, by the store's hash of the block."""
+    out = {}
+    for b in batches:
+        for i, h in enumerate(block_hashes(ns, b)):
+            out[h] = b[i * ns.block_size : (i + 1) * ns.block_size]
+    return out
+
+
+def check_tokens(ns, stored, batches) -> None:
+    """Every BlockStored carries its blocks' token ids, block_size per block, in order."""
+    tokens = block_tokens(ns, batches)
+    for e in stored:
+        assert e.block_size == ns.block_size and len(e.token_ids) == len(e.block_hashes) * ns.block_size
+        for i, h in enumerate(e.block_hashes):
+            assert e.token_ids[i * ns.block_size : (i + 1) * ns.block_size] == tokens[h]
+
+
 def put_all(cluster, ns, batches) -> int:
     reports = run_worker(spec(cluster, ns, "put_pages", token_lists=batches, options=OPTS))["reports"]
     return sum(r["stored"] for r in reports)
@@ -107,7 +126,8 @@ def test_memory_stores_and_evictions_are_announced_in_order_with_vllms_decoder(c
     assert {t for t, e in events if not isinstance(e, kv_events.AllBlocksCleared)} == {f"kv@pool:node-0@{ns.model}"}
     stored = [e for _, e in events if isinstance(e, kv_events.BlockStored)]
     removed = [e for _, e in events if isinstance(e, kv_events.BlockRemoved)]
-    assert all(e.medium == "CPU" and e.block_size == ns.block_size and e.token_ids == [] for e in stored)
+    assert all(e.medium == "CPU" for e in stored)
+    check_tokens(ns, stored, batches)
     assert all(e.parent_block_hash is None for e in stored)
     # every page put was announced once, in the order of the puts (one batch after another)
     announced = [h for e in stored for h in e.block_hashes]
@@ -147,6 +167,8 @@ def test_demotion_is_removed_from_cpu_and_stored_on_disk(clusters, tmp_path):
     assert live["CPU"] | live["DISK"] == every
     assert len(live["DISK"]) == m['kvstore_tier_pages{tier="disk"}'] > 0
     assert len(live["CPU"]) == m['kvstore_tier_pages{tier="memory"}']
+    check_tokens(ns, [e for _, e in events if isinstance(e, kv_events.BlockStored)], batches)
+    assert {e.medium for _, e in events if isinstance(e, kv_events.BlockStored)} == {"CPU", "DISK"}
     # a demotion: stored on disk first, its memory copy removed after
     first_disk: dict[bytes, int] = {}
     for i, (_, e) in enumerate(events):
@@ -193,3 +215,26 @@ def test_an_idle_node_with_events_on_uses_little_cpu(clusters):
     share = (cpu() - before) / (time.monotonic() - start)
     print(f"idle node with events on: {100 * share:.2f} % of a core")
     assert share <= 0.02
+
+
+def test_token_ids_on_a_put_are_optional_and_leave_the_old_frame_unchanged():
+    """A put without token ids is the frame an older client sends, byte for byte (the
+    array is left off), and decodes as it did; with them, 4 bytes per token follow."""
+    from kvstore.wire import protocol as P
+
+    h = [bytes([i]) * 16 for i in range(2)]
+    fields = dict(namespace="ab" * 16, tenant="t", hashes=h, sizes=[4096, 4096], join=[False, True], anchors=[h[0], h[0]], positions=[0, 1])
+    old = P.encode(P.PutRequest(**fields))
+    header = P.PutRequest(**fields).model_dump_json(exclude=set(P.PutRequest.ARRAYS)).encode()
+    arrays = b"".join(  # each array: its row count, then its rows
+        (2).to_bytes(4, "little") + a
+        for a in (b"".join(h), np.array([4096, 4096], "<u8").tobytes(), b"\x00\x01", h[0] + h[0], np.array([0, 1], "<u4").tobytes())
+    )
+    body = len(header).to_bytes(4, "little") + header
+    assert old[P.PREAMBLE.size :] == body + arrays
+    assert len(P.decode(old).token_ids) == 0
+    new = P.encode(P.PutRequest(**fields, token_ids=list(range(32))))
+    assert new[: len(old)][P.PREAMBLE.size :] == old[P.PREAMBLE.size :] and len(new) == len(old) + 4 + 4 * 32
+    assert P.decode(new).ints("token_ids") == list(range(32))
+    with pytest.raises(Exception, match="same number"):
+        P.PutRequest(**fields, token_ids=list(range(31)))

@@ -16,6 +16,9 @@ from kvstore.pages.namespace import Tenant
 from kvstore.wire.runs import DEFAULT_MAX_RUN_BYTES
 
 MAX_PAGES_PER_REQUEST = 65_536
+# token ids a put may carry (4 bytes each): 8,192 pages of 256 tokens; the body's own
+# limit (MAX_BODY_BYTES) bounds them first
+MAX_TOKEN_IDS = 1 << 21
 
 # namespace digests: 16 bytes as lowercase hex
 Hex128 = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
@@ -75,6 +78,11 @@ class _Frame(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
     ARRAYS: ClassVar[dict[str, str]] = {}
+    # trailing arrays an older peer neither sends nor reads: left off the wire while
+    # empty (the frame's bytes are then what they were before the field existed), and
+    # read as empty when the body ends before them
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset()
+    ROWS: ClassVar[dict[str, int]] = {}  # rows an array may hold, when not MAX_PAGES_PER_REQUEST
 
     @model_validator(mode="before")
     @classmethod
@@ -101,7 +109,10 @@ Array = Any  # a numpy array, checked by _Frame._arrays
 class PutRequest(_Frame):
     """Client -> server: pages the client offers to store (hash, size, whether each page
     may share a message with the one before it, and its place in the index: segment
-    anchor and position, see ``kvstore.pages.keys``)."""
+    anchor and position, see ``kvstore.pages.keys``), and optionally the token ids of
+    each page's block (the same number per page, page after page), which the node
+    keeps with the page for its KV events. Only a node that advertises ``put_tokens``
+    in its registry entry gets them: an older node refuses a frame that carries them."""
 
     ARRAYS = {
         "hashes": "hash",
@@ -109,7 +120,10 @@ class PutRequest(_Frame):
         "join": "bool",
         "anchors": "hash",
         "positions": "u32",
+        "token_ids": "u32",
     }
+    OPTIONAL = frozenset({"token_ids"})
+    ROWS = {"token_ids": MAX_TOKEN_IDS}
     namespace: Hex128
     tenant: Tenant
     token: str = ""
@@ -118,10 +132,15 @@ class PutRequest(_Frame):
     join: Array
     anchors: Array
     positions: Array
+    token_ids: Array = None  # empty: none sent (an older client, or an older node)
 
     @model_validator(mode="after")
     def _check(self) -> PutRequest:
         _same_length(self, "hashes", "sizes", "join", "anchors", "positions")
+        if len(self.token_ids) % max(len(self.hashes), 1):
+            raise ValueError(
+                f"{len(self.token_ids)} token ids are not the same number for each of {len(self.hashes)} pages"
+            )
         if not 1 <= len(self.hashes) <= MAX_PAGES_PER_REQUEST:
             raise ValueError(
                 f"a put offers 1 to {MAX_PAGES_PER_REQUEST} pages, got {len(self.hashes)}"

@@ -119,6 +119,8 @@ def encode(frame: _Frame) -> bytes:
     parts = [b"", _COUNT.pack(len(header)), header]
     for name in frame.ARRAYS:
         arr = np.ascontiguousarray(getattr(frame, name))
+        if name in frame.OPTIONAL and not len(arr):
+            continue  # optional arrays trail the others: an empty one is left off
         parts += [_COUNT.pack(len(arr)), arr.tobytes()]
     parts[0] = PREAMBLE.pack(MAGIC, VERSION, _TYPES[type(frame)], sum(len(p) for p in parts))
     return b"".join(parts)
@@ -205,11 +207,12 @@ class _BodyReader:
             raise ProtocolError(f"invalid {name_}: the header is not a JSON object")
         for name, kind in self.model.ARRAYS.items():
             dtype, width = ARRAY_TYPES[kind]
+            if name in self.model.OPTIONAL and self.pos == len(self.body):
+                continue  # an older peer's frame ends before it: the field's default
             (rows,) = _COUNT.unpack(self.take(_COUNT.size, f"{name} count"))
-            if rows > MAX_PAGES_PER_REQUEST:
-                raise ProtocolError(
-                    f"invalid {name_}: {name} has {rows} rows, more than {MAX_PAGES_PER_REQUEST}"
-                )
+            limit = self.model.ROWS.get(name, MAX_PAGES_PER_REQUEST)
+            if rows > limit:
+                raise ProtocolError(f"invalid {name_}: {name} has {rows} rows, more than {limit}")
             arr = np.frombuffer(self.take(rows * width, name), dtype=dtype)
             fields[name] = arr.reshape(rows, HASH_BYTES) if kind == "hash" else arr
         if self.pos != len(self.body):

@@ -104,6 +104,10 @@ class PutHandler:
         slab = self.store.allocator.slab_size
         budget = self.put_bytes  # past it, pages are refused (one request cannot flush a node)
         anchors, positions = req.anchors, req.ints("positions")
+        # the token ids of each page's block, when the client sent them (events carry them)
+        per_page = len(req.token_ids) // len(req.hashes)
+        tokens = req.token_ids.tobytes() if per_page else b""
+        width = 4 * per_page
         for i, (h, size) in enumerate(zip(req.hashes, req.ints("sizes"))):
             key = (req.namespace, h.tobytes())
             current = self.store.find(key)
@@ -114,11 +118,11 @@ class PutHandler:
             else:
                 budget -= size
                 batch.wanted.append(i)
-                batch.pages.append(
-                    self.store.claim(
-                        key, size, owner=owner, anchor=anchors[i].tobytes(), position=positions[i]
-                    )
+                page = self.store.claim(
+                    key, size, owner=owner, anchor=anchors[i].tobytes(), position=positions[i]
                 )
+                page.tokens = tokens[i * width : (i + 1) * width]
+                batch.pages.append(page)
         return batch
 
     async def _assign_slots(self, batch: PutBatch) -> None:
