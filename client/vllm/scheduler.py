@@ -22,7 +22,7 @@ from client.async_client import StoredPrefix
 from client.sync_client import KVCacheClient
 from client.vllm.events import StoredEvents
 from client.vllm.identity import IdentityReader, KeyedPrompt, Unkeyable
-from client.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
+from client.vllm.metadata import GatherSpec, KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from client.vllm.options import ConnectorOptions, lookup_breaker, request_switch
 from client.vllm.stats import StatsRecorder
 from kvstore.pages.identity import BlockExtras
@@ -40,13 +40,18 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Tracked:
     """A request the connector may save: its prompt, its identity resolved to blocks,
-    and its blocks as they grow."""
+    and its blocks as they grow, per KV-cache group (one group unless hybrid). Hybrid:
+    ``gathered`` pages were copied out step by step; ``broken`` once a position had the
+    null block in some group (a sliding group below its window after a hit), from which
+    on nothing is gathered and the request is not saved."""
 
     prompt: list[int]
     extras: BlockExtras
-    block_ids: list[int]
+    block_ids: list[list[int]]
     stored_blocks: int = 0
     saved: bool = False
+    gathered: int = 0
+    broken: bool = False
 
 
 class ConnectorScheduler:
@@ -55,15 +60,28 @@ class ConnectorScheduler:
     does not load (a producer only); ``events`` is None unless the engine publishes
     KV events and this engine saves."""
 
-    def __init__(self, conf: ConnectorOptions, client: KVCacheClient | None, block_size: int, *, saves: bool, stats: StatsRecorder,
-                 events: StoredEvents | None = None) -> None:
+    def __init__(
+        self,
+        conf: ConnectorOptions,
+        client: KVCacheClient | None,
+        block_size: int,
+        *,
+        saves: bool,
+        stats: StatsRecorder,
+        events: StoredEvents | None = None,
+        hybrid: bool = False,
+    ) -> None:
         self._conf = conf
+        # Several KV-cache groups (client.vllm.support.hybrid_groups): block ids per group,
+        # pages gathered in the step their block becomes full (GatherSpec).
+        self._hybrid = hybrid
         self._client = client
         self._block_size = block_size
         self._saves_enabled = saves
         self._stats = stats
         self._pending_loads: dict[str, LoadSpec] = {}
-        self._loaded_blocks: dict[str, list[int]] = {}  # req id -> blocks a load fills
+        # req id -> the blocks a load fills: each position's block id in every group
+        self._loaded_blocks: dict[str, list[tuple[int, ...]]] = {}
         self._tracked: dict[str, _Tracked] = {}
         # Each request's prompt and identity, read once when vLLM first asks about it
         # (``get_num_new_matched_tokens``, before the request is first scheduled): its
@@ -89,15 +107,24 @@ class ConnectorScheduler:
             self._stats.count(lookups_skipped=1)
             return None
         started = time.perf_counter()
-        found = self._client.find(tokens, timeout=self._conf.lookup_budget_ms / 1000, identity=extras or None)
+        found = self._client.find(
+            tokens, timeout=self._conf.lookup_budget_ms / 1000, identity=extras or None
+        )
         seconds = time.perf_counter() - started
         self._breaker.record(found is not None)
         with self._stats.lock:
-            self._stats.stats.add(lookups=1, lookup_prompt_tokens=len(tokens), lookup_hit_tokens=found.tokens if found else 0,
-                                  lookup_faults=found is None)
+            self._stats.stats.add(
+                lookups=1,
+                lookup_prompt_tokens=len(tokens),
+                lookup_hit_tokens=found.tokens if found else 0,
+                lookup_faults=found is None,
+            )
             self._stats.stats.observe("lookup_seconds", seconds)
         if found is None and self._breaker.state != "closed":
-            log.warning("index lookups keep failing: every request is a miss for the next %.1f s", self._breaker.current_cooldown)
+            log.warning(
+                "index lookups keep failing: every request is a miss for the next %.1f s",
+                self._breaker.current_cooldown,
+            )
         return found
 
     def _keyed_prompt(self, request: Request) -> KeyedPrompt | None:
@@ -111,56 +138,108 @@ class ConnectorScheduler:
                 self._stats.count(unkeyed_requests=1)
         return self._keyed[request.request_id]
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        keyed = self._keyed_prompt(request) if (self._client is not None or self._saves_enabled) else None
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        keyed = (
+            self._keyed_prompt(request)
+            if (self._client is not None or self._saves_enabled)
+            else None
+        )
         if self._events is not None and keyed is not None:
             self._requests[request.request_id] = request
         if self._client is None or keyed is None:
             return 0, False
-        if not request_switch(request.kv_transfer_params, "kvstore_load", request.request_id) or request.request_id in self._load_failed:
+        if (
+            not request_switch(request.kv_transfer_params, "kvstore_load", request.request_id)
+            or request.request_id in self._load_failed
+        ):
             return 0, False
         prompt = keyed.tokens
-        usable = (len(prompt) - 1) // self._block_size * self._block_size  # always compute >= 1 token
+        # always compute >= 1 token
+        usable = (len(prompt) - 1) // self._block_size * self._block_size
         if usable <= num_computed_tokens:
             return 0, False
         pending = self._pending_loads.get(request.request_id)
         if pending is not None and pending.start_block * self._block_size == num_computed_tokens:
-            found: StoredPrefix | None = pending.found  # asked again while waiting for blocks: reuse
+            # asked again while waiting for blocks: reuse
+            found: StoredPrefix | None = pending.found
         else:
             found = self._find(prompt[:usable], keyed.extras)
         new = (found.tokens if found else 0) - num_computed_tokens
         if found is None or new <= 0:
             self._pending_loads.pop(request.request_id, None)
             return 0, False
-        self._pending_loads[request.request_id] = LoadSpec(request.request_id, found, [], num_computed_tokens // self._block_size)
+        self._pending_loads[request.request_id] = LoadSpec(
+            request.request_id, found, [], num_computed_tokens // self._block_size
+        )
         return new, True
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         spec = self._pending_loads.get(request.request_id)
         if spec is None:
             return
         if num_external_tokens == 0:
             del self._pending_loads[request.request_id]
             return
-        spec.block_ids = list(blocks.get_block_ids()[0])[: spec.found.tokens // self._block_size]
+        groups = [
+            list(ids)[: spec.found.tokens // self._block_size] for ids in blocks.get_block_ids()
+        ]
+        spec.block_ids = groups[0]
+        if self._hybrid:
+            spec.group_block_ids = groups
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
         meta = KVStoreConnectorMetadata(idle=scheduler_output.total_num_scheduled_tokens == 0)
         for req_id, spec in list(self._pending_loads.items()):
             if spec.block_ids:
                 meta.loads.append(spec)
-                self._loaded_blocks[req_id] = spec.block_ids
+                self._loaded_blocks[req_id] = list(zip(*(spec.group_block_ids or [spec.block_ids])))
                 del self._pending_loads[req_id]
         if self._saves_enabled:
             self._track(scheduler_output)
-            meta.saves.extend(self._finished_prefills(scheduler_output))
+            if self._hybrid:
+                meta.gathers.extend(self._gathers(scheduler_output))
+            meta.saves.extend(self._finished_prefills(scheduler_output, meta.dropped))
         for req_id in scheduler_output.finished_req_ids:
+            tracked = self._tracked.get(req_id)
+            if tracked is not None and tracked.gathered and not tracked.saved:
+                meta.dropped.append(req_id)  # the worker holds its gathered pages
             self._forget(req_id)
         return meta
 
-    def _finished_prefills(self, scheduler_output: SchedulerOutput) -> list[SaveSpec]:
+    def _gathers(self, scheduler_output: SchedulerOutput) -> list[GatherSpec]:
+        """Hybrid groups: the prompt blocks of tracked requests that become full with
+        this step, to copy out before the step ends. A sliding group's block is freed
+        when vLLM next schedules the request once the block left the window (and may then
+        hold another request's KV), so a save at the prompt's end could not gather it."""
+        computed_after = _computed_after_step(scheduler_output)
+        gathers = []
+        for req_id, tracked in self._tracked.items():
+            computed = computed_after.get(req_id)
+            if computed is None or tracked.saved or tracked.broken:
+                continue
+            full = min(computed, len(tracked.prompt)) // self._block_size
+            if full <= tracked.gathered:
+                continue
+            ids = [group[tracked.gathered : full] for group in tracked.block_ids]
+            if any(len(group) < full - tracked.gathered or 0 in group for group in ids):
+                tracked.broken = True  # a null block (below a window after a hit): no whole page
+                continue
+            gathers.append(
+                GatherSpec(req_id, tracked.gathered, len(tracked.prompt) // self._block_size, ids)
+            )
+            tracked.gathered = full
+        return gathers
+
+    def _finished_prefills(
+        self, scheduler_output: SchedulerOutput, dropped: list[str]
+    ) -> list[SaveSpec]:
         """The saves of tracked requests whose prefill (possibly over several chunks)
-        completes with this step, each once."""
+        completes with this step, each once. Hybrid: only of requests whose every page
+        was gathered; the others' gathered pages are ``dropped``."""
         computed_after = _computed_after_step(scheduler_output)
         saves = []
         for req_id, tracked in self._tracked.items():
@@ -169,11 +248,30 @@ class ConnectorScheduler:
                 continue
             tracked.saved = True
             full = len(tracked.prompt) // self._block_size
+            if self._hybrid and (tracked.broken or tracked.gathered < full):
+                if tracked.gathered:
+                    dropped.append(req_id)
+                continue
             if full > tracked.stored_blocks:
                 tokens = tracked.prompt[: full * self._block_size]
                 request = self._requests.pop(req_id, None)
-                event_id = self._events.expect(request, tokens, full) if self._events is not None and request is not None else None
-                saves.append(SaveSpec(req_id, tokens, tracked.block_ids[:full], tracked.extras, event_id))
+                event_id = (
+                    self._events.expect(request, tokens, full)
+                    if self._events is not None and request is not None
+                    else None
+                )
+                if self._hybrid:
+                    saves.append(
+                        SaveSpec(req_id, tokens, [], tracked.extras, event_id, gathered=True)
+                    )
+                else:
+                    saves.append(
+                        SaveSpec(
+                            req_id, tokens, tracked.block_ids[0][:full], tracked.extras, event_id
+                        )
+                    )
+            elif tracked.gathered:
+                dropped.append(req_id)
         return saves
 
     def _track(self, scheduler_output: SchedulerOutput) -> None:
@@ -182,9 +280,13 @@ class ConnectorScheduler:
             loaded = self._loaded_blocks.pop(new.req_id, [])
             keyed = self._keyed.get(new.req_id)
             extra = new.sampling_params.extra_args if new.sampling_params is not None else None
-            if keyed is None or not request_switch((extra or {}).get("kv_transfer_params"), "kvstore_save", new.req_id):
+            if keyed is None or not request_switch(
+                (extra or {}).get("kv_transfer_params"), "kvstore_save", new.req_id
+            ):
                 continue  # never tracked: nothing gathered or published
-            self._tracked[new.req_id] = _Tracked(keyed.tokens, keyed.extras, list(new.block_ids[0]), len(loaded))
+            self._tracked[new.req_id] = _Tracked(
+                keyed.tokens, keyed.extras, [list(group) for group in new.block_ids], len(loaded)
+            )
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             tracked = self._tracked.get(req_id)
@@ -192,9 +294,10 @@ class ConnectorScheduler:
             if tracked is None or new_blocks is None:
                 continue
             if req_id in cached.resumed_req_ids:  # preempted and resumed: a fresh block list
-                tracked.block_ids = list(new_blocks[0])
+                tracked.block_ids = [list(group) for group in new_blocks]
             else:
-                tracked.block_ids.extend(new_blocks[0])
+                for group, more in zip(tracked.block_ids, new_blocks):
+                    group.extend(more)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Blocks that failed to load are recomputed, so they must be saved again; the
@@ -205,7 +308,7 @@ class ConnectorScheduler:
         if not invalid:
             return
         for req_id, blocks in self._loaded_blocks.items():
-            bad = [i for i, b in enumerate(blocks) if b in invalid]
+            bad = [i for i, ids in enumerate(blocks) if any(b in invalid for b in ids if b)]
             if bad:
                 self._loaded_blocks[req_id] = blocks[: bad[0]]
                 self._load_failed.add(req_id)
@@ -218,7 +321,9 @@ class ConnectorScheduler:
         self._keyed.pop(req_id, None)
         self._requests.pop(req_id, None)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         # Saves copy their blocks out before the step ends, so blocks never outlive the
         # request; an in-flight load of an aborted request is waited for by vLLM itself
         # (it frees the blocks once get_finished reports the load).
@@ -248,4 +353,6 @@ def _computed_after_step(scheduler_output: SchedulerOutput) -> dict[str, int]:
     cached = scheduler_output.scheduled_cached_reqs
     before.update(zip(cached.req_ids, cached.num_computed_tokens))
     scheduled = scheduler_output.num_scheduled_tokens
-    return {req_id: done + scheduled[req_id] for req_id, done in before.items() if req_id in scheduled}
+    return {
+        req_id: done + scheduled[req_id] for req_id, done in before.items() if req_id in scheduled
+    }

@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 # The kinds of vLLM KV-cache groups whose pages the connector moves: full attention
 # (K and V per head) and MLA (one latent row per token).
 SUPPORTED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+# With vLLM's hybrid KV-cache manager: groups of full attention and sliding-window
+# attention, stored together (a page is one block of every layer, as without it).
+HYBRID_SPECS = ("FullAttentionSpec", "SlidingWindowSpec")
 CACHE_DTYPES = {
     "auto": None,
     "fp8": "float8_e4m3fn",
@@ -81,15 +84,49 @@ def unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) 
                 f"speculative decoding ({method}) with a draft's own KV-cache layers ({', '.join(drafts[:2])}"
                 f"{', ...' if len(drafts) > 2 else ''}): they are not stored yet"
             )
-        groups = kv_cache_config.kv_cache_groups
-        kinds = [type(g.kv_cache_spec).__name__ for g in groups]
-        if len(groups) != 1:
-            return f"{len(groups)} KV-cache groups ({', '.join(kinds)}): hybrid attention is not stored yet"
+        return _groups_refusal(vllm_config, kv_cache_config)
+    return None
+
+
+def _groups_refusal(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str | None:
+    """Why the KV-cache groups cannot be stored, or None. One group of full attention or
+    MLA, as ever; or, with vLLM's hybrid KV-cache manager on, groups of full attention
+    and sliding-window attention of one page shape (``hybrid_groups``): every block is
+    still stored as one page over all layers."""
+    groups = kv_cache_config.kv_cache_groups
+    kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+    listed = f"{len(groups)} KV-cache groups ({', '.join(kinds)})"
+    if "MambaSpec" in kinds:
+        return f"{listed}: state-space layers (MambaSpec): their states are not stored"
+    if len(groups) == 1:
         if kinds[0] not in SUPPORTED_SPECS:
             return f"attention of kind {kinds[0]} (kvstore stores {' and '.join(SUPPORTED_SPECS)})"
-        quant = getattr(groups[0].kv_cache_spec, "kv_quant_mode", None)
+    else:
+        other = [k for k in kinds if k not in HYBRID_SPECS]
+        if other:
+            stored = " and ".join(HYBRID_SPECS)
+            return f"{listed}: {other[0]} layers are not stored beside other groups (kvstore stores {stored})"
+        specs = [g.kv_cache_spec for g in groups]
+        shapes = {
+            (s.block_size, *(getattr(s, a, None) for a in ("num_kv_heads", "head_size", "dtype")))
+            for s in specs
+        }
+        if len(shapes) != 1:  # one page holds a block of every layer: their blocks must be alike
+            return f"{listed} of different block sizes, KV heads, head sizes or dtypes"
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            return f"{listed} with pipeline parallelism: hybrid stages are not stored yet"
+    for group in groups:
+        quant = getattr(group.kv_cache_spec, "kv_quant_mode", None)
         if quant:  # quantized KV keeps scales beside the blocks, which pages would not carry
             return (
                 f"quantized KV cache ({getattr(quant, 'name', quant)}): its scales are not stored"
             )
     return None
+
+
+def hybrid_groups(kv_cache_config: KVCacheConfig | None) -> bool:
+    """Whether the engine runs several KV-cache groups (vLLM's hybrid KV-cache manager
+    with sliding-window layers): then each group has its own block ids per position and a
+    sliding group's blocks below the window are the null block 0 (``unsupported`` refuses
+    every other kind of several groups)."""
+    return kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1

@@ -30,8 +30,14 @@ import torch
 from client.landing import Landing, choose_landing
 from client.sync_client import KVCacheClient
 from client.vllm.events import SaveOutcomeLog, SaveOutcomes
-from client.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
-from client.vllm.options import ConnectorOptions, detect_layout, engine_layout, rank_client, stage_layers
+from client.vllm.metadata import GatherSpec, KVStoreConnectorMetadata, LoadSpec, SaveSpec
+from client.vllm.options import (
+    ConnectorOptions,
+    detect_layout,
+    engine_layout,
+    rank_client,
+    stage_layers,
+)
 from client.vllm.paged_cache import GatherResult, PagedCache, StagingPool
 from client.vllm.stats import StatsRecorder
 from kvstore.errors import CredentialError, KVStoreError
@@ -40,6 +46,7 @@ from kvstore.settings.config import ClientOptions
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger(__name__)
 # A refused token is a configuration error the operator must see, but every load and
@@ -64,8 +71,22 @@ class ConnectorWorker:
     ``register_kv_caches`` succeeds the worker cannot load: each load it is given is
     reported finished with every block failed (recomputed)."""
 
-    def __init__(self, vllm_config: VllmConfig, conf: ConnectorOptions, options: ClientOptions, *, stats: StatsRecorder, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        conf: ConnectorOptions,
+        options: ClientOptions,
+        *,
+        stats: StatsRecorder,
+        enabled: bool = True,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
         self._vllm_config = vllm_config
+        self._kv_cache_config = kv_cache_config
+        # Hybrid KV-cache groups (client.vllm.support.hybrid_groups): the group of each
+        # layer of the cache, in its order; empty for one group.
+        self._layer_groups: list[int] = []
+        self._gathered: dict[str, GatherResult] = {}  # hybrid: each request's pages gathered so far
         self._enabled = enabled  # False: the engine cannot use the store (client.vllm.support); never loads or saves
         self._conf = conf
         self._options = options
@@ -81,7 +102,8 @@ class ConnectorWorker:
         self._load_errors: set[int] = set()
         self._saving: set[Future] = set()
         self._pending_save_bytes = 0
-        self._outcomes = SaveOutcomeLog()  # answers for the scheduler's KV events (client.vllm.events)
+        # answers for the scheduler's KV events (client.vllm.events)
+        self._outcomes = SaveOutcomeLog()
         self._load_stream: Any = None
         self._staging: StagingPool | None = None
 
@@ -100,23 +122,71 @@ class ConnectorWorker:
             start, end = stage_layers(self._vllm_config, pp_rank)
             indices = [extract_layer_index(n) for n in names]
             if indices != list(range(start, end)):  # pages name the stage's layers by position
-                raise KVStoreError(f"this worker's KV caches are of layers {indices}, not PP stage {pp_rank}'s {start} to {end - 1}")
+                raise KVStoreError(
+                    f"this worker's KV caches are of layers {indices}, not PP stage {pp_rank}'s {start} to {end - 1}"
+                )
             expected = engine_layout(self._vllm_config)
-            layout = detect_layout(tuple(layers[0].shape), self._block_size, heads, model.get_head_size(), mla=expected == "vllm_mla")
+            layout = detect_layout(
+                tuple(layers[0].shape),
+                self._block_size,
+                heads,
+                model.get_head_size(),
+                mla=expected == "vllm_mla",
+            )
             if layout != expected:
-                raise KVStoreError(f"KV layout {layout} differs from the scheduler's {expected} view")
+                raise KVStoreError(
+                    f"KV layout {layout} differs from the scheduler's {expected} view"
+                )
             self._cache = PagedCache(layers)
+            self._layer_groups = self._groups_of(names)
         except KVStoreError as exc:
             log.error("KVStoreConnector disabled on this worker: %s", exc)
             return
-        self._client = rank_client(self._vllm_config, self._conf, self._options, "WORKER", layout=layout,
-                                   tp_rank=get_tp_group().rank_in_group, pp_rank=pp_rank)
+        self._client = rank_client(
+            self._vllm_config,
+            self._conf,
+            self._options,
+            "WORKER",
+            layout=layout,
+            tp_rank=get_tp_group().rank_in_group,
+            pp_rank=pp_rank,
+        )
         buffers = self._conf.load_threads + 1  # every load at once, and one save
-        self._staging = StagingPool(self._cache, buffers, self._conf.staging_bytes // buffers // self._client.namespace.page_nbytes)
-        self._loader = ThreadPoolExecutor(self._conf.load_threads, thread_name_prefix="kvstore-load")
+        self._staging = StagingPool(
+            self._cache,
+            buffers,
+            self._conf.staging_bytes // buffers // self._client.namespace.page_nbytes,
+        )
+        self._loader = ThreadPoolExecutor(
+            self._conf.load_threads, thread_name_prefix="kvstore-load"
+        )
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvstore-save")
         if self._cache.device.type == "cuda":
             self._load_stream = torch.cuda.Stream(device=self._cache.device)
+
+    def _groups_of(self, names: list[str]) -> list[int]:
+        """Each layer's KV-cache group when there are several (else []): every layer
+        reads and writes its own group's block ids."""
+        groups = self._kv_cache_config.kv_cache_groups if self._kv_cache_config is not None else []
+        if len(groups) < 2:
+            return []
+        group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
+        missing = [n for n in names if n not in group_of]
+        if missing:
+            raise KVStoreError(f"KV caches {missing[:2]} are in no KV-cache group")
+        return [group_of[n] for n in names]
+
+    def _layer_rows(
+        self, group_block_ids: list[list[int]], first: int, count: int
+    ) -> list[tuple[list[int], list[int]]]:
+        """Per layer, the rows ``0..count-1`` (positions ``first`` on) and their blocks in
+        the layer's group, skipping positions where that group has the null block 0 (a
+        sliding group below its window: vLLM keeps no block there)."""
+        per_group = []
+        for ids in group_block_ids:
+            pairs = [(i, b) for i, b in enumerate(ids[first : first + count]) if b]
+            per_group.append(([i for i, _ in pairs], [b for _, b in pairs]))
+        return [per_group[g] for g in self._layer_groups]
 
     # ---- loads ---------------------------------------------------------------------
 
@@ -130,7 +200,7 @@ class ConnectorWorker:
         for spec in meta.loads:
             if self._client is None or self._loader is None:
                 with self._stats.lock:
-                    self._load_errors.update(spec.block_ids[spec.start_block :])
+                    self._load_errors.update(_ids_from(spec, spec.start_block))
                 self._unloadable.add(spec.req_id)
                 continue
             self._loading[spec.req_id] = self._loader.submit(self._load, spec, after)
@@ -142,9 +212,20 @@ class ConnectorWorker:
         wanted = spec.block_ids[spec.start_block :]
         got = spec.start_block
         pages = None
+        hybrid_bytes = None
+        taken: list[torch.Tensor] = []
         try:
+            if self._layer_groups:
+                got, hybrid_bytes = self._load_hybrid(spec, after, taken)
+                return _LoadOutcome(
+                    _ids_from(spec, max(got, spec.start_block)),
+                    hybrid_bytes,
+                    time.perf_counter() - started,
+                )
             # how pages land: the client's gets choose the same way (client.landing)
-            landing, spans = choose_landing(self._client.heads, lambda: self._cache.block_spans(wanted))
+            landing, spans = choose_landing(
+                self._client.heads, lambda: self._cache.block_spans(wanted)
+            )
             if landing is Landing.IN_PLACE:
                 # Straight into the cache's blocks: from the node's mapped slots with one
                 # copy on the same host (no host page buffer, no scatter); over UCX in
@@ -153,53 +234,133 @@ class ConnectorWorker:
                 # Measured, 96 pages of 1.25 MiB (the TTFT bench's 120 MiB) into a
                 # 10-layer CPU cache, 10 rounds interleaved: 22.0 ms (20.2-28.2) against
                 # 29.5 ms (25.3-42.0) through a staging buffer and scatter.
-                got = self._client.get_found_into(spec.found, spans or [], start_block=spec.start_block) // self._block_size
+                got = (
+                    self._client.get_found_into(
+                        spec.found, spans or [], start_block=spec.start_block
+                    )
+                    // self._block_size
+                )
                 parts = []
             elif landing is Landing.STAGED:
                 pages = self._staging.take(len(spec.block_ids))
-                got = self._client.get_found(spec.found, pages, start_block=spec.start_block) // self._block_size
+                got = (
+                    self._client.get_found(spec.found, pages, start_block=spec.start_block)
+                    // self._block_size
+                )
                 parts = [(pages[spec.start_block : got], 0, 0)]
             else:  # Landing.UNITS
                 # Head groups: this rank's heads go from the fetched units straight into the
                 # cache, from one buffer of the pool (no client staging, no merge into rank
                 # pages). Measured, a TP=1 load of 96 blocks (60 MiB) stored by TP=2 ranks,
                 # same host, 8 rounds interleaved: 17.7 ms against 22.2 ms merging first.
-                units_pages = -(-self._client.units_nbytes(spec.found.blocks - spec.start_block) // self._client.namespace.page_nbytes)
+                units_pages = -(
+                    -self._client.units_nbytes(spec.found.blocks - spec.start_block)
+                    // self._client.namespace.page_nbytes
+                )
                 pages = self._staging.take(units_pages)
-                units, blocks = self._client.get_found_units(spec.found, pages, start_block=spec.start_block)
+                units, blocks = self._client.get_found_units(
+                    spec.found, pages, start_block=spec.start_block
+                )
                 got = spec.start_block + blocks
-                parts = heads.rank_parts(self._client.namespace, units[:, :blocks], self._client.heads) if blocks else []
+                parts = (
+                    heads.rank_parts(self._client.namespace, units[:, :blocks], self._client.heads)
+                    if blocks
+                    else []
+                )
             if got > spec.start_block:
                 if after is not None:
                     self._load_stream.wait_event(after)
                 for part, head_at, layer_at in parts:
-                    self._cache.scatter(part, spec.block_ids[spec.start_block : got], self._load_stream, head_at=head_at, layer_at=layer_at)
+                    self._cache.scatter(
+                        part,
+                        spec.block_ids[spec.start_block : got],
+                        self._load_stream,
+                        head_at=head_at,
+                        layer_at=layer_at,
+                    )
         except CredentialError as exc:
             self._credential_refused(exc)
             got = spec.start_block
-        except Exception as exc:  # noqa: BLE001 - a load must end as blocks to recompute, whatever broke
+        except Exception as exc:
             log.warning("load of %s failed: %s", spec.req_id, exc)
             got = spec.start_block
         finally:
-            if pages is not None:
-                self._staging.give(pages)
-        failed = spec.block_ids[max(got, spec.start_block) :]
+            for held in ([pages] if pages is not None else []) + taken:
+                self._staging.give(held)
+        failed = _ids_from(spec, max(got, spec.start_block))
         if failed:
-            log.warning("request %s: %d of %d blocks could not be loaded and will be recomputed",
-                        spec.req_id, len(failed), len(wanted))
-        nbytes = (max(got, spec.start_block) - spec.start_block) * self._client.namespace.page_nbytes
+            log.warning(
+                "request %s: %d of %d blocks could not be loaded and will be recomputed",
+                spec.req_id,
+                len(failed),
+                len(wanted),
+            )
+        nbytes = (
+            max(got, spec.start_block) - spec.start_block
+        ) * self._client.namespace.page_nbytes
         return _LoadOutcome(failed, nbytes, time.perf_counter() - started)
+
+    def _load_hybrid(
+        self, spec: LoadSpec, after: Any, taken: list[torch.Tensor]
+    ) -> tuple[int, int]:
+        """Loader thread, hybrid groups: fetch whole pages (one block of every layer, as
+        any engine of the model stores them) and write each layer's part into its own
+        group's blocks, leaving out a sliding layer's positions below its window (vLLM
+        gave those the null block: the layer never reads them). Returns the blocks that
+        arrived (from 0) and the bytes written into the cache; the staging pages it takes
+        are put in ``taken`` for the caller to give back, whatever happens. Never in
+        place: a page's layers go to different groups' blocks."""
+        count = spec.found.blocks - spec.start_block
+        if self._client.heads.identity:
+            pages = self._staging.take(spec.found.blocks)
+            taken.append(pages)
+            got = (
+                self._client.get_found(spec.found, pages, start_block=spec.start_block)
+                // self._block_size
+            )
+            parts = [(pages[spec.start_block : got], 0, 0)]
+        else:  # head groups: this rank's heads of each layer range, as Landing.UNITS
+            units_pages = -(-self._client.units_nbytes(count) // self._client.namespace.page_nbytes)
+            pages = self._staging.take(units_pages)
+            taken.append(pages)
+            units, blocks = self._client.get_found_units(
+                spec.found, pages, start_block=spec.start_block
+            )
+            got = spec.start_block + blocks
+            parts = (
+                heads.rank_parts(self._client.namespace, units[:, :blocks], self._client.heads)
+                if blocks
+                else []
+            )
+        nbytes = 0
+        if got > spec.start_block:
+            if after is not None:
+                self._load_stream.wait_event(after)
+            rows = self._layer_rows(spec.group_block_ids, spec.start_block, got - spec.start_block)
+            for part, head_at, layer_at in parts:
+                nbytes += self._cache.scatter_layers(
+                    part, rows, self._load_stream, head_at=head_at, layer_at=layer_at
+                )
+        return got, nbytes
 
     def get_finished(self, meta: Any) -> tuple[set[str] | None, set[str] | None]:
         """Loads finished since the last call (``meta``: this step's metadata, None
         when the step carried none)."""
-        if (self._loading or self._saving) and isinstance(meta, KVStoreConnectorMetadata) and meta.idle:
+        if (
+            (self._loading or self._saving)
+            and isinstance(meta, KVStoreConnectorMetadata)
+            and meta.idle
+        ):
             # The engine has nothing to compute and would call again at once: wait for
             # a load here instead, with the GIL released. Without this the in-process
             # engine loop spins and starves the loader and transfer threads: measured
             # in bench/vllm_ttft.py, a 120 MiB load took 4.6 s, and 0.41 s with the wait.
             # Saves too: an engine keeps stepping idle while a save's KV event waits for it.
-            wait_futures([*self._loading.values(), *self._saving], timeout=_IDLE_WAIT_S, return_when=FIRST_COMPLETED)
+            wait_futures(
+                [*self._loading.values(), *self._saving],
+                timeout=_IDLE_WAIT_S,
+                return_when=FIRST_COMPLETED,
+            )
         done, self._unloadable = self._unloadable, set()
         for req_id, future in list(self._loading.items()):
             if not future.done():
@@ -208,7 +369,9 @@ class ConnectorWorker:
             outcome: _LoadOutcome = future.result()
             with self._stats.lock:
                 self._load_errors.update(outcome.failed)
-                self._stats.stats.add(load_bytes=outcome.nbytes, load_failed_blocks=len(outcome.failed))
+                self._stats.stats.add(
+                    load_bytes=outcome.nbytes, load_failed_blocks=len(outcome.failed)
+                )
                 self._stats.stats.observe("load_seconds", outcome.seconds)
             done.add(req_id)
         return None, done or None
@@ -223,18 +386,53 @@ class ConnectorWorker:
     def wait_for_save(self, meta: Any) -> None:
         if not isinstance(meta, KVStoreConnectorMetadata):
             return
+        for req_id in meta.dropped:
+            dropped = self._gathered.pop(req_id, None)
+            if dropped is not None:
+                pages = dropped.wait()  # no copy may still land in pages given back
+                self._staging.give(pages)
+                with self._stats.lock:
+                    self._pending_save_bytes -= len(pages) * self._client.namespace.page_nbytes
         if self._saver is None or not self._client.namespace.stores_heads:
             # Nothing to save here: this worker cannot (its saves' events are withheld),
             # or another rank holds the same replicated heads (MLA's latent) and saves them.
             self._outcomes.report(meta.saves, ok=self._saver is not None)
             return
+        for gather in meta.gathers:
+            try:
+                self._gather(gather)
+            except Exception as exc:  # a page not copied is a future miss, never an engine error
+                log.warning(
+                    "pages of %s not copied out, so it is not saved: %s", gather.req_id, exc
+                )
+                held = self._gathered.pop(gather.req_id, None)
+                if held is not None:
+                    self._staging.give(held.wait())
+                    with self._stats.lock:
+                        self._pending_save_bytes -= (
+                            len(held.pages) * self._client.namespace.page_nbytes
+                        )
         page_nbytes = self._client.namespace.page_nbytes
         for spec in meta.saves:
+            if spec.gathered:
+                held = self._gathered.pop(spec.req_id, None)
+                if held is None:  # a gather was dropped (pending bytes): nothing to publish
+                    self._outcomes.report([spec], ok=False)
+                    continue
+                nbytes = len(held.pages) * page_nbytes
+                future = self._saver.submit(self._save, spec, held, nbytes)
+                self._saving.add(future)
+                future.add_done_callback(self._saving.discard)
+                continue
             nbytes = len(spec.block_ids) * page_nbytes
             with self._stats.lock:
                 if self._pending_save_bytes + nbytes > self._conf.max_pending_save_bytes:
                     self._stats.stats.add(saves_dropped=1)
-                    log.warning("save of %s dropped: %d bytes already wait to be published", spec.req_id, self._pending_save_bytes)
+                    log.warning(
+                        "save of %s dropped: %d bytes already wait to be published",
+                        spec.req_id,
+                        self._pending_save_bytes,
+                    )
                     self._outcomes.report([spec], ok=False)
                     continue
                 self._pending_save_bytes += nbytes
@@ -245,19 +443,53 @@ class ConnectorWorker:
             self._saving.add(future)
             future.add_done_callback(self._saving.discard)
 
+    def _gather(self, spec: GatherSpec) -> None:
+        """Engine thread, hybrid groups: copy the request's blocks that became full this
+        step into its pages (host memory held until its save is published or dropped).
+        Its bytes count against ``max_pending_save_bytes`` from the first gather on; past
+        it the request is not saved."""
+        held = self._gathered.get(spec.req_id)
+        if held is None:
+            if spec.first:  # an earlier gather was dropped: the pages would have a hole
+                return
+            nbytes = spec.blocks * self._client.namespace.page_nbytes
+            with self._stats.lock:
+                if self._pending_save_bytes + nbytes > self._conf.max_pending_save_bytes:
+                    self._stats.stats.add(saves_dropped=1)
+                    log.warning(
+                        "save of %s dropped: %d bytes already wait to be published",
+                        spec.req_id,
+                        self._pending_save_bytes,
+                    )
+                    return
+                self._pending_save_bytes += nbytes
+            held = GatherResult(self._staging.take(spec.blocks))
+            self._gathered[spec.req_id] = held
+        started = time.perf_counter()
+        count = len(spec.group_block_ids[0])
+        rows = [
+            ([spec.first + r for r in layer_rows], blocks)
+            for layer_rows, blocks in self._layer_rows(spec.group_block_ids, 0, count)
+        ]
+        ready = self._cache.gather_layers(rows, held.pages[: spec.blocks]).ready
+        self._gathered[spec.req_id] = GatherResult(held.pages[: spec.blocks], ready or held.ready)
+        self._stats.observe("save_gather_seconds", time.perf_counter() - started)
+
     def _save(self, spec: SaveSpec, gathered: GatherResult, nbytes: int) -> None:
         """Saver thread: publish one request's pages; failures are counted, not raised."""
         started = time.perf_counter()
         stored = False
         try:
-            report = self._client.put_pages(spec.token_ids, gathered.wait(), identity=spec.extras or None)
+            report = self._client.put_pages(
+                spec.token_ids, gathered.wait(), identity=spec.extras or None
+            )
             stored = report.refused == 0  # every page of this rank's part on some node
             self._stats.count(save_bytes=report.bytes_sent)
             log.debug("saved %s: %s", spec.req_id, report)
         except CredentialError as exc:
             self._stats.count(save_failures=1)
             self._credential_refused(exc)
-        except Exception as exc:  # noqa: BLE001 - a failed save is a future miss, never an engine error
+        except Exception as exc:
             self._stats.count(save_failures=1)
             log.warning("save of %s failed (a future miss, not an error): %s", spec.req_id, exc)
         finally:
@@ -281,8 +513,11 @@ class ConnectorWorker:
             if now - self._credential_logged < CREDENTIAL_LOG_EVERY_S:
                 return
             self._credential_logged = now
-        log.error("the store refused this engine's credentials; loads recompute and saves are dropped until it is fixed "
-                  "(logged at most once a minute, counted in vllm:kvstore_credential_refusals_total): %s", exc)
+        log.error(
+            "the store refused this engine's credentials; loads recompute and saves are dropped until it is fixed "
+            "(logged at most once a minute, counted in vllm:kvstore_credential_refusals_total): %s",
+            exc,
+        )
 
     def shutdown(self) -> None:
         """Finish the saves in flight (each is bounded by the client's timeout), then stop."""
@@ -295,3 +530,10 @@ class ConnectorWorker:
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+def _ids_from(spec: LoadSpec, position: int) -> list[int]:
+    """The block ids ``spec`` fills from ``position`` on, of every group (vLLM recomputes
+    a request from its first block reported failed); never the null block 0."""
+    groups = spec.group_block_ids or [spec.block_ids]
+    return [b for ids in groups for b in ids[position:] if b]
