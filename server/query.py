@@ -263,7 +263,7 @@ class PrefixQuery:
             NodeBlocks(
                 node_id=node,
                 blocks=blocks,
-                tiers=self._tiers(ns, joined[: HASH_BYTES * matched], count)
+                tiers=self._tiers(ns, joined[: HASH_BYTES * matched], count, blocks)
                 if node == self.node_id
                 else None,
             )
@@ -280,28 +280,32 @@ class PrefixQuery:
             nodes=answer_nodes,
         )
 
-    def _tiers(self, ns: Namespace, joined: bytes, count: int) -> dict[str, int]:
+    def _tiers(self, ns: Namespace, joined: bytes, count: int, held: int) -> dict[str, int]:
         """Blocks of the prefix whose every unit this node holds in memory ("CPU"), and
-        those it holds whole with some unit only on disk ("DISK")."""
+        those it holds whole with some unit only on disk ("DISK"); ``held``: the blocks
+        the index says it holds whole."""
         if not self.store.namespace_pages.get(ns.digest_hex):
             return {MEDIUM_CPU: 0, MEDIUM_DISK: 0}
+        if not self.store.disk_pages:
+            # no page of the node is on disk: what it holds is in memory (the index
+            # drops a page before the table does, so it never names a page the table lost)
+            return {MEDIUM_CPU: held, MEDIUM_DISK: 0}
         chain = [joined[i : i + HASH_BYTES] for i in range(0, len(joined), HASH_BYTES)]
         keys = unit_hashes(chain, 0, count) if count > 1 else chain
         n = len(chain)
         # one C-level pass over the table (map, not a Python loop: 8,192 blocks took 3 ms)
-        found = list(map(self.store.pages.get, zip(repeat(ns.digest_hex), keys)))
-        held = np.fromiter(
-            (p is not None and (p.offset is not None or p.disk is not None) for p in found),
-            bool,
-            len(found),
-        )
-        memory = np.fromiter(
-            (p is not None and p.offset is not None for p in found), bool, len(found)
-        )
-        whole = held.reshape(count, n).all(
-            axis=0
-        )  # unit_hashes: every block's unit 0, then unit 1...
-        in_memory = memory.reshape(count, n).all(axis=0)
+        found = map(self.store.pages.get, zip(repeat(ns.digest_hex), keys))
+        # per page: 2 in memory, 1 only on disk, 0 not held; unit_hashes lists every
+        # block's unit 0, then every block's unit 1...: one row per unit
+        where = np.array(
+            [
+                0 if p is None else 2 if p.offset is not None else int(p.disk is not None)
+                for p in found
+            ],
+            dtype=np.int8,
+        ).reshape(count, n)
+        whole = (where > 0).all(axis=0)
+        in_memory = (where == 2).all(axis=0)
         return {MEDIUM_CPU: int(in_memory.sum()), MEDIUM_DISK: int((whole & ~in_memory).sum())}
 
     def _namespaces(self, model: str | None, tenant: str, refresh: bool = False) -> list[Namespace]:
@@ -339,10 +343,11 @@ def _blocks_per_node(
     out: dict[str, int] = {}
     for number in np.unique(node[ok]).tolist():
         mine = ok & (node == number)
-        distinct = np.unique(found.positions[mine].astype(np.int64) * count + found.units[mine])
-        blocks = (
-            int((np.bincount(distinct // count) == count).sum()) if count > 1 else len(distinct)
-        )
+        if count == 1:  # a position held at all is a block held whole (no sort: bincount)
+            blocks = int(np.count_nonzero(np.bincount(found.positions[mine], minlength=1)))
+        else:
+            distinct = np.unique(found.positions[mine].astype(np.int64) * count + found.units[mine])
+            blocks = int((np.bincount(distinct // count) == count).sum())
         out[live[number].node_id] = blocks
     return out
 

@@ -153,3 +153,30 @@ def test_an_oversized_body_is_refused_unread(clusters, path):
     with pytest.raises(urllib.error.HTTPError) as exc:
         urllib.request.urlopen(req, timeout=10)
     assert exc.value.code == 413
+
+
+def test_tiers_split_blocks_between_memory_and_disk(clusters, tmp_path):
+    from tests.helpers import metrics, run_worker, spec, wait_for
+
+    cluster = clusters(capacity="4MiB", slab="1MiB", disk_path=str(tmp_path / "disk"), disk_capacity="64MiB")
+    ns = namespace_for_page_size(256 << 10, tenant="query-disk")
+    batches = [list(range(b * 100_000, b * 100_000 + 4 * ns.block_size)) for b in range(8)]  # twice the pool
+    reports = run_worker(spec(cluster, ns, "put_pages", token_lists=batches, options={"lease_ms": 0}))["reports"]
+    assert sum(r["stored"] for r in reports) == 32
+    addr = metrics_address(cluster)
+
+    def tiers() -> list[dict]:
+        out = []
+        for b in batches:
+            _, got = post(addr, "/v1/kv/query", {"model": ns.model, "token_ids": b, "tenant": ns.tenant})
+            out.append(got["namespaces"][0]["nodes"][0]["tiers"])
+        return out
+
+    def settled() -> bool:  # the demoter works in the background: until a query sees what the metrics say
+        seen = tiers()
+        return sum(t["CPU"] for t in seen) == metrics(cluster, "node-0")['kvstore_tier_pages{tier="memory"}']
+
+    wait_for(settled, 20, "the tiers the query reports to match the node's memory pages")
+    seen = tiers()
+    assert all(t["CPU"] + t["DISK"] == 4 for t in seen)  # every block held, in one tier or the other
+    assert sum(t["DISK"] for t in seen) > 0 and sum(t["CPU"] for t in seen) > 0
