@@ -471,8 +471,15 @@ def bench_node_cost(rounds: int, query_calls: int) -> None:
                 "query, token_ids list": json.dumps({"model": qns.model, "tenant": qns.tenant, "token_ids": tokens}).encode(),
             }
 
+            raw = np.asarray(tokens, dtype="<u4").tobytes()
+            bodies["query, raw u32 body"] = raw
+
             def ask(body: bytes) -> int:
-                conn.request("POST", "/v1/kv/query", body, {"Content-Type": "application/json"})
+                if body is raw:
+                    target = f"/v1/kv/query?model={qns.model}&tenant={qns.tenant}"
+                    conn.request("POST", target, body, {"Content-Type": "application/octet-stream"})
+                else:
+                    conn.request("POST", "/v1/kv/query", body, {"Content-Type": "application/json"})
                 resp = conn.getresponse()
                 return json.loads(resp.read())["tokens"]
 

@@ -52,14 +52,15 @@ def start_health_server(
     ready: Callable[[], bool],
     alive: Callable[[], bool] = lambda: True,
     notes: Callable[[], list[str]] = list,
-    post: Callable[[str, bytes, str], tuple[int, bytes]] | None = None,
+    post: Callable[[str, bytes, str, str], tuple[int, bytes]] | None = None,
     max_body: int = 16 << 20,
 ) -> ThreadingHTTPServer:
     """Serve until the process exits; ``server.server_port`` is the bound port. ``notes``
     are lines /healthz adds to its body about a part that is degraded while the node
     still serves (its status stays 200: restarting would not help). ``post``: answers
     POSTs (the prefix query API, server/query.py) as (status, JSON body), given the
-    path, the body (at most ``max_body`` bytes) and the Authorization header."""
+    path (with its query string), the body (at most ``max_body`` bytes), and the
+    Authorization and Content-Type headers."""
 
     class Handler(BaseHTTPRequestHandler):
         """Answers the four paths on the HTTP server's thread (reads only plain values)."""
@@ -103,7 +104,10 @@ def start_health_server(
                 self._reply(413, b'{"error": "request body too large"}', "application/json")
                 return
             status, body = post(
-                self.path, self.rfile.read(length), self.headers.get("Authorization", "")
+                self.path,
+                self.rfile.read(length),
+                self.headers.get("Authorization", ""),
+                self.headers.get("Content-Type", ""),
             )
             self._reply(status, body, "application/json")
 

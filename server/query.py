@@ -32,6 +32,7 @@ import threading
 import time
 from dataclasses import dataclass
 from itertools import repeat
+from urllib.parse import parse_qsl
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -51,22 +52,30 @@ MAX_QUERY_BYTES = 16 << 20  # a request body past this is refused before it is r
 MAX_TOKENS = 1 << 22
 
 
-class QueryRequest(BaseModel):
-    """``POST /v1/kv/query``: token ids as a JSON list, or (faster to parse: 131,072 ids
-    cost 10 ms as a list here) ``token_ids_b64``, their little-endian u32 bytes in
-    base64. ``lora_name`` and ``cache_salt`` key blocks as ``RequestIdentity``'s
-    ``adapter`` and ``cache_salt`` do (the vLLM connector's adapter identity is the
-    name, a NUL and a fingerprint of the adapter's files: pass that string)."""
+class QueryParams(BaseModel):
+    """What a prefix query names besides its tokens. ``lora_name`` and ``cache_salt``
+    key blocks as ``RequestIdentity``'s ``adapter`` and ``cache_salt`` do (the vLLM
+    connector's adapter identity is the name, a NUL and a fingerprint of the adapter's
+    files: pass that string). Alone, it is the query string of the binary form: the
+    body then holds the token ids as little-endian u32 (``Content-Type:
+    application/octet-stream``), nothing to parse."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field(min_length=1)
-    token_ids: list[int] | None = None
-    token_ids_b64: str | None = None
     lora_name: str | None = Field(None, min_length=1)
     cache_salt: str | None = Field(None, min_length=1)
     block_size: int | None = Field(None, gt=0, description="only namespaces of this block size")
     tenant: str = Field("default", pattern=TENANT_PATTERN)
+
+
+class QueryRequest(QueryParams):
+    """``POST /v1/kv/query`` as JSON: token ids as a list, or (faster to parse: 131,072
+    ids cost 10 ms as a list here) ``token_ids_b64``, their little-endian u32 bytes in
+    base64."""
+
+    token_ids: list[int] | None = None
+    token_ids_b64: str | None = None
 
     @model_validator(mode="after")
     def _one_token_field(self) -> QueryRequest:
@@ -180,13 +189,24 @@ class PrefixQuery:
         self._lock = threading.Lock()  # one index connection, one query at a time on it
         self._registry: _Registry | None = None
 
-    def handle(self, path: str, body: bytes, authorization: str) -> tuple[int, bytes]:
-        """(HTTP status, JSON body) for a POST to ``path``."""
+    def handle(
+        self, target: str, body: bytes, authorization: str, content_type: str = ""
+    ) -> tuple[int, bytes]:
+        """(HTTP status, JSON body) for a POST to ``target`` (path and query string)."""
+        path, _, query_string = target.partition("?")
         try:
-            if path == "/v1/kv/query":
+            if path == "/v1/kv/query" and content_type.startswith("application/octet-stream"):
+                params = QueryParams.model_validate(
+                    dict(parse_qsl(query_string, strict_parsing=True))
+                )
+                if len(body) % 4:
+                    raise ValueError(f"the body holds {len(body)} bytes, not whole u32 token ids")
+                self._authorize(authorization, params.tenant)
+                answer = self.query(params, np.frombuffer(body, dtype="<u4"))
+            elif path == "/v1/kv/query":
                 req = QueryRequest.model_validate_json(body)
                 self._authorize(authorization, req.tenant)
-                answer = self.query(req)
+                answer = self.query(req, req.tokens())
             elif path == "/v1/kv/query_by_hash":
                 hreq = HashQueryRequest.model_validate_json(body)
                 self._authorize(authorization, hreq.tenant)
@@ -223,8 +243,7 @@ class PrefixQuery:
 
     # ---- the two queries ------------------------------------------------------------------
 
-    def query(self, req: QueryRequest) -> QueryAnswer:
-        tokens = req.tokens()
+    def query(self, req: QueryParams, tokens: np.ndarray) -> QueryAnswer:
         if len(tokens) > MAX_TOKENS:
             raise ValueError(f"at most {MAX_TOKENS} token ids, got {len(tokens)}")
         identity = RequestIdentity(adapter=req.lora_name, cache_salt=req.cache_salt)

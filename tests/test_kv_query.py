@@ -68,6 +68,13 @@ def test_the_query_answers_what_the_clients_lookup_finds_per_namespace_node_and_
         b64 = base64.b64encode(np.asarray(tokens, dtype="<u4").tobytes()).decode()
         status, fast = post(addr, "/v1/kv/query", {"model": ns.model, "token_ids_b64": b64, "tenant": ns.tenant})
         assert status == 200 and fast == got
+        # and as the raw body, the other fields in the query string
+        raw = urllib.request.Request(
+            f"http://{addr}/v1/kv/query?model={ns.model}&tenant={ns.tenant}", np.asarray(tokens, dtype="<u4").tobytes(),
+            {"Content-Type": "application/octet-stream"}, method="POST",
+        )
+        with urllib.request.urlopen(raw, timeout=10) as resp:
+            assert json.loads(resp.read()) == got
         # block_size picks one namespace; a salt keys other blocks; a prompt that diverges is shorter
         _, one = post(addr, "/v1/kv/query", {"model": ns.model, "token_ids": tokens, "tenant": ns.tenant, "block_size": other.block_size})
         assert [a["block_size"] for a in one["namespaces"]] == [other.block_size]
@@ -122,6 +129,11 @@ def test_bad_queries_get_a_clear_error(clusters):
     assert status == 400 and "hex" in got["error"]
     status, got = post(addr, "/v1/kv/nothing", {})
     assert status == 404
+    for query, body, words in (("model=m", b"\x01\x00\x00", "u32"), ("tenant=t", b"", "model"), ("model=m&colour=red", b"", "colour")):
+        req = urllib.request.Request(f"http://{addr}/v1/kv/query?{query}", body, {"Content-Type": "application/octet-stream"}, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as exc:
+            urllib.request.urlopen(req, timeout=10)
+        assert exc.value.code == 400 and words in json.loads(exc.value.read())["error"]
 
 
 def test_a_tenants_token_sees_only_its_tenants_pages(tmp_path):
