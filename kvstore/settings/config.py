@@ -194,12 +194,12 @@ class ClientOptions(IndexAccess):
     replicas: int = Field(1, ge=1, le=16, description="storage nodes each page is written to")
     timeout: float = Field(5.0, gt=0, le=3600, allow_inf_nan=False, description="seconds a call may take before missing pages count as absent")
     transfer_mode: Literal["auto", "direct", "staged"] = Field("auto", description="receive straight into the destination, or through pinned host memory")
-    node_refresh: float = Field(1.0, gt=0, le=60, allow_inf_nan=False, description="seconds between reads of the node registry")
+    node_refresh: float = Field(1.0, gt=0, le=60, allow_inf_nan=False, description="seconds between background reads of the node registry while the client is in use (none while it is idle; a call after an idle spell reads it first)")
     lease_ms: int = Field(DEFAULT_LEASE_MS, ge=0, le=600_000, description="read lease a lookup takes on the pages it returns")
     same_host: bool = Field(True, description="reach nodes on this host through shared memory (kvstore.wire.shm) instead of UCX")
     weights_revision: str = Field("", max_length=256, description="which weights the caller's KV comes from (a checkpoint revision, an RL policy step): set into the namespace, so pages of other weights never match; the vLLM connector's default is a fingerprint of the checkpoint (docs/key-format.md)")
     host_buffer_bytes: ByteSize = Field("512MiB", validate_default=True,
-                                        description="host memory faulted in at the first client's start and reused by select's results and UCX packing and scratch (one pool per process; the largest value asked for wins); 0: fresh memory per call")
+                                        description="host memory faulted in at the first client's start and reused by select's results and UCX packing and scratch (one pool per process; the largest value asked for wins; the vLLM connector's staging_bytes adds to it); it grows on demand to twice this and keeps what it grew; past that, and with 0, fresh memory per call")
 
 
 
