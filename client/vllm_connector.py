@@ -252,6 +252,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         """vLLM's call instead of ``request_finished`` while its hybrid KV-cache manager
         is on (every engine naming this connector, unless HMA is off for another reason).
         Saves never hold blocks past their step, so nothing delays the free."""
+        if self._scheduler is None:  # vLLM calls it on the scheduler's connector only
+            return False, None
         return self._scheduler.request_finished(request, block_ids[0] if block_ids else [])
 
     def take_events(self) -> Iterable[KVCacheEvent]:

@@ -310,25 +310,26 @@ class ConnectorWorker:
         arrived (from 0) and the bytes written into the cache; the staging pages it takes
         are put in ``taken`` for the caller to give back, whatever happens. Never in
         place: a page's layers go to different groups' blocks."""
+        client, cache, staging = self._registered()
         count = spec.found.blocks - spec.start_block
-        if self._client.heads.identity:
-            pages = self._staging.take(spec.found.blocks)
+        if client.heads.identity:
+            pages = staging.take(spec.found.blocks)
             taken.append(pages)
             got = (
-                self._client.get_found(spec.found, pages, start_block=spec.start_block)
+                client.get_found(spec.found, pages, start_block=spec.start_block)
                 // self._block_size
             )
             parts = [(pages[spec.start_block : got], 0, 0)]
         else:  # head groups: this rank's heads of each layer range, as Landing.UNITS
-            units_pages = -(-self._client.units_nbytes(count) // self._client.namespace.page_nbytes)
-            pages = self._staging.take(units_pages)
+            units_pages = -(-client.units_nbytes(count) // client.namespace.page_nbytes)
+            pages = staging.take(units_pages)
             taken.append(pages)
-            units, blocks = self._client.get_found_units(
-                spec.found, pages, start_block=spec.start_block
-            )
+            units, blocks = client.get_found_units(spec.found, pages, start_block=spec.start_block)
+            if units is None:  # a fault or the deadline: nothing arrived
+                return spec.start_block, 0
             got = spec.start_block + blocks
             parts = (
-                heads.rank_parts(self._client.namespace, units[:, :blocks], self._client.heads)
+                heads.rank_parts(client.namespace, units[:, :blocks], client.heads)
                 if blocks
                 else []
             )
@@ -338,10 +339,27 @@ class ConnectorWorker:
                 self._load_stream.wait_event(after)
             rows = self._layer_rows(spec.group_block_ids, spec.start_block, got - spec.start_block)
             for part, head_at, layer_at in parts:
-                nbytes += self._cache.scatter_layers(
+                nbytes += cache.scatter_layers(
                     part, rows, self._load_stream, head_at=head_at, layer_at=layer_at
                 )
         return got, nbytes
+
+    def _registered(self) -> tuple[KVCacheClient, PagedCache, StagingPool]:
+        """The client, paged cache and staging pool of a worker whose
+        ``register_kv_caches`` succeeded; raises ``KVStoreError`` on any other (its
+        callers end that as a failed load or an unsaved request)."""
+        if self._client is None or self._cache is None or self._staging is None:
+            raise KVStoreError("this worker has no registered KV cache")
+        return self._client, self._cache, self._staging
+
+    def _release(self, held: GatherResult) -> None:
+        """Give back a request's gathered pages that will not be published, and their
+        bytes from the pending saves' count."""
+        client, _, staging = self._registered()
+        pages = held.wait()  # no copy may still land in pages given back
+        staging.give(pages)
+        with self._stats.lock:
+            self._pending_save_bytes -= len(pages) * client.namespace.page_nbytes
 
     def get_finished(self, meta: Any) -> tuple[set[str] | None, set[str] | None]:
         """Loads finished since the last call (``meta``: this step's metadata, None
@@ -389,10 +407,7 @@ class ConnectorWorker:
         for req_id in meta.dropped:
             dropped = self._gathered.pop(req_id, None)
             if dropped is not None:
-                pages = dropped.wait()  # no copy may still land in pages given back
-                self._staging.give(pages)
-                with self._stats.lock:
-                    self._pending_save_bytes -= len(pages) * self._client.namespace.page_nbytes
+                self._release(dropped)
         if self._saver is None or not self._client.namespace.stores_heads:
             # Nothing to save here: this worker cannot (its saves' events are withheld),
             # or another rank holds the same replicated heads (MLA's latent) and saves them.
@@ -407,11 +422,7 @@ class ConnectorWorker:
                 )
                 held = self._gathered.pop(gather.req_id, None)
                 if held is not None:
-                    self._staging.give(held.wait())
-                    with self._stats.lock:
-                        self._pending_save_bytes -= (
-                            len(held.pages) * self._client.namespace.page_nbytes
-                        )
+                    self._release(held)
         page_nbytes = self._client.namespace.page_nbytes
         for spec in meta.saves:
             if spec.gathered:
@@ -448,11 +459,12 @@ class ConnectorWorker:
         step into its pages (host memory held until its save is published or dropped).
         Its bytes count against ``max_pending_save_bytes`` from the first gather on; past
         it the request is not saved."""
+        client, cache, staging = self._registered()
         held = self._gathered.get(spec.req_id)
         if held is None:
             if spec.first:  # an earlier gather was dropped: the pages would have a hole
                 return
-            nbytes = spec.blocks * self._client.namespace.page_nbytes
+            nbytes = spec.blocks * client.namespace.page_nbytes
             with self._stats.lock:
                 if self._pending_save_bytes + nbytes > self._conf.max_pending_save_bytes:
                     self._stats.stats.add(saves_dropped=1)
@@ -463,7 +475,7 @@ class ConnectorWorker:
                     )
                     return
                 self._pending_save_bytes += nbytes
-            held = GatherResult(self._staging.take(spec.blocks))
+            held = GatherResult(staging.take(spec.blocks))
             self._gathered[spec.req_id] = held
         started = time.perf_counter()
         count = len(spec.group_block_ids[0])
@@ -471,7 +483,7 @@ class ConnectorWorker:
             ([spec.first + r for r in layer_rows], blocks)
             for layer_rows, blocks in self._layer_rows(spec.group_block_ids, 0, count)
         ]
-        ready = self._cache.gather_layers(rows, held.pages[: spec.blocks]).ready
+        ready = cache.gather_layers(rows, held.pages[: spec.blocks]).ready
         self._gathered[spec.req_id] = GatherResult(held.pages[: spec.blocks], ready or held.ready)
         self._stats.observe("save_gather_seconds", time.perf_counter() - started)
 
