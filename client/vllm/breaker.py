@@ -14,10 +14,17 @@ from collections.abc import Callable
 
 
 class CircuitBreaker:
-    def __init__(self, failures: int = 3, cooldown: float = 2.0, max_cooldown: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        failures: int = 3,
+        cooldown: float = 2.0,
+        max_cooldown: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if failures < 1 or cooldown <= 0 or max_cooldown < cooldown:
-            raise ValueError(f"bad breaker settings: failures={failures}, cooldown={cooldown}, max_cooldown={max_cooldown}")
+            raise ValueError(
+                f"bad breaker settings: failures={failures}, cooldown={cooldown}, max_cooldown={max_cooldown}"
+            )
         self.failures = failures
         self.cooldown = cooldown
         self.max_cooldown = max_cooldown

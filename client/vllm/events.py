@@ -148,7 +148,14 @@ class StoredEvents:
     one of ``reporters`` workers (the engine's TP x PP world size) answered ok.
     Used only when the engine publishes KV events (``kv_events_config``)."""
 
-    def __init__(self, block_size: int, reporters: int, *, kv_cache_config: KVCacheConfig | None, stats: StatsRecorder) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        reporters: int,
+        *,
+        kv_cache_config: KVCacheConfig | None,
+        stats: StatsRecorder,
+    ) -> None:
         self._block_size = block_size
         # Read when a save is announced: the engine core resolves the config's
         # hash_block_size after it creates the connector.
@@ -171,13 +178,18 @@ class StoredEvents:
         workers; None when vLLM has not hashed that many blocks (nothing to announce)."""
         from vllm.v1.core.kv_cache_utils import resolve_block_hashes
 
-        hash_block_size = getattr(self._kv_cache_config, "hash_block_size", None) or self._block_size
+        hash_block_size = (
+            getattr(self._kv_cache_config, "hash_block_size", None) or self._block_size
+        )
         hashes = resolve_block_hashes(request.block_hashes, hash_block_size, self._block_size)
         if len(hashes) < blocks:
             return None
         lora = request.lora_request
         event = BlockStored(
-            block_hashes=[int.from_bytes(hashes[i], "big") & _U64 if self._int_hashes else hashes[i] for i in range(blocks)],
+            block_hashes=[
+                int.from_bytes(hashes[i], "big") & _U64 if self._int_hashes else hashes[i]
+                for i in range(blocks)
+            ],
             parent_block_hash=None,
             token_ids=token_ids,
             block_size=self._block_size,
@@ -236,13 +248,23 @@ class StoredEvents:
 
     def _give_up(self, pending: _Pending) -> None:
         self._stats.count(events_withheld=1)
-        log.warning("a save's outcome did not arrive from every worker; its %d blocks are not announced", len(pending.event.block_hashes))
+        log.warning(
+            "a save's outcome did not arrive from every worker; its %d blocks are not announced",
+            len(pending.event.block_hashes),
+        )
 
 
-def _extra_keys(request: Request, blocks: int, block_size: int) -> list[tuple[Any, ...] | None] | None:
+def _extra_keys(
+    request: Request, blocks: int, block_size: int
+) -> list[tuple[Any, ...] | None] | None:
     """vLLM's per-block extra keys of ``request`` as its own events publish them
     (untagged); None for a request with none (no adapter, images, salt or embeddings)."""
-    if not (request.lora_request or request.mm_features or request.cache_salt or request.prompt_embeds is not None):
+    if not (
+        request.lora_request
+        or request.mm_features
+        or request.cache_salt
+        or request.prompt_embeds is not None
+    ):
         return None
     from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
 

@@ -68,26 +68,42 @@ class IdentityReader:
         try:
             unknown = unknown_extra_key(request, self._block_size, len(tokens))
             if unknown is not None:
-                raise Unkeyable(f"vLLM keys its blocks by an extra key kvstore does not know ({unknown!r})")
+                raise Unkeyable(
+                    f"vLLM keys its blocks by an extra key kvstore does not know ({unknown!r})"
+                )
             identity = RequestIdentity(
                 adapter=self._adapter(request.lora_request),
                 cache_salt=request.cache_salt or None,
                 weights_revision=_weights_param(request.kv_transfer_params),
-                multimodal=tuple(MultimodalItem(hash=str(f.identifier), offset=f.mm_position.offset, length=f.mm_position.length)
-                                 for f in request.mm_features or ()),
+                multimodal=tuple(
+                    MultimodalItem(
+                        hash=str(f.identifier),
+                        offset=f.mm_position.offset,
+                        length=f.mm_position.length,
+                    )
+                    for f in request.mm_features or ()
+                ),
                 prompt_embeds=request.prompt_embeds,
             )
         except ValidationError as exc:
             raise self._logged_once(f"its identity is invalid: {exc.errors()[0]['msg']}") from None
         except Unkeyable as exc:
             raise self._logged_once(str(exc)) from None
-        return KeyedPrompt(tokens, identity.block_extras(self._block_size, len(tokens)) if not identity.empty else NO_EXTRAS)
+        return KeyedPrompt(
+            tokens,
+            identity.block_extras(self._block_size, len(tokens))
+            if not identity.empty
+            else NO_EXTRAS,
+        )
 
     def _logged_once(self, reason: str) -> Unkeyable:
         if reason not in self._logged:
             self._logged.add(reason)
-            log.warning("KVStoreConnector: requests are neither looked up nor saved when %s "
-                        "(logged once; counted in vllm:kvstore_unkeyed_requests_total)", reason)
+            log.warning(
+                "KVStoreConnector: requests are neither looked up nor saved when %s "
+                "(logged once; counted in vllm:kvstore_unkeyed_requests_total)",
+                reason,
+            )
         return Unkeyable(reason)
 
     def _adapter(self, lora: Any) -> str | None:
@@ -116,7 +132,9 @@ def unknown_extra_key(request: Request, block_size: int, num_tokens: int) -> Any
 
     full = num_tokens // block_size
     for block in sorted({0, full - 1}) if full else ():
-        keys, _ = generate_block_hash_extra_keys(request, block * block_size, (block + 1) * block_size, 0)
+        keys, _ = generate_block_hash_extra_keys(
+            request, block * block_size, (block + 1) * block_size, 0
+        )
         for key in keys or ():
             if not (isinstance(key, tuple) and key and key[0] in KNOWN_EXTRA_KEYS):
                 return key[0] if isinstance(key, tuple) and key else key
@@ -128,5 +146,7 @@ def _weights_param(params: dict[str, Any] | None) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value:
-        raise Unkeyable(f"kv_transfer_params[{WEIGHTS_PARAM!r}] is not a non-empty string ({value!r})")
+        raise Unkeyable(
+            f"kv_transfer_params[{WEIGHTS_PARAM!r}] is not a non-empty string ({value!r})"
+        )
     return value

@@ -16,7 +16,13 @@ from kvstore.errors import InvalidInputError, KVStoreError
 from kvstore.index.routing import redact_url
 from kvstore.pages.namespace import Namespace, Tenant
 from kvstore.pages.weights import fingerprint
-from kvstore.settings.config import ByteSize, ClientOptions, client_options, client_options_from_env, first_error
+from kvstore.settings.config import (
+    ByteSize,
+    ClientOptions,
+    client_options,
+    client_options_from_env,
+    first_error,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -33,7 +39,9 @@ def engine_layout(vllm_config: VllmConfig) -> str:
     return "vllm_mla" if vllm_config.model_config.use_mla else "vllm_cpu"
 
 
-def detect_layout(shape: tuple[int, ...], block_size: int, num_kv_heads: int, head_size: int, *, mla: bool = False) -> str:
+def detect_layout(
+    shape: tuple[int, ...], block_size: int, num_kv_heads: int, head_size: int, *, mla: bool = False
+) -> str:
     """Page layout tag for a per-layer KV cache tensor of ``shape``.
 
     vLLM's standardized per-layer view (the CPU backend and 0.32's connector view) is
@@ -46,7 +54,11 @@ def detect_layout(shape: tuple[int, ...], block_size: int, num_kv_heads: int, he
             return "vllm_mla"
     elif len(shape) == 4 and tuple(shape[1:]) == (num_kv_heads, block_size, 2 * head_size):
         return "vllm_cpu"
-    if len(shape) == 5 and shape[0] == 2 and tuple(shape[2:]) == (block_size, num_kv_heads, head_size):
+    if (
+        len(shape) == 5
+        and shape[0] == 2
+        and tuple(shape[2:]) == (block_size, num_kv_heads, head_size)
+    ):
         return "vllm_flash"
     raise KVStoreError(
         f"unsupported KV cache layout {tuple(shape)} for block_size={block_size}, "
@@ -60,20 +72,58 @@ class ConnectorOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    tenant: Tenant = Field("default", description="namespace tenant: whose pages these are (credentials and index ACLs are per tenant)")
-    model: str | None = Field(None, description="model name shared by engines that load the same weights from different paths")
-    load_failure_policy: Literal["recompute", "fail"] = Field("recompute", description="what vLLM does with blocks that fail to load")
-    lookup_budget_ms: float = Field(50.0, gt=0, le=10_000, allow_inf_nan=False,
-                                    description="longest the scheduler waits for an index lookup; past it the request is a miss")
-    breaker_failures: int = Field(3, ge=1, le=1000, description="consecutive lookup faults that open the circuit breaker")
-    breaker_cooldown_s: float = Field(2.0, gt=0, le=600, allow_inf_nan=False,
-                                      description="seconds the open breaker answers every lookup with a miss before one probe")
+    tenant: Tenant = Field(
+        "default",
+        description="namespace tenant: whose pages these are (credentials and index ACLs are per tenant)",
+    )
+    model: str | None = Field(
+        None,
+        description="model name shared by engines that load the same weights from different paths",
+    )
+    load_failure_policy: Literal["recompute", "fail"] = Field(
+        "recompute", description="what vLLM does with blocks that fail to load"
+    )
+    lookup_budget_ms: float = Field(
+        50.0,
+        gt=0,
+        le=10_000,
+        allow_inf_nan=False,
+        description="longest the scheduler waits for an index lookup; past it the request is a miss",
+    )
+    breaker_failures: int = Field(
+        3, ge=1, le=1000, description="consecutive lookup faults that open the circuit breaker"
+    )
+    breaker_cooldown_s: float = Field(
+        2.0,
+        gt=0,
+        le=600,
+        allow_inf_nan=False,
+        description="seconds the open breaker answers every lookup with a miss before one probe",
+    )
     load_threads: int = Field(2, ge=1, le=64, description="loads running at once on each worker")
-    staging_bytes: ByteSize = Field(512 << 20, description="host page buffers allocated at start and reused by loads and saves, per worker (0: allocate per transfer)")
-    max_pending_save_bytes: ByteSize = Field(2 << 30, description="page bytes waiting to be published, per worker, past which saves are dropped")
-    head_groups: int = Field(0, ge=0, description="groups the KV heads are stored in (docs/key-format.md): engines of different TP sizes share pages when they give the same value, at least their largest tp_size (0: this engine's tp_size)")
-    kv_events: bool = Field(True, description="announce saved blocks as BlockStored through the engine's KV events (only when the engine publishes them: kv_events_config)")
-    layer_groups: int = Field(0, ge=0, le=1024, description="groups the layers are stored in (docs/key-format.md): engines of different PP sizes share pages when they give the same value, a multiple of their largest pipeline_parallel_size whose stages hold whole groups (0: this engine's pipeline_parallel_size)")
+    staging_bytes: ByteSize = Field(
+        512 << 20,
+        description="host page buffers allocated at start and reused by loads and saves, per worker (0: allocate per transfer)",
+    )
+    max_pending_save_bytes: ByteSize = Field(
+        2 << 30,
+        description="page bytes waiting to be published, per worker, past which saves are dropped",
+    )
+    head_groups: int = Field(
+        0,
+        ge=0,
+        description="groups the KV heads are stored in (docs/key-format.md): engines of different TP sizes share pages when they give the same value, at least their largest tp_size (0: this engine's tp_size)",
+    )
+    kv_events: bool = Field(
+        True,
+        description="announce saved blocks as BlockStored through the engine's KV events (only when the engine publishes them: kv_events_config)",
+    )
+    layer_groups: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="groups the layers are stored in (docs/key-format.md): engines of different PP sizes share pages when they give the same value, a multiple of their largest pipeline_parallel_size whose stages hold whole groups (0: this engine's pipeline_parallel_size)",
+    )
 
 
 def connector_options(extra: dict[str, Any]) -> tuple[ConnectorOptions, ClientOptions]:
@@ -84,40 +134,62 @@ def connector_options(extra: dict[str, Any]) -> tuple[ConnectorOptions, ClientOp
     env = client_options_from_env()
     from_env = {name: getattr(env, name) for name in env.model_fields_set}
     for pair in (("auth_token", "auth_token_file"), ("redis_password", "redis_password_file")):
-        if any(name in extra for name in pair):  # the JSON's secret wins whole, in whichever form it is given
+        if any(
+            name in extra for name in pair
+        ):  # the JSON's secret wins whole, in whichever form it is given
             for name in pair:
                 from_env.pop(name, None)
     if "redis_url" not in extra and "redis_url" not in from_env:
-        raise InvalidInputError("KVStoreConnector has no index URL: put redis_url in kv_connector_extra_config or export KVSTORE_REDIS_URL")
+        raise InvalidInputError(
+            "KVStoreConnector has no index URL: put redis_url in kv_connector_extra_config or export KVSTORE_REDIS_URL"
+        )
     own = {k: v for k, v in extra.items() if k in ConnectorOptions.model_fields}
     try:
         options = ConnectorOptions.model_validate(own)
     except ValidationError as exc:
         name, shown, message = first_error(exc)
-        raise InvalidInputError(f"invalid kv_connector_extra_config {name}={shown}: {message}") from None
+        raise InvalidInputError(
+            f"invalid kv_connector_extra_config {name}={shown}: {message}"
+        ) from None
     # The connector stages through its own pool (staging_bytes); the client's pool only
     # holds UCX scratch (a load into the layer-major cache lands each message there
     # first) and packing. Measured in bench/vllm_ttft.py's warm engine over UCX (120 MiB,
     # 96 messages): with no pool every message got fresh memory and the load took
     # 300-620 ms; with a pool 74-87 ms. A few messages in flight fit in 128 MiB.
-    client = {"host_buffer_bytes": CONNECTOR_HOST_BUFFER_BYTES, **from_env, **{k: v for k, v in extra.items() if k not in own}}
+    client = {
+        "host_buffer_bytes": CONNECTOR_HOST_BUFFER_BYTES,
+        **from_env,
+        **{k: v for k, v in extra.items() if k not in own},
+    }
     return options, client_options(**client)
 
 
 def token_source(options: ClientOptions) -> str:
     """Where the connector's data-plane token came from, for its start line."""
     if options.auth_token_file:
-        where = "KVSTORE_AUTH_TOKEN_FILE" if os.environ.get("KVSTORE_AUTH_TOKEN_FILE") == options.auth_token_file else "kv_connector_extra_config"
+        where = (
+            "KVSTORE_AUTH_TOKEN_FILE"
+            if os.environ.get("KVSTORE_AUTH_TOKEN_FILE") == options.auth_token_file
+            else "kv_connector_extra_config"
+        )
         return f"{where} ({options.auth_token_file})"
     if options.auth_token.get_secret_value():
-        return "KVSTORE_AUTH_TOKEN" if os.environ.get("KVSTORE_AUTH_TOKEN") == options.auth_token.get_secret_value() else "kv_connector_extra_config"
+        return (
+            "KVSTORE_AUTH_TOKEN"
+            if os.environ.get("KVSTORE_AUTH_TOKEN") == options.auth_token.get_secret_value()
+            else "kv_connector_extra_config"
+        )
     return "nowhere (nodes must run --anonymous)"
 
 
 def lookup_breaker(conf: ConnectorOptions) -> CircuitBreaker:
     """The scheduler's breaker: backs off to 30 s, or to the configured cooldown when
     that is longer (every cooldown ``ConnectorOptions`` accepts must build one)."""
-    return CircuitBreaker(conf.breaker_failures, conf.breaker_cooldown_s, max_cooldown=max(30.0, conf.breaker_cooldown_s))
+    return CircuitBreaker(
+        conf.breaker_failures,
+        conf.breaker_cooldown_s,
+        max_cooldown=max(30.0, conf.breaker_cooldown_s),
+    )
 
 
 def engine_weights(vllm_config: VllmConfig, options: ClientOptions) -> str:
@@ -133,8 +205,11 @@ def engine_weights(vllm_config: VllmConfig, options: ClientOptions) -> str:
     found = fingerprint(model.model) or _hub_fingerprint(model.model, model.revision)
     if found is None:
         found = f"id:{model.model}@{model.revision or 'default'}"[:200]
-        log.warning("KVStoreConnector: cannot read the checkpoint of %s to fingerprint it; its pages are keyed by model id and "
-                    "revision only: set weights_revision in kv_connector_extra_config when the weights change under that name", model.model)
+        log.warning(
+            "KVStoreConnector: cannot read the checkpoint of %s to fingerprint it; its pages are keyed by model id and "
+            "revision only: set weights_revision in kv_connector_extra_config when the weights change under that name",
+            model.model,
+        )
     quantization = getattr(model, "quantization", None)
     return f"{found} quant:{quantization}" if quantization else found
 
@@ -164,7 +239,15 @@ def layer_groups(vllm_config: VllmConfig, conf: ConnectorOptions) -> int:
     return conf.layer_groups or vllm_config.parallel_config.pipeline_parallel_size
 
 
-def engine_namespace(vllm_config: VllmConfig, conf: ConnectorOptions, *, layout: str, tp_rank: int, pp_rank: int, weights: str = "") -> Namespace:
+def engine_namespace(
+    vllm_config: VllmConfig,
+    conf: ConnectorOptions,
+    *,
+    layout: str,
+    tp_rank: int,
+    pp_rank: int,
+    weights: str = "",
+) -> Namespace:
     """The namespace of this engine's pages for one TP/PP rank; ``weights``: its
     ``engine_weights``. With layer groups (pipeline parallelism, or ``layer_groups``) it
     names the stage's layers among the model's, so every PP split shares the storage."""
@@ -173,7 +256,15 @@ def engine_namespace(vllm_config: VllmConfig, conf: ConnectorOptions, *, layout:
     cache = vllm_config.cache_config
     groups = layer_groups(vllm_config, conf)
     start, end = stage_layers(vllm_config, pp_rank)
-    layers = {"total_layers": model.get_total_num_hidden_layers(), "first_layer": start, "layer_groups": groups} if groups > 1 else {}
+    layers = (
+        {
+            "total_layers": model.get_total_num_hidden_layers(),
+            "first_layer": start,
+            "layer_groups": groups,
+        }
+        if groups > 1
+        else {}
+    )
     # MLA: one latent "head", replicated on every TP rank (stored once: stores_heads)
     mla = model.use_mla
     return Namespace(
@@ -203,18 +294,40 @@ def namespace_refusal(vllm_config: VllmConfig, conf: ConnectorOptions) -> str | 
     for pp_rank in range(parallel.pipeline_parallel_size):
         for tp_rank in range(parallel.tensor_parallel_size):
             try:
-                engine_namespace(vllm_config, conf, layout=engine_layout(vllm_config), tp_rank=tp_rank, pp_rank=pp_rank)
+                engine_namespace(
+                    vllm_config,
+                    conf,
+                    layout=engine_layout(vllm_config),
+                    tp_rank=tp_rank,
+                    pp_rank=pp_rank,
+                )
             except ValidationError as exc:
                 _, _, message = first_error(exc)
                 return f"TP rank {tp_rank} of PP stage {pp_rank}: {message.removeprefix('Value error, ')}"
     return None
 
 
-def rank_client(vllm_config: VllmConfig, conf: ConnectorOptions, options: ClientOptions, side: str, *, layout: str, tp_rank: int, pp_rank: int,
-                all_heads: bool = False) -> KVCacheClient:
+def rank_client(
+    vllm_config: VllmConfig,
+    conf: ConnectorOptions,
+    options: ClientOptions,
+    side: str,
+    *,
+    layout: str,
+    tp_rank: int,
+    pp_rank: int,
+    all_heads: bool = False,
+) -> KVCacheClient:
     """A client for one rank's pages; with ``all_heads`` (the scheduler) for every head
     group, so a lookup counts a block only when every worker can load it."""
-    ns = engine_namespace(vllm_config, conf, layout=layout, tp_rank=tp_rank, pp_rank=pp_rank, weights=engine_weights(vllm_config, options))
+    ns = engine_namespace(
+        vllm_config,
+        conf,
+        layout=layout,
+        tp_rank=tp_rank,
+        pp_rank=pp_rank,
+        weights=engine_weights(vllm_config, options),
+    )
     if all_heads:  # the storage namespace is the TP=1 view of every head group
         ns = ns.storage
     client = KVCacheClient(None, ns, options=options)
@@ -227,10 +340,20 @@ def start_line(client: KVCacheClient, options: ClientOptions) -> str:
     the tenant, where the token came from, and the namespace."""
     ns = client.namespace
     status = client.start_status()
-    index = f"index {redact_url(options.redis_url)} " + ("reached" if status.index_reached else f"NOT reached ({status.index_error}): every lookup is a miss until it is")
-    refused = f" REFUSED by {', '.join(sorted(status.refused))} ({next(iter(status.refused.values()))}): saves and loads will fail" if status.refused else ""
-    return (f"{index}, {len(status.nodes)} live node(s){' (' + ', '.join(status.nodes) + ')' if status.nodes else ''}, tenant {ns.tenant}, "
-            f"token from {token_source(options)}{refused}, namespace {ns.digest_hex} ({ns.model} {ns.dtype} {ns.layout}, weights {ns.weights or '-'})")
+    index = f"index {redact_url(options.redis_url)} " + (
+        "reached"
+        if status.index_reached
+        else f"NOT reached ({status.index_error}): every lookup is a miss until it is"
+    )
+    refused = (
+        f" REFUSED by {', '.join(sorted(status.refused))} ({next(iter(status.refused.values()))}): saves and loads will fail"
+        if status.refused
+        else ""
+    )
+    return (
+        f"{index}, {len(status.nodes)} live node(s){' (' + ', '.join(status.nodes) + ')' if status.nodes else ''}, tenant {ns.tenant}, "
+        f"token from {token_source(options)}{refused}, namespace {ns.digest_hex} ({ns.model} {ns.dtype} {ns.layout}, weights {ns.weights or '-'})"
+    )
 
 
 def request_switch(params: dict[str, Any] | None, name: str, req_id: str) -> bool:
@@ -244,5 +367,10 @@ def request_switch(params: dict[str, Any] | None, name: str, req_id: str) -> boo
     value = params[name]
     if isinstance(value, bool):
         return value
-    log.error("request %s: kv_transfer_params[%r] must be true or false, got %r; left on", req_id, name, value)
+    log.error(
+        "request %s: kv_transfer_params[%r] must be true or false, got %r; left on",
+        req_id,
+        name,
+        value,
+    )
     return True

@@ -14,7 +14,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 # counter name -> what it counts (exported as vllm:kvstore_<name>_total)
@@ -36,11 +39,22 @@ COUNTERS = {
 }
 # histogram name -> (what one observation is, buckets); data[name] is a list of seconds
 HISTOGRAMS = {
-    "lookup_seconds": ("one scheduler lookup, faults included", [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0]),
-    "load_seconds": ("one request's load: fetch and scatter, off the engine step", [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0]),
-    "save_seconds": ("one request's publish, on the saver thread", [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0]),
-    "save_gather_seconds": ("the engine step's copy of one request's blocks out of the cache",
-                            [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1]),
+    "lookup_seconds": (
+        "one scheduler lookup, faults included",
+        [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0],
+    ),
+    "load_seconds": (
+        "one request's load: fetch and scatter, off the engine step",
+        [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0],
+    ),
+    "save_seconds": (
+        "one request's publish, on the saver thread",
+        [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0],
+    ),
+    "save_gather_seconds": (
+        "the engine step's copy of one request's blocks out of the cache",
+        [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1],
+    ),
 }
 
 
@@ -88,18 +102,31 @@ class KVStoreConnectorStats(KVConnectorStats):
 class KVStorePromMetrics(KVConnectorPromMetrics):
     """``vllm:kvstore_*`` counters and latency histograms, per engine."""
 
-    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.counters = {
             name: create_metric_per_engine(
-                self._counter_cls(name=f"vllm:kvstore_{name}", documentation=doc, labelnames=labelnames),
+                self._counter_cls(
+                    name=f"vllm:kvstore_{name}", documentation=doc, labelnames=labelnames
+                ),
                 per_engine_labelvalues,
             )
             for name, doc in COUNTERS.items()
         }
         self.histograms = {
             name: create_metric_per_engine(
-                self._histogram_cls(name=f"vllm:kvstore_{name}", documentation=doc, buckets=buckets, labelnames=labelnames),
+                self._histogram_cls(
+                    name=f"vllm:kvstore_{name}",
+                    documentation=doc,
+                    buckets=buckets,
+                    labelnames=labelnames,
+                ),
                 per_engine_labelvalues,
             )
             for name, (doc, buckets) in HISTOGRAMS.items()
