@@ -103,7 +103,10 @@ class ConnectorOptions(BaseModel):
     load_threads: int = Field(2, ge=1, le=64, description="loads running at once on each worker")
     staging_bytes: ByteSize = Field(
         512 << 20,
-        description="host page buffers allocated at start and reused by loads and saves, per worker (0: allocate per transfer)",
+        description=(
+            "host page buffers allocated at start and reused by loads and saves, per worker"
+            " (0: allocate per transfer)"
+        ),
     )
     max_pending_save_bytes: ByteSize = Field(
         2 << 30,
@@ -112,17 +115,29 @@ class ConnectorOptions(BaseModel):
     head_groups: int = Field(
         0,
         ge=0,
-        description="groups the KV heads are stored in (docs/key-format.md): engines of different TP sizes share pages when they give the same value, at least their largest tp_size (0: this engine's tp_size)",
+        description=(
+            "groups the KV heads are stored in (docs/key-format.md): engines of different TP"
+            " sizes share pages when they give the same value, at least their largest tp_size"
+            " (0: this engine's tp_size)"
+        ),
     )
     kv_events: bool = Field(
         True,
-        description="announce saved blocks as BlockStored through the engine's KV events (only when the engine publishes them: kv_events_config)",
+        description=(
+            "announce saved blocks as BlockStored through the engine's KV events"
+            " (only when the engine publishes them: kv_events_config)"
+        ),
     )
     layer_groups: int = Field(
         0,
         ge=0,
         le=1024,
-        description="groups the layers are stored in (docs/key-format.md): engines of different PP sizes share pages when they give the same value, a multiple of their largest pipeline_parallel_size whose stages hold whole groups (0: this engine's pipeline_parallel_size)",
+        description=(
+            "groups the layers are stored in (docs/key-format.md): engines of different PP"
+            " sizes share pages when they give the same value, a multiple of their largest"
+            " pipeline_parallel_size whose stages hold whole groups"
+            " (0: this engine's pipeline_parallel_size)"
+        ),
     )
 
 
@@ -221,7 +236,7 @@ def _hub_fingerprint(model_id: str, revision: str | None) -> str | None:
         from huggingface_hub import snapshot_download
 
         return fingerprint(snapshot_download(model_id, revision=revision, local_files_only=True))
-    except Exception:  # noqa: BLE001 - not a hub id, not cached, no huggingface_hub: no fingerprint
+    except Exception:  # not a hub id, not cached, no huggingface_hub: no fingerprint
         return None
 
 
@@ -346,13 +361,16 @@ def start_line(client: KVCacheClient, options: ClientOptions) -> str:
         else f"NOT reached ({status.index_error}): every lookup is a miss until it is"
     )
     refused = (
-        f" REFUSED by {', '.join(sorted(status.refused))} ({next(iter(status.refused.values()))}): saves and loads will fail"
+        f" REFUSED by {', '.join(sorted(status.refused))}"
+        f" ({next(iter(status.refused.values()))}): saves and loads will fail"
         if status.refused
         else ""
     )
+    nodes = f" ({', '.join(status.nodes)})" if status.nodes else ""
     return (
-        f"{index}, {len(status.nodes)} live node(s){' (' + ', '.join(status.nodes) + ')' if status.nodes else ''}, tenant {ns.tenant}, "
-        f"token from {token_source(options)}{refused}, namespace {ns.digest_hex} ({ns.model} {ns.dtype} {ns.layout}, weights {ns.weights or '-'})"
+        f"{index}, {len(status.nodes)} live node(s){nodes}, tenant {ns.tenant}, "
+        f"token from {token_source(options)}{refused}, namespace {ns.digest_hex} "
+        f"({ns.model} {ns.dtype} {ns.layout}, weights {ns.weights or '-'})"
     )
 
 

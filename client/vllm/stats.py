@@ -32,8 +32,14 @@ COUNTERS = {
     "save_bytes": "bytes of pages handed to the store (pages it held already are not resent)",
     "save_failures": "saves that failed (a future miss, not an error)",
     "saves_dropped": "saves skipped because too many bytes were waiting to be published",
-    "unkeyed_requests": "requests neither looked up nor saved because vLLM keys them by something kvstore cannot express (logged once per reason)",
-    "credential_refusals": "loads and saves every node refused for the engine's token (misses; a configuration error, logged at ERROR at most once a minute)",
+    "unkeyed_requests": (
+        "requests neither looked up nor saved because vLLM keys them by something kvstore"
+        " cannot express (logged once per reason)"
+    ),
+    "credential_refusals": (
+        "loads and saves every node refused for the engine's token (misses; a configuration"
+        " error, logged at ERROR at most once a minute)"
+    ),
     "event_blocks": "blocks announced in BlockStored KV events (engines publishing KV events only)",
     "events_withheld": "saves announced in no KV event because some rank's pages were not all stored",
 }
