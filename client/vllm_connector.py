@@ -123,9 +123,17 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        super().__init__(
+            vllm_config=vllm_config,
+            role=role,
+            # vLLM types it as always given, but its base only stores it and the connector
+            # also runs without one (a default kept for callers that build it directly);
+            # vLLM's own Mooncake store connector makes the same call
+            kv_cache_config=kv_cache_config,  # type: ignore[arg-type]
+        )
         adopt_vllm_logging()
-        transfer = vllm_config.kv_transfer_config
+        # vllm_config.kv_transfer_config, which the base checked is set (it raises if not)
+        transfer = self._kv_transfer_config
         conf, options = connector_options(dict(transfer.kv_connector_extra_config or {}))
         # A store is a cache: a block that fails to load must be recomputed, not fail the
         # request (vLLM's default). The scheduler reads this right after creating us.
@@ -197,6 +205,22 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 kv_cache_config=kv_cache_config,
             )
 
+    @property
+    def _scheduler_side(self) -> ConnectorScheduler:
+        """The scheduler half, for the scheduler-side methods vLLM calls on the
+        scheduler's connector only; raises RuntimeError on a worker's connector."""
+        if self._scheduler is None:
+            raise RuntimeError("KVStoreConnector: a scheduler-side call on a worker's connector")
+        return self._scheduler
+
+    @property
+    def _worker_side(self) -> ConnectorWorker:
+        """The worker half, for the worker-side methods vLLM calls on a worker's
+        connector only; raises RuntimeError on the scheduler's connector."""
+        if self._worker is None:
+            raise RuntimeError("KVStoreConnector: a worker-side call on the scheduler's connector")
+        return self._worker
+
     # ---- both sides ----------------------------------------------------------------
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
@@ -228,23 +252,23 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        self._scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._scheduler.build_connector_meta(scheduler_output)
+        return self._scheduler_side.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._scheduler.update_connector_output(connector_output)
+        self._scheduler_side.update_connector_output(connector_output)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler.request_finished(request, block_ids)
+        return self._scheduler_side.request_finished(request, block_ids)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
@@ -265,18 +289,18 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     # ---- worker side ---------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker.register_kv_caches(kv_caches)
+        self._worker_side.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self._worker.start_load_kv(self._get_connector_metadata())
+        self._worker_side.start_load_kv(self._get_connector_metadata())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._worker.get_finished(
+        return self._worker_side.get_finished(
             self._get_connector_metadata() if self.has_connector_metadata() else None
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.get_block_ids_with_load_errors()
+        return self._worker_side.get_block_ids_with_load_errors()
 
     def get_kv_connector_kv_cache_events(self) -> SaveOutcomes | None:
         return self._worker.take_save_outcomes() if self._worker is not None else None
@@ -290,4 +314,4 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return  # saves are gathered once per step in wait_for_save, from every layer
 
     def wait_for_save(self) -> None:
-        self._worker.wait_for_save(self._get_connector_metadata())
+        self._worker_side.wait_for_save(self._get_connector_metadata())

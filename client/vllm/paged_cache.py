@@ -233,7 +233,9 @@ class PagedCache:
             ):
                 return None
         flat = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
-        return flat, first.storage_offset() * item, first.stride(0) * item
+        # storage_offset() is typed int | SymInt (symbolic under torch.compile); these
+        # tensors are concrete, so int() is the same number
+        return flat, int(first.storage_offset()) * item, first.stride(0) * item
 
     @property
     def page_nbytes(self) -> int:

@@ -99,15 +99,18 @@ class ConnectorScheduler:
         self._events = events
         self._requests: dict[str, Request] = {}
 
-    def _find(self, tokens: list[int], extras: BlockExtras) -> StoredPrefix | None:
-        """The stored prefix of ``tokens``; None (a miss) past the budget, on a fault or
-        while the breaker is open. Never waits longer than the budget (plus the
-        cancellation's unwinding)."""
+    def _find(
+        self, client: KVCacheClient, tokens: list[int], extras: BlockExtras
+    ) -> StoredPrefix | None:
+        """The stored prefix of ``tokens`` in ``client`` (the scheduler's own, passed by
+        ``get_num_new_matched_tokens`` once it knows this side loads); None (a miss) past
+        the budget, on a fault or while the breaker is open. Never waits longer than the
+        budget (plus the cancellation's unwinding)."""
         if not self._breaker.allow():
             self._stats.count(lookups_skipped=1)
             return None
         started = time.perf_counter()
-        found = self._client.find(
+        found = client.find(
             tokens, timeout=self._conf.lookup_budget_ms / 1000, identity=extras or None
         )
         seconds = time.perf_counter() - started
@@ -165,7 +168,7 @@ class ConnectorScheduler:
             # asked again while waiting for blocks: reuse
             found: StoredPrefix | None = pending.found
         else:
-            found = self._find(prompt[:usable], keyed.extras)
+            found = self._find(self._client, prompt[:usable], keyed.extras)
         new = (found.tokens if found else 0) - num_computed_tokens
         if found is None or new <= 0:
             self._pending_loads.pop(request.request_id, None)

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
+from prometheus_client import Counter, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
@@ -116,24 +117,35 @@ class KVStorePromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self.counters = {
-            name: create_metric_per_engine(
-                self._counter_cls(
-                    name=f"vllm:kvstore_{name}", documentation=doc, labelnames=labelnames
+        # vLLM types every metric class and child as its Gauge | Counter | Histogram union;
+        # the classes it maps Counter and Histogram to (prometheus_client's or its Ray
+        # wrappers) take these arguments and make children that answer inc / observe.
+        counter_cls = cast(type[Counter], self._counter_cls)
+        histogram_cls = cast(type[Histogram], self._histogram_cls)
+        self.counters: dict[str, dict[int, Counter]] = {
+            name: cast(
+                dict[int, Counter],
+                create_metric_per_engine(
+                    counter_cls(
+                        name=f"vllm:kvstore_{name}", documentation=doc, labelnames=labelnames
+                    ),
+                    per_engine_labelvalues,
                 ),
-                per_engine_labelvalues,
             )
             for name, doc in COUNTERS.items()
         }
-        self.histograms = {
-            name: create_metric_per_engine(
-                self._histogram_cls(
-                    name=f"vllm:kvstore_{name}",
-                    documentation=doc,
-                    buckets=buckets,
-                    labelnames=labelnames,
+        self.histograms: dict[str, dict[int, Histogram]] = {
+            name: cast(
+                dict[int, Histogram],
+                create_metric_per_engine(
+                    histogram_cls(
+                        name=f"vllm:kvstore_{name}",
+                        documentation=doc,
+                        buckets=buckets,
+                        labelnames=labelnames,
+                    ),
+                    per_engine_labelvalues,
                 ),
-                per_engine_labelvalues,
             )
             for name, (doc, buckets) in HISTOGRAMS.items()
         }
