@@ -10,6 +10,7 @@ kind (kvstore.pages.checksum.copy_checksummed)."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,7 +83,15 @@ def joined(spans: list[Span]) -> np.ndarray:
 def join_flags(spans: list[Span]) -> list[bool]:
     """Per span: may it travel in one message with the span before it?"""
     flags = [False]
-    for prev, cur in zip(spans, spans[1:]):
-        touching = not (cur.pieces or prev.pieces) and cur.base is prev.base and prev.offset + prev.nbytes == cur.offset
-        flags.append(P.may_share(touching, prev.nbytes, cur.nbytes, scattered=bool(cur.pieces and prev.pieces)))
+    for prev, cur in itertools.pairwise(spans):
+        touching = (
+            not (cur.pieces or prev.pieces)
+            and cur.base is prev.base
+            and prev.offset + prev.nbytes == cur.offset
+        )
+        flags.append(
+            P.may_share(
+                touching, prev.nbytes, cur.nbytes, scattered=bool(cur.pieces and prev.pieces)
+            )
+        )
     return flags
