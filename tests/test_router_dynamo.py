@@ -1,0 +1,305 @@
+"""A storage node's KV events read by NVIDIA Dynamo's own KV indexer (issue 42, item 4).
+
+Dynamo is not a dependency of kvstore: its package (``ai-dynamo-runtime``) is found in
+this interpreter or in the one ``KVSTORE_DYNAMO_PYTHON`` names (a separate virtualenv:
+``python3 -m venv /tmp/dynvenv && /tmp/dynvenv/bin/pip install ai-dynamo-runtime``),
+and every test here is skipped without it.
+
+Dynamo's standalone indexer (``python -m dynamo.indexer``) subscribes to a worker's ZMQ
+PUB socket in vLLM's format, re-hashes each ``BlockStored``'s ``token_ids`` block by
+block with its own hash, keeps a radix tree per tier (``medium`` CPU is its host tier,
+DISK its disk tier) and answers ``POST /query`` with the tokens of each worker's
+longest stored prefix, per tier (``instances.<worker>.cpu``).
+
+What was found with ai-dynamo-runtime 1.6.1:
+
+- the stream as a node publishes it is not indexed: every batch fails to decode
+  (``data did not match any variant of untagged enum BlockHashValue``: block hashes
+  must be 64-bit integers, kvstore's are 16 bytes), and an event that names an
+  ``ownership`` Dynamo does not know (kvstore's ``"kvstore"``) or ``locality`` REMOTE
+  is dropped without a word (only an absent ownership means the engine's own blocks);
+- with those two fields adapted on the way (each hash as the integer of its last 8
+  bytes, big-endian, which is what later Dynamo sources do with byte hashes, and no
+  ``ownership``), Dynamo scores the node from its events: a stored prompt scores its
+  block count times the block size on the host tier, an unrelated prompt nothing, a
+  prompt sharing two blocks two, and after evictions each prompt scores the prefix the
+  store's index still advertises.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from kvstore import block_hashes
+from kvstore.index import PageIndex
+from tests.helpers import (
+    advertised_prefix,
+    metrics,
+    namespace_for_page_size,
+    run_worker,
+    spec,
+    wait_for,
+)
+
+PAGE = 256 << 10  # 64-token blocks; a 4 MiB pool holds 12 pages past its watermarks
+OPTS = {"lease_ms": 0}
+INSTANCE = 7  # the worker id the node is registered under in Dynamo's indexer
+
+
+def _dynamo_python() -> tuple[str, str] | None:
+    """(interpreter, ai-dynamo-runtime version) of the first interpreter that imports
+    ``dynamo.indexer``: ``KVSTORE_DYNAMO_PYTHON``, then this one."""
+    probe = "import dynamo.indexer, importlib.metadata as m; print(m.version('ai-dynamo-runtime'))"
+    for python in (os.environ.get("KVSTORE_DYNAMO_PYTHON"), sys.executable):
+        if not python or (python == sys.executable and importlib.util.find_spec("dynamo") is None):
+            continue
+        try:
+            out = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if out.returncode == 0:
+            return python, out.stdout.strip()
+    return None
+
+
+DYNAMO = _dynamo_python()
+pytestmark = pytest.mark.skipif(
+    DYNAMO is None, reason="NVIDIA Dynamo (ai-dynamo-runtime) is not importable; set KVSTORE_DYNAMO_PYTHON"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DynamoIndexer:
+    """``python -m dynamo.indexer`` on a free port, and its HTTP API."""
+
+    def __init__(self, log: Path) -> None:
+        assert DYNAMO is not None
+        self.port = free_port()
+        self.log = log
+        self._out = open(log, "w")  # noqa: SIM115 - the indexer writes to it until stop()
+        self.proc = subprocess.Popen(
+            [DYNAMO[0], "-m", "dynamo.indexer", "--port", str(self.port), "--threads", "1"],
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+        )
+        wait_for(self._up, 30, "Dynamo's indexer to answer", interval=0.1)
+
+    def _up(self) -> bool:
+        assert self.proc.poll() is None, self.log.read_text()[-2000:]
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{self.port}/workers", timeout=1).read()
+            return True
+        except OSError:
+            return False
+
+    def post(self, path: str, body: dict) -> dict:
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read() or b"{}")
+
+    def register(self, endpoint: str, model: str, block_size: int, replay: str | None = None) -> None:
+        body = {"instance_id": INSTANCE, "endpoint": endpoint, "model_name": model, "block_size": block_size}
+        if replay:
+            body["replay_endpoint"] = replay
+        self.post("/register", body)
+
+    def host_tokens(self, model: str, token_ids: list[int]) -> int:
+        """The tokens of the longest prefix of ``token_ids`` Dynamo credits the node with
+        on its host (CPU) tier; 0 when it credits none."""
+        got = self.post("/query", {"token_ids": token_ids, "model_name": model})
+        return int(got.get("instances", {}).get(str(INSTANCE), {}).get("cpu", 0))
+
+    def warnings(self) -> list[str]:
+        import re
+
+        text = re.sub(r"\x1b\[[0-9;]*m", "", self.log.read_text())
+        return [line for line in text.splitlines() if " WARN " in line or " ERROR " in line]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._out.close()
+
+
+@pytest.fixture()
+def dynamo(tmp_path):
+    idx = DynamoIndexer(tmp_path / "dynamo-indexer.log")
+    yield idx
+    idx.stop()
+
+
+def dynamo_hash(h):
+    """A block hash as Dynamo takes it: a 64-bit integer (later Dynamo sources map byte
+    hashes to the integer of their last 8 bytes, big-endian; 1.6.1 refuses them)."""
+    return int.from_bytes(h[-8:], "big") if isinstance(h, bytes) else h
+
+
+class Adapter:
+    """Relays a node's events to Dynamo with the two changes Dynamo 1.6.1 needs: integer
+    block hashes and no ``ownership``. Everything else (topic, sequence, token ids,
+    block size, medium, the events' order) passes unchanged. An XPUB socket tells when
+    Dynamo's subscription arrived."""
+
+    def __init__(self, source: str) -> None:
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(source)
+        self.pub = self.ctx.socket(zmq.XPUB)
+        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.subscribed = threading.Event()
+        self.stored: list[list[int]] = []  # token ids of each BlockStored relayed
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sub, zmq.POLLIN)
+        poller.register(self.pub, zmq.POLLIN)
+        while not self._stop.is_set():
+            for sock, _ in poller.poll(50):
+                if sock is self.pub:
+                    if self.pub.recv()[:1] == b"\x01":
+                        self.subscribed.set()
+                    continue
+                topic, seq, payload = self.sub.recv_multipart()
+                ts, events, *rest = msgspec.msgpack.decode(payload)
+                for e in events:
+                    e.pop("ownership", None)
+                    if "block_hashes" in e:
+                        e["block_hashes"] = [dynamo_hash(h) for h in e["block_hashes"]]
+                    if e.get("parent_block_hash") is not None:
+                        e["parent_block_hash"] = dynamo_hash(e["parent_block_hash"])
+                    if e.get("type") == "BlockStored":
+                        self.stored.append(list(e["token_ids"]))
+                self.pub.send_multipart([topic, seq, msgspec.msgpack.encode([ts, events, *rest])])
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sub.close(linger=0)
+        self.pub.close(linger=0)
+        self.ctx.term()
+
+
+def put(cluster, ns, token_lists) -> int:
+    reports = run_worker(spec(cluster, ns, "put_pages", token_lists=token_lists, options=OPTS))["reports"]
+    return sum(r["stored"] for r in reports)
+
+
+def prompts(ns, count: int, blocks: int, base: int = 1) -> list[list[int]]:
+    return [list(range(b * 100_000, b * 100_000 + blocks * ns.block_size)) for b in range(base, base + count)]
+
+
+def test_dynamo_scores_a_node_from_its_events_through_the_adapter(clusters, dynamo):
+    pub = free_port()
+    cluster = clusters(capacity="4MiB", slab="1MiB", extra=["--kv-events-endpoint", f"tcp://*:{pub}"])
+    ns = namespace_for_page_size(PAGE, tenant="dynamo")
+    adapter = Adapter(f"tcp://127.0.0.1:{pub}")
+    try:
+        dynamo.register(adapter.endpoint, ns.model, ns.block_size)
+        wait_for(adapter.subscribed.is_set, 10, "Dynamo's subscription")
+        # the node -> adapter hop has no handshake: put one-block prompts until one arrives
+        for k in range(50):
+            warm = prompts(ns, 1, 1, base=900 + k)
+            put(cluster, ns, warm)
+            try:
+                wait_for(lambda w=warm: w[0] in adapter.stored, 1, "the warm-up put's event")
+                break
+            except AssertionError:
+                continue
+        else:
+            raise AssertionError("no event of the node reached the adapter")
+        wait_for(lambda: dynamo.host_tokens(ns.model, warm[0]) == ns.block_size, 10, "Dynamo to index the warm-up")
+
+        first = prompts(ns, 1, 4)[0]
+        assert put(cluster, ns, [first]) == 4
+        bs = ns.block_size
+        # a stored prompt scores its 4 blocks; Dynamo hashed the event's token ids itself
+        wait_for(lambda: dynamo.host_tokens(ns.model, first) == 4 * bs, 10, "the prompt's 4 blocks")
+        unrelated = list(range(5_000_000, 5_000_000 + 3 * bs))
+        assert dynamo.host_tokens(ns.model, unrelated) == 0
+        assert dynamo.host_tokens(ns.model, first[: 2 * bs] + unrelated) == 2 * bs
+        assert dynamo.host_tokens(ns.model, first[: 3 * bs + 10]) == 3 * bs  # full blocks only
+        got = dynamo.post("/query", {"token_ids": first, "model_name": ns.model})
+        assert got["instances"][str(INSTANCE)]["gpu"] == 0, "the node's CPU blocks counted as GPU"
+
+        # twice the pool: the first prompts are evicted, and their BlockRemoved reach Dynamo
+        more = prompts(ns, 8, 4, base=10)
+        assert put(cluster, ns, more) == 32
+        wait_for(lambda: metrics(cluster, "node-0")["kvstore_events_queued"] == 0, 10, "the node's queue to drain")
+        assert metrics(cluster, "node-0")["kvstore_evicted_pages_total"] > 0
+        index = PageIndex(cluster.redis_url)
+        try:
+            expected = {
+                i: advertised_prefix(index, ns, block_hashes(ns, p), lease_ms=0) * bs
+                for i, p in enumerate([first, *more])
+            }
+        finally:
+            index.close()
+        assert expected[0] < 4 * bs, "the first prompt was not evicted"
+        assert any(v == 4 * bs for v in expected.values())
+
+        def agrees() -> bool:
+            return all(dynamo.host_tokens(ns.model, p) == expected[i] for i, p in enumerate([first, *more]))
+
+        # what Dynamo credits each prompt with is what the store's index still advertises
+        wait_for(agrees, 10, f"Dynamo's scores to equal the store's prefixes {expected}", interval=0.2)
+    finally:
+        adapter.stop()
+    assert not [w for w in dynamo.warnings() if "decode" in w.lower()], dynamo.warnings()
+
+
+def test_dynamo_reads_a_nodes_events_as_published(clusters, dynamo):
+    """The node's stream without the adapter. Dynamo 1.6.1 indexes none of it (16-byte
+    block hashes, ``ownership: "kvstore"``): an expected failure, which names what
+    Dynamo said; it passes once a Dynamo release scores the node as above."""
+    pub, rep = free_port(), free_port()
+    cluster = clusters(
+        capacity="4MiB",
+        slab="1MiB",
+        extra=["--kv-events-endpoint", f"tcp://*:{pub}", "--kv-events-replay-endpoint", f"tcp://*:{rep}"],
+    )
+    ns = namespace_for_page_size(PAGE, tenant="dynamo-raw")
+    dynamo.register(f"tcp://127.0.0.1:{pub}", ns.model, ns.block_size, replay=f"tcp://127.0.0.1:{rep}")
+    time.sleep(1.0)  # ZMQ's slow joiner; Dynamo asks the replay socket for what it missed
+    first = prompts(ns, 1, 4)[0]
+    assert put(cluster, ns, [first]) == 4
+    wait_for(lambda: metrics(cluster, "node-0")["kvstore_events_queued"] == 0, 10, "the node's queue to drain")
+    try:
+        wait_for(lambda: dynamo.host_tokens(ns.model, first) == 4 * ns.block_size, 5, "Dynamo to score the node")
+    except AssertionError:
+        assert DYNAMO is not None
+        said = sorted({w.split(": ", 1)[-1].split(" self.")[0] for w in dynamo.warnings() if "decode" in w.lower()})
+        pytest.xfail(
+            f"ai-dynamo-runtime {DYNAMO[1]} does not index the node's events as published "
+            f"(16-byte block hashes, ownership 'kvstore'); it said: {said or 'nothing (events dropped)'}"
+        )
