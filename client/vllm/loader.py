@@ -1,0 +1,221 @@
+"""The worker's load path: fetch one request's stored pages, verify them and scatter them
+into the paged KV cache (``PageLoader``), on the worker's loader threads.
+
+Called by ``client.vllm.worker.ConnectorWorker``: it builds one ``PageLoader`` once
+``register_kv_caches`` succeeds and submits ``PageLoader.load`` for each load the
+scheduler's metadata names; ``ids_from`` and ``layer_rows`` are shared with its save path."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from client.landing import Landing, choose_landing
+from client.sync_client import KVCacheClient
+from client.vllm.metadata import LoadSpec
+from client.vllm.paged_cache import PagedCache
+from client.vllm.staging_pool import StagingPool
+from kvstore.errors import CredentialError
+from kvstore.pages import heads
+
+# Logged under the worker's name, as before the load path had a module of its own.
+log = logging.getLogger("client.vllm.worker")
+
+
+@dataclass
+class LoadOutcome:
+    """One load's result, as ``PageLoader.load`` returns it to ``get_finished``: the
+    block ids vLLM recomputes, the bytes written into the cache and the seconds taken."""
+
+    failed: list[int]
+    nbytes: int
+    seconds: float
+
+
+def ids_from(spec: LoadSpec, position: int) -> list[int]:
+    """The block ids ``spec`` fills from ``position`` on, of every group (vLLM recomputes
+    a request from its first block reported failed); never the null block 0."""
+    groups = spec.group_block_ids or [spec.block_ids]
+    return [b for ids in groups for b in ids[position:] if b]
+
+
+def layer_rows(
+    layer_groups: list[int], group_block_ids: list[list[int]], first: int, count: int
+) -> list[tuple[list[int], list[int]]]:
+    """Per layer (``layer_groups``: each layer's KV-cache group), the rows ``0..count-1``
+    (positions ``first`` on) and their blocks in the layer's group, skipping positions
+    where that group has the null block 0 (a sliding group below its window: vLLM keeps
+    no block there)."""
+    per_group = []
+    for ids in group_block_ids:
+        pairs = [(i, b) for i, b in enumerate(ids[first : first + count]) if b]
+        per_group.append(([i for i, _ in pairs], [b for _, b in pairs]))
+    return [per_group[g] for g in layer_groups]
+
+
+class PageLoader:
+    """Loads one request's stored blocks into a registered worker's paged cache: its one
+    job. ``load`` runs on a loader thread and never raises; the worker owns the threads,
+    the client's lifetime and the load errors it reports to vLLM."""
+
+    def __init__(
+        self,
+        client: KVCacheClient,
+        cache: PagedCache,
+        staging: StagingPool,
+        *,
+        block_size: int,
+        layer_groups: list[int],
+        load_stream: Any,
+        credential_refused: Callable[[CredentialError], None],
+    ) -> None:
+        self._client = client
+        self._cache = cache
+        self._staging = staging
+        self._block_size = block_size
+        # Hybrid KV-cache groups: the group of each layer of the cache; empty for one group.
+        self._layer_groups = layer_groups
+        self._load_stream = load_stream  # a CUDA side stream on a GPU, else None
+        self._credential_refused = credential_refused
+
+    def load(self, spec: LoadSpec, after: Any) -> LoadOutcome:
+        """Loader thread: fetch, verify and scatter one request's blocks. Never raises:
+        whatever did not arrive is listed as failed."""
+        started = time.perf_counter()
+        client, cache, staging = self._client, self._cache, self._staging
+        wanted = spec.block_ids[spec.start_block :]
+        got = spec.start_block
+        pages = None
+        hybrid_bytes = None
+        taken: list[torch.Tensor] = []
+        try:
+            if self._layer_groups:
+                got, hybrid_bytes = self._load_hybrid(spec, after, taken)
+                return LoadOutcome(
+                    ids_from(spec, max(got, spec.start_block)),
+                    hybrid_bytes,
+                    time.perf_counter() - started,
+                )
+            # how pages land: the client's gets choose the same way (client.landing)
+            landing, spans = choose_landing(client.heads, lambda: cache.block_spans(wanted))
+            if landing is Landing.IN_PLACE:
+                # Straight into the cache's blocks: from the node's mapped slots with one
+                # copy on the same host (no host page buffer, no scatter); over UCX in
+                # place when the cache is block-major, else through one scratch copy;
+                # verified before get_finished reports the load.
+                # Measured, 96 pages of 1.25 MiB (the TTFT bench's 120 MiB) into a
+                # 10-layer CPU cache, 10 rounds interleaved: 22.0 ms (20.2-28.2) against
+                # 29.5 ms (25.3-42.0) through a staging buffer and scatter.
+                got = (
+                    client.get_found_into(spec.found, spans or [], start_block=spec.start_block)
+                    // self._block_size
+                )
+                parts = []
+            elif landing is Landing.STAGED:
+                pages = staging.take(len(spec.block_ids))
+                got = (
+                    client.get_found(spec.found, pages, start_block=spec.start_block)
+                    // self._block_size
+                )
+                parts = [(pages[spec.start_block : got], 0, 0)]
+            else:  # Landing.UNITS
+                # Head groups: this rank's heads go from the fetched units straight into the
+                # cache, from one buffer of the pool (no client staging, no merge into rank
+                # pages). Measured, a TP=1 load of 96 blocks (60 MiB) stored by TP=2 ranks,
+                # same host, 8 rounds interleaved: 17.7 ms against 22.2 ms merging first.
+                units_pages = -(
+                    -client.units_nbytes(spec.found.blocks - spec.start_block)
+                    // client.namespace.page_nbytes
+                )
+                pages = staging.take(units_pages)
+                units, blocks = client.get_found_units(
+                    spec.found, pages, start_block=spec.start_block
+                )
+                got = spec.start_block + blocks
+                # units is None only with blocks 0 (a fault or the deadline)
+                parts = (
+                    heads.rank_parts(client.namespace, units[:, :blocks], client.heads)
+                    if blocks and units is not None
+                    else []
+                )
+            if got > spec.start_block:
+                if after is not None:
+                    self._load_stream.wait_event(after)
+                for part, head_at, layer_at in parts:
+                    cache.scatter(
+                        part,
+                        spec.block_ids[spec.start_block : got],
+                        self._load_stream,
+                        head_at=head_at,
+                        layer_at=layer_at,
+                    )
+        except CredentialError as exc:
+            self._credential_refused(exc)
+            got = spec.start_block
+        except Exception as exc:
+            log.warning("load of %s failed: %s", spec.req_id, exc)
+            got = spec.start_block
+        finally:
+            for held in ([pages] if pages is not None else []) + taken:
+                staging.give(held)
+        failed = ids_from(spec, max(got, spec.start_block))
+        if failed:
+            log.warning(
+                "request %s: %d of %d blocks could not be loaded and will be recomputed",
+                spec.req_id,
+                len(failed),
+                len(wanted),
+            )
+        nbytes = (max(got, spec.start_block) - spec.start_block) * client.namespace.page_nbytes
+        return LoadOutcome(failed, nbytes, time.perf_counter() - started)
+
+    def _load_hybrid(
+        self, spec: LoadSpec, after: Any, taken: list[torch.Tensor]
+    ) -> tuple[int, int]:
+        """Loader thread, hybrid groups: fetch whole pages (one block of every layer, as
+        any engine of the model stores them) and write each layer's part into its own
+        group's blocks, leaving out a sliding layer's positions below its window (vLLM
+        gave those the null block: the layer never reads them). Returns the blocks that
+        arrived (from 0) and the bytes written into the cache; the staging pages it takes
+        are put in ``taken`` for the caller to give back, whatever happens. Never in
+        place: a page's layers go to different groups' blocks."""
+        client, cache, staging = self._client, self._cache, self._staging
+        count = spec.found.blocks - spec.start_block
+        if client.heads.identity:
+            pages = staging.take(spec.found.blocks)
+            taken.append(pages)
+            got = (
+                client.get_found(spec.found, pages, start_block=spec.start_block)
+                // self._block_size
+            )
+            parts = [(pages[spec.start_block : got], 0, 0)]
+        else:  # head groups: this rank's heads of each layer range, as Landing.UNITS
+            units_pages = -(-client.units_nbytes(count) // client.namespace.page_nbytes)
+            pages = staging.take(units_pages)
+            taken.append(pages)
+            units, blocks = client.get_found_units(spec.found, pages, start_block=spec.start_block)
+            if units is None:  # a fault or the deadline: nothing arrived
+                return spec.start_block, 0
+            got = spec.start_block + blocks
+            parts = (
+                heads.rank_parts(client.namespace, units[:, :blocks], client.heads)
+                if blocks
+                else []
+            )
+        nbytes = 0
+        if got > spec.start_block:
+            if after is not None:
+                self._load_stream.wait_event(after)
+            rows = layer_rows(
+                self._layer_groups, spec.group_block_ids, spec.start_block, got - spec.start_block
+            )
+            for part, head_at, layer_at in parts:
+                nbytes += cache.scatter_layers(
+                    part, rows, self._load_stream, head_at=head_at, layer_at=layer_at
+                )
+        return got, nbytes
