@@ -46,7 +46,9 @@ class HostBuffers:
         self._lock = threading.Lock()
         self._arenas: list[np.ndarray] = []
         self._free: list[tuple[int, int, int]] = []  # (address, size, arena), sorted by address
-        self._taken: dict[int, tuple[int, int]] = {}  # address -> (size, arena) of blocks handed out
+        self._taken: dict[
+            int, tuple[int, int]
+        ] = {}  # address -> (size, arena) of blocks handed out
         self._growth = growth
         self._grow_step = grow_step
         self._shares: dict[str, int] = {}  # what each share reserved (``reserve``)
@@ -155,7 +157,11 @@ class HostBuffers:
         k = bisect.bisect(self._free, (addr,))
         if k < len(self._free) and self._free[k][2] == arena and addr + size == self._free[k][0]:
             size += self._free.pop(k)[1]
-        if k > 0 and self._free[k - 1][2] == arena and self._free[k - 1][0] + self._free[k - 1][1] == addr:
+        if (
+            k > 0
+            and self._free[k - 1][2] == arena
+            and self._free[k - 1][0] + self._free[k - 1][1] == addr
+        ):
             addr, prev, _ = self._free.pop(k - 1)
             size += prev
             k -= 1

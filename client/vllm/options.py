@@ -166,9 +166,9 @@ def connector_options(extra: dict[str, Any]) -> tuple[ConnectorOptions, ClientOp
         raise InvalidInputError(
             f"invalid kv_connector_extra_config {name}={shown}: {message}"
         ) from None
-    # The connector stages through its own pool (staging_bytes); the client's pool only
-    # holds UCX scratch (a load into the layer-major cache lands each message there
-    # first) and packing. Measured in bench/vllm_ttft.py's warm engine over UCX (120 MiB,
+    # The client's share of the process's one pool holds UCX scratch (a load into the
+    # layer-major cache lands each message there first) and packing; staging_bytes is
+    # the connector's share on top (client.staging). Measured in bench/vllm_ttft.py's warm engine over UCX (120 MiB,
     # 96 messages): with no pool every message got fresh memory and the load took
     # 300-620 ms; with a pool 74-87 ms. A few messages in flight fit in 128 MiB.
     client = {
