@@ -1,0 +1,1 @@
+"""The disk tier below a node's memory (docs/storage-tiers.md); ``tier.py`` wires its parts."""
