@@ -72,7 +72,10 @@ class KVStoreConnectorStats(KVConnectorStats):
             self.reset()
 
     def reset(self) -> None:
-        self.data = {name: 0 for name in COUNTERS} | {name: [] for name in HISTOGRAMS}
+        # typed here too: where vLLM is not installed (README's setup) its base class is
+        # unknown to mypy, which would otherwise infer the values' type from this line
+        data: dict[str, Any] = {name: 0 for name in COUNTERS} | {name: [] for name in HISTOGRAMS}
+        self.data = data
 
     def add(self, **counts: float) -> None:
         for name, value in counts.items():
