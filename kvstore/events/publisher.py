@@ -101,7 +101,7 @@ class PublisherStats:
         int  # by publish, on a full queue (the PUB socket's own drops are not seen here)
     )
     next_sequence: int  # the sequence number the next batch gets (gaps included)
-    skipped_sequences: int  # numbers no batch got: one per run of dropped events
+    skipped_sequences: int  # numbers no batch got: one per run of dropped publish calls
     replay_requests: int
     queued_events: int
 
@@ -139,6 +139,7 @@ class EventPublisher:
             False  # a wake-up byte is in the pipe and the thread has not taken the queue since
         )
         self._closing = False
+        self._dropping = False  # the last publish call was dropped: a gap is already queued
         self._published_events = self._published_batches = self._dropped = self._replays = (
             self._skipped
         ) = 0
@@ -199,12 +200,15 @@ class EventPublisher:
             if accepted:
                 self._queue.append((frame, list(events)))
                 self._held += n
+                self._dropping = False
             else:
                 self._dropped += n
-                if (
-                    not self._queue or self._queue[-1] is not _GAP
-                ):  # one skipped number per run of drops
+                # One skipped number per run of dropped calls. The run is the calls', not
+                # the queue's: the thread may take the queue between two drops, so "the
+                # queue ends in a gap" would skip a second number depending on timing.
+                if not self._dropping:
                     self._queue.append(_GAP)
+                    self._dropping = True
             if not self._signaled:
                 # under the lock: close() cannot have closed the pipe (it sets _closing first)
                 self._signaled = True
