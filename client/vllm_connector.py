@@ -56,6 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from client.vllm.events import SaveOutcomes, StoredEvents
 from client.vllm.metadata import KVStoreConnectorMetadata
 from client.vllm.options import connector_options, engine_layout, namespace_refusal, rank_client
+from client.vllm.preflight import check_config_being_built
 from client.vllm.scheduler import ConnectorScheduler
 from client.vllm.stats import KVStoreConnectorStats, KVStorePromMetrics, StatsRecorder
 from client.vllm.support import hybrid_groups, unsupported
@@ -315,3 +316,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         self._worker_side.wait_for_save(self._get_connector_metadata())
+
+
+# vLLM imports this module while it builds the engine's config, before any model loads:
+# a configuration the connector cannot use stops the process here, in one line.
+check_config_being_built()

@@ -7,6 +7,7 @@ loaded from the store with the same output. Skipped when vLLM is not installed."
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -88,3 +89,31 @@ def test_the_openai_server_stores_and_after_a_restart_loads_with_the_same_output
             assert second.complete(PRIVATE) == private and second.metric("lookup_hit_tokens_total") == 96  # never saved
         finally:
             second.stop()
+
+
+@pytest.mark.parametrize(
+    ("extra", "line"),
+    [
+        ({}, "KVStoreConnector has no index URL: put redis_url in kv_connector_extra_config or export KVSTORE_REDIS_URL"),
+        (
+            {"redis_url": "redis://127.0.0.1:1/0", "lookup_budget_ms": -5},
+            "KVStoreConnector: invalid kv_connector_extra_config lookup_budget_ms=-5: Input should be greater than 0",
+        ),
+    ],
+)
+def test_a_configuration_the_connector_cannot_use_stops_the_server_before_the_model_loads(served_model, tmp_path, extra, line):
+    """README's serve command with no index URL anywhere (nothing exported), or with an
+    option that does not validate: the server exits with that one line, no traceback,
+    before vLLM starts loading the model."""
+    argv = [sys.executable if a == "python" else a for a in serve_command()]
+    argv = [served_model if a == "MODEL_DIR" else str(free_port()) if a == "8000" else a for a in argv]
+    if extra:
+        at = argv.index("--kv-transfer-config") + 1
+        argv[at] = json.dumps({**json.loads(argv[at]), "kv_connector_extra_config": extra})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    env.update(PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="1")
+    done = subprocess.run([*argv, "--host", "127.0.0.1", *TINY], env=env, capture_output=True, text=True, timeout=120)
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output[-3000:]
+    assert done.stderr.rstrip().splitlines()[-1] == line
+    assert "Traceback" not in output and "Starting to load model" not in output
