@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from client.nodes import NodeDirectory
@@ -60,6 +60,16 @@ class StoredPrefix:
     def tokens(self) -> int:
         """Tokens of the stored prefix (a multiple of block_size)."""
         return self.blocks * self.block_size
+
+    def head(self, blocks: int) -> StoredPrefix:
+        """The first ``blocks`` blocks of this prefix (all of it when it is shorter),
+        under the same lease: the vLLM connector loads no further than every namespace
+        it loads from holds."""
+        if blocks >= self.blocks:
+            return self
+        return replace(
+            self, joined=self.joined[: max(blocks, 0) * HASH_BYTES], result=self.result.head(blocks)
+        )
 
 
 class PrefixLookup:

@@ -53,6 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from client.vllm.drafts import draft_facts, draft_refusal, rank_draft_client
 from client.vllm.events import SaveOutcomes, StoredEvents
 from client.vllm.metadata import KVStoreConnectorMetadata
 from client.vllm.options import connector_options, engine_layout, namespace_refusal, rank_client
@@ -144,7 +145,16 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
         # An engine the store cannot serve says so in one line and runs without it.
-        refusal = unsupported(vllm_config, kv_cache_config) or namespace_refusal(vllm_config, conf)
+        drafts = draft_facts(vllm_config, kv_cache_config)
+        refusal = (
+            unsupported(vllm_config, kv_cache_config)
+            or (
+                draft_refusal(vllm_config, kv_cache_config, drafts)
+                if drafts is not None and kv_cache_config is not None
+                else None
+            )
+            or namespace_refusal(vllm_config, conf)
+        )
         if refusal is not None:
             (log.warning if role == KVConnectorRole.SCHEDULER else log.debug)(
                 "KVStoreConnector: this engine cannot use the store, so it makes no lookups and no saves: %s",
@@ -172,6 +182,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 if loads
                 else None
             )
+            draft_client = (
+                rank_draft_client(vllm_config, conf, options, drafts, "SCHEDULER", all_heads=True)
+                if loads and drafts is not None
+                else None
+            )
             block_size = vllm_config.cache_config.block_size
             events_config = vllm_config.kv_events_config
             events = None
@@ -195,6 +210,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 stats=self._stats,
                 events=events,
                 hybrid=hybrid_groups(kv_cache_config),
+                draft=draft_client,
+                draft_drop=drafts.drop_blocks if drafts is not None else 0,
             )
         else:
             self._worker = ConnectorWorker(
@@ -204,6 +221,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 stats=self._stats,
                 enabled=refusal is None,
                 kv_cache_config=kv_cache_config,
+                drafts=drafts,
             )
 
     @property

@@ -24,6 +24,8 @@ class LoadSpec:
     # of the same positions (``block_ids`` is group 0's); a sliding group's ids below its
     # window are the null block 0, whose positions that group's layers do not load.
     group_block_ids: list[list[int]] = field(default_factory=list)
+    # The draft's pages of the same blocks (client.vllm.drafts), found with the target's.
+    draft_found: StoredPrefix | None = None
 
 
 @dataclass

@@ -217,7 +217,7 @@ def engine_weights(vllm_config: VllmConfig, options: ClientOptions) -> str:
     if options.weights_revision:
         return options.weights_revision
     model = vllm_config.model_config
-    found = fingerprint(model.model) or _hub_fingerprint(model.model, model.revision)
+    found = checkpoint_fingerprint(model.model, model.revision)
     if found is None:
         found = f"id:{model.model}@{model.revision or 'default'}"[:200]
         log.warning(
@@ -227,6 +227,12 @@ def engine_weights(vllm_config: VllmConfig, options: ClientOptions) -> str:
         )
     quantization = getattr(model, "quantization", None)
     return f"{found} quant:{quantization}" if quantization else found
+
+
+def checkpoint_fingerprint(model_id: str, revision: str | None) -> str | None:
+    """The fingerprint of a local checkpoint, or of one in the local Hugging Face
+    cache; None when neither holds ``model_id``."""
+    return fingerprint(model_id) or _hub_fingerprint(model_id, revision)
 
 
 def _hub_fingerprint(model_id: str, revision: str | None) -> str | None:

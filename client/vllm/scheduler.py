@@ -70,8 +70,14 @@ class ConnectorScheduler:
         stats: StatsRecorder,
         events: StoredEvents | None = None,
         hybrid: bool = False,
+        draft: KVCacheClient | None = None,
+        draft_drop: int = 0,
     ) -> None:
         self._conf = conf
+        # A speculative draft's pages (client.vllm.drafts): a hit is the shorter of the
+        # target's and the draft's prefixes, less ``draft_drop`` blocks (EAGLE/MTP).
+        self._draft = draft
+        self._draft_drop = draft_drop
         # Several KV-cache groups (client.vllm.support.hybrid_groups): block ids per group,
         # pages gathered in the step their block becomes full (GatherSpec).
         self._hybrid = hybrid
@@ -101,18 +107,23 @@ class ConnectorScheduler:
 
     def _find(
         self, client: KVCacheClient, tokens: list[int], extras: BlockExtras
-    ) -> StoredPrefix | None:
+    ) -> tuple[StoredPrefix, StoredPrefix | None] | None:
         """The stored prefix of ``tokens`` in ``client`` (the scheduler's own, passed by
-        ``get_num_new_matched_tokens`` once it knows this side loads); None (a miss) past
+        ``get_num_new_matched_tokens`` once it knows this side loads), and the draft's
+        of the same length when the engine stores a draft's pages; None (a miss) past
         the budget, on a fault or while the breaker is open. Never waits longer than the
-        budget (plus the cancellation's unwinding)."""
+        budget (plus the cancellation's unwinding), both lookups together."""
         if not self._breaker.allow():
             self._stats.count(lookups_skipped=1)
             return None
+        budget = self._conf.lookup_budget_ms / 1000
         started = time.perf_counter()
-        found = client.find(
-            tokens, timeout=self._conf.lookup_budget_ms / 1000, identity=extras or None
-        )
+        found = client.find(tokens, timeout=budget, identity=extras or None)
+        draft_found = None
+        if found is not None and self._draft is not None:
+            draft_found, found = self._draft_prefix(
+                found, tokens, extras, budget - (time.perf_counter() - started)
+            )
         seconds = time.perf_counter() - started
         self._breaker.record(found is not None)
         with self._stats.lock:
@@ -128,7 +139,26 @@ class ConnectorScheduler:
                 "index lookups keep failing: every request is a miss for the next %.1f s",
                 self._breaker.current_cooldown,
             )
-        return found
+        return None if found is None else (found, draft_found)
+
+    def _draft_prefix(
+        self, found: StoredPrefix, tokens: list[int], extras: BlockExtras, budget: float
+    ) -> tuple[StoredPrefix | None, StoredPrefix | None]:
+        """The draft's stored prefix within the target's ``found``, and both cut to the
+        blocks the two hold less ``draft_drop``; (None, None) when the draft's lookup
+        could not answer (a fault like the target's). A target hit without the draft's
+        pages is not taken: the draft would attend to stale blocks for the rest of the
+        request (client.vllm.drafts)."""
+        assert self._draft is not None
+        if not found.blocks:
+            return None, found
+        if budget <= 0:
+            return None, None
+        drafted = self._draft.find(tokens[: found.tokens], timeout=budget, identity=extras or None)
+        if drafted is None:
+            return None, None
+        blocks = max(min(found.blocks, drafted.blocks - self._draft_drop), 0)
+        return drafted.head(blocks), found.head(blocks)
 
     def _keyed_prompt(self, request: Request) -> KeyedPrompt | None:
         """``request``'s prompt and identity, read the first time vLLM asks; None when
@@ -166,15 +196,22 @@ class ConnectorScheduler:
         pending = self._pending_loads.get(request.request_id)
         if pending is not None and pending.start_block * self._block_size == num_computed_tokens:
             # asked again while waiting for blocks: reuse
-            found: StoredPrefix | None = pending.found
+            answer: tuple[StoredPrefix, StoredPrefix | None] | None = (
+                pending.found,
+                pending.draft_found,
+            )
         else:
-            found = self._find(self._client, prompt[:usable], keyed.extras)
-        new = (found.tokens if found else 0) - num_computed_tokens
-        if found is None or new <= 0:
+            answer = self._find(self._client, prompt[:usable], keyed.extras)
+        new = (answer[0].tokens if answer else 0) - num_computed_tokens
+        if answer is None or new <= 0:
             self._pending_loads.pop(request.request_id, None)
             return 0, False
         self._pending_loads[request.request_id] = LoadSpec(
-            request.request_id, found, [], num_computed_tokens // self._block_size
+            request.request_id,
+            answer[0],
+            [],
+            num_computed_tokens // self._block_size,
+            draft_found=answer[1],
         )
         return new, True
 

@@ -26,10 +26,16 @@ class StagingPool:
     pool, which grows past that to its bound and keeps what it grew, and only past the
     bound allocates (pinned when the cache is on a GPU; never waits); ``give`` returns
     them. Thread-safe: loader threads, the engine thread (gather) and the saver thread
-    share it. ``pool``: the process's pool unless a test passes its own."""
+    share it. ``pool``: the process's pool unless a test passes its own; ``share``: the
+    pool's name for this reservation (a draft's pool adds its own to the target's)."""
 
     def __init__(
-        self, cache: PagedCache, buffers: int, pages: int, pool: HostBuffers | None = None
+        self,
+        cache: PagedCache,
+        buffers: int,
+        pages: int,
+        pool: HostBuffers | None = None,
+        share: str = "staging",
     ) -> None:
         self.cache = cache
         self.pages = pages
@@ -37,7 +43,7 @@ class StagingPool:
         self._page_nbytes = cache.page_nbytes
         # the pool hands out whole 4 KiB pages
         per_buffer = -(-max(pages, 0) * self._page_nbytes // ALIGN) * ALIGN
-        self._pool.reserve(max(buffers, 0) * per_buffer, share="staging")
+        self._pool.reserve(max(buffers, 0) * per_buffer, share=share)
 
     def take(self, count: int) -> torch.Tensor:
         """``count`` pages of host memory; rows are uninitialised."""

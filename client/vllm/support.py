@@ -14,7 +14,7 @@ from kvstore.pages.namespace import DTYPE_SIZES
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
 # The kinds of vLLM KV-cache groups whose pages the connector moves: full attention
 # (K and V per head) and MLA (one latent row per token).
@@ -76,19 +76,26 @@ def unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) 
         size = parallel.decode_context_parallel_size
         return f"decode_context_parallel_size {size}: blocks split across ranks by token are not stored"
     if kv_cache_config is not None:
-        drafts = draft_layers(vllm_config, kv_cache_config)
-        if drafts:
-            spec = vllm_config.speculative_config
-            method = getattr(spec, "method", None) or "a draft"
-            return (
-                f"speculative decoding ({method}) with a draft's own KV-cache layers ({', '.join(drafts[:2])}"
-                f"{', ...' if len(drafts) > 2 else ''}): they are not stored yet"
-            )
-        return _groups_refusal(vllm_config, kv_cache_config)
+        # A draft's layers are stored apart (client.vllm.drafts, which also says which
+        # drafts cannot be); their group may hold layers of two shapes.
+        drafted = bool(draft_layers(vllm_config, kv_cache_config))
+        return _groups_refusal(vllm_config, kv_cache_config, drafted)
     return None
 
 
-def _groups_refusal(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str | None:
+def _layer_kinds(group: KVCacheGroupSpec) -> list[str]:
+    """The spec kinds of a group's layers: a group whose layers differ in shape (a
+    draft with other heads than the target's) holds them in ``UniformTypeKVCacheSpecs``;
+    vLLM gives the scheduler its first layer's spec instead, so both kinds are read."""
+    inner = getattr(group.kv_cache_spec, "kv_cache_specs", None)
+    if inner:
+        return sorted({type(spec).__name__ for spec in inner.values()})
+    return [type(group.kv_cache_spec).__name__]
+
+
+def _groups_refusal(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, drafted: bool = False
+) -> str | None:
     """Why the KV-cache groups cannot be stored, or None. One group of full attention or
     MLA, as ever; or, with vLLM's hybrid KV-cache manager on, groups of full attention
     and sliding-window attention of one page shape (``hybrid_groups``): every block is
@@ -99,8 +106,10 @@ def _groups_refusal(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
     if "MambaSpec" in kinds:
         return f"{listed}: state-space layers (MambaSpec): their states are not stored"
     if len(groups) == 1:
-        if kinds[0] not in SUPPORTED_SPECS:
-            return f"attention of kind {kinds[0]} (kvstore stores {' and '.join(SUPPORTED_SPECS)})"
+        layer_kinds = _layer_kinds(groups[0]) if drafted else kinds
+        other = [k for k in layer_kinds if k not in SUPPORTED_SPECS]
+        if other:
+            return f"attention of kind {other[0]} (kvstore stores {' and '.join(SUPPORTED_SPECS)})"
     else:
         other = [k for k in kinds if k not in HYBRID_SPECS]
         if other:

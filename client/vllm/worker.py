@@ -24,15 +24,17 @@ import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from client.sync_client import KVCacheClient
 from client.vllm.cache_checks import layer_groups_of, stage_layout
+from client.vllm.drafts import DraftFacts, draft_layout, rank_draft_client
 from client.vllm.events import SaveOutcomeLog, SaveOutcomes
 from client.vllm.loader import LoadOutcome, PageLoader, ids_from, layer_rows
-from client.vllm.metadata import GatherSpec, KVStoreConnectorMetadata, SaveSpec
+from client.vllm.metadata import GatherSpec, KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from client.vllm.options import (
     ConnectorOptions,
     rank_client,
@@ -57,6 +59,17 @@ CREDENTIAL_LOG_EVERY_S = 60.0
 _IDLE_WAIT_S = 0.02
 
 
+@dataclass
+class _DraftPages:
+    """A speculative draft's layers (``client.vllm.drafts``): their client, paged cache,
+    staging and loader, beside the target's; loads and saves use the same block ids."""
+
+    client: KVCacheClient
+    cache: PagedCache
+    staging: StagingPool
+    loader: PageLoader
+
+
 class ConnectorWorker:
     """Worker-side state: the paged cache, its client, loader and saver threads, the
     staging pool, loads in flight and blocks that failed to load. Until
@@ -72,8 +85,11 @@ class ConnectorWorker:
         stats: StatsRecorder,
         enabled: bool = True,
         kv_cache_config: KVCacheConfig | None = None,
+        drafts: DraftFacts | None = None,
     ) -> None:
         self._vllm_config = vllm_config
+        self._drafts = drafts  # the draft's layers, stored apart (client.vllm.drafts)
+        self._draft: _DraftPages | None = None
         self._kv_cache_config = kv_cache_config
         # Hybrid KV-cache groups (client.vllm.support.hybrid_groups): the group of each
         # layer of the cache, in its order; empty for one group.
@@ -106,15 +122,21 @@ class ConnectorWorker:
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
         from vllm.model_executor.models.utils import extract_layer_index
 
-        names = sorted(kv_caches, key=extract_layer_index)
+        draft_names = self._drafts.layers if self._drafts is not None else []
+        names = sorted((n for n in kv_caches if n not in draft_names), key=extract_layer_index)
         layers = [kv_caches[n] for n in names]
         pp_rank = get_pp_group().rank_in_group
+        tp_rank = get_tp_group().rank_in_group
         try:
             layout = stage_layout(self._vllm_config, names, layers, self._block_size, pp_rank)
             self._cache = PagedCache(layers)
             self._layer_groups = layer_groups_of(self._kv_cache_config, names)
+            draft_caches = [kv_caches[n] for n in draft_names]
+            draft_cache = PagedCache(draft_caches) if draft_caches else None
+            draft_layout_tag = draft_layout(self._vllm_config, draft_caches) if draft_caches else ""
         except KVStoreError as exc:
             log.error("KVStoreConnector disabled on this worker: %s", exc)
+            self._cache = None
             return
         self._client = rank_client(
             self._vllm_config,
@@ -122,15 +144,12 @@ class ConnectorWorker:
             self._options,
             "WORKER",
             layout=layout,
-            tp_rank=get_tp_group().rank_in_group,
+            tp_rank=tp_rank,
             pp_rank=pp_rank,
         )
         buffers = self._conf.load_threads + 1  # every load at once, and one save
-        self._staging = StagingPool(
-            self._cache,
-            buffers,
-            self._conf.staging_bytes // buffers // self._client.namespace.page_nbytes,
-        )
+        pages = self._conf.staging_bytes // buffers // self._client.namespace.page_nbytes
+        self._staging = StagingPool(self._cache, buffers, pages)
         self._loader = ThreadPoolExecutor(
             self._conf.load_threads, thread_name_prefix="kvstore-load"
         )
@@ -146,6 +165,28 @@ class ConnectorWorker:
             load_stream=self._load_stream,
             credential_refused=self._credential_refused,
         )
+        if draft_cache is not None and self._drafts is not None:
+            client = rank_draft_client(
+                self._vllm_config,
+                self._conf,
+                self._options,
+                self._drafts,
+                "WORKER",
+                layout=draft_layout_tag,
+                tp_rank=tp_rank,
+            )
+            # as many pages per buffer as the target's: every load and save moves both
+            staging = StagingPool(draft_cache, buffers, pages, share="staging-draft")
+            loader = PageLoader(
+                client,
+                draft_cache,
+                staging,
+                block_size=self._block_size,
+                layer_groups=[],
+                load_stream=self._load_stream,
+                credential_refused=self._credential_refused,
+            )
+            self._draft = _DraftPages(client, draft_cache, staging, loader)
 
     # ---- loads ---------------------------------------------------------------------
 
@@ -162,7 +203,24 @@ class ConnectorWorker:
                     self._load_errors.update(ids_from(spec, spec.start_block))
                 self._unloadable.add(spec.req_id)
                 continue
-            self._loading[spec.req_id] = self._loader.submit(self._page_loader.load, spec, after)
+            self._loading[spec.req_id] = self._loader.submit(self._load, spec, after)
+
+    def _load(self, spec: LoadSpec, after: Any) -> LoadOutcome:
+        """Loader thread: the target's blocks, then the draft's of the same blocks when the
+        engine stores a draft's; a block either failed is recomputed for both."""
+        assert self._page_loader is not None  # start_load_kv submits only once registered
+        outcome = self._page_loader.load(spec, after)
+        if self._draft is None:
+            return outcome
+        if spec.draft_found is None:  # the scheduler found no draft pages: load none of it
+            failed = ids_from(spec, spec.start_block)
+            return LoadOutcome(failed, outcome.nbytes, outcome.seconds)
+        drafted = self._draft.loader.load(replace(spec, found=spec.draft_found), after)
+        return LoadOutcome(
+            sorted({*outcome.failed, *drafted.failed}),
+            outcome.nbytes + drafted.nbytes,
+            outcome.seconds + drafted.seconds,
+        )
 
     def _registered(self) -> tuple[KVCacheClient, PagedCache, StagingPool]:
         """The client, paged cache and staging pool of a worker whose
@@ -259,9 +317,14 @@ class ConnectorWorker:
                 self._saving.add(future)
                 future.add_done_callback(self._saving.discard)
                 continue
+            draft = self._draft
             nbytes = len(spec.block_ids) * page_nbytes
+            draft_nbytes = len(spec.block_ids) * draft.client.namespace.page_nbytes if draft else 0
             with self._stats.lock:
-                if self._pending_save_bytes + nbytes > self._conf.max_pending_save_bytes:
+                if (
+                    self._pending_save_bytes + nbytes + draft_nbytes
+                    > self._conf.max_pending_save_bytes
+                ):
                     self._stats.stats.add(saves_dropped=1)
                     log.warning(
                         "save of %s dropped: %d bytes already wait to be published",
@@ -270,13 +333,25 @@ class ConnectorWorker:
                     )
                     self._outcomes.report([spec], ok=False)
                     continue
-                self._pending_save_bytes += nbytes
+                self._pending_save_bytes += nbytes + draft_nbytes
             started = time.perf_counter()
             gathered = cache.gather(spec.block_ids, staging.take(len(spec.block_ids)))
+            drafted = (
+                draft.cache.gather(spec.block_ids, draft.staging.take(len(spec.block_ids)))
+                if draft is not None
+                else None
+            )
             self._stats.observe("save_gather_seconds", time.perf_counter() - started)
             future = self._saver.submit(self._save, client, staging, spec, gathered, nbytes)
             self._saving.add(future)
             future.add_done_callback(self._saving.discard)
+            if draft is not None and drafted is not None:
+                # the draft's pages: counted, never in the save's KV event (the target's)
+                future = self._saver.submit(
+                    self._save, draft.client, draft.staging, spec, drafted, draft_nbytes, False
+                )
+                self._saving.add(future)
+                future.add_done_callback(self._saving.discard)
 
     def _gather(self, spec: GatherSpec) -> None:
         """Engine thread, hybrid groups: copy the request's blocks that became full this
@@ -318,10 +393,12 @@ class ConnectorWorker:
         spec: SaveSpec,
         gathered: GatherResult,
         nbytes: int,
+        answers_event: bool = True,
     ) -> None:
         """Saver thread: publish one request's pages through the registered ``client``
         and give them back to ``staging`` (``wait_for_save`` passes both); failures are
-        counted, not raised."""
+        counted, not raised. ``answers_event``: the outcome answers the save's KV event (the
+        target's pages do; a draft's do not)."""
         started = time.perf_counter()
         stored = False
         try:
@@ -340,7 +417,8 @@ class ConnectorWorker:
             self._stats.observe("save_seconds", time.perf_counter() - started)
             with self._stats.lock:
                 self._pending_save_bytes -= nbytes
-            self._outcomes.report([spec], ok=stored)
+            if answers_event:
+                self._outcomes.report([spec], ok=stored)
 
     def take_save_outcomes(self) -> SaveOutcomes | None:
         """Outcomes of saves finished since the engine step last asked (its KV events)."""
@@ -370,6 +448,8 @@ class ConnectorWorker:
             if pool is not None:
                 pool.shutdown(wait=True)
         self._loader = self._saver = None
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        for client in (self._client, self._draft.client if self._draft is not None else None):
+            if client is not None:
+                client.close()
+        self._client = None
+        self._draft = None

@@ -180,6 +180,21 @@ class LookupResult:
             self._nodes,
         )
 
+    def head(self, blocks: int) -> LookupResult:
+        """The first ``blocks`` positions only: what a caller loading a shorter prefix
+        than was matched needs (the vLLM connector, when a draft model's pages end
+        sooner than the target's)."""
+        if blocks >= self.matched:
+            return self
+        keep = self._positions < blocks
+        return LookupResult(
+            max(blocks, 0),
+            select_records(self._records, keep),
+            self._positions[keep],
+            self._units[keep],
+            self._nodes,
+        )
+
     def __getstate__(self) -> tuple:
         # sent to other processes (the vLLM connector's step metadata): without the
         # locations, which are rebuilt there on first use
