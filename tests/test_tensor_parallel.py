@@ -127,6 +127,18 @@ def test_ranks_fetch_what_one_lookup_found_without_asking_the_index(cluster):
         assert torch.equal(whole.view(torch.uint8), rank_pages(finder.namespace, TOKENS).view(torch.uint8))
         short = finder.find(TOKENS[:15])  # not one full block: nothing found, nothing fetched
         assert short is not None and short.tokens == 0 and finder.get_found(short, whole) == 0
+        # the head of a find (the connector's draft and target prefixes cut to the shorter):
+        # picklable, its ranks fetch only its blocks, bit-exact, still without a lookup
+        head = pickle.loads(pickle.dumps(found.head(3)))
+        assert (head.blocks, head.result.matched, found.head(99) is found) == (3, 3, True)
+        for rank in ranks:
+            lookups = rank.stats.lookups
+            got = torch.zeros((8, *rank.namespace.page_shape), dtype=torch.float16)
+            assert rank.get_found(head, got) == 3 * 16 and rank.stats.lookups == lookups
+            expected = rank_pages(rank.namespace, TOKENS)
+            assert torch.equal(got[:3].view(torch.uint8), expected[:3].view(torch.uint8))
+            assert not got[3:].any()
+        assert found.head(0).blocks == 0 and finder.get_found(found.head(0), whole) == 0
     finally:
         for c in (finder, *ranks):
             c.close()
