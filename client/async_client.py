@@ -263,20 +263,34 @@ class AsyncKVCacheClient:
         return self.lookups.stored_prefix(joined, result)
 
     async def put_pages(
-        self, token_ids: Any, pages: torch.Tensor, *, identity: Identity = None
+        self,
+        token_ids: Any,
+        pages: torch.Tensor,
+        *,
+        identity: Identity = None,
+        start_block: int = 0,
     ) -> PublishReport:
-        """Store ``pages[i]`` (``[num_blocks, *page_shape]``) as full block i of ``token_ids``:
-        as the head groups this rank holds, which engines of any TP size read. Pages a
-        node already holds are not sent again; counts in the report are units (pages of
-        one head group). ``identity``: as for ``lookup``."""
+        """Store ``pages[i]`` (``[num_blocks, *page_shape]``) as full block
+        ``start_block + i`` of ``token_ids``: as the head groups this rank holds, which
+        engines of any TP size read. Pages a node already holds are not sent again;
+        counts in the report are units (pages of one head group). ``identity``: as for
+        ``lookup``. ``start_block``: the caller has no pages of the blocks before it
+        (the vLLM connector's hybrid engines, whose sliding layers keep no blocks below
+        their window after a hit); they are found only while stored already."""
         hashes = split_hashes(self.chain_hashes(token_ids, identity))
-        check_pages(self.namespace, "pages", pages, len(hashes), at_least=False)
-        out = self._publisher.units(hashes, pages[: len(hashes)].to("cpu"))
+        if not 0 <= start_block <= len(hashes):
+            raise InvalidInputError(
+                f"start_block {start_block} must lie within the {len(hashes)} full blocks of token_ids"
+            )
+        count = len(hashes) - start_block
+        check_pages(self.namespace, "pages", pages, count, at_least=False)
+        out = self._publisher.units(hashes, pages[:count].to("cpu"), start_block)
         # each block's token ids go with its pages, for the nodes' KV events (4 bytes a token)
-        raw = token_array(token_ids)[: len(hashes) * self.namespace.block_size].tobytes()
-        width = 4 * self.namespace.block_size
-        blocks = [raw[i * width : (i + 1) * width] for i in range(len(hashes))]
-        units = blocks * (len(out.hashes) // max(len(hashes), 1))  # unit by unit, as out's pages
+        size = self.namespace.block_size
+        raw = token_array(token_ids)[start_block * size : (start_block + count) * size].tobytes()
+        width = 4 * size
+        blocks = [raw[i * width : (i + 1) * width] for i in range(count)]
+        units = blocks * (len(out.hashes) // max(count, 1))  # unit by unit, as out's pages
         return await self._publisher.publish(dataclasses.replace(out, tokens=units))
 
     async def get_pages(

@@ -96,9 +96,10 @@ class Publisher:
         self._replicas = replicas
         self._timeout = timeout
 
-    def unit_keys(self, hashes: list[bytes], verb: str) -> Outgoing:
-        """The keys of this rank's units of blocks ``hashes``, unit by unit, and each
-        unit's segment anchor and position (its block's); no bytes yet. Raises unless
+    def unit_keys(self, hashes: list[bytes], verb: str, start: int = 0) -> Outgoing:
+        """The keys of this rank's units of blocks ``hashes[start:]`` (``hashes``: the
+        chain from block 0, which places every block in its segment), unit by unit, and
+        each unit's segment anchor and position (its block's); no bytes yet. Raises unless
         the rank holds whole head groups: only those can be stored (``put_pages``,
         ``insert``)."""
         rank = self._rank
@@ -110,6 +111,7 @@ class Publisher:
                 f"it can read pages but not {verb} them; use head_groups of at least tp_size"
             )
         anchors, positions = keys.placement(hashes)
+        hashes, anchors, positions = hashes[start:], anchors[start:], positions[start:]
         return Outgoing(
             heads.unit_hashes(hashes, rank.first, rank.count),
             [],
@@ -117,10 +119,11 @@ class Publisher:
             positions * rank.count,
         )
 
-    def units(self, hashes: list[bytes], pages: torch.Tensor) -> Outgoing:
+    def units(self, hashes: list[bytes], pages: torch.Tensor, start: int = 0) -> Outgoing:
         """What ``put_pages`` publishes of this rank's host ``pages`` of blocks
-        ``hashes``: its units' keys and bytes, unit by unit (``heads.split``)."""
-        out = self.unit_keys(hashes, "store")
+        ``hashes[start:]``: its units' keys and bytes, unit by unit (``heads.split``)."""
+        out = self.unit_keys(hashes, "store", start)
+        hashes = hashes[start:]
         units = (
             pages.contiguous()
             if self._rank.identity

@@ -202,9 +202,17 @@ class KVCacheClient:
         return index
 
     def put_pages(
-        self, token_ids: Any, pages: torch.Tensor, *, identity: Identity = None
+        self,
+        token_ids: Any,
+        pages: torch.Tensor,
+        *,
+        identity: Identity = None,
+        start_block: int = 0,
     ) -> PublishReport:
-        return self._run(self._async.put_pages(token_ids, pages, identity=identity), self._bound())
+        return self._run(
+            self._async.put_pages(token_ids, pages, identity=identity, start_block=start_block),
+            self._bound(),
+        )
 
     def get_pages(
         self, token_ids: Any, out: torch.Tensor, start_block: int = 0, *, identity: Identity = None

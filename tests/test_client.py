@@ -511,3 +511,21 @@ def test_start_status_names_the_nodes_that_refused_the_token():
             assert status.index_reached and status.nodes == ["node-0"] and list(status.refused) == ["node-0"]
         with KVCacheClient(c.redis_url, ns, timeout=2, auth_token="s3cret") as cl:
             assert cl.start_status().refused == {}
+
+
+def test_put_pages_from_a_later_block_extends_a_stored_prefix(client):
+    """``start_block``: a caller holding only the pages past a stored prefix (the vLLM
+    connector's hybrid engines after a hit) stores them as those blocks, placed in the
+    segments a lookup from block 0 reads, across a segment boundary; alone they extend
+    nothing (the blocks before them are not stored)."""
+    tokens = list(range(70 * BLOCK + 5))  # 70 full blocks: two segments of the index
+    pages = pages_for(client.namespace, tokens)
+    assert client.put_pages(tokens[: 40 * BLOCK], pages[:40]).refused == 0
+    assert client.put_pages(tokens, pages[40:], start_block=40).refused == 0
+    out = torch.zeros_like(pages)
+    assert client.get_pages(tokens, out) == 70 * BLOCK and same(out, pages)
+    other = [t + 100_000 for t in tokens]  # a chain whose first 66 blocks were never stored
+    assert client.put_pages(other, pages_for(client.namespace, other)[66:], start_block=66).refused == 0
+    assert client.find(other).blocks == 0
+    with pytest.raises(InvalidInputError, match="start_block 71 must lie within the 70 full blocks"):
+        client.put_pages(tokens, pages[:0], start_block=71)
