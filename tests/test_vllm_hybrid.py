@@ -65,7 +65,7 @@ def gemma_dir(tmp_path_factory) -> str:
 def gemma_runs(gemma_dir) -> dict:
     """The Gemma without the connector (PROMPT, NEXT), then a producer that saves PROMPT
     in four prefill chunks of 64 tokens and a fresh engine that loads NEXT's shared
-    blocks and PROMPT's.
+    blocks and PROMPT's and saves NEXT's new block, and a third engine that loads NEXT.
 
     The producer's pool has 13 usable blocks (``num_gpu_blocks_override`` 14; block 0 is
     the null block), so a sliding block that left the window is soon handed out again:
@@ -91,9 +91,12 @@ def gemma_runs(gemma_dir) -> dict:
             max_model_len=256,  # PROMPT and its 32 tokens; vLLM checks the pool holds one such request
         )
         consumer = run_engine_full(
-            gemma_dir, [NEXT, PROMPT], cluster.redis_url, "kv_consumer", spec={"max_tokens": 32}
+            gemma_dir, [NEXT, PROMPT], cluster.redis_url, "kv_both", spec={"max_tokens": 32}
         )
-    return {"baseline": baseline, "producer": producer, "consumer": consumer}
+        later = run_engine_full(
+            gemma_dir, [NEXT], cluster.redis_url, "kv_consumer", spec={"max_tokens": 32}
+        )
+    return {"baseline": baseline, "producer": producer, "consumer": consumer, "later": later}
 
 
 def test_a_sliding_window_model_saves_and_loads_with_the_tokens_of_the_engine_without_the_connector(
@@ -119,6 +122,18 @@ def test_the_hybrid_kv_cache_manager_stays_on_and_a_sliding_layer_loads_only_its
     full, sliding = 2, 2  # layers of each kind
     loaded = sum(full * n + sliding * WINDOW_BLOCKS for n in hits) * LAYER_BLOCK_BYTES
     assert gemma_runs["consumer"]["metrics"]["load_bytes"] == loaded
+
+
+def test_a_request_that_loaded_a_prefix_saves_the_blocks_it_computed(gemma_runs):
+    """NEXT loaded its 5 shared blocks, so below the window its sliding layers hold the
+    null block: no whole page of those positions exists. Its save starts past them, with
+    the block it computed (``put_pages(start_block=5)``), and a later engine loads all 6
+    of NEXT's full blocks with the baseline's tokens."""
+    following = gemma_runs["baseline"]["results"][1]["tokens"]
+    assert gemma_runs["consumer"]["metrics"]["save_bytes"] > 0
+    (again,) = gemma_runs["later"]["results"]
+    assert again["num_cached_tokens"] == (len(NEXT) - 1) // BLOCK * BLOCK == 6 * BLOCK
+    assert again["tokens"] == following
 
 
 @pytest.fixture(scope="module")

@@ -41,8 +41,10 @@ class SaveSpec:
     extras: BlockExtras = NO_EXTRAS
     event_id: int | None = None
     # Hybrid groups: the pages were gathered step by step (``GatherSpec``), and
-    # ``block_ids`` is empty; the worker publishes what it gathered.
+    # ``block_ids`` is empty; the worker publishes what it gathered, as the blocks from
+    # ``start_block`` on.
     gathered: bool = False
+    start_block: int = 0
 
 
 @dataclass
@@ -52,12 +54,15 @@ class GatherSpec:
     next schedules the request, and may hand them to another request). Position
     ``first + i`` of the request's ``blocks`` pages is block ``group_block_ids[g][i]`` of
     each group g's layers (never the null block: the scheduler stops gathering a request
-    at a position it lacks in some group)."""
+    at a position it lacks in some group). The request's pages hold blocks ``base`` to
+    ``blocks - 1``: after a hit, the blocks it loaded (and a sliding group's null blocks
+    below its window) are not gathered."""
 
     req_id: str
     first: int
     blocks: int
     group_block_ids: list[list[int]]
+    base: int = 0
 
 
 @dataclass

@@ -41,9 +41,10 @@ log = logging.getLogger(__name__)
 class _Tracked:
     """A request the connector may save: its prompt, its identity resolved to blocks,
     and its blocks as they grow, per KV-cache group (one group unless hybrid). Hybrid:
-    ``gathered`` pages were copied out step by step; ``broken`` once a position had the
-    null block in some group (a sliding group below its window after a hit), from which
-    on nothing is gathered and the request is not saved."""
+    ``gathered`` pages were copied out step by step, from ``base`` (set at the first
+    gather: past the blocks loaded and past any null block); ``broken`` once a position
+    past ``base`` had the null block in some group, from which on nothing is gathered
+    and the request is not saved."""
 
     prompt: list[int]
     extras: BlockExtras
@@ -52,6 +53,7 @@ class _Tracked:
     saved: bool = False
     gathered: int = 0
     broken: bool = False
+    base: int | None = None
 
 
 class ConnectorScheduler:
@@ -245,7 +247,7 @@ class ConnectorScheduler:
             meta.saves.extend(self._finished_prefills(scheduler_output, meta.dropped))
         for req_id in scheduler_output.finished_req_ids:
             tracked = self._tracked.get(req_id)
-            if tracked is not None and tracked.gathered and not tracked.saved:
+            if tracked is not None and tracked.gathered > (tracked.base or 0) and not tracked.saved:
                 meta.dropped.append(req_id)  # the worker holds its gathered pages
             self._forget(req_id)
         return meta
@@ -262,15 +264,16 @@ class ConnectorScheduler:
             if computed is None or tracked.saved or tracked.broken:
                 continue
             full = min(computed, len(tracked.prompt)) // self._block_size
+            if tracked.base is None:
+                tracked.base = tracked.gathered = _save_base(tracked, full)
             if full <= tracked.gathered:
                 continue
             ids = [group[tracked.gathered : full] for group in tracked.block_ids]
             if any(len(group) < full - tracked.gathered or 0 in group for group in ids):
-                tracked.broken = True  # a null block (below a window after a hit): no whole page
+                tracked.broken = True  # a null block past the base: no whole page
                 continue
-            gathers.append(
-                GatherSpec(req_id, tracked.gathered, len(tracked.prompt) // self._block_size, ids)
-            )
+            blocks = len(tracked.prompt) // self._block_size
+            gathers.append(GatherSpec(req_id, tracked.gathered, blocks, ids, tracked.base))
             tracked.gathered = full
         return gathers
 
@@ -288,8 +291,9 @@ class ConnectorScheduler:
                 continue
             tracked.saved = True
             full = len(tracked.prompt) // self._block_size
-            if self._hybrid and (tracked.broken or tracked.gathered < full):
-                if tracked.gathered:
+            base = tracked.base or 0
+            if self._hybrid and (tracked.broken or tracked.gathered < full or base >= full):
+                if tracked.gathered > base:
                     dropped.append(req_id)
                 continue
             if full > tracked.stored_blocks:
@@ -302,7 +306,15 @@ class ConnectorScheduler:
                 )
                 if self._hybrid:
                     saves.append(
-                        SaveSpec(req_id, tokens, [], tracked.extras, event_id, gathered=True)
+                        SaveSpec(
+                            req_id,
+                            tokens,
+                            [],
+                            tracked.extras,
+                            event_id,
+                            gathered=True,
+                            start_block=base,
+                        )
                     )
                 else:
                     saves.append(
@@ -310,7 +322,7 @@ class ConnectorScheduler:
                             req_id, tokens, tracked.block_ids[0][:full], tracked.extras, event_id
                         )
                     )
-            elif tracked.gathered:
+            elif tracked.gathered > (tracked.base or 0):
                 dropped.append(req_id)
         return saves
 
@@ -385,6 +397,15 @@ class ConnectorScheduler:
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+def _save_base(tracked: _Tracked, full: int) -> int:
+    """Hybrid groups: the first block a request's save gathers. Blocks it loaded are
+    stored already, and below a sliding window after a hit (loaded, or vLLM's own
+    prefix cache) that group holds the null block: no whole page of those positions
+    exists, so the save starts past the last of them (``put_pages(start_block=)``)."""
+    nulls = [i for group in tracked.block_ids for i, block in enumerate(group[:full]) if block == 0]
+    return max(tracked.stored_blocks, max(nulls, default=-1) + 1)
 
 
 def _computed_after_step(scheduler_output: SchedulerOutput) -> dict[str, int]:

@@ -360,10 +360,11 @@ class ConnectorWorker:
         it the request is not saved."""
         client, cache, staging = self._registered()
         held = self._gathered.get(spec.req_id)
+        pages = spec.blocks - spec.base  # the save's pages: blocks base to blocks - 1
         if held is None:
-            if spec.first:  # an earlier gather was dropped: the pages would have a hole
+            if spec.first > spec.base:  # an earlier gather was dropped: the pages would have a hole
                 return
-            nbytes = spec.blocks * client.namespace.page_nbytes
+            nbytes = pages * client.namespace.page_nbytes
             with self._stats.lock:
                 if self._pending_save_bytes + nbytes > self._conf.max_pending_save_bytes:
                     self._stats.stats.add(saves_dropped=1)
@@ -374,16 +375,16 @@ class ConnectorWorker:
                     )
                     return
                 self._pending_save_bytes += nbytes
-            held = GatherResult(staging.take(spec.blocks))
+            held = GatherResult(staging.take(pages))
             self._gathered[spec.req_id] = held
         started = time.perf_counter()
         count = len(spec.group_block_ids[0])
         rows = [
-            ([spec.first + r for r in positions], blocks)
+            ([spec.first - spec.base + r for r in positions], blocks)
             for positions, blocks in layer_rows(self._layer_groups, spec.group_block_ids, 0, count)
         ]
-        ready = cache.gather_layers(rows, held.pages[: spec.blocks]).ready
-        self._gathered[spec.req_id] = GatherResult(held.pages[: spec.blocks], ready or held.ready)
+        ready = cache.gather_layers(rows, held.pages[:pages]).ready
+        self._gathered[spec.req_id] = GatherResult(held.pages[:pages], ready or held.ready)
         self._stats.observe("save_gather_seconds", time.perf_counter() - started)
 
     def _save(
@@ -402,7 +403,12 @@ class ConnectorWorker:
         started = time.perf_counter()
         stored = False
         try:
-            report = client.put_pages(spec.token_ids, gathered.wait(), identity=spec.extras or None)
+            report = client.put_pages(
+                spec.token_ids,
+                gathered.wait(),
+                identity=spec.extras or None,
+                start_block=spec.start_block,
+            )
             stored = report.refused == 0  # every page of this rank's part on some node
             self._stats.count(save_bytes=report.bytes_sent)
             log.debug("saved %s: %s", spec.req_id, report)
