@@ -18,6 +18,7 @@ What vLLM 0.32 does with them:
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -134,6 +135,29 @@ def test_a_request_that_loaded_a_prefix_saves_the_blocks_it_computed(gemma_runs)
     (again,) = gemma_runs["later"]["results"]
     assert again["num_cached_tokens"] == (len(NEXT) - 1) // BLOCK * BLOCK == 6 * BLOCK
     assert again["tokens"] == following
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two TP workers need two cores")
+def test_a_tp1_hybrid_engine_loads_what_a_tp2_one_saved(gemma_dir, gemma_runs):
+    """Head groups under hybrid groups: a TP=2 Gemma (one KV head per worker, each saving
+    its head group's pages, step by step) saves PROMPT; a TP=1 one loads NEXT's shared
+    blocks and PROMPT's, both head groups of every page, into each layer's own group's
+    blocks (the sliding layers into the window's only). Tokens as without the connector."""
+    plain, following = (r["tokens"] for r in gemma_runs["baseline"]["results"])
+    groups = {"head_groups": 2}
+    tp = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
+        producer = run_engine_full(
+            gemma_dir, [PROMPT], cluster.redis_url, "kv_producer", extra=groups, env=tp,
+            spec={"max_tokens": 32}, tensor_parallel_size=2,
+        )
+        consumer = run_engine_full(
+            gemma_dir, [NEXT, PROMPT], cluster.redis_url, "kv_consumer", extra=groups, spec={"max_tokens": 32}
+        )
+    assert producer["results"][0]["tokens"] == plain and producer["metrics"]["save_failures"] == 0
+    shared, whole = consumer["results"]
+    assert shared["num_cached_tokens"] == SHARED * BLOCK and shared["tokens"] == following
+    assert whole["num_cached_tokens"] == len(PROMPT) // BLOCK * BLOCK and whole["tokens"] == plain
 
 
 @pytest.fixture(scope="module")

@@ -97,6 +97,9 @@ def draft_refusal(
     draft = spec.draft_model_config if spec is not None else None
     if draft is None:
         return f"{what}out a draft model config"
+    draft_tp = spec.draft_parallel_config.tensor_parallel_size if spec is not None else 0
+    if draft_tp != vllm_config.parallel_config.tensor_parallel_size:
+        return f"{what} a draft on {draft_tp} TP rank(s), not the target's every rank"
     if draft.use_mla != vllm_config.model_config.use_mla:
         return f"{what} a draft whose attention (MLA or not) differs from the target's"
     return None
