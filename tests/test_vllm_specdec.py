@@ -18,6 +18,7 @@ must generate the tokens of the same engine without the connector.
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -177,3 +178,32 @@ def test_a_model_drafting_for_itself_reads_the_pages_a_plain_engine_of_it_saved(
     drafts, before = out["spec_decode"], baseline["spec_decode"]
     assert before["num_accepted_tokens"] == before["num_draft_tokens"] > 0
     assert drafts["num_accepted_tokens"] == drafts["num_draft_tokens"] > 0
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two TP workers need two cores")
+def test_a_tp2_speculating_engine_saves_the_draft_pages_a_tp1_one_loads(model_dir, draft_dir):
+    """The draft's pages in head groups: a TP=2 engine (one KV head of the target and of
+    the draft per worker) saves PROMPT, each worker its heads of both models; a TP=1
+    engine with the same draft loads NEXT's shared blocks and PROMPT's, both models'
+    head groups, with the tokens of the engine without the connector."""
+    config = {"model_dir": model_dir, "speculative_config": DRAFTS["draft_model"](draft_dir, None)}
+    baseline = speculative(config, [PROMPT, NEXT])
+    groups = {"head_groups": 2}
+    tp = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
+        producer = run_engine_full(
+            model_dir, [PROMPT], cluster.redis_url, "kv_producer", extra=groups, env=tp,
+            spec={"max_tokens": MAX_TOKENS}, speculative_config=config["speculative_config"],
+            tensor_parallel_size=2,
+        )
+        consumer = run_engine_full(
+            model_dir, [NEXT, PROMPT], cluster.redis_url, "kv_consumer", extra=groups,
+            spec={"max_tokens": MAX_TOKENS, "spec_decode_metrics": True},
+            speculative_config=config["speculative_config"],
+        )
+    plain, following = (r["tokens"] for r in baseline["results"])
+    assert producer["results"][0]["tokens"] == plain and producer["metrics"]["save_failures"] == 0
+    assert "cannot use the store" not in producer["log"] + consumer["log"]
+    shared, whole = consumer["results"]
+    assert shared["num_cached_tokens"] == SHARED * BLOCK and shared["tokens"] == following
+    assert whole["num_cached_tokens"] == len(PROMPT) // BLOCK * BLOCK and whole["tokens"] == plain
