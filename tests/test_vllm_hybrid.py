@@ -160,6 +160,26 @@ def test_a_tp1_hybrid_engine_loads_what_a_tp2_one_saved(gemma_dir, gemma_runs):
     assert whole["num_cached_tokens"] == len(PROMPT) // BLOCK * BLOCK and whole["tokens"] == plain
 
 
+def test_gpt_oss_sliding_and_full_layers_with_sinks_save_and_load(tmp_path):
+    """gpt-oss's layers alternate a 64-token window and full attention, each with its
+    heads' sink logits (weights: the KV cache holds K and V as for any layer), under
+    vLLM's hybrid KV-cache manager: a producer saves PROMPT, a fresh engine loads
+    NEXT's shared blocks and PROMPT's, with the tokens of the engine without the
+    connector."""
+    model = write("write-gpt-oss-model", tmp_path / "tiny-gpt-oss")
+    baseline = run_engine_full(model, [PROMPT, NEXT], spec={"max_tokens": 16})
+    plain, following = (r["tokens"] for r in baseline["results"])
+    with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
+        producer = run_engine_full(model, [PROMPT], cluster.redis_url, "kv_producer", spec={"max_tokens": 16})
+        consumer = run_engine_full(model, [NEXT, PROMPT], cluster.redis_url, "kv_consumer", spec={"max_tokens": 16})
+    assert producer["results"][0]["tokens"] == plain and producer["metrics"]["save_bytes"] > 0
+    shared, whole = consumer["results"]
+    assert shared["num_cached_tokens"] == SHARED * BLOCK and shared["tokens"] == following
+    assert whole["num_cached_tokens"] == len(PROMPT) // BLOCK * BLOCK and whole["tokens"] == plain
+    log = producer["log"] + consumer["log"]
+    assert "cannot use the store" not in log and not any(line in log for line in HMA_OFF)
+
+
 @pytest.fixture(scope="module")
 def nemotron_dir(tmp_path_factory) -> str:
     return write("write-nemotron-h-model", tmp_path_factory.mktemp("tiny-nemotron-h"))

@@ -50,6 +50,8 @@ key, default 0, seeds the random weights instead: the same config, other weights
 between full-attention ones); ``write-eagle-model DIR`` an EAGLE-1 head for the tiny
 Llama (``speculative_config`` ``{"method": "eagle", "model": DIR}``);
 ``write-nemotron-h-model DIR`` a tiny Nemotron-H (Mamba-2 and attention layers);
+``write-gpt-oss-model DIR`` a tiny gpt-oss (sliding and full layers with attention
+sinks, mixture of experts);
 ``write-tokenizer DIR`` adds a word-level tokenizer (``t0`` ... ``t511``)."""
 
 from __future__ import annotations
@@ -113,6 +115,28 @@ def write_tiny_gemma3(path: str) -> None:
         sliding_window=64, query_pre_attn_scalar=32, layer_types=["sliding_attention", "full_attention"] * 2,
         torch_dtype="float32", tie_word_embeddings=False,
     )).save_pretrained(path)
+
+
+def write_tiny_gpt_oss(path: str) -> None:
+    """A tiny random gpt-oss: 4 layers, sliding-window (64 tokens) and full attention
+    alternating, each with its heads' sink logits, 4 experts of which 2 per token;
+    unquantized (vLLM reads ``quantization_config`` only when the key is present)."""
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    GptOssForCausalLM(GptOssConfig(
+        hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        intermediate_size=128, vocab_size=512, max_position_embeddings=512, sliding_window=64,
+        num_local_experts=4, num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"] * 2,
+        torch_dtype="float32", tie_word_embeddings=False, initializer_range=0.2,
+    )).save_pretrained(path)
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config.pop("quantization_config", None)
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=1)
 
 
 def write_tiny_eagle(path: str) -> None:
@@ -371,7 +395,7 @@ if __name__ == "__main__":
         write_word_tokenizer(sys.argv[2])
         sys.exit(0)
     writers = {"write-gemma3-model": write_tiny_gemma3, "write-eagle-model": write_tiny_eagle,
-               "write-nemotron-h-model": write_tiny_nemotron_h}
+               "write-nemotron-h-model": write_tiny_nemotron_h, "write-gpt-oss-model": write_tiny_gpt_oss}
     if sys.argv[1] in writers:
         writers[sys.argv[1]](sys.argv[2])
         sys.exit(0)
