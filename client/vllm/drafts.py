@@ -39,8 +39,9 @@ from client.vllm.options import (
     detect_layout,
     engine_layout,
     engine_weights,
+    model_namespace,
 )
-from client.vllm.support import cache_dtype, draft_layers
+from client.vllm.support import draft_layers
 from kvstore.errors import KVStoreError
 from kvstore.pages.namespace import Namespace
 from kvstore.settings.config import ClientOptions
@@ -129,20 +130,15 @@ def draft_namespace(
         weights = f"{weights[:120]} rev:{options.weights_revision[:120]}"
     if spec.use_eagle():  # the head reads the target's hidden states: its KV is theirs too
         weights = f"{weights[:120]} on {engine_weights(vllm_config, options)[:120]}"
-    mla = draft.use_mla
-    return Namespace(
-        model=f"{draft.model}"[:200],
-        dtype=cache_dtype(vllm_config),
+    return model_namespace(
+        vllm_config,
+        conf,
+        draft,
+        parallel,
+        name=f"{draft.model}"[:200],
         num_layers=len(facts.layers),
-        num_kv_heads=1 if mla else draft.get_num_kv_heads(parallel),
-        head_size=draft.get_head_size(),
-        block_size=vllm_config.cache_config.block_size,
         layout=layout,
         tp_rank=tp_rank,
-        tp_size=parallel.tensor_parallel_size,
-        total_kv_heads=1 if mla else draft.get_total_num_kv_heads(),
-        head_groups=conf.head_groups,
-        tenant=conf.tenant,
         weights=weights[:256],
     )
 

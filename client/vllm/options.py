@@ -25,7 +25,7 @@ from kvstore.settings.config import (
 )
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import ModelConfig, ParallelConfig, VllmConfig
 
 log = logging.getLogger(__name__)
 # The client's host-buffer pool in an engine worker (``host_buffer_bytes``), unless the
@@ -274,7 +274,6 @@ def engine_namespace(
     names the stage's layers among the model's, so every PP split shares the storage."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
-    cache = vllm_config.cache_config
     groups = layer_groups(vllm_config, conf)
     start, end = stage_layers(vllm_config, pp_rank)
     layers = (
@@ -286,24 +285,55 @@ def engine_namespace(
         if groups > 1
         else {}
     )
-    # MLA: one latent "head", replicated on every TP rank (stored once: stores_heads)
-    mla = model.use_mla
-    return Namespace(
-        model=str(conf.model or model.model),
-        dtype=cache_dtype(vllm_config),
+    return model_namespace(
+        vllm_config,
+        conf,
+        model,
+        parallel,
+        name=str(conf.model or model.model),
         num_layers=end - start,
+        layout=layout,
+        tp_rank=tp_rank,
+        weights=weights,
+        pp_rank=pp_rank,
+        **layers,
+    )
+
+
+def model_namespace(
+    vllm_config: VllmConfig,
+    conf: ConnectorOptions,
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    *,
+    name: str,
+    num_layers: int,
+    layout: str,
+    tp_rank: int,
+    weights: str,
+    **stage: int,
+) -> Namespace:
+    """The namespace of ``model``'s pages (the engine's, or a speculative draft's:
+    ``client.vllm.drafts``) on TP rank ``tp_rank`` of ``parallel``, in this engine's
+    cache dtype and block size; ``stage``: its PP rank and layer groups."""
+    mla = (
+        model.use_mla
+    )  # one latent "head", replicated on every TP rank (stored once: stores_heads)
+    return Namespace(
+        model=name,
+        dtype=cache_dtype(vllm_config),
+        num_layers=num_layers,
         num_kv_heads=1 if mla else model.get_num_kv_heads(parallel),
         head_size=model.get_head_size(),
-        block_size=cache.block_size,
+        block_size=vllm_config.cache_config.block_size,
         layout=layout,
         tp_rank=tp_rank,
         tp_size=parallel.tensor_parallel_size,
         total_kv_heads=1 if mla else model.get_total_num_kv_heads(),
         head_groups=conf.head_groups,
-        pp_rank=pp_rank,
         tenant=conf.tenant,
         weights=weights,
-        **layers,
+        **stage,
     )
 
 

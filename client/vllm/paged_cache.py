@@ -305,10 +305,7 @@ class PagedCache:
             out[rows[first] : rows[first] + length].copy_(
                 scratch[rows[first] : rows[first] + length], non_blocking=True
             )
-        ready = torch.cuda.Event()
-        ready.record()
-        scratch.record_stream(torch.cuda.current_stream())
-        return GatherResult(out, ready)
+        return _in_flight(out, scratch)
 
     def scatter_layers(
         self,
@@ -347,10 +344,7 @@ class PagedCache:
         )
         self._copy(block_ids, scratch, to_cache=False)
         host.copy_(scratch, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        scratch.record_stream(torch.cuda.current_stream())
-        return GatherResult(host, ready)
+        return _in_flight(host, scratch)
 
     def scatter(
         self,
@@ -373,3 +367,13 @@ class PagedCache:
             device_pages = pages[: len(block_ids)].to(self.device, non_blocking=True)
             self._copy(block_ids, device_pages, to_cache=True, head_at=head_at, layer_at=layer_at)
             (stream or torch.cuda.current_stream()).synchronize()
+
+
+def _in_flight(host: torch.Tensor, scratch: torch.Tensor) -> GatherResult:
+    """GPU gathers: ``host``'s device-to-host copy from ``scratch`` is queued on the
+    current stream and left in flight; an event marks its end, and ``scratch`` is kept
+    alive until the stream passes it."""
+    ready = torch.cuda.Event()
+    ready.record()
+    scratch.record_stream(torch.cuda.current_stream())
+    return GatherResult(host, ready)

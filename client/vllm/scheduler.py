@@ -55,6 +55,11 @@ class _Tracked:
     broken: bool = False
     base: int | None = None
 
+    @property
+    def holding(self) -> bool:
+        """Whether a worker holds pages gathered for this request (hybrid groups)."""
+        return self.gathered > (self.base or 0)
+
 
 class ConnectorScheduler:
     """Scheduler-side state: loads found but not yet handed out, the blocks each load
@@ -247,7 +252,7 @@ class ConnectorScheduler:
             meta.saves.extend(self._finished_prefills(scheduler_output, meta.dropped))
         for req_id in scheduler_output.finished_req_ids:
             tracked = self._tracked.get(req_id)
-            if tracked is not None and tracked.gathered > (tracked.base or 0) and not tracked.saved:
+            if tracked is not None and tracked.holding and not tracked.saved:
                 meta.dropped.append(req_id)  # the worker holds its gathered pages
             self._forget(req_id)
         return meta
@@ -293,7 +298,7 @@ class ConnectorScheduler:
             full = len(tracked.prompt) // self._block_size
             base = tracked.base or 0
             if self._hybrid and (tracked.broken or tracked.gathered < full or base >= full):
-                if tracked.gathered > base:
+                if tracked.holding:
                     dropped.append(req_id)
                 continue
             if full > tracked.stored_blocks:
@@ -322,7 +327,7 @@ class ConnectorScheduler:
                             req_id, tokens, tracked.block_ids[0][:full], tracked.extras, event_id
                         )
                     )
-            elif tracked.gathered > (tracked.base or 0):
+            elif tracked.holding:
                 dropped.append(req_id)
         return saves
 

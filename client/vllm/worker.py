@@ -316,9 +316,7 @@ class ConnectorWorker:
                     self._outcomes.report([spec], ok=False)
                     continue
                 nbytes = len(held.pages) * page_nbytes
-                future = self._saver.submit(self._save, client, staging, spec, held, nbytes)
-                self._saving.add(future)
-                future.add_done_callback(self._saving.discard)
+                self._submit_save(client, staging, spec, held, nbytes)
                 continue
             draft = self._draft
             nbytes = len(spec.block_ids) * page_nbytes
@@ -345,16 +343,12 @@ class ConnectorWorker:
                 else None
             )
             self._stats.observe("save_gather_seconds", time.perf_counter() - started)
-            future = self._saver.submit(self._save, client, staging, spec, gathered, nbytes)
-            self._saving.add(future)
-            future.add_done_callback(self._saving.discard)
+            self._submit_save(client, staging, spec, gathered, nbytes)
             if draft is not None and drafted is not None:
                 # the draft's pages: counted, never in the save's KV event (the target's)
-                future = self._saver.submit(
-                    self._save, draft.client, draft.staging, spec, drafted, draft_nbytes, False
+                self._submit_save(
+                    draft.client, draft.staging, spec, drafted, draft_nbytes, answers_event=False
                 )
-                self._saving.add(future)
-                future.add_done_callback(self._saving.discard)
 
     def _gather(self, spec: GatherSpec) -> None:
         """Engine thread, hybrid groups: copy the request's blocks that became full this
@@ -389,6 +383,25 @@ class ConnectorWorker:
         ready = cache.gather_layers(rows, held.pages[:pages]).ready
         self._gathered[spec.req_id] = GatherResult(held.pages[:pages], ready or held.ready)
         self._stats.observe("save_gather_seconds", time.perf_counter() - started)
+
+    def _submit_save(
+        self,
+        client: KVCacheClient,
+        staging: StagingPool,
+        spec: SaveSpec,
+        gathered: GatherResult,
+        nbytes: int,
+        *,
+        answers_event: bool = True,
+    ) -> None:
+        """Engine thread: hand one request's pages to the saver thread (``_save``),
+        tracked in ``_saving`` until published (``get_finished`` and ``shutdown`` wait on it)."""
+        assert self._saver is not None  # wait_for_save submits only once registered
+        future = self._saver.submit(
+            self._save, client, staging, spec, gathered, nbytes, answers_event
+        )
+        self._saving.add(future)
+        future.add_done_callback(self._saving.discard)
 
     def _save(
         self,
