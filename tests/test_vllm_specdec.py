@@ -207,3 +207,44 @@ def test_a_tp2_speculating_engine_saves_the_draft_pages_a_tp1_one_loads(model_di
     shared, whole = consumer["results"]
     assert shared["num_cached_tokens"] == SHARED * BLOCK and shared["tokens"] == following
     assert whole["num_cached_tokens"] == len(PROMPT) // BLOCK * BLOCK and whole["tokens"] == plain
+
+
+def test_drafts_the_store_cannot_serve_are_refused_with_the_reason(model_dir, draft_dir):
+    """client.vllm.drafts.draft_refusal on engine configs as vLLM builds them: a draft in
+    the target's one group is served; beside hybrid groups, with pipeline parallelism, or
+    on fewer TP ranks than the target it is refused, naming why (the connector logs that
+    one line at start and makes no lookups, as for every refusal)."""
+    import torch
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    from client.vllm.drafts import draft_facts, draft_refusal
+
+    def config(spec: dict | None = None, **engine):
+        return EngineArgs(
+            model=model_dir, dtype="float32", skip_tokenizer_init=True, block_size=BLOCK, max_model_len=512,
+            speculative_config={**DRAFTS["draft_model"](draft_dir, None), **(spec or {})}, **engine,
+        ).create_engine_config()
+
+    def groups(*members) -> KVCacheConfig:
+        return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec) for names, spec in members])
+
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64)
+    target = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    draft = ["draft_model.model.layers.0.self_attn.attn"]
+    one = groups((target + draft, full))
+    plain = config()
+    facts = draft_facts(plain, one)
+    assert facts is not None and (facts.layers, facts.method, facts.drop_blocks) == (draft, "draft_model", 0)
+    assert draft_refusal(plain, one, facts) is None
+    hybrid = groups((target[:1] + draft, full), (target[1:], window))
+    assert draft_refusal(plain, hybrid, facts) == (
+        "speculative decoding (draft_model) with several KV-cache groups (hybrid attention): not stored there yet"
+    )
+    assert draft_refusal(config(pipeline_parallel_size=2), one, facts) == (
+        "speculative decoding (draft_model) with pipeline parallelism: a draft's pages are not stored across stages yet"
+    )
+    assert draft_refusal(config({"draft_tensor_parallel_size": 1}, tensor_parallel_size=2), one, facts) == (
+        "speculative decoding (draft_model) with a draft on 1 TP rank(s), not the target's every rank"
+    )
