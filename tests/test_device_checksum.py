@@ -1,0 +1,84 @@
+"""The device xxh3 (kvstore/pages/device_checksum.py) gives xxhash's own digests: its Triton
+kernels run on a GPU where there is one, and everywhere in Triton's interpreter on the
+CPU. CI installs Triton beside the project, not into it (vLLM's CPU build is kept free
+of it: ``TRITON_SITE``, .ci/run); the interpreter runs in a child process with that
+folder on its path."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from kvstore.pages import device_checksum
+
+ROOT = Path(__file__).resolve().parent.parent
+TRITON_SITE = os.environ.get("KVSTORE_TRITON_SITE", str(ROOT / ".venv" / "triton-site"))
+# Around every branch of xxh3's long path: one block or less, a partial last block of
+# 0, 1 and 15 stripes, a final stripe overlapping the last block, 64 KiB and larger.
+SIZES = [248, 1024, 1032, 1088, 2048 + 8, 2048 + 15 * 64 + 8, 24000, 65536, 65536 + 64 + 8, 300_000]
+
+CHILD = r"""
+import json, sys
+import numpy as np, torch, xxhash
+from kvstore.pages import device_checksum
+sizes = json.loads(sys.argv[1])
+rng = np.random.default_rng(11)
+out = []
+for nbytes in sizes:
+    pages = rng.integers(0, 256, (3, nbytes), dtype=np.uint8)
+    base = torch.from_numpy(np.concatenate([np.zeros(8, np.uint8), pages.reshape(-1)]).copy())
+    got = device_checksum.checksums(base, [8 + i * nbytes for i in range(3)], nbytes)
+    out.append(got == [xxhash.xxh3_64_intdigest(p.tobytes()) for p in pages])
+print(json.dumps(out))
+"""
+
+
+def test_the_triton_kernels_give_xxhashs_digests_in_the_interpreter():
+    if not (Path(TRITON_SITE) / "triton").is_dir():
+        pytest.skip(f"no Triton beside the project at {TRITON_SITE} (.ci/run installs it there)")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([TRITON_SITE, str(ROOT)]))
+    res = subprocess.run([sys.executable, "-c", CHILD, json.dumps(SIZES)], env=env, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == [True] * len(SIZES)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_triton_kernels_give_xxhashs_digests_on_the_gpu():
+    assert device_checksum.available() is None
+    rng = np.random.default_rng(5)
+    for nbytes in [*SIZES, 2 << 20]:
+        pages = rng.integers(0, 256, (5, nbytes), dtype=np.uint8)
+        base = torch.from_numpy(pages.reshape(-1).copy()).cuda()
+        offsets = [k * nbytes for k in (4, 0, 2)]  # any order, any subset
+        assert device_checksum.checksums(base, offsets, nbytes) == [xxhash.xxh3_64_intdigest(pages[k].tobytes()) for k in (4, 0, 2)]
+    assert device_checksum.self_test(torch.device("cuda")) is None
+
+
+def test_the_host_merge_matches_xxh3s_final_step():
+    """The merge the host runs over the kernels' accumulators (numpy, 64x64->128-bit
+    multiplies from 32-bit halves) against Python's exact integers."""
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 2**64, 1000, dtype=np.uint64)
+    y = rng.integers(0, 2**64, 1000, dtype=np.uint64)
+    got = device_checksum._mul128_fold(x, y)
+    for a, b, g in zip(x.tolist(), y.tolist(), got.tolist()):
+        p = a * b
+        assert g == (p & (2**64 - 1)) ^ (p >> 64)
+
+
+def test_what_the_device_checks_take_and_refuse():
+    assert not device_checksum.supports(240) and device_checksum.supports(248)
+    assert not device_checksum.supports(1028)  # not a multiple of 8
+    with pytest.raises(ValueError, match="8-byte aligned"):
+        device_checksum.launch(torch.zeros(4096, dtype=torch.uint8), [4], 1024)
+    assert device_checksum.SECRET[:8] == bytes.fromhex("b8fe6c3923a44bbe") and len(device_checksum.SECRET) == 192
+    # the secret is xxhash's: a digest needs all of it, so a wrong byte would fail the interpreter test
+    assert xxhash.xxh3_64_intdigest(b"") == 0x2D06800538D394C2
