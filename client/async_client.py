@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from client.buffers import Span
 from client.codec import check_pages
+from client.device_pages import DeviceCopier, default_copier
 from client.fetch import ReplicaFetcher
 from client.landing import TransferMode, lands_in_place
 from client.lookup import Identity, PrefixLookup, StoredPrefix
@@ -107,6 +109,7 @@ class AsyncKVCacheClient:
         namespace: Namespace | None = None,
         *,
         options: ClientOptions | None = None,
+        device: Callable[[ClientStats], DeviceCopier | None] = default_copier,
         **kwargs: Any,
     ) -> None:
         overrides, namespace_fields = split_options(kwargs)
@@ -124,6 +127,9 @@ class AsyncKVCacheClient:
         self.replicas = opts.replicas
         self.timeout = opts.timeout
         self.stats = ClientStats()
+        # lands gets into device memory (client.device_pages): CUDA's copier where a GPU
+        # is, else none; ``device`` builds it (a test passes HostCopier)
+        self.device = device(self.stats)
         self.index = AsyncPageIndex(
             opts.redis_url,
             timeout=min(opts.timeout, INDEX_TIMEOUT),
@@ -136,6 +142,7 @@ class AsyncKVCacheClient:
             token=opts.auth_token.get_secret_value(),
             same_host=opts.same_host,
             refresh=opts.node_refresh,
+            device=self.device,
         )
         self.registration = NamespaceRegistration(self.index, self.storage)
         self.lookups = PrefixLookup(
@@ -161,6 +168,7 @@ class AsyncKVCacheClient:
             self.stats,
             self._buffers,
             opts.transfer_mode,
+            self.device,
         )
         self._sequences = LookupBuffer(
             self.namespace,
@@ -311,6 +319,23 @@ class AsyncKVCacheClient:
         from eviction). Locations that went stale in between cost a shorter prefix,
         never wrong bytes: nodes check each page's hash and checksum."""
         return await self._reader.get_found(found, out, start_block)
+
+    async def get_found_device(
+        self, found: StoredPrefix, rows: torch.Tensor, start_block: int = 0
+    ) -> int:
+        """``get_found`` straight into device memory: the pages of blocks ``start_block``
+        on land back to back in ``rows`` (a contiguous tensor on the device, of at least
+        ``(found.blocks - start_block) * page_nbytes`` bytes), copied from the node's
+        memory by DMA on the same host (from pinned host memory over UCX) and checked on
+        the device against their checksums. Returns the tokens of the prefix that
+        arrived, as ``get_found``; rows past it are unspecified. For a rank whose head
+        groups are its whole pages; ``lands_on_device`` says whether it can run."""
+        return await self._reader.get_found_device(found, rows, start_block)
+
+    def lands_on_device(self, memory: torch.device) -> bool:
+        """Whether ``get_found_device`` (and ``get_pages`` into a tensor there) lands
+        pages straight in ``memory``; else gets into it stage through host memory."""
+        return self._reader.lands_on_device(memory)
 
     async def get_found_units(
         self, found: StoredPrefix, buf: torch.Tensor, start_block: int = 0

@@ -16,11 +16,12 @@ returned. The caller treats the node's pages as missing."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
-from client.buffers import Span, adjacent, joined
+from client.buffers import Span, adjacent, joined, split_spans
+from client.device_pages import DeviceCopier, DeviceSpan
 from client.node_calls import (
     Checksums,
     ClosedBeforeUseError,
@@ -46,9 +47,10 @@ class Connection:
 
     path = ""
 
-    def __init__(self, node: NodeInfo, token: str) -> None:
+    def __init__(self, node: NodeInfo, token: str, device: DeviceCopier | None = None) -> None:
         self.node = node
         self.token = token
+        self.device = device  # lands pages in device memory (client.device_pages)
         self._lock = asyncio.Lock()
         self.broken = False
         self._borrowed: list[np.ndarray] = []  # pool blocks of the request in flight (``_borrow``)
@@ -67,16 +69,38 @@ class Connection:
         self,
         namespace: NamespaceKey,
         hashes: list[bytes],
-        sinks: list[Span],
+        sinks: list[Span] | list[DeviceSpan],
         expected: list[int],
         timeout: float,
         probe: bool = False,
     ) -> GetOutcome:
-        """Fetch pages into ``sinks`` and verify each against ``expected`` (the index's
-        checksums); a ``probe`` (client start's warm-up) is left out of the node's counters."""
-        return await self._guarded(
-            self._get(namespace, hashes, sinks, expected, probe), timeout, "get"
-        )
+        """Fetch pages into ``sinks`` (host spans, or device spans of ``device``) and
+        verify each against ``expected`` (the index's checksums); a ``probe`` (client
+        start's warm-up) is left out of the node's counters."""
+        if sinks and isinstance(sinks[0], DeviceSpan):
+            work = self._get_device(namespace, hashes, sinks, expected)
+        else:
+            work = self._get(namespace, hashes, cast(list[Span], sinks), expected, probe)
+        return await self._guarded(work, timeout, "get")
+
+    async def _get_device(
+        self,
+        namespace: NamespaceKey,
+        hashes: list[bytes],
+        sinks: list[DeviceSpan],
+        expected: list[int],
+    ) -> GetOutcome:
+        """A get into device memory, through host memory: the pages land in pinned host
+        buffers of the pool (checked there as on any get), and those that arrived intact
+        are copied to the device. The same-host path overrides this with a copy straight
+        from the node's memory."""
+        if self.device is None:
+            raise ProtocolError("a get into device memory needs the client's device copier")
+        host = self._borrow(sum(s.nbytes for s in sinks))
+        spans = split_spans(host, [s.nbytes for s in sinks])
+        outcome = await self._get(namespace, hashes, spans, expected, False)
+        await self.device.land([(sinks[i], spans[i]) for i in outcome.ok], check=False)
+        return outcome
 
     async def _guarded(self, work: Any, timeout: float, what: str) -> Any:
         async with self._lock:
@@ -183,8 +207,10 @@ class NodeConnection(Connection):
 
     path = "ucx"
 
-    def __init__(self, node: NodeInfo, token: str, ucxx: Any) -> None:
-        super().__init__(node, token)
+    def __init__(
+        self, node: NodeInfo, token: str, ucxx: Any, device: DeviceCopier | None = None
+    ) -> None:
+        super().__init__(node, token, device)
         self._ucxx = ucxx
         self._ep: Channel | None = None
 

@@ -7,6 +7,9 @@ both the client's gets (``client.reads``) and the vLLM worker's loads
 - ``STAGED``: pages are received into host memory of the pool, checked there, then
   copied into the destination in one pass (device memory, a destination whose bytes
   cannot be viewed, or ``transfer_mode='staged'``).
+- ``DEVICE``: every page is copied straight into device memory (from a node's
+  registered memory on the same host, from pinned host memory over UCX) and checked
+  there against its checksum (``client.device_pages``).
 - ``UNITS``: a page of this rank is not one stored unit (it spans several head or
   layer groups, or part of one: ``kvstore.pages.heads``): the units are received into
   a buffer and the rank's heads are taken out of them."""
@@ -27,18 +30,23 @@ Spans = TypeVar("Spans")
 class Landing(Enum):
     IN_PLACE = "in_place"
     STAGED = "staged"
+    DEVICE = "device"
     UNITS = "units"
 
 
 def choose_landing(
-    heads: RankUnits, in_place: Callable[[], Spans | None]
+    heads: RankUnits, in_place: Callable[[], Spans | None], on_device: bool = False
 ) -> tuple[Landing, Spans | None]:
     """How pages of a get land (see the module docstring), and with ``IN_PLACE`` the
-    destination's spans to land in. ``in_place`` gives the destination's own spans, or
-    None where it cannot take pages in place; it is asked only when whole pages land
+    destination's spans to land in. ``on_device``: the destination is memory the
+    client's device copier reaches (``AsyncKVCacheClient.lands_on_device``, which also
+    requires whole pages). ``in_place`` gives the destination's own spans, or None where
+    it cannot take pages in place; it is asked only when whole host pages land
     (building spans costs: 0.43 ms for 96 blocks of a 10-layer cache)."""
     if not heads.identity:
         return Landing.UNITS, None
+    if on_device:
+        return Landing.DEVICE, None
     spans = in_place()
     return (Landing.STAGED, None) if spans is None else (Landing.IN_PLACE, spans)
 
@@ -49,16 +57,15 @@ def lands_in_place(device_type: str, transfer_mode: TransferMode) -> bool:
     ``InvalidInputError`` for ``transfer_mode='direct'`` into any other memory."""
     if device_type == "cpu":
         return transfer_mode != "staged"
-    # Device memory is reached through pinned host staging: every page is checked
-    # against its checksum as it lands, and the check reads host memory. A receive
-    # straight into device memory (UCX's cuda_copy) raised in that check, so each
-    # such get counted a healthy node as failed and missed; 'auto' picked it on every
-    # CUDA-capable UCX build without the same-host path (found reading the GPU
-    # check's code paths, bench/gpu_check.py; no GPU was lent to measure it).
+    # Device memory that the client's copier reaches takes Landing.DEVICE before this
+    # is asked. Anything else is reached through pinned host staging: every page is
+    # checked against its checksum as it lands, and the check reads host memory (a UCX
+    # receive straight into device memory raised in that check: each such get counted a
+    # healthy node as failed and missed).
     if transfer_mode == "direct":
         raise InvalidInputError(
-            f"transfer_mode='direct' into {device_type} memory is not offered: a page received there cannot be "
-            "checked against its checksum; use 'auto' or 'staged' (pinned host memory, checked, "
-            "then one copy to the device)"
+            f"transfer_mode='direct' into {device_type} memory needs a device copier that checks "
+            "pages there (CUDA with Triton: client.device_pages); use 'auto' or 'staged' "
+            "(pinned host memory, checked, then one copy to the device)"
         )
     return False

@@ -5,8 +5,9 @@ connection fails, and the request frames."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -112,13 +113,16 @@ def put_request(
 
 
 def get_request(
-    namespace: NamespaceKey, token: str, hashes: list[bytes], sinks: list[Span], probe: bool
+    namespace: NamespaceKey, token: str, hashes: list[bytes], sinks: Sequence[Any], probe: bool
 ) -> P.GetRequest:
+    """The GET of ``hashes`` into ``sinks``: host spans say which pages may travel in
+    one message (``join_flags``); device spans (client.device_pages) never do."""
+    host = all(isinstance(s, Span) for s in sinks)
     return P.GetRequest(
         namespace=namespace.digest,
         tenant=namespace.tenant,
         token=token,
         hashes=hashes,
-        join=join_flags(sinks),
+        join=join_flags(list(sinks)) if host else [False] * len(hashes),
         probe=probe,
     )

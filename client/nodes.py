@@ -14,6 +14,7 @@ import numpy as np
 
 from client.buffers import Span
 from client.connection import NodeConnection
+from client.device_pages import DeviceCopier
 from client.node_calls import ClosedBeforeUseError, NodeRefusedError, SameHostUnavailableError
 from client.placement import rank_nodes
 from client.shm_connection import ShmConnection
@@ -54,10 +55,13 @@ class NodeDirectory:
         token: str,
         same_host: bool,
         refresh: float,
+        device: DeviceCopier | None = None,
     ) -> None:
         self.index = index
         self.stats = stats
         self.ucxx: Any = None
+        # lands gets into device memory (client.device_pages); every connection has it
+        self.device = device
         self.same_host = same_host
         self._token = token
         self._refresh = refresh
@@ -224,9 +228,9 @@ class NodeDirectory:
                 self.same_host and node.extra.get("shm") and node.extra.get("host") == host_id()
             )
             if same_host and self._shm_failed.get(node.node_id) != node.incarnation:
-                conn = ShmConnection(node, self._token)
+                conn = ShmConnection(node, self._token, self.device)
             else:
-                conn = NodeConnection(node, self._token, self.ucxx)
+                conn = NodeConnection(node, self._token, self.ucxx, self.device)
             self._conns[node.node_id] = conn
         return conn
 

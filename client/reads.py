@@ -9,6 +9,7 @@ import torch
 
 from client.buffers import Span, host_bytes, page_spans
 from client.codec import check_pages
+from client.device_pages import DeviceCopier, DeviceSpan, device_spans
 from client.fetch import ReplicaFetcher, leading, unit_requests, whole_blocks
 from client.landing import Landing, TransferMode, choose_landing, lands_in_place
 from client.lookup import Identity, PrefixLookup, StoredPrefix
@@ -39,6 +40,7 @@ class PageReader:
         stats: ClientStats,
         buffers: HostBuffers,
         transfer_mode: TransferMode,
+        device: DeviceCopier | None = None,
     ) -> None:
         self._lookups = lookups
         self._fetcher = fetcher
@@ -47,6 +49,22 @@ class PageReader:
         self._stats = stats
         self._buffers = buffers
         self.transfer_mode = transfer_mode
+        self._device = device
+
+    def lands_on_device(self, memory: torch.device) -> bool:
+        """Whether whole pages of this rank can land straight in ``memory`` (device memory
+        the client's copier reaches: ``client.device_pages``), checked there; False for
+        host memory unless the copier's "device" is the host, and with
+        ``transfer_mode='staged'``."""
+        device = self._device
+        return (
+            device is not None
+            and self.transfer_mode != "staged"
+            and self._rank.identity
+            and memory.type == device.device.type
+            and _index(memory) == _index(device.device)
+            and device.supports(self._ns.page_nbytes)
+        )
 
     def units_nbytes(self, blocks: int) -> int:
         """Bytes of this rank's head-group units of ``blocks`` blocks."""
@@ -111,6 +129,35 @@ class PageReader:
             split_hashes(found.joined), result, start_block, sinks[: result.matched - start_block]
         )
 
+    async def get_found_device(
+        self, found: StoredPrefix, rows: torch.Tensor, start_block: int
+    ) -> int:
+        """``AsyncKVCacheClient.get_found_device``: ``found``'s pages from ``start_block``
+        on into ``rows``, back to back, straight from the nodes' memory."""
+        self._lookups.check_found(found)
+        _check_start(start_block)
+        if not self.lands_on_device(rows.device):
+            raise InvalidInputError(
+                f"pages cannot land in {rows.device} memory here (no device copier for it, a "
+                "rank of head groups, or transfer_mode='staged'): use get_found"
+            )
+        if not rows.is_contiguous():
+            raise InvalidInputError("rows must be contiguous: pages land back to back in it")
+        m = found.blocks - start_block
+        if m <= 0:
+            return 0
+        if rows.numel() * rows.element_size() < m * self._ns.page_nbytes:
+            raise InvalidInputError(
+                f"rows hold {rows.numel() * rows.element_size()} bytes; {m} pages need "
+                f"{m * self._ns.page_nbytes}"
+            )
+        result = await self._lookups.found_result(found)
+        if not result or result.matched <= start_block:
+            return 0
+        self._stats.device_transfers += 1
+        spans = device_spans(rows, result.matched - start_block, self._ns.page_nbytes)
+        return await self._fetch_into(split_hashes(found.joined), result, start_block, spans)
+
     async def fetch_units(
         self,
         hashes: list[bytes],
@@ -153,7 +200,14 @@ class PageReader:
             return 0
         n, nbytes, block_size = result.matched, self._ns.page_nbytes, self._ns.block_size
         wanted = slice(start_block, n)
-        landing, spans = choose_landing(self._rank, lambda: self.in_place_spans(out, wanted))
+        landing, spans = choose_landing(
+            self._rank, lambda: self.in_place_spans(out, wanted), self.lands_on_device(out.device)
+        )
+        if landing is Landing.DEVICE:
+            # straight from the nodes' memory into out's rows, checked on the device
+            self._stats.device_transfers += 1
+            rows = device_spans(out[start_block:n], n - start_block, nbytes)
+            return await self._fetch_into(hashes, result, start_block, rows)
         if landing is Landing.IN_PLACE:
             self._stats.direct_transfers += 1
             return await self._fetch_into(hashes, result, start_block, spans or [])
@@ -181,7 +235,11 @@ class PageReader:
         return (start_block + got) * block_size
 
     async def _fetch_into(
-        self, hashes: list[bytes], result: LookupResult, start_block: int, spans: list[Span]
+        self,
+        hashes: list[bytes],
+        result: LookupResult,
+        start_block: int,
+        spans: list[Span] | list[DeviceSpan],
     ) -> int:
         """Fetch whole pages of blocks ``start_block`` to ``result.matched`` into ``spans``
         (one per block); the tokens of the prefix that arrived."""
@@ -189,6 +247,13 @@ class PageReader:
             *unit_requests(self._rank, hashes, result, slice(start_block, result.matched)), spans
         )
         return (start_block + leading(ok)) * self._ns.block_size
+
+
+def _index(memory: torch.device) -> int:
+    """The device's index, the current one for a CUDA device named without one."""
+    if memory.index is not None:
+        return memory.index
+    return torch.cuda.current_device() if memory.type == "cuda" else 0
 
 
 def _check_start(start_block: int) -> None:

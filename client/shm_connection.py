@@ -15,6 +15,7 @@ import numpy as np
 
 from client.buffers import Span
 from client.connection import Connection
+from client.device_pages import DeviceCopier, DeviceSpan
 from client.node_calls import (
     Checksums,
     GetOutcome,
@@ -48,11 +49,14 @@ class ShmConnection(Connection):
 
     path = "shm"
 
-    def __init__(self, node: NodeInfo, token: str) -> None:
-        super().__init__(node, token)
+    def __init__(self, node: NodeInfo, token: str, device: DeviceCopier | None = None) -> None:
+        super().__init__(node, token, device)
         self._ch: shm.UnixChannel | None = None
         # slab -> its mapping (writable once a put lent it); the node tracks generations
         self._maps: dict[int, np.ndarray] = {}
+        # slab -> the device copier's registration of its mapping (made by the first
+        # device get that reads from it; undone before the mapping goes)
+        self._registered: dict[int, Any] = {}
 
     async def _open(self, timeout: float) -> None:
         if self._ch is None:
@@ -158,6 +162,53 @@ class ShmConnection(Connection):
             outcome.check(i, node_sum, expected[i], digest)
         return outcome
 
+    async def _get_device(
+        self,
+        namespace: NamespaceKey,
+        hashes: list[bytes],
+        sinks: list[DeviceSpan],
+        expected: list[int],
+    ) -> GetOutcome:
+        """A get into device memory straight from the node's slots: each page is copied
+        by DMA from the slab's mapping (registered with the device once) into its sink,
+        the node is told it may unpin once every copy has landed, and each page is then
+        checked on the device against the index's checksum (client.device_pages)."""
+        device = self.device
+        if device is None:
+            raise ProtocolError("a get into device memory needs the client's device copier")
+        await self._channel().send_frame(get_request(namespace, self.token, hashes, sinks, False))
+        plan = await self._plan(P.GetPlan)
+        present, sizes, sums = plan.ints("present"), plan.ints("sizes"), plan.ints("checksums")
+        regions, offsets = plan.ints("regions"), plan.ints("offsets")
+        if not len(present) == len(sizes) == len(sums) == len(regions) == len(offsets) or any(
+            not 0 <= i < len(hashes) for i in present
+        ):
+            raise ProtocolError(f"node {self.node.node_id} sent an inconsistent get plan")
+        copied, copies = [], []
+        for i, size, region, off, node_sum in zip(present, sizes, regions, offsets, sums):
+            mapped = self._maps.get(region)
+            if mapped is None or sinks[i].nbytes != size or off + size > mapped.size:
+                continue  # a page of the wrong size can never be the one asked for
+            if region not in self._registered:
+                self._registered[region] = device.register(mapped, mapped.flags.writeable)
+            copied.append((i, node_sum))
+            copies.append((sinks[i], Span(mapped, off, size)))
+        try:
+            checks = await device.land(copies)
+            digests = await checks.digests()  # every byte has landed, and been checked
+        finally:
+            # the pins hold until here; the copies are over (or will never be looked at)
+            await self._channel().send_frame(P.GetDone())
+        outcome = GetOutcome([], 0)
+        for (i, node_sum), digest in zip(copied, digests):
+            outcome.check(i, node_sum, expected[i], digest)
+        return outcome
+
+    def _unregister(self, region: int) -> None:
+        token = self._registered.pop(region, None)
+        if token is not None and self.device is not None:
+            self.device.unregister(token)
+
     def _map(self, mapped: list[tuple[int, int]], fds: list[int]) -> None:
         """Map the slabs whose descriptors came with a plan (replacing stale generations
         and read-only mappings of slabs now lent for writing); the descriptors are
@@ -177,6 +228,7 @@ class ShmConnection(Connection):
                 int(
                     view[::FAULT_AROUND].sum()
                 )  # one read per 64 KiB maps the slab (see FAULT_AROUND)
+                self._unregister(region)  # the mapping it replaces goes now
                 self._maps[region] = view
         finally:
             shm.close_fds(fds)
@@ -186,4 +238,6 @@ class ShmConnection(Connection):
         ch, self._ch = self._ch, None
         if ch is not None:
             ch.close()
+        for region in list(self._registered):
+            self._unregister(region)
         self._maps.clear()

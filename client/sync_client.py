@@ -226,6 +226,16 @@ class KVCacheClient:
         """``AsyncKVCacheClient.get_found_into``; a fault or the deadline gives 0."""
         return self._read(self._async.get_found_into(found, sinks, start_block), 0)
 
+    def get_found_device(
+        self, found: StoredPrefix, rows: torch.Tensor, start_block: int = 0
+    ) -> int:
+        """``AsyncKVCacheClient.get_found_device``; a fault or the deadline gives 0."""
+        return self._read(self._async.get_found_device(found, rows, start_block), 0)
+
+    def lands_on_device(self, memory: torch.device) -> bool:
+        """``AsyncKVCacheClient.lands_on_device`` (any thread)."""
+        return self._async.lands_on_device(memory)
+
     def get_found_units(
         self, found: StoredPrefix, buf: torch.Tensor, start_block: int = 0
     ) -> tuple[torch.Tensor | None, int]:

@@ -489,14 +489,15 @@ def test_an_index_that_cannot_be_reached_is_a_fault_not_a_shorter_prefix(url):
 
 
 def test_device_memory_is_reached_through_checked_host_staging(cluster, ns):
-    """A get into device memory lands in pinned host memory, where each page is checked
-    against its checksum, then moves in one copy; a receive straight into device memory
-    is refused by name (its check read host memory and failed, a silent miss)."""
+    """A get into device memory that no device copier of the client reaches (here: the
+    meta device; CUDA's is tests/test_device_loads.py) lands in pinned host memory,
+    where each page is checked against its checksum, then moves in one copy; asking for
+    it 'direct' is refused by name (a check that read host memory failed: a silent miss)."""
     with KVCacheClient(cluster.redis_url, ns, timeout=5, same_host=False) as cl:
         device = torch.empty(1, device="meta")  # any memory but the host's
         assert cl._async._mode_for(device) == "staged"
     with KVCacheClient(cluster.redis_url, ns, timeout=5, same_host=False, transfer_mode="direct") as cl:
-        with pytest.raises(InvalidInputError, match="transfer_mode='direct' into meta memory is not offered"):
+        with pytest.raises(InvalidInputError, match="transfer_mode='direct' into meta memory needs a device copier"):
             cl._async._mode_for(device)
         assert cl._async._mode_for(torch.empty(1)) == "direct"  # host memory: checked where it lands
 

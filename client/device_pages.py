@@ -1,0 +1,350 @@
+"""Gets into device memory: the seam between a client's connections and an accelerator's
+memory (``DeviceCopier``), its CUDA form (``CudaCopier``) and a host stand-in
+(``HostCopier``: the same path with the CPU as the "device", for tests and CPU checks).
+
+The path, on the same host: a node's pool slabs are mapped read-only into the client
+(``client.shm_connection``); each mapping is registered with CUDA once, when a device
+get first reads from it (``cudaHostRegister``, read-only flag for read-only mappings),
+so that a page is copied from the node's memory straight into device memory by DMA:
+no CPU copy, no CPU hash. Every page that landed is then checked on the device against
+the index's checksum (``kvstore.pages.device_checksum``: the same xxh3), after the copy
+is complete and the node was told it may unpin, so a page evicted, overwritten or
+scribbled on while it was copied fails its check and is a miss, never wrong KV.
+
+Measured on an NVIDIA H200 (``../shared/reference/gpu-h200.md``): an H2D copy from an
+unregistered ``/dev/shm`` mapping ran at 6.0-6.2 GB/s, from a registered one at 54.2
+(read-only registration 54.5), the pinned-buffer limit being 54.4; 128 separate 2 MiB
+copies 50.2-50.5. So copies of pages that lie back to back in a slab, to rows that lie
+back to back, are merged into one (``_merged``).
+
+A mapping whose registration fails still works (the copy is then the driver's staged
+one, about 6 GB/s): the failure is logged once per copier and counted
+(``ClientStats.host_register_failures``), never silent. Across hosts, UCX receives
+into the client's pinned host buffers (checked there as it lands), and the verified
+pages are copied to the device (``client.connection``)."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import threading
+import warnings
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from client.buffers import Span
+from client.stats import ClientStats
+from kvstore.pages import device_checksum
+from kvstore.pages.checksum import page_checksum
+
+log = logging.getLogger(__name__)
+# cudaHostRegister's flags (driver_types.h): read-only mappings need the read-only flag
+# (measured: PROT_READ /dev/shm mapping with flag 8 reached 54.5 GB/s on an H200).
+REGISTER_DEFAULT = 0
+REGISTER_READ_ONLY = 8
+# Bytes of pages whose checks are queued together behind their copies: the device
+# hashes one batch while the next crosses the bus, so a get waits after its last copy
+# only for the checks of the last batch.
+CHECK_BATCH = 32 << 20
+LAST_CHECK_BATCH = 8 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSpan:
+    """One page's place in device memory: ``nbytes`` bytes at ``offset`` of ``base``, a
+    contiguous 1-D uint8 tensor on the copier's device (rows of one tensor share it)."""
+
+    base: torch.Tensor
+    offset: int
+    nbytes: int
+
+    def view(self) -> torch.Tensor:
+        return self.base[self.offset : self.offset + self.nbytes]
+
+
+def device_spans(rows: torch.Tensor, count: int, page_nbytes: int) -> list[DeviceSpan]:
+    """``count`` pages back to back at the start of ``rows`` (any contiguous tensor)."""
+    flat = rows.reshape(-1).view(torch.uint8)
+    if flat.numel() < count * page_nbytes:
+        raise ValueError(f"{flat.numel()} bytes hold fewer than {count} pages of {page_nbytes}")
+    return [DeviceSpan(flat, i * page_nbytes, page_nbytes) for i in range(count)]
+
+
+def _merged(copies: list[tuple[DeviceSpan, Span]]) -> list[tuple[torch.Tensor, np.ndarray]]:
+    """Copies whose sources and destinations both continue the one before, joined: the
+    device and host views of each copy to make (plain lists: a 1,024-page get of
+    64 KiB pages spends its Python time per page)."""
+    runs: list[list[Any]] = []  # [device base, device offset, host base, host offset, bytes]
+    for dst, src in copies:
+        if runs:
+            run = runs[-1]
+            if (
+                run[0] is dst.base
+                and run[1] + run[4] == dst.offset
+                and run[2] is src.base
+                and run[3] + run[4] == src.offset
+                and not src.pieces
+            ):
+                run[4] += dst.nbytes
+                continue
+        if src.pieces or src.nbytes != dst.nbytes:
+            raise ValueError("a device copy takes a contiguous host span of the page's size")
+        runs.append([dst.base, dst.offset, src.base, src.offset, dst.nbytes])
+    return [(db[do : do + n], hb[ho : ho + n]) for db, do, hb, ho, n in runs]
+
+
+class DeviceCopier:
+    """What a client needs of a device to land pages there: register host mappings,
+    copy host bytes into device spans, checksum device spans. Built once per client and
+    handed to its connections at construction; called on the client's event loop.
+    ``stats``: the client's counters (registrations and their failures)."""
+
+    def __init__(self, device: torch.device, stats: ClientStats) -> None:
+        self.device = device
+        self.stats = stats
+
+    def supports(self, page_nbytes: int) -> bool:
+        """Whether pages of this size can land through this copier (else: staged)."""
+        return True
+
+    def prepare(self) -> None:
+        """Get ready for the first get (any thread; idempotent): a caller that knows it
+        will load into the device (the vLLM connector, at registration) calls it so the
+        first load does not pay for it."""
+
+    def register(self, mapping: np.ndarray, writable: bool) -> Any:
+        """Make ``mapping`` (a whole slab) a fast copy source; returns a token for
+        ``unregister`` (None when it stays unregistered)."""
+        return None
+
+    def unregister(self, token: Any) -> None:
+        """Undo ``register`` before the mapping goes away."""
+
+    async def land(self, copies: list[tuple[DeviceSpan, Span]], check: bool = True) -> Checks:
+        """Copy each host span (contiguous, of its page's size) into its device span.
+        With ``check``, the pages' checks follow their copies, and every byte has
+        landed once ``Checks.digests`` (their digests, in ``copies``' order) returns,
+        which the caller must await before it lets go of either side; without, this
+        returns once every byte has landed."""
+        raise NotImplementedError
+
+
+class Checks:
+    """The xxh3-64 digests of pages that landed in device memory, in the order they were
+    copied (``kvstore.pages.checksum``'s digests of the same bytes); ``digests`` waits
+    for them. ``compute``: what gives them."""
+
+    def __init__(self, compute: Callable[[], Awaitable[list[int]]]) -> None:
+        self._compute = compute
+
+    async def digests(self) -> list[int]:
+        return await self._compute()
+
+
+class HostCopier(DeviceCopier):
+    """The device path with host memory as the "device": the same connection code,
+    registrations (none needed) and checks, with copies by torch and digests by xxhash.
+    Used where no GPU is (tests of the path) and as the reference ``CudaCopier`` is
+    checked against."""
+
+    def __init__(self, stats: ClientStats) -> None:
+        super().__init__(torch.device("cpu"), stats)
+
+    async def land(self, copies: list[tuple[DeviceSpan, Span]], check: bool = True) -> Checks:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a read-only mapping: only read
+            for dst, src in _merged(copies):
+                dst.copy_(torch.from_numpy(src))
+        landed = [dst for dst, _ in copies]
+
+        async def digests() -> list[int]:
+            return [page_checksum(d.view().numpy()) for d in landed]
+
+        return Checks(digests)
+
+
+class CudaCopier(DeviceCopier):
+    """Copies on a CUDA stream of its own from host mappings registered with CUDA, and
+    checks on the device (``kvstore.pages.device_checksum``). ``usable`` says whether
+    the checks run here (Triton present and its digests equal xxhash's): a client uses
+    the device path only then, and stages through pinned host memory otherwise."""
+
+    def __init__(self, device: torch.device, stats: ClientStats) -> None:
+        if device.index is None:  # "cuda": the current device, named
+            device = torch.device("cuda", torch.cuda.current_device())
+        super().__init__(device, stats)
+        self._lock = threading.Lock()
+        self._prepared = False
+        self._stream: Any = None  # the copies
+        self._checks: Any = None  # the checks of what landed
+        self._cudart: Any = None
+        self._register_warned = False
+        self.unusable: str | None = None  # why the device checks cannot run (``prepare``)
+
+    def prepare(self) -> None:
+        """Make the copy stream and check the device checksums against xxhash
+        (compiling Triton's kernels: seconds, once per process and device)."""
+        with self._lock:
+            if self._prepared:
+                return
+            self._stream = torch.cuda.Stream(device=self.device)
+            self._checks = torch.cuda.Stream(device=self.device)
+            self._cudart = torch.cuda.cudart()
+            with torch.cuda.device(self.device):
+                self.unusable = device_checksum.self_test(self.device)
+            if self.unusable:
+                log.warning(
+                    "gets into %s go through pinned host memory: %s", self.device, self.unusable
+                )
+            self._prepared = True
+
+    def supports(self, page_nbytes: int) -> bool:
+        self.prepare()
+        return self.unusable is None and device_checksum.supports(page_nbytes)
+
+    def register(self, mapping: np.ndarray, writable: bool) -> Any:
+        ptr, size = mapping.ctypes.data, mapping.nbytes
+        flags = REGISTER_DEFAULT if writable else REGISTER_READ_ONLY
+        err = int(self._cudart.cudaHostRegister(ptr, size, flags))
+        if err and not writable:  # a driver without read-only registration: plain flags
+            err = int(self._cudart.cudaHostRegister(ptr, size, REGISTER_DEFAULT))
+        if err:
+            _clear_last_error(self._cudart)  # else torch's next launch check raises it
+            self.stats.host_register_failures += 1
+            if not self._register_warned:
+                self._register_warned = True
+                log.warning(
+                    "cudaHostRegister of a node's %d-byte slab failed (error %d): pages from "
+                    "unregistered slabs are copied at pageable speed (logged once; counted in "
+                    "host_register_failures)",
+                    size,
+                    err,
+                )
+            return None
+        self.stats.host_registrations += 1
+        return ptr
+
+    def unregister(self, token: Any) -> None:
+        if token is not None:
+            self._cudart.cudaHostUnregister(token)
+
+    async def land(self, copies: list[tuple[DeviceSpan, Span]], check: bool = True) -> Checks:
+        """All copies are queued on the copy stream at once, in batches of about
+        ``CHECK_BATCH`` bytes; each batch's checks are queued on the check stream behind
+        its copies, so the device hashes one batch while the next one crosses the bus,
+        and only the last batch's checks remain once the copies are done."""
+        # the last batch small: its checks are what a get waits for after its copies
+        tail, tail_bytes = len(copies), 0
+        while tail > 1 and (
+            not tail_bytes or tail_bytes + copies[tail - 1][0].nbytes <= LAST_CHECK_BATCH
+        ):
+            tail -= 1
+            tail_bytes += copies[tail][0].nbytes
+        batches: list[list[int]] = [[]]
+        size = 0
+        for k, (dst, _) in enumerate(copies):
+            if size >= CHECK_BATCH or (k == tail and batches[-1]):
+                batches.append([])
+                size = 0
+            batches[-1].append(k)
+            size += dst.nbytes
+        landed: list[
+            tuple[list[int], Any, Any]
+        ] = []  # (pages, event after their copies, their check)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a read-only mapping: only read
+            with torch.cuda.stream(self._stream):
+                for ks in batches:
+                    for dst_view, src_view in _merged([copies[k] for k in ks]):
+                        dst_view.copy_(torch.from_numpy(src_view), non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(self._stream)
+                    landed.append((ks, event, None))
+        if check and copies:
+            with torch.cuda.stream(self._checks):
+                for b, (ks, event, _) in enumerate(landed):
+                    self._checks.wait_event(event)
+                    landed[b] = (ks, event, self._launch([copies[k][0] for k in ks]))
+        if not (check and copies):
+            await _settled(landed[-1][1])
+            return Checks(_no_digests)
+        checked = torch.cuda.Event()
+        checked.record(self._checks)  # after every batch's copies and checks
+
+        async def digests() -> list[int]:
+            await _settled(checked)  # one wait for the copies and the checks
+            out = [0] * len(copies)
+            for ks, _, check_of in landed:
+                for k, digest in zip(ks, check_of()):
+                    out[k] = digest
+            return out
+
+        return Checks(digests)
+
+    def _launch(self, spans: list[DeviceSpan]) -> Callable[[], list[int]]:
+        """Queue the checks of ``spans`` (pages of one size) on the current stream; the
+        function it returns gives their digests once the stream has passed them."""
+        nbytes = spans[0].nbytes
+        by_base: dict[int, list[int]] = {}
+        for k, s in enumerate(spans):
+            if s.nbytes != nbytes:
+                raise ValueError("device checksums take pages of one size")
+            by_base.setdefault(id(s.base), []).append(k)
+        launched = [
+            (ks, device_checksum.launch(spans[ks[0]].base, [spans[k].offset for k in ks], nbytes))
+            for ks in by_base.values()
+        ]
+
+        def finish() -> list[int]:
+            out = [0] * len(spans)
+            for ks, accs in launched:
+                for k, digest in zip(ks, device_checksum.finish(accs, nbytes)):
+                    out[k] = digest
+            return out
+
+        return finish
+
+
+def _clear_last_error(cudart: Any) -> None:
+    """Reset CUDA's last error after a failed runtime call of ours: torch checks it after
+    its own kernel launches and would raise ours there. torch's cudart module may lack
+    the call; then the loaded libcudart is asked directly."""
+    get = getattr(cudart, "cudaGetLastError", None)
+    if get is not None:
+        get()
+        return
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line}
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()
+    except OSError as exc:
+        log.debug("could not reset CUDA's last error: %s", exc)
+
+
+async def _no_digests() -> list[int]:
+    return []
+
+
+async def _settled(done: Any) -> None:
+    """Wait for the work before ``done`` (a CUDA event) in a thread, so the loop serves
+    other nodes' transfers meanwhile. Cancelled, it still waits, here: no copy may land
+    in a caller's memory after its call has returned (the caller may reuse it at once)."""
+    try:
+        await asyncio.to_thread(done.synchronize)
+    except asyncio.CancelledError:
+        done.synchronize()  # queued on the device already: bounded by the copy itself
+        raise
+
+
+def default_copier(stats: ClientStats) -> DeviceCopier | None:
+    """The copier a client builds for itself: CUDA's where a GPU is, else None (gets into
+    device memory then stage through pinned host memory, as without one)."""
+    if not torch.cuda.is_available():
+        return None
+    return CudaCopier(torch.device("cuda", torch.cuda.current_device()), stats)
