@@ -82,6 +82,11 @@ class PageLoader:
         self._layer_groups = layer_groups
         self._load_stream = load_stream  # a CUDA side stream on a GPU, else None
         self._credential_refused = credential_refused
+        # pages land straight in device memory (KVCacheClient.get_found_device); hybrid
+        # groups stage (a page's layers go to different groups' blocks)
+        # (asked here, at registration: on a GPU it checks the device checksums once,
+        # compiling them, so the first load does not wait for that)
+        self._on_device = not layer_groups and client.lands_on_device(cache.device)
 
     def load(self, spec: LoadSpec, after: Any) -> LoadOutcome:
         """Loader thread: fetch, verify and scatter one request's blocks. Never raises:
@@ -102,8 +107,27 @@ class PageLoader:
                     time.perf_counter() - started,
                 )
             # how pages land: the client's gets choose the same way (client.landing)
-            landing, spans = choose_landing(client.heads, lambda: cache.block_spans(wanted))
-            if landing is Landing.IN_PLACE:
+            landing, spans = choose_landing(
+                client.heads, lambda: cache.block_spans(wanted), self._on_device
+            )
+            if landing is Landing.DEVICE:
+                # Device memory: straight from the nodes' memory into device rows (DMA
+                # from registered mappings on the same host), checked there, then
+                # scattered into the blocks on the device: bytes that failed their check
+                # never reach the cache, and any byte order of the cache works.
+                # Measured on an H200 (shared/reference/gpu-h200.md, probe2): one H2D
+                # plus a per-layer device reorder into FlashAttention's default LBNHC
+                # 48.4 GB/s; one copy per page into a BLHNC cache 50.9 GB/s, but the
+                # checks need the pages whole before they enter the cache.
+                rows = torch.empty(
+                    (len(wanted), *cache.page_shape), dtype=cache.dtype, device=cache.device
+                )
+                got = (
+                    client.get_found_device(spec.found, rows, start_block=spec.start_block)
+                    // self._block_size
+                )
+                parts = [(rows[: max(got - spec.start_block, 0)], 0, 0)]
+            elif landing is Landing.IN_PLACE:
                 # Straight into the cache's blocks: from the node's mapped slots with one
                 # copy on the same host (no host page buffer, no scatter); over UCX in
                 # place when the cache is block-major, else through one scratch copy;

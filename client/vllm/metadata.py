@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+except ImportError:  # the load path without vLLM (bench/gpu_check.py on a GPU host)
+    KVConnectorMetadata = object  # type: ignore[misc,assignment]
 
 from client.async_client import StoredPrefix
 from kvstore.pages.identity import NO_EXTRAS, BlockExtras
