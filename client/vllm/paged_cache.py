@@ -14,10 +14,13 @@ layers x 128 KiB (126 MiB): scatter 14.8 ms in runs vs 17.5 ms with ``index_copy
 gather 42 ms vs 62 ms with ``index_select``. Fragmented lists (more runs than
 ``_MAX_RUNS``) fall back to one indexed copy per layer.
 
-On a GPU the pages cross the bus once, contiguous: ``scatter`` copies the host pages to
-a device scratch tensor and then runs the per-layer copies on the device; ``gather``
-does the reverse and leaves the device-to-host copy in flight (``GatherResult.ready``
-is the event to wait on), so the engine step does not wait for the bus.
+On a GPU every copy is a kernel the calling thread launches, so the copies are indexed,
+one per layer, whatever the runs. ``scatter`` takes pages already in device memory (the
+connector's loads land there: ``client.device_pages``) or copies host pages over in
+one copy first; ``gather`` copies the blocks into a device scratch on the current
+stream (before any later work can reuse them) and the scratch to the host on a stream
+of its own, on the copy engines, beside the next steps (``GatherResult.ready`` is the
+event to wait on), so the engine thread only queues the copies.
 
 Called by the vLLM connector's worker side: ``gather`` on the engine thread (the blocks
 may be reused once the step ends), ``scatter`` on the loader thread (the blocks belong

@@ -6,15 +6,17 @@ on threads of their own, so nothing blocks the engine step for a transfer.
   ``client.vllm.cache_checks``), which fetch the pages the scheduler's lookup found
   (``KVCacheClient.get_found``: no second index round trip while that lookup's read
   lease is less than half gone), verified by checksum, and scatter them into the paged
-  cache (``PagedCache``: per-layer strided copies in contiguous runs; on a GPU one
-  host-to-device copy on a side stream).
+  cache (``PagedCache``: per-layer strided copies in contiguous runs). On a GPU the
+  pages land in device memory straight from a same-host node's memory and are checked
+  there (``KVCacheClient.get_found_device``), then scattered on a side stream.
   ``get_finished`` reports finished loads; blocks that did not arrive are reported
   through ``get_block_ids_with_load_errors`` no later than that, and vLLM recomputes
   them. Every worker reports every load it was given, so with several TP workers
   vLLM's ``KVOutputAggregator`` sees a request finished only once all have.
 - Saves: ``wait_for_save`` copies the blocks out of the cache at the end of the step
-  (on a GPU the device-to-host copy stays in flight on the compute stream, so the
-  blocks can be reused by later steps safely) and publishes them on a saver thread.
+  (on a GPU into a device scratch on the compute stream, so later steps may reuse the
+  blocks, and from it to the host on a stream of its own, left in flight) and
+  publishes them on a saver thread.
   Pending saves are bounded by ``max_pending_save_bytes``; past it a save is dropped
   (counted), never waited for."""
 
