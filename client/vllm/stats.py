@@ -41,6 +41,14 @@ COUNTERS = {
         "loads and saves every node refused for the engine's token (misses; a configuration"
         " error, logged at ERROR at most once a minute)"
     ),
+    "device_loads": (
+        "loads whose pages went straight from a same-host node's memory into GPU memory,"
+        " checked on the GPU"
+    ),
+    "host_register_failures": (
+        "node slabs the GPU could not register: their pages copy at pageable speed"
+        " (logged once per worker)"
+    ),
     "event_blocks": "blocks announced in BlockStored KV events (engines publishing KV events only)",
     "events_withheld": "saves announced in no KV event because some rank's pages were not all stored",
 }

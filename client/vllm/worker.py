@@ -117,6 +117,8 @@ class ConnectorWorker:
         self._load_stream: Any = None
         self._staging: StagingPool | None = None
         self._page_loader: PageLoader | None = None  # set once register_kv_caches succeeds
+        # the clients' device counters as last reported (``_count_device``)
+        self._device_seen = (0, 0)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if not self._enabled:
@@ -275,7 +277,22 @@ class ConnectorWorker:
                 )
                 self._stats.stats.observe("load_seconds", outcome.seconds)
             done.add(req_id)
+        self._count_device()
         return None, done or None
+
+    def _count_device(self) -> None:
+        """Engine thread: the loads that landed in GPU memory straight from the store and
+        the node slabs the GPU could not register since the last step (the clients count
+        them: ``ClientStats``), into the connector's counters."""
+        clients = [c for c in (self._client, self._draft.client if self._draft else None) if c]
+        seen = (
+            sum(c.stats.device_transfers for c in clients),
+            sum(c.stats.host_register_failures for c in clients),
+        )
+        loads, failures = seen[0] - self._device_seen[0], seen[1] - self._device_seen[1]
+        self._device_seen = seen
+        if loads or failures:
+            self._stats.count(device_loads=loads, host_register_failures=failures)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._stats.lock:
