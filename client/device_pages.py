@@ -238,24 +238,8 @@ class CudaCopier(DeviceCopier):
         ``CHECK_BATCH`` bytes; each batch's checks are queued on the check stream behind
         its copies, so the device hashes one batch while the next one crosses the bus,
         and only the last batch's checks remain once the copies are done."""
-        # the last batch small: its checks are what a get waits for after its copies
-        tail, tail_bytes = len(copies), 0
-        while tail > 1 and (
-            not tail_bytes or tail_bytes + copies[tail - 1][0].nbytes <= LAST_CHECK_BATCH
-        ):
-            tail -= 1
-            tail_bytes += copies[tail][0].nbytes
-        batches: list[list[int]] = [[]]
-        size = 0
-        for k, (dst, _) in enumerate(copies):
-            if size >= CHECK_BATCH or (k == tail and batches[-1]):
-                batches.append([])
-                size = 0
-            batches[-1].append(k)
-            size += dst.nbytes
-        landed: list[
-            tuple[list[int], Any, Any]
-        ] = []  # (pages, event after their copies, their check)
+        batches = check_batches([dst.nbytes for dst, _ in copies])
+        landed: list[tuple[list[int], Any]] = []  # (pages, event after their copies)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # a read-only mapping: only read
             with torch.cuda.stream(self._stream):
@@ -264,50 +248,87 @@ class CudaCopier(DeviceCopier):
                         dst_view.copy_(torch.from_numpy(src_view), non_blocking=True)
                     event = torch.cuda.Event()
                     event.record(self._stream)
-                    landed.append((ks, event, None))
-        if check and copies:
-            with torch.cuda.stream(self._checks):
-                for b, (ks, event, _) in enumerate(landed):
-                    self._checks.wait_event(event)
-                    landed[b] = (ks, event, self._launch([copies[k][0] for k in ks]))
+                    landed.append((ks, event))
         if not (check and copies):
             await _settled(landed[-1][1])
             return Checks(_no_digests)
+        finish = self._launch(copies, landed)
         checked = torch.cuda.Event()
         checked.record(self._checks)  # after every batch's copies and checks
 
         async def digests() -> list[int]:
             await _settled(checked)  # one wait for the copies and the checks
-            out = [0] * len(copies)
-            for ks, _, check_of in landed:
-                for k, digest in zip(ks, check_of()):
-                    out[k] = digest
-            return out
+            return finish()
 
         return Checks(digests)
 
-    def _launch(self, spans: list[DeviceSpan]) -> Callable[[], list[int]]:
-        """Queue the checks of ``spans`` (pages of one size) on the current stream; the
-        function it returns gives their digests once the stream has passed them."""
+    def _launch(
+        self, copies: list[tuple[DeviceSpan, Span]], landed: list[tuple[list[int], Any]]
+    ) -> Callable[[], list[int]]:
+        """Queue each batch's checks on the check stream behind its copies; the function
+        it returns gives the digests, in ``copies``' order, once the stream has passed
+        them. Pages of one size in one tensor (a get's rows) take one upload of their
+        offsets and one download of their accumulators; others are checked per tensor."""
+        spans = [dst for dst, _ in copies]
         nbytes = spans[0].nbytes
-        by_base: dict[int, list[int]] = {}
+        if any(s.nbytes != nbytes for s in spans):
+            raise ValueError("device checksums take pages of one size")
+        bases: dict[int, list[int]] = {}
         for k, s in enumerate(spans):
-            if s.nbytes != nbytes:
-                raise ValueError("device checksums take pages of one size")
-            by_base.setdefault(id(s.base), []).append(k)
-        launched = [
-            (ks, device_checksum.launch(spans[ks[0]].base, [spans[k].offset for k in ks], nbytes))
-            for ks in by_base.values()
-        ]
+            bases.setdefault(id(s.base), []).append(k)
+        order = [k for ks in bases.values() for k in ks]  # each tensor's pages together
+        with torch.cuda.stream(self._checks):
+            offsets = device_checksum.word_offsets(
+                [spans[k].offset for k in order], nbytes, self.device
+            )
+            accs = torch.empty((len(order), 8), dtype=torch.int64, device=self.device)
+            at = {k: i for i, k in enumerate(order)}
+            for ks, event in landed:
+                self._checks.wait_event(event)
+                # this batch's pages, a run of consecutive places in ``order`` per tensor
+                for first, count in _runs(sorted(at[k] for k in ks)):
+                    base = spans[order[first]].base
+                    rows = slice(first, first + count)
+                    device_checksum.launch(base, offsets[rows], nbytes, out=accs[rows])
 
         def finish() -> list[int]:
+            by_place = device_checksum.finish(accs, nbytes)
             out = [0] * len(spans)
-            for ks, accs in launched:
-                for k, digest in zip(ks, device_checksum.finish(accs, nbytes)):
-                    out[k] = digest
+            for place, k in enumerate(order):
+                out[k] = by_place[place]
             return out
 
         return finish
+
+
+def check_batches(sizes: list[int]) -> list[list[int]]:
+    """The pages (by position) whose checks are queued together: consecutive pages of
+    about ``CHECK_BATCH`` bytes, the last batch at most ``LAST_CHECK_BATCH`` (at least
+    one page), since its checks are what a get waits for after its copies."""
+    tail, tail_bytes = len(sizes), 0
+    while tail > 1 and (not tail_bytes or tail_bytes + sizes[tail - 1] <= LAST_CHECK_BATCH):
+        tail -= 1
+        tail_bytes += sizes[tail]
+    batches: list[list[int]] = [[]]
+    size = 0
+    for k, nbytes in enumerate(sizes):
+        if size >= CHECK_BATCH or (k == tail and batches[-1]):
+            batches.append([])
+            size = 0
+        batches[-1].append(k)
+        size += nbytes
+    return batches
+
+
+def _runs(places: list[int]) -> list[tuple[int, int]]:
+    """``(first, length)`` of each run of consecutive ints in sorted ``places``."""
+    runs: list[tuple[int, int]] = []
+    for p in places:
+        if runs and runs[-1][0] + runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((p, 1))
+    return runs
 
 
 def _clear_last_error(cudart: Any) -> None:

@@ -192,3 +192,17 @@ def test_copies_of_pages_that_touch_are_merged():
               (DeviceSpan(rows, 16, 8), Span(slab, 40, 8)), (DeviceSpan(rows, 32, 8), Span(slab, 48, 8))]
     merged = _merged(copies)
     assert [(d.numel(), int(s[0])) for d, s in merged] == [(16, 16), (8, 40), (8, 48)]
+
+
+def test_checks_are_queued_in_batches_with_a_small_last_one():
+    """A get's checks follow its copies in batches of about 32 MiB; the last batch, what
+    the get waits for once its copies are done, is at most 8 MiB or one page."""
+    from client.device_pages import _runs, check_batches
+
+    MiB = 1 << 20
+    assert [len(b) for b in check_batches([2 * MiB] * 64)] == [16, 16, 16, 12, 4]
+    assert [len(b) for b in check_batches([16 * MiB] * 5)] == [2, 2, 1]
+    assert [len(b) for b in check_batches([64 << 10] * 1024)] == [512, 384, 128]
+    assert check_batches([MiB]) == [[0]] and check_batches([]) == [[]]
+    assert sum(check_batches([3 * MiB] * 40), []) == list(range(40))
+    assert _runs([0, 1, 2, 5, 6, 9]) == [(0, 3), (5, 2), (9, 1)]
