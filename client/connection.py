@@ -94,13 +94,18 @@ class Connection:
         buffers of the pool (checked there as on any get), and those that arrived intact
         are copied to the device. The same-host path overrides this with a copy straight
         from the node's memory."""
-        if self.device is None:
-            raise ProtocolError("a get into device memory needs the client's device copier")
+        device = self._device_copier()
         host = self._borrow(sum(s.nbytes for s in sinks))
         spans = split_spans(host, [s.nbytes for s in sinks])
         outcome = await self._get(namespace, hashes, spans, expected, False)
-        await self.device.land([(sinks[i], spans[i]) for i in outcome.ok], check=False)
+        await device.land([(sinks[i], spans[i]) for i in outcome.ok], check=False)
         return outcome
+
+    def _device_copier(self) -> DeviceCopier:
+        """The client's device copier; a get into device memory is made only with one."""
+        if self.device is None:
+            raise ProtocolError("a get into device memory needs the client's device copier")
+        return self.device
 
     async def _guarded(self, work: Any, timeout: float, what: str) -> Any:
         async with self._lock:

@@ -5,7 +5,7 @@ connection fails, and the request frames."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -70,6 +70,15 @@ class GetOutcome:
 
     ok: list[int]
     corrupt: int
+
+    @classmethod
+    def of(cls, landed: Iterable[tuple[int, int, int]], expected: list[int]) -> GetOutcome:
+        """The outcome of pages that landed, each ``(request position, the node's
+        checksum, the digest of the bytes that landed)``, against ``expected``."""
+        outcome = cls([], 0)
+        for i, node_checksum, digest in landed:
+            outcome.check(i, node_checksum, expected[i], digest)
+        return outcome
 
     def check(self, i: int, node_checksum: int, expected: int, digest: int) -> None:
         """Count page ``i``: good only if the node's record and the bytes' ``digest``

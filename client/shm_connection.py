@@ -9,6 +9,7 @@ import fcntl
 import mmap
 import os
 import socket
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -132,14 +133,18 @@ class ShmConnection(Connection):
             sum(pages[i].span.nbytes for i in wanted),
         )
 
-    async def _get(
+    async def _slots(
         self,
         namespace: NamespaceKey,
         hashes: list[bytes],
-        sinks: list[Span],
-        expected: list[int],
+        sizes_wanted: list[int],
+        sinks: Sequence[Any],
         probe: bool,
-    ) -> GetOutcome:
+    ) -> list[tuple[int, int, int, np.ndarray, int, int]]:
+        """Ask for ``hashes`` and map what the plan lends: per page the node holds and
+        pinned, ``(request position, node's checksum, slab, slab mapping, offset,
+        size)``; a page whose size is not ``sizes_wanted``'s is left out (it can never be
+        the one asked for). The caller says GET_DONE once it has copied them."""
         await self._channel().send_frame(get_request(namespace, self.token, hashes, sinks, probe))
         plan = await self._plan(P.GetPlan)
         present, sizes, sums = plan.ints("present"), plan.ints("sizes"), plan.ints("checksums")
@@ -148,19 +153,28 @@ class ShmConnection(Connection):
             not 0 <= i < len(hashes) for i in present
         ):
             raise ProtocolError(f"node {self.node.node_id} sent an inconsistent get plan")
-        copied, copies = [], []
+        slots = []
         for i, size, region, off, node_sum in zip(present, sizes, regions, offsets, sums):
             mapped = self._maps.get(region)
-            if mapped is None or sinks[i].nbytes != size or off + size > mapped.size:
-                continue  # a page of the wrong size can never be the one asked for
-            copied.append((i, node_sum))
-            copies.append((sinks[i].bytes(), mapped[off : off + size]))
+            if mapped is not None and sizes_wanted[i] == size and off + size <= mapped.size:
+                slots.append((i, node_sum, region, mapped, off, size))
+        return slots
+
+    async def _get(
+        self,
+        namespace: NamespaceKey,
+        hashes: list[bytes],
+        sinks: list[Span],
+        expected: list[int],
+        probe: bool,
+    ) -> GetOutcome:
+        slots = await self._slots(namespace, hashes, [s.nbytes for s in sinks], sinks, probe)
+        copies = [
+            (sinks[i].bytes(), mapped[off : off + size]) for i, _, _, mapped, off, size in slots
+        ]
         digests = copy_checksummed(copies)  # the one copy; hashes of the bytes that landed
         await self._channel().send_frame(P.GetDone())  # the node unpins
-        outcome = GetOutcome([], 0)
-        for (i, node_sum), digest in zip(copied, digests):
-            outcome.check(i, node_sum, expected[i], digest)
-        return outcome
+        return GetOutcome.of(((s[0], s[1], d) for s, d in zip(slots, digests)), expected)
 
     async def _get_device(
         self,
@@ -170,28 +184,15 @@ class ShmConnection(Connection):
         expected: list[int],
     ) -> GetOutcome:
         """A get into device memory straight from the node's slots: each page is copied
-        by DMA from the slab's mapping (registered with the device once) into its sink,
-        the node is told it may unpin once every copy has landed, and each page is then
-        checked on the device against the index's checksum (client.device_pages)."""
-        device = self.device
-        if device is None:
-            raise ProtocolError("a get into device memory needs the client's device copier")
-        await self._channel().send_frame(get_request(namespace, self.token, hashes, sinks, False))
-        plan = await self._plan(P.GetPlan)
-        present, sizes, sums = plan.ints("present"), plan.ints("sizes"), plan.ints("checksums")
-        regions, offsets = plan.ints("regions"), plan.ints("offsets")
-        if not len(present) == len(sizes) == len(sums) == len(regions) == len(offsets) or any(
-            not 0 <= i < len(hashes) for i in present
-        ):
-            raise ProtocolError(f"node {self.node.node_id} sent an inconsistent get plan")
-        copied, copies = [], []
-        for i, size, region, off, node_sum in zip(present, sizes, regions, offsets, sums):
-            mapped = self._maps.get(region)
-            if mapped is None or sinks[i].nbytes != size or off + size > mapped.size:
-                continue  # a page of the wrong size can never be the one asked for
+        by DMA from the slab's mapping (registered with the device once) into its sink
+        and checked on the device against the index's checksum (client.device_pages);
+        the node is told it may unpin once every copy and check has finished."""
+        device = self._device_copier()
+        slots = await self._slots(namespace, hashes, [s.nbytes for s in sinks], sinks, False)
+        copies = []
+        for i, _, region, mapped, off, size in slots:
             if region not in self._registered:
                 self._registered[region] = device.register(mapped, mapped.flags.writeable)
-            copied.append((i, node_sum))
             copies.append((sinks[i], Span(mapped, off, size)))
         try:
             checks = await device.land(copies)
@@ -199,10 +200,7 @@ class ShmConnection(Connection):
         finally:
             # the pins hold until here; the copies are over (or will never be looked at)
             await self._channel().send_frame(P.GetDone())
-        outcome = GetOutcome([], 0)
-        for (i, node_sum), digest in zip(copied, digests):
-            outcome.check(i, node_sum, expected[i], digest)
-        return outcome
+        return GetOutcome.of(((s[0], s[1], d) for s, d in zip(slots, digests)), expected)
 
     def _unregister(self, region: int) -> None:
         token = self._registered.pop(region, None)
