@@ -536,7 +536,7 @@ def section_save(report: Report, dev: Dev, cluster: Any, args: argparse.Namespac
         return dev.event()
 
     saves = {"no save (baseline)": lambda h: None, "before: gather, D2H on the compute stream": before,
-             "PagedCache.gather (indexed, D2H on its own stream)": lambda h: cache.gather(ids, h).ready}
+             "PagedCache.gather (one copy kernel, D2H on its own stream)": lambda h: cache.gather(ids, h).ready}
     first, later, call = ({k: [] for k in saves} for _ in range(3))
     exact = True
     for r in range(args.rounds + 1):

@@ -1,0 +1,44 @@
+"""The GPU save's one-launch copy of a request's blocks out of every layer
+(client/vllm/gather_pages.py) gives each page's bytes exactly, for every byte order a
+vLLM backend may give the per-layer view: in Triton's interpreter on the CPU here (a
+child process with CI's Triton folder on its path, as tests/test_device_checksum.py),
+and through ``PagedCache.gather`` on CUDA in tests/test_paged_cache.py where a GPU is."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_device_checksum import ROOT, TRITON_SITE
+from pathlib import Path
+
+CHILD = r"""
+import itertools, torch
+from client.vllm.gather_pages import LayerGather, why_not
+L, NB, H, B, C = 3, 20, 2, 4, 6
+ok = []
+for order in itertools.permutations(range(4)):
+    layers = []
+    for _ in range(L):
+        phys = torch.randint(-30000, 30000, [(NB, H, B, C)[i] for i in order], dtype=torch.int16).view(torch.bfloat16)
+        layers.append(phys.permute(*[order.index(i) for i in range(4)]))
+    assert why_not(layers) is None
+    ids = [5, 3, 17, 4, 0, 19]
+    out = torch.empty((len(ids), L, H, B, C), dtype=torch.bfloat16)
+    LayerGather(layers)(ids, out)
+    ok.append(torch.equal(out.view(torch.int16), torch.stack([kv[ids] for kv in layers], 1).contiguous().view(torch.int16)))
+mixed = [torch.zeros((NB, H, B, C)), torch.zeros((NB, B, H, C)).permute(0, 2, 1, 3)]
+print(sum(ok), len(ok), why_not(mixed))
+"""
+
+
+def test_the_gather_kernel_copies_every_layout_in_the_interpreter():
+    if not (Path(TRITON_SITE) / "triton").is_dir():
+        pytest.skip(f"no Triton beside the project at {TRITON_SITE} (.ci/run installs it there)")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([TRITON_SITE, str(ROOT)]))
+    res = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["24", "24", "the", "layers'", "strides", "or", "dtypes", "differ"]
