@@ -16,6 +16,7 @@ returned. The caller treats the node's pages as missing."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 import numpy as np
@@ -90,16 +91,9 @@ class Connection:
         sinks: list[DeviceSpan],
         expected: list[int],
     ) -> GetOutcome:
-        """A get into device memory, through host memory: the pages land in pinned host
-        buffers of the pool (checked there as on any get), and those that arrived intact
-        are copied to the device. The same-host path overrides this with a copy straight
-        from the node's memory."""
-        device = self._device_copier()
-        host = self._borrow(sum(s.nbytes for s in sinks))
-        spans = split_spans(host, [s.nbytes for s in sinks])
-        outcome = await self._get(namespace, hashes, spans, expected, False)
-        await device.land([(sinks[i], spans[i]) for i in outcome.ok], check=False)
-        return outcome
+        """Fetch pages into device spans of the client's copier and verify each (each
+        path its own way)."""
+        raise NotImplementedError
 
     def _device_copier(self) -> DeviceCopier:
         """The client's device copier; a get into device memory is made only with one."""
@@ -290,6 +284,27 @@ class NodeConnection(Connection):
         result: P.PutResult = await result_arrives
         return PutOutcome(result.ints("stored"), plan.ints("present"), plan.ints("refused"), sent)
 
+    async def _get_device(
+        self,
+        namespace: NamespaceKey,
+        hashes: list[bytes],
+        sinks: list[DeviceSpan],
+        expected: list[int],
+    ) -> GetOutcome:
+        """A get into device memory through host memory: the pages land in pinned host
+        buffers of the pool (checked there as on any get), and each run's intact pages
+        are copied to the device as soon as they are checked, while later runs still
+        arrive (measured on an H200 with one copy at the end: 0.96x the rate of the same
+        get into host memory, the copy's 4.9 ms of 126)."""
+        device = self._device_copier()
+        host = self._borrow(sum(s.nbytes for s in sinks))
+        spans = split_spans(host, [s.nbytes for s in sinks])
+
+        async def to_device(intact: list[int]) -> None:
+            await device.land([(sinks[i], spans[i]) for i in intact], check=False)
+
+        return await self._get(namespace, hashes, spans, expected, False, to_device)
+
     async def _get(
         self,
         namespace: NamespaceKey,
@@ -297,7 +312,10 @@ class NodeConnection(Connection):
         sinks: list[Span],
         expected: list[int],
         probe: bool,
+        checked: Callable[[list[int]], Awaitable[None]] | None = None,
     ) -> GetOutcome:
+        """``Connection.get`` over UCX; ``checked``, when given, is handed each run's
+        intact pages once they are verified (the device path copies them on)."""
         ep = self._channel()
         # the plan's receive is posted before the request leaves, so the wait for the
         # request's send completion (about 1 ms through ucxx's threads) overlaps the node's work
@@ -331,9 +349,12 @@ class NodeConnection(Connection):
             if r + RECEIVES_AHEAD < len(runs):
                 pending.append(self._receive(ep, sinks, present, sizes, starts, r + RECEIVES_AHEAD))
             if landed is not None:
+                good = len(outcome.ok)
                 for k, digest in zip(range(starts[r], starts[r + 1]), landed):
                     i = present[k]
                     outcome.check(i, sums[k], expected[i], digest)
+                if checked is not None and len(outcome.ok) > good:
+                    await checked(outcome.ok[good:])
         return outcome
 
     def _receive(
