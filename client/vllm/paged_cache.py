@@ -345,20 +345,18 @@ class PagedCache:
         block vLLM frees, a preempted request's, is rewritten only by later work on
         that stream); the device-to-host copy then runs on a stream of its own, on the
         copy engines, beside the next steps (``GatherResult.ready`` marks its end). So
-        the calling thread (the engine's) only queues one indexed copy per layer."""
+        the calling thread (the engine's) only queues one copy kernel (or one indexed
+        copy per layer where Triton is missing)."""
         self._check(block_ids, out)
         host = self.host_pages(len(block_ids)) if out is None else out[: len(block_ids)]
         if not self._on_gpu:
             self._copy(block_ids, host, to_cache=False)
             return GatherResult(host)
-        if self._gatherer is None:
-            why = why_not(self.layers)
-            self._gatherer = LayerGather(self.layers) if why is None else why
-        if isinstance(self._gatherer, LayerGather):  # one launch for every layer
+        if isinstance(self._layer_gather(), LayerGather):  # one launch for every layer
             pages = torch.empty(
                 (len(block_ids), *self.page_shape), dtype=self.dtype, device=self.device
             )
-            self._gatherer(block_ids, pages)
+            self._layer_gather()(block_ids, pages)
             return self._copy_out(host, pages, [(host, pages)])
         # One indexed copy per layer into a layer-major scratch, each a contiguous
         # output; the reorder into pages happens on the save stream, in the copy to the
@@ -375,6 +373,24 @@ class PagedCache:
         for layer, kv in enumerate(self.layers):
             torch.index_select(kv, 0, index, out=by_layer[layer])
         return self._copy_out(host, by_layer, [(host, by_layer.transpose(0, 1))])
+
+    def _layer_gather(self) -> Any:
+        """GPU: the one-launch copy of a save's blocks, or why it cannot serve here."""
+        if self._gatherer is None:
+            why = why_not(self.layers)
+            self._gatherer = LayerGather(self.layers) if why is None else why
+        return self._gatherer
+
+    def warm(self) -> None:
+        """GPU: compile the save's copy kernel now, at registration (seconds, once per
+        process), rather than in the engine step of the first save."""
+        if self._on_gpu and self.num_blocks:
+            gather = self._layer_gather()
+            if isinstance(gather, LayerGather):
+                gather(
+                    [0], torch.empty((1, *self.page_shape), dtype=self.dtype, device=self.device)
+                )
+                torch.cuda.current_stream(self.device).synchronize()
 
     def _copy_out(
         self, host: torch.Tensor, scratch: torch.Tensor, copies: list[tuple[torch.Tensor, Any]]

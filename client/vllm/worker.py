@@ -157,6 +157,7 @@ class ConnectorWorker:
         buffers = self._conf.load_threads + 1  # every load at once, and one save
         pages = self._conf.staging_bytes // buffers // self._client.namespace.page_nbytes
         self._staging = StagingPool(self._cache, buffers, pages)
+        self._cache.warm()  # a GPU's save kernel compiles here, not in the first save's step
         self._loader = ThreadPoolExecutor(
             self._conf.load_threads, thread_name_prefix="kvstore-load"
         )
@@ -184,6 +185,7 @@ class ConnectorWorker:
             )
             # as many pages per buffer as the target's: every load and save moves both
             staging = StagingPool(draft_cache, buffers, pages, share="staging-draft")
+            draft_cache.warm()
             loader = PageLoader(
                 client,
                 draft_cache,
