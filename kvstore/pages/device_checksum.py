@@ -148,38 +148,52 @@ BLOCKS_PER_PROGRAM = 16
 CHAIN_PAGES = 4  # pages (of 8 lanes each) one program of ``_chain`` runs: one warp
 
 
-def launch(base: Any, offsets: list[int], nbytes: int) -> Any:
-    """Queue, on the current stream, the xxh3 of each page of ``nbytes`` bytes that starts
-    ``offsets[i]`` bytes into ``base`` (a contiguous uint8 tensor on the device: every
-    offset and ``nbytes`` multiples of 8, ``supports(nbytes)``). Returns the pages'
-    accumulators ``[pages, 8]`` (int64, on the device) for ``finish``. The caller keeps
-    ``base``'s bytes in place until then."""
+def word_offsets(offsets: list[int], nbytes: int, device: Any) -> Any:
+    """The pages' offsets in ``base`` (bytes) as the kernels take them: an int64 tensor of
+    8-byte words on ``device``, uploaded on the current stream from pinned memory (a
+    pageable upload would wait for the stream's earlier work). A caller that checks
+    pages in batches uploads them once."""
     import torch
 
     if not supports(nbytes) or any(o % 8 for o in offsets):
         raise ValueError(
             f"device checksums need pages of at least {MIN_BYTES} bytes, 8-byte aligned"
         )
+    words = torch.tensor([o // 8 for o in offsets], dtype=torch.int64)
+    if torch.device(device).type == "cuda":
+        words = words.pin_memory()
+    return words.to(device, non_blocking=True)
+
+
+def launch(base: Any, offsets: Any, nbytes: int, out: Any = None) -> Any:
+    """Queue, on the current stream, the xxh3 of each page of ``nbytes`` bytes that starts
+    ``offsets[i]`` bytes into ``base`` (a contiguous uint8 tensor on the device: every
+    offset and ``nbytes`` multiples of 8, ``supports(nbytes)``); ``offsets`` as a list,
+    or as ``word_offsets`` gave them. Returns the pages' accumulators ``[pages, 8]``
+    (int64, on the device; ``out`` when given) for ``finish``. The caller keeps
+    ``base``'s bytes in place until then."""
+    import torch
+
+    device = base.device
+    if not isinstance(offsets, torch.Tensor):
+        offsets = word_offsets(offsets, nbytes, device)
+    elif not supports(nbytes):
+        raise ValueError(f"device checksums need pages of at least {MIN_BYTES} bytes")
     block_sums, chain = _kernels()
     words = base.view(torch.int64)
     n = len(offsets)
     nb = (nbytes - 1) // BLOCK
     nstripes = ((nbytes - 1) - BLOCK * nb) // 64
-    device = base.device
-    word_offsets = torch.tensor([o // 8 for o in offsets], dtype=torch.int64)
-    if device.type == "cuda":  # pinned: a pageable copy would wait for the stream's work so far
-        word_offsets = word_offsets.pin_memory()
-    word_offsets = word_offsets.to(device, non_blocking=True)
     keys, consts = _tables(device)
     sums = torch.empty((max(n * nb, 1), 8), dtype=torch.int64, device=device)
-    accs = torch.empty((max(n, 1), 8), dtype=torch.int64, device=device)
+    accs = torch.empty((max(n, 1), 8), dtype=torch.int64, device=device) if out is None else out
     if n:
         per = max(BLOCKS_PER_PROGRAM, -(-nb // 65535))
         if nb:
-            block_sums[(n, -(-nb // per))](words, word_offsets, keys, sums, nb, BPP=per)
+            block_sums[(n, -(-nb // per))](words, offsets, keys, sums, nb, BPP=per)
         chain[(-(-n // CHAIN_PAGES),)](
             words,
-            word_offsets,
+            offsets,
             keys,
             consts,
             sums,
