@@ -95,3 +95,16 @@ def join_flags(spans: list[Span]) -> list[bool]:
             )
         )
     return flags
+
+
+def block_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """``(first page, first block, length)`` for each run of consecutive block ids (any
+    ints: the paged cache's blocks, the places of a get's pages in its device rows)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, block in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == block:
+            page, first, length = runs[-1]
+            runs[-1] = (page, first, length + 1)
+        else:
+            runs.append((i, block, 1))
+    return runs

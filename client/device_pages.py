@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from client.buffers import Span
+from client.buffers import Span, block_runs
 from client.stats import ClientStats
 from kvstore.pages import device_checksum
 from kvstore.pages.checksum import page_checksum
@@ -112,11 +112,6 @@ class DeviceCopier:
         """Whether pages of this size can land through this copier (else: staged)."""
         return True
 
-    def prepare(self) -> None:
-        """Get ready for the first get (any thread; idempotent): a caller that knows it
-        will load into the device (the vLLM connector, at registration) calls it so the
-        first load does not pay for it."""
-
     def register(self, mapping: np.ndarray, writable: bool) -> Any:
         """Make ``mapping`` (a whole slab) a fast copy source; returns a token for
         ``unregister`` (None when it stays unregistered)."""
@@ -170,7 +165,7 @@ class HostCopier(DeviceCopier):
 
 class CudaCopier(DeviceCopier):
     """Copies on a CUDA stream of its own from host mappings registered with CUDA, and
-    checks on the device (``kvstore.pages.device_checksum``). ``usable`` says whether
+    checks on the device (``kvstore.pages.device_checksum``). ``supports`` says whether
     the checks run here (Triton present and its digests equal xxhash's): a client uses
     the device path only then, and stages through pinned host memory otherwise."""
 
@@ -188,7 +183,11 @@ class CudaCopier(DeviceCopier):
 
     def prepare(self) -> None:
         """Make the copy stream and check the device checksums against xxhash
-        (compiling Triton's kernels: seconds, once per process and device)."""
+        (compiling Triton's kernels: seconds, once per process and device). ``supports``
+        calls it: the vLLM connector's first ``lands_on_device``, at registration, pays
+        for it, not its first load. Any thread."""
+        if self._prepared:  # every get asks supports: no lock once done
+            return
         with self._lock:
             if self._prepared:
                 return
@@ -286,7 +285,7 @@ class CudaCopier(DeviceCopier):
             for ks, event in landed:
                 self._checks.wait_event(event)
                 # this batch's pages, a run of consecutive places in ``order`` per tensor
-                for first, count in _runs(sorted(at[k] for k in ks)):
+                for _, first, count in block_runs(sorted(at[k] for k in ks)):
                     base = spans[order[first]].base
                     rows = slice(first, first + count)
                     device_checksum.launch(base, offsets[rows], nbytes, out=accs[rows])
@@ -318,17 +317,6 @@ def check_batches(sizes: list[int]) -> list[list[int]]:
         batches[-1].append(k)
         size += nbytes
     return batches
-
-
-def _runs(places: list[int]) -> list[tuple[int, int]]:
-    """``(first, length)`` of each run of consecutive ints in sorted ``places``."""
-    runs: list[tuple[int, int]] = []
-    for p in places:
-        if runs and runs[-1][0] + runs[-1][1] == p:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((p, 1))
-    return runs
 
 
 def _clear_last_error(cudart: Any) -> None:

@@ -126,7 +126,7 @@ def get_request(
 ) -> P.GetRequest:
     """The GET of ``hashes`` into ``sinks``: host spans say which pages may travel in
     one message (``join_flags``); device spans (client.device_pages) never do."""
-    host = all(isinstance(s, Span) for s in sinks)
+    host = not sinks or isinstance(sinks[0], Span)  # one kind per get
     return P.GetRequest(
         namespace=namespace.digest,
         tenant=namespace.tenant,

@@ -137,14 +137,13 @@ class ShmConnection(Connection):
         self,
         namespace: NamespaceKey,
         hashes: list[bytes],
-        sizes_wanted: list[int],
-        sinks: Sequence[Any],
+        sinks: Sequence[Span] | Sequence[DeviceSpan],
         probe: bool,
     ) -> list[tuple[int, int, int, np.ndarray, int, int]]:
         """Ask for ``hashes`` and map what the plan lends: per page the node holds and
         pinned, ``(request position, node's checksum, slab, slab mapping, offset,
-        size)``; a page whose size is not ``sizes_wanted``'s is left out (it can never be
-        the one asked for). The caller says GET_DONE once it has copied them."""
+        size)``; a page whose size is not its sink's is left out (it can never be the
+        one asked for). The caller says GET_DONE once it has copied them."""
         await self._channel().send_frame(get_request(namespace, self.token, hashes, sinks, probe))
         plan = await self._plan(P.GetPlan)
         present, sizes, sums = plan.ints("present"), plan.ints("sizes"), plan.ints("checksums")
@@ -156,7 +155,7 @@ class ShmConnection(Connection):
         slots = []
         for i, size, region, off, node_sum in zip(present, sizes, regions, offsets, sums):
             mapped = self._maps.get(region)
-            if mapped is not None and sizes_wanted[i] == size and off + size <= mapped.size:
+            if mapped is not None and sinks[i].nbytes == size and off + size <= mapped.size:
                 slots.append((i, node_sum, region, mapped, off, size))
         return slots
 
@@ -168,7 +167,7 @@ class ShmConnection(Connection):
         expected: list[int],
         probe: bool,
     ) -> GetOutcome:
-        slots = await self._slots(namespace, hashes, [s.nbytes for s in sinks], sinks, probe)
+        slots = await self._slots(namespace, hashes, sinks, probe)
         copies = [
             (sinks[i].bytes(), mapped[off : off + size]) for i, _, _, mapped, off, size in slots
         ]
@@ -188,7 +187,7 @@ class ShmConnection(Connection):
         and checked on the device against the index's checksum (client.device_pages);
         the node is told it may unpin once every copy and check has finished."""
         device = self._device_copier()
-        slots = await self._slots(namespace, hashes, [s.nbytes for s in sinks], sinks, False)
+        slots = await self._slots(namespace, hashes, sinks, False)
         copies = []
         for i, _, region, mapped, off, size in slots:
             if region not in self._registered:

@@ -197,7 +197,8 @@ def test_copies_of_pages_that_touch_are_merged():
 def test_checks_are_queued_in_batches_with_a_small_last_one():
     """A get's checks follow its copies in batches of about 32 MiB; the last batch, what
     the get waits for once its copies are done, is at most 8 MiB or one page."""
-    from client.device_pages import _runs, check_batches
+    from client.buffers import block_runs
+    from client.device_pages import check_batches
 
     MiB = 1 << 20
     assert [len(b) for b in check_batches([2 * MiB] * 64)] == [16, 16, 16, 12, 4]
@@ -205,4 +206,39 @@ def test_checks_are_queued_in_batches_with_a_small_last_one():
     assert [len(b) for b in check_batches([64 << 10] * 1024)] == [512, 384, 128]
     assert check_batches([MiB]) == [[0]] and check_batches([]) == [[]]
     assert sum(check_batches([3 * MiB] * 40), []) == list(range(40))
-    assert _runs([0, 1, 2, 5, 6, 9]) == [(0, 3), (5, 2), (9, 1)]
+    assert block_runs([0, 1, 2, 5, 6, 9]) == [(0, 0, 3), (3, 5, 2), (5, 9, 1)]
+
+
+class _RefusingRuntime:
+    """Stands in for CUDA's runtime where no GPU is, only to answer cudaHostRegister
+    as a driver does: read-only registration refused (an older driver), and every
+    registration of ``refuse`` (a memlock limit). Records the calls."""
+
+    def __init__(self, refuse: set[int]) -> None:
+        self.refuse, self.calls, self.cleared = refuse, [], 0
+
+    def cudaHostRegister(self, ptr, size, flags):  # noqa: N802 - CUDA's name
+        self.calls.append((ptr, flags))
+        return 1 if flags or ptr in self.refuse else 0
+
+    def cudaGetLastError(self):  # noqa: N802
+        self.cleared += 1
+
+
+def test_a_failed_registration_is_counted_every_time_and_logged_once(caplog):
+    """A node slab the GPU cannot register is never a silent slow copy: each failure
+    counts in host_register_failures (the connector exports it), the first is logged,
+    CUDA's last error is reset (else torch's next launch would raise it), and a driver
+    without read-only registration is asked again with plain flags."""
+    stats = ClientStats()
+    copier = CudaCopier(torch.device("cuda", 0), stats)
+    slabs = [np.zeros(4096, dtype=np.uint8) for _ in range(3)]
+    runtime = _RefusingRuntime({slabs[1].ctypes.data, slabs[2].ctypes.data})
+    copier._cudart = runtime
+    with caplog.at_level("WARNING", logger="client.device_pages"):
+        assert copier.register(slabs[0], writable=False) == slabs[0].ctypes.data
+        assert copier.register(slabs[1], writable=False) is None
+        assert copier.register(slabs[2], writable=True) is None
+    assert runtime.calls[:2] == [(slabs[0].ctypes.data, 8), (slabs[0].ctypes.data, 0)]
+    assert (stats.host_registrations, stats.host_register_failures, runtime.cleared) == (1, 2, 2)
+    assert sum("cudaHostRegister" in r.getMessage() for r in caplog.records) == 1

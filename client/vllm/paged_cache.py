@@ -29,6 +29,7 @@ stage through are ``client.vllm.staging_pool.StagingPool`` (re-exported here).""
 
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -37,23 +38,13 @@ import numpy as np
 import torch
 
 from client.buffers import Span
+from client.buffers import block_runs as block_runs  # imported from here too
 from client.vllm.gather_pages import LayerGather, why_not
 from client.vllm.staging_pool import StagingPool as StagingPool  # imported from here too
 from kvstore.errors import InvalidInputError
 
+log = logging.getLogger(__name__)
 _MAX_RUNS = 64
-
-
-def block_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
-    """``(first page, first block, length)`` for each run of consecutive block ids."""
-    runs: list[tuple[int, int, int]] = []
-    for i, block in enumerate(block_ids):
-        if runs and runs[-1][1] + runs[-1][2] == block:
-            page, first, length = runs[-1]
-            runs[-1] = (page, first, length + 1)
-        else:
-            runs.append((i, block, 1))
-    return runs
 
 
 def _block_rows(layer: np.ndarray) -> np.ndarray:
@@ -110,9 +101,10 @@ class PagedCache:
         )
         self._block_major: tuple[np.ndarray, int, int] | None = None
         self._save_stream: Any = None  # GPU: device-to-host copies of saves (``gather``)
-        # GPU: the one-launch copy of a save's blocks (client.vllm.gather_pages), or why
-        # it cannot serve these layers; None until the first save
-        self._gatherer: LayerGather | str | None = None
+        # GPU: the one-launch copy of a save's blocks (client.vllm.gather_pages), None
+        # where it cannot serve these layers; asked once (``_layer_gather``)
+        self._gatherer: LayerGather | None = None
+        self._gatherer_asked = False
 
     def _check(
         self,
@@ -352,11 +344,12 @@ class PagedCache:
         if not self._on_gpu:
             self._copy(block_ids, host, to_cache=False)
             return GatherResult(host)
-        if isinstance(self._layer_gather(), LayerGather):  # one launch for every layer
+        gather = self._layer_gather()
+        if gather is not None:  # one launch for every layer
             pages = torch.empty(
                 (len(block_ids), *self.page_shape), dtype=self.dtype, device=self.device
             )
-            self._layer_gather()(block_ids, pages)
+            gather(block_ids, pages)
             return self._copy_out(host, pages, [(host, pages)])
         # One indexed copy per layer into a layer-major scratch, each a contiguous
         # output; the reorder into pages happens on the save stream, in the copy to the
@@ -374,11 +367,16 @@ class PagedCache:
             torch.index_select(kv, 0, index, out=by_layer[layer])
         return self._copy_out(host, by_layer, [(host, by_layer.transpose(0, 1))])
 
-    def _layer_gather(self) -> Any:
-        """GPU: the one-launch copy of a save's blocks, or why it cannot serve here."""
-        if self._gatherer is None:
+    def _layer_gather(self) -> LayerGather | None:
+        """GPU: the one-launch copy of a save's blocks, None where it cannot serve (the
+        indexed copies per layer then: ``gather``)."""
+        if not self._gatherer_asked:
+            self._gatherer_asked = True
             why = why_not(self.layers)
-            self._gatherer = LayerGather(self.layers) if why is None else why
+            if why is None:
+                self._gatherer = LayerGather(self.layers)
+            else:
+                log.info("saves copy one layer at a time: %s", why)
         return self._gatherer
 
     def warm(self) -> None:
@@ -386,7 +384,7 @@ class PagedCache:
         process), rather than in the engine step of the first save."""
         if self._on_gpu and self.num_blocks:
             gather = self._layer_gather()
-            if isinstance(gather, LayerGather):
+            if gather is not None:
                 gather(
                     [0], torch.empty((1, *self.page_shape), dtype=self.dtype, device=self.device)
                 )
