@@ -50,8 +50,12 @@ from kvstore.events import (
     KVCacheEvent,
     PublisherOptions,
     pool_topic,
+    tenant_prefix,
 )
+from kvstore.events.access import CurveKeys, EventAccess
 from kvstore.pages.namespace import Namespace
+from kvstore.security.routers import load_key_pair, router_keys
+from kvstore.settings.events import EventSettings
 from server.page import StoredPage
 
 STORED, REMOVED = True, False
@@ -80,8 +84,11 @@ class NoEvents(PageEvents):
 
 class NodeEvents(PageEvents):
     """Publishes the page table's changes as vLLM KV events under
-    ``kv@pool:<store id>@<model>``. Built by the node at start when events are on
-    (binding raises ``zmq.ZMQError`` there); ``close`` at shutdown.
+    ``kv@pool:<store id>:<tenant>@<model>``, a topic per tenant and model. Built by the
+    node at start when events are on (binding raises ``zmq.ZMQError`` there); ``close``
+    at shutdown. With ``access`` the stream is authenticated and each router reads
+    only its tenants' topics (kvstore.events.access). Blocks of a tenant outside
+    ``token_tenants`` (None: every tenant) are announced with block hashes only.
 
     Guarantees: events come out in the order the table made the changes; a page's
     stored event for a tier comes before its removed event for that tier; events that
@@ -94,10 +101,14 @@ class NodeEvents(PageEvents):
         store_id: str,
         models: Callable[[str], Namespace | None],
         registry: CollectorRegistry,
+        *,
+        token_tenants: frozenset[str] | None = None,
+        access: EventAccess | None = None,
     ) -> None:
         pool_topic(store_id, "m")  # the store id's own check, before anything binds
-        self.publisher = EventPublisher(options)
+        self.publisher = EventPublisher(options, access)
         self.store_id = store_id
+        self.token_tenants = token_tenants
         self._models = models  # namespace digest -> its Namespace, when the node knows it
         self._pending: list[tuple[bool, str, StoredPage]] = []
         self._scheduled = False
@@ -144,7 +155,7 @@ class NodeEvents(PageEvents):
                     BlockStored(
                         block_hashes=hashes,
                         parent_block_hash=None,
-                        token_ids=_tokens(group, self._block_size(digest)),
+                        token_ids=self._tokens(digest, group),
                         block_size=self._block_size(digest),
                         lora_id=None,
                         medium=medium,
@@ -157,18 +168,26 @@ class NodeEvents(PageEvents):
         if run:
             self.publisher.publish(run, run_topic)
 
-    def cleared(self, models: list[str]) -> None:
+    def cleared(self, spaces: list[tuple[str, str]]) -> None:
         """The node started without the pages a previous run held (no disk tier, or an
-        empty one): ``AllBlocksCleared`` under each model's topic, so a router forgets
-        what this store id announced before."""
-        for model in sorted(set(models)):
+        empty one): ``AllBlocksCleared`` under each (tenant, model)'s topic, so a router
+        forgets what this store id announced before."""
+        for tenant, model in sorted(set(spaces)):
             self.publisher.publish(
-                [AllBlocksCleared()], pool_topic(self.store_id, _topic_model(model))
+                [AllBlocksCleared()], pool_topic(self.store_id, _topic_model(model), tenant)
             )
 
     def close(self) -> None:
         self.flush()
         self.publisher.close()
+
+    def _tokens(self, digest: str, pages: list[StoredPage]) -> list[int]:
+        """The token ids of ``pages``' blocks when their tenant lets routers see them
+        (else none: the blocks are announced by hash only)."""
+        ns = self._models(digest)
+        if ns is None or not (self.token_tenants is None or ns.tenant in self.token_tenants):
+            return []
+        return _tokens(pages, ns.block_size)
 
     def _block_size(self, digest: str) -> int:
         """Tokens per page of the namespace (0 while the node has not learnt it)."""
@@ -180,11 +199,14 @@ class NodeEvents(PageEvents):
         if topic is None:
             ns = self._models(digest)
             # a namespace the node has not learnt (a page recovered from disk before any
-            # put of it) is published under its digest; not cached, so the model's
-            # topic is used once the node learns it
+            # put of it) is published under its digest, a topic of no tenant (only
+            # routers reading every tenant get it); not cached, so the tenant's topic
+            # is used once the node learns it
             if ns is None:
                 return pool_topic(self.store_id, digest)
-            topic = self._topics[digest] = pool_topic(self.store_id, _topic_model(ns.model))
+            topic = self._topics[digest] = pool_topic(
+                self.store_id, _topic_model(ns.model), ns.tenant
+            )
         return topic
 
 
@@ -220,6 +242,20 @@ def _tokens(pages: list[StoredPage], block_size: int) -> list[int]:
     return np.frombuffer(b"".join(p.tokens for p in pages), dtype="<u4").tolist()
 
 
+def event_access(s: EventSettings, store_id: str) -> EventAccess | None:
+    """The routers' rights over the node's topics with ``--kv-events-routers-file``
+    (an open stream without it). Called by the node at start; a key file that does not
+    load raises ``InvalidInputError`` naming it."""
+    if not s.kv_events_routers_file or not s.kv_events_key_file:
+        return None
+    public, secret = load_key_pair(s.kv_events_key_file, "--kv-events-key-file")
+    return EventAccess(
+        CurveKeys(public, secret),
+        router_keys(s.kv_events_routers_file),
+        lambda tenant: tenant_prefix(store_id, tenant),
+    )
+
+
 class _EventCollector(Collector):
     """The publisher's counts on /metrics, read at scrape time."""
 
@@ -242,6 +278,21 @@ class _EventCollector(Collector):
         yield GaugeMetricFamily(
             "kvstore_events_queued", "KV events waiting to be sent", value=s.queued_events
         )
+        refused = CounterMetricFamily(
+            "kvstore_events_refused",
+            "event-stream refusals: handshake (no or a broken CURVE handshake), key (a key no "
+            "router holds), subscription (topics of no tenant the router reads)",
+            labels=["reason"],
+        )
+        refused.add_metric(["handshake"], s.refused_handshakes)
+        refused.add_metric(["key"], s.refused_keys)
+        refused.add_metric(["subscription"], s.refused_subscriptions)
+        yield refused
+        yield CounterMetricFamily(
+            "kvstore_events_rebinds",
+            "times a narrowed routers file made every router authenticate again",
+            value=s.rebinds,
+        )
 
 
-__all__ = ["MEDIUM_CPU", "MEDIUM_DISK", "NoEvents", "NodeEvents", "PageEvents"]
+__all__ = ["MEDIUM_CPU", "MEDIUM_DISK", "NoEvents", "NodeEvents", "PageEvents", "event_access"]

@@ -23,6 +23,7 @@ from kvstore.events import PublisherOptions
 from kvstore.index import AsyncPageIndex, PageIndex
 from kvstore.security.credentials import CredentialFile
 from kvstore.settings.config import ServerSettings
+from kvstore.settings.events import token_tenants
 from kvstore.wire.shm import host_id
 from kvstore.wire.transport import ensure_ucx, listen
 from server.accept import SameHostListener
@@ -30,7 +31,7 @@ from server.dataplane import DataPlane, RequestLimits
 from server.dataplane.namespaces import NamespaceCache
 from server.disk.demoter import TierPolicy
 from server.disk.tier import open_disk_tier
-from server.events import NodeEvents
+from server.events import NodeEvents, event_access
 from server.eviction import Evictor
 from server.health import LoopWatchdog, start_health_server
 from server.heap import HeapTrimmer
@@ -127,8 +128,15 @@ class StorageNode:
             replay_endpoint=s.kv_events_replay_endpoint,
             max_queue_events=s.kv_events_queue,
         )
+        store_id = s.kv_events_store_id or s.node_id
+        checks_tokens = self.credentials.enabled
         return NodeEvents(
-            options, s.kv_events_store_id or s.node_id, namespaces.get, self.metrics.registry
+            options,
+            store_id,
+            namespaces.get,
+            self.metrics.registry,
+            token_tenants=token_tenants(s, checks_tokens=checks_tokens),
+            access=event_access(s, store_id),
         )
 
     def _query(self) -> PrefixQuery:
@@ -157,7 +165,11 @@ class StorageNode:
             )
             return
         events.cleared(
-            [space.namespace.model for space in stats.namespaces if space.namespace is not None]
+            [
+                (space.namespace.tenant, space.namespace.model)
+                for space in stats.namespaces
+                if space.namespace is not None
+            ]
         )
 
     def _tier(self, retirer: Retirer) -> Tier:

@@ -122,8 +122,8 @@ def test_memory_stores_and_evictions_are_announced_in_order_with_vllms_decoder(c
     seqs = [s for _, s, _ in got]
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "a gap in the sequence numbers"
     events = events_of(got)
-    assert {t for t, _ in events} <= {f"kv@pool:node-0@{ns.model}", "kv@pool:node-0@" + ns.model}
-    assert {t for t, e in events if not isinstance(e, kv_events.AllBlocksCleared)} == {f"kv@pool:node-0@{ns.model}"}
+    # one topic per tenant and model: kv@pool:<store id>:<tenant>@<model>
+    assert {t for t, _ in events} == {f"kv@pool:node-0:{ns.tenant}@{ns.model}"}
     stored = [e for _, e in events if isinstance(e, kv_events.BlockStored)]
     removed = [e for _, e in events if isinstance(e, kv_events.BlockRemoved)]
     assert all(e.medium == "CPU" for e in stored)
@@ -194,7 +194,7 @@ def test_a_node_restarted_without_its_disk_clears_what_it_announced(clusters):
     first_topic, first_seq, first = got[0]
     assert first_seq == 0 and isinstance(first.events[0], kv_events.AllBlocksCleared)
     cleared = {t for t, _, b in got if any(isinstance(e, kv_events.AllBlocksCleared) for e in b.events)}
-    assert f"kv@pool:node-0@{ns.model}" in cleared
+    assert f"kv@pool:node-0:{ns.tenant}@{ns.model}" in cleared
 
 
 def test_an_idle_node_with_events_on_uses_little_cpu(clusters):

@@ -20,6 +20,7 @@ from kvstore.events.format import (
     block_stored,
     decoder,
     pool_topic,
+    tenant_prefix,
 )
 from kvstore.events.publisher import END_SEQ, EventPublisher, PublisherOptions, PublisherStats
 
@@ -45,4 +46,5 @@ __all__ = [
     "block_stored",
     "decoder",
     "pool_topic",
+    "tenant_prefix",
 ]

@@ -152,15 +152,26 @@ def block_removed(
     )
 
 
-def pool_topic(store_id: str, model: str) -> str:
-    """The topic a storage node publishes under: ``kv@pool:<store id>@<model>``, the
-    form of llm-d's shared-pool proposal (an engine's is ``kv@<pod>@<model>``).
-    ``store_id`` names the store (every node of one store uses the same id); neither
-    part may contain "@", which separates them."""
+def pool_topic(store_id: str, model: str, tenant: str | None = None) -> str:
+    """The topic a storage node publishes under: ``kv@pool:<store id>:<tenant>@<model>``,
+    the form of llm-d's shared-pool proposal (an engine's is ``kv@<pod>@<model>``) with
+    the tenant in the holder's name, so each tenant's blocks have topics of their own
+    (``tenant_prefix``); without ``tenant``, ``kv@pool:<store id>@<model>``. ``store_id``
+    names the store (every node of one store uses the same id); no part may contain
+    "@", which separates them."""
     for name, value in (("store id", store_id), ("model", model)):
         if not value or "@" in value:
             raise ValueError(f"{name} must be non-empty and contain no '@': {value!r}")
-    return f"kv@pool:{store_id}@{model}"
+    if tenant is None:
+        return f"kv@pool:{store_id}@{model}"
+    return f"{tenant_prefix(store_id, tenant)}{model}"
+
+
+def tenant_prefix(store_id: str, tenant: str) -> str:
+    """What every topic of ``tenant``'s blocks starts with, and no other topic does
+    (tenant names hold neither ":" nor "@"): what a router that reads the tenant is
+    subscribed to."""
+    return f"kv@pool:{store_id}:{tenant}@"
 
 
 def decoder() -> msgspec.msgpack.Decoder:

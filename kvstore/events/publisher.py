@@ -19,6 +19,15 @@ Unlike vLLM's publisher, nothing here can block or grow without bound:
 - The replay window holds at most ``replay_batches`` batches and ``replay_bytes``.
 - The PUB socket drops what a slow subscriber cannot take (its high-water mark).
 
+With an ``EventAccess`` (kvstore.events.access) the stream is authenticated: both
+sockets are CURVE servers whose handshakes a ZAP handler checks against the routers'
+keys, the PUB socket is an XPUB that decides each subscription itself (a router gets
+only its tenants' topics), and a replay sends a router only the batches it may read.
+Refused handshakes and subscriptions are counted (``stats().refused_*``). When a reload
+of the routers file takes a right away, both sockets are closed and bound again on the
+same addresses: routers reconnect on their own and handshake with the new keys (a
+sequence gap, which the replay fills).
+
 One thread owns the sockets. It sleeps in ``zmq.Poller.poll`` with no timeout until a
 publish wakes it (one byte on a pipe, written only when the queue was empty) or a
 replay request arrives, so an idle publisher uses no CPU. When it wakes it takes
@@ -28,6 +37,8 @@ well over 100,000 block events per second (bench/events.py)."""
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import logging
 import os
 import threading
@@ -39,10 +50,13 @@ from typing import Literal
 
 import msgspec
 import zmq
+import zmq.auth
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvstore.events.access import EventAccess
 from kvstore.events.format import EventBatch, KVCacheEvent
 from kvstore.settings.config import ByteSize
+from kvstore.settings.events import binds
 
 log = logging.getLogger(__name__)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's last message, as vLLM sends it
@@ -104,6 +118,10 @@ class PublisherStats:
     skipped_sequences: int  # numbers no batch got: one per run of dropped publish calls
     replay_requests: int
     queued_events: int
+    refused_handshakes: int = 0  # connections without a CURVE handshake this node accepts
+    refused_keys: int = 0  # CURVE handshakes of a key the routers file does not list
+    refused_subscriptions: int = 0  # subscriptions to topics of no tenant the router reads
+    rebinds: int = 0  # times a narrowed routers file made every router handshake again
 
 
 class _Gap:
@@ -114,9 +132,7 @@ _GAP = _Gap()
 
 
 def _binds(endpoint: str, mode: str) -> bool:
-    if mode != "auto":
-        return mode == "bind"
-    return "*" in endpoint or "[::]" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+    return binds(endpoint) if mode == "auto" else mode == "bind"
 
 
 class EventPublisher:
@@ -128,8 +144,9 @@ class EventPublisher:
     all dropped; sequence numbers increase by one per batch and skip one wherever
     events were dropped."""
 
-    def __init__(self, options: PublisherOptions) -> None:
+    def __init__(self, options: PublisherOptions, access: EventAccess | None = None) -> None:
         self.options = options
+        self._access = access
         self._lock = threading.Lock()
         self._queue: deque[tuple[bytes, list[KVCacheEvent]] | _Gap] = deque()
         self._held = (
@@ -143,6 +160,8 @@ class EventPublisher:
         self._published_events = self._published_batches = self._dropped = self._replays = (
             self._skipped
         ) = 0
+        self._refused = {"handshake": 0, "key": 0, "subscription": 0}
+        self._rebinds = 0
         self._seq = 0
         self._replay: deque[tuple[int, bytes, bytes]] = deque()  # (sequence, topic, payload)
         self._replay_nbytes = 0
@@ -151,25 +170,77 @@ class EventPublisher:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        self._auth: zmq.auth.Authenticator | None = None
+        self._monitors: list[zmq.Socket] = []
+        self._router: zmq.Socket | None = None
         try:
-            self._pub = self._ctx.socket(zmq.PUB)
-            self._pub.setsockopt(zmq.SNDHWM, options.hwm)
-            self.endpoint = self._attach(
-                self._pub, options.endpoint, _binds(options.endpoint, options.mode)
-            )
-            self._router: zmq.Socket | None = None
-            self.replay_endpoint: str | None = None
-            if options.replay_endpoint is not None:
-                self._router = self._ctx.socket(zmq.ROUTER)
-                self._router.setsockopt(zmq.SNDHWM, options.hwm)
-                self.replay_endpoint = self._attach(self._router, options.replay_endpoint, True)
+            if access is not None:
+                if not _binds(options.endpoint, options.mode):
+                    raise ValueError(
+                        f"an authenticated event stream binds its sockets (routers connect and "
+                        f"handshake): {options.endpoint} would connect"
+                    )
+                self._auth = zmq.auth.Authenticator(self._ctx)
+                self._auth.start()
+                self._auth.configure_curve_callback(_ZAP_DOMAIN, credentials_provider=self)
+            self._binds = _binds(options.endpoint, options.mode)  # before a port 0 resolves
+            self.endpoint = options.endpoint
+            self.replay_endpoint: str | None = options.replay_endpoint
+            self._open_sockets()
         except Exception:
+            self._close_sockets()
+            if self._auth is not None:
+                self._auth.stop()
             self._ctx.destroy(linger=0)
             os.close(self._wake_r)
             os.close(self._wake_w)
             raise
         self._thread = threading.Thread(target=self._run, name="kvstore-events", daemon=True)
         self._thread.start()
+
+    def _open_sockets(self) -> None:
+        """Make and attach the PUB (an XPUB deciding subscriptions when authenticated)
+        and replay sockets; ``endpoint`` and ``replay_endpoint`` become the addresses
+        bound (a port of 0 resolved), so a rebind takes the same ones."""
+        opts = self.options
+        self._pub = self._ctx.socket(zmq.PUB if self._access is None else zmq.XPUB)
+        self._pub.setsockopt(zmq.SNDHWM, opts.hwm)
+        self._secure(self._pub)
+        if self._access is not None:
+            self._pub.setsockopt(zmq.XPUB_MANUAL, 1)
+        self.endpoint = self._attach(self._pub, self.endpoint, self._binds)
+        if self.replay_endpoint is not None:
+            self._router = self._ctx.socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.SNDHWM, opts.hwm)
+            self._secure(self._router)
+            self.replay_endpoint = self._attach(self._router, self.replay_endpoint, True)
+
+    def _secure(self, sock: zmq.Socket) -> None:
+        """Make ``sock`` a CURVE server checked by the ZAP handler, watched for refused
+        handshakes (a no-op without access rules)."""
+        if self._access is None:
+            return
+        sock.curve_server = True
+        sock.curve_publickey = self._access.keys.public
+        sock.curve_secretkey = self._access.keys.secret
+        sock.zap_domain = _ZAP_DOMAIN.encode()
+        self._monitors.append(sock.get_monitor_socket(_REFUSALS))
+
+    def _close_sockets(self, linger: int = 0) -> None:
+        for monitor in self._monitors:
+            monitor.close(linger=0)
+        self._monitors = []
+        if getattr(self, "_pub", None) is not None:
+            self._pub.close(linger=linger)
+        if self._router is not None:
+            self._router.close(linger=0)
+            self._router = None
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """The ZAP handler's question for each CURVE handshake (pyzmq's credentials
+        provider interface): may the router with public ``key`` (Z85) connect?"""
+        assert self._access is not None
+        return self._access.admits(key.decode("ascii"))
 
     @staticmethod
     def _attach(sock: zmq.Socket, endpoint: str, bind: bool) -> str:
@@ -225,6 +296,10 @@ class EventPublisher:
                 self._skipped,
                 self._replays,
                 self._held,
+                self._refused["handshake"],
+                self._refused["key"],
+                self._refused["subscription"],
+                self._rebinds,
             )
 
     def close(self, timeout: float = 5.0) -> None:
@@ -239,9 +314,9 @@ class EventPublisher:
         if self._thread.is_alive():
             log.warning("event publisher thread did not stop within %.1f s", timeout)
             return
-        self._pub.close(linger=self.options.close_linger_ms)
-        if self._router is not None:
-            self._router.close(linger=0)
+        self._close_sockets(linger=self.options.close_linger_ms)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -255,13 +330,21 @@ class EventPublisher:
     # ---- the publisher thread ----------------------------------------------------
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._wake_r, zmq.POLLIN)
-        if self._router is not None:
-            poller.register(self._router, zmq.POLLIN)
         encoder = msgspec.msgpack.Encoder()
+        poller = self._poller()
+        # authenticated: wake once a second to see whether the routers file took a
+        # right away (one stat() a second; an open stream sleeps until there is work)
+        timeout = None if self._access is None else 1000
+        generation = self._access.generation() if self._access is not None else 0
+        rebind_due = False  # a rebind failed: tried again each second
         while True:
-            ready = dict(poller.poll())  # no timeout: an idle publisher sleeps here
+            ready = dict(poller.poll(timeout))
+            if self._access is not None:
+                self._serve_access(ready)
+                if self._access.generation() != generation or rebind_due:
+                    generation = self._access.generation()
+                    rebind_due = not self._rebind()
+                    poller = self._poller()
             if self._router is not None and ready.get(self._router):
                 self._serve_replays()
             if ready.get(self._wake_r):
@@ -283,6 +366,95 @@ class EventPublisher:
                 if left:
                     self._send(left, encoder)
                 return
+
+    def _poller(self) -> zmq.Poller:
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        if self._router is not None:
+            poller.register(self._router, zmq.POLLIN)
+        if self._auth is not None:
+            poller.register(self._auth.zap_socket, zmq.POLLIN)
+            poller.register(self._pub, zmq.POLLIN)  # subscriptions, for the XPUB to decide
+            for monitor in self._monitors:
+                poller.register(monitor, zmq.POLLIN)
+        return poller
+
+    def _serve_access(self, ready: dict) -> None:
+        """Answer the ZAP handshakes, decide the subscriptions and count the refused
+        handshakes that are waiting (an authenticated stream only)."""
+        assert self._auth is not None and self._access is not None
+        if ready.get(self._auth.zap_socket):
+            while True:
+                try:
+                    request = self._auth.zap_socket.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                # pyzmq's handler is a coroutine; with a plain callback it never waits
+                asyncio.run(self._auth.handle_zap_message(request))
+        if ready.get(self._pub):
+            self._serve_subscriptions()
+        for monitor in self._monitors:
+            if ready.get(monitor):
+                while True:
+                    try:
+                        frames = monitor.recv_multipart(flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    event = int.from_bytes(frames[0][:2], "little")
+                    reason = "key" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else "handshake"
+                    with self._lock:
+                        self._refused[reason] += 1
+                    log.info(
+                        "KV events: refused a connection on %s (%s)",
+                        frames[1].decode(errors="replace"),
+                        "a key no router holds" if reason == "key" else "no CURVE handshake",
+                    )
+
+    def _serve_subscriptions(self) -> None:
+        """Subscribe each router to what ``EventAccess.grants`` gives it for what it
+        asked (XPUB_MANUAL: a subscription applies to the pipe last read from)."""
+        assert self._access is not None
+        while True:
+            try:
+                frame = self._pub.recv(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            data = frame.bytes
+            if not data or data[0] not in (0, 1):
+                continue
+            grants = self._access.grants(_user_id(frame), data[1:])
+            if data[0] == 1 and not grants:
+                with self._lock:
+                    self._refused["subscription"] += 1
+                log.info(
+                    "KV events: refused a subscription to %r (no tenant it may read)", data[1:]
+                )
+            for prefix in grants:
+                self._pub.setsockopt(zmq.SUBSCRIBE if data[0] == 1 else zmq.UNSUBSCRIBE, prefix)
+
+    def _rebind(self) -> bool:
+        """Close both sockets and bind them again on the same addresses, so every
+        router handshakes with the routers file as it is now. False when an address
+        stayed busy (the caller tries again a second later; meanwhile nothing is sent)."""
+        self._close_sockets()
+        deadline = time.monotonic() + 2.0
+        while True:
+            try:
+                self._open_sockets()
+                break
+            except zmq.ZMQError as exc:
+                # ZMQ closes a listener on its I/O thread, a moment after close()
+                self._close_sockets()
+                if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                    log.error("KV events: could not bind the event sockets again: %s", exc)
+                    return False
+                time.sleep(0.02)
+        with self._lock:
+            self._rebinds += 1
+        log.warning(
+            "KV events: the routers file took a right away; sockets bound again so every router authenticates anew"
+        )
+        return True
 
     def _send(
         self,
@@ -349,11 +521,13 @@ class EventPublisher:
             self._replay_nbytes -= len(self._replay.popleft()[2])
 
     def _serve_replays(self) -> None:
-        """Answer every replay request waiting, from the replay window."""
+        """Answer every replay request waiting, from the replay window (an
+        authenticated stream sends each router only the batches it may read)."""
         assert self._router is not None
+        access = self._access
         while True:
             try:
-                frames = self._router.recv_multipart(flags=zmq.NOBLOCK)
+                frames = self._router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             if len(frames) != 3:
@@ -362,16 +536,35 @@ class EventPublisher:
                     len(frames),
                 )
                 continue
-            client, _, start = frames
+            client, start = frames[0].bytes, frames[2].bytes
+            key = _user_id(frames[2]) if access is not None else None
             with self._lock:
                 self._replays += 1
             first = int.from_bytes(start, "big")
             try:
                 for seq, topic, payload in list(self._replay):
-                    if seq >= first:
+                    if seq >= first and (access is None or access.reads(key, topic)):
                         self._router.send_multipart(
                             (client, b"", topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK
                         )
                 self._router.send_multipart((client, b"", b"", END_SEQ, b""), flags=zmq.NOBLOCK)
             except zmq.Again:
                 log.warning("a replay client stopped reading; the rest of its replay was dropped")
+
+
+_ZAP_DOMAIN = "kvstore-events"
+# handshakes refused: no or a broken CURVE handshake, and keys the ZAP handler refused
+_REFUSALS = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+
+def _user_id(frame: zmq.Frame) -> str | None:
+    """The ZAP user id of the connection ``frame`` came on (a router's public key)."""
+    try:
+        value = frame.get("User-Id")
+    except zmq.ZMQError:
+        return None
+    return value if isinstance(value, str) else None

@@ -22,18 +22,13 @@ old line."""
 from __future__ import annotations
 
 import hashlib
-import logging
-import os
 import re
 import secrets
-import threading
-import time
 from dataclasses import dataclass
 
 from kvstore.errors import InvalidInputError
 from kvstore.pages.namespace import check_tenant
-
-log = logging.getLogger(__name__)
+from kvstore.security.watched import WatchedTable
 
 READ = "read"
 READWRITE = "readwrite"
@@ -80,17 +75,22 @@ def make_credential(name: str, rights: str, tenants: list[str]) -> Credential:
         raise InvalidInputError(
             f"credential {name}: rights must be one of {list(RIGHTS)}, got {rights!r}"
         )
-    if not tenants:
-        raise InvalidInputError(
-            f"credential {name}: name at least one tenant, or * for every tenant"
-        )
+    return Credential(name, rights, parse_tenants(tenants, f"credential {name}"))
+
+
+def parse_tenants(tenants: list[str], what: str) -> frozenset[str] | None:
+    """The tenants a credential or router key names: checked names, or None for ``*``
+    (every tenant). ``InvalidInputError`` naming ``what`` for an empty list, a bad name,
+    or ``*`` beside names."""
+    if not tenants or tenants == [""]:
+        raise InvalidInputError(f"{what}: name at least one tenant, or * for every tenant")
     if ALL_TENANTS in tenants:
         if len(tenants) > 1:
-            raise InvalidInputError(f"credential {name}: * stands alone, not beside other tenants")
-        return Credential(name, rights, None)
+            raise InvalidInputError(f"{what}: * stands alone, not beside other tenants")
+        return None
     for tenant in tenants:
-        check_tenant(tenant, f"credential {name}: tenant")
-    return Credential(name, rights, frozenset(tenants))
+        check_tenant(tenant, f"{what}: tenant")
+    return frozenset(tenants)
 
 
 def parse_credentials(text: str, source: str = "credentials") -> dict[str, Credential]:
@@ -125,74 +125,31 @@ def parse_credentials(text: str, source: str = "credentials") -> dict[str, Crede
 
 
 class CredentialFile:
-    """The credentials a node accepts: those in a file (re-read when it changes, checked
-    at most once per ``recheck`` seconds) plus, optionally, one legacy token that grants
-    read and write to every tenant (``--auth-token``).
-
-    A file that turns unreadable or malformed keeps the last good set and logs an error
-    on each check, so a bad edit neither locks every client out nor lets anyone in; the
-    first load must succeed (``InvalidInputError``)."""
+    """The credentials a node accepts: those in a file (a ``WatchedTable``: re-read
+    when it changes, the last good set kept when an edit breaks it) plus, optionally,
+    one legacy token that grants read and write to every tenant (``--auth-token``).
+    The first load must succeed (``InvalidInputError``)."""
 
     def __init__(self, path: str | None, legacy_token: str = "", *, recheck: float = 1.0) -> None:
         self.path = path
-        self.recheck = recheck
         self._legacy = (
             {token_digest(legacy_token): Credential("auth-token", READWRITE, None)}
             if legacy_token
             else {}
         )
-        self._lock = threading.Lock()
-        self._stamp: tuple[int, int, int] | None = None
-        self._checked = 0.0
-        self._table: dict[str, Credential] = dict(self._legacy)
-        self.reloads = 0
-        self.reload_errors = 0
-        if path:
-            self._load(initial=True)
+        self._file = (
+            WatchedTable(path, parse_credentials, "credentials", recheck=recheck) if path else None
+        )
 
     @property
     def enabled(self) -> bool:
         """False when no credential is configured (a node started with ``--anonymous``)."""
-        return bool(self.path) or bool(self._legacy)
-
-    def _load(self, initial: bool = False) -> None:
-        assert self.path
-        try:
-            st = os.stat(self.path)
-            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
-            if stamp == self._stamp:
-                return
-            with open(self.path) as f:
-                table = parse_credentials(f.read(), self.path)
-        except (OSError, InvalidInputError) as exc:
-            message = exc.strerror if isinstance(exc, OSError) else str(exc)
-            if initial:
-                raise InvalidInputError(
-                    f"cannot load credentials file {self.path}: {message}"
-                ) from None
-            self.reload_errors += 1
-            log.error(
-                "credentials file %s not reloaded, keeping the %d credentials loaded before: %s",
-                self.path,
-                len(self._table),
-                message,
-            )
-            return
-        self._table = {**table, **self._legacy}
-        self._stamp = stamp
-        if not initial:
-            self.reloads += 1
-            log.info("credentials file %s reloaded: %d credentials", self.path, len(table))
+        return self._file is not None or bool(self._legacy)
 
     def find(self, token: str) -> Credential | None:
         """The credential ``token`` grants, or None. Re-reads the file when it changed."""
-        if self.path:
-            now = time.monotonic()
-            if now - self._checked >= self.recheck:
-                with self._lock:
-                    if now - self._checked >= self.recheck:
-                        self._load()
-                        self._checked = now
+        table = self._file.table() if self._file is not None else {}
         if not token:
             return None
-        return self._table.get(token_digest(token))
+        digest = token_digest(token)
+        return self._legacy.get(digest) or table.get(digest)

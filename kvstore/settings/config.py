@@ -23,6 +23,7 @@ from kvstore.errors import InvalidInputError, first_problem
 from kvstore.index.page_index import DEFAULT_LEASE_MS
 from kvstore.index.routing import check_url, redact_url
 from kvstore.security.credentials import CredentialFile
+from kvstore.settings.events import EventSettings, check_event_settings
 from kvstore.settings.sizes import parse_size
 
 ByteSize = Annotated[int, BeforeValidator(parse_size)]
@@ -153,7 +154,7 @@ class IndexAccess(_RedactedRepr, BaseModel):
         return _load_secret_files(data)
 
 
-class ServerSettings(IndexAccess, BaseSettings):
+class ServerSettings(IndexAccess, EventSettings, BaseSettings):
     """Options of ``kvstore server``; each also reads KVSTORE_<NAME> from the environment."""
 
     model_config = SettingsConfigDict(
@@ -179,33 +180,6 @@ class ServerSettings(IndexAccess, BaseSettings):
     )
     metrics_host: str = Field(
         "127.0.0.1", description="address the metrics server binds (0.0.0.0: every interface)"
-    )
-    kv_events_endpoint: str | None = Field(
-        None,
-        description=(
-            "ZMQ PUB address of this node's vLLM-format KV events, e.g. tcp://*:5557 (binds) "
-            "or tcp://router:5557 (connects); None: no events (docs/router-integration.md)"
-        ),
-    )
-    kv_events_replay_endpoint: str | None = Field(
-        None,
-        description=(
-            "ZMQ ROUTER address (bound) replaying recent event batches to a router that "
-            "restarted, e.g. tcp://*:5558"
-        ),
-    )
-    kv_events_store_id: str | None = Field(
-        None,
-        pattern=r"^[^@]+$",
-        description=(
-            "<store id> of the event topic kv@pool:<store id>@<model> (default: the node id, "
-            "so removals and AllBlocksCleared name only this node's blocks)"
-        ),
-    )
-    kv_events_queue: int = Field(
-        100_000,
-        ge=1,
-        description="block events waiting to be sent, past which they are dropped (kvstore_events_dropped_total)",
     )
     high_watermark: float = Field(
         0.9, gt=0, le=1, description="evict when usage passes this fraction"
@@ -376,6 +350,9 @@ class ServerSettings(IndexAccess, BaseSettings):
             CredentialFile(
                 self.credentials_file
             )  # a file that does not load is an error now, not at the first request
+        check_event_settings(
+            self, checks_tokens=bool(self.auth_token.get_secret_value() or self.credentials_file)
+        )
         if self.max_request_bytes and self.max_request_bytes < self.slab_size:
             raise ValueError(
                 f"max_request_bytes {self.max_request_bytes} must be at least one slab ({self.slab_size} bytes), or 0"

@@ -1,9 +1,10 @@
-"""The ``kvstore`` command: ``server``, ``up``, ``demo``, ``stats``, ``credential`` and ``acl``.
+"""The ``kvstore`` command: ``server``, ``up``, ``demo``, ``stats``, ``credential``,
+``events-key`` and ``acl``.
 
 This module parses the command line and runs one command: ``kvstore server`` execs
 ``python -m server`` so this core package never imports the storage node; ``up``
 (``cli_up``) and ``demo`` start local processes through ``LocalCluster``; ``stats`` is
-in ``cli_stats``, ``credential`` and ``acl`` in ``cli_access``."""
+in ``cli_stats``, ``credential``, ``events-key`` and ``acl`` in ``cli_access``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import os
 import sys
 
 from kvstore.errors import IndexUnavailableError, InvalidInputError, KVStoreError
-from kvstore.tools.cli_access import run_acl, run_credential
+from kvstore.tools.cli_access import run_acl, run_credential, run_events_key
 from kvstore.tools.cli_errors import EXIT_FAILED, EXIT_INDEX, EXIT_USAGE
 from kvstore.tools.cli_stats import run_stats
 from kvstore.tools.cli_up import run_up
@@ -167,6 +168,25 @@ def _main(argv: list[str]) -> int:
     cred.add_argument(
         "--token-file", required=True, help="new file to write the token to (mode 0600)"
     )
+    keys = sub.add_parser(
+        "events-key",
+        help="make a CURVE key pair for the KV event stream: a node's, or a router's and its routers-file line",
+        description=(
+            "Writes <name>.key and <name>.key_secret (mode 0600) into --out. For a node, "
+            "prints its public key (routers pin it); for a router, prints the line of the "
+            "nodes' --kv-events-routers-file that lets it read --tenant's events. See "
+            "docs/security.md."
+        ),
+    )
+    keys.add_argument("role", choices=["node", "router"], help="whose key pair")
+    keys.add_argument("--name", default=None, help="the router's name (a node's: node)")
+    keys.add_argument(
+        "--tenant",
+        action="append",
+        default=[],
+        help="a tenant whose events the router reads (repeat for several; * for every tenant)",
+    )
+    keys.add_argument("--out", required=True, help="directory to write the key files to")
     acl = sub.add_parser(
         "acl",
         help="print the Redis/Valkey ACL rules of an index role (node, client of a tenant, operator)",
@@ -191,6 +211,8 @@ def _main(argv: list[str]) -> int:
         return run_acl(args)
     if args.command == "credential":
         return run_credential(args)
+    if args.command == "events-key":
+        return run_events_key(args)
     if args.command == "up":
         return run_up(args)
     if args.command == "demo":

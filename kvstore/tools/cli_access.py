@@ -1,5 +1,6 @@
 """The secrets of the ``kvstore`` commands: ``credential`` (a data-plane token and its
-credentials-file line), ``acl`` (the index's ACL rules), the index URL and password a
+credentials-file line), ``events-key`` (CURVE key pairs of the event stream and a
+router's routers-file line), ``acl`` (the index's ACL rules), the index URL and password a
 command reads from the environment, and files only this user can read."""
 
 from __future__ import annotations
@@ -67,4 +68,38 @@ def run_acl(args: argparse.Namespace) -> int:
             f"cannot read --password-file {args.password_file}: {exc.strerror}"
         ) from None
     print(acl.aclfile_line(args.user, args.role, args.tenant, password))
+    return 0
+
+
+def run_events_key(args: argparse.Namespace) -> int:
+    """Write a CURVE key pair into ``--out`` (``<name>.key`` public, ``<name>.key_secret``
+    mode 0600, never overwritten). For a node (``events-key node``) print its public key
+    (what routers pin); for a router print its routers-file line. The secret key is
+    never printed."""
+    from kvstore.security.routers import make_router_key, new_key_files
+
+    if args.role == "router" and not args.tenant:
+        raise InvalidInputError("a router key names --tenant (repeat for several; * for all)")
+    if args.role == "node" and args.tenant:
+        raise InvalidInputError("--tenant names what a router reads; a node key takes none")
+    name = args.name or ("node" if args.role == "node" else "")
+    if not name:
+        raise InvalidInputError("a router key needs --name (shown in the routers file and logs)")
+    if args.role == "router":
+        make_router_key(name, "0" * 40, args.tenant)  # the name and tenants, checked first
+    public, secret_file = new_key_files(args.out, name)
+    if args.role == "node":
+        print(public)
+        print(
+            f"node key written to {secret_file}: give it to --kv-events-key-file; routers "
+            "pin the public key above (printed, and in the .key file beside it)",
+            file=sys.stderr,
+        )
+    else:
+        print(make_router_key(name, public, args.tenant).line())
+        print(
+            f"router key written to {secret_file}: the router's subscriber uses it, with the "
+            "node's public key; add the line above to the nodes' --kv-events-routers-file",
+            file=sys.stderr,
+        )
     return 0

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from kvstore.errors import InvalidInputError
 from kvstore.security.credentials import new_token
+from kvstore.settings.events import local
 from kvstore.tools.cli_access import index_from_env, write_secret
 from kvstore.tools.cli_errors import EXIT_FAILED
 
@@ -50,14 +51,19 @@ def run_up(args: argparse.Namespace) -> int:
                 "--disk-path needs --disk-capacity (bytes each node's disk tier may take, e.g. 100GiB)"
             )
         events = args.kv_events_endpoint
-        if events and args.servers > 1 and ("*" in events or "[::]" in events):
+        if events and not local(events):
             raise InvalidInputError(
-                f"--kv-events-endpoint {events} would have {args.servers} nodes bind one port: "
-                "give the address a router binds (tcp://HOST:PORT), which every node connects to"
+                f"--kv-events-endpoint {events}: kvstore up serves on loopback, and its events "
+                "would reach anyone on the network; give the loopback address a router binds "
+                "(tcp://127.0.0.1:PORT, which every node connects to). A store whose routers "
+                "read from other hosts runs kvstore server with --kv-events-routers-file "
+                "(docs/security.md)"
             )
         extra = ["--disk-policy", args.disk_policy] if args.disk_path else []
         if events:
-            extra += ["--kv-events-endpoint", events]
+            # one token serves every tenant here, so whoever holds it reads them all:
+            # the blocks keep their token ids, as on an --anonymous node
+            extra += ["--kv-events-endpoint", events, "--kv-events-token-ids", "*"]
         # the nodes' logs outlive `kvstore up`: they are where a failed start or a
         # refused client is explained
         log_dir = (

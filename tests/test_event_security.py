@@ -1,0 +1,347 @@
+"""Attacks on a storage node's KV event stream (issue 56; docs/security.md, "KV event
+stream"), with real processes: a node that checks tokens, events on, two tenants
+writing pages of the same model. Every subscriber below is a plain ZeroMQ socket, as
+a router or an attacker would open one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from client import KVCacheClient
+from kvstore import block_hashes
+from kvstore.events import END_SEQ, decoder, tenant_prefix
+from kvstore.events.access import CurveKeys, EventAccess, curve_client
+from kvstore.security.routers import load_key_pair, new_key_files, parse_router_keys, router_keys
+from kvstore.tools.launcher import LocalCluster
+from kvstore.tools.procutil import free_port
+from tests.helpers import ROOT, metrics, namespace_for_page_size, pages_for, wait_for
+
+KVSTORE = [sys.executable, "-m", "kvstore.tools.cli"]
+ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONPATH": str(ROOT)}
+for name in ("KVSTORE_AUTH_TOKEN", "KVSTORE_AUTH_TOKEN_FILE", "KVSTORE_CREDENTIALS_FILE"):
+    ENV.pop(name, None)
+STORE = "node-0"
+
+
+def run_kvstore(*args: str) -> str:
+    out = subprocess.run([*KVSTORE, *args], env=ENV, capture_output=True, text=True, timeout=60, check=True)
+    return out.stdout.strip()
+
+
+class Keys:
+    """Key pairs made by ``kvstore events-key`` (real processes): the node's, routers
+    reading team-a, team-b or every tenant, and an outsider's the routers file omits."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.dir = tmp_path / "keys"
+        self.node_public = run_kvstore("events-key", "node", "--out", str(self.dir))
+        self.lines = {
+            "router-a": run_kvstore("events-key", "router", "--name", "router-a", "--tenant", "team-a", "--out", str(self.dir)),
+            "router-b": run_kvstore("events-key", "router", "--name", "router-b", "--tenant", "team-b", "--out", str(self.dir)),
+        }
+        new_key_files(str(self.dir), "outsider")
+        self.routers = tmp_path / "routers"
+        self.write(self.lines.values())
+
+    def file(self, name: str) -> str:
+        return str(self.dir / f"{name}.key_secret")
+
+    def write(self, lines) -> None:
+        """Replace the routers file as a Kubernetes Secret update does: a new file renamed over."""
+        tmp = self.routers.with_suffix(".new")
+        tmp.write_text("".join(f"{line}\n" for line in lines))
+        os.replace(tmp, self.routers)
+
+    def node_args(self, pub: int, rep: int) -> list[str]:
+        return ["--kv-events-endpoint", f"tcp://*:{pub}", "--kv-events-replay-endpoint", f"tcp://*:{rep}",
+                "--kv-events-routers-file", str(self.routers), "--kv-events-key-file", self.file("node")]
+
+
+class Subscriber:
+    """A SUB socket read by a thread: every (topic, sequence, payload) it receives.
+    ``key``: a router's key file (CURVE); None: no credential at all."""
+
+    def __init__(self, port: int, keys: Keys, key: str | None, topic: bytes = b"") -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.SUB)
+        if key is not None:
+            curve_client(self.sock, keys.node_public, keys.file(key))
+        self.sock.setsockopt(zmq.SUBSCRIBE, topic)
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+        self.got: list[tuple[bytes, int, bytes]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while not self._stop.is_set():
+            if self.sock.poll(50):
+                topic, seq, payload = self.sock.recv_multipart()
+                self.got.append((topic, int.from_bytes(seq, "big"), payload))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def replay_as(port: int, keys: Keys, key: str | None, timeout: float = 3.0) -> list[tuple[bytes, int, bytes]] | None:
+    """What vLLM's replay protocol hands ``key`` from sequence 0; None when nothing
+    came back within ``timeout`` (the handshake was refused)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    if key is not None:
+        curve_client(sock, keys.node_public, keys.file(key))
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    out = []
+    try:
+        sock.send_multipart([b"", (0).to_bytes(8, "big")])
+        while True:
+            if not sock.poll(int(timeout * 1000)):
+                return None
+            _, topic, seq, payload = sock.recv_multipart()
+            if seq == END_SEQ:
+                return out
+            out.append((topic, int.from_bytes(seq, "big"), payload))
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def blocks_in(messages) -> tuple[set[bytes], list[int]]:
+    """The block hashes and token ids of every event in ``messages``."""
+    hashes: set[bytes] = set()
+    tokens: list[int] = []
+    for _, _, payload in messages:
+        for e in decoder().decode(payload).events:
+            hashes.update(getattr(e, "block_hashes", []))
+            tokens.extend(getattr(e, "token_ids", []))
+    return hashes, tokens
+
+
+def make_credentials(tmp_path: Path) -> tuple[Path, dict[str, Path]]:
+    lines, tokens = [], {}
+    for name, tenant in (("alice", "team-a"), ("bob", "team-b")):
+        tokens[name] = tmp_path / f"{name}.token"
+        lines.append(run_kvstore("credential", "--name", name, "--tenant", tenant, "--token-file", str(tokens[name])))
+    path = tmp_path / "credentials"
+    path.write_text("\n".join(lines) + "\n")
+    return path, tokens
+
+
+def test_routers_read_only_their_tenants_and_strangers_read_nothing(tmp_path):
+    """Before: a plain SUB socket with no credential read all 64 token ids of every
+    tenant's put. Now an unauthenticated subscriber and an unlisted key get nothing on
+    either socket; a router of team-b never sees team-a's topics, block hashes or token
+    ids (not even by subscribing to team-a's topic); the router of team-a sees every
+    block team-a stored, with its token ids, decoded with vLLM's own types; team-b's
+    blocks carry hashes only (token ids are opt-in per tenant). Each refusal is counted."""
+    keys = Keys(tmp_path)
+    creds, token = make_credentials(tmp_path)
+    pub, rep = free_port(), free_port()
+    ns_a = namespace_for_page_size(64 << 10, tenant="team-a")
+    ns_b = namespace_for_page_size(64 << 10, tenant="team-b")
+    assert ns_a.model == ns_b.model  # two tenants serving the same model
+    tokens_a = list(range(100, 100 + 4 * ns_a.block_size))
+    tokens_b = list(range(900, 900 + 4 * ns_b.block_size))
+    args = [*keys.node_args(pub, rep), "--kv-events-token-ids", "team-a"]
+    with LocalCluster(servers=1, capacity="64MiB", slab_size="16MiB", env={"KVSTORE_CREDENTIALS_FILE": str(creds)}, extra_args=args) as c:
+        subs = {
+            "anonymous": Subscriber(pub, keys, None),
+            "outsider": Subscriber(pub, keys, "outsider"),
+            "router-b": Subscriber(pub, keys, "router-b"),
+            "router-b asking team-a": Subscriber(pub, keys, "router-b", tenant_prefix(STORE, "team-a").encode()),
+            "router-a": Subscriber(pub, keys, "router-a"),
+        }
+        try:
+            with KVCacheClient(c.redis_url, ns_a, auth_token_file=str(token["alice"])) as alice, \
+                 KVCacheClient(c.redis_url, ns_b, auth_token_file=str(token["bob"])) as bob:
+                # ZMQ's slow joiner: warm up until both routers receive, then the real puts
+                warm = iter(range(10_000, 10**9, 1000))
+
+                def joined() -> bool:
+                    n = next(warm)
+                    alice.put_pages(list(range(n, n + ns_a.block_size)), pages_for(ns_a, list(range(n, n + ns_a.block_size))))
+                    bob.put_pages(list(range(n, n + ns_b.block_size)), pages_for(ns_b, list(range(n, n + ns_b.block_size))))
+                    time.sleep(0.2)
+                    return bool(subs["router-a"].got) and bool(subs["router-b"].got)
+
+                wait_for(joined, 30, "both routers to receive events")
+                assert alice.put_pages(tokens_a, pages_for(ns_a, tokens_a)).stored == 4
+                assert bob.put_pages(tokens_b, pages_for(ns_b, tokens_b)).stored == 4
+            hashes_a, hashes_b = set(block_hashes(ns_a, tokens_a)), set(block_hashes(ns_b, tokens_b))
+            wait_for(lambda: hashes_a <= blocks_in(subs["router-a"].got)[0], 10, "router-a to see team-a's put")
+            wait_for(lambda: hashes_b <= blocks_in(subs["router-b"].got)[0], 10, "router-b to see team-b's put")
+            time.sleep(0.5)  # what else may come, comes now
+        finally:
+            for s in subs.values():
+                s.close()
+        a_prefix = tenant_prefix(STORE, "team-a").encode()
+        assert subs["anonymous"].got == [] and subs["outsider"].got == []
+        assert subs["router-b asking team-a"].got == []
+        for name in ("router-b", "router-b asking team-a"):
+            got = subs[name].got
+            assert all(t.startswith(tenant_prefix(STORE, "team-b").encode()) for t, _, _ in got), name
+            hashes, ids = blocks_in(got)
+            assert not hashes & hashes_a and not set(ids) & set(tokens_a)
+        assert blocks_in(subs["router-b"].got)[1] == []  # team-b did not opt in: hashes only
+        # router-a: every team-a block, with its tokens, in vLLM's own types where vLLM is installed
+        mine = subs["router-a"].got
+        assert mine and all(t.startswith(a_prefix) for t, _, _ in mine)
+        check_with_vllm(mine, ns_a, tokens_a)
+
+        # the replay socket obeys the same rules
+        assert replay_as(rep, keys, None) is None and replay_as(rep, keys, "outsider") is None
+        replay_b = replay_as(rep, keys, "router-b")
+        replay_a = replay_as(rep, keys, "router-a")
+        assert replay_b and all(not t.startswith(a_prefix) for t, _, _ in replay_b)
+        assert not blocks_in(replay_b)[0] & hashes_a
+        assert replay_a and all(t.startswith(a_prefix) for t, _, _ in replay_a)
+        assert hashes_a <= blocks_in(replay_a)[0] and not blocks_in(replay_a)[0] & hashes_b
+
+        m = metrics(c, STORE)
+        assert m['kvstore_events_refused_total{reason="handshake"}'] >= 2  # the anonymous SUB and DEALER
+        assert m['kvstore_events_refused_total{reason="key"}'] >= 2  # the outsider's SUB and DEALER
+        assert m['kvstore_events_refused_total{reason="subscription"}'] >= 1  # router-b asking for team-a
+
+
+def check_with_vllm(messages, ns, tokens) -> None:
+    """Decode ``messages`` with vLLM's ``KVEventBatch`` (skipped without vLLM: ours
+    decoded them above) and check the put's blocks are there with their token ids."""
+    try:
+        from vllm.distributed.kv_events import BlockStored, KVEventBatch
+    except ImportError:
+        return
+    dec = msgspec.msgpack.Decoder(type=KVEventBatch)
+    want = block_hashes(ns, tokens)
+    seen = {}
+    for _, _, payload in messages:
+        for e in dec.decode(payload).events:
+            if isinstance(e, BlockStored):
+                for i, h in enumerate(e.block_hashes):
+                    seen[h] = e.token_ids[i * e.block_size : (i + 1) * e.block_size]
+    assert [seen.get(h) for h in want] == [tokens[i * ns.block_size : (i + 1) * ns.block_size] for i in range(len(want))]
+
+
+def test_a_routers_key_rotates_and_a_removed_key_is_cut_off_without_a_restart(tmp_path):
+    """An operator rotates router-a's key: adds the new key's line, moves the router,
+    removes the old line. The new key reads at once; once the old line is gone the node
+    binds its sockets again, so the old key's open connection stops receiving and its
+    reconnect is refused. The node never restarts."""
+    keys = Keys(tmp_path)
+    pub, rep = free_port(), free_port()
+    ns = namespace_for_page_size(64 << 10, tenant="team-a")
+    with LocalCluster(servers=1, capacity="64MiB", slab_size="16MiB", extra_args=keys.node_args(pub, rep)) as c:
+        node_pid = c.nodes[0].process.pid
+        old = Subscriber(pub, keys, "router-a")
+        new_line = run_kvstore("events-key", "router", "--name", "router-a2", "--tenant", "team-a", "--out", str(keys.dir))
+        keys.write([*keys.lines.values(), new_line])
+        new = Subscriber(pub, keys, "router-a2")
+        counter = iter(range(0, 10**9, 1000))
+
+        def put_reaches(*subs: Subscriber) -> bool:
+            before = [len(s.got) for s in subs]
+            n = next(counter)
+            with KVCacheClient(c.redis_url, ns) as client:
+                client.put_pages(list(range(n, n + ns.block_size)), pages_for(ns, list(range(n, n + ns.block_size))))
+            time.sleep(0.3)
+            return all(len(s.got) > b for s, b in zip(subs, before, strict=True))
+
+        try:
+            wait_for(lambda: put_reaches(old, new), 30, "both keys to receive")
+            keys.write([keys.lines["router-b"], new_line])  # the old key's line removed
+            wait_for(lambda: metrics(c, STORE)["kvstore_events_rebinds_total"] == 1, 10, "the node to bind again")
+            wait_for(lambda: put_reaches(new), 30, "the new key to receive after the rebind")
+            cut = len(old.got)
+            for _ in range(3):
+                put_reaches(new)
+            assert len(old.got) == cut, "the removed key still receives"
+            assert metrics(c, STORE)['kvstore_events_refused_total{reason="key"}'] >= 1
+        finally:
+            old.close()
+            new.close()
+        assert c.nodes[0].process.pid == node_pid and c.nodes[0].process.poll() is None
+
+
+def test_a_node_checking_tokens_will_not_publish_to_anyone_on_the_network(tmp_path):
+    """A node with tenants' credentials refuses to start with events bound to every
+    interface and no routers file (the finding: anyone reaching the port read every
+    tenant's token ids); it names the ways out. ``kvstore up`` refuses a non-loopback
+    event address the same way."""
+    creds, _ = make_credentials(tmp_path)
+    port = free_port()
+    out = subprocess.run([sys.executable, "-m", "server", "--credentials-file", str(creds), "--redis-url", "redis://127.0.0.1:1/0",
+                          "--kv-events-endpoint", f"tcp://*:{port}"], env=ENV, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    for option in ("--kv-events-routers-file", "--kv-events-open", "loopback"):
+        assert option in out.stderr
+    out = subprocess.run([*KVSTORE, "up", "--kv-events-endpoint", f"tcp://*:{port}"], env=ENV, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "loopback" in out.stderr
+    # a routers file that does not load stops the node, naming the file and the line
+    bad = tmp_path / "routers"
+    bad.write_text("router-x not-a-key team-a\n")
+    out = subprocess.run([sys.executable, "-m", "server", "--anonymous", "--redis-url", "redis://127.0.0.1:1/0",
+                          "--kv-events-endpoint", f"tcp://*:{port}", "--kv-events-routers-file", str(bad),
+                          "--kv-events-key-file", str(bad)], env=ENV, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and f"{bad} line 1" in out.stderr and "Z85" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("tenants", "asked", "granted"),
+    [
+        ("*", b"", [b""]),
+        ("*", b"kv@pool:s:team-a@", [b"kv@pool:s:team-a@"]),
+        ("team-a", b"", [b"kv@pool:s:team-a@"]),
+        ("team-a", b"kv@", [b"kv@pool:s:team-a@"]),
+        ("team-a", b"kv@pool:s:team-a@model-x", [b"kv@pool:s:team-a@model-x"]),
+        ("team-a", b"kv@pool:s:team-b@", []),
+        ("team-a", b"kv@pool:s:team-ab@", []),  # a longer tenant name is another tenant
+        ("team-a", b"kv@pool:s@digest", []),  # a topic of no tenant
+        ("team-a,team-b", b"kv@pool:s:", [b"kv@pool:s:team-a@", b"kv@pool:s:team-b@"]),
+    ],
+)
+def test_a_subscription_becomes_the_topics_the_router_both_asked_for_and_may_read(tmp_path, tenants, asked, granted):
+    """``EventAccess.grants``: the intersection of the prefix asked for and each tenant's
+    prefix, so a router reads exactly the topics it asked for among those it may read."""
+    public, secret_file = new_key_files(str(tmp_path), "r")
+    routers = tmp_path / "routers"
+    routers.write_text(f"# a comment\nr {public} {tenants}\n")
+    node_public, node_secret = load_key_pair(secret_file, "k")
+    access = EventAccess(CurveKeys(node_public, node_secret), router_keys(str(routers)), lambda t: tenant_prefix("s", t))
+    assert access.grants(public, asked) == granted
+    assert access.grants("x" * 40, asked) == []  # an unknown key gets nothing
+    for prefix in granted:
+        assert access.reads(public, prefix + b"model")
+
+
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        ("r1 short team-a", "40 characters of Z85"),
+        ("r1 " + "a" * 40, "expected 'name public-key tenants'"),
+        ("r1 " + "a" * 40 + " bad/tenant", "tenant"),
+        ("r1 " + "a" * 40 + " *,team-a", "* stands alone"),
+        ("r1 " + "a" * 40 + " team-a\nr2 " + "a" * 40 + " team-b", "already listed as r1"),
+        ("r1 " + "a" * 40 + " team-a\nr1 " + "b" * 40 + " team-b", "listed twice"),
+    ],
+)
+def test_a_bad_routers_file_line_is_refused_naming_it(line, problem):
+    with pytest.raises(ValueError, match="routers line"):
+        parse_router_keys(line, "routers")
+    with pytest.raises(ValueError, match=problem.replace("*", r"\*")):
+        parse_router_keys(line, "routers")
+
+
+def test_a_z85_key_holding_a_hash_sign_is_not_a_comment():
+    key = "#" + "a" * 39
+    assert parse_router_keys(f"# routers\nr1 {key} team-a\n")[key].tenants == frozenset({"team-a"})
