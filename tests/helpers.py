@@ -25,7 +25,9 @@ import torch
 
 from client.codec import pages_into_kv
 from kvstore import Namespace, block_hashes
+from kvstore.events.access import curve_client
 from kvstore.index import PageIndex
+from kvstore.security.routers import new_key_files
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -260,3 +262,25 @@ def corrupt_entry_checksums(url: str, ns: Namespace, hashes: list[bytes], i: int
 def advertised_prefix(index: PageIndex, ns: Namespace, hashes: list[bytes], **kw) -> int:
     """Leading pages of ``hashes`` the index advertises on a live node."""
     return index.lookup(ns, hashes, **kw).resolve(index.live_nodes()).matched
+
+
+class RouterKeys:
+    """A node key and one router reading every tenant, as an operator makes them with
+    ``kvstore events-key`` (docs/security.md): a test reads a node's events as an
+    authenticated router."""
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="kvstore-event-keys-")
+        self.node_public, self.node_secret = new_key_files(self.dir, "node")
+        router_public, self.router_secret = new_key_files(self.dir, "router")
+        self.routers = os.path.join(self.dir, "routers")
+        with open(self.routers, "w") as f:
+            f.write(f"router {router_public} *\n")
+
+    def node_args(self) -> list[str]:
+        """The node options that turn authentication on."""
+        return ["--kv-events-routers-file", self.routers, "--kv-events-key-file", self.node_secret]
+
+    def client(self, sock) -> None:
+        """Make a SUB or DEALER socket (before it connects) authenticate as the router."""
+        curve_client(sock, self.node_public, self.router_secret)

@@ -1,8 +1,8 @@
 """A storage node's KV events, read with vLLM's own decoder (``vllm.distributed.kv_events``)
 from a real node process: what it announces per tier is what it holds.
 
-Each test starts a node with ``--kv-events-endpoint`` and ``--kv-events-replay-endpoint``,
-puts pages with a real client (tests/worker.py), and reads every batch the node sent
+Each test starts a node with ``--kv-events-endpoint`` and ``--kv-events-replay-endpoint``
+(authenticated: a router key reading every tenant, docs/security.md), puts pages with a real client (tests/worker.py), and reads every batch the node sent
 through the replay socket from sequence 0 (a SUB socket that connects after the node
 started misses its first batches: ZMQ's slow joiner), then checks the stream against
 the node's metrics and the index."""
@@ -23,7 +23,7 @@ import zmq
 from kvstore import block_hashes
 from kvstore.events import END_SEQ
 from kvstore.index import PageIndex
-from tests.helpers import advertised_prefix, metrics, namespace_for_page_size, run_worker, spec, wait_for
+from tests.helpers import RouterKeys, advertised_prefix, metrics, namespace_for_page_size, run_worker, spec, wait_for
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 
@@ -37,8 +37,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+KEYS = RouterKeys()  # these tests read the stream as an authenticated router
+
+
 def events_args(pub: int, replay: int) -> list[str]:
-    return ["--kv-events-endpoint", f"tcp://*:{pub}", "--kv-events-replay-endpoint", f"tcp://*:{replay}"]
+    return ["--kv-events-endpoint", f"tcp://*:{pub}", "--kv-events-replay-endpoint", f"tcp://*:{replay}", *KEYS.node_args()]
 
 
 def replay(port: int, start: int = 0, timeout: float = 10.0) -> list[tuple[str, int, object]]:
@@ -47,6 +50,7 @@ def replay(port: int, start: int = 0, timeout: float = 10.0) -> list[tuple[str, 
     decoder = msgspec.msgpack.Decoder(type=kv_events.KVEventBatch)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
+    KEYS.client(sock)
     sock.connect(f"tcp://127.0.0.1:{port}")
     out = []
     try:

@@ -46,6 +46,7 @@ import zmq
 from kvstore import block_hashes
 from kvstore.index import PageIndex
 from tests.helpers import (
+    RouterKeys,
     advertised_prefix,
     metrics,
     namespace_for_page_size,
@@ -166,9 +167,10 @@ class Adapter:
     block size, medium, the events' order) passes unchanged. An XPUB socket tells when
     Dynamo's subscription arrived."""
 
-    def __init__(self, source: str) -> None:
+    def __init__(self, source: str, keys: RouterKeys) -> None:
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
+        keys.client(self.sub)  # the adapter is a router: it authenticates with its key
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.connect(source)
         self.pub = self.ctx.socket(zmq.XPUB)
@@ -220,10 +222,10 @@ def prompts(ns, count: int, blocks: int, base: int = 1) -> list[list[int]]:
 
 
 def test_dynamo_scores_a_node_from_its_events_through_the_adapter(clusters, dynamo):
-    pub = free_port()
-    cluster = clusters(capacity="4MiB", slab="1MiB", extra=["--kv-events-endpoint", f"tcp://*:{pub}"])
+    pub, keys = free_port(), RouterKeys()
+    cluster = clusters(capacity="4MiB", slab="1MiB", extra=["--kv-events-endpoint", f"tcp://*:{pub}", *keys.node_args()])
     ns = namespace_for_page_size(PAGE, tenant="dynamo")
-    adapter = Adapter(f"tcp://127.0.0.1:{pub}")
+    adapter = Adapter(f"tcp://127.0.0.1:{pub}", keys)
     try:
         dynamo.register(adapter.endpoint, ns.model, ns.block_size)
         wait_for(adapter.subscribed.is_set, 10, "Dynamo's subscription")

@@ -22,7 +22,9 @@ from kvstore.events.format import (
     pool_topic,
     tenant_prefix,
 )
-from kvstore.events.publisher import END_SEQ, EventPublisher, PublisherOptions, PublisherStats
+from kvstore.events.options import PublisherOptions, PublisherStats
+from kvstore.events.publisher import EventPublisher
+from kvstore.events.replay import END_SEQ
 
 __all__ = [
     "END_SEQ",

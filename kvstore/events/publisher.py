@@ -37,7 +37,6 @@ well over 100,000 block events per second (bench/events.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import logging
 import os
@@ -45,83 +44,18 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
 
 import msgspec
 import zmq
-import zmq.auth
-from pydantic import BaseModel, ConfigDict, Field
 
 from kvstore.events.access import EventAccess
 from kvstore.events.format import EventBatch, KVCacheEvent
-from kvstore.settings.config import ByteSize
+from kvstore.events.gate import Gate
+from kvstore.events.options import PublisherOptions, PublisherStats
+from kvstore.events.replay import ReplayWindow
 from kvstore.settings.events import binds
 
 log = logging.getLogger(__name__)
-END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's last message, as vLLM sends it
-
-
-class PublisherOptions(BaseModel):
-    """How a node publishes its events (from its command line or settings)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    endpoint: str = Field(
-        description="PUB address, e.g. tcp://*:5557 (binds) or tcp://router:5557 (connects); see mode"
-    )
-    mode: Literal["auto", "bind", "connect"] = Field(
-        "auto",
-        description=(
-            "auto: bind a wildcard (tcp://*:PORT, tcp://[::]:PORT), ipc:// or inproc:// address "
-            "and connect to any other, as vLLM does"
-        ),
-    )
-    replay_endpoint: str | None = Field(
-        None, description="ROUTER address (always bound) serving missed batches; None: no replay"
-    )
-    topic: str = Field(
-        "", description="first frame of every message (kvstore.events.pool_topic gives a node's)"
-    )
-    max_queue_events: int = Field(
-        100_000, ge=1, description="events waiting to be sent, past which publish drops (counted)"
-    )
-    max_batch_events: int = Field(1024, ge=1, description="events per message at most")
-    replay_batches: int = Field(10_000, ge=0, description="batches kept for replay")
-    replay_bytes: ByteSize = Field(64 << 20, description="payload bytes kept for replay at most")
-    hwm: int = Field(
-        100_000,
-        ge=1,
-        description=(
-            "messages queued per subscriber before ZMQ drops "
-            "(ZMQ's 0, no limit, is refused: a slow subscriber would grow memory)"
-        ),
-    )
-    data_parallel_rank: int | None = Field(
-        None, ge=0, description="set in every batch when given (engines set it; a node does not)"
-    )
-    close_linger_ms: int = Field(
-        500, ge=0, description="how long close() lets ZMQ deliver what it already queued"
-    )
-
-
-@dataclass(frozen=True)
-class PublisherStats:
-    """Counts since the publisher started (``EventPublisher.stats``)."""
-
-    published_events: int
-    published_batches: int
-    dropped_events: (
-        int  # by publish, on a full queue (the PUB socket's own drops are not seen here)
-    )
-    next_sequence: int  # the sequence number the next batch gets (gaps included)
-    skipped_sequences: int  # numbers no batch got: one per run of dropped publish calls
-    replay_requests: int
-    queued_events: int
-    refused_handshakes: int = 0  # connections without a CURVE handshake this node accepts
-    refused_keys: int = 0  # CURVE handshakes of a key the routers file does not list
-    refused_subscriptions: int = 0  # subscriptions to topics of no tenant the router reads
-    rebinds: int = 0  # times a narrowed routers file made every router handshake again
 
 
 class _Gap:
@@ -146,7 +80,6 @@ class EventPublisher:
 
     def __init__(self, options: PublisherOptions, access: EventAccess | None = None) -> None:
         self.options = options
-        self._access = access
         self._lock = threading.Lock()
         self._queue: deque[tuple[bytes, list[KVCacheEvent]] | _Gap] = deque()
         self._held = (
@@ -157,21 +90,16 @@ class EventPublisher:
         )
         self._closing = False
         self._dropping = False  # the last publish call was dropped: a gap is already queued
-        self._published_events = self._published_batches = self._dropped = self._replays = (
-            self._skipped
-        ) = 0
-        self._refused = {"handshake": 0, "key": 0, "subscription": 0}
+        self._published_events = self._published_batches = self._dropped = self._skipped = 0
         self._rebinds = 0
         self._seq = 0
-        self._replay: deque[tuple[int, bytes, bytes]] = deque()  # (sequence, topic, payload)
-        self._replay_nbytes = 0
+        self._replay = ReplayWindow(options.replay_batches, options.replay_bytes)
         self._topic = options.topic.encode()
         self._ctx = zmq.Context(io_threads=1)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._auth: zmq.auth.Authenticator | None = None
-        self._monitors: list[zmq.Socket] = []
+        self._gate: Gate | None = None
         self._router: zmq.Socket | None = None
         try:
             if access is not None:
@@ -180,17 +108,15 @@ class EventPublisher:
                         f"an authenticated event stream binds its sockets (routers connect and "
                         f"handshake): {options.endpoint} would connect"
                     )
-                self._auth = zmq.auth.Authenticator(self._ctx)
-                self._auth.start()
-                self._auth.configure_curve_callback(_ZAP_DOMAIN, credentials_provider=self)
+                self._gate = Gate(self._ctx, access)
             self._binds = _binds(options.endpoint, options.mode)  # before a port 0 resolves
             self.endpoint = options.endpoint
             self.replay_endpoint: str | None = options.replay_endpoint
             self._open_sockets()
         except Exception:
             self._close_sockets()
-            if self._auth is not None:
-                self._auth.stop()
+            if self._gate is not None:
+                self._gate.stop()
             self._ctx.destroy(linger=0)
             os.close(self._wake_r)
             os.close(self._wake_w)
@@ -203,44 +129,27 @@ class EventPublisher:
         and replay sockets; ``endpoint`` and ``replay_endpoint`` become the addresses
         bound (a port of 0 resolved), so a rebind takes the same ones."""
         opts = self.options
-        self._pub = self._ctx.socket(zmq.PUB if self._access is None else zmq.XPUB)
+        self._pub = self._ctx.socket(zmq.PUB if self._gate is None else zmq.XPUB)
         self._pub.setsockopt(zmq.SNDHWM, opts.hwm)
-        self._secure(self._pub)
-        if self._access is not None:
-            self._pub.setsockopt(zmq.XPUB_MANUAL, 1)
+        if self._gate is not None:
+            self._gate.secure(self._pub)
+            self._pub.setsockopt(zmq.XPUB_MANUAL, 1)  # the gate decides each subscription
         self.endpoint = self._attach(self._pub, self.endpoint, self._binds)
         if self.replay_endpoint is not None:
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.SNDHWM, opts.hwm)
-            self._secure(self._router)
+            if self._gate is not None:
+                self._gate.secure(self._router)
             self.replay_endpoint = self._attach(self._router, self.replay_endpoint, True)
 
-    def _secure(self, sock: zmq.Socket) -> None:
-        """Make ``sock`` a CURVE server checked by the ZAP handler, watched for refused
-        handshakes (a no-op without access rules)."""
-        if self._access is None:
-            return
-        sock.curve_server = True
-        sock.curve_publickey = self._access.keys.public
-        sock.curve_secretkey = self._access.keys.secret
-        sock.zap_domain = _ZAP_DOMAIN.encode()
-        self._monitors.append(sock.get_monitor_socket(_REFUSALS))
-
     def _close_sockets(self, linger: int = 0) -> None:
-        for monitor in self._monitors:
-            monitor.close(linger=0)
-        self._monitors = []
+        if self._gate is not None:
+            self._gate.forget_sockets()
         if getattr(self, "_pub", None) is not None:
             self._pub.close(linger=linger)
         if self._router is not None:
             self._router.close(linger=0)
             self._router = None
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        """The ZAP handler's question for each CURVE handshake (pyzmq's credentials
-        provider interface): may the router with public ``key`` (Z85) connect?"""
-        assert self._access is not None
-        return self._access.admits(key.decode("ascii"))
 
     @staticmethod
     def _attach(sock: zmq.Socket, endpoint: str, bind: bool) -> str:
@@ -287,6 +196,7 @@ class EventPublisher:
         return accepted
 
     def stats(self) -> PublisherStats:
+        refused = self._gate.refused() if self._gate is not None else {}
         with self._lock:
             return PublisherStats(
                 self._published_events,
@@ -294,11 +204,11 @@ class EventPublisher:
                 self._dropped,
                 self._seq,
                 self._skipped,
-                self._replays,
+                self._replay.requests,
                 self._held,
-                self._refused["handshake"],
-                self._refused["key"],
-                self._refused["subscription"],
+                refused.get("handshake", 0),
+                refused.get("key", 0),
+                refused.get("subscription", 0),
                 self._rebinds,
             )
 
@@ -315,8 +225,8 @@ class EventPublisher:
             log.warning("event publisher thread did not stop within %.1f s", timeout)
             return
         self._close_sockets(linger=self.options.close_linger_ms)
-        if self._auth is not None:
-            self._auth.stop()
+        if self._gate is not None:
+            self._gate.stop()
         self._ctx.term()
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -334,19 +244,20 @@ class EventPublisher:
         poller = self._poller()
         # authenticated: wake once a second to see whether the routers file took a
         # right away (one stat() a second; an open stream sleeps until there is work)
-        timeout = None if self._access is None else 1000
-        generation = self._access.generation() if self._access is not None else 0
+        gate = self._gate
+        timeout = None if gate is None else 1000
+        generation = gate.access.generation() if gate is not None else 0
         rebind_due = False  # a rebind failed: tried again each second
         while True:
             ready = dict(poller.poll(timeout))
-            if self._access is not None:
-                self._serve_access(ready)
-                if self._access.generation() != generation or rebind_due:
-                    generation = self._access.generation()
+            if gate is not None:
+                gate.serve(ready, self._pub)
+                if gate.access.generation() != generation or rebind_due:
+                    generation = gate.access.generation()
                     rebind_due = not self._rebind()
                     poller = self._poller()
             if self._router is not None and ready.get(self._router):
-                self._serve_replays()
+                self._replay.serve(self._router, self._gate.access if self._gate else None)
             if ready.get(self._wake_r):
                 try:
                     while os.read(self._wake_r, 4096):
@@ -372,65 +283,9 @@ class EventPublisher:
         poller.register(self._wake_r, zmq.POLLIN)
         if self._router is not None:
             poller.register(self._router, zmq.POLLIN)
-        if self._auth is not None:
-            poller.register(self._auth.zap_socket, zmq.POLLIN)
-            poller.register(self._pub, zmq.POLLIN)  # subscriptions, for the XPUB to decide
-            for monitor in self._monitors:
-                poller.register(monitor, zmq.POLLIN)
+        if self._gate is not None:
+            self._gate.register(poller, self._pub)
         return poller
-
-    def _serve_access(self, ready: dict) -> None:
-        """Answer the ZAP handshakes, decide the subscriptions and count the refused
-        handshakes that are waiting (an authenticated stream only)."""
-        assert self._auth is not None and self._access is not None
-        if ready.get(self._auth.zap_socket):
-            while True:
-                try:
-                    request = self._auth.zap_socket.recv_multipart(flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                # pyzmq's handler is a coroutine; with a plain callback it never waits
-                asyncio.run(self._auth.handle_zap_message(request))
-        if ready.get(self._pub):
-            self._serve_subscriptions()
-        for monitor in self._monitors:
-            if ready.get(monitor):
-                while True:
-                    try:
-                        frames = monitor.recv_multipart(flags=zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    event = int.from_bytes(frames[0][:2], "little")
-                    reason = "key" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else "handshake"
-                    with self._lock:
-                        self._refused[reason] += 1
-                    log.info(
-                        "KV events: refused a connection on %s (%s)",
-                        frames[1].decode(errors="replace"),
-                        "a key no router holds" if reason == "key" else "no CURVE handshake",
-                    )
-
-    def _serve_subscriptions(self) -> None:
-        """Subscribe each router to what ``EventAccess.grants`` gives it for what it
-        asked (XPUB_MANUAL: a subscription applies to the pipe last read from)."""
-        assert self._access is not None
-        while True:
-            try:
-                frame = self._pub.recv(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            data = frame.bytes
-            if not data or data[0] not in (0, 1):
-                continue
-            grants = self._access.grants(_user_id(frame), data[1:])
-            if data[0] == 1 and not grants:
-                with self._lock:
-                    self._refused["subscription"] += 1
-                log.info(
-                    "KV events: refused a subscription to %r (no tenant it may read)", data[1:]
-                )
-            for prefix in grants:
-                self._pub.setsockopt(zmq.SUBSCRIBE if data[0] == 1 else zmq.UNSUBSCRIBE, prefix)
 
     def _rebind(self) -> bool:
         """Close both sockets and bind them again on the same addresses, so every
@@ -504,67 +359,9 @@ class EventPublisher:
             self._pub.send_multipart((topic, seq_bytes, payload), flags=zmq.NOBLOCK)
         except zmq.Again:
             pass  # no room for this message (a connecting PUB with its peer away): dropped, the gap shows
-        self._keep(seq, topic, payload)
+        if self._router is not None:
+            self._replay.keep(seq, topic, payload)
         with self._lock:
             self._held -= len(events)
             self._published_events += len(events)
             self._published_batches += 1
-
-    def _keep(self, seq: int, topic: bytes, payload: bytes) -> None:
-        """Add a batch to the replay window, dropping the oldest past either bound."""
-        opts = self.options
-        if self._router is None or opts.replay_batches == 0 or len(payload) > opts.replay_bytes:
-            return
-        self._replay.append((seq, topic, payload))
-        self._replay_nbytes += len(payload)
-        while len(self._replay) > opts.replay_batches or self._replay_nbytes > opts.replay_bytes:
-            self._replay_nbytes -= len(self._replay.popleft()[2])
-
-    def _serve_replays(self) -> None:
-        """Answer every replay request waiting, from the replay window (an
-        authenticated stream sends each router only the batches it may read)."""
-        assert self._router is not None
-        access = self._access
-        while True:
-            try:
-                frames = self._router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            if len(frames) != 3:
-                log.warning(
-                    "ignored a replay request of %d frames (expected identity, empty, start sequence)",
-                    len(frames),
-                )
-                continue
-            client, start = frames[0].bytes, frames[2].bytes
-            key = _user_id(frames[2]) if access is not None else None
-            with self._lock:
-                self._replays += 1
-            first = int.from_bytes(start, "big")
-            try:
-                for seq, topic, payload in list(self._replay):
-                    if seq >= first and (access is None or access.reads(key, topic)):
-                        self._router.send_multipart(
-                            (client, b"", topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK
-                        )
-                self._router.send_multipart((client, b"", b"", END_SEQ, b""), flags=zmq.NOBLOCK)
-            except zmq.Again:
-                log.warning("a replay client stopped reading; the rest of its replay was dropped")
-
-
-_ZAP_DOMAIN = "kvstore-events"
-# handshakes refused: no or a broken CURVE handshake, and keys the ZAP handler refused
-_REFUSALS = (
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
-
-
-def _user_id(frame: zmq.Frame) -> str | None:
-    """The ZAP user id of the connection ``frame`` came on (a router's public key)."""
-    try:
-        value = frame.get("User-Id")
-    except zmq.ZMQError:
-        return None
-    return value if isinstance(value, str) else None
