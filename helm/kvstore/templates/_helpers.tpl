@@ -133,6 +133,91 @@ memory limit. */}}
 {{- fail (printf "storage.capacity (%s) exceeds the memory limit (%s): the node would be OOM-killed; lower the capacity or raise storage.resources.limits.memory" (include "kvstore.capacity" .) $limit) -}}
 {{- end -}}
 {{- end -}}
+{{- include "kvstore.validateEvents" . -}}
+{{- end -}}
+
+{{/* Non-empty when the KV event stream is authenticated: routers listed (inline or in a
+Secret of the operator's). */}}
+{{- define "kvstore.eventRouters" -}}
+{{- with .Values.storage.kvEvents -}}{{ if and .enabled (or .routers .routersExistingSecret) }}true{{ end }}{{- end -}}
+{{- end -}}
+
+{{/* The routers file of storage.kvEvents.routers, as kvstore/security/routers.py reads it. */}}
+{{- define "kvstore.eventRoutersFile" -}}
+# name public-key (Z85) tenants: the routers that may subscribe (docs/security.md, "KV event stream")
+{{- range .Values.storage.kvEvents.routers }}
+{{ .name }} {{ .publicKey }} {{ join "," .tenants }}
+{{- end }}
+{{ end -}}
+
+{{/* storage.kvEvents: the chart's nodes check tokens, so they refuse to start with an
+unauthenticated stream on the pod's address (kvstore/settings/events.py). Router entries
+get the checks of kvstore/security/routers.py `make_router_key` and `parse_router_keys`. */}}
+{{- define "kvstore.validateEvents" -}}
+{{- $e := .Values.storage.kvEvents -}}
+{{- if $e.enabled -}}
+{{- $tenantRE := `^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$` -}}
+{{- $routed := or $e.routers $e.routersExistingSecret -}}
+{{- if and $e.routers $e.routersExistingSecret -}}
+{{- fail "storage.kvEvents: give the routers inline (routers) or in a Secret of yours (routersExistingSecret), not both" -}}
+{{- end -}}
+{{- if and $routed $e.open -}}
+{{- fail "storage.kvEvents.open contradicts storage.kvEvents.routers: with routers the stream is authenticated and each router reads only its tenants; set open: false" -}}
+{{- end -}}
+{{- if not (or $routed $e.open) -}}
+{{- fail (printf "storage.kvEvents.enabled: the storage nodes check tokens, so they would refuse to start: their KV events on tcp://*:%v would give every tenant's blocks to anyone who reaches the pod. List the routers allowed to subscribe in storage.kvEvents.routers (or routersExistingSecret) with the nodes' key in storage.kvEvents.keySecret, or set storage.kvEvents.open: true to publish to anyone anyway" $e.port) -}}
+{{- end -}}
+{{- if and $routed (not $e.keySecret) -}}
+{{- fail "storage.kvEvents.keySecret is required with routers: the name of an existing Secret holding the nodes' CURVE secret key (a template cannot make one). Make it with `kvstore events-key node --out keys` (prints the public key routers pin) and `kubectl create secret generic kvstore-events-key --from-file=node.key_secret=keys/node.key_secret`, then set storage.kvEvents.keySecret: kvstore-events-key" -}}
+{{- end -}}
+{{- if and $e.keySecret (not $routed) -}}
+{{- fail "storage.kvEvents.keySecret goes with storage.kvEvents.routers (or routersExistingSecret): the nodes' key authenticates them to routers listed there" -}}
+{{- end -}}
+{{- $names := dict -}}
+{{- $keys := dict -}}
+{{- range $i, $r := $e.routers -}}
+{{- $what := printf "storage.kvEvents.routers[%d]" $i -}}
+{{- $name := toString $r.name -}}
+{{- if not (regexMatch `^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$` $name) -}}
+{{- fail (printf "%s: router name %q must be 1-64 letters, digits or _.@-, starting with a letter or digit" $what $name) -}}
+{{- end -}}
+{{- $what = printf "storage.kvEvents.routers[%d] (%s)" $i $name -}}
+{{- if not (regexMatch `^[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$` (toString $r.publicKey)) -}}
+{{- fail (printf "%s: publicKey must be 40 characters of Z85 text: the second field of the line `kvstore events-key router` printed (the public-key line of the router's .key file)" $what) -}}
+{{- end -}}
+{{- $tenants := $r.tenants | default list -}}
+{{- if not $tenants -}}
+{{- fail (printf "%s: name at least one tenant in tenants, or [\"*\"] for every tenant" $what) -}}
+{{- end -}}
+{{- if and (has "*" $tenants) (gt (len $tenants) 1) -}}
+{{- fail (printf "%s: tenant * stands alone, not beside other tenants" $what) -}}
+{{- end -}}
+{{- range $tenants -}}
+{{- if and (ne (toString .) "*") (not (regexMatch $tenantRE (toString .))) -}}
+{{- fail (printf "%s: tenant %q must match %s" $what (toString .) $tenantRE) -}}
+{{- end -}}
+{{- end -}}
+{{- if hasKey $names $name -}}
+{{- fail (printf "%s: router %s is listed twice" $what $name) -}}
+{{- end -}}
+{{- if hasKey $keys (toString $r.publicKey) -}}
+{{- fail (printf "%s: the key of %s is already listed as %s" $what $name (get $keys (toString $r.publicKey))) -}}
+{{- end -}}
+{{- $_ := set $names $name true -}}
+{{- $_ := set $keys (toString $r.publicKey) $name -}}
+{{- end -}}
+{{- with $e.tokenIds -}}
+{{- $ids := splitList "," (toString .) -}}
+{{- if and (has "*" $ids) (gt (len $ids) 1) -}}
+{{- fail (printf "storage.kvEvents.tokenIds %q: * stands alone, not beside other tenants" .) -}}
+{{- end -}}
+{{- range $ids -}}
+{{- if and (ne . "*") (not (regexMatch $tenantRE .)) -}}
+{{- fail (printf "storage.kvEvents.tokenIds: tenant %q must match %s (tenants comma-separated without spaces, or *)" . $tenantRE) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "kvstore.serviceAccountName" -}}
