@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 
 import zmq
 import zmq.auth
@@ -39,6 +40,7 @@ class Gate:
         self._lock = threading.Lock()
         self._refused = dict.fromkeys(REASONS, 0)
         self._monitors: list[zmq.Socket] = []
+        self._counted_at = 0.0  # monotonic time the monitors were last read
         self._auth = zmq.auth.Authenticator(ctx)
         self._auth.start()
         self._auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=self)
@@ -58,21 +60,24 @@ class Gate:
         self._monitors.append(sock.get_monitor_socket(_REFUSALS))
 
     def forget_sockets(self) -> None:
-        """The publisher closes its sockets: close their monitors."""
+        """The publisher closes its sockets: count what their monitors hold, close them."""
         for monitor in self._monitors:
+            self._refusals(monitor)
             monitor.close(linger=0)
         self._monitors = []
 
     def register(self, poller: zmq.Poller, pub: zmq.Socket) -> None:
-        """Add the ZAP socket, the XPUB's subscriptions and the monitors to ``poller``."""
+        """Add the ZAP socket and the XPUB's subscriptions to ``poller``. The monitors
+        are not polled: each socket in a poll costs every wake-up of a busy publisher
+        (measured: 12-19 us a wake with the pipe alone, 24-28 us with six sockets), so
+        ``serve`` reads them at most once a second."""
         poller.register(self._auth.zap_socket, zmq.POLLIN)
         poller.register(pub, zmq.POLLIN)
-        for monitor in self._monitors:
-            poller.register(monitor, zmq.POLLIN)
 
     def serve(self, ready: dict, pub: zmq.Socket) -> None:
-        """Answer the ZAP handshakes, decide the subscriptions and count the refused
-        handshakes among what ``ready`` (a poll's result) holds."""
+        """Answer the ZAP handshakes and decide the subscriptions among what ``ready``
+        (a poll's result) holds; count the refused handshakes once a second (the
+        publisher wakes at least that often)."""
         if ready.get(self._auth.zap_socket):
             while True:
                 try:
@@ -83,8 +88,10 @@ class Gate:
                 asyncio.run(self._auth.handle_zap_message(request))
         if ready.get(pub):
             self._subscriptions(pub)
-        for monitor in self._monitors:
-            if ready.get(monitor):
+        now = time.monotonic()
+        if now - self._counted_at >= 1.0:
+            self._counted_at = now
+            for monitor in self._monitors:
                 self._refusals(monitor)
 
     def refused(self) -> dict[str, int]:
