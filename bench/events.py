@@ -2,6 +2,10 @@
 connector's events add to a save.
 
     python bench/events.py [--trials 3] [--events 300000] [--engine-rounds 3] [--skip-engine]
+    python bench/events.py --node-only [--trials 3] [--events 200000] [--node-rounds 10]
+    python bench/events.py --auth-only [--trials 7] [--idle-seconds 10] [--node-rounds 10]
+
+The default run is sections 1, 2, 6 and 3; ``--node-only`` runs 4 and 5.
 
 1. Publisher (``kvstore.events.EventPublisher``, default bounds: 100,000 queued events,
    1,024 per message). A producer thread builds and publishes block events as a node
@@ -25,6 +29,23 @@ connector's events add to a save.
    on/off ratio: the saver thread's time per save and the engine step's gather
    (``vllm:kvstore_save_seconds``, ``save_gather_seconds``), and each request's time
    from add to last token.
+4. A node's events (``--node-only``): block events per second through the page table's
+   hooks (server/events.py ``NodeEvents``, flushed once per loop turn into the real
+   publisher), puts of 1 and 32 pages, with and without evictions.
+5. Real node processes (``--node-only``), events on and off: idle CPU, the time of a
+   put of 32 pages, and the prefix query API against ``KVCacheClient.lookup``.
+6. Authentication on against off (``--auth-only``; issue 56: within 10 %). Off: an open
+   PUB and a plain SUB; on: CURVE (kvstore.events.access), the subscriber connected as a
+   router whose key reads one tenant, every event under that tenant's topic. Interleaved
+   (off, on, on, off, ...) over ``--trials`` rounds, medians with min-max per side, the
+   ratio of the medians and the median (min-max) of each round's on/off ratio:
+   the publisher's events per second (sections 1 and 4's runs, the subscriber checked to
+   get every event) and its thread's CPU per event; then two real node processes
+   publishing events, one open with a plain SUB connected, one with a routers file and
+   a key file with a router connected (its XPUB, ZAP handler and monitors live): their
+   CPU over the same idle windows (``--idle-seconds``), an idle publisher thread's CPU
+   alone (an authenticated one wakes once a second to re-check the routers file), and
+   ``--node-rounds`` puts of 32 pages each, every put's events read by the subscriber.
 
 Printed as markdown tables (docs/benchmarks.md holds a run's)."""
 
@@ -35,6 +56,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -59,15 +81,20 @@ def spread(values: list[float]) -> str:
 # ---- 1. the publisher ------------------------------------------------------------------
 
 
-def _subscriber(endpoint: str, conn) -> None:
+def _subscriber(endpoint: str, conn, curve: tuple[str, str] | None = None) -> None:
     """Another process: read and decode every message until the end marker (an
-    AllBlocksCleared), then report (events received, messages)."""
+    AllBlocksCleared), then report (events received, messages). ``curve``: (the node's
+    public key, a router's secret key file): connect as that router (section 6)."""
     import zmq
 
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.RCVHWM, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
+    if curve is not None:
+        from kvstore.events.access import curve_client
+
+        curve_client(sub, *curve)
     sub.connect(endpoint)
     decoder = ev.decoder()
     conn.send("connected")
@@ -98,16 +125,19 @@ def _events(n: int, start: int) -> list[ev.BlockStored]:
     return out
 
 
-def publisher_run(total: int, per_call: int, pace: float | None = None, prebuilt: bool = False) -> dict:
+def publisher_run(total: int, per_call: int, pace: float | None = None, prebuilt: bool = False,
+                  topic: str | None = None, access=None, curve: tuple[str, str] | None = None) -> dict:
     """One publisher and a subscriber process; ``total`` events in calls of
     ``per_call``, as fast as possible or paced at ``pace`` events/s; ``prebuilt``: the
     events are built before the clock starts, so the producer only calls publish and
     outruns the publisher thread (what is sent per second is then the thread's own
-    capacity, the rest is dropped)."""
+    capacity, the rest is dropped). ``access`` (an ``EventAccess``) authenticates the
+    stream; the subscriber then connects as the router ``curve`` names (section 6)."""
     made = _events(total, 0) if prebuilt else None
-    pub = ev.EventPublisher(ev.PublisherOptions(endpoint="tcp://127.0.0.1:0", mode="bind", topic=ev.pool_topic("bench", "llama-3-8b")))
+    options = ev.PublisherOptions(endpoint="tcp://127.0.0.1:0", mode="bind", topic=topic or ev.pool_topic("bench", "llama-3-8b"))
+    pub = ev.EventPublisher(options, access)
     parent, child = mp.Pipe()
-    proc = mp.get_context("spawn").Process(target=_subscriber, args=(pub.endpoint, child), daemon=True)
+    proc = mp.get_context("spawn").Process(target=_subscriber, args=(pub.endpoint, child, curve), daemon=True)
     proc.start()
     assert parent.recv() == "connected"
     while not parent.poll(0.05):  # probes until the subscription has reached the publisher
@@ -116,6 +146,8 @@ def publisher_run(total: int, per_call: int, pace: float | None = None, prebuilt
     while pub.stats().queued_events:
         time.sleep(0.01)
     before = pub.stats()
+    tid = pub._thread.native_id
+    thread_before = _cpu_ns(os.getpid(), [tid]).get(tid, 0)
     started = time.perf_counter()
     sent = 0
     while sent < total:
@@ -129,6 +161,7 @@ def publisher_run(total: int, per_call: int, pace: float | None = None, prebuilt
     while pub.stats().queued_events:
         time.sleep(0.0005)
     seconds = time.perf_counter() - started
+    thread_ns = _cpu_ns(os.getpid(), [tid]).get(tid, 0) - thread_before
     after = pub.stats()
     pub.publish([ev.AllBlocksCleared()])
     received, messages = parent.recv() if parent.poll(60) else (None, None)
@@ -137,7 +170,8 @@ def publisher_run(total: int, per_call: int, pace: float | None = None, prebuilt
     published = after.published_events - before.published_events
     return {"seconds": seconds, "published": published, "dropped": after.dropped_events - before.dropped_events,
             "rate": published / seconds, "received": received, "messages": messages,
-            "batches": after.published_batches - before.published_batches}
+            "batches": after.published_batches - before.published_batches,
+            "thread_ns": thread_ns}  # the publisher thread's time on a CPU meanwhile
 
 
 def bench_publisher(trials: int, total: int) -> None:
@@ -297,15 +331,19 @@ def bench_engines(rounds: int) -> None:
 # ---- 4. a storage node's events ----------------------------------------------------------
 
 
-def _node_subscriber(endpoint: str, conn) -> None:
+def _node_subscriber(endpoint: str, conn, curve: tuple[str, str] | None = None) -> None:
     """Another process: count the block hashes of every BlockStored/BlockRemoved until
-    an AllBlocksCleared, then report them."""
+    an AllBlocksCleared, then report them (``curve``: as in ``_subscriber``)."""
     import zmq
 
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.RCVHWM, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
+    if curve is not None:
+        from kvstore.events.access import curve_client
+
+        curve_client(sub, *curve)
     sub.connect(endpoint)
     decoder = ev.decoder()
     conn.send("connected")
@@ -325,12 +363,15 @@ def _node_subscriber(endpoint: str, conn) -> None:
     ctx.term()
 
 
-def node_events_run(total: int, per_put: int, evict: bool) -> dict:
+def node_events_run(total: int, per_put: int, evict: bool, tenant: str = "default", access=None,
+                    curve: tuple[str, str] | None = None) -> dict:
     """The node's path (server/events.py): the page table's per-page calls (one
     ``stored`` per page of a put, and with ``evict`` one ``removed`` per page of an
     older put, as a full node evicts one put's worth per put), flushed once per turn
     of an asyncio loop into the real publisher, read by a subscriber process. Rate:
-    block events (hashes announced) per second, until the publisher's queue is empty."""
+    block events (hashes announced) per second, until the publisher's queue is empty.
+    The pages are ``tenant``'s; ``access`` and ``curve`` as in ``publisher_run`` (the
+    store id is "bench")."""
     import asyncio
 
     from kvstore.pages.namespace import Namespace
@@ -338,22 +379,26 @@ def node_events_run(total: int, per_put: int, evict: bool) -> dict:
     from server.events import NodeEvents
     from server.page import StoredPage
 
-    ns = Namespace(model="llama-3-8b", dtype="bfloat16", num_layers=32, num_kv_heads=8, head_size=128, block_size=16)
+    ns = Namespace(model="llama-3-8b", dtype="bfloat16", num_layers=32, num_kv_heads=8, head_size=128, block_size=16,
+                   tenant=tenant)
     digest = ns.digest_hex
     events = NodeEvents(ev.PublisherOptions(endpoint="tcp://127.0.0.1:0", mode="bind"), "bench",
-                        lambda d: ns if d == digest else None, CollectorRegistry())
+                        lambda d: ns if d == digest else None, CollectorRegistry(), access=access)
     pub = events.publisher
     pages = [StoredPage((digest, i.to_bytes(16, "big")), 2 << 20, 0, offset=i) for i in range(total)]
+    topic = ev.pool_topic("bench", "llama-3-8b", tenant)  # the pages' own: a router reading the tenant gets it
     parent, child = mp.Pipe()
-    proc = mp.get_context("spawn").Process(target=_node_subscriber, args=(pub.endpoint, child), daemon=True)
+    proc = mp.get_context("spawn").Process(target=_node_subscriber, args=(pub.endpoint, child, curve), daemon=True)
     proc.start()
     assert parent.recv() == "connected"
     while not parent.poll(0.05):
-        pub.publish([ev.block_removed([0])])
+        pub.publish([ev.block_removed([0])], topic)
     assert parent.recv() == "joined"
     while pub.stats().queued_events:
         time.sleep(0.01)
     before = pub.stats()
+    tid = pub._thread.native_id
+    thread_before = _cpu_ns(os.getpid(), [tid]).get(tid, 0)
 
     async def run() -> float:
         started = time.perf_counter()
@@ -369,15 +414,16 @@ def node_events_run(total: int, per_put: int, evict: bool) -> dict:
         return time.perf_counter() - started
 
     seconds = asyncio.run(run())
+    thread_ns = _cpu_ns(os.getpid(), [tid]).get(tid, 0) - thread_before
     after = pub.stats()
-    pub.publish([ev.AllBlocksCleared()])
+    pub.publish([ev.AllBlocksCleared()], topic)
     blocks = parent.recv() if parent.poll(60) else None
     proc.join(5)
     events.close()
     announced = total + (total - per_put if evict else 0)
     return {"seconds": seconds, "blocks": announced, "rate": announced / seconds, "received": blocks,
             "dropped": after.dropped_events - before.dropped_events,
-            "messages": after.published_batches - before.published_batches}
+            "messages": after.published_batches - before.published_batches, "thread_ns": thread_ns}
 
 
 def bench_node_events(trials: int, total: int) -> None:
@@ -504,25 +550,302 @@ def bench_node_cost(rounds: int, query_calls: int) -> None:
         off.stop()
 
 
+# ---- 6. authentication on and off ------------------------------------------------------
+
+AUTH_TENANT = "bench-tenant"
+
+
+class _RouterKeys:
+    """A node's CURVE key pair and one router's, the router reading one tenant, written
+    as ``kvstore events-key`` writes them (kvstore.security.routers)."""
+
+    def __init__(self, tenant: str) -> None:
+        from kvstore.security.routers import new_key_files
+
+        self.dir = tempfile.mkdtemp(prefix="kvstore-bench-keys-")
+        self.node_public, self.node_secret = new_key_files(self.dir, "node")
+        router_public, self.router_secret = new_key_files(self.dir, "router")
+        self.routers = os.path.join(self.dir, "routers")
+        with open(self.routers, "w") as f:
+            f.write(f"router {router_public} {tenant}\n")
+        self.curve = (self.node_public, self.router_secret)  # what the router's socket is given
+
+    def access(self, store_id: str):
+        """A fresh ``EventAccess`` (a node's, ``server.events.event_access``) for one publisher."""
+        from kvstore.events.access import CurveKeys, EventAccess
+        from kvstore.security.routers import load_key_pair, router_keys
+
+        public, secret = load_key_pair(self.node_secret, "node key file")
+        return EventAccess(CurveKeys(public, secret), router_keys(self.routers), lambda t: ev.tenant_prefix(store_id, t))
+
+    def router_socket(self, ctx, endpoint: str):
+        """A SUB connected to ``endpoint`` as the router, subscribed to everything (granted:
+        its tenant's topics)."""
+        import zmq
+
+        from kvstore.events.access import curve_client
+
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        curve_client(sock, *self.curve)
+        sock.connect(endpoint)
+        return sock
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _interleaved(rounds: int):
+    """(round, side) in the order they run: off, on, on, off, off, on, ..."""
+    for r in range(rounds):
+        for side in (("off", "on") if r % 2 == 0 else ("on", "off")):
+            yield r, side
+
+
+def _auth_row(name: str, off: list[float], on: list[float], fmt, note: str = "") -> str:
+    """Each side's median (min–max), on / off of the medians and of each round."""
+    def side(v: list[float]) -> str:
+        return f"{fmt(statistics.median(v))} ({fmt(min(v))}–{fmt(max(v))})"
+
+    paired = [a / b for a, b in zip(on, off) if b > 0]
+    ratio = f"{statistics.median(on) / statistics.median(off):.3f}" if statistics.median(off) > 0 else "—"
+    per_round = f"{statistics.median(paired):.3f} ({min(paired):.3f}–{max(paired):.3f})" if paired else "—"
+    return f"| {name} | {side(off)} | {side(on)} | {ratio} | {per_round} | {note} |"
+
+
+AUTH_HEADER = ("| {what} | authentication off, median (min–max) | on | on / off of the medians | "
+               "on / off within each round, median (min–max) | {extra} |\n|---|---|---|---|---|---|")
+
+
+def bench_auth_rates(trials: int, total: int) -> None:
+    """Block events per second, authentication off (an open PUB, a plain SUB) and on
+    (CURVE, an XPUB granting the router one tenant's topics, the subscriber connected
+    as that router), interleaved."""
+    keys = _RouterKeys(AUTH_TENANT)
+    topic = ev.pool_topic("bench", "llama-3-8b", AUTH_TENANT)
+    small = max(total // 3, 1)
+    cases = {
+        "publisher, builds and publishes 32 per call": lambda a, c: publisher_run(total, 32, topic=topic, access=a, curve=c),
+        "publisher, builds and publishes 1 per call": lambda a, c: publisher_run(total, 1, topic=topic, access=a, curve=c),
+        "publisher, 32 per call built beforehand (the thread's capacity)":
+            lambda a, c: publisher_run(total, 32, prebuilt=True, topic=topic, access=a, curve=c),
+        f"node's path, 32 pages per put ({total:,})": lambda a, c: node_events_run(total, 32, False, AUTH_TENANT, a, c),
+        f"node's path, 1 page per put ({small:,})": lambda a, c: node_events_run(small, 1, False, AUTH_TENANT, a, c),
+    }
+    runs: dict[str, dict[str, list[dict]]] = {name: {"off": [], "on": []} for name in cases}
+    try:
+        for r, side in _interleaved(trials):
+            for name, run in cases.items():
+                out = run(keys.access("bench"), keys.curve) if side == "on" else run(None, None)
+                runs[name][side].append(out)
+                print(f"round {r} auth {side}: {name}: {out['rate']:,.0f}/s, {out.get('dropped', 0):,} dropped", file=sys.stderr, flush=True)
+    finally:
+        keys.close()
+    print(f"\n### Authentication on and off: block events per second ({trials} rounds, interleaved)\n")
+    print(f"Off: an open PUB and a plain SUB. On: CURVE, the subscriber a router whose key reads tenant {AUTH_TENANT}, "
+          "subscribed to everything (granted that tenant's prefix), every event under that tenant's topic.\n")
+    print(AUTH_HEADER.format(what="events/s sent", extra="off / on: events per message; events dropped (median); subscriber got every event sent"))
+    for name, sides in runs.items():
+        def got(rs: list[dict]) -> str:
+            if "blocks" in rs[0]:
+                return "yes" if all(x["received"] is not None and x["received"] >= x["blocks"] for x in rs) else "NO"
+            return "yes" if all(x["received"] == x["published"] for x in rs) else "NO"
+
+        def per_message(rs: list[dict]) -> float:
+            if "blocks" in rs[0]:
+                return statistics.median(x["blocks"] / max(x["messages"], 1) for x in rs)
+            return statistics.median(x["published"] / max(x["batches"], 1) for x in rs)
+
+        off, on = sides["off"], sides["on"]
+        window = statistics.median(x["seconds"] for x in off + on) * 1000
+        dropped = f"{statistics.median(x['dropped'] for x in off):,.0f} / {statistics.median(x['dropped'] for x in on):,.0f}"
+        print(_auth_row(f"{name} (timed: {window:,.0f} ms)", [x["rate"] for x in off], [x["rate"] for x in on], lambda v: f"{v:,.0f}",
+                        f"{per_message(off):,.0f} / {per_message(on):,.0f}; {dropped}; {got(off)} / {got(on)}"))
+    print("\nThe publisher thread's own time on a CPU per event it sent (``/proc/<pid>/task/<tid>/schedstat``: the thread's "
+          "work, whatever else the cores ran meanwhile):\n")
+    print(AUTH_HEADER.format(what="publisher thread, ns of CPU per event sent", extra="note"))
+    for name, sides in runs.items():
+        sent = "blocks" if "blocks" in sides["off"][0] else "published"
+        print(_auth_row(name, [x["thread_ns"] / x[sent] for x in sides["off"]],
+                        [x["thread_ns"] / x[sent] for x in sides["on"]], lambda v: f"{v:,.0f}"))
+
+
+def _cpu_ns(pid: int, tids: list[int] | None = None) -> dict[int, int]:
+    """Nanoseconds on a CPU per thread of ``pid`` (``/proc/<pid>/task/<tid>/schedstat``:
+    exact, where ``_cpu_seconds`` counts clock ticks of 10 ms)."""
+    out = {}
+    for tid in tids if tids is not None else [int(t) for t in os.listdir(f"/proc/{pid}/task")]:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                out[tid] = int(f.read().split()[0])
+        except OSError:
+            pass  # the thread ended
+    return out
+
+
+def _grown(before: dict[int, int], after: dict[int, int]) -> int:
+    return sum(v - before.get(tid, 0) for tid, v in after.items())
+
+
+def _read_put(sock, blocks: int, timeout: float = 5.0) -> bool:
+    """Whether ``blocks`` stored block hashes arrive on ``sock`` within ``timeout``."""
+    decoder = ev.decoder()
+    seen = 0
+    deadline = time.monotonic() + timeout
+    while seen < blocks:
+        left = deadline - time.monotonic()
+        if left <= 0 or not sock.poll(int(left * 1000)):
+            return False
+        _, _, payload = sock.recv_multipart()
+        seen += sum(len(e.block_hashes) for e in decoder.decode(payload).events
+                    if isinstance(e, ev.BlockStored) and e.medium == ev.MEDIUM_CPU)
+    return True
+
+
+def bench_auth_node(rounds: int, idle_s: float, put_rounds: int) -> None:
+    """Two real node processes (each with its own Valkey, anonymous), both publishing
+    events: one open with a plain SUB connected, one authenticated (routers file and
+    key file) with a router connected, so its XPUB, ZAP handler and monitors are live.
+    Idle CPU of both over the same windows; then puts of 32 pages of 256 KiB to each in
+    turn (interleaved), every put's events read by the subscriber."""
+    import socket
+
+    import torch
+    import zmq
+
+    from client import KVCacheClient
+    from kvstore.pages.namespace import Namespace
+    from kvstore.tools.launcher import LocalCluster
+
+    def port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    keys = _RouterKeys(AUTH_TENANT)
+    p_off, p_on = port(), port()
+    clusters = {
+        "off": LocalCluster(1, "256MiB", slab_size="16MiB", extra_args=["--kv-events-endpoint", f"tcp://*:{p_off}"]),
+        "on": LocalCluster(1, "256MiB", slab_size="16MiB", extra_args=[
+            "--kv-events-endpoint", f"tcp://*:{p_on}", "--kv-events-routers-file", keys.routers,
+            "--kv-events-key-file", keys.node_secret]),
+    }
+    ctx = zmq.Context()
+    # the publisher alone, in this process: its thread's CPU while idle, open and authenticated
+    alone = {"off": ev.EventPublisher(ev.PublisherOptions(endpoint="tcp://127.0.0.1:0", mode="bind")),
+             "on": ev.EventPublisher(ev.PublisherOptions(endpoint="tcp://127.0.0.1:0", mode="bind"), keys.access("bench"))}
+    socks = []
+    try:
+        for c in clusters.values():
+            c.start()
+        plain = ctx.socket(zmq.SUB)
+        plain.setsockopt(zmq.SUBSCRIBE, b"")
+        plain.connect(f"tcp://127.0.0.1:{p_off}")
+        subs = {"off": plain, "on": keys.router_socket(ctx, f"tcp://127.0.0.1:{p_on}")}
+        socks = [plain, subs["on"]]
+        for side, pub in alone.items():
+            sock = keys.router_socket(ctx, pub.endpoint) if side == "on" else ctx.socket(zmq.SUB)
+            if side == "off":
+                sock.setsockopt(zmq.SUBSCRIBE, b"")
+                sock.connect(pub.endpoint)
+            socks.append(sock)
+        pids = {side: c.nodes[0].process.pid for side, c in clusters.items()}
+        ns = Namespace(model="bench-events", dtype="float16", num_layers=8, num_kv_heads=1, head_size=32, block_size=256,
+                       tenant=AUTH_TENANT)  # 256 KiB pages
+        clients = {side: KVCacheClient(c.redis_url, ns) for side, c in clusters.items()}
+        time.sleep(1)  # the subscriptions reach the nodes (ZMQ's slow joiner)
+        # a put to each: the subscriptions are live before the idle windows (the router's was granted)
+        for i, side in enumerate(("off", "on")):
+            tokens = list(range(10**8 + i * 10**6, 10**8 + i * 10**6 + 32 * ns.block_size))
+            assert clients[side].put_pages(tokens, torch.randn((32, *ns.page_shape), dtype=torch.float16)).stored == 32
+            if not _read_put(subs[side], 32):
+                print(f"WARNING: the subscriber of the node with authentication {side} did not get the warm-up put's events",
+                      file=sys.stderr)
+        time.sleep(2)
+
+        # idle: both nodes over the same windows
+        idle_ns: dict[str, list[float]] = {"off": [], "on": []}
+        idle_ticks: dict[str, list[float]] = {"off": [], "on": []}
+        thread_us: dict[str, list[float]] = {"off": [], "on": []}
+        tids = {side: [pub._thread.native_id] for side, pub in alone.items()}
+        for r in range(rounds):
+            before = {side: (_cpu_ns(pid), _cpu_seconds(pid)) for side, pid in pids.items()}
+            thread_before = {side: _cpu_ns(os.getpid(), tids[side]) for side in alone}
+            t0 = time.monotonic()
+            time.sleep(idle_s)
+            seconds = time.monotonic() - t0
+            for side, pid in pids.items():
+                idle_ns[side].append(100 * _grown(before[side][0], _cpu_ns(pid)) / 1e9 / seconds)
+                idle_ticks[side].append(100 * (_cpu_seconds(pid) - before[side][1]) / seconds)
+                thread_us[side].append(_grown(thread_before[side], _cpu_ns(os.getpid(), tids[side])) / 1e3 / seconds)
+            print(f"idle round {r}: node off {idle_ns['off'][-1]:.3f} %, on {idle_ns['on'][-1]:.3f} %; "
+                  f"publisher thread off {thread_us['off'][-1]:.1f} µs/s, on {thread_us['on'][-1]:.1f} µs/s", file=sys.stderr, flush=True)
+
+        # puts, interleaved, each put's events read by the router before the next put
+        put_ms: dict[str, list[float]] = {"off": [], "on": []}
+        delivered = {"off": 0, "on": 0}
+        for r, side in _interleaved(put_rounds):
+            tokens = list(range(r * 10**6 + (side == "on") * 500_000, r * 10**6 + (side == "on") * 500_000 + 32 * ns.block_size))
+            pages = torch.randn((32, *ns.page_shape), dtype=torch.float16)
+            t0 = time.perf_counter()
+            assert clients[side].put_pages(tokens, pages).stored == 32
+            put_ms[side].append(1000 * (time.perf_counter() - t0))
+            delivered[side] += _read_put(subs[side], 32)
+        for c in clients.values():
+            c.close()
+
+        print(f"\n### Authentication on and off: a real node ({rounds} idle windows of {idle_s:.0f} s, {put_rounds} puts each)\n")
+        print("Two node processes publishing events, each with its own Valkey: off, an open PUB with a plain SUB connected; "
+              f"on, a routers file and a key file, with a router reading tenant {AUTH_TENANT} connected (its XPUB, ZAP handler and "
+              "monitors live). Both idle over the same windows; then puts of 32 pages of 256 KiB (tenant "
+              f"{AUTH_TENANT}) to each in turn, off/on and on/off alternating, every put's events read before the next.\n")
+        print(AUTH_HEADER.format(what="figure", extra="note"))
+        print(_auth_row("node idle, % of a core (schedstat, ns)", idle_ns["off"], idle_ns["on"], lambda v: f"{v:.3f}"))
+        ticks = [round(v * idle_s) for v in idle_ticks["off"] + idle_ticks["on"]]  # % of a core over idle_s s, in 10 ms ticks
+        print(_auth_row("node idle, % of a core (clock ticks, 10 ms)", idle_ticks["off"], idle_ticks["on"], lambda v: f"{v:.2f}",
+                        f"{min(ticks)}–{max(ticks)} ticks per window: too coarse for a ratio"))
+        print(_auth_row("the publisher thread alone, idle, µs of CPU per second", thread_us["off"], thread_us["on"],
+                        lambda v: f"{v:.1f}", "on: a wake-up a second to re-check the routers file"))
+        print(_auth_row("put of 32 pages of 256 KiB, ms", put_ms["off"], put_ms["on"], lambda v: f"{v:.2f}",
+                        f"puts whose 32 blocks reached the subscriber: off {delivered['off']}/{put_rounds}, on {delivered['on']}/{put_rounds}"))
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+        for pub in alone.values():
+            pub.close()
+        ctx.term()
+        for c in clusters.values():
+            c.stop()
+        keys.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--events", type=int, default=300_000)
     ap.add_argument("--engine-rounds", type=int, default=3)
-    ap.add_argument("--skip-engine", action="store_true", help="only the publisher and the scheduler's cost")
+    ap.add_argument("--skip-engine", action="store_true", help="no engines (section 3)")
     ap.add_argument("--engine-only", action="store_true", help="only the engines")
     ap.add_argument("--node-only", action="store_true", help="only a storage node's events and its query API (sections 4-5)")
-    ap.add_argument("--node-rounds", type=int, default=10, help="puts per side (events on/off) in section 5")
+    ap.add_argument("--node-rounds", type=int, default=10, help="puts per side (events on/off, authentication off/on) in sections 5 and 6")
     ap.add_argument("--query-calls", type=int, default=30, help="calls of each kind in the query comparison")
+    ap.add_argument("--auth-only", action="store_true", help="only authentication on against off (section 6)")
+    ap.add_argument("--idle-seconds", type=float, default=10.0, help="length of each idle window in section 6")
     args = ap.parse_args()
     print(f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f} at start")
     if args.node_only:
         bench_node_events(args.trials, args.events)
         bench_node_cost(args.node_rounds, args.query_calls)
         return 0
-    if not args.engine_only:
-        bench_publisher(args.trials, args.events)
-        bench_scheduler_cost()
+    if args.auth_only or not args.engine_only:
+        if not args.auth_only:
+            bench_publisher(args.trials, args.events)
+            bench_scheduler_cost()
+        bench_auth_rates(args.trials, args.events)
+        bench_auth_node(args.trials, args.idle_seconds, args.node_rounds)
+        print(f"\nload average {os.getloadavg()[0]:.1f} at the end")
+        if args.auth_only:
+            return 0
     if not args.skip_engine:
         bench_engines(args.engine_rounds)
     return 0
