@@ -33,8 +33,9 @@ Then paused lookups (alone with ``--paused-only``): 16-block lookups as an engin
 with gaps between requests makes them, in rounds of 10 calls with about a second of
 quiet before each round, through the blocking client at its default ``node_refresh``
 (1 s, so every round finds its node list a second older), beside the index call alone
-(no node list at all) and a ``PING`` (one round trip, nothing else: what a pause costs
-this machine). Systems take turns round by round; per system the median and min-max
+(no node list at all), redis-py's pipelined ``EXISTS`` of the same 16 blocks stored as
+plain keys (the floor a plain Redis client sets, issue 53) and a ``PING`` (one round
+trip, nothing else: what a pause costs this machine). Systems take turns round by round; per system the median and min-max
 of every call, the p99, the first call of a round, and p99 and the first call's median
 as ratios of the median (p50). On a machine whose cores sleep between rounds, PING's
 ratios are the floor: the pause costs every round trip after it."""
@@ -219,6 +220,8 @@ def paused_lookups(
     tokens = stored[: 16 * ns.block_size]
     nodes = index.live_nodes()
     ping = redis.Redis.from_url(url)
+    plain = redis.Redis.from_url(url)  # the redis-py floor: the same question as plain keys
+    publish_plain(plain, block_hashes(ns, tokens))
     client = KVCacheClient(url, ns)  # default node_refresh (1 s): the registry ages between rounds
     try:
         systems: list[tuple[str, Callable[[], object]]] = [
@@ -227,6 +230,7 @@ def paused_lookups(
                 "kvstore index (no node list)",
                 lambda: index.lookup(ns, block_hash_bytes(ns, tokens)).resolve(nodes).matched,
             ),
+            ("redis-py EXISTS pipeline", lambda: plain_lookup(plain, ns, tokens, "EXISTS")),
             ("PING", ping.ping),
         ]
         for _, fn in systems:
@@ -260,9 +264,17 @@ def paused_lookups(
                 f"{p99 / p50:>8.2f} {first_ratio:>10.2f}",
                 flush=True,
             )
+        floor = statistics.median(calls["redis-py EXISTS pipeline"])
+        print(
+            f"kvstore client / redis-py EXISTS pipeline: p50 "
+            f"{statistics.median(calls['kvstore client']) / floor:.2f}x, p99 "
+            f"{statistics.quantiles(calls['kvstore client'], n=100)[98] / statistics.quantiles(calls['redis-py EXISTS pipeline'], n=100)[98]:.2f}x",
+            flush=True,
+        )
     finally:
         client.close()
         ping.close()
+        plain.close()
 
 
 def plain_lookup(r: redis.Redis, ns: Namespace, tokens: list[int], command: str) -> int:
