@@ -1,8 +1,20 @@
-"""Shared fixtures: a real Valkey server per test session and per-test namespaces."""
+"""Shared fixtures: a real Valkey server per test session and per-test namespaces; and
+the ``process`` marker that splits the suite into tiers.
+
+``process`` names every test that starts a storage node, a vLLM engine or another
+Python process (a worker, a ``kvstore`` command). ``pytest -m "not process" tests`` is
+the fast tier (README). Tests using a fixture that starts nodes (``clusters``, ``cluster``), and every test in a
+``test_vllm*`` module, are marked here; other modules mark theirs. In a run of the fast
+tier an unmarked test that starts one fails at once, naming the marker, so the tier
+stays what it says (Valkey servers, ``helm`` and other binaries are allowed: they start
+in milliseconds)."""
 
 from __future__ import annotations
 
+import multiprocessing.process
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -55,3 +67,57 @@ def clusters(index_shards):
     yield make
     for cluster in made:
         cluster.stop()
+
+
+# fixtures that start storage nodes (a test using one through another fixture counts too)
+_PROCESS_FIXTURES = {"clusters", "cluster", "single_index_cluster"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        engine = item.path.name.startswith("test_vllm")
+        if engine and not item.get_closest_marker("vllm"):
+            item.add_marker(pytest.mark.vllm)
+        if engine or _PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.process)
+
+
+def _python(args) -> bool:
+    """True when ``args`` (Popen's) starts a Python interpreter or a console script."""
+    argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+    if not argv:
+        return False
+    first = os.path.basename(os.fsdecode(argv[0]))
+    return first.startswith("python") or os.fsdecode(argv[0]) == sys.executable or first in ("kvstore", "vllm")
+
+
+_running: list[str] = []  # the test being set up, run or torn down (for the message)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _running[:] = [item.nodeid]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In a run of the fast tier (``-m "not process"``), starting a Python process
+    fails, in a test or in any fixture it uses (a module's cluster too)."""
+    if "not process" not in (config.option.markexpr or ""):
+        return
+
+    def refuse(what: str):
+        test = _running[0] if _running else "a test"
+        raise AssertionError(
+            f"{test} (or a fixture it uses) starts {what}: mark it @pytest.mark.process "
+            "(the fast tier, pytest -m 'not process', leaves such tests out)"
+        )
+
+    popen_init = subprocess.Popen.__init__
+
+    def checked_init(self, args, *a, **k):
+        if _python(args):
+            shown = args if isinstance(args, str) else " ".join(map(str, args))
+            refuse(f"a Python process ({shown[:120]})")
+        popen_init(self, args, *a, **k)
+
+    subprocess.Popen.__init__ = checked_init  # type: ignore[method-assign]
+    multiprocessing.process.BaseProcess.start = lambda self: refuse("a multiprocessing child")  # type: ignore[method-assign]

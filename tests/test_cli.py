@@ -17,6 +17,8 @@ import torch
 from kvstore.index import PageIndex
 from kvstore.tools.procutil import free_port, pid_alive
 
+pytestmark = pytest.mark.process  # every test here starts a node or a Python process
+
 KVSTORE = [sys.executable, "-m", "kvstore.tools.cli"]
 ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "KVSTORE_ANONYMOUS": "true"}  # nodes started here have no credential
 

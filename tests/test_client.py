@@ -219,6 +219,7 @@ def test_misuse_raises_value_errors_naming_the_problem(client, call, message):
         call(client, tokens)
 
 
+@pytest.mark.process
 def test_nodes_joining_are_picked_up_without_restarting_clients():
     ns = make_ns("joining")
     with LocalCluster(servers=1, capacity="128MiB", slab_size="16MiB") as c:
@@ -235,6 +236,7 @@ def test_nodes_joining_are_picked_up_without_restarting_clients():
             assert holders == {"node-0", "node-late"}
 
 
+@pytest.mark.process
 def test_a_lookup_uses_the_node_list_read_in_the_background():
     """A client in use reads the registry in the background every ``node_refresh``
     seconds, so a node that joined counts without any lookup reading the registry in
@@ -263,6 +265,7 @@ def test_a_lookup_uses_the_node_list_read_in_the_background():
             assert torch.equal(out.view(torch.uint8), pages_for(ns, tokens).view(torch.uint8))
 
 
+@pytest.mark.process
 def test_a_stale_node_list_whose_registry_read_fails_keeps_the_last_list():
     """When the registry's shard is down but the lookup's segment is elsewhere, a lookup
     after the background read failed still answers, from the last list it had, and
@@ -294,6 +297,7 @@ def test_a_stale_node_list_whose_registry_read_fails_keeps_the_last_list():
             assert client.stats.index_errors > faults  # deciding on the last list is counted
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_one_of_two_nodes_killed(replicas):
     ns = make_ns(f"replicas-{replicas}")
@@ -320,6 +324,7 @@ def test_one_of_two_nodes_killed(replicas):
                 assert same(k, key[:, :m]) and same(v, value[:, :m])
 
 
+@pytest.mark.process
 def test_redis_gone_turns_into_a_miss_not_an_exception():
     ns = make_ns("redis-gone")
     tokens = list(range(3 * BLOCK))
@@ -356,6 +361,7 @@ def test_client_from_environment(cluster, ns, monkeypatch):
         KVCacheClient.from_env(ns)
 
 
+@pytest.mark.process
 def test_data_plane_token_is_enforced():
     ns = make_ns("token")
     tokens = list(range(2 * BLOCK))
@@ -502,6 +508,7 @@ def test_device_memory_is_reached_through_checked_host_staging(cluster, ns):
         assert cl._async._mode_for(torch.empty(1)) == "direct"  # host memory: checked where it lands
 
 
+@pytest.mark.process
 def test_start_status_names_the_nodes_that_refused_the_token():
     """The vLLM connector's start line reports a refused token at start (a user once
     served for an hour storing nothing): the start probe records who refused and why."""

@@ -41,6 +41,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.process
 def test_the_triton_kernels_give_xxhashs_digests_in_the_interpreter():
     if not (Path(TRITON_SITE) / "triton").is_dir():
         pytest.skip(f"no Triton beside the project at {TRITON_SITE} (.ci/run installs it there)")

@@ -139,6 +139,7 @@ def make_credentials(tmp_path: Path) -> tuple[Path, dict[str, Path]]:
     return path, tokens
 
 
+@pytest.mark.process
 def test_routers_read_only_their_tenants_and_strangers_read_nothing(tmp_path):
     """Before: a plain SUB socket with no credential read all 64 token ids of every
     tenant's put. Now an unauthenticated subscriber and an unlisted key get nothing on
@@ -233,6 +234,7 @@ def check_with_vllm(messages, ns, tokens) -> None:
     assert [seen.get(h) for h in want] == [tokens[i * ns.block_size : (i + 1) * ns.block_size] for i in range(len(want))]
 
 
+@pytest.mark.process
 def test_a_routers_key_rotates_and_a_removed_key_is_cut_off_without_a_restart(tmp_path):
     """An operator rotates router-a's key: adds the new key's line, moves the router,
     removes the old line. The new key reads at once; once the old line is gone the node
@@ -273,6 +275,7 @@ def test_a_routers_key_rotates_and_a_removed_key_is_cut_off_without_a_restart(tm
         assert c.nodes[0].process.pid == node_pid and c.nodes[0].process.poll() is None
 
 
+@pytest.mark.process
 def test_a_node_checking_tokens_will_not_publish_to_anyone_on_the_network(tmp_path):
     """A node with tenants' credentials refuses to start with events bound to every
     interface and no routers file (the finding: anyone reaching the port read every

@@ -308,6 +308,7 @@ def test_connect_and_disconnect_do_not_grow_node_memory(clusters):
     assert grown / 2000 < 1024, f"{grown / 2000:.0f} bytes per connection"
 
 
+@pytest.mark.process
 def test_a_stopped_index_shard_shortens_prefixes_for_every_client():
     """Two storage nodes on a 3-shard index cluster; two clients (this process and a
     worker process) publish prompts long enough that their segments live on every shard,

@@ -15,6 +15,8 @@ import pytest
 from tests.test_device_checksum import ROOT, TRITON_SITE
 from pathlib import Path
 
+pytestmark = pytest.mark.process  # every test here starts a node or a Python process
+
 CHILD = r"""
 import itertools, torch
 from client.vllm.gather_pages import LayerGather, why_not

@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from client import KVCacheClient
 from kvstore.index import PageIndex
 from kvstore.tools.launcher import LocalCluster
@@ -130,6 +132,7 @@ def test_a_unix_frame_that_stalls_midway_is_dropped_within_the_frame_timeout(clu
 
 # ---- 2. descriptors over the Unix socket, connection budget, idle peers ----------
 
+@pytest.mark.process
 def test_descriptors_sent_by_a_peer_without_a_token_never_reach_the_node(tmp_path):
     """Reproduced: one connection with no token sent about 19,900 descriptors and the
     node sat at 19,999 of 20,000; a same-host client then read 0 of 64 blocks. Now the
@@ -202,6 +205,7 @@ def test_connections_past_the_budget_or_idle_without_a_request_are_closed(cluste
 
 # ---- 3. an accept error must not end the Unix listener ----------------------------
 
+@pytest.mark.process
 def test_the_unix_listener_survives_running_out_of_descriptors(tmp_path):
     """Reproduced: one EMFILE ended the accept loop and removed the socket file, so
     clients fell back to UCX until the node restarted. A node with few descriptors
@@ -263,6 +267,7 @@ def test_the_unix_listener_survives_running_out_of_descriptors(tmp_path):
 
 # ---- 4. the tenant check and the namespace cache ----------------------------------
 
+@pytest.mark.process
 def test_a_made_up_tenant_is_refused_whether_or_not_the_namespace_is_cached(tmp_path):
     """A PUT naming a namespace digest with a tenant that is not the namespace's got
     ``unknown_namespace`` while the node had not cached the namespace, and a PutPlan

@@ -61,6 +61,7 @@ def test_split_hashes_undoes_the_join_and_refuses_a_partial_hash():
         split_hashes(bytes(17))
 
 
+@pytest.mark.process
 def test_hashes_do_not_depend_on_pythonhashseed():
     code = "from tests.test_hashing import GOLDEN_NS; from kvstore import block_hashes; print(block_hashes(GOLDEN_NS, list(range(12)))[-1].hex())"
     outs = set()

@@ -65,6 +65,7 @@ def validate_strictly(values: dict, tmp_path: Path) -> str:
     return result.stdout
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("values_file", VALUES_FILES, ids=lambda p: p.stem)
 def test_values_file_renders_and_validates_strictly(values_file, tmp_path):
     report = validate_strictly(load_values(values_file), tmp_path)
@@ -321,6 +322,7 @@ def test_valkey_starts_through_its_entrypoint_and_keeps_its_password_out_of_argv
         server.wait(10)
 
 
+@pytest.mark.process
 def test_chart_index_users_and_tenant_credentials_work_with_real_processes(tmp_path):
     """With tenants: the init container's script (run for real) writes one index user per
     role with exactly the rules of `kvstore acl`, and a real valkey-server loads them; a
@@ -534,6 +536,7 @@ def routed(keys: dict[str, str], **extra) -> dict:
     )
 
 
+@pytest.mark.process
 def test_kv_event_routers_become_a_mounted_routers_file_the_node_accepts(curve_keys, monkeypatch, tmp_path):
     from kvstore.security.routers import parse_router_keys
 
@@ -571,6 +574,7 @@ def test_kv_event_routers_become_a_mounted_routers_file_the_node_accepts(curve_k
     assert "passed for resource secret/kv-kvstore-event-routers" in report
 
 
+@pytest.mark.process
 def test_kv_event_routers_from_an_existing_secret(curve_keys, monkeypatch, tmp_path):
     objects = render(events(routersExistingSecret="my-routers", routersKey="routers.txt", keySecret="kvstore-events-key", keySecretKey="kvstore.key_secret"))
     assert "kv-kvstore-event-routers" not in {s["metadata"]["name"] for s in objects["Secret"]}

@@ -136,6 +136,7 @@ def test_bad_queries_get_a_clear_error(clusters):
         assert exc.value.code == 400 and words in json.loads(exc.value.read())["error"]
 
 
+@pytest.mark.process
 def test_a_tenants_token_sees_only_its_tenants_pages(tmp_path):
     creds, token = make_credentials(tmp_path, ("alice", "readwrite", ["team-a"]), ("bob", "readwrite", ["team-b"]))
     tokens = list(range(4 * namespace_for_page_size(64 << 10).block_size))

@@ -22,6 +22,8 @@ import sys
 import textwrap
 from typing import Any
 
+import pytest
+
 import xxhash
 
 from kvstore.pages import checksum
@@ -77,6 +79,7 @@ def test_ucxx_builds_its_thread_mode_from_the_global_kvstore_replaces() -> None:
     assert "epoll_timeout" in inspect.signature(libucxx.UCXWorker.start_progress_thread).parameters
 
 
+@pytest.mark.process
 def test_threading_register_atexit_runs_before_non_daemon_threads_are_joined() -> None:
     """A non-daemon thread that waits to be told to stop (as ucxx's notifier does) lets
     the process exit when the stop is registered with ``threading._register_atexit``."""

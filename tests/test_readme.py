@@ -77,6 +77,7 @@ def exports():
     proc.communicate(timeout=60)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("path", ["shm", "ucx"])
 def test_the_python_example_runs_verbatim_against_kvstore_up(exports, path):
     env = {**ENV, **exports, "PYTHONPATH": str(ROOT)}
@@ -88,6 +89,7 @@ def test_the_python_example_runs_verbatim_against_kvstore_up(exports, path):
     assert "refused" not in out.stderr and "failed" not in out.stderr
 
 
+@pytest.mark.process
 def test_without_the_exports_the_example_says_what_is_missing(exports):
     """A user who forgot the token export is told, not served misses."""
     env = {**ENV, "KVSTORE_REDIS_URL": exports["KVSTORE_REDIS_URL"], "PYTHONPATH": str(ROOT)}
@@ -107,6 +109,7 @@ def kvstore_commands() -> list[list[str]]:
     return commands
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("argv", kvstore_commands(), ids=lambda a: " ".join(a[:2]))
 def test_every_kvstore_command_in_the_readme_parses(argv):
     """Each command's subcommand exists and takes every option it is given (argparse

@@ -68,6 +68,7 @@ def test_option_reprs_never_show_a_secret():
     assert SECRET not in repr(settings) and SECRET not in str(settings)
 
 
+@pytest.mark.process
 def test_node_option_errors_never_show_a_secret(tmp_path):
     cases = [
         ["--redis-url", f"http://:{SECRET}@10.0.0.1:6379/0", "--anonymous"],
@@ -82,6 +83,7 @@ def test_node_option_errors_never_show_a_secret(tmp_path):
 
 # ---- 6. kvstore up with an index password -----------------------------------------
 
+@pytest.mark.process
 @pytest.mark.parametrize("given", ["env", "file", "url"])
 def test_up_takes_the_index_password_from_the_environment_a_file_or_the_url(given, tmp_path):
     """Reproduced: `kvstore up --redis-url` with KVSTORE_REDIS_PASSWORD exited 3 ("HELLO

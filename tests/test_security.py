@@ -57,6 +57,7 @@ def test_redacted_urls_hide_every_password_form():
     assert redact_url("redis://h:6379/0") == "redis://h:6379/0"
 
 
+@pytest.mark.process
 def test_a_node_takes_its_secrets_from_files_and_never_shows_them(tmp_path):
     token, password = "tok-" + "x" * 20, "pw-" + "y" * 20
     (tmp_path / "token").write_text(token + "\n")
@@ -90,6 +91,7 @@ def test_a_node_takes_its_secrets_from_files_and_never_shows_them(tmp_path):
     assert "files-0" in output and token not in output and password not in output
 
 
+@pytest.mark.process
 def test_a_secret_given_twice_differently_is_refused(tmp_path):
     (tmp_path / "token").write_text("one")
     with pytest.raises(ValueError, match="auth_token"):
@@ -99,6 +101,7 @@ def test_a_secret_given_twice_differently_is_refused(tmp_path):
     assert out.returncode == 2 and "cannot read auth_token_file" in out.stderr
 
 
+@pytest.mark.process
 def test_up_starts_with_a_random_token_it_never_prints():
     proc = subprocess.Popen([*KVSTORE, "up", "--capacity", "64MiB", "--slab-size", "16MiB"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=ENV)
@@ -129,6 +132,7 @@ def test_up_starts_with_a_random_token_it_never_prints():
     assert not token_file.exists()  # removed with the store
 
 
+@pytest.mark.process
 def test_metrics_listen_on_loopback_unless_told_otherwise():
     with EmbeddedValkey() as valkey:
         port = free_port()
@@ -162,6 +166,7 @@ asyncio.run(main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sy
 """
 
 
+@pytest.mark.process
 def test_a_stalled_put_releases_its_slots_within_its_deadline():
     """An attacker reserves slots with a put and never sends the payload. The node gives
     them back after 2 s plus the put's size at --min-put-rate, not after the 30 s
@@ -219,6 +224,7 @@ def as_bytes(t):
     return t.contiguous().view(-1).view(torch.uint8)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("same_host", [True, False], ids=["shm", "ucx"])
 def test_a_tenant_cannot_write_pages_into_another_tenants_namespace(tmp_path, same_host):
     """Finding 1: with one token for everyone, alice stored pages under bob's namespace
@@ -242,6 +248,7 @@ def test_a_tenant_cannot_write_pages_into_another_tenants_namespace(tmp_path, sa
             assert torch.equal(as_bytes(out), as_bytes(genuine))
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("same_host", [True, False], ids=["shm", "ucx"])
 def test_a_tenant_cannot_read_another_tenants_pages(tmp_path, same_host):
     """Finding 2: a client of one tenant found another tenant's page hashes in the index
@@ -272,6 +279,7 @@ def test_a_tenant_cannot_read_another_tenants_pages(tmp_path, same_host):
                 auditor.put_pages(tokens, pages_for(other, tokens))
 
 
+@pytest.mark.process
 def test_credentials_rotate_without_a_restart(tmp_path):
     """A new credential works once its line is in the file, a removed one stops working,
     and a malformed file keeps the credentials loaded before; the node never restarts."""
@@ -311,6 +319,7 @@ def test_credentials_rotate_without_a_restart(tmp_path):
         assert c.nodes[0].process.poll() is None and c.nodes[0].process.pid == pid
 
 
+@pytest.mark.process
 def test_a_node_without_any_credential_refuses_to_start(tmp_path):
     """Finding 1: with no token, no credential at all was needed. A node now needs a
     token, a credentials file, or an explicit --anonymous."""
@@ -339,6 +348,7 @@ def test_the_documented_acl_rules_are_the_ones_kvstore_acl_prints():
         assert f"{role + ':':<10}{acl.rules(role, tenant)}\n" in doc
 
 
+@pytest.mark.process
 def test_index_roles_confine_tenants_and_keep_clients_from_registering_nodes():
     """Findings 2 and 3: every client held index credentials that listed every tenant's
     page hashes (SCAN) and could register a node, which then received pages and tokens.
@@ -391,6 +401,7 @@ def test_index_roles_confine_tenants_and_keep_clients_from_registering_nodes():
 # ---- limits ----------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_one_tenant_cannot_flush_another_tenants_pages():
     """Finding 4: one large put evicted every page of the node. Now a put reserves at most
     --max-request-bytes, and a tenant past --tenant-quota evicts only its own pages; a
@@ -454,6 +465,7 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+@pytest.mark.process
 def test_an_oversized_control_message_is_refused_before_the_node_allocates_it():
     """Finding 4: a 256 MiB control message drove node RSS from 133 to 620 MiB, because its
     size was checked after it had been received. The preamble's length is checked

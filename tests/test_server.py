@@ -327,6 +327,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.process
 def test_loop_progress_spins_only_while_a_large_request_may_move():
     """A large receive nobody sends spins the loop's UCX progress for at most
     ``spin_limit`` (a peer that never sends costs a bounded time of a core), then the
@@ -406,6 +407,7 @@ def test_healthz_fails_while_the_event_loop_is_stuck():
         loop.call_soon_threadsafe(loop.stop)
 
 
+@pytest.mark.process
 def test_bad_options_exit_with_a_message():
     out = subprocess.run([sys.executable, "-m", "server", "--capacity", "-1GiB"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "capacity" in out.stderr

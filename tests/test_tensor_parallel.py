@@ -59,6 +59,7 @@ def test_tp2_producers_and_a_tp1_consumer_share_pages(cluster, layout):
     assert [h["results"] for h in halves] == [[{"blocks": 8, "matched": 8, "exact": True}]] * 2
 
 
+@pytest.mark.process
 def test_units_of_consecutive_blocks_travel_as_one_message_over_ucx():
     """Units are stored and fetched unit by unit (heads.split), so each rank's units of
     consecutive blocks lie side by side in the node's pool and a TP=1 reader's staging:

@@ -25,6 +25,7 @@ def test_unix_socket_server(tmp_path):
     assert not pid_alive(pid) or open(f"/proc/{pid}/status").read().find("zombie") >= 0
 
 
+@pytest.mark.process
 def test_server_dies_with_a_crashed_parent_and_a_stale_pidfile_is_cleaned(tmp_path):
     pidfile = tmp_path / "valkey.pid"
     code = (
