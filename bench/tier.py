@@ -39,11 +39,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from bench.transfer import cpu_seconds, namespace_for  # noqa: E402
-from client import KVCacheClient  # noqa: E402
-from kvstore.tools.launcher import LocalCluster  # noqa: E402
+from bench.transfer import cpu_seconds, namespace_for
+from client import KVCacheClient
+from kvstore.tools.launcher import LocalCluster
 
 PAGE = 2 << 20
 GB = 1e9
@@ -57,11 +57,30 @@ def fio(directory: str, engine: str, size_mib: int) -> float:
     """fio's 2 MiB direct read bandwidth in GB/s on ``directory``: ``psync`` (four jobs,
     a file each), ``psync-shared`` (four jobs in quarters of one file, as kvstore's reader
     threads share its data file) or ``io_uring`` (queue depth 4, one file)."""
-    common = ["fio", "--name=ceiling", f"--directory={directory}", f"--size={size_mib}M", "--bs=2M", "--direct=1", "--rw=read",
-              "--time_based", "--runtime=4", "--output-format=json", "--group_reporting"]
-    extra = {"psync": ["--ioengine=psync", "--numjobs=4"],
-             "psync-shared": ["--ioengine=psync", "--numjobs=4", "--filename=shared", f"--offset_increment={size_mib // 4}M", f"--size={size_mib // 4}M"],
-             "io_uring": ["--ioengine=io_uring", "--iodepth=4"]}[engine]
+    common = [
+        "fio",
+        "--name=ceiling",
+        f"--directory={directory}",
+        f"--size={size_mib}M",
+        "--bs=2M",
+        "--direct=1",
+        "--rw=read",
+        "--time_based",
+        "--runtime=4",
+        "--output-format=json",
+        "--group_reporting",
+    ]
+    extra = {
+        "psync": ["--ioengine=psync", "--numjobs=4"],
+        "psync-shared": [
+            "--ioengine=psync",
+            "--numjobs=4",
+            "--filename=shared",
+            f"--offset_increment={size_mib // 4}M",
+            f"--size={size_mib // 4}M",
+        ],
+        "io_uring": ["--ioengine=io_uring", "--iodepth=4"],
+    }[engine]
     out = subprocess.run(common + extra, capture_output=True, text=True, check=True).stdout
     return json.loads(out)["jobs"][0]["read"]["bw_bytes"] / GB
 
@@ -73,7 +92,9 @@ def tokens_of(ns, index: int, blocks: int) -> list[int]:
 def pages(ns, tokens) -> torch.Tensor:
     blocks = len(tokens) // ns.block_size
     g = torch.Generator().manual_seed(tokens[0])
-    return torch.randint(-30000, 30000, (blocks, *ns.page_shape), generator=g, dtype=torch.int16).view(torch.float16)
+    return torch.randint(
+        -30000, 30000, (blocks, *ns.page_shape), generator=g, dtype=torch.int16
+    ).view(torch.float16)
 
 
 def node_metric(cluster: LocalCluster, name: str) -> float:
@@ -83,7 +104,9 @@ def node_metric(cluster: LocalCluster, name: str) -> float:
     from kvstore.index import PageIndex
 
     node = PageIndex(cluster.redis_url).live_nodes()[0]
-    text = urllib.request.urlopen(f"http://{node.extra['metrics']}/metrics", timeout=5).read().decode()
+    text = (
+        urllib.request.urlopen(f"http://{node.extra['metrics']}/metrics", timeout=5).read().decode()
+    )
     m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
 
@@ -93,7 +116,9 @@ def disk_reads(args, root: str) -> None:
     ns = namespace_for(PAGE)
     per_get = 32
     sets = 32  # 1,024 pages, 2 GiB on disk, 512 MiB of memory
-    cluster = LocalCluster(1, "512MiB", slab_size="64MiB", disk_path=os.path.join(root, "reads"), disk_capacity="3GiB").start()
+    cluster = LocalCluster(
+        1, "512MiB", slab_size="64MiB", disk_path=os.path.join(root, "reads"), disk_capacity="3GiB"
+    ).start()
     fio_dir = os.path.join(root, "fio")
     os.makedirs(fio_dir, exist_ok=True)
     try:
@@ -107,15 +132,26 @@ def disk_reads(args, root: str) -> None:
         outs = [torch.empty(per_get, *ns.page_shape, dtype=torch.float16) for _ in readers]
 
         def read(k: int) -> None:
-            for s in range(k, sets, len(readers)):  # in put order: the oldest are on disk only, and reading pushes the next ones out
+            for s in range(
+                k, sets, len(readers)
+            ):  # in put order: the oldest are on disk only, and reading pushes the next ones out
                 t = tokens_of(ns, s, per_get)
                 got = readers[k].get_pages(t, outs[k]) // ns.block_size
-                assert got == per_get and torch.equal(outs[k].view(torch.int16), expected[s].view(torch.int16)), f"set {s}: {got} pages or wrong bytes"
+                assert got == per_get and torch.equal(
+                    outs[k].view(torch.int16), expected[s].view(torch.int16)
+                ), f"set {s}: {got} pages or wrong bytes"
 
-        rows = {"fio psync x4": [], "fio psync x4, 1 file": [], "fio io_uring qd4": [], "kvstore get (disk)": []}
+        rows = {
+            "fio psync x4": [],
+            "fio psync x4, 1 file": [],
+            "fio io_uring qd4": [],
+            "kvstore get (disk)": [],
+        }
         disk_share = []
         for _ in range(args.repeat):
-            rows["fio psync x4"].append(fio(fio_dir, "psync", 512))  # 4 files of 512 MiB: as much as kvstore holds
+            rows["fio psync x4"].append(
+                fio(fio_dir, "psync", 512)
+            )  # 4 files of 512 MiB: as much as kvstore holds
             rows["fio psync x4, 1 file"].append(fio(fio_dir, "psync-shared", 2048))
             rows["fio io_uring qd4"].append(fio(fio_dir, "io_uring", 2048))
             before = node_metric(cluster, 'kvstore_tier_hit_pages_total{tier="disk"}')
@@ -125,15 +161,22 @@ def disk_reads(args, root: str) -> None:
                 thread.start()
             for thread in threads:
                 thread.join()
-            rows["kvstore get (disk)"].append(sets * per_get * ns.page_nbytes / (time.perf_counter() - started) / GB)
-            disk_share.append((node_metric(cluster, 'kvstore_tier_hit_pages_total{tier="disk"}') - before) / (sets * per_get))
+            rows["kvstore get (disk)"].append(
+                sets * per_get * ns.page_nbytes / (time.perf_counter() - started) / GB
+            )
+            disk_share.append(
+                (node_metric(cluster, 'kvstore_tier_hit_pages_total{tier="disk"}') - before)
+                / (sets * per_get)
+            )
         for c in [client, *readers]:
             c.close()
     finally:
         cluster.stop()
         shutil.rmtree(fio_dir, ignore_errors=True)
     ceiling = max(statistics.median(v) for k, v in rows.items() if k.startswith("fio"))
-    print(f"\n1. reads of 2 MiB pages from disk, GB/s, median (min-max) of {args.repeat}, ratio to the fio ceiling")
+    print(
+        f"\n1. reads of 2 MiB pages from disk, GB/s, median (min-max) of {args.repeat}, ratio to the fio ceiling"
+    )
     print(f"{'':24} {'GB/s':>22} {'ratio':>7}")
     for name, samples in rows.items():
         print(f"{name:24} {fmt(samples):>22} {statistics.median(samples) / ceiling:>7.2f}")
@@ -143,23 +186,36 @@ def disk_reads(args, root: str) -> None:
 def hit_rate(args, root: str) -> None:
     """Part 2: working set 4x memory; every stored prefix looked up afterwards."""
     ns = namespace_for(256 << 10)
-    memory, blocks, prefixes = 256 << 20, 16, 256  # 256 prefixes of 16 pages of 256 KiB: 1 GiB, 4x memory
+    memory, blocks, prefixes = (
+        256 << 20,
+        16,
+        256,
+    )  # 256 prefixes of 16 pages of 256 KiB: 1 GiB, 4x memory
     results: dict[str, list[float]] = {"memory only": [], "memory + disk": []}
     for round_ in range(args.repeat):
         for name in results:
-            disk = dict(disk_path=os.path.join(root, f"hits-{round_}"), disk_capacity="2GiB") if "disk" in name else {}
+            disk = (
+                dict(disk_path=os.path.join(root, f"hits-{round_}"), disk_capacity="2GiB")
+                if "disk" in name
+                else {}
+            )
             cluster = LocalCluster(1, str(memory), slab_size="16MiB", **disk).start()
             try:
                 client = KVCacheClient(cluster.redis_url, ns, lease_ms=0)
                 for p in range(prefixes):
                     t = tokens_of(ns, p, blocks)
                     client.put_pages(t, pages(ns, t))
-                hits = sum(client.lookup(tokens_of(ns, p, blocks)) // ns.block_size for p in range(prefixes))
+                hits = sum(
+                    client.lookup(tokens_of(ns, p, blocks)) // ns.block_size
+                    for p in range(prefixes)
+                )
                 results[name].append(hits / (prefixes * blocks))
                 client.close()
             finally:
                 cluster.stop()
-    print(f"\n2. hit rate, working set 4x memory ({prefixes} prefixes of {blocks} pages of 256 KiB, 256 MiB of memory), ratio to unlimited memory")
+    print(
+        f"\n2. hit rate, working set 4x memory ({prefixes} prefixes of {blocks} pages of 256 KiB, 256 MiB of memory), ratio to unlimited memory"
+    )
     for name, samples in results.items():
         print(f"{name:24} {fmt(samples):>22}")
 
@@ -168,10 +224,20 @@ def puts_while_full(args, root: str) -> None:
     """Part 3: put throughput of nodes that must evict, with and without a disk tier."""
     ns = namespace_for(PAGE)
     per_put, puts = 16, 48  # 1.5 GiB through 512 MiB of memory
-    results: dict[str, list[float]] = {"memory only": [], "memory + disk": [], "memory + disk, admission 1": []}
+    results: dict[str, list[float]] = {
+        "memory only": [],
+        "memory + disk": [],
+        "memory + disk, admission 1": [],
+    }
     for round_ in range(args.repeat):
         for name in results:
-            disk = dict(disk_path=os.path.join(root, f"puts-{round_}-{len(name)}"), disk_capacity="3GiB") if "disk" in name else {}
+            disk = (
+                dict(
+                    disk_path=os.path.join(root, f"puts-{round_}-{len(name)}"), disk_capacity="3GiB"
+                )
+                if "disk" in name
+                else {}
+            )
             extra = ["--disk-admission", "1"] if "admission" in name else None
             cluster = LocalCluster(1, "512MiB", slab_size="64MiB", extra_args=extra, **disk).start()
             try:
@@ -188,8 +254,12 @@ def puts_while_full(args, root: str) -> None:
             finally:
                 cluster.stop()
     base = statistics.median(results["memory only"])
-    print("\n3. put throughput while memory is full, GB/s, ratio to memory only (write-back writes every evicted page and")
-    print("   a put waits when the demoter fell behind; with admission 1 pages nobody read are dropped instead)")
+    print(
+        "\n3. put throughput while memory is full, GB/s, ratio to memory only (write-back writes every evicted page and"
+    )
+    print(
+        "   a put waits when the demoter fell behind; with admission 1 pages nobody read are dropped instead)"
+    )
     for name, samples in results.items():
         print(f"{name:24} {fmt(samples):>22} {statistics.median(samples) / base:>7.2f}")
 
@@ -199,8 +269,14 @@ def warm_restart(args, root: str) -> None:
     ns = namespace_for(PAGE)
     per_put = 64
     sets = int(args.restart_gib * 1024 // (per_put * 2))
-    cluster = LocalCluster(1, "512MiB", slab_size="64MiB", disk_path=os.path.join(root, "restart"), disk_capacity=f"{args.restart_gib + 1}GiB",
-                           extra_args=["--disk-policy", "write-through"]).start()
+    cluster = LocalCluster(
+        1,
+        "512MiB",
+        slab_size="64MiB",
+        disk_path=os.path.join(root, "restart"),
+        disk_capacity=f"{args.restart_gib + 1}GiB",
+        extra_args=["--disk-policy", "write-through"],
+    ).start()
     took = []
     try:
         client = KVCacheClient(cluster.redis_url, ns, lease_ms=0)
@@ -224,14 +300,18 @@ def warm_restart(args, root: str) -> None:
             probe.close()
     finally:
         cluster.stop()
-    print(f"\n4. warm restart: kill -9 of a node holding {args.restart_gib} GiB on disk ({sets * per_put} pages of 2 MiB) to its first hit, seconds")
+    print(
+        f"\n4. warm restart: kill -9 of a node holding {args.restart_gib} GiB on disk ({sets * per_put} pages of 2 MiB) to its first hit, seconds"
+    )
     print(f"{'restart to first hit':24} {fmt(took, ' s'):>22}")
 
 
 def idle(args, root: str) -> None:
     """Part 5: CPU of an idle node with a disk tier (after it stored and served pages)."""
     ns = namespace_for(PAGE)
-    cluster = LocalCluster(1, "256MiB", slab_size="64MiB", disk_path=os.path.join(root, "idle"), disk_capacity="1GiB").start()
+    cluster = LocalCluster(
+        1, "256MiB", slab_size="64MiB", disk_path=os.path.join(root, "idle"), disk_capacity="1GiB"
+    ).start()
     try:
         client = KVCacheClient(cluster.redis_url, ns, lease_ms=0)
         for s in range(16):
@@ -249,18 +329,26 @@ def idle(args, root: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temporary directory under /var/tmp)")
+    parser.add_argument(
+        "--dir",
+        default=None,
+        help="directory on the disk to measure (default: a temporary directory under /var/tmp)",
+    )
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--restart-gib", type=float, default=4.0)
     parser.add_argument("--parts", default="1,2,3,4,5", help="which parts to run, e.g. 1,4")
     args = parser.parse_args()
     if shutil.which("fio") is None:
-        print("bench/tier.py needs fio (apt-get install fio) for the device ceiling", file=sys.stderr)
+        print(
+            "bench/tier.py needs fio (apt-get install fio) for the device ceiling", file=sys.stderr
+        )
         return 2
     root = tempfile.mkdtemp(prefix="kvstore-tier-", dir=args.dir or "/var/tmp")
     parts = {"1": disk_reads, "2": hit_rate, "3": puts_while_full, "4": warm_restart, "5": idle}
     try:
-        print(f"bench/tier.py on {root} ({subprocess.run(['df', '-T', root], capture_output=True, text=True).stdout.splitlines()[-1].split()[1]})")
+        print(
+            f"bench/tier.py on {root} ({subprocess.run(['df', '-T', root], capture_output=True, text=True).stdout.splitlines()[-1].split()[1]})"
+        )
         for key in args.parts.split(","):
             parts[key](args, root)
     finally:

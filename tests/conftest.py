@@ -37,7 +37,16 @@ def valkey():
 def namespace(request) -> Namespace:
     """A namespace of small pages, unique to the test so tests never see each other's pages."""
     tenant = tenant_for(request.node.name)
-    return Namespace(model="test-model", dtype="float16", num_layers=2, num_kv_heads=2, head_size=32, block_size=16, hidden_size=64, tenant=tenant)
+    return Namespace(
+        model="test-model",
+        dtype="float16",
+        num_layers=2,
+        num_kv_heads=2,
+        head_size=32,
+        block_size=16,
+        hidden_size=64,
+        tenant=tenant,
+    )
 
 
 @pytest.fixture()
@@ -59,8 +68,16 @@ def clusters(index_shards):
     """Factory of local stores (embedded Valkey + node processes), stopped after the test."""
     made: list[LocalCluster] = []
 
-    def make(servers: int = 1, capacity: str = "256MiB", slab: str = "16MiB", extra: list[str] | None = None, **kw) -> LocalCluster:
-        cluster = LocalCluster(servers, capacity, slab_size=slab, extra_args=extra, index_shards=index_shards, **kw)
+    def make(
+        servers: int = 1,
+        capacity: str = "256MiB",
+        slab: str = "16MiB",
+        extra: list[str] | None = None,
+        **kw,
+    ) -> LocalCluster:
+        cluster = LocalCluster(
+            servers, capacity, slab_size=slab, extra_args=extra, index_shards=index_shards, **kw
+        )
         made.append(cluster)
         return cluster.start()
 
@@ -88,7 +105,11 @@ def _python(args) -> bool:
     if not argv:
         return False
     first = os.path.basename(os.fsdecode(argv[0]))
-    return first.startswith("python") or os.fsdecode(argv[0]) == sys.executable or first in ("kvstore", "vllm")
+    return (
+        first.startswith("python")
+        or os.fsdecode(argv[0]) == sys.executable
+        or first in ("kvstore", "vllm")
+    )
 
 
 _running: list[str] = []  # the test being set up, run or torn down (for the message)

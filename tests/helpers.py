@@ -32,7 +32,6 @@ from kvstore.security.routers import new_key_files
 ROOT = Path(__file__).resolve().parent.parent
 
 
-
 def pages_to_kv(pages: torch.Tensor, extra_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``[blocks, 2, L, B, H, D]`` pages -> key, value ``[L, blocks*B + extra_tokens, H, D]``
     (``codec.pages_into_kv``); the last ``extra_tokens`` rows are left unset."""
@@ -40,6 +39,7 @@ def pages_to_kv(pages: torch.Tensor, extra_tokens: int = 0) -> tuple[torch.Tenso
     kv = torch.empty(2, L, n * B + extra_tokens, H, D, dtype=pages.dtype)
     pages_into_kv(pages, kv)
     return kv[0], kv[1]
+
 
 def namespace_for_page_size(nbytes: int, tenant: str = "default", **fields) -> Namespace:
     """A kv_lbhd float16 namespace whose pages are ``nbytes`` long (power of two >= 4 KiB)."""
@@ -53,7 +53,16 @@ def namespace_for_page_size(nbytes: int, tenant: str = "default", **fields) -> N
         else:
             head *= 2
         block = nbytes // (2 * layers * heads * head * 2)
-    ns = Namespace(model="page-size-test", dtype="float16", num_layers=layers, num_kv_heads=heads, head_size=head, block_size=block, tenant=tenant, **fields)
+    ns = Namespace(
+        model="page-size-test",
+        dtype="float16",
+        num_layers=layers,
+        num_kv_heads=heads,
+        head_size=head,
+        block_size=block,
+        tenant=tenant,
+        **fields,
+    )
     assert ns.page_nbytes == nbytes, (ns, nbytes)
     return ns
 
@@ -66,7 +75,11 @@ def page_bytes(ns: Namespace, block_hash: bytes) -> np.ndarray:
 def tenant_for(test_name: str) -> str:
     """A tenant name unique to a test: tenant names are at most 64 of [A-Za-z0-9_.-],
     and a digest keeps long parametrized names apart."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", test_name)[:52] + "-" + hashlib.sha1(test_name.encode()).hexdigest()[:8]
+    return (
+        re.sub(r"[^A-Za-z0-9_.-]", "_", test_name)[:52]
+        + "-"
+        + hashlib.sha1(test_name.encode()).hexdigest()[:8]
+    )
 
 
 def pages_for(ns: Namespace, tokens) -> torch.Tensor:
@@ -82,12 +95,22 @@ def kv_for(ns: Namespace, tokens, seed: int = 0):
     n = len(tokens)
     full = (n // ns.block_size) * ns.block_size
     gen_ns = ns.model_copy(update={"layout": "kv_lbhd"})
-    key, value = pages_to_kv(pages_for(gen_ns, tokens[:full])) if full else (
-        torch.zeros(ns.num_layers, 0, ns.num_kv_heads, ns.head_size, dtype=ns.torch_dtype()),) * 2
+    key, value = (
+        pages_to_kv(pages_for(gen_ns, tokens[:full]))
+        if full
+        else (torch.zeros(ns.num_layers, 0, ns.num_kv_heads, ns.head_size, dtype=ns.torch_dtype()),)
+        * 2
+    )
     g = torch.Generator().manual_seed(seed + n)
-    tail_k = torch.randn(ns.num_layers, n - full, ns.num_kv_heads, ns.head_size, generator=g).to(ns.torch_dtype())
-    tail_v = torch.randn(ns.num_layers, n - full, ns.num_kv_heads, ns.head_size, generator=g).to(ns.torch_dtype())
-    hidden = torch.randn(n, max(ns.hidden_size, 1), generator=g).to(ns.torch_dtype())[:, : ns.hidden_size]
+    tail_k = torch.randn(ns.num_layers, n - full, ns.num_kv_heads, ns.head_size, generator=g).to(
+        ns.torch_dtype()
+    )
+    tail_v = torch.randn(ns.num_layers, n - full, ns.num_kv_heads, ns.head_size, generator=g).to(
+        ns.torch_dtype()
+    )
+    hidden = torch.randn(n, max(ns.hidden_size, 1), generator=g).to(ns.torch_dtype())[
+        :, : ns.hidden_size
+    ]
     return torch.cat([key, tail_k], 1), torch.cat([value, tail_v], 1), hidden
 
 
@@ -120,7 +143,9 @@ class WorkerProcess:
         self._out, self._err = Path(out.name), Path(err.name)
         # removed when the handle goes, read or not (a killed worker's never is)
         weakref.finalize(self, _remove, out.name, err.name)
-        self._process = _workers().Process(target=_worker_main, args=(spec_path, env, out.name, err.name), daemon=True)
+        self._process = _workers().Process(
+            target=_worker_main, args=(spec_path, env, out.name, err.name), daemon=True
+        )
         self._process.start()
 
     @property
@@ -188,7 +213,9 @@ def run_worker(spec: dict, timeout: float = 120, background: bool = False):
     # no interpreter starts (the worker is forked), so only what the worker reads counts
     env = {**os.environ, "UCX_NET_DEVICES": "lo"}
     # the spec goes through a file: token lists can be long
-    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="kvstore-worker-", delete=False) as f:
+    with tempfile.NamedTemporaryFile(
+        "w", suffix=".json", prefix="kvstore-worker-", delete=False
+    ) as f:
         json.dump(spec, f)
     proc = WorkerProcess(f.name, env)
     return proc if background else worker_result(proc, timeout)
@@ -208,7 +235,9 @@ def metrics(cluster, node_id: str) -> dict[str, float]:
         node = next(n for n in index.live_nodes() if n.node_id == node_id)
     finally:
         index.close()
-    text = urllib.request.urlopen(f"http://{node.extra['metrics']}/metrics", timeout=5).read().decode()
+    text = (
+        urllib.request.urlopen(f"http://{node.extra['metrics']}/metrics", timeout=5).read().decode()
+    )
     values = {}
     for line in text.splitlines():
         m = re.match(r"^([a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)

@@ -17,16 +17,20 @@ class OpenAIServer:
     """``argv`` (a server command whose ``--port`` the caller gives ``port``) with
     ``env`` added to this process's environment, its output appended to ``log``."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], log: Path | str, port: int, wait_s: float = 300) -> None:
+    def __init__(
+        self, argv: list[str], env: dict[str, str], log: Path | str, port: int, wait_s: float = 300
+    ) -> None:
         self.port = port
         env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo", **env}
-        self.log = open(log, "ab")  # noqa: SIM115 - closed in stop
+        self.log = open(log, "ab")
         self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.log.close()
-                raise RuntimeError(f"the server exited: {Path(log).read_text(errors='replace')[-3000:]}")
+                raise RuntimeError(
+                    f"the server exited: {Path(log).read_text(errors='replace')[-3000:]}"
+                )
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
                 return
@@ -38,7 +42,11 @@ class OpenAIServer:
     def kvstore_metric(self, name: str) -> float:
         """``vllm:kvstore_<name>`` summed over the engine's label sets."""
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
-            return sum(float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines() if line.startswith(f"vllm:kvstore_{name}{{"))
+            return sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in r.read().decode().splitlines()
+                if line.startswith(f"vllm:kvstore_{name}{{")
+            )
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -39,7 +39,12 @@ def test_refuses_when_full_and_rejects_oversized_pages():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.booleans(), st.sampled_from([4096, 10_000, 65536, 300_000, 1 << 20])), max_size=300))
+@given(
+    st.lists(
+        st.tuples(st.booleans(), st.sampled_from([4096, 10_000, 65536, 300_000, 1 << 20])),
+        max_size=300,
+    )
+)
 def test_allocations_never_overlap_and_accounting_balances(ops):
     alloc = SlabAllocator(8 << 20, 1 << 20)
     live: dict[int, int] = {}
@@ -150,7 +155,12 @@ def test_the_pool_asks_for_the_configured_huge_page_size():
         MemoryPool(4 << 20, 2 << 20, hugepage_size=4 << 20)
     assert MemoryPool(2 << 20, 2 << 20, hugepage_size=2 << 20)._huge_flag == os.MFD_HUGE_2MB
     assert _HUGE_FLAGS[1 << 30] == os.MFD_HUGE_1GB
-    assert ServerSettings(hugepage_size="1GiB", slab_size="1GiB", capacity="2GiB", anonymous=True).hugepage_size == 1 << 30
+    assert (
+        ServerSettings(
+            hugepage_size="1GiB", slab_size="1GiB", capacity="2GiB", anonymous=True
+        ).hugepage_size
+        == 1 << 30
+    )
     with pytest.raises(ValueError, match="multiple of the 1GiB"):
         ServerSettings(hugepage_size="1GiB", slab_size="64MiB", capacity="2GiB", anonymous=True)
     with pytest.raises(ValueError, match="2MiB or 1GiB"):

@@ -45,8 +45,16 @@ print(json.dumps(out))
 def test_the_triton_kernels_give_xxhashs_digests_in_the_interpreter():
     if not (Path(TRITON_SITE) / "triton").is_dir():
         pytest.skip(f"no Triton beside the project at {TRITON_SITE} (.ci/run installs it there)")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([TRITON_SITE, str(ROOT)]))
-    res = subprocess.run([sys.executable, "-c", CHILD, json.dumps(SIZES)], env=env, capture_output=True, text=True, timeout=240)
+    env = dict(
+        os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([TRITON_SITE, str(ROOT)])
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(SIZES)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads(res.stdout.strip().splitlines()[-1]) == [True] * len(SIZES)
 
@@ -59,7 +67,9 @@ def test_the_triton_kernels_give_xxhashs_digests_on_the_gpu():
         pages = rng.integers(0, 256, (5, nbytes), dtype=np.uint8)
         base = torch.from_numpy(pages.reshape(-1).copy()).cuda()
         offsets = [k * nbytes for k in (4, 0, 2)]  # any order, any subset
-        assert device_checksum.checksums(base, offsets, nbytes) == [xxhash.xxh3_64_intdigest(pages[k].tobytes()) for k in (4, 0, 2)]
+        assert device_checksum.checksums(base, offsets, nbytes) == [
+            xxhash.xxh3_64_intdigest(pages[k].tobytes()) for k in (4, 0, 2)
+        ]
     assert device_checksum.self_test(torch.device("cuda")) is None
 
 
@@ -80,6 +90,9 @@ def test_what_the_device_checks_take_and_refuse():
     assert not device_checksum.supports(1028)  # not a multiple of 8
     with pytest.raises(ValueError, match="8-byte aligned"):
         device_checksum.launch(torch.zeros(4096, dtype=torch.uint8), [4], 1024)
-    assert device_checksum.SECRET[:8] == bytes.fromhex("b8fe6c3923a44bbe") and len(device_checksum.SECRET) == 192
+    assert (
+        device_checksum.SECRET[:8] == bytes.fromhex("b8fe6c3923a44bbe")
+        and len(device_checksum.SECRET) == 192
+    )
     # the secret is xxhash's: a digest needs all of it, so a wrong byte would fail the interpreter test
     assert xxhash.xxh3_64_intdigest(b"") == 0x2D06800538D394C2

@@ -28,7 +28,9 @@ from tests.helpers import pages_for, tenant_for
 
 BLOCK = 16
 CUDA = torch.cuda.is_available()
-COPIERS = {"host": HostCopier} | ({"cuda": lambda stats: CudaCopier(torch.device("cuda"), stats)} if CUDA else {})
+COPIERS = {"host": HostCopier} | (
+    {"cuda": lambda stats: CudaCopier(torch.device("cuda"), stats)} if CUDA else {}
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,15 @@ def copier(request):
 
 
 def make_ns(name: str, **over) -> Namespace:
-    fields = dict(model="device-test", dtype="float16", num_layers=2, num_kv_heads=2, head_size=32, block_size=BLOCK, tenant=tenant_for(name))
+    fields = dict(
+        model="device-test",
+        dtype="float16",
+        num_layers=2,
+        num_kv_heads=2,
+        head_size=32,
+        block_size=BLOCK,
+        tenant=tenant_for(name),
+    )
     fields.update(over)
     return Namespace(**fields)
 
@@ -53,7 +63,9 @@ def device_of(copier: str) -> torch.device:
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.contiguous().view(torch.uint8).cpu(), b.contiguous().view(torch.uint8).cpu())
+    return torch.equal(
+        a.contiguous().view(torch.uint8).cpu(), b.contiguous().view(torch.uint8).cpu()
+    )
 
 
 def scribble(span: Span) -> None:
@@ -78,7 +90,9 @@ def scribbling(make, page: int):
     def build(stats: ClientStats) -> DeviceCopier:
         inner = make(stats)
 
-        class Scribbling(type(inner)):  # the copier under test, with its copy step timed by the test
+        class Scribbling(
+            type(inner)
+        ):  # the copier under test, with its copy step timed by the test
             async def land(self, copies, check=True):
                 if len(copies) > page:
                     scribble(copies[page][1])
@@ -98,7 +112,9 @@ def test_get_pages_lands_in_device_memory_bit_exact(cluster, copier, same_host, 
     ns = make_ns(request.node.name)
     tokens = list(range(7 * BLOCK))
     pages = pages_for(ns, tokens)
-    with KVCacheClient(cluster.redis_url, ns, timeout=10, same_host=same_host, device=COPIERS[copier]) as client:
+    with KVCacheClient(
+        cluster.redis_url, ns, timeout=10, same_host=same_host, device=COPIERS[copier]
+    ) as client:
         assert client.put_pages(tokens, pages).stored == 7
         out = torch.zeros((7, *ns.page_shape), dtype=pages.dtype, device=device_of(copier))
         assert client.lands_on_device(out.device)
@@ -123,7 +139,9 @@ def test_a_page_overwritten_during_a_load_is_a_miss(cluster, copier, request):
     pages = pages_for(ns, tokens)
     with KVCacheClient(cluster.redis_url, ns, timeout=10) as writer:
         assert writer.put_pages(tokens, pages).stored == 6
-    with KVCacheClient(cluster.redis_url, ns, timeout=10, device=scribbling(COPIERS[copier], 3)) as reader:
+    with KVCacheClient(
+        cluster.redis_url, ns, timeout=10, device=scribbling(COPIERS[copier], 3)
+    ) as reader:
         rows = torch.zeros((6, *ns.page_shape), dtype=pages.dtype, device=device_of(copier))
         assert reader.get_found_device(reader.find(tokens), rows) == 3 * BLOCK
         assert same(rows[:3], pages[:3])
@@ -145,20 +163,36 @@ def test_the_connector_recomputes_blocks_overwritten_during_a_load(cluster, copi
     block_ids = [9, 10, 11, 3, 4, 17]
     for scribbled in (None, 4):
         # FlashAttention's default byte order: per layer [blocks, block, heads, 2*hd], viewed [blocks, heads, block, 2*hd]
-        layers = [torch.zeros((20, BLOCK, ns.num_kv_heads, 2 * ns.head_size), dtype=pages.dtype, device=device).permute(0, 2, 1, 3) for _ in range(ns.num_layers)]
+        layers = [
+            torch.zeros(
+                (20, BLOCK, ns.num_kv_heads, 2 * ns.head_size), dtype=pages.dtype, device=device
+            ).permute(0, 2, 1, 3)
+            for _ in range(ns.num_layers)
+        ]
         cache = PagedCache(layers)
         make = COPIERS[copier] if scribbled is None else scribbling(COPIERS[copier], scribbled - 1)
         with KVCacheClient(cluster.redis_url, ns, timeout=10, device=make) as client:
-            loader = PageLoader(client, cache, StagingPool(cache, 2, 8), block_size=BLOCK, layer_groups=[],
-                                load_stream=torch.cuda.Stream() if device.type == "cuda" else None,
-                                credential_refused=lambda exc: None)
-            outcome = loader.load(LoadSpec("req", client.find(tokens), block_ids, start_block=1), None)
+            loader = PageLoader(
+                client,
+                cache,
+                StagingPool(cache, 2, 8),
+                block_size=BLOCK,
+                layer_groups=[],
+                load_stream=torch.cuda.Stream() if device.type == "cuda" else None,
+                credential_refused=lambda exc: None,
+            )
+            outcome = loader.load(
+                LoadSpec("req", client.find(tokens), block_ids, start_block=1), None
+            )
             assert client.stats.device_transfers == 1
         good = 6 if scribbled is None else scribbled
         assert outcome.failed == block_ids[good:]
         for i, block in enumerate(block_ids):
             want = pages[i] if 1 <= i < good else torch.zeros_like(pages[i])
-            assert all(same(layers[layer][block], want[layer]) for layer in range(ns.num_layers)), (i, block)
+            assert all(same(layers[layer][block], want[layer]) for layer in range(ns.num_layers)), (
+                i,
+                block,
+            )
 
 
 def test_device_gets_refuse_what_they_cannot_do(cluster, request):
@@ -172,12 +206,18 @@ def test_device_gets_refuse_what_they_cannot_do(cluster, request):
         with pytest.raises(InvalidInputError, match="need"):
             client.get_found_device(found, torch.zeros((2, *ns.page_shape), dtype=torch.float16))
         with pytest.raises(InvalidInputError, match="contiguous"):
-            client.get_found_device(found, torch.zeros((3, *ns.page_shape), dtype=torch.float16).transpose(1, 2))
+            client.get_found_device(
+                found, torch.zeros((3, *ns.page_shape), dtype=torch.float16).transpose(1, 2)
+            )
     with KVCacheClient(cluster.redis_url, ns, timeout=10, device=lambda stats: None) as client:
         assert not client.lands_on_device(torch.device("cpu"))
         with pytest.raises(InvalidInputError, match="cannot land"):
-            client.get_found_device(client.find(tokens), torch.zeros((3, *ns.page_shape), dtype=torch.float16))
-    with KVCacheClient(cluster.redis_url, ns, timeout=10, device=HostCopier, transfer_mode="staged") as client:
+            client.get_found_device(
+                client.find(tokens), torch.zeros((3, *ns.page_shape), dtype=torch.float16)
+            )
+    with KVCacheClient(
+        cluster.redis_url, ns, timeout=10, device=HostCopier, transfer_mode="staged"
+    ) as client:
         assert not client.lands_on_device(torch.device("cpu"))
 
 
@@ -188,8 +228,12 @@ def test_copies_of_pages_that_touch_are_merged():
 
     slab = np.arange(64, dtype=np.uint8)
     rows = torch.zeros(64, dtype=torch.uint8)
-    copies = [(DeviceSpan(rows, 0, 8), Span(slab, 16, 8)), (DeviceSpan(rows, 8, 8), Span(slab, 24, 8)),
-              (DeviceSpan(rows, 16, 8), Span(slab, 40, 8)), (DeviceSpan(rows, 32, 8), Span(slab, 48, 8))]
+    copies = [
+        (DeviceSpan(rows, 0, 8), Span(slab, 16, 8)),
+        (DeviceSpan(rows, 8, 8), Span(slab, 24, 8)),
+        (DeviceSpan(rows, 16, 8), Span(slab, 40, 8)),
+        (DeviceSpan(rows, 32, 8), Span(slab, 48, 8)),
+    ]
     merged = _merged(copies)
     assert [(d.numel(), int(s[0])) for d, s in merged] == [(16, 16), (8, 40), (8, 48)]
 
@@ -217,11 +261,11 @@ class _RefusingRuntime:
     def __init__(self, refuse: set[int]) -> None:
         self.refuse, self.calls, self.cleared = refuse, [], 0
 
-    def cudaHostRegister(self, ptr, size, flags):  # noqa: N802 - CUDA's name
+    def cudaHostRegister(self, ptr, size, flags):
         self.calls.append((ptr, flags))
         return 1 if flags or ptr in self.refuse else 0
 
-    def cudaGetLastError(self):  # noqa: N802
+    def cudaGetLastError(self):
         self.cleared += 1
 
 

@@ -10,7 +10,17 @@ from hypothesis import strategies as st
 from server.allocator import SlabAllocator
 from server.disk.layout import HEADER_BYTES, RecordHeader, record_slot
 
-HEADER = RecordHeader(record_slot(2 << 20), 2 << 20, 0x1234_5678_9ABC_DEF0, 7, 3, "ab" * 16, bytes(range(16)), "team-a", bytes(range(16, 32)))
+HEADER = RecordHeader(
+    record_slot(2 << 20),
+    2 << 20,
+    0x1234_5678_9ABC_DEF0,
+    7,
+    3,
+    "ab" * 16,
+    bytes(range(16)),
+    "team-a",
+    bytes(range(16, 32)),
+)
 
 
 def test_a_header_reads_back_as_written_and_fills_one_block():
@@ -19,7 +29,9 @@ def test_a_header_reads_back_as_written_and_fills_one_block():
     assert RecordHeader.unpack(raw) == HEADER
 
 
-SEALED = 80 + len("team-a") + 16 + 8  # fixed fields, tenant, anchor, seal: the rest of the block is padding
+SEALED = (
+    80 + len("team-a") + 16 + 8
+)  # fixed fields, tenant, anchor, seal: the rest of the block is padding
 
 
 @given(st.integers(0, SEALED - 1), st.integers(0, 7))
@@ -29,7 +41,9 @@ def test_any_flipped_bit_in_a_header_makes_it_invalid(position, bit):
     assert RecordHeader.unpack(bytes(raw)) is None
 
 
-@pytest.mark.parametrize("raw", [bytes(HEADER_BYTES), b"", HEADER.pack()[:40], b"KVSPAGE1" + bytes(HEADER_BYTES - 8)])
+@pytest.mark.parametrize(
+    "raw", [bytes(HEADER_BYTES), b"", HEADER.pack()[:40], b"KVSPAGE1" + bytes(HEADER_BYTES - 8)]
+)
 def test_a_zeroed_torn_or_short_header_is_invalid(raw):
     assert RecordHeader.unpack(raw) is None
 

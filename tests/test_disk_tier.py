@@ -15,7 +15,14 @@ from kvstore import block_hashes
 from kvstore.index import PageIndex
 from server.disk.files import DATA_FILE, MAP_FILE
 from server.disk.layout import HEADER_BYTES, RecordHeader
-from tests.helpers import advertised_prefix, metrics, namespace_for_page_size, run_worker, spec, wait_for
+from tests.helpers import (
+    advertised_prefix,
+    metrics,
+    namespace_for_page_size,
+    run_worker,
+    spec,
+    wait_for,
+)
 
 SLAB = 1 << 20
 PAGE = 256 << 10  # 256 KiB pages: a 4 MiB pool holds 16 minus what the watermarks keep free
@@ -27,16 +34,27 @@ def batches_of(ns, count: int, blocks: int) -> list[list[int]]:
 
 
 def put_all(cluster, ns, batches, **options) -> int:
-    reports = run_worker(spec(cluster, ns, "put_pages", token_lists=batches, options={**OPTS, **options}))["reports"]
+    reports = run_worker(
+        spec(cluster, ns, "put_pages", token_lists=batches, options={**OPTS, **options})
+    )["reports"]
     return sum(r["stored"] for r in reports)
 
 
 def get_all(cluster, ns, batches, **options) -> list[dict]:
-    return run_worker(spec(cluster, ns, "get_pages", token_lists=batches, options={**OPTS, **options}))["results"]
+    return run_worker(
+        spec(cluster, ns, "get_pages", token_lists=batches, options={**OPTS, **options})
+    )["results"]
 
 
 def disk_cluster(clusters, tmp_path, capacity="4MiB", disk="64MiB", extra=None, **kw):
-    return clusters(capacity=capacity, slab="1MiB", disk_path=str(tmp_path / "disk"), disk_capacity=disk, extra=extra, **kw)
+    return clusters(
+        capacity=capacity,
+        slab="1MiB",
+        disk_path=str(tmp_path / "disk"),
+        disk_capacity=disk,
+        extra=extra,
+        **kw,
+    )
 
 
 def disk_pages(cluster, node="node-0") -> float:
@@ -62,12 +80,17 @@ def records_on_disk(directory) -> dict[bytes, tuple[int, RecordHeader]]:
 
 def wait_ready(cluster, node_id="node-0") -> None:
     """Until the node's /readyz says 200: registered, and its recovered pages re-published."""
+
     def ready():
         node = next(n for n in PageIndex(cluster.redis_url).live_nodes() if n.node_id == node_id)
         try:
-            return urllib.request.urlopen(f"http://{node.extra['metrics']}/readyz", timeout=5).status == 200
+            return (
+                urllib.request.urlopen(f"http://{node.extra['metrics']}/readyz", timeout=5).status
+                == 200
+            )
         except OSError:
             return False
+
     wait_for(ready, 20, "the restarted node to be ready")
 
 
@@ -89,7 +112,9 @@ def test_pages_evicted_from_memory_come_back_from_disk_bit_exact(clusters, tmp_p
     assert put_all(cluster, ns, batches) == 32
     index = PageIndex(cluster.redis_url)
     # every page is still advertised: none was dropped, the old ones went to disk
-    assert [advertised_prefix(index, ns, block_hashes(ns, b), lease_ms=0) for b in batches] == [4] * 8
+    assert [advertised_prefix(index, ns, block_hashes(ns, b), lease_ms=0) for b in batches] == [
+        4
+    ] * 8
     got = get_all(cluster, ns, batches, same_host=same_host)
     assert [r["matched"] for r in got] == [4] * 8 and all(r["exact"] for r in got)
     m = metrics(cluster, "node-0")
@@ -106,9 +131,17 @@ def test_kill_9_while_demoting_then_restart_serves_only_right_pages(clusters, tm
     assert put_all(cluster, ns, first) == 32
     wait_for(lambda: disk_pages(cluster) >= 32, 20, "32 pages on disk")
     # more puts, every page written through, and the node killed in the middle of them
-    more = [list(range(900_000 + b * 1000, 900_000 + b * 1000 + 4 * ns.block_size)) for b in range(40)]
-    writer = run_worker(spec(cluster, ns, "put_pages", token_lists=more, options=OPTS), background=True)
-    wait_for(lambda: metrics(cluster, "node-0")["kvstore_demoted_pages_total"] >= 48, 30, "demotion under way")
+    more = [
+        list(range(900_000 + b * 1000, 900_000 + b * 1000 + 4 * ns.block_size)) for b in range(40)
+    ]
+    writer = run_worker(
+        spec(cluster, ns, "put_pages", token_lists=more, options=OPTS), background=True
+    )
+    wait_for(
+        lambda: metrics(cluster, "node-0")["kvstore_demoted_pages_total"] >= 48,
+        30,
+        "demotion under way",
+    )
     cluster.nodes[0].kill(signal.SIGKILL)
     writer.communicate(timeout=60)  # it may fail or not: the node died under it
     restarted = cluster.add_node("node-0")
@@ -140,14 +173,21 @@ def test_a_flipped_byte_on_disk_is_a_counted_miss_never_wrong_kv(clusters, tmp_p
     m = metrics(cluster, "node-0")
     assert m['kvstore_disk_errors_total{kind="checksum"}'] == 1
     # the page left the index with its record: the prefix now ends before it everywhere
-    assert advertised_prefix(PageIndex(cluster.redis_url), ns, block_hashes(ns, batches[0]), lease_ms=0) == 1
+    assert (
+        advertised_prefix(
+            PageIndex(cluster.redis_url), ns, block_hashes(ns, batches[0]), lease_ms=0
+        )
+        == 1
+    )
 
 
 def mounted(tmp_path, fstype: str, *options: str):
     """A fresh filesystem of ``fstype`` under ``tmp_path`` (skips where mount is not allowed)."""
     mount = tmp_path / fstype
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", fstype, *options, fstype, str(mount)], capture_output=True)
+    done = subprocess.run(
+        ["mount", "-t", fstype, *options, fstype, str(mount)], capture_output=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a {fstype} here: {done.stderr.decode().strip()}")
     yield mount
@@ -168,14 +208,18 @@ def ramfs(tmp_path):
 
 
 def test_disk_full_degrades_the_tier_and_memory_keeps_serving(clusters, small_filesystem):
-    cluster = clusters(capacity="4MiB", slab="1MiB", disk_path=str(small_filesystem), disk_capacity="64MiB")
+    cluster = clusters(
+        capacity="4MiB", slab="1MiB", disk_path=str(small_filesystem), disk_capacity="64MiB"
+    )
     ns = namespace_for_page_size(PAGE, tenant="full")
     batches = batches_of(ns, 8, 4)
     assert put_all(cluster, ns, batches) == 32  # every put is stored, the node never refuses
     m = metrics(cluster, "node-0")
     assert m["kvstore_disk_degraded"] == 1 and m['kvstore_disk_errors_total{kind="nospace"}'] >= 1
     node = PageIndex(cluster.redis_url).live_nodes()[0]
-    body = urllib.request.urlopen(f"http://{node.extra['metrics']}/healthz", timeout=5).read().decode()
+    body = (
+        urllib.request.urlopen(f"http://{node.extra['metrics']}/healthz", timeout=5).read().decode()
+    )
     assert body.startswith("ok\n") and "disk tier degraded" in body
     assert "ERROR" in cluster.nodes[0].log()
     # memory still works: the newest pages are there, bit-exact, and new puts are stored
@@ -198,7 +242,9 @@ def test_o_direct_refused_falls_back_to_buffered_io_and_says_so(clusters, ramfs)
 
 
 def test_disk_files_stay_within_capacity_and_evicted_pages_leave_the_index(clusters, tmp_path):
-    cluster = disk_cluster(clusters, tmp_path, disk="5MiB")  # 4 slabs of 1 MiB: 12 pages of 256 KiB + headers
+    cluster = disk_cluster(
+        clusters, tmp_path, disk="5MiB"
+    )  # 4 slabs of 1 MiB: 12 pages of 256 KiB + headers
     ns = namespace_for_page_size(PAGE, tenant="capacity")
     batches = batches_of(ns, 24, 4)  # 96 pages, 24 MiB
     directory = tmp_path / "disk" / "node-0"
@@ -207,7 +253,11 @@ def test_disk_files_stay_within_capacity_and_evicted_pages_leave_the_index(clust
         assert tier_bytes(directory) <= 5 << 20
     m = metrics(cluster, "node-0")
     assert m["kvstore_disk_evicted_pages_total"] > 0
-    assert m['kvstore_tier_used_bytes{tier="disk"}'] <= m['kvstore_tier_capacity_bytes{tier="disk"}'] <= 4 << 20
+    assert (
+        m['kvstore_tier_used_bytes{tier="disk"}']
+        <= m['kvstore_tier_capacity_bytes{tier="disk"}']
+        <= 4 << 20
+    )
     index = PageIndex(cluster.redis_url)
     prefixes = [advertised_prefix(index, ns, block_hashes(ns, b), lease_ms=0) for b in batches]
     assert prefixes[0] == 0 and prefixes[-1] == 4  # the oldest left disk and the index
@@ -246,13 +296,39 @@ def test_stats_show_both_tiers(clusters, tmp_path):
     env = {**os.environ, "UCX_NET_DEVICES": "lo"}
 
     def node_stats() -> dict:
-        out = subprocess.run([sys.executable, "-m", "kvstore.tools.cli", "stats", "--json", "--redis-url", cluster.redis_url], capture_output=True, text=True, timeout=60, env=env)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvstore.tools.cli",
+                "stats",
+                "--json",
+                "--redis-url",
+                cluster.redis_url,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)["nodes"][0]
 
-    wait_for(lambda: node_stats().get("disk_hits") == 4, 10, "the heartbeat to carry the disk reads")
+    wait_for(
+        lambda: node_stats().get("disk_hits") == 4, 10, "the heartbeat to carry the disk reads"
+    )
     node = node_stats()
-    assert node["disk_capacity"] == 63 << 20 and node["disk_pages"] >= 24 and node["disk_used"] >= 24 * (PAGE + HEADER_BYTES)
+    assert (
+        node["disk_capacity"] == 63 << 20
+        and node["disk_pages"] >= 24
+        and node["disk_used"] >= 24 * (PAGE + HEADER_BYTES)
+    )
     assert node["memory_pages"] <= 16 and node["disk_degraded"] == 0
-    text = subprocess.run([sys.executable, "-m", "kvstore.tools.cli", "stats", "--redis-url", cluster.redis_url], capture_output=True, text=True, timeout=60, env=env).stdout
+    text = subprocess.run(
+        [sys.executable, "-m", "kvstore.tools.cli", "stats", "--redis-url", cluster.redis_url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    ).stdout
     assert "disk 6" in text and "4 read from disk" in text

@@ -33,7 +33,9 @@ STORE = "node-0"
 
 
 def run_kvstore(*args: str) -> str:
-    out = subprocess.run([*KVSTORE, *args], env=ENV, capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [*KVSTORE, *args], env=ENV, capture_output=True, text=True, timeout=60, check=True
+    )
     return out.stdout.strip()
 
 
@@ -45,8 +47,26 @@ class Keys:
         self.dir = tmp_path / "keys"
         self.node_public = run_kvstore("events-key", "node", "--out", str(self.dir))
         self.lines = {
-            "router-a": run_kvstore("events-key", "router", "--name", "router-a", "--tenant", "team-a", "--out", str(self.dir)),
-            "router-b": run_kvstore("events-key", "router", "--name", "router-b", "--tenant", "team-b", "--out", str(self.dir)),
+            "router-a": run_kvstore(
+                "events-key",
+                "router",
+                "--name",
+                "router-a",
+                "--tenant",
+                "team-a",
+                "--out",
+                str(self.dir),
+            ),
+            "router-b": run_kvstore(
+                "events-key",
+                "router",
+                "--name",
+                "router-b",
+                "--tenant",
+                "team-b",
+                "--out",
+                str(self.dir),
+            ),
         }
         new_key_files(str(self.dir), "outsider")
         self.routers = tmp_path / "routers"
@@ -62,8 +82,16 @@ class Keys:
         os.replace(tmp, self.routers)
 
     def node_args(self, pub: int, rep: int) -> list[str]:
-        return ["--kv-events-endpoint", f"tcp://*:{pub}", "--kv-events-replay-endpoint", f"tcp://*:{rep}",
-                "--kv-events-routers-file", str(self.routers), "--kv-events-key-file", self.file("node")]
+        return [
+            "--kv-events-endpoint",
+            f"tcp://*:{pub}",
+            "--kv-events-replay-endpoint",
+            f"tcp://*:{rep}",
+            "--kv-events-routers-file",
+            str(self.routers),
+            "--kv-events-key-file",
+            self.file("node"),
+        ]
 
 
 class Subscriber:
@@ -95,7 +123,9 @@ class Subscriber:
         self.ctx.term()
 
 
-def replay_as(port: int, keys: Keys, key: str | None, timeout: float = 3.0) -> list[tuple[bytes, int, bytes]] | None:
+def replay_as(
+    port: int, keys: Keys, key: str | None, timeout: float = 3.0
+) -> list[tuple[bytes, int, bytes]] | None:
     """What vLLM's replay protocol hands ``key`` from sequence 0; None when nothing
     came back within ``timeout`` (the handshake was refused)."""
     ctx = zmq.Context()
@@ -133,7 +163,11 @@ def make_credentials(tmp_path: Path) -> tuple[Path, dict[str, Path]]:
     lines, tokens = [], {}
     for name, tenant in (("alice", "team-a"), ("bob", "team-b")):
         tokens[name] = tmp_path / f"{name}.token"
-        lines.append(run_kvstore("credential", "--name", name, "--tenant", tenant, "--token-file", str(tokens[name])))
+        lines.append(
+            run_kvstore(
+                "credential", "--name", name, "--tenant", tenant, "--token-file", str(tokens[name])
+            )
+        )
     path = tmp_path / "credentials"
     path.write_text("\n".join(lines) + "\n")
     return path, tokens
@@ -156,33 +190,60 @@ def test_routers_read_only_their_tenants_and_strangers_read_nothing(tmp_path):
     tokens_a = list(range(100, 100 + 4 * ns_a.block_size))
     tokens_b = list(range(900, 900 + 4 * ns_b.block_size))
     args = [*keys.node_args(pub, rep), "--kv-events-token-ids", "team-a"]
-    with LocalCluster(servers=1, capacity="64MiB", slab_size="16MiB", env={"KVSTORE_CREDENTIALS_FILE": str(creds)}, extra_args=args) as c:
+    with LocalCluster(
+        servers=1,
+        capacity="64MiB",
+        slab_size="16MiB",
+        env={"KVSTORE_CREDENTIALS_FILE": str(creds)},
+        extra_args=args,
+    ) as c:
         subs = {
             "anonymous": Subscriber(pub, keys, None),
             "outsider": Subscriber(pub, keys, "outsider"),
             "router-b": Subscriber(pub, keys, "router-b"),
-            "router-b asking team-a": Subscriber(pub, keys, "router-b", tenant_prefix(STORE, "team-a").encode()),
+            "router-b asking team-a": Subscriber(
+                pub, keys, "router-b", tenant_prefix(STORE, "team-a").encode()
+            ),
             "router-a": Subscriber(pub, keys, "router-a"),
         }
         try:
-            with KVCacheClient(c.redis_url, ns_a, auth_token_file=str(token["alice"])) as alice, \
-                 KVCacheClient(c.redis_url, ns_b, auth_token_file=str(token["bob"])) as bob:
+            with (
+                KVCacheClient(c.redis_url, ns_a, auth_token_file=str(token["alice"])) as alice,
+                KVCacheClient(c.redis_url, ns_b, auth_token_file=str(token["bob"])) as bob,
+            ):
                 # ZMQ's slow joiner: warm up until both routers receive, then the real puts
                 warm = iter(range(10_000, 10**9, 1000))
 
                 def joined() -> bool:
                     n = next(warm)
-                    alice.put_pages(list(range(n, n + ns_a.block_size)), pages_for(ns_a, list(range(n, n + ns_a.block_size))))
-                    bob.put_pages(list(range(n, n + ns_b.block_size)), pages_for(ns_b, list(range(n, n + ns_b.block_size))))
+                    alice.put_pages(
+                        list(range(n, n + ns_a.block_size)),
+                        pages_for(ns_a, list(range(n, n + ns_a.block_size))),
+                    )
+                    bob.put_pages(
+                        list(range(n, n + ns_b.block_size)),
+                        pages_for(ns_b, list(range(n, n + ns_b.block_size))),
+                    )
                     time.sleep(0.2)
                     return bool(subs["router-a"].got) and bool(subs["router-b"].got)
 
                 wait_for(joined, 30, "both routers to receive events")
                 assert alice.put_pages(tokens_a, pages_for(ns_a, tokens_a)).stored == 4
                 assert bob.put_pages(tokens_b, pages_for(ns_b, tokens_b)).stored == 4
-            hashes_a, hashes_b = set(block_hashes(ns_a, tokens_a)), set(block_hashes(ns_b, tokens_b))
-            wait_for(lambda: hashes_a <= blocks_in(subs["router-a"].got)[0], 10, "router-a to see team-a's put")
-            wait_for(lambda: hashes_b <= blocks_in(subs["router-b"].got)[0], 10, "router-b to see team-b's put")
+            hashes_a, hashes_b = (
+                set(block_hashes(ns_a, tokens_a)),
+                set(block_hashes(ns_b, tokens_b)),
+            )
+            wait_for(
+                lambda: hashes_a <= blocks_in(subs["router-a"].got)[0],
+                10,
+                "router-a to see team-a's put",
+            )
+            wait_for(
+                lambda: hashes_b <= blocks_in(subs["router-b"].got)[0],
+                10,
+                "router-b to see team-b's put",
+            )
             time.sleep(0.5)  # what else may come, comes now
         finally:
             for s in subs.values():
@@ -192,7 +253,9 @@ def test_routers_read_only_their_tenants_and_strangers_read_nothing(tmp_path):
         assert subs["router-b asking team-a"].got == []
         for name in ("router-b", "router-b asking team-a"):
             got = subs[name].got
-            assert all(t.startswith(tenant_prefix(STORE, "team-b").encode()) for t, _, _ in got), name
+            assert all(t.startswith(tenant_prefix(STORE, "team-b").encode()) for t, _, _ in got), (
+                name
+            )
             hashes, ids = blocks_in(got)
             assert not hashes & hashes_a and not set(ids) & set(tokens_a)
         assert blocks_in(subs["router-b"].got)[1] == []  # team-b did not opt in: hashes only
@@ -211,9 +274,13 @@ def test_routers_read_only_their_tenants_and_strangers_read_nothing(tmp_path):
         assert hashes_a <= blocks_in(replay_a)[0] and not blocks_in(replay_a)[0] & hashes_b
 
         m = metrics(c, STORE)
-        assert m['kvstore_events_refused_total{reason="handshake"}'] >= 2  # the anonymous SUB and DEALER
+        assert (
+            m['kvstore_events_refused_total{reason="handshake"}'] >= 2
+        )  # the anonymous SUB and DEALER
         assert m['kvstore_events_refused_total{reason="key"}'] >= 2  # the outsider's SUB and DEALER
-        assert m['kvstore_events_refused_total{reason="subscription"}'] >= 1  # router-b asking for team-a
+        assert (
+            m['kvstore_events_refused_total{reason="subscription"}'] >= 1
+        )  # router-b asking for team-a
 
 
 def check_with_vllm(messages, ns, tokens) -> None:
@@ -231,7 +298,9 @@ def check_with_vllm(messages, ns, tokens) -> None:
             if isinstance(e, BlockStored):
                 for i, h in enumerate(e.block_hashes):
                     seen[h] = e.token_ids[i * e.block_size : (i + 1) * e.block_size]
-    assert [seen.get(h) for h in want] == [tokens[i * ns.block_size : (i + 1) * ns.block_size] for i in range(len(want))]
+    assert [seen.get(h) for h in want] == [
+        tokens[i * ns.block_size : (i + 1) * ns.block_size] for i in range(len(want))
+    ]
 
 
 @pytest.mark.process
@@ -243,10 +312,21 @@ def test_a_routers_key_rotates_and_a_removed_key_is_cut_off_without_a_restart(tm
     keys = Keys(tmp_path)
     pub, rep = free_port(), free_port()
     ns = namespace_for_page_size(64 << 10, tenant="team-a")
-    with LocalCluster(servers=1, capacity="64MiB", slab_size="16MiB", extra_args=keys.node_args(pub, rep)) as c:
+    with LocalCluster(
+        servers=1, capacity="64MiB", slab_size="16MiB", extra_args=keys.node_args(pub, rep)
+    ) as c:
         node_pid = c.nodes[0].process.pid
         old = Subscriber(pub, keys, "router-a")
-        new_line = run_kvstore("events-key", "router", "--name", "router-a2", "--tenant", "team-a", "--out", str(keys.dir))
+        new_line = run_kvstore(
+            "events-key",
+            "router",
+            "--name",
+            "router-a2",
+            "--tenant",
+            "team-a",
+            "--out",
+            str(keys.dir),
+        )
         keys.write([*keys.lines.values(), new_line])
         new = Subscriber(pub, keys, "router-a2")
         counter = iter(range(0, 10**9, 1000))
@@ -255,14 +335,21 @@ def test_a_routers_key_rotates_and_a_removed_key_is_cut_off_without_a_restart(tm
             before = [len(s.got) for s in subs]
             n = next(counter)
             with KVCacheClient(c.redis_url, ns) as client:
-                client.put_pages(list(range(n, n + ns.block_size)), pages_for(ns, list(range(n, n + ns.block_size))))
+                client.put_pages(
+                    list(range(n, n + ns.block_size)),
+                    pages_for(ns, list(range(n, n + ns.block_size))),
+                )
             time.sleep(0.3)
             return all(len(s.got) > b for s, b in zip(subs, before, strict=True))
 
         try:
             wait_for(lambda: put_reaches(old, new), 30, "both keys to receive")
             keys.write([keys.lines["router-b"], new_line])  # the old key's line removed
-            wait_for(lambda: metrics(c, STORE)["kvstore_events_rebinds_total"] == 1, 10, "the node to bind again")
+            wait_for(
+                lambda: metrics(c, STORE)["kvstore_events_rebinds_total"] == 1,
+                10,
+                "the node to bind again",
+            )
             wait_for(lambda: put_reaches(new), 30, "the new key to receive after the rebind")
             cut = len(old.got)
             for _ in range(3):
@@ -283,19 +370,57 @@ def test_a_node_checking_tokens_will_not_publish_to_anyone_on_the_network(tmp_pa
     event address the same way."""
     creds, _ = make_credentials(tmp_path)
     port = free_port()
-    out = subprocess.run([sys.executable, "-m", "server", "--credentials-file", str(creds), "--redis-url", "redis://127.0.0.1:1/0",
-                          "--kv-events-endpoint", f"tcp://*:{port}"], env=ENV, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "server",
+            "--credentials-file",
+            str(creds),
+            "--redis-url",
+            "redis://127.0.0.1:1/0",
+            "--kv-events-endpoint",
+            f"tcp://*:{port}",
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2
     for option in ("--kv-events-routers-file", "--kv-events-open", "loopback"):
         assert option in out.stderr
-    out = subprocess.run([*KVSTORE, "up", "--kv-events-endpoint", f"tcp://*:{port}"], env=ENV, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [*KVSTORE, "up", "--kv-events-endpoint", f"tcp://*:{port}"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "loopback" in out.stderr
     # a routers file that does not load stops the node, naming the file and the line
     bad = tmp_path / "routers"
     bad.write_text("router-x not-a-key team-a\n")
-    out = subprocess.run([sys.executable, "-m", "server", "--anonymous", "--redis-url", "redis://127.0.0.1:1/0",
-                          "--kv-events-endpoint", f"tcp://*:{port}", "--kv-events-routers-file", str(bad),
-                          "--kv-events-key-file", str(bad)], env=ENV, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "server",
+            "--anonymous",
+            "--redis-url",
+            "redis://127.0.0.1:1/0",
+            "--kv-events-endpoint",
+            f"tcp://*:{port}",
+            "--kv-events-routers-file",
+            str(bad),
+            "--kv-events-key-file",
+            str(bad),
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and f"{bad} line 1" in out.stderr and "Z85" in out.stderr
 
 
@@ -313,14 +438,20 @@ def test_a_node_checking_tokens_will_not_publish_to_anyone_on_the_network(tmp_pa
         ("team-a,team-b", b"kv@pool:s:", [b"kv@pool:s:team-a@", b"kv@pool:s:team-b@"]),
     ],
 )
-def test_a_subscription_becomes_the_topics_the_router_both_asked_for_and_may_read(tmp_path, tenants, asked, granted):
+def test_a_subscription_becomes_the_topics_the_router_both_asked_for_and_may_read(
+    tmp_path, tenants, asked, granted
+):
     """``EventAccess.grants``: the intersection of the prefix asked for and each tenant's
     prefix, so a router reads exactly the topics it asked for among those it may read."""
     public, secret_file = new_key_files(str(tmp_path), "r")
     routers = tmp_path / "routers"
     routers.write_text(f"# a comment\nr {public} {tenants}\n")
     node_public, node_secret = load_key_pair(secret_file, "k")
-    access = EventAccess(CurveKeys(node_public, node_secret), router_keys(str(routers)), lambda t: tenant_prefix("s", t))
+    access = EventAccess(
+        CurveKeys(node_public, node_secret),
+        router_keys(str(routers)),
+        lambda t: tenant_prefix("s", t),
+    )
     assert access.grants(public, asked) == granted
     assert access.grants("x" * 40, asked) == []  # an unknown key gets nothing
     for prefix in granted:

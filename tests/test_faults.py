@@ -15,13 +15,30 @@ import redis
 import torch
 
 from client import AsyncKVCacheClient, KVCacheClient
-from kvstore import InvalidInputError, Namespace, TransportError, block_hashes, part_hashes, sequence_hash
+from kvstore import (
+    InvalidInputError,
+    Namespace,
+    TransportError,
+    block_hashes,
+    part_hashes,
+    sequence_hash,
+)
 from kvstore.index import PageIndex
 from kvstore.pages import keys
 from kvstore.settings.config import client_options
 from kvstore.tools.launcher import LocalCluster
 from kvstore.tools.procutil import free_port
-from tests.helpers import advertised_prefix, kv_for, metrics, namespace_for_page_size, pages_for, run_worker, spec, wait_for, worker_result
+from tests.helpers import (
+    advertised_prefix,
+    kv_for,
+    metrics,
+    namespace_for_page_size,
+    pages_for,
+    run_worker,
+    spec,
+    wait_for,
+    worker_result,
+)
 
 
 def index_pages(cluster, ns) -> dict[str, int]:
@@ -36,13 +53,19 @@ def index_pages(cluster, ns) -> dict[str, int]:
 
 def node_pages(cluster) -> dict[str, int]:
     """Pages each running node says it holds (its kvstore_pages gauge)."""
-    return {n.node_id: int(metrics(cluster, n.node_id)["kvstore_pages"]) for n in cluster.nodes if n.process.poll() is None}
+    return {
+        n.node_id: int(metrics(cluster, n.node_id)["kvstore_pages"])
+        for n in cluster.nodes
+        if n.process.poll() is None
+    }
 
 
 def no_tracebacks(cluster) -> None:
     """No traceback through this project's code in any node's log."""
     for node in cluster.nodes:
-        assert not re.search(r'File "[^"]*/(?:server|kvstore|client)/', node.log()), node.log()[-3000:]
+        assert not re.search(r'File "[^"]*/(?:server|kvstore|client)/', node.log()), node.log()[
+            -3000:
+        ]
 
 
 def test_concurrent_puts_of_the_same_pages_keep_the_page_table_consistent(clusters):
@@ -60,7 +83,12 @@ def test_concurrent_puts_of_the_same_pages_keep_the_page_table_consistent(cluste
     assert m["kvstore_used_bytes"] == 320 * (256 << 10)  # no slot leaked
     assert m["kvstore_pinned_pages"] == 0
     # stats count what nodes report in their heartbeat: it may lag the puts by one
-    wait_for(lambda: index_pages(cluster, ns) == {"node-0": 320}, 15, "the heartbeat to report 320 pages", 0.2)
+    wait_for(
+        lambda: index_pages(cluster, ns) == {"node-0": 320},
+        15,
+        "the heartbeat to report 320 pages",
+        0.2,
+    )
     got = run_worker(spec(cluster, ns, "get_pages", token_lists=rounds))["results"]
     assert [(r["matched"], r["exact"]) for r in got] == [(64, True)] * 5
     no_tracebacks(cluster)
@@ -73,9 +101,25 @@ def test_a_client_that_timed_out_on_a_stalled_node_reads_from_it_again(clusters)
     ns = namespace_for_page_size(2 << 20, tenant="stall")
     tokens = list(range(16 * ns.block_size))
     run_worker(spec(cluster, ns, "put_pages", tokens=tokens))
-    reader = run_worker(spec(cluster, ns, "get_pages", tokens=tokens, loop_seconds=24, timestamps=True, options={"timeout": 1.0}), background=True)
+    reader = run_worker(
+        spec(
+            cluster,
+            ns,
+            "get_pages",
+            tokens=tokens,
+            loop_seconds=24,
+            timestamps=True,
+            options={"timeout": 1.0},
+        ),
+        background=True,
+    )
     node = cluster.nodes[0].process
-    wait_for(lambda: metrics(cluster, "node-0")["kvstore_get_pages_total"] > 0, 60, "the reader to start", 0.2)
+    wait_for(
+        lambda: metrics(cluster, "node-0")["kvstore_get_pages_total"] > 0,
+        60,
+        "the reader to start",
+        0.2,
+    )
     resumed = []
     for _ in range(2):
         node.send_signal(signal.SIGSTOP)
@@ -85,11 +129,19 @@ def test_a_client_that_timed_out_on_a_stalled_node_reads_from_it_again(clusters)
         time.sleep(4)
     results = worker_result(reader, timeout=120)["results"]
     assert all(r["exact"] for r in results)  # partial or missing during a stall, never wrong
-    assert any(r["matched"] < 16 for r in results if r["t"] < resumed[0])  # the stall did hit the reader
+    assert any(
+        r["matched"] < 16 for r in results if r["t"] < resumed[0]
+    )  # the stall did hit the reader
     for start in resumed:
         # from 1.5 s after each resume until the next stall (4 s after it), and to the end
-        late = [r for r in results if start + 1.5 < r["t"] < start + 3.5 or r["t"] > resumed[-1] + 1.5]
-        assert late and all(r["matched"] == 16 for r in late), [(round(r["t"] - start, 2), r["matched"], round(r["took"], 2)) for r in results if r["t"] > start - 1]
+        late = [
+            r for r in results if start + 1.5 < r["t"] < start + 3.5 or r["t"] > resumed[-1] + 1.5
+        ]
+        assert late and all(r["matched"] == 16 for r in late), [
+            (round(r["t"] - start, 2), r["matched"], round(r["took"], 2))
+            for r in results
+            if r["t"] > start - 1
+        ]
 
 
 def test_a_killed_node_comes_back_on_its_port_at_once(clusters):
@@ -125,15 +177,25 @@ def test_index_page_counts_equal_the_pages_nodes_hold(clusters):
     cluster = clusters(servers=2, capacity="24MiB", slab="4MiB")
     ns = namespace_for_page_size(1 << 20, tenant="counts")
     prefix = list(range(10 * ns.block_size))
-    prompts = [prefix + list(range(10**6 * (k + 1), 10**6 * (k + 1) + 12 * ns.block_size)) for k in range(3)]
+    prompts = [
+        prefix + list(range(10**6 * (k + 1), 10**6 * (k + 1) + 12 * ns.block_size))
+        for k in range(3)
+    ]
     for _ in range(2):
         run_worker(spec(cluster, ns, "concurrent_puts", clients=2, token_lists=prompts))
     assert sum(metrics(cluster, n)["kvstore_evicted_pages_total"] for n in ("node-0", "node-1")) > 0
     # equal once the last puts' heartbeat is in (it reports every second)
-    wait_for(lambda: index_pages(cluster, ns) == node_pages(cluster), 15, "the counts to agree", 0.2)
+    wait_for(
+        lambda: index_pages(cluster, ns) == node_pages(cluster), 15, "the counts to agree", 0.2
+    )
     cluster.nodes[1].kill()
     cluster.nodes[1].process.wait()
-    wait_for(lambda: "node-1" not in index_pages(cluster, ns), 15, "the dead node's pages to stop counting", 0.2)
+    wait_for(
+        lambda: "node-1" not in index_pages(cluster, ns),
+        15,
+        "the dead node's pages to stop counting",
+        0.2,
+    )
     assert index_pages(cluster, ns) == node_pages(cluster)
     no_tracebacks(cluster)
 
@@ -151,11 +213,33 @@ def test_nodes_republish_after_the_index_restarts(clusters, keep_data):
     if keep_data:
         cluster.valkey.save()  # the snapshot knows only the early pages
     run_worker(spec(cluster, ns, "put_pages", tokens=late))
-    reader = run_worker(spec(cluster, ns, "get_pages", token_lists=[early, late], loop_seconds=20, timestamps=True, options={"timeout": 2.0}), background=True)
-    wait_for(lambda: metrics(cluster, "node-0")["kvstore_get_pages_total"] + metrics(cluster, "node-1")["kvstore_get_pages_total"] > 0, 60, "the reader to start", 0.2)
+    reader = run_worker(
+        spec(
+            cluster,
+            ns,
+            "get_pages",
+            token_lists=[early, late],
+            loop_seconds=20,
+            timestamps=True,
+            options={"timeout": 2.0},
+        ),
+        background=True,
+    )
+    wait_for(
+        lambda: (
+            metrics(cluster, "node-0")["kvstore_get_pages_total"]
+            + metrics(cluster, "node-1")["kvstore_get_pages_total"]
+            > 0
+        ),
+        60,
+        "the reader to start",
+        0.2,
+    )
     cluster.valkey.restart(keep_data=keep_data)
     restarted = time.time()
-    wait_for(lambda: sum(index_pages(cluster, ns).values()) == 24, 15, "the nodes to re-publish", 0.2)
+    wait_for(
+        lambda: sum(index_pages(cluster, ns).values()) == 24, 15, "the nodes to re-publish", 0.2
+    )
     assert index_pages(cluster, ns) == node_pages(cluster)
     index = PageIndex(cluster.redis_url)
     stats = {s.digest: s for s in index.stats().namespaces}[ns.digest_hex]
@@ -179,11 +263,18 @@ def test_pages_evicted_while_the_index_was_unreachable_stop_matching(clusters):
         assert client.put_pages(first, pages_for(ns, first)).stored == 24
         cluster.valkey.process.send_signal(signal.SIGSTOP)
         try:
-            client.put_pages(second, pages_for(ns, second))  # the node evicts, the index cannot hear of it
+            client.put_pages(
+                second, pages_for(ns, second)
+            )  # the node evicts, the index cannot hear of it
         finally:
             cluster.valkey.process.send_signal(signal.SIGCONT)
     assert metrics(cluster, "node-0")["kvstore_evicted_pages_total"] > 0
-    wait_for(lambda: index_pages(cluster, ns) == node_pages(cluster), 20, "the node to reconcile with the index", 0.2)
+    wait_for(
+        lambda: index_pages(cluster, ns) == node_pages(cluster),
+        20,
+        "the node to reconcile with the index",
+        0.2,
+    )
     index = PageIndex(cluster.redis_url)
     advertised = advertised_prefix(index, ns, block_hashes(ns, first), lease_ms=0)
     index.close()
@@ -200,7 +291,10 @@ def test_a_second_node_with_a_live_node_id_is_refused(clusters):
     assert "node id 'node-0' is in use by a live node at" in dup.log()
     assert {n.node_id: n.address for n in PageIndex(cluster.redis_url).live_nodes()} == before
     ns = namespace_for_page_size(64 << 10, tenant="dup-id")
-    assert run_worker(spec(cluster, ns, "put_pages", count=4 * ns.block_size))["reports"][0]["stored"] == 4
+    assert (
+        run_worker(spec(cluster, ns, "put_pages", count=4 * ns.block_size))["reports"][0]["stored"]
+        == 4
+    )
 
 
 def test_nothing_lands_in_the_callers_tensor_after_a_read_returned(clusters):
@@ -223,7 +317,9 @@ def test_nothing_lands_in_the_callers_tensor_after_a_read_returned(clusters):
             finally:
                 node.send_signal(signal.SIGCONT)
             time.sleep(1.5)  # the node resumes and pushes whatever it had left to send
-            assert torch.equal(out.view(torch.uint8), after_return.view(torch.uint8)), f"late write after delay {delay}"
+            assert torch.equal(out.view(torch.uint8), after_return.view(torch.uint8)), (
+                f"late write after delay {delay}"
+            )
             expected = pages_for(ns, tokens)
             assert torch.equal(out[:got].view(torch.uint8), expected[:got].view(torch.uint8))
             time.sleep(1.0)  # let the client forgive the node before the next round
@@ -281,7 +377,9 @@ def test_a_script_error_is_a_bug_logged_at_error_not_an_unavailable_index(cluste
         with caplog.at_level(logging.ERROR):
             assert client.get_pages(tokens, out) == 0
         assert client.stats.index_script_errors == 1 and client.stats.index_errors == 0
-        assert any(r.levelno == logging.ERROR and "rejected" in r.getMessage() for r in caplog.records)
+        assert any(
+            r.levelno == logging.ERROR and "rejected" in r.getMessage() for r in caplog.records
+        )
         with pytest.raises(InvalidInputError):  # usage errors still propagate
             client.get_pages(tokens, out.to(torch.float32))
         # a new page in the broken segment: the node's commit is refused, it stores nothing
@@ -314,7 +412,14 @@ def test_a_stopped_index_shard_shortens_prefixes_for_every_client():
     worker process) publish prompts long enough that their segments live on every shard,
     then select them; one shard stops in the middle: every select returns a shorter
     prefix, bit-exact, without an exception and within the timeout."""
-    ns = Namespace(model="shard-fault", dtype="float16", num_layers=1, num_kv_heads=1, head_size=32, block_size=4)
+    ns = Namespace(
+        model="shard-fault",
+        dtype="float16",
+        num_layers=1,
+        num_kv_heads=1,
+        head_size=32,
+        block_size=4,
+    )
     per_segment = keys.SEGMENT_PAGES * ns.block_size
     first = list(range(12 * per_segment + 2))  # 12 segments and a tail part
     second = first[: 5 * per_segment] + list(range(500_000, 500_000 + 7 * per_segment + 3))
@@ -329,19 +434,37 @@ def test_a_stopped_index_shard_shortens_prefixes_for_every_client():
             index = PageIndex(cluster.redis_url)
             index.ping()
             topology = index._router.topology
-            shard_of = lambda tokens: [topology.shard_of(keys.segment_key(ns.key.prefix, block_hashes(ns, tokens)[s])) for s, _ in keys.segments(len(tokens) // ns.block_size)]
+            shard_of = lambda tokens: [
+                topology.shard_of(keys.segment_key(ns.key.prefix, block_hashes(ns, tokens)[s]))
+                for s, _ in keys.segments(len(tokens) // ns.block_size)
+            ]
             registry = topology.shard_of(keys.NODES_ZSET)
             victim = next(s for s in range(3) if s not in (registry, shard_of(first)[0]))
             cluster.valkey.shards[victim].stop()
             for tokens in (first, second):
-                expected = shard_of(tokens).index(victim) * per_segment if victim in shard_of(tokens) else len(tokens)
+                expected = (
+                    shard_of(tokens).index(victim) * per_segment
+                    if victim in shard_of(tokens)
+                    else len(tokens)
+                )
                 start = time.monotonic()
-                got = run_worker(spec(cluster, ns, "select", tokens=tokens, options={"timeout": 3}))  # a new process: seeds, one dead
+                got = run_worker(
+                    spec(cluster, ns, "select", tokens=tokens, options={"timeout": 3})
+                )  # a new process: seeds, one dead
                 assert got["matched"] == expected and got["exact"] and expected < len(tokens)
                 key, value, _ = kv_for(ns, tokens)
-                _, roi, k, v, h = mine.select(torch.tensor(tokens), torch.ones(len(tokens), dtype=torch.bool))
-                assert roi is not None and int(roi.sum()) == expected and h is None, (mine.stats, expected, shard_of(tokens), victim)
-                assert torch.equal(k.view(torch.uint8), key[:, :expected].contiguous().view(torch.uint8))
+                _, roi, k, v, h = mine.select(
+                    torch.tensor(tokens), torch.ones(len(tokens), dtype=torch.bool)
+                )
+                assert roi is not None and int(roi.sum()) == expected and h is None, (
+                    mine.stats,
+                    expected,
+                    shard_of(tokens),
+                    victim,
+                )
+                assert torch.equal(
+                    k.view(torch.uint8), key[:, :expected].contiguous().view(torch.uint8)
+                )
                 assert time.monotonic() - start < 60
             assert mine.stats.index_errors >= 2
             # writes go on: pages whose segments live on the stopped shard are not stored
@@ -356,4 +479,6 @@ def test_a_stopped_index_shard_shortens_prefixes_for_every_client():
 
 def insert_tokens(client, ns, tokens):
     key, value, _ = kv_for(ns, tokens)
-    return client.insert(torch.tensor(tokens), torch.ones(len(tokens), dtype=torch.bool), key, value)
+    return client.insert(
+        torch.tensor(tokens), torch.ones(len(tokens), dtype=torch.bool), key, value
+    )

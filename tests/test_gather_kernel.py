@@ -9,11 +9,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.test_device_checksum import ROOT, TRITON_SITE
-from pathlib import Path
 
 pytestmark = pytest.mark.process  # every test here starts a node or a Python process
 
@@ -40,7 +40,11 @@ print(sum(ok), len(ok), why_not(mixed))
 def test_the_gather_kernel_copies_every_layout_in_the_interpreter():
     if not (Path(TRITON_SITE) / "triton").is_dir():
         pytest.skip(f"no Triton beside the project at {TRITON_SITE} (.ci/run installs it there)")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([TRITON_SITE, str(ROOT)]))
-    res = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=240)
+    env = dict(
+        os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([TRITON_SITE, str(ROOT)])
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=240
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.split() == ["24", "24", "the", "layers'", "strides", "or", "dtypes", "differ"]

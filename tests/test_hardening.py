@@ -28,7 +28,15 @@ from kvstore.index import PageIndex
 from kvstore.tools.launcher import LocalCluster
 from kvstore.tools.valkey import EmbeddedValkey
 from kvstore.wire import protocol as P
-from tests.helpers import ROOT, metrics, namespace_for_page_size, pages_for, run_worker, spec, wait_for
+from tests.helpers import (
+    ROOT,
+    metrics,
+    namespace_for_page_size,
+    pages_for,
+    run_worker,
+    spec,
+    wait_for,
+)
 from tests.test_security import make_credentials
 
 KVSTORE = [sys.executable, "-m", "kvstore.tools.cli"]
@@ -97,7 +105,13 @@ def test_a_second_control_message_of_the_wrong_length_is_a_protocol_error_over_u
     cluster = clusters()
     node = PageIndex(cluster.redis_url).live_nodes()[0]
     host, port = node.address.rsplit(":", 1)
-    out = subprocess.run([sys.executable, "-c", TRUNCATED_SECOND, host, port], env=ENV, capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        [sys.executable, "-c", TRUNCATED_SECOND, host, port],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = __import__("json").loads(out.stdout.strip().splitlines()[-1])
     second = result["second"]
@@ -108,7 +122,9 @@ def test_a_second_control_message_of_the_wrong_length_is_a_protocol_error_over_u
     ns = namespace_for_page_size(64 << 10, tenant="after-truncation")
     tokens = list(range(4 * ns.block_size))
     run_worker(spec(cluster, ns, "put_pages", tokens=tokens, options={"same_host": False}))
-    assert run_worker(spec(cluster, ns, "get_pages", tokens=tokens, options={"same_host": False}))["results"] == [{"blocks": 4, "matched": 4, "exact": True}]
+    assert run_worker(spec(cluster, ns, "get_pages", tokens=tokens, options={"same_host": False}))[
+        "results"
+    ] == [{"blocks": 4, "matched": 4, "exact": True}]
 
 
 def test_a_unix_frame_that_stalls_midway_is_dropped_within_the_frame_timeout(clusters):
@@ -116,8 +132,15 @@ def test_a_unix_frame_that_stalls_midway_is_dropped_within_the_frame_timeout(clu
     answered with a protocol error once the frame timeout passes, and the connection
     is closed (before, the node waited for the rest for as long as the peer liked)."""
     cluster = clusters(extra=["--frame-timeout", "1"])
-    request = P.encode(P.GetRequest(namespace="0" * 32, tenant="default", hashes=[b"1" * 16] * 400, join=[False] * 400))
-    for cut in (P.PREAMBLE.size - 4, P.PREAMBLE.size + 2000):  # inside the preamble, inside the body
+    request = P.encode(
+        P.GetRequest(
+            namespace="0" * 32, tenant="default", hashes=[b"1" * 16] * 400, join=[False] * 400
+        )
+    )
+    for cut in (
+        P.PREAMBLE.size - 4,
+        P.PREAMBLE.size + 2000,
+    ):  # inside the preamble, inside the body
         with socket.socket(socket.AF_UNIX) as sock:
             sock.settimeout(20)
             sock.connect(shm_path(cluster))
@@ -132,6 +155,7 @@ def test_a_unix_frame_that_stalls_midway_is_dropped_within_the_frame_timeout(clu
 
 # ---- 2. descriptors over the Unix socket, connection budget, idle peers ----------
 
+
 @pytest.mark.process
 def test_descriptors_sent_by_a_peer_without_a_token_never_reach_the_node(tmp_path):
     """Reproduced: one connection with no token sent about 19,900 descriptors and the
@@ -139,32 +163,54 @@ def test_descriptors_sent_by_a_peer_without_a_token_never_reach_the_node(tmp_pat
     kernel drops them before they reach the node's table, the frame is refused, and
     a fresh client reads every block over the same-host path."""
     creds, token = make_credentials(tmp_path, ("alice", "readwrite", ["team-fd"]))
-    with LocalCluster(servers=1, capacity="64MiB", slab_size="16MiB", env={"KVSTORE_CREDENTIALS_FILE": str(creds)}) as c:
+    with LocalCluster(
+        servers=1, capacity="64MiB", slab_size="16MiB", env={"KVSTORE_CREDENTIALS_FILE": str(creds)}
+    ) as c:
         pid = c.nodes[0].process.pid
         before = open_descriptors(pid)
         devnull = [os.open(os.devnull, os.O_RDONLY) for _ in range(250)]
-        request = P.encode(P.GetRequest(namespace="0" * 32, tenant="team-fd", hashes=[b"1" * 16], join=[False]))
+        request = P.encode(
+            P.GetRequest(namespace="0" * 32, tenant="team-fd", hashes=[b"1" * 16], join=[False])
+        )
         replies = []
         try:
             for _ in range(8):  # 2,000 descriptors in all, 250 a frame
                 with socket.socket(socket.AF_UNIX) as sock:
                     sock.settimeout(10)
                     sock.connect(shm_path(c))
-                    sock.sendmsg([request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", devnull))])
+                    sock.sendmsg(
+                        [request],
+                        [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", devnull))],
+                    )
                     replies.append(unix_reply(sock))
                     assert closed_by_peer(sock)
         finally:
             for fd in devnull:
                 os.close(fd)
-        assert {(r.code, "takes no file descriptors" in r.message) for r in replies} == {("protocol", True)}
+        assert {(r.code, "takes no file descriptors" in r.message) for r in replies} == {
+            ("protocol", True)
+        }
         assert open_descriptors(pid) <= before + 4
         assert metrics(c, "node-0")['kvstore_errors_total{kind="descriptors"}'] == 8
         ns = namespace_for_page_size(64 << 10, tenant="team-fd")
         tokens = list(range(64 * ns.block_size))
-        put = run_worker({**spec(c, ns, "put_pages", tokens=tokens), "options": {"auth_token_file": str(token["alice"])}})
+        put = run_worker(
+            {
+                **spec(c, ns, "put_pages", tokens=tokens),
+                "options": {"auth_token_file": str(token["alice"])},
+            }
+        )
         assert put["reports"][0]["stored"] == 64 and put["stats"]["same_host_transfers"] == 1
-        got = run_worker({**spec(c, ns, "get_pages", tokens=tokens), "options": {"auth_token_file": str(token["alice"])}})
-        assert got["results"] == [{"blocks": 64, "matched": 64, "exact": True}] and got["stats"]["same_host_transfers"] == 1
+        got = run_worker(
+            {
+                **spec(c, ns, "get_pages", tokens=tokens),
+                "options": {"auth_token_file": str(token["alice"])},
+            }
+        )
+        assert (
+            got["results"] == [{"blocks": 64, "matched": 64, "exact": True}]
+            and got["stats"]["same_host_transfers"] == 1
+        )
         log = c.nodes[0].log()
     assert log.count("takes no file descriptors") <= 2  # rate-limited: one line per 10 s
 
@@ -184,7 +230,9 @@ def test_connections_past_the_budget_or_idle_without_a_request_are_closed(cluste
         started = time.monotonic()
         closed_at = []
         for sock in socks:
-            assert closed_by_peer(sock)  # every one closed: at once past the budget, after 1 s idle otherwise
+            assert closed_by_peer(
+                sock
+            )  # every one closed: at once past the budget, after 1 s idle otherwise
             closed_at.append(time.monotonic() - started)
         assert max(closed_at) < 8
     finally:
@@ -197,13 +245,18 @@ def test_connections_past_the_budget_or_idle_without_a_request_are_closed(cluste
     ns = namespace_for_page_size(64 << 10, tenant="after-budget")
     tokens = list(range(4 * ns.block_size))
     for same_host in (True, False):
-        put = run_worker(spec(cluster, ns, "put_pages", tokens=tokens, options={"same_host": same_host}))
+        put = run_worker(
+            spec(cluster, ns, "put_pages", tokens=tokens, options={"same_host": same_host})
+        )
         assert put["stats"]["same_host_transfers"] == int(same_host)
-        got = run_worker(spec(cluster, ns, "get_pages", tokens=tokens, options={"same_host": same_host}))
+        got = run_worker(
+            spec(cluster, ns, "get_pages", tokens=tokens, options={"same_host": same_host})
+        )
         assert got["results"] == [{"blocks": 4, "matched": 4, "exact": True}]
 
 
 # ---- 3. an accept error must not end the Unix listener ----------------------------
+
 
 @pytest.mark.process
 def test_the_unix_listener_survives_running_out_of_descriptors(tmp_path):
@@ -215,18 +268,52 @@ def test_the_unix_listener_survives_running_out_of_descriptors(tmp_path):
         log_path = tmp_path / "node.log"
         with open(log_path, "wb") as log:
             node = subprocess.Popen(
-                ["prlimit", "--nofile=200:200", sys.executable, "-m", "server", "--redis-url", valkey.url, "--anonymous",
-                 "--capacity", "32MiB", "--slab-size", "16MiB", "--host", "127.0.0.1", "--metrics-port", "0", "--metrics-host", "127.0.0.1",
-                 "--node-id", "emfile-0", "--max-connections", "100000", "--frame-timeout", "30"],
-                env=ENV, stdout=log, stderr=subprocess.STDOUT)
+                [
+                    "prlimit",
+                    "--nofile=200:200",
+                    sys.executable,
+                    "-m",
+                    "server",
+                    "--redis-url",
+                    valkey.url,
+                    "--anonymous",
+                    "--capacity",
+                    "32MiB",
+                    "--slab-size",
+                    "16MiB",
+                    "--host",
+                    "127.0.0.1",
+                    "--metrics-port",
+                    "0",
+                    "--metrics-host",
+                    "127.0.0.1",
+                    "--node-id",
+                    "emfile-0",
+                    "--max-connections",
+                    "100000",
+                    "--frame-timeout",
+                    "30",
+                ],
+                env=ENV,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         socks: list[socket.socket] = []
         try:
             index = PageIndex(valkey.url)
-            wait_for(lambda: [n.node_id for n in index.live_nodes()] == ["emfile-0"], 30, "the node to register")
+            wait_for(
+                lambda: [n.node_id for n in index.live_nodes()] == ["emfile-0"],
+                30,
+                "the node to register",
+            )
             path = index.live_nodes()[0].extra["shm"]
             deadline = time.monotonic() + 60
-            while "same-host accept failed" not in log_path.read_text():  # more connections than its descriptors
-                assert time.monotonic() < deadline and len(socks) < 1000, f"no accept failure after {len(socks)} connections"
+            while (
+                "same-host accept failed" not in log_path.read_text()
+            ):  # more connections than its descriptors
+                assert time.monotonic() < deadline and len(socks) < 1000, (
+                    f"no accept failure after {len(socks)} connections"
+                )
                 sock = socket.socket(socket.AF_UNIX)
                 sock.settimeout(5)
                 try:
@@ -243,15 +330,22 @@ def test_the_unix_listener_survives_running_out_of_descriptors(tmp_path):
 
             class Cluster:  # what run_worker's spec needs of a store
                 redis_url = valkey.url
+
             ns = namespace_for_page_size(64 << 10, tenant="after-emfile")
             tokens = list(range(16 * ns.block_size))
 
             def served() -> bool:
                 put = run_worker(spec(Cluster, ns, "put_pages", tokens=tokens))
-                return put["stats"]["same_host_transfers"] == 1 and put["reports"][0]["stored"] == 16
+                return (
+                    put["stats"]["same_host_transfers"] == 1 and put["reports"][0]["stored"] == 16
+                )
+
             wait_for(served, 30, "the same-host path to serve again", interval=0.5)
             got = run_worker(spec(Cluster, ns, "get_pages", tokens=tokens))
-            assert got["results"] == [{"blocks": 16, "matched": 16, "exact": True}] and got["stats"]["same_host_transfers"] == 1
+            assert (
+                got["results"] == [{"blocks": 16, "matched": 16, "exact": True}]
+                and got["stats"]["same_host_transfers"] == 1
+            )
             values = metrics(Cluster, "emfile-0")
             assert values["kvstore_accept_errors_total"] >= 1
             assert node.poll() is None
@@ -267,6 +361,7 @@ def test_the_unix_listener_survives_running_out_of_descriptors(tmp_path):
 
 # ---- 4. the tenant check and the namespace cache ----------------------------------
 
+
 @pytest.mark.process
 def test_a_made_up_tenant_is_refused_whether_or_not_the_namespace_is_cached(tmp_path):
     """A PUT naming a namespace digest with a tenant that is not the namespace's got
@@ -276,21 +371,37 @@ def test_a_made_up_tenant_is_refused_whether_or_not_the_namespace_is_cached(tmp_
     ns = namespace_for_page_size(64 << 10, tenant="team-a")
     tokens = list(range(2 * ns.block_size))
     alice = token["alice"].read_text().strip()
-    with LocalCluster(servers=1, capacity="64MiB", slab_size="16MiB", env={"KVSTORE_CREDENTIALS_FILE": str(creds)}) as c:
+    with LocalCluster(
+        servers=1, capacity="64MiB", slab_size="16MiB", env={"KVSTORE_CREDENTIALS_FILE": str(creds)}
+    ) as c:
         PageIndex(c.redis_url).ensure_namespace(ns)
 
         def put_as(tenant: str) -> str:
             with socket.socket(socket.AF_UNIX) as sock:
                 sock.settimeout(10)
                 sock.connect(shm_path(c))
-                sock.sendall(P.encode(P.PutRequest(namespace=ns.digest_hex, tenant=tenant, token=alice, hashes=[b"7" * 16],
-                                                   sizes=[64 << 10], join=[False], anchors=[b"7" * 16], positions=[0])))
+                sock.sendall(
+                    P.encode(
+                        P.PutRequest(
+                            namespace=ns.digest_hex,
+                            tenant=tenant,
+                            token=alice,
+                            hashes=[b"7" * 16],
+                            sizes=[64 << 10],
+                            join=[False],
+                            anchors=[b"7" * 16],
+                            positions=[0],
+                        )
+                    )
+                )
                 reply = unix_reply(sock)
                 return getattr(reply, "code", type(reply).__name__)
 
         assert put_as("made-up") == "unknown_namespace"  # not cached yet
         with KVCacheClient(c.redis_url, ns, auth_token_file=str(token["alice"])) as client:
-            assert client.put_pages(tokens, pages_for(ns, tokens)).stored == 2  # the node caches the namespace
+            assert (
+                client.put_pages(tokens, pages_for(ns, tokens)).stored == 2
+            )  # the node caches the namespace
         assert put_as("made-up") == "unknown_namespace"
         assert put_as("team-a") == "PutPlan"  # the genuine tenant still gets a plan
 
@@ -324,16 +435,28 @@ def test_clients_that_stall_in_the_ucx_handshake_leave_a_count_not_tracebacks(cl
     cluster = clusters()
     node = PageIndex(cluster.redis_url).live_nodes()[0]
     host, port = node.address.rsplit(":", 1)
-    out = subprocess.run([sys.executable, "-c", STALLED_HANDSHAKES, host, port, "3", "7"], env=ENV, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", STALLED_HANDSHAKES, host, port, "3", "7"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0 and "done" in out.stdout, out.stderr[-3000:]
-    wait_for(lambda: metrics(cluster, "node-0").get("kvstore_handshake_failures_total", 0) >= 3, 15, "the failed handshakes to be counted")
+    wait_for(
+        lambda: metrics(cluster, "node-0").get("kvstore_handshake_failures_total", 0) >= 3,
+        15,
+        "the failed handshakes to be counted",
+    )
     log = cluster.nodes[0].log()
     assert "Traceback" not in log and "Unexpected error in listener handler coroutine" not in log
     assert log.count("failed during ucxx's handshake") == 1
     ns = namespace_for_page_size(64 << 10, tenant="after-handshakes")
     tokens = list(range(4 * ns.block_size))
     run_worker(spec(cluster, ns, "put_pages", tokens=tokens, options={"same_host": False}))
-    assert run_worker(spec(cluster, ns, "get_pages", tokens=tokens, options={"same_host": False}))["results"] == [{"blocks": 4, "matched": 4, "exact": True}]
+    assert run_worker(spec(cluster, ns, "get_pages", tokens=tokens, options={"same_host": False}))[
+        "results"
+    ] == [{"blocks": 4, "matched": 4, "exact": True}]
 
 
 def test_a_flood_of_one_kind_of_peer_line_hides_no_other_kind(caplog):
@@ -352,5 +475,8 @@ def test_a_flood_of_one_kind_of_peer_line_hides_no_other_kind(caplog):
         time.sleep(0.35)
         assert peers("refused %s", 50)
     assert [r.getMessage() for r in caplog.records] == [
-        "refused 0", "accept failed: EMFILE", caplog.records[2].getMessage()]
+        "refused 0",
+        "accept failed: EMFILE",
+        caplog.records[2].getMessage(),
+    ]
     assert caplog.records[2].getMessage().startswith("refused 50 (49 more like it in the last")

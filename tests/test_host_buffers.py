@@ -67,7 +67,9 @@ def test_the_pool_grows_to_its_bound_keeps_what_it_grew_and_past_it_gives_fresh_
     assert again.ctypes.data == second.ctypes.data and pool.held == 16 * ALIGN
     past = pool.take(5 * ALIGN)  # 4 pages of room before the bound, and free blocks of 4: fresh
     assert not in_pool(pool, past) and pool.fresh_takes == 1 and pool.held == 16 * ALIGN
-    assert pool.try_take(5 * ALIGN) is None and pool.fresh_takes == 2  # for a caller whose fresh memory is its own
+    assert (
+        pool.try_take(5 * ALIGN) is None and pool.fresh_takes == 2
+    )  # for a caller whose fresh memory is its own
     for buf in (first, again):
         pool.give(buf)
     assert pool.free_bytes == 16 * ALIGN
@@ -82,7 +84,9 @@ def test_a_caller_holding_the_last_result_while_it_asks_for_the_next_gets_pooled
     kv = None
     addresses = set()
     for i in range(6):
-        kv = pool.lend(result, torch.float16, (2, result // 4))  # the last one is dropped only once this returns
+        kv = pool.lend(
+            result, torch.float16, (2, result // 4)
+        )  # the last one is dropped only once this returns
         kv.fill_(i)
         addresses.add(kv.data_ptr())
         assert in_pool(pool, kv)

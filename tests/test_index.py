@@ -12,8 +12,21 @@ import numpy as np
 import pytest
 import redis
 
-from kvstore import FencedError, IndexUnavailableError, InvalidInputError, NodeIdInUseError, block_hashes
-from kvstore.index import ENTRY, AsyncPageIndex, CommitEntry, PageIndex, Registration, select_records
+from kvstore import (
+    FencedError,
+    IndexUnavailableError,
+    InvalidInputError,
+    NodeIdInUseError,
+    block_hashes,
+)
+from kvstore.index import (
+    ENTRY,
+    AsyncPageIndex,
+    CommitEntry,
+    PageIndex,
+    Registration,
+    select_records,
+)
 from kvstore.pages import keys
 from kvstore.tools.procutil import free_port
 from kvstore.tools.valkey import EmbeddedValkey, EmbeddedValkeyCluster
@@ -52,14 +65,19 @@ def commit(index, ns, reg: Registration, hashes, slot0=0, chain_hashes=None):
     chain_hashes = chain_hashes or hashes
     anchors, positions = keys.placement(chain_hashes)
     where = {h: i for i, h in enumerate(chain_hashes)}
-    entries = [CommitEntry(h, anchors[where[h]], positions[where[h]], slot0 + i, 100 + i, 1000 + i) for i, h in enumerate(hashes)]
+    entries = [
+        CommitEntry(h, anchors[where[h]], positions[where[h]], slot0 + i, 100 + i, 1000 + i)
+        for i, h in enumerate(hashes)
+    ]
     return index.commit(ns, reg.number, reg.incarnation, entries)
 
 
 def remove(index, ns, reg, hashes, chain_hashes, respect_lease=True):
     anchors, _ = keys.placement(chain_hashes)
     where = {h: i for i, h in enumerate(chain_hashes)}
-    return index.remove(ns, reg.number, hashes, [anchors[where[h]] for h in hashes], respect_lease=respect_lease)
+    return index.remove(
+        ns, reg.number, hashes, [anchors[where[h]] for h in hashes], respect_lease=respect_lease
+    )
 
 
 def register(index, node, address="127.0.0.1:1", replaces="", ttl=TTL, pages=None) -> Registration:
@@ -82,9 +100,10 @@ def test_lookup_returns_longest_committed_prefix_with_locations(index, namespace
     commit(index, namespace, a, hashes[:2] + hashes[3:], chain_hashes=hashes)  # hole at 2
     result = lookup(index, namespace, hashes)
     assert result.matched == 2
-    assert [[(l.node_id, l.incarnation, l.slot, l.size, l.checksum) for l in locs] for locs in result.locations] == [
-        [("a", a.incarnation, 0, 100, 1000)], [("a", a.incarnation, 1, 101, 1001)]
-    ]
+    assert [
+        [(l.node_id, l.incarnation, l.slot, l.size, l.checksum) for l in locs]
+        for locs in result.locations
+    ] == [[("a", a.incarnation, 0, 100, 1000)], [("a", a.incarnation, 1, 101, 1001)]]
 
 
 def test_a_long_prefix_spans_segments_and_shards(index, namespace, valkey):
@@ -97,12 +116,17 @@ def test_a_long_prefix_spans_segments_and_shards(index, namespace, valkey):
     assert result.matched == len(hashes)
     assert [locs[0].node_id for locs in result.locations[:4]] == ["a", "b", "a", "b"]
     assert result.locations[129][0].slot == 10_000 + 64  # hashes[129] is b's 65th page
-    joined = lookup(index, namespace, b"".join(hashes))  # as the client's find asks (block_hash_bytes)
+    joined = lookup(
+        index, namespace, b"".join(hashes)
+    )  # as the client's find asks (block_hash_bytes)
     assert joined.matched == len(hashes) and joined.locations == result.locations
     # asked further than it is stored, the prefix ends inside the last stored segment
     assert lookup(index, namespace, chain(namespace, 7 * keys.SEGMENT_PAGES)).matched == len(hashes)
     servers = valkey.shards if isinstance(valkey, EmbeddedValkeyCluster) else [valkey]
-    per_server = [sum(1 for _ in redis.Redis.from_url(s.url).scan_iter(f"{namespace.key.prefix}s:*")) for s in servers]
+    per_server = [
+        sum(1 for _ in redis.Redis.from_url(s.url).scan_iter(f"{namespace.key.prefix}s:*"))
+        for s in servers
+    ]
     assert sum(per_server) == 6
     if len(servers) > 1:  # one namespace spreads over the shards
         assert sum(n > 0 for n in per_server) >= 2
@@ -113,7 +137,9 @@ def test_chains_that_share_a_segment_only_see_their_own_pages(index, namespace):
     index.ensure_namespace(namespace)
     a = register(index, "a")
     first = block_hashes(namespace, list(range(20 * namespace.block_size)))
-    second = block_hashes(namespace, list(range(10 * namespace.block_size)) + [7] * (10 * namespace.block_size))
+    second = block_hashes(
+        namespace, list(range(10 * namespace.block_size)) + [7] * (10 * namespace.block_size)
+    )
     assert first[:10] == second[:10] and first[10] != second[10]
     commit(index, namespace, a, first)
     commit(index, namespace, a, second[10:15], chain_hashes=second, slot0=500)
@@ -128,8 +154,13 @@ def test_more_than_255_pages_of_one_segment_in_one_commit(index, namespace):
     a = register(index, "a")
     root = chain(namespace, 1)
     # 300 prompts share block 0 and differ in block 1: 300 pages at position 1 of one segment
-    seconds = [block_hashes(namespace, list(range(namespace.block_size)) + [i] * namespace.block_size)[1] for i in range(300)]
-    entries = [CommitEntry(h, root[0], 1, i, 10, 20) for i, h in enumerate(seconds)] + [CommitEntry(root[0], root[0], 0, 999, 10, 20)]
+    seconds = [
+        block_hashes(namespace, list(range(namespace.block_size)) + [i] * namespace.block_size)[1]
+        for i in range(300)
+    ]
+    entries = [CommitEntry(h, root[0], 1, i, 10, 20) for i, h in enumerate(seconds)] + [
+        CommitEntry(root[0], root[0], 0, 999, 10, 20)
+    ]
     assert all(index.commit(namespace, a.number, a.incarnation, entries))
     for i in (0, 254, 255, 299):
         assert lookup(index, namespace, [root[0], seconds[i]]).locations[1][0].slot == i
@@ -152,7 +183,10 @@ def test_stats_count_what_live_nodes_report(index, namespace):
     a = register(index, "a", pages=f'{{"{namespace.digest_hex}":4}}')
     register(index, "b", "127.0.0.1:2", pages=f'{{"{namespace.digest_hex}":2}}')
     spaces = {s.digest: s for s in index.stats().namespaces}
-    assert spaces[namespace.digest_hex].per_node == {"a": 4, "b": 2} and spaces[namespace.digest_hex].pages == 6
+    assert (
+        spaces[namespace.digest_hex].per_node == {"a": 4, "b": 2}
+        and spaces[namespace.digest_hex].pages == 6
+    )
     assert spaces[namespace.digest_hex].namespace == namespace
     index.deregister_node("a", a.incarnation)
     assert {s.digest: s for s in index.stats().namespaces}[namespace.digest_hex].pages == 2
@@ -210,7 +244,10 @@ def test_a_short_lookup_keeps_its_lease_read_only_until_half_is_left(index, name
     a = register(index, "a")
     hashes = chain(namespace, 4)
     commit(index, namespace, a, hashes)
-    held, seg = keys.lease_key(namespace.key.prefix, hashes[0]), keys.segment_key(namespace.key.prefix, hashes[0])
+    held, seg = (
+        keys.lease_key(namespace.key.prefix, hashes[0]),
+        keys.segment_key(namespace.key.prefix, hashes[0]),
+    )
     assert pttl(held) == -2  # no lease before a read
     assert index.lookup(namespace, hashes, lease_ms=1_000).resolve(index.live_nodes()).matched == 4
     granted = pttl(held)
@@ -221,7 +258,9 @@ def test_a_short_lookup_keeps_its_lease_read_only_until_half_is_left(index, name
     time.sleep(0.4)  # now below half
     index.lookup(namespace, hashes, lease_ms=1_000)
     assert pttl(held) > 800 and pttl(seg) > index.entry_ttl_ms - 60_000
-    assert remove(index, namespace, a, hashes[:1], hashes) == [False]  # the lease holds off eviction
+    assert remove(index, namespace, a, hashes[:1], hashes) == [
+        False
+    ]  # the lease holds off eviction
 
 
 def test_a_live_node_id_cannot_be_registered_twice(index):
@@ -248,7 +287,9 @@ def test_commits_of_a_superseded_incarnation_are_never_seen(index, namespace):
     assert lookup(index, namespace, chain(namespace, 1)).matched == 0
 
 
-def test_an_index_that_lost_its_data_fences_every_heartbeat_and_never_repeats_an_incarnation(namespace):
+def test_an_index_that_lost_its_data_fences_every_heartbeat_and_never_repeats_an_incarnation(
+    namespace,
+):
     """Finding 5: epochs from INCR repeated after a data loss and old entries came back."""
     with EmbeddedValkey() as server:
         idx = PageIndex(server.url)
@@ -299,7 +340,9 @@ def test_lookup_matches_model_under_random_interleavings(index, namespace, seed)
         node = rng.choice(nodes)
         start = rng.randrange(len(universe))
         subset = universe[start : start + rng.randint(1, 40)]
-        action = rng.choice(["commit", "commit", "commit", "remove", "kill", "restart", "lookup", "lookup"])
+        action = rng.choice(
+            ["commit", "commit", "commit", "remove", "kill", "restart", "lookup", "lookup"]
+        )
         if action in ("commit", "remove") and not model.alive[node]:
             action = "restart"
         if action == "commit":
@@ -325,13 +368,17 @@ def test_lookup_matches_model_under_random_interleavings(index, namespace, seed)
 
 
 @pytest.mark.parametrize("count", [1, 16, 200, 1024, 8192])
-def test_a_lookup_is_one_round_trip_per_shard_and_one_read_per_segment(index, namespace, valkey, count):
+def test_a_lookup_is_one_round_trip_per_shard_and_one_read_per_segment(
+    index, namespace, valkey, count
+):
     index.ensure_namespace(namespace)
     a = register(index, "a")
     hashes = block_hashes(namespace, list(range(count * namespace.block_size)))
     for start in range(0, count, 4096):
         commit(index, namespace, a, hashes[start : start + 4096], chain_hashes=hashes)
-    index.lookup(namespace, hashes)  # loads the script where needed and leases every segment: none renews below
+    index.lookup(
+        namespace, hashes
+    )  # loads the script where needed and leases every segment: none renews below
     nodes = index.live_nodes()
     servers = valkey.shards if isinstance(valkey, EmbeddedValkeyCluster) else [valkey]
     seen: list[list[dict]] = [[] for _ in servers]
@@ -351,12 +398,21 @@ def test_a_lookup_is_one_round_trip_per_shard_and_one_read_per_segment(index, na
     assert result.matched == count
     per_shard = [0] * len(servers)
     for s, _ in keys.segments(count):
-        per_shard[index._router.topology.shard_of(keys.segment_key(namespace.key.prefix, hashes[s]))] += 1
+        per_shard[
+            index._router.topology.shard_of(keys.segment_key(namespace.key.prefix, hashes[s]))
+        ] += 1
     for segments, out in zip(per_shard, seen):
-        sent = [c["command"].split()[0] for c in out if c["client_type"] != "lua" and c["command"].split()[0] in ("GET", "PTTL", "SET", "PEXPIRE", "EVALSHA")]
+        sent = [
+            c["command"].split()[0]
+            for c in out
+            if c["client_type"] != "lua"
+            and c["command"].split()[0] in ("GET", "PTTL", "SET", "PEXPIRE", "EVALSHA")
+        ]
         # a shard with one segment gets GET and PTTL (the lease is fresh: no renewal),
         # one with more a single script call, one with none nothing
-        assert sent == ([] if segments == 0 else ["GET", "PTTL"] if segments == 1 else ["EVALSHA"]), (segments, sent)
+        assert sent == (
+            [] if segments == 0 else ["GET", "PTTL"] if segments == 1 else ["EVALSHA"]
+        ), (segments, sent)
     # one read per segment (its lease beside it), never one per page
     reads = sum(c["command"].split()[0] == "GET" for out in seen for c in out)
     assert reads == len(keys.segments(count))
@@ -379,7 +435,9 @@ def test_a_lookup_with_nodes_answers_both_in_one_round_trip(namespace, shards):
         found, nodes = index.lookup(namespace, hashes, lease_ms=0, with_nodes=True)
         assert {n.node_id for n in nodes} == {n.node_id for n in index.live_nodes()} == {"a", "b"}
         assert found.resolve(nodes).matched == plain.resolve(nodes).matched == len(hashes)
-        assert [{l.node_id for l in locs} for locs in found.resolve(nodes).locations] == [{"a"}] * 100 + [{"b"}] * (len(hashes) - 100)
+        assert [{l.node_id for l in locs} for locs in found.resolve(nodes).locations] == [
+            {"a"}
+        ] * 100 + [{"b"}] * (len(hashes) - 100)
         index.close()
 
 
@@ -400,7 +458,10 @@ def test_a_stopped_shard_shortens_the_prefix_without_an_error(namespace):
         commit(index, ns, a, ns_hashes)
         nodes = index.live_nodes()
         assert index.lookup(ns, ns_hashes).resolve(nodes).matched == len(ns_hashes)
-        plan = [index._router.topology.shard_of(keys.segment_key(ns.key.prefix, ns_hashes[s])) for s, _ in keys.segments(len(ns_hashes))]
+        plan = [
+            index._router.topology.shard_of(keys.segment_key(ns.key.prefix, ns_hashes[s]))
+            for s, _ in keys.segments(len(ns_hashes))
+        ]
         victim = next(shard for shard in plan if shard != plan[0])  # not the first segment's
         first_lost = plan.index(victim)
         cluster.shards[victim].stop()
@@ -411,7 +472,10 @@ def test_a_stopped_shard_shortens_the_prefix_without_an_error(namespace):
         assert found.resolve(nodes).matched == first_lost * keys.SEGMENT_PAGES
         # writes that span shards report the pages they could not write
         written = commit(index, ns, a, ns_hashes)
-        assert written.count(None) == plan.count(victim) * keys.SEGMENT_PAGES and written.count(True) > 0
+        assert (
+            written.count(None) == plan.count(victim) * keys.SEGMENT_PAGES
+            and written.count(True) > 0
+        )
         index.close()
 
 
@@ -419,7 +483,9 @@ def test_selecting_records_as_plain_items_keeps_every_field():
     """select_records (lookups select index entries with it) gives what numpy's own
     structured selection gives, field for field."""
     rng = np.random.default_rng(7)
-    records = np.frombuffer(rng.integers(0, 256, 300 * ENTRY.itemsize, dtype=np.uint8).tobytes(), dtype=ENTRY)
+    records = np.frombuffer(
+        rng.integers(0, 256, 300 * ENTRY.itemsize, dtype=np.uint8).tobytes(), dtype=ENTRY
+    )
     mask = rng.random(300) < 0.4
     picked = select_records(records, mask)
     assert picked.dtype == ENTRY and len(picked) == mask.sum() > 0
@@ -435,9 +501,13 @@ def test_bad_input_raises_clear_errors(index, namespace):
         index.lookup(namespace, ["0" * 16])
     with pytest.raises(InvalidInputError, match="empty list"):
         index.lookup(namespace, [])
-    with pytest.raises(InvalidInputError, match="joined page hashes must be a multiple of 16 bytes, got 31"):
+    with pytest.raises(
+        InvalidInputError, match="joined page hashes must be a multiple of 16 bytes, got 31"
+    ):
         index.lookup(namespace, bytes(31))
-    with pytest.raises(InvalidInputError, match=r"page hash #0 must be 16 bytes, got int"):  # only lookups take joined hashes
+    with pytest.raises(
+        InvalidInputError, match=r"page hash #0 must be 16 bytes, got int"
+    ):  # only lookups take joined hashes
         index.remove(namespace, 1, bytes(32), [bytes(16), bytes(16)])
     with pytest.raises(InvalidInputError, match="32 lowercase hex"):
         index.lookup(keys.NamespaceKey("t", "nope"), [bytes(16)])
@@ -445,17 +515,24 @@ def test_bad_input_raises_clear_errors(index, namespace):
         index.lookup(keys.NamespaceKey("a:b", "0" * 32), [bytes(16)])
     with pytest.raises(InvalidInputError, match="need a Namespace or NamespaceKey, got str"):
         index.lookup("0" * 32, [bytes(16)])
-    assert index.lookup(keys.NamespaceKey("t", "0" * 32), [bytes(16)]).resolve([]).matched == 0  # unknown namespace: a miss
+    assert (
+        index.lookup(keys.NamespaceKey("t", "0" * 32), [bytes(16)]).resolve([]).matched == 0
+    )  # unknown namespace: a miss
     with pytest.raises(InvalidInputError, match="redis://"):
         PageIndex("http://localhost:6379")
     with pytest.raises(InvalidInputError, match="host:port"):
         PageIndex("redis+cluster://")
     with pytest.raises(InvalidInputError, match="position"):
-        index.commit(namespace, 1, "0" * 28, [CommitEntry(bytes(16), bytes(16), keys.SEGMENT_PAGES, 0, 1, 1)])
+        index.commit(
+            namespace, 1, "0" * 28, [CommitEntry(bytes(16), bytes(16), keys.SEGMENT_PAGES, 0, 1, 1)]
+        )
 
 
 def test_unreachable_redis_fails_fast_with_index_unavailable(namespace):
-    for url in (f"redis://:secret@127.0.0.1:{free_port()}/0", f"redis+cluster://:secret@127.0.0.1:{free_port()},127.0.0.1:{free_port()}"):
+    for url in (
+        f"redis://:secret@127.0.0.1:{free_port()}/0",
+        f"redis+cluster://:secret@127.0.0.1:{free_port()},127.0.0.1:{free_port()}",
+    ):
         idx = PageIndex(url, timeout=0.5)
         start = time.monotonic()
         with pytest.raises(IndexUnavailableError, match="unreachable|answered") as err:
@@ -466,11 +543,16 @@ def test_unreachable_redis_fails_fast_with_index_unavailable(namespace):
 
 def test_url_forms_password_acl_user_and_db(valkey, namespace):
     if isinstance(valkey, EmbeddedValkeyCluster):
-        servers, url = valkey.shards, "redis+cluster://kvuser:pw1@" + ",".join(f"127.0.0.1:{s.port}" for s in valkey.shards)
+        servers, url = (
+            valkey.shards,
+            "redis+cluster://kvuser:pw1@" + ",".join(f"127.0.0.1:{s.port}" for s in valkey.shards),
+        )
     else:
         servers, url = [valkey], f"redis://kvuser:pw1@127.0.0.1:{valkey.port}/3"
     for s in servers:
-        redis.Redis.from_url(s.url).execute_command("ACL", "SETUSER", "kvuser", "on", ">pw1", "~*", "+@all")
+        redis.Redis.from_url(s.url).execute_command(
+            "ACL", "SETUSER", "kvuser", "on", ">pw1", "~*", "+@all"
+        )
     try:
         idx = PageIndex(url)
         idx.ensure_namespace(namespace)
@@ -490,7 +572,9 @@ def test_async_index_has_the_same_semantics(valkey, namespace):
         reg = await idx.register_node("async-node", "127.0.0.1:5", 10, TTL)
         hashes = chain(namespace, 3)
         anchors, positions = keys.placement(hashes)
-        entries = [CommitEntry(h, anchors[i], positions[i], 0, 1, 2) for i, h in enumerate(hashes[:2])]
+        entries = [
+            CommitEntry(h, anchors[i], positions[i], 0, 1, 2) for i, h in enumerate(hashes[:2])
+        ]
         assert await idx.commit(namespace, reg.number, reg.incarnation, entries) == [True, True]
         nodes = await idx.live_nodes()
         result = (await idx.lookup(namespace, hashes)).resolve(nodes)
@@ -510,8 +594,13 @@ def test_resolve_is_vectorised_and_keeps_only_current_incarnations():
     recs = np.zeros(4, dtype=ENTRY)
     recs["node"] = [1, 2, 1, 7]
     recs["tag"] = [0xAAAA, 0xBBBB, 0x1234, 0xAAAA]
-    nodes = [NodeInfo("x", "h:1", 1, "0" * 20 + "0000aaaa", 1), NodeInfo("y", "h:2", 1, "0" * 20 + "0000bbbb", 2)]
-    found = IndexLookup(3, recs, np.array([0, 1, 2, 2]), np.zeros(4, dtype=np.int64), np.ones(3, dtype=np.int64))
+    nodes = [
+        NodeInfo("x", "h:1", 1, "0" * 20 + "0000aaaa", 1),
+        NodeInfo("y", "h:2", 1, "0" * 20 + "0000bbbb", 2),
+    ]
+    found = IndexLookup(
+        3, recs, np.array([0, 1, 2, 2]), np.zeros(4, dtype=np.int64), np.ones(3, dtype=np.int64)
+    )
     result = found.resolve(nodes)
     assert result.matched == 2
     assert [[l.node_id for l in locs] for locs in result.locations] == [["x"], ["y"]]
@@ -526,12 +615,19 @@ def test_resolve_needs_every_asked_unit_of_a_block_from_a_live_node():
     recs["node"] = [1, 2, 1, 1, 2, 1, 7]
     recs["tag"] = [0xAAAA, 0xBBBB, 0xAAAA, 0xAAAA, 0xBBBB, 0xAAAA, 0xAAAA]
     positions = np.array([0, 0, 1, 1, 2, 2, 2])
-    units = np.array([0, 1, 0, 0, 0, 0, 1])  # block 1: two replicas of unit 0; block 2: unit 1 only on an unknown node
-    nodes = [NodeInfo("x", "h:1", 1, "0" * 20 + "0000aaaa", 1), NodeInfo("y", "h:2", 1, "0" * 20 + "0000bbbb", 2)]
+    units = np.array(
+        [0, 1, 0, 0, 0, 0, 1]
+    )  # block 1: two replicas of unit 0; block 2: unit 1 only on an unknown node
+    nodes = [
+        NodeInfo("x", "h:1", 1, "0" * 20 + "0000aaaa", 1),
+        NodeInfo("y", "h:2", 1, "0" * 20 + "0000bbbb", 2),
+    ]
     result = IndexLookup(3, recs, positions, units, np.full(3, 2)).resolve(nodes)
     assert result.matched == 1
     assert sorted((l.node_id, l.unit) for l in result.locations[0]) == [("x", 0), ("y", 1)]
-    assert IndexLookup(3, recs, positions, units, np.full(3, 1)).resolve(nodes).matched == 3  # unit 0 alone: all there
+    assert (
+        IndexLookup(3, recs, positions, units, np.full(3, 1)).resolve(nodes).matched == 3
+    )  # unit 0 alone: all there
 
 
 def test_a_stale_slot_map_costs_one_shorter_lookup_then_is_read_again(namespace):

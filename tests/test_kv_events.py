@@ -86,7 +86,9 @@ def connected(pub: ev.EventPublisher, reader: Reader) -> None:
 
 
 def stored(i: int, *, parent: int | None = None, block_size: int = 16) -> ev.BlockStored:
-    return ev.block_stored([i], list(range(i, i + block_size)), block_size, parent_block_hash=parent)
+    return ev.block_stored(
+        [i], list(range(i, i + block_size)), block_size, parent_block_hash=parent
+    )
 
 
 # ---- the format ----------------------------------------------------------------------
@@ -98,40 +100,89 @@ def test_events_are_the_bytes_vllm_encodes_and_decode_with_vllms_types():
     decoded by vLLM's decoder to equal vLLM objects."""
     h = [bytes([i]) * 32 for i in range(3)]
     ours = [
-        ev.block_stored(h[1:], list(range(32)), 16, parent_block_hash=h[0], lora_name="adapter", lora_id=7, extra_keys=[("adapter",), None]),
-        ev.block_stored([11, 12], list(range(8)), 4, medium=ev.MEDIUM_STORAGE, locality=ev.LOCAL, ownership=None),
+        ev.block_stored(
+            h[1:],
+            list(range(32)),
+            16,
+            parent_block_hash=h[0],
+            lora_name="adapter",
+            lora_id=7,
+            extra_keys=[("adapter",), None],
+        ),
+        ev.block_stored(
+            [11, 12], list(range(8)), 4, medium=ev.MEDIUM_STORAGE, locality=ev.LOCAL, ownership=None
+        ),
         ev.block_removed([11, 12], medium=ev.MEDIUM_CPU),
         ev.AllBlocksCleared(),
     ]
     theirs = [
-        vk.BlockStored(block_hashes=h[1:], parent_block_hash=h[0], token_ids=list(range(32)), block_size=16, lora_id=7, medium="CPU",
-                       lora_name="adapter", extra_keys=[("adapter",), None], ownership="kvstore"),
-        vk.BlockStored(block_hashes=[11, 12], parent_block_hash=None, token_ids=list(range(8)), block_size=4, lora_id=None, medium="STORAGE",
-                       lora_name=None, locality="LOCAL"),
+        vk.BlockStored(
+            block_hashes=h[1:],
+            parent_block_hash=h[0],
+            token_ids=list(range(32)),
+            block_size=16,
+            lora_id=7,
+            medium="CPU",
+            lora_name="adapter",
+            extra_keys=[("adapter",), None],
+            ownership="kvstore",
+        ),
+        vk.BlockStored(
+            block_hashes=[11, 12],
+            parent_block_hash=None,
+            token_ids=list(range(8)),
+            block_size=4,
+            lora_id=None,
+            medium="STORAGE",
+            lora_name=None,
+            locality="LOCAL",
+        ),
         vk.BlockRemoved(block_hashes=[11, 12], medium="CPU", ownership="kvstore"),
         vk.AllBlocksCleared(),
     ]
     for rank in (None, 3):
-        ours_bytes = msgspec.msgpack.encode(ev.EventBatch(ts=1234.5, events=ours, data_parallel_rank=rank))
-        theirs_bytes = msgspec.msgpack.encode(vk.KVEventBatch(ts=1234.5, events=theirs, data_parallel_rank=rank))
+        ours_bytes = msgspec.msgpack.encode(
+            ev.EventBatch(ts=1234.5, events=ours, data_parallel_rank=rank)
+        )
+        theirs_bytes = msgspec.msgpack.encode(
+            vk.KVEventBatch(ts=1234.5, events=theirs, data_parallel_rank=rank)
+        )
         assert ours_bytes == theirs_bytes
         decoded = vllm_decoder().decode(ours_bytes)
         assert decoded.events == theirs and decoded.data_parallel_rank == rank
     # the wire shape routers parse: [ts, events, rank] (array-like structs keep every
     # field), each event a map tagged by its kind, without the fields at their defaults
     raw = msgspec.msgpack.decode(msgspec.msgpack.encode(ev.EventBatch(ts=1.0, events=ours[2:])))
-    assert raw == [1.0, [{"type": "BlockRemoved", "block_hashes": [11, 12], "medium": "CPU", "ownership": "kvstore"}, {"type": "AllBlocksCleared"}], None]
+    assert raw == [
+        1.0,
+        [
+            {
+                "type": "BlockRemoved",
+                "block_hashes": [11, 12],
+                "medium": "CPU",
+                "ownership": "kvstore",
+            },
+            {"type": "AllBlocksCleared"},
+        ],
+        None,
+    ]
 
 
 def test_field_order_and_defaults_match_vllms_structs():
     """The golden check of the structs themselves: a vLLM upgrade that adds, moves or
     re-defaults a field fails here."""
-    for ours, theirs in ((ev.BlockStored, vk.BlockStored), (ev.BlockRemoved, vk.BlockRemoved), (ev.AllBlocksCleared, vk.AllBlocksCleared),
-                         (ev.EventBatch, vk.EventBatch)):
+    for ours, theirs in (
+        (ev.BlockStored, vk.BlockStored),
+        (ev.BlockRemoved, vk.BlockRemoved),
+        (ev.AllBlocksCleared, vk.AllBlocksCleared),
+        (ev.EventBatch, vk.EventBatch),
+    ):
         assert ours.__struct_fields__ == theirs.__struct_fields__, ours
         assert ours.__struct_defaults__ == theirs.__struct_defaults__, ours
         for option in ("array_like", "omit_defaults", "tag", "tag_field"):
-            assert getattr(ours.__struct_config__, option) == getattr(theirs.__struct_config__, option), (ours, option)
+            assert getattr(ours.__struct_config__, option) == getattr(
+                theirs.__struct_config__, option
+            ), (ours, option)
 
 
 def test_a_stored_event_must_carry_its_blocks_tokens_and_a_topic_its_parts():
@@ -149,7 +200,10 @@ def test_options_refuse_unbounded_queues():
     for bad in ({"hwm": 0}, {"max_queue_events": 0}, {"replay_bytes": "-1"}, {"mode": "listen"}):
         with pytest.raises(ValidationError):
             ev.PublisherOptions(endpoint="tcp://127.0.0.1:0", **bad)
-    assert ev.PublisherOptions(endpoint="tcp://127.0.0.1:0", replay_bytes="8MiB").replay_bytes == 8 << 20
+    assert (
+        ev.PublisherOptions(endpoint="tcp://127.0.0.1:0", replay_bytes="8MiB").replay_bytes
+        == 8 << 20
+    )
 
 
 # ---- the publisher -------------------------------------------------------------------
@@ -160,7 +214,11 @@ def publisher():
     made: list[ev.EventPublisher] = []
 
     def make(**options) -> ev.EventPublisher:
-        pub = ev.EventPublisher(ev.PublisherOptions(**{"endpoint": "tcp://127.0.0.1:0", "mode": "bind", "topic": TOPIC, **options}))
+        pub = ev.EventPublisher(
+            ev.PublisherOptions(
+                **{"endpoint": "tcp://127.0.0.1:0", "mode": "bind", "topic": TOPIC, **options}
+            )
+        )
         made.append(pub)
         return pub
 
@@ -178,7 +236,9 @@ def test_batches_arrive_in_three_frames_in_order_with_consecutive_sequence_numbe
         connected(pub, reader)
         before = pub.stats()
         first = before.next_sequence
-        calls = [[stored(i, parent=i - 1 if i else None)] for i in range(50)] + [[stored(100 + i) for i in range(10)]]
+        calls = [[stored(i, parent=i - 1 if i else None)] for i in range(50)] + [
+            [stored(100 + i) for i in range(10)]
+        ]
         for call in calls:
             assert pub.publish(call)
         wait_until(lambda: len(reader.events()) == 60)
@@ -189,9 +249,15 @@ def test_batches_arrive_in_three_frames_in_order_with_consecutive_sequence_numbe
         assert got == [vk.BlockStored(**msgspec.structs.asdict(e)) for call in calls for e in call]
         assert all(len(vllm_decoder().decode(p).events) for _, _, p in reader.messages)
         last = vllm_decoder().decode(reader.messages[-1][2])
-        assert last.data_parallel_rank is None and [e.block_hashes[0] for e in last.events][-10:] == list(range(100, 110))
+        assert last.data_parallel_rank is None and [e.block_hashes[0] for e in last.events][
+            -10:
+        ] == list(range(100, 110))
         stats = pub.stats()
-        assert stats.published_events - before.published_events == 60 and stats.dropped_events == 0 and stats.skipped_sequences == 0
+        assert (
+            stats.published_events - before.published_events == 60
+            and stats.dropped_events == 0
+            and stats.skipped_sequences == 0
+        )
     finally:
         reader.close()
 
@@ -216,14 +282,28 @@ def test_replay_answers_as_vllms_publisher_does(publisher):
     on, then the end marker (empty, empty, -1, empty); the payloads decode to the same
     events."""
     pub = publisher(replay_endpoint="tcp://127.0.0.1:0")
-    theirs = vk.ZmqEventPublisher(data_parallel_rank=0, endpoint="inproc://vllm-publisher", replay_endpoint="tcp://127.0.0.1:0", topic=TOPIC)
+    theirs = vk.ZmqEventPublisher(
+        data_parallel_rank=0,
+        endpoint="inproc://vllm-publisher",
+        replay_endpoint="tcp://127.0.0.1:0",
+        topic=TOPIC,
+    )
     try:
-        their_replay = theirs._replay.getsockopt_string(zmq.LAST_ENDPOINT)  # vLLM reports the ":0" it was given
+        their_replay = theirs._replay.getsockopt_string(
+            zmq.LAST_ENDPOINT
+        )  # vLLM reports the ":0" it was given
         batches = [[stored(3 * i + k) for k in range(3)] for i in range(5)]
         for i, batch in enumerate(batches):
             assert pub.publish(batch)
-            wait_until(lambda: pub.stats().next_sequence == i + 1)  # one batch each: published one at a time
-            theirs.publish(vk.KVEventBatch(ts=time.time(), events=[vk.BlockStored(**msgspec.structs.asdict(e)) for e in batch]))
+            wait_until(
+                lambda: pub.stats().next_sequence == i + 1
+            )  # one batch each: published one at a time
+            theirs.publish(
+                vk.KVEventBatch(
+                    ts=time.time(),
+                    events=[vk.BlockStored(**msgspec.structs.asdict(e)) for e in batch],
+                )
+            )
         wait_until(lambda: theirs._event_queue.unfinished_tasks == 0)
 
         def replay(endpoint: str, start: int) -> list[list[bytes]]:
@@ -242,13 +322,19 @@ def test_replay_answers_as_vllms_publisher_does(publisher):
             return frames
 
         ours_frames, their_frames = replay(pub.replay_endpoint, 2), replay(their_replay, 2)
-        assert [f[:3] for f in ours_frames] == [f[:3] for f in their_frames]  # empty, topic, sequence
+        assert [f[:3] for f in ours_frames] == [
+            f[:3] for f in their_frames
+        ]  # empty, topic, sequence
         assert [int.from_bytes(f[2], "big") for f in ours_frames[:-1]] == [2, 3, 4]
         assert ours_frames[-1] == [b"", b"", ev.END_SEQ, b""]
         decoder = vllm_decoder()
-        assert [decoder.decode(f[3]).events for f in ours_frames[:-1]] == [decoder.decode(f[3]).events for f in their_frames[:-1]]
+        assert [decoder.decode(f[3]).events for f in ours_frames[:-1]] == [
+            decoder.decode(f[3]).events for f in their_frames[:-1]
+        ]
         assert pub.stats().replay_requests == 1
-        assert replay(pub.replay_endpoint, 99) == [[b"", b"", ev.END_SEQ, b""]]  # past the newest: the end marker only
+        assert replay(pub.replay_endpoint, 99) == [
+            [b"", b"", ev.END_SEQ, b""]
+        ]  # past the newest: the end marker only
     finally:
         theirs.shutdown()
 
@@ -287,13 +373,19 @@ def test_drops_are_counted_and_leave_one_sequence_gap_per_run(publisher):
         assert not pub.publish([stored(i) for i in range(11)])  # more than the queue holds
         # the thread takes the gap before the next drop (CI once saw this order by chance)
         wait_until(lambda: pub.stats().next_sequence == first + 2)
-        assert not pub.publish([stored(i) for i in range(12)])  # the same run of drops: no second gap
+        assert not pub.publish(
+            [stored(i) for i in range(12)]
+        )  # the same run of drops: no second gap
         assert pub.publish([stored(2)])
         wait_until(lambda: len(reader.messages) == 2)
         assert [seq for _, seq, _ in reader.messages] == [first, first + 2]
         assert [e.block_hashes for e in reader.events()] == [[1], [2]]
         stats = pub.stats()
-        assert (stats.dropped_events, stats.skipped_sequences, stats.next_sequence) == (23, 1, first + 3)
+        assert (stats.dropped_events, stats.skipped_sequences, stats.next_sequence) == (
+            23,
+            1,
+            first + 3,
+        )
     finally:
         reader.close()
 
@@ -317,15 +409,21 @@ def test_a_burst_is_bounded_and_every_gap_is_a_drop(publisher):
         wait_until(lambda: pub.stats().queued_events == 0)
         stats = pub.stats()
         published = stats.published_events - before.published_events
-        wait_until(lambda: len(reader.messages) == stats.published_batches - before.published_batches)
+        wait_until(
+            lambda: len(reader.messages) == stats.published_batches - before.published_batches
+        )
         assert peak <= 1000
         assert published + stats.dropped_events == 200_000
         assert len(reader.events()) == published
         seqs = [seq for _, seq, _ in reader.messages]
         missing = set(range(first, stats.next_sequence)) - set(seqs)
-        assert len(missing) == stats.skipped_sequences and (stats.dropped_events > 0) == (stats.skipped_sequences > 0)
+        assert len(missing) == stats.skipped_sequences and (stats.dropped_events > 0) == (
+            stats.skipped_sequences > 0
+        )
         assert seqs == sorted(seqs)
-        print(f"burst: {stats.dropped_events} of 200,000 events dropped, {stats.skipped_sequences} gaps, peak queue {peak}")
+        print(
+            f"burst: {stats.dropped_events} of 200,000 events dropped, {stats.skipped_sequences} gaps, peak queue {peak}"
+        )
     finally:
         reader.close()
 

@@ -23,7 +23,15 @@ import zmq
 from kvstore import block_hashes
 from kvstore.events import END_SEQ
 from kvstore.index import PageIndex
-from tests.helpers import RouterKeys, advertised_prefix, metrics, namespace_for_page_size, run_worker, spec, wait_for
+from tests.helpers import (
+    RouterKeys,
+    advertised_prefix,
+    metrics,
+    namespace_for_page_size,
+    run_worker,
+    spec,
+    wait_for,
+)
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 
@@ -41,7 +49,13 @@ KEYS = RouterKeys()  # these tests read the stream as an authenticated router
 
 
 def events_args(pub: int, replay: int) -> list[str]:
-    return ["--kv-events-endpoint", f"tcp://*:{pub}", "--kv-events-replay-endpoint", f"tcp://*:{replay}", *KEYS.node_args()]
+    return [
+        "--kv-events-endpoint",
+        f"tcp://*:{pub}",
+        "--kv-events-replay-endpoint",
+        f"tcp://*:{replay}",
+        *KEYS.node_args(),
+    ]
 
 
 def replay(port: int, start: int = 0, timeout: float = 10.0) -> list[tuple[str, int, object]]:
@@ -80,7 +94,9 @@ def live_sets(events) -> dict[str, set[bytes]]:
             live[e.medium].update(e.block_hashes)
         elif isinstance(e, kv_events.BlockRemoved):
             missing = set(e.block_hashes) - live[e.medium]
-            assert not missing, f"{len(missing)} blocks removed from {e.medium} before they were stored there"
+            assert not missing, (
+                f"{len(missing)} blocks removed from {e.medium} before they were stored there"
+            )
             live[e.medium].difference_update(e.block_hashes)
         else:
             live.clear()
@@ -104,13 +120,18 @@ def check_tokens(ns, stored, batches) -> None:
     """Every BlockStored carries its blocks' token ids, block_size per block, in order."""
     tokens = block_tokens(ns, batches)
     for e in stored:
-        assert e.block_size == ns.block_size and len(e.token_ids) == len(e.block_hashes) * ns.block_size
+        assert (
+            e.block_size == ns.block_size
+            and len(e.token_ids) == len(e.block_hashes) * ns.block_size
+        )
         for i, h in enumerate(e.block_hashes):
             assert e.token_ids[i * ns.block_size : (i + 1) * ns.block_size] == tokens[h]
 
 
 def put_all(cluster, ns, batches) -> int:
-    reports = run_worker(spec(cluster, ns, "put_pages", token_lists=batches, options=OPTS))["reports"]
+    reports = run_worker(spec(cluster, ns, "put_pages", token_lists=batches, options=OPTS))[
+        "reports"
+    ]
     return sum(r["stored"] for r in reports)
 
 
@@ -121,7 +142,9 @@ def test_memory_stores_and_evictions_are_announced_in_order_with_vllms_decoder(c
     batches = batches_of(ns, 8, 4)  # 32 pages, twice the pool: the oldest are evicted
     assert put_all(cluster, ns, batches) == 32
     m = metrics(cluster, "node-0")
-    wait_for(lambda: metrics(cluster, "node-0")["kvstore_events_queued"] == 0, 10, "the queue to drain")
+    wait_for(
+        lambda: metrics(cluster, "node-0")["kvstore_events_queued"] == 0, 10, "the queue to drain"
+    )
     got = replay(rep)
     seqs = [s for _, s, _ in got]
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "a gap in the sequence numbers"
@@ -146,7 +169,9 @@ def test_memory_stores_and_evictions_are_announced_in_order_with_vllms_decoder(c
         for b in batches:  # what the events say the node holds is what the index advertises
             hashes = block_hashes(ns, b)
             held = advertised_prefix(index, ns, hashes, lease_ms=0)
-            assert all(h in live for h in hashes[:held]), "the index advertises a block the events removed"
+            assert all(h in live for h in hashes[:held]), (
+                "the index advertises a block the events removed"
+            )
             if all(h in live for h in hashes):
                 assert held == len(hashes), "the events announce a block the index lacks"
     finally:
@@ -157,12 +182,18 @@ def test_memory_stores_and_evictions_are_announced_in_order_with_vllms_decoder(c
 def test_demotion_is_removed_from_cpu_and_stored_on_disk(clusters, tmp_path):
     pub, rep = free_port(), free_port()
     cluster = clusters(
-        capacity="4MiB", slab="1MiB", disk_path=str(tmp_path / "disk"), disk_capacity="64MiB", extra=events_args(pub, rep)
+        capacity="4MiB",
+        slab="1MiB",
+        disk_path=str(tmp_path / "disk"),
+        disk_capacity="64MiB",
+        extra=events_args(pub, rep),
     )
     ns = namespace_for_page_size(PAGE, tenant="events-disk")
     batches = batches_of(ns, 8, 4)
     assert put_all(cluster, ns, batches) == 32
-    wait_for(lambda: metrics(cluster, "node-0")["kvstore_events_queued"] == 0, 10, "the queue to drain")
+    wait_for(
+        lambda: metrics(cluster, "node-0")["kvstore_events_queued"] == 0, 10, "the queue to drain"
+    )
     m = metrics(cluster, "node-0")
     events = events_of(replay(rep))
     live = live_sets(events)
@@ -180,7 +211,9 @@ def test_demotion_is_removed_from_cpu_and_stored_on_disk(clusters, tmp_path):
             for h in e.block_hashes:
                 first_disk.setdefault(h, i)
         if isinstance(e, kv_events.BlockRemoved) and e.medium == "CPU":
-            assert all(first_disk.get(h, len(events)) < i for h in e.block_hashes), "memory copy removed before the disk copy"
+            assert all(first_disk.get(h, len(events)) < i for h in e.block_hashes), (
+                "memory copy removed before the disk copy"
+            )
     assert m["kvstore_evicted_pages_total"] == 0
 
 
@@ -197,7 +230,9 @@ def test_a_node_restarted_without_its_disk_clears_what_it_announced(clusters):
     wait_for(lambda: got.extend(replay(rep)) or got, 10, "the restarted node's first batch")
     first_topic, first_seq, first = got[0]
     assert first_seq == 0 and isinstance(first.events[0], kv_events.AllBlocksCleared)
-    cleared = {t for t, _, b in got if any(isinstance(e, kv_events.AllBlocksCleared) for e in b.events)}
+    cleared = {
+        t for t, _, b in got if any(isinstance(e, kv_events.AllBlocksCleared) for e in b.events)
+    }
     assert f"kv@pool:node-0:{ns.tenant}@{ns.model}" in cleared
 
 
@@ -227,18 +262,35 @@ def test_token_ids_on_a_put_are_optional_and_leave_the_old_frame_unchanged():
     from kvstore.wire import protocol as P
 
     h = [bytes([i]) * 16 for i in range(2)]
-    fields = dict(namespace="ab" * 16, tenant="t", hashes=h, sizes=[4096, 4096], join=[False, True], anchors=[h[0], h[0]], positions=[0, 1])
+    fields = dict(
+        namespace="ab" * 16,
+        tenant="t",
+        hashes=h,
+        sizes=[4096, 4096],
+        join=[False, True],
+        anchors=[h[0], h[0]],
+        positions=[0, 1],
+    )
     old = P.encode(P.PutRequest(**fields))
     header = P.PutRequest(**fields).model_dump_json(exclude=set(P.PutRequest.ARRAYS)).encode()
     arrays = b"".join(  # each array: its row count, then its rows
         (2).to_bytes(4, "little") + a
-        for a in (b"".join(h), np.array([4096, 4096], "<u8").tobytes(), b"\x00\x01", h[0] + h[0], np.array([0, 1], "<u4").tobytes())
+        for a in (
+            b"".join(h),
+            np.array([4096, 4096], "<u8").tobytes(),
+            b"\x00\x01",
+            h[0] + h[0],
+            np.array([0, 1], "<u4").tobytes(),
+        )
     )
     body = len(header).to_bytes(4, "little") + header
     assert old[P.PREAMBLE.size :] == body + arrays
     assert len(P.decode(old).token_ids) == 0
     new = P.encode(P.PutRequest(**fields, token_ids=list(range(32))))
-    assert new[: len(old)][P.PREAMBLE.size :] == old[P.PREAMBLE.size :] and len(new) == len(old) + 4 + 4 * 32
+    assert (
+        new[: len(old)][P.PREAMBLE.size :] == old[P.PREAMBLE.size :]
+        and len(new) == len(old) + 4 + 4 * 32
+    )
     assert P.decode(new).ints("token_ids") == list(range(32))
     with pytest.raises(Exception, match="same number"):
         P.PutRequest(**fields, token_ids=list(range(31)))

@@ -21,8 +21,12 @@ def test_every_code_folder_is_a_listed_package_with_an_init():
     }
     assert folders - listed == set(), "folders of code a wheel would leave out"
     assert listed - folders == set(), "listed packages with no code"
-    missing_init = {name for name in folders if not (ROOT / name.replace(".", "/") / "__init__.py").exists()}
-    assert missing_init == set(), "namespace folders (setuptools would not treat them as listed packages)"
+    missing_init = {
+        name for name in folders if not (ROOT / name.replace(".", "/") / "__init__.py").exists()
+    }
+    assert missing_init == set(), (
+        "namespace folders (setuptools would not treat them as listed packages)"
+    )
 
 
 def test_data_files_the_code_reads_are_package_data():

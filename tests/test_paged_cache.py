@@ -29,8 +29,17 @@ def strided_cache(order: tuple[int, ...], device: str, seed: int) -> torch.Tenso
     """A logical [L, B, H, N, C] tensor whose memory follows ``order``, filled with random
     bit patterns (NaN payloads included, which a lossy copy would change)."""
     logical_shape = (L, B, H, N, C)
-    physical = torch.randint(-(2**31), 2**31 - 1, [logical_shape[i] for i in order], dtype=torch.int32,
-                             generator=torch.Generator().manual_seed(seed)).view(torch.float32).to(device)
+    physical = (
+        torch.randint(
+            -(2**31),
+            2**31 - 1,
+            [logical_shape[i] for i in order],
+            dtype=torch.int32,
+            generator=torch.Generator().manual_seed(seed),
+        )
+        .view(torch.float32)
+        .to(device)
+    )
     inverse = [order.index(i) for i in range(5)]
     logical = physical.permute(*inverse)
     assert logical.shape == logical_shape
@@ -59,7 +68,9 @@ def test_the_permutations_cover_every_vllm_layout():
 @pytest.mark.parametrize("blocks", list(BLOCK_LISTS.values()), ids=list(BLOCK_LISTS))
 @pytest.mark.parametrize("max_runs", [64, 1], ids=["runs", "indexed"])
 def test_gather_then_scatter_is_bit_exact(order, blocks, device, max_runs, monkeypatch):
-    monkeypatch.setattr("client.vllm.paged_cache._MAX_RUNS", max_runs)  # past it: one indexed copy per layer
+    monkeypatch.setattr(
+        "client.vllm.paged_cache._MAX_RUNS", max_runs
+    )  # past it: one indexed copy per layer
     source = strided_cache(order, device, seed=1)
     gathered = PagedCache(list(source.unbind(0))).gather(blocks).wait()
     assert gathered.device.type == "cpu" and gathered.shape == (len(blocks), L, H, N, C)
@@ -70,7 +81,7 @@ def test_gather_then_scatter_is_bit_exact(order, blocks, device, max_runs, monke
     before = bits(target)
     PagedCache(list(target.unbind(0))).scatter(gathered, blocks)
     after = bits(target)
-    for i, block in enumerate(blocks):
+    for block in blocks:
         assert torch.equal(after[:, block], bits(source[:, block]))
     untouched = [b for b in range(B) if b not in blocks]
     assert torch.equal(after[:, untouched], before[:, untouched])
@@ -90,12 +101,16 @@ def test_block_spans_are_the_pages_in_place_for_every_layout(order):
     for i, span in enumerate(spans):
         page = np.empty(span.nbytes, dtype=np.uint8)
         copy_checksummed([(page, span.bytes())])
-        assert np.array_equal(page, gathered[i].contiguous().view(torch.uint8).reshape(-1).numpy()), i
+        assert np.array_equal(
+            page, gathered[i].contiguous().view(torch.uint8).reshape(-1).numpy()
+        ), i
     target = strided_cache(order, "cpu", seed=2)
     before = bits(target)
     into = PagedCache(list(target.unbind(0))).block_spans(blocks)
     for i, span in enumerate(into):
-        copy_checksummed([(span.bytes(), gathered[i].contiguous().view(torch.uint8).reshape(-1).numpy())])
+        copy_checksummed(
+            [(span.bytes(), gathered[i].contiguous().view(torch.uint8).reshape(-1).numpy())]
+        )
     after = bits(target)
     for block in blocks:
         assert torch.equal(after[:, block], bits(source[:, block]))
@@ -168,7 +183,11 @@ def test_staging_pool_takes_pages_of_the_one_host_pool_and_never_waits():
     per_buffer = -(-8 * cache.page_nbytes // ALIGN) * ALIGN
     assert cache.page_nbytes == L * H * N * C * 4 and host.reserved == 2 * per_buffer
     a, b = pool.take(8), pool.take(3)
-    assert a.shape == (8, L, H, N, C) and b.shape == (3, L, H, N, C) and a.dtype == b.dtype == torch.float32
+    assert (
+        a.shape == (8, L, H, N, C)
+        and b.shape == (3, L, H, N, C)
+        and a.dtype == b.dtype == torch.float32
+    )
     extra = pool.take(8)  # the reservation is out: fresh pages, at once
     assert host.fresh_takes == 1 and extra.shape == (8, L, H, N, C)
     pooled = {a.data_ptr(), b.data_ptr()}
@@ -178,7 +197,9 @@ def test_staging_pool_takes_pages_of_the_one_host_pool_and_never_waits():
     again = pool.take(5)
     assert again.data_ptr() == b.data_ptr()  # the pool's pages came back, not fresh ones
     pool.give(a)
-    assert host.take(per_buffer).ctypes.data == a.data_ptr()  # the client's scratch gets what staging gave back
+    assert (
+        host.take(per_buffer).ctypes.data == a.data_ptr()
+    )  # the client's scratch gets what staging gave back
 
 
 def test_staging_pages_carry_a_gather_and_scatter_bit_exact():
@@ -224,7 +245,9 @@ def test_hybrid_layers_gather_and_scatter_their_own_rows(device):
     positions below its window): ``gather_layers`` fills exactly each layer's rows of the
     host pages (on a GPU through the save stream: rows filled earlier stay as they were),
     and ``scatter_layers`` writes them back into those blocks only."""
-    cache = PagedCache([strided_cache((0, 1, 2, 3, 4), device, seed=7)[layer] for layer in range(L)])
+    cache = PagedCache(
+        [strided_cache((0, 1, 2, 3, 4), device, seed=7)[layer] for layer in range(L)]
+    )
     # layer 0: full attention, positions 0-3 in blocks 3-6; layers 1-2: a sliding group
     # whose blocks of positions 0-1 are the null block (skipped)
     rows = [([0, 1, 2, 3], [3, 4, 5, 6]), ([2, 3], [10, 11]), ([2, 3], [10, 11])]
@@ -232,11 +255,21 @@ def test_hybrid_layers_gather_and_scatter_their_own_rows(device):
     cache.gather_layers(rows, out).wait()
     for layer, (positions, blocks) in enumerate(rows):
         for p in range(4):
-            want = cache.layers[layer][blocks[positions.index(p)]] if p in positions else torch.full(cache.page_shape[1:], 7.0)
+            want = (
+                cache.layers[layer][blocks[positions.index(p)]]
+                if p in positions
+                else torch.full(cache.page_shape[1:], 7.0)
+            )
             assert torch.equal(bits(out[p, layer]), bits(want)), (layer, p)
     fresh = PagedCache([torch.zeros_like(kv) for kv in cache.layers])
-    assert fresh.scatter_layers(out, rows) == sum(len(p) for p, _ in rows) * cache.layers[0][0].numel() * 4
+    assert (
+        fresh.scatter_layers(out, rows)
+        == sum(len(p) for p, _ in rows) * cache.layers[0][0].numel() * 4
+    )
     for layer, kv in enumerate(fresh.layers):
         blocks = rows[layer][1]
         others = [b for b in range(B) if b not in blocks]
-        assert torch.equal(bits(kv[blocks]), bits(cache.layers[layer][blocks])) and not kv[others].any()
+        assert (
+            torch.equal(bits(kv[blocks]), bits(cache.layers[layer][blocks]))
+            and not kv[others].any()
+        )

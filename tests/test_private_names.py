@@ -23,7 +23,6 @@ import textwrap
 from typing import Any
 
 import pytest
-
 import xxhash
 
 from kvstore.pages import checksum

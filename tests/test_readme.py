@@ -62,16 +62,30 @@ def up_command() -> list[str]:
 def exports():
     """`kvstore up` as README starts it, and the variables of the export lines it prints."""
     argv = up_command()
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.tools.cli", *argv[1:]], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstore.tools.cli", *argv[1:]],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
     lines: list[str] = []
     deadline = time.monotonic() + 90
-    while not any(line.startswith("press Ctrl-C") for line in lines) and time.monotonic() < deadline:
+    while (
+        not any(line.startswith("press Ctrl-C") for line in lines) and time.monotonic() < deadline
+    ):
         line = proc.stdout.readline()
         if not line:
             break
         lines.append(line)
-    exported = dict(line.strip().removeprefix("export ").split("=", 1) for line in lines if line.startswith("export "))
-    assert set(exported) == {"KVSTORE_REDIS_URL", "KVSTORE_AUTH_TOKEN_FILE"}, "".join(lines) + proc.stderr.read() if proc.poll() is not None else "".join(lines)
+    exported = dict(
+        line.strip().removeprefix("export ").split("=", 1)
+        for line in lines
+        if line.startswith("export ")
+    )
+    assert set(exported) == {"KVSTORE_REDIS_URL", "KVSTORE_AUTH_TOKEN_FILE"}, (
+        "".join(lines) + proc.stderr.read() if proc.poll() is not None else "".join(lines)
+    )
     yield exported
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=60)
@@ -83,7 +97,14 @@ def test_the_python_example_runs_verbatim_against_kvstore_up(exports, path):
     env = {**ENV, **exports, "PYTHONPATH": str(ROOT)}
     if path == "ucx":
         env["KVSTORE_SAME_HOST"] = "false"  # what a client on another host gets
-    out = subprocess.run([sys.executable, "-c", python_example()], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-c", python_example()],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "64 tokens read back bit-exact"
     assert "refused" not in out.stderr and "failed" not in out.stderr
@@ -93,7 +114,14 @@ def test_the_python_example_runs_verbatim_against_kvstore_up(exports, path):
 def test_without_the_exports_the_example_says_what_is_missing(exports):
     """A user who forgot the token export is told, not served misses."""
     env = {**ENV, "KVSTORE_REDIS_URL": exports["KVSTORE_REDIS_URL"], "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", python_example()], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-c", python_example()],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert out.returncode != 0
     assert "PermissionError" in out.stderr or "CredentialError" in out.stderr
     assert "KVSTORE_AUTH_TOKEN_FILE" in out.stderr.splitlines()[-1]
@@ -114,15 +142,35 @@ def kvstore_commands() -> list[list[str]]:
 def test_every_kvstore_command_in_the_readme_parses(argv):
     """Each command's subcommand exists and takes every option it is given (argparse
     exits 2 naming an unknown one); `--help` stops before anything starts."""
-    out = subprocess.run([sys.executable, "-m", "kvstore.tools.cli", *argv[1:], "--help"], capture_output=True, text=True, timeout=60, env=ENV)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvstore.tools.cli", *argv[1:], "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=ENV,
+    )
     assert out.returncode == 0, out.stderr
     sub = argv[1]
-    help_text = subprocess.run([sys.executable, "-m", "kvstore.tools.cli", sub, "--help"], capture_output=True, text=True, timeout=60, env=ENV).stdout
+    help_text = subprocess.run(
+        [sys.executable, "-m", "kvstore.tools.cli", sub, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=ENV,
+    ).stdout
     for option in (a.split("=", 1)[0] for a in argv[2:] if a.startswith("--")):
         assert option in help_text, f"{option} is not an option of kvstore {sub}"
 
 
 def test_the_vllm_option_is_valid_json_naming_the_connector():
-    (line,) = [line for b in blocks("") for line in b.splitlines() if line.startswith("--kv-transfer-config")]
+    (line,) = [
+        line
+        for b in blocks("")
+        for line in b.splitlines()
+        if line.startswith("--kv-transfer-config")
+    ]
     config = json.loads(shlex.split(line)[1])
-    assert config["kv_connector"] == "KVStoreConnector" and config["kv_connector_module_path"] == "client.vllm_connector"
+    assert (
+        config["kv_connector"] == "KVStoreConnector"
+        and config["kv_connector_module_path"] == "client.vllm_connector"
+    )

@@ -78,7 +78,8 @@ def _dynamo_python() -> tuple[str, str] | None:
 
 DYNAMO = _dynamo_python()
 pytestmark = pytest.mark.skipif(
-    DYNAMO is None, reason="NVIDIA Dynamo (ai-dynamo-runtime) is not importable; set KVSTORE_DYNAMO_PYTHON"
+    DYNAMO is None,
+    reason="NVIDIA Dynamo (ai-dynamo-runtime) is not importable; set KVSTORE_DYNAMO_PYTHON",
 )
 
 
@@ -95,7 +96,7 @@ class DynamoIndexer:
         assert DYNAMO is not None
         self.port = free_port()
         self.log = log
-        self._out = open(log, "w")  # noqa: SIM115 - the indexer writes to it until stop()
+        self._out = open(log, "w")
         self.proc = subprocess.Popen(
             [DYNAMO[0], "-m", "dynamo.indexer", "--port", str(self.port), "--threads", "1"],
             stdout=self._out,
@@ -120,8 +121,15 @@ class DynamoIndexer:
         with urllib.request.urlopen(req, timeout=10) as r:
             return json.loads(r.read() or b"{}")
 
-    def register(self, endpoint: str, model: str, block_size: int, replay: str | None = None) -> None:
-        body = {"instance_id": INSTANCE, "endpoint": endpoint, "model_name": model, "block_size": block_size}
+    def register(
+        self, endpoint: str, model: str, block_size: int, replay: str | None = None
+    ) -> None:
+        body = {
+            "instance_id": INSTANCE,
+            "endpoint": endpoint,
+            "model_name": model,
+            "block_size": block_size,
+        }
         if replay:
             body["replay_endpoint"] = replay
         self.post("/register", body)
@@ -213,17 +221,26 @@ class Adapter:
 
 
 def put(cluster, ns, token_lists) -> int:
-    reports = run_worker(spec(cluster, ns, "put_pages", token_lists=token_lists, options=OPTS))["reports"]
+    reports = run_worker(spec(cluster, ns, "put_pages", token_lists=token_lists, options=OPTS))[
+        "reports"
+    ]
     return sum(r["stored"] for r in reports)
 
 
 def prompts(ns, count: int, blocks: int, base: int = 1) -> list[list[int]]:
-    return [list(range(b * 100_000, b * 100_000 + blocks * ns.block_size)) for b in range(base, base + count)]
+    return [
+        list(range(b * 100_000, b * 100_000 + blocks * ns.block_size))
+        for b in range(base, base + count)
+    ]
 
 
 def test_dynamo_scores_a_node_from_its_events_through_the_adapter(clusters, dynamo):
     pub, keys = free_port(), RouterKeys()
-    cluster = clusters(capacity="4MiB", slab="1MiB", extra=["--kv-events-endpoint", f"tcp://*:{pub}", *keys.node_args()])
+    cluster = clusters(
+        capacity="4MiB",
+        slab="1MiB",
+        extra=["--kv-events-endpoint", f"tcp://*:{pub}", *keys.node_args()],
+    )
     ns = namespace_for_page_size(PAGE, tenant="dynamo")
     adapter = Adapter(f"tcp://127.0.0.1:{pub}", keys)
     try:
@@ -240,7 +257,11 @@ def test_dynamo_scores_a_node_from_its_events_through_the_adapter(clusters, dyna
                 continue
         else:
             raise AssertionError("no event of the node reached the adapter")
-        wait_for(lambda: dynamo.host_tokens(ns.model, warm[0]) == ns.block_size, 10, "Dynamo to index the warm-up")
+        wait_for(
+            lambda: dynamo.host_tokens(ns.model, warm[0]) == ns.block_size,
+            10,
+            "Dynamo to index the warm-up",
+        )
 
         first = prompts(ns, 1, 4)[0]
         assert put(cluster, ns, [first]) == 4
@@ -257,7 +278,11 @@ def test_dynamo_scores_a_node_from_its_events_through_the_adapter(clusters, dyna
         # twice the pool: the first prompts are evicted, and their BlockRemoved reach Dynamo
         more = prompts(ns, 8, 4, base=10)
         assert put(cluster, ns, more) == 32
-        wait_for(lambda: metrics(cluster, "node-0")["kvstore_events_queued"] == 0, 10, "the node's queue to drain")
+        wait_for(
+            lambda: metrics(cluster, "node-0")["kvstore_events_queued"] == 0,
+            10,
+            "the node's queue to drain",
+        )
         assert metrics(cluster, "node-0")["kvstore_evicted_pages_total"] > 0
         index = PageIndex(cluster.redis_url)
         try:
@@ -271,10 +296,14 @@ def test_dynamo_scores_a_node_from_its_events_through_the_adapter(clusters, dyna
         assert any(v == 4 * bs for v in expected.values())
 
         def agrees() -> bool:
-            return all(dynamo.host_tokens(ns.model, p) == expected[i] for i, p in enumerate([first, *more]))
+            return all(
+                dynamo.host_tokens(ns.model, p) == expected[i] for i, p in enumerate([first, *more])
+            )
 
         # what Dynamo credits each prompt with is what the store's index still advertises
-        wait_for(agrees, 10, f"Dynamo's scores to equal the store's prefixes {expected}", interval=0.2)
+        wait_for(
+            agrees, 10, f"Dynamo's scores to equal the store's prefixes {expected}", interval=0.2
+        )
     finally:
         adapter.stop()
     assert not [w for w in dynamo.warnings() if "decode" in w.lower()], dynamo.warnings()
@@ -288,19 +317,40 @@ def test_dynamo_reads_a_nodes_events_as_published(clusters, dynamo):
     cluster = clusters(
         capacity="4MiB",
         slab="1MiB",
-        extra=["--kv-events-endpoint", f"tcp://*:{pub}", "--kv-events-replay-endpoint", f"tcp://*:{rep}"],
+        extra=[
+            "--kv-events-endpoint",
+            f"tcp://*:{pub}",
+            "--kv-events-replay-endpoint",
+            f"tcp://*:{rep}",
+        ],
     )
     ns = namespace_for_page_size(PAGE, tenant="dynamo-raw")
-    dynamo.register(f"tcp://127.0.0.1:{pub}", ns.model, ns.block_size, replay=f"tcp://127.0.0.1:{rep}")
+    dynamo.register(
+        f"tcp://127.0.0.1:{pub}", ns.model, ns.block_size, replay=f"tcp://127.0.0.1:{rep}"
+    )
     time.sleep(1.0)  # ZMQ's slow joiner; Dynamo asks the replay socket for what it missed
     first = prompts(ns, 1, 4)[0]
     assert put(cluster, ns, [first]) == 4
-    wait_for(lambda: metrics(cluster, "node-0")["kvstore_events_queued"] == 0, 10, "the node's queue to drain")
+    wait_for(
+        lambda: metrics(cluster, "node-0")["kvstore_events_queued"] == 0,
+        10,
+        "the node's queue to drain",
+    )
     try:
-        wait_for(lambda: dynamo.host_tokens(ns.model, first) == 4 * ns.block_size, 5, "Dynamo to score the node")
+        wait_for(
+            lambda: dynamo.host_tokens(ns.model, first) == 4 * ns.block_size,
+            5,
+            "Dynamo to score the node",
+        )
     except AssertionError:
         assert DYNAMO is not None
-        said = sorted({w.split(": ", 1)[-1].split(" self.")[0] for w in dynamo.warnings() if "decode" in w.lower()})
+        said = sorted(
+            {
+                w.split(": ", 1)[-1].split(" self.")[0]
+                for w in dynamo.warnings()
+                if "decode" in w.lower()
+            }
+        )
         pytest.xfail(
             f"ai-dynamo-runtime {DYNAMO[1]} does not index the node's events as published "
             f"(16-byte block hashes, ownership 'kvstore'); it said: {said or 'nothing (events dropped)'}"

@@ -25,14 +25,22 @@ from tests.test_security import as_bytes, cmdline
 
 KVSTORE = [sys.executable, "-m", "kvstore.tools.cli"]
 ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONPATH": str(ROOT)}
-for _name in ("KVSTORE_AUTH_TOKEN", "KVSTORE_AUTH_TOKEN_FILE", "KVSTORE_REDIS_PASSWORD", "KVSTORE_REDIS_PASSWORD_FILE"):
+for _name in (
+    "KVSTORE_AUTH_TOKEN",
+    "KVSTORE_AUTH_TOKEN_FILE",
+    "KVSTORE_REDIS_PASSWORD",
+    "KVSTORE_REDIS_PASSWORD_FILE",
+):
     ENV.pop(_name, None)
 SECRET = "hunter2-" + "s" * 16
 
 
 SECRET_OPTIONS = {
     "redis_url (user-info)": {"redis_url": f"http://:{SECRET}@10.0.0.1:6379/0"},
-    "redis_url (user and password)": {"redis_url": f"redis://admin:{SECRET}@10.0.0.1:6379/0", "replicas": 0},
+    "redis_url (user and password)": {
+        "redis_url": f"redis://admin:{SECRET}@10.0.0.1:6379/0",
+        "replicas": 0,
+    },
     "redis_url (query)": {"redis_url": f"redis://10.0.0.1:6379/0?password={SECRET}", "timeout": -1},
     "redis_url (wrong type)": {"redis_url": [SECRET]},
     "redis_password (wrong type)": {"redis_password": [SECRET]},
@@ -72,16 +80,30 @@ def test_option_reprs_never_show_a_secret():
 def test_node_option_errors_never_show_a_secret(tmp_path):
     cases = [
         ["--redis-url", f"http://:{SECRET}@10.0.0.1:6379/0", "--anonymous"],
-        ["--redis-url", f"redis://10.0.0.1:6379/0?password={SECRET}", "--auth-token", SECRET, "--capacity", "1KiB"],
+        [
+            "--redis-url",
+            f"redis://10.0.0.1:6379/0?password={SECRET}",
+            "--auth-token",
+            SECRET,
+            "--capacity",
+            "1KiB",
+        ],
         ["--redis-password", SECRET, "--auth-token", SECRET, "--node-ttl", "-1"],
     ]
     for args in cases:
-        out = subprocess.run([sys.executable, "-m", "server", *args], env=ENV, capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-m", "server", *args],
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 2 and out.stderr.startswith("kvstore server: "), out.stderr[-2000:]
         assert SECRET not in out.stdout + out.stderr
 
 
 # ---- 6. kvstore up with an index password -----------------------------------------
+
 
 @pytest.mark.process
 @pytest.mark.parametrize("given", ["env", "file", "url"])
@@ -99,27 +121,60 @@ def test_up_takes_the_index_password_from_the_environment_a_file_or_the_url(give
             env["KVSTORE_REDIS_PASSWORD_FILE"] = str(tmp_path / "password")
         else:
             url = valkey.url.replace("redis://", f"redis://:{SECRET}@")
-        proc = subprocess.Popen([*KVSTORE, "up", "--redis-url", url, "--servers", "2", "--capacity", "64MiB", "--slab-size", "16MiB"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        proc = subprocess.Popen(
+            [
+                *KVSTORE,
+                "up",
+                "--redis-url",
+                url,
+                "--servers",
+                "2",
+                "--capacity",
+                "64MiB",
+                "--slab-size",
+                "16MiB",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         lines: list[str] = []
         try:
             deadline = time.monotonic() + 90
-            while not any(line.startswith("press Ctrl-C") for line in lines) and time.monotonic() < deadline and proc.poll() is None:
+            while (
+                not any(line.startswith("press Ctrl-C") for line in lines)
+                and time.monotonic() < deadline
+                and proc.poll() is None
+            ):
                 lines.append(proc.stdout.readline())
-            assert any(line.startswith("press Ctrl-C") for line in lines), proc.stderr.read() if proc.poll() is not None else lines
+            assert any(line.startswith("press Ctrl-C") for line in lines), (
+                proc.stderr.read() if proc.poll() is not None else lines
+            )
             index = PageIndex(valkey.url, password=SECRET)
             nodes = index.live_nodes()
             assert sorted(n.node_id for n in nodes) == ["node-0", "node-1"]
             for n in nodes:
                 assert SECRET not in cmdline(int(n.extra["pid"]))
-            values = dict(line.strip().removeprefix("export ").split("=", 1) for line in lines if re.match(r"^export KVSTORE_[A-Z_]+=", line))
+            values = dict(
+                line.strip().removeprefix("export ").split("=", 1)
+                for line in lines
+                if re.match(r"^export KVSTORE_[A-Z_]+=", line)
+            )
             ns = namespace_for_page_size(64 << 10, tenant="up-password")
             tokens = list(range(4 * ns.block_size))
-            with KVCacheClient(valkey.url, ns, redis_password=SECRET, auth_token_file=values["KVSTORE_AUTH_TOKEN_FILE"]) as client:
+            with KVCacheClient(
+                valkey.url,
+                ns,
+                redis_password=SECRET,
+                auth_token_file=values["KVSTORE_AUTH_TOKEN_FILE"],
+            ) as client:
                 pages = pages_for(ns, tokens)
                 assert client.put_pages(tokens, pages).stored == 4
                 out = torch.zeros_like(pages)
-                assert client.get_pages(tokens, out) == len(tokens) and torch.equal(as_bytes(out), as_bytes(pages))
+                assert client.get_pages(tokens, out) == len(tokens) and torch.equal(
+                    as_bytes(out), as_bytes(pages)
+                )
         finally:
             proc.send_signal(signal.SIGINT)
             out, err = proc.communicate(timeout=60)

@@ -67,21 +67,57 @@ def test_a_node_takes_its_secrets_from_files_and_never_shows_them(tmp_path):
         redis.Redis.from_url(valkey.url).config_set("requirepass", password)
         log = open(tmp_path / "node.log", "w")
         node = subprocess.Popen(
-            [sys.executable, "-m", "server", "--redis-url", valkey.url, "--redis-password-file", str(tmp_path / "password"),
-             "--auth-token-file", str(tmp_path / "token"), "--capacity", "64MiB", "--slab-size", "16MiB", "--host", "127.0.0.1",
-             "--metrics-port", "0", "--node-id", "files-0", "--log-level", "DEBUG"],
-            env=ENV, stdout=log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "server",
+                "--redis-url",
+                valkey.url,
+                "--redis-password-file",
+                str(tmp_path / "password"),
+                "--auth-token-file",
+                str(tmp_path / "token"),
+                "--capacity",
+                "64MiB",
+                "--slab-size",
+                "16MiB",
+                "--host",
+                "127.0.0.1",
+                "--metrics-port",
+                "0",
+                "--node-id",
+                "files-0",
+                "--log-level",
+                "DEBUG",
+            ],
+            env=ENV,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             index = PageIndex(valkey.url, password=password)
-            wait_for(lambda: [n.node_id for n in index.live_nodes()] == ["files-0"], 30, "the node to register with the password from its file")
+            wait_for(
+                lambda: [n.node_id for n in index.live_nodes()] == ["files-0"],
+                30,
+                "the node to register with the password from its file",
+            )
             assert token not in cmdline(node.pid) and password not in cmdline(node.pid)
             tokens = list(range(2 * ns.block_size))
-            with KVCacheClient(valkey.url, ns, redis_password=password, auth_token="wrong", timeout=3) as intruder:
-                with pytest.raises(PermissionError, match="files-0: unauthorized"):
-                    intruder.put_pages(tokens, pages_for(ns, tokens))
+            with (
+                KVCacheClient(
+                    valkey.url, ns, redis_password=password, auth_token="wrong", timeout=3
+                ) as intruder,
+                pytest.raises(PermissionError, match="files-0: unauthorized"),
+            ):
+                intruder.put_pages(tokens, pages_for(ns, tokens))
             token_file = tmp_path / "client-token"
             token_file.write_text(token)
-            with KVCacheClient(valkey.url, ns, redis_password_file=str(tmp_path / "password"), auth_token_file=str(token_file)) as client:
+            with KVCacheClient(
+                valkey.url,
+                ns,
+                redis_password_file=str(tmp_path / "password"),
+                auth_token_file=str(token_file),
+            ) as client:
                 assert client.put_pages(tokens, pages_for(ns, tokens)).stored == 2
         finally:
             node.send_signal(signal.SIGTERM)
@@ -95,22 +131,44 @@ def test_a_node_takes_its_secrets_from_files_and_never_shows_them(tmp_path):
 def test_a_secret_given_twice_differently_is_refused(tmp_path):
     (tmp_path / "token").write_text("one")
     with pytest.raises(ValueError, match="auth_token"):
-        KVCacheClient("redis://127.0.0.1:1/0", make_ns("twice"), auth_token="two", auth_token_file=str(tmp_path / "token"))
-    out = subprocess.run([sys.executable, "-m", "server", "--auth-token-file", str(tmp_path / "missing")], env=ENV,
-                         capture_output=True, text=True, timeout=60)
+        KVCacheClient(
+            "redis://127.0.0.1:1/0",
+            make_ns("twice"),
+            auth_token="two",
+            auth_token_file=str(tmp_path / "token"),
+        )
+    out = subprocess.run(
+        [sys.executable, "-m", "server", "--auth-token-file", str(tmp_path / "missing")],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "cannot read auth_token_file" in out.stderr
 
 
 @pytest.mark.process
 def test_up_starts_with_a_random_token_it_never_prints():
-    proc = subprocess.Popen([*KVSTORE, "up", "--capacity", "64MiB", "--slab-size", "16MiB"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=ENV)
+    proc = subprocess.Popen(
+        [*KVSTORE, "up", "--capacity", "64MiB", "--slab-size", "16MiB"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 60
-        while not any(line.startswith("press Ctrl-C") for line in lines) and time.monotonic() < deadline:
+        while (
+            not any(line.startswith("press Ctrl-C") for line in lines)
+            and time.monotonic() < deadline
+        ):
             lines.append(proc.stdout.readline())
-        values = dict(line.strip().removeprefix("export ").split("=", 1) for line in lines if re.match(r"^export KVSTORE_[A-Z_]+=", line))
+        values = dict(
+            line.strip().removeprefix("export ").split("=", 1)
+            for line in lines
+            if re.match(r"^export KVSTORE_[A-Z_]+=", line)
+        )
         token_file = Path(values["KVSTORE_AUTH_TOKEN_FILE"])
         assert token_file.stat().st_mode & 0o777 == 0o600
         token = token_file.read_text()
@@ -120,9 +178,11 @@ def test_up_starts_with_a_random_token_it_never_prints():
         assert token not in cmdline(int(node.extra["pid"]))
         ns = make_ns("up-token")
         tokens = list(range(2 * ns.block_size))
-        with KVCacheClient(url, ns, timeout=3) as anonymous:
-            with pytest.raises(PermissionError, match="KVSTORE_AUTH_TOKEN_FILE"):  # no token, no access, and told where one comes from
-                anonymous.put_pages(tokens, pages_for(ns, tokens))
+        with (
+            KVCacheClient(url, ns, timeout=3) as anonymous,
+            pytest.raises(PermissionError, match="KVSTORE_AUTH_TOKEN_FILE"),
+        ):  # no token, no access, and told where one comes from
+            anonymous.put_pages(tokens, pages_for(ns, tokens))
         with KVCacheClient(url, ns, auth_token_file=str(token_file)) as client:
             assert client.put_pages(tokens, pages_for(ns, tokens)).stored == 2
     finally:
@@ -136,9 +196,29 @@ def test_up_starts_with_a_random_token_it_never_prints():
 def test_metrics_listen_on_loopback_unless_told_otherwise():
     with EmbeddedValkey() as valkey:
         port = free_port()
-        node = subprocess.Popen([sys.executable, "-m", "server", "--redis-url", valkey.url, "--capacity", "64MiB", "--slab-size", "16MiB",
-                                 "--host", "127.0.0.1", "--metrics-port", str(port), "--node-id", "metrics-0", "--anonymous"],
-                                env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        node = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "server",
+                "--redis-url",
+                valkey.url,
+                "--capacity",
+                "64MiB",
+                "--slab-size",
+                "16MiB",
+                "--host",
+                "127.0.0.1",
+                "--metrics-port",
+                str(port),
+                "--node-id",
+                "metrics-0",
+                "--anonymous",
+            ],
+            env=ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             wait_for(lambda: listening_addresses(port), 30, "the metrics server to listen")
             assert listening_addresses(port) == {"127.0.0.1"}
@@ -175,20 +255,45 @@ def test_a_stalled_put_releases_its_slots_within_its_deadline():
     from tests.helpers import metrics
 
     ns = namespace_for_page_size(2 << 20, tenant="stall")
-    with LocalCluster(servers=1, capacity="64MiB", slab_size="16MiB", extra_args=["--transfer-timeout", "30", "--min-put-rate", "64MiB"]) as cluster:
+    with LocalCluster(
+        servers=1,
+        capacity="64MiB",
+        slab_size="16MiB",
+        extra_args=["--transfer-timeout", "30", "--min-put-rate", "64MiB"],
+    ) as cluster:
         with KVCacheClient(cluster.redis_url, ns):  # registers the namespace
             pass
         node = PageIndex(cluster.redis_url).live_nodes()[0]
         host, port = node.address.rsplit(":", 1)
-        stalled = subprocess.Popen([sys.executable, "-c", STALLED_PUT, host, port, ns.digest_hex, ns.tenant, "8", str(ns.page_nbytes)],
-                                   env=ENV, stdout=subprocess.PIPE, text=True)
+        stalled = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                STALLED_PUT,
+                host,
+                port,
+                ns.digest_hex,
+                ns.tenant,
+                "8",
+                str(ns.page_nbytes),
+            ],
+            env=ENV,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert stalled.stdout.readline().split() == ["PutPlan", "8"]
             reserved_at = time.monotonic()
             assert metrics(cluster, "node-0")["kvstore_used_bytes"] == 8 * ns.page_nbytes
-            wait_for(lambda: metrics(cluster, "node-0")["kvstore_used_bytes"] == 0, 15, "the stalled put's slots to be released")
+            wait_for(
+                lambda: metrics(cluster, "node-0")["kvstore_used_bytes"] == 0,
+                15,
+                "the stalled put's slots to be released",
+            )
             held = time.monotonic() - reserved_at
-            assert held < 2.0 + 16 / 64 + 3.0, held  # its deadline plus scheduling slack, far below 30 s
+            assert held < 2.0 + 16 / 64 + 3.0, (
+                held
+            )  # its deadline plus scheduling slack, far below 30 s
             assert metrics(cluster, "node-0")['kvstore_errors_total{kind="transfer"}'] == 1
             tokens = list(range(8 * ns.block_size))
             with KVCacheClient(cluster.redis_url, ns) as client:  # the pool is usable again
@@ -201,15 +306,33 @@ def test_a_stalled_put_releases_its_slots_within_its_deadline():
 # ---- tenant credentials -------------------------------------------------------------
 
 
-def make_credentials(tmp_path: Path, *specs: tuple[str, str, list[str]]) -> tuple[Path, dict[str, Path]]:
+def make_credentials(
+    tmp_path: Path, *specs: tuple[str, str, list[str]]
+) -> tuple[Path, dict[str, Path]]:
     """A credentials file with one line per ``(name, rights, tenants)``, each made by
     ``kvstore credential`` (a real process); returns it and each name's token file."""
     lines, tokens = [], {}
     for name, rights, tenants in specs:
         token_file = tmp_path / f"{name}.token"
         tenant_args = [a for t in tenants for a in ("--tenant", t)]
-        out = subprocess.run([*KVSTORE, "credential", "--name", name, "--rights", rights, *tenant_args, "--token-file", str(token_file)],
-                             env=ENV, capture_output=True, text=True, timeout=60, check=True)
+        out = subprocess.run(
+            [
+                *KVSTORE,
+                "credential",
+                "--name",
+                name,
+                "--rights",
+                rights,
+                *tenant_args,
+                "--token-file",
+                str(token_file),
+            ],
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
         token = token_file.read_text().strip()
         assert len(token) >= 40 and token not in out.stdout + out.stderr
         assert oct(token_file.stat().st_mode & 0o777) == "0o600"
@@ -231,17 +354,27 @@ def test_a_tenant_cannot_write_pages_into_another_tenants_namespace(tmp_path, sa
     first, bob's own put found them present, and bob read alice's bytes back."""
     from kvstore.tools.launcher import LocalCluster
 
-    creds, token = make_credentials(tmp_path, ("alice", "readwrite", ["team-a"]), ("bob", "readwrite", ["team-b"]))
+    creds, token = make_credentials(
+        tmp_path, ("alice", "readwrite", ["team-a"]), ("bob", "readwrite", ["team-b"])
+    )
     ns = make_ns("team-b")
     tokens = list(range(4 * ns.block_size))
     genuine = pages_for(ns, tokens)
     poison = torch.ones_like(genuine)
-    with LocalCluster(servers=1, capacity="64MiB", slab_size="16MiB", env={"KVSTORE_CREDENTIALS_FILE": str(creds)}) as c:
-        with KVCacheClient(c.redis_url, ns, auth_token_file=str(token["alice"]), timeout=3, same_host=same_host) as alice:
+    with LocalCluster(
+        servers=1, capacity="64MiB", slab_size="16MiB", env={"KVSTORE_CREDENTIALS_FILE": str(creds)}
+    ) as c:
+        with KVCacheClient(
+            c.redis_url, ns, auth_token_file=str(token["alice"]), timeout=3, same_host=same_host
+        ) as alice:
             with pytest.raises(PermissionError, match="tenant 'team-b'"):
                 alice.put_pages(tokens, poison)
-            assert alice.stats.credential_refusals >= 1 and alice.stats.node_errors == 0  # the node is not suspected
-        with KVCacheClient(c.redis_url, ns, auth_token_file=str(token["bob"]), same_host=same_host) as bob:
+            assert (
+                alice.stats.credential_refusals >= 1 and alice.stats.node_errors == 0
+            )  # the node is not suspected
+        with KVCacheClient(
+            c.redis_url, ns, auth_token_file=str(token["bob"]), same_host=same_host
+        ) as bob:
             assert bob.put_pages(tokens, genuine).stored == 4
             out = torch.zeros_like(genuine)
             assert bob.get_pages(tokens, out) == len(tokens)
@@ -255,28 +388,50 @@ def test_a_tenant_cannot_read_another_tenants_pages(tmp_path, same_host):
     and read the pages, bit-identical. A read-only credential reads but cannot write."""
     from kvstore.tools.launcher import LocalCluster
 
-    creds, token = make_credentials(tmp_path, ("alice", "readwrite", ["team-a"]), ("bob", "readwrite", ["team-b"]),
-                                    ("auditor", "read", ["team-b"]))
+    creds, token = make_credentials(
+        tmp_path,
+        ("alice", "readwrite", ["team-a"]),
+        ("bob", "readwrite", ["team-b"]),
+        ("auditor", "read", ["team-b"]),
+    )
     ns = make_ns("team-b")
     tokens = list(range(4 * ns.block_size))
     genuine = pages_for(ns, tokens)
-    with LocalCluster(servers=1, capacity="64MiB", slab_size="16MiB", env={"KVSTORE_CREDENTIALS_FILE": str(creds)}) as c:
-        with KVCacheClient(c.redis_url, ns, auth_token_file=str(token["bob"]), same_host=same_host) as bob:
+    with LocalCluster(
+        servers=1, capacity="64MiB", slab_size="16MiB", env={"KVSTORE_CREDENTIALS_FILE": str(creds)}
+    ) as c:
+        with KVCacheClient(
+            c.redis_url, ns, auth_token_file=str(token["bob"]), same_host=same_host
+        ) as bob:
             assert bob.put_pages(tokens, genuine).stored == 4
-        with KVCacheClient(c.redis_url, ns, auth_token_file=str(token["alice"]), timeout=3, same_host=same_host) as alice:
-            assert alice.lookup(tokens) == len(tokens)  # the index still answers (index ACLs confine it: docs/security.md)
+        with KVCacheClient(
+            c.redis_url, ns, auth_token_file=str(token["alice"]), timeout=3, same_host=same_host
+        ) as alice:
+            assert alice.lookup(tokens) == len(
+                tokens
+            )  # the index still answers (index ACLs confine it: docs/security.md)
             out = torch.zeros_like(genuine)
             with pytest.raises(PermissionError, match="refused to read pages of tenant 'team-b'"):
                 alice.get_pages(tokens, out)
             assert not as_bytes(out).any()
         other = make_ns("team-b").model_copy(update={"model": "another-model"})
-        with KVCacheClient(c.redis_url, ns, auth_token_file=str(token["auditor"]), timeout=3, same_host=same_host) as auditor:
+        with KVCacheClient(
+            c.redis_url, ns, auth_token_file=str(token["auditor"]), timeout=3, same_host=same_host
+        ) as auditor:
             out = torch.zeros_like(genuine)
             assert auditor.get_pages(tokens, out) == len(tokens)
             assert torch.equal(as_bytes(out), as_bytes(genuine))
-        with KVCacheClient(c.redis_url, other, auth_token_file=str(token["auditor"]), timeout=3, same_host=same_host) as auditor:
-            with pytest.raises(PermissionError, match="forbidden"):  # read rights only
-                auditor.put_pages(tokens, pages_for(other, tokens))
+        with (
+            KVCacheClient(
+                c.redis_url,
+                other,
+                auth_token_file=str(token["auditor"]),
+                timeout=3,
+                same_host=same_host,
+            ) as auditor,
+            pytest.raises(PermissionError, match="forbidden"),
+        ):  # read rights only
+            auditor.put_pages(tokens, pages_for(other, tokens))
 
 
 @pytest.mark.process
@@ -302,16 +457,22 @@ def test_credentials_rotate_without_a_restart(tmp_path):
         except PermissionError:
             return False
 
-    with LocalCluster(servers=1, capacity="64MiB", slab_size="16MiB", env={"KVSTORE_CREDENTIALS_FILE": str(creds)}) as c:
+    with LocalCluster(
+        servers=1, capacity="64MiB", slab_size="16MiB", env={"KVSTORE_CREDENTIALS_FILE": str(creds)}
+    ) as c:
         pid = c.nodes[0].process.pid
-        with KVCacheClient(c.redis_url, ns, auth_token_file=str(token["old"]), timeout=3) as old, \
-             KVCacheClient(c.redis_url, ns, auth_token_file=str(new_token["new"]), timeout=3) as new:
+        with (
+            KVCacheClient(c.redis_url, ns, auth_token_file=str(token["old"]), timeout=3) as old,
+            KVCacheClient(c.redis_url, ns, auth_token_file=str(new_token["new"]), timeout=3) as new,
+        ):
             assert stores(old, 0) and not stores(new, 1000)
             replace(creds.read_text() + new_line)
             attempt = iter(range(2000, 10**6, 1000))
             wait_for(lambda: stores(new, next(attempt)), 15, "the new credential to be accepted")
             replace(new_line)
-            wait_for(lambda: not stores(old, next(attempt)), 15, "the removed credential to be refused")
+            wait_for(
+                lambda: not stores(old, next(attempt)), 15, "the removed credential to be refused"
+            )
             replace("this line is not a credential\n")
             time.sleep(2.5)  # past the node's recheck
             assert stores(new, next(attempt)) and not stores(old, next(attempt))
@@ -323,10 +484,24 @@ def test_credentials_rotate_without_a_restart(tmp_path):
 def test_a_node_without_any_credential_refuses_to_start(tmp_path):
     """Finding 1: with no token, no credential at all was needed. A node now needs a
     token, a credentials file, or an explicit --anonymous."""
-    out = subprocess.run([sys.executable, "-m", "server", "--metrics-port", "0"], env=ENV, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "--credentials-file" in out.stderr and "--anonymous" in out.stderr
+    out = subprocess.run(
+        [sys.executable, "-m", "server", "--metrics-port", "0"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        out.returncode == 2 and "--credentials-file" in out.stderr and "--anonymous" in out.stderr
+    )
     (tmp_path / "bad").write_text("alice sha256:abc readwrite team-a\n")
-    out = subprocess.run([sys.executable, "-m", "server", "--credentials-file", str(tmp_path / "bad")], env=ENV, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "server", "--credentials-file", str(tmp_path / "bad")],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "line 1" in out.stderr and "64 lowercase hex" in out.stderr
 
 
@@ -335,8 +510,14 @@ def test_a_node_without_any_credential_refuses_to_start(tmp_path):
 
 def acl_rules(role: str, tenant: str | None = None) -> list[str]:
     """The rules ``kvstore acl`` prints for a role (a real process)."""
-    out = subprocess.run([*KVSTORE, "acl", "--role", role, *(["--tenant", tenant] if tenant else [])], env=ENV,
-                         capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [*KVSTORE, "acl", "--role", role, *(["--tenant", tenant] if tenant else [])],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return out.stdout.split()
 
 
@@ -360,42 +541,78 @@ def test_index_roles_confine_tenants_and_keep_clients_from_registering_nodes():
     tokens = list(range(4 * ns_a.block_size))
     with EmbeddedValkey() as valkey:
         admin = redis.Redis.from_url(valkey.url)
-        users = {"node": ("node", None), "alice": ("client", "team-a"), "bob": ("client", "team-b"), "ops": ("operator", None)}
+        users = {
+            "node": ("node", None),
+            "alice": ("client", "team-a"),
+            "bob": ("client", "team-b"),
+            "ops": ("operator", None),
+        }
         for user, (role, tenant) in users.items():
-            admin.execute_command("ACL", "SETUSER", user, "on", f">pw-{user}", *acl_rules(role, tenant))
+            admin.execute_command(
+                "ACL", "SETUSER", user, "on", f">pw-{user}", *acl_rules(role, tenant)
+            )
         admin.execute_command("ACL", "SETUSER", "default", "off")
         where = valkey.url.split("//", 1)[1]
         url = {user: f"redis://{user}:pw-{user}@{where}" for user in users}
-        with LocalCluster(servers=1, capacity="64MiB", slab_size="16MiB", redis_url=url["node"]) as c:
+        with LocalCluster(servers=1, capacity="64MiB", slab_size="16MiB", redis_url=url["node"]):
             for user, ns in (("alice", ns_a), ("bob", ns_b)):
                 with KVCacheClient(url[user], ns) as client:
                     assert client.put_pages(tokens, pages_for(ns, tokens)).stored == 4
                     out = torch.zeros_like(pages_for(ns, tokens))
-                    assert client.get_pages(tokens, out) == len(tokens) and torch.equal(as_bytes(out), as_bytes(pages_for(ns, tokens)))
+                    assert client.get_pages(tokens, out) == len(tokens) and torch.equal(
+                        as_bytes(out), as_bytes(pages_for(ns, tokens))
+                    )
                     assert client.stats.index_errors == 0 and client.stats.index_script_errors == 0
 
             alice = redis.Redis.from_url(url["alice"])
             listed = {m.decode() for m in admin.smembers("kvs:{registry}:namespaces")}
-            assert listed == {ns_a.key.member, ns_b.key.member}  # by the node, which may write the registry
-            for attack in (lambda: alice.scan(0), lambda: alice.keys("*"), lambda: alice.randomkey(),
-                           lambda: alice.hget(ns_b.key.meta, "json"), lambda: alice.hset("kvs:{registry}:node:rogue", "address", "10.0.0.66:1"),
-                           lambda: alice.zadd("kvs:{registry}:nodes", {"rogue": 2**50}), lambda: alice.flushall()):
+            assert listed == {
+                ns_a.key.member,
+                ns_b.key.member,
+            }  # by the node, which may write the registry
+            for attack in (
+                lambda: alice.scan(0),
+                lambda: alice.keys("*"),
+                lambda: alice.randomkey(),
+                lambda: alice.hget(ns_b.key.meta, "json"),
+                lambda: alice.hset("kvs:{registry}:node:rogue", "address", "10.0.0.66:1"),
+                lambda: alice.zadd("kvs:{registry}:nodes", {"rogue": 2**50}),
+                lambda: alice.flushall(),
+            ):
                 with pytest.raises(redis.exceptions.NoPermissionError):
                     attack()
-            with KVCacheClient(url["alice"], ns_b, timeout=3) as spy:  # alice with bob's namespace: no entry is readable
+            with KVCacheClient(
+                url["alice"], ns_b, timeout=3
+            ) as spy:  # alice with bob's namespace: no entry is readable
                 assert spy.lookup(tokens) == 0
             rogue = PageIndex(url["alice"])
             with pytest.raises(Exception, match="(?i)permission"):
                 rogue.register_node("rogue", "10.0.0.66:1", 1 << 30, 5000)
-            assert [n.node_id for n in rogue.live_nodes()] == ["node-0"]  # clients still read the registry
+            assert [n.node_id for n in rogue.live_nodes()] == [
+                "node-0"
+            ]  # clients still read the registry
 
-            out = subprocess.run([*KVSTORE, "stats", "--redis-url", url["ops"]], env=ENV, capture_output=True, text=True, timeout=60)
-            assert out.returncode == 0 and "node-0" in out.stdout and "team-a" in out.stdout and "team-b" in out.stdout
+            out = subprocess.run(
+                [*KVSTORE, "stats", "--redis-url", url["ops"]],
+                env=ENV,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert (
+                out.returncode == 0
+                and "node-0" in out.stdout
+                and "team-a" in out.stdout
+                and "team-b" in out.stdout
+            )
             ops = redis.Redis.from_url(url["ops"])
             with pytest.raises(redis.exceptions.NoPermissionError):
                 ops.set(ns_a.key.meta, "x")
         denied = {str(entry["username"]) for entry in admin.acl_log(100)}
-        assert denied == {"alice", "ops"}  # Valkey logged the refusals; the node and bob were never refused
+        assert denied == {
+            "alice",
+            "ops",
+        }  # Valkey logged the refusals; the node and bob were never refused
 
 
 # ---- limits ----------------------------------------------------------------------------
@@ -409,7 +626,10 @@ def test_one_tenant_cannot_flush_another_tenants_pages():
     from kvstore.tools.launcher import LocalCluster
     from tests.helpers import metrics
 
-    bob_ns, mallory_ns = namespace_for_page_size(64 << 10, tenant="bob"), namespace_for_page_size(64 << 10, tenant="mallory")
+    bob_ns, mallory_ns = (
+        namespace_for_page_size(64 << 10, tenant="bob"),
+        namespace_for_page_size(64 << 10, tenant="mallory"),
+    )
     bob_tokens = list(range(128 * bob_ns.block_size))  # 8 MiB
     args = ["--tenant-quota", "0.5", "--max-request-bytes", "16MiB", "--max-request-pages", "2048"]
     with LocalCluster(servers=1, capacity="64MiB", slab_size="16MiB", extra_args=args) as c:
@@ -425,7 +645,9 @@ def test_one_tenant_cannot_flush_another_tenants_pages():
             assert mallory.put_pages(huge, pages_for(mallory_ns, huge)).stored == 0
             assert mallory.stats.node_errors == errors + 1
         held = metrics(c, "node-0")
-        assert held["kvstore_used_bytes"] <= 8 * 2**20 + 32 * 2**20  # bob's pages and mallory's quota
+        assert (
+            held["kvstore_used_bytes"] <= 8 * 2**20 + 32 * 2**20
+        )  # bob's pages and mallory's quota
         assert held['kvstore_errors_total{kind="too_large"}'] == 1
         with KVCacheClient(c.redis_url, bob_ns) as bob:
             out = torch.zeros_like(pages_for(bob_ns, bob_tokens))
@@ -477,7 +699,13 @@ def test_an_oversized_control_message_is_refused_before_the_node_allocates_it():
         host, port = node.address.rsplit(":", 1)
         pid = c.nodes[0].process.pid
         before = rss_bytes(pid)
-        out = subprocess.run([sys.executable, "-c", OVERSIZED_CONTROL, host, port, "8"], env=ENV, capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-c", OVERSIZED_CONTROL, host, port, "8"],
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.stdout.split() == ["protocol"], out.stderr[-2000:]
         assert rss_bytes(pid) - before < 32 << 20
         assert c.nodes[0].process.poll() is None

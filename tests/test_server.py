@@ -20,7 +20,16 @@ from kvstore import block_hashes
 from kvstore.index import PageIndex
 from kvstore.pages.checksum import page_checksum
 from kvstore.wire import protocol as P
-from tests.helpers import ROOT, advertised_prefix, metrics, namespace_for_page_size, run_worker, spec, wait_for, worker_result
+from tests.helpers import (
+    ROOT,
+    advertised_prefix,
+    metrics,
+    namespace_for_page_size,
+    run_worker,
+    spec,
+    wait_for,
+    worker_result,
+)
 
 
 @pytest.mark.parametrize("page_size", [4 << 10, 64 << 10, 2 << 20, 8 << 20])
@@ -38,6 +47,7 @@ def test_put_then_get_from_another_process_is_bit_exact(clusters, page_size):
 # The tests whose node behaviour goes through the index (commit, eviction under read
 # leases, deregistration) run on a single Valkey and on a 3-shard Valkey cluster.
 ON_BOTH_INDEXES = pytest.mark.parametrize("index_shards", [1, 3], ids=["valkey", "cluster3"])
+
 
 def test_batch_of_1024_small_pages_moves_in_few_messages(clusters):
     cluster = clusters()
@@ -65,7 +75,16 @@ def test_large_scattered_pages_share_ucx_messages(clusters):
     from kvstore import Namespace
 
     cluster = clusters()
-    ns = Namespace(model="scattered", dtype="float32", num_layers=4, num_kv_heads=8, head_size=128, block_size=16, tenant="scattered", layout="vllm_cpu")
+    ns = Namespace(
+        model="scattered",
+        dtype="float32",
+        num_layers=4,
+        num_kv_heads=8,
+        head_size=128,
+        block_size=16,
+        tenant="scattered",
+        layout="vllm_cpu",
+    )
     assert ns.page_nbytes > P.PACK_BELOW
     n = 12
     tokens = list(range(n * ns.block_size))
@@ -90,10 +109,25 @@ def test_filling_past_capacity_evicts_least_recently_used(clusters):
     batches = [list(range(b * 10_000, b * 10_000 + 32 * ns.block_size)) for b in range(4)]
     opts = {"lease_ms": 0}
     for b in batches[:3]:
-        assert run_worker(spec(cluster, ns, "put_pages", tokens=b, options=opts))["reports"][0]["stored"] == 32
+        assert (
+            run_worker(spec(cluster, ns, "put_pages", tokens=b, options=opts))["reports"][0][
+                "stored"
+            ]
+            == 32
+        )
     # reading batch 0 makes it recently used, so batch 1 is now the oldest
-    assert run_worker(spec(cluster, ns, "get_pages", tokens=batches[0], options=opts))["results"][0]["matched"] == 32
-    assert run_worker(spec(cluster, ns, "put_pages", tokens=batches[3], options=opts))["reports"][0]["stored"] == 32
+    assert (
+        run_worker(spec(cluster, ns, "get_pages", tokens=batches[0], options=opts))["results"][0][
+            "matched"
+        ]
+        == 32
+    )
+    assert (
+        run_worker(spec(cluster, ns, "put_pages", tokens=batches[3], options=opts))["reports"][0][
+            "stored"
+        ]
+        == 32
+    )
     index = PageIndex(cluster.redis_url)
     prefixes = [advertised_prefix(index, ns, block_hashes(ns, b), lease_ms=0) for b in batches]
     assert prefixes[0] == 32 and prefixes[1] == 0 and prefixes[2] == 32 and prefixes[3] == 32
@@ -111,11 +145,15 @@ def test_put_that_cannot_fit_is_refused_cleanly(clusters):
     ns = namespace_for_page_size(64 << 10, tenant="refuse")
     first = list(range(32 * ns.block_size))
     assert run_worker(spec(cluster, ns, "put_pages", tokens=first))["reports"][0]["stored"] == 32
-    PageIndex(cluster.redis_url).lookup(ns, block_hashes(ns, first), lease_ms=60_000)  # readers hold every page
+    PageIndex(cluster.redis_url).lookup(
+        ns, block_hashes(ns, first), lease_ms=60_000
+    )  # readers hold every page
     second = list(range(50_000, 50_000 + 8 * ns.block_size))
     report = run_worker(spec(cluster, ns, "put_pages", tokens=second))["reports"][0]
     assert report["stored"] == 0 and report["refused"] == 8
-    assert run_worker(spec(cluster, ns, "get_pages", tokens=first))["results"] == [{"blocks": 32, "matched": 32, "exact": True}]
+    assert run_worker(spec(cluster, ns, "get_pages", tokens=first))["results"] == [
+        {"blocks": 32, "matched": 32, "exact": True}
+    ]
     assert metrics(cluster, "node-0")["kvstore_refused_pages_total"] == 8
 
 
@@ -124,9 +162,23 @@ def test_four_concurrent_clients_read_only_correct_bytes(clusters):
     cluster = clusters(servers=2)
     ns = namespace_for_page_size(64 << 10, tenant="concurrent")
     common = list(range(8 * ns.block_size))
-    lists = [common + list(range(100_000 * (w + 1), 100_000 * (w + 1) + 8 * ns.block_size)) for w in range(4)]
-    procs = [run_worker(spec(cluster, ns, "put_pages", token_lists=[lists[w], lists[(w + 1) % 4]]), background=True) for w in range(4)]
-    procs += [run_worker(spec(cluster, ns, "get_pages", token_lists=lists, loop_seconds=2), background=True) for _ in range(2)]
+    lists = [
+        common + list(range(100_000 * (w + 1), 100_000 * (w + 1) + 8 * ns.block_size))
+        for w in range(4)
+    ]
+    procs = [
+        run_worker(
+            spec(cluster, ns, "put_pages", token_lists=[lists[w], lists[(w + 1) % 4]]),
+            background=True,
+        )
+        for w in range(4)
+    ]
+    procs += [
+        run_worker(
+            spec(cluster, ns, "get_pages", token_lists=lists, loop_seconds=2), background=True
+        )
+        for _ in range(2)
+    ]
     results = [worker_result(p) for p in procs]
     for r in results[4:]:
         assert all(x["exact"] for x in r["results"])
@@ -153,23 +205,37 @@ def test_client_killed_mid_put_leaves_nothing_visible(clusters):
     index = PageIndex(cluster.redis_url)
     time.sleep(0.5)
     assert advertised_prefix(index, ns, block_hashes(ns, tokens), lease_ms=0) == 0
-    wait_for(lambda: metrics(cluster, "node-0")["kvstore_used_bytes"] == 0, 20, "slots of the broken put to be freed")
+    wait_for(
+        lambda: metrics(cluster, "node-0")["kvstore_used_bytes"] == 0,
+        20,
+        "slots of the broken put to be freed",
+    )
     assert metrics(cluster, "node-0")["kvstore_pinned_pages"] == 0
     small = namespace_for_page_size(64 << 10, tenant="after-kill")
-    assert run_worker(spec(cluster, small, "put_pages", count=4 * small.block_size))["reports"][0]["stored"] == 4
+    assert (
+        run_worker(spec(cluster, small, "put_pages", count=4 * small.block_size))["reports"][0][
+            "stored"
+        ]
+        == 4
+    )
 
 
 def test_server_killed_mid_put_gives_client_an_error_in_time(clusters):
     cluster = clusters(capacity="1GiB", slab="16MiB")
     ns = namespace_for_page_size(2 << 20, tenant="kill-server-put")
     tokens = list(range(192 * ns.block_size))
-    proc = run_worker(spec(cluster, ns, "put_pages", tokens=tokens, options={"timeout": 3}), background=True)
+    proc = run_worker(
+        spec(cluster, ns, "put_pages", tokens=tokens, options={"timeout": 3}), background=True
+    )
     wait_for(lambda: _put_in_progress(cluster) or proc.poll() is not None, 60, "the put to start")
     cluster.nodes[0].kill()
     result = worker_result(proc, timeout=60)
     assert result["reports"][0]["stored"] == 0
     assert result["stats"]["node_errors"] >= 1
-    assert advertised_prefix(PageIndex(cluster.redis_url), ns, block_hashes(ns, tokens), lease_ms=0) == 0
+    assert (
+        advertised_prefix(PageIndex(cluster.redis_url), ns, block_hashes(ns, tokens), lease_ms=0)
+        == 0
+    )
 
 
 def test_server_killed_mid_get_gives_miss_never_wrong_bytes(clusters):
@@ -177,9 +243,16 @@ def test_server_killed_mid_get_gives_miss_never_wrong_bytes(clusters):
     ns = namespace_for_page_size(2 << 20, tenant="kill-server-get")
     tokens = list(range(128 * ns.block_size))
     assert run_worker(spec(cluster, ns, "put_pages", tokens=tokens))["reports"][0]["stored"] == 128
-    proc = run_worker(spec(cluster, ns, "get_pages", tokens=tokens, loop_seconds=8, options={"timeout": 2}), background=True)
+    proc = run_worker(
+        spec(cluster, ns, "get_pages", tokens=tokens, loop_seconds=8, options={"timeout": 2}),
+        background=True,
+    )
     # kill once the node has served at least one whole get and is serving more
-    wait_for(lambda: metrics(cluster, "node-0")["kvstore_get_pages_total"] >= 129, 60, "the reader to get going")
+    wait_for(
+        lambda: metrics(cluster, "node-0")["kvstore_get_pages_total"] >= 129,
+        60,
+        "the reader to get going",
+    )
     cluster.nodes[0].kill()
     start = time.monotonic()
     result = worker_result(proc, timeout=60)
@@ -200,17 +273,44 @@ def test_garbage_and_truncated_frames_do_not_take_the_server_down(clusters):
     ns = namespace_for_page_size(64 << 10, tenant="garbage")
     index = PageIndex(cluster.redis_url)
     index.ensure_namespace(ns)
-    out = subprocess.run([sys.executable, str(ROOT / "tests" / "raw_client.py"), node.host, str(node.port), ns.digest_hex, ns.tenant], env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tests" / "raw_client.py"),
+            node.host,
+            str(node.port),
+            ns.digest_hex,
+            ns.tenant,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     replies = json.loads(out.stdout.strip().splitlines()[-1])
-    for case in ("garbage", "short", "bad_magic", "bad_version", "truncated", "oversized", "unknown_type", "bad_json", "server_frame", "bad_rows"):
+    for case in (
+        "garbage",
+        "short",
+        "bad_magic",
+        "bad_version",
+        "truncated",
+        "oversized",
+        "unknown_type",
+        "bad_json",
+        "server_frame",
+        "bad_rows",
+    ):
         assert replies[case] == "protocol", (case, replies[case])
     assert replies["valid_get_after_garbage"] == "GetPlan"
     assert replies["truncated_payload_plan"] == "PutPlan"
     assert replies["truncated_payload"].startswith(("closed", "stored=[] corrupt=[0]"))
     assert advertised_prefix(index, ns, [bytes.fromhex("2" * 32)], lease_ms=0) == 0
     assert cluster.nodes[0].process.poll() is None
-    assert run_worker(spec(cluster, ns, "put_pages", count=4 * ns.block_size))["reports"][0]["stored"] == 4
+    assert (
+        run_worker(spec(cluster, ns, "put_pages", count=4 * ns.block_size))["reports"][0]["stored"]
+        == 4
+    )
     assert metrics(cluster, "node-0")['kvstore_errors_total{kind="protocol"}'] >= 10
 
 
@@ -237,7 +337,9 @@ def thread_wakeups(pid: int | str) -> int:
     for task in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{task}/status") as f:
-                total += next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+                total += next(
+                    int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches")
+                )
         except (OSError, StopIteration):
             pass  # a thread that ended meanwhile
     return total
@@ -279,7 +381,13 @@ def test_idle_node_and_ucx_client_sleep(clusters):
     registry refreshes) and use under 2 % of a core."""
     cluster = clusters()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo"}
-    proc = subprocess.run([sys.executable, "-c", IDLE_CLIENT, cluster.redis_url, str(ROOT)], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", IDLE_CLIENT, cluster.redis_url, str(ROOT)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     client = json.loads(proc.stdout.strip().splitlines()[-1])
     assert client["ucx"] >= 1  # the pages went over UCX
@@ -333,12 +441,20 @@ def test_loop_progress_spins_only_while_a_large_request_may_move():
     ``spin_limit`` (a peer that never sends costs a bounded time of a core), then the
     process idles; closing the channel ends what still spins."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo"}
-    proc = subprocess.run([sys.executable, "-c", SPIN_BOUND, str(ROOT)], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", SPIN_BOUND, str(ROOT)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["spinning"] == 1 and got["after_limit"] == 0, got
     assert got["idle_cpu"] < 0.05, got
-    assert got["moving"] == 1 and got["pending_done"] and got["sent_done"] and got["after_close"] == 0, got
+    assert (
+        got["moving"] == 1 and got["pending_done"] and got["sent_done"] and got["after_close"] == 0
+    ), got
 
 
 def test_metrics_and_probes(clusters):
@@ -349,15 +465,28 @@ def test_metrics_and_probes(clusters):
     assert urllib.request.urlopen(base + "/healthz", timeout=5).status == 200
     m = metrics(cluster, "node-0")
     assert m["kvstore_capacity_bytes"] == 64 << 20
-    for name in ("kvstore_used_bytes", "kvstore_pages", "kvstore_put_pages_total", "kvstore_get_pages_total", "kvstore_received_bytes_total",
-                 "kvstore_sent_bytes_total", "kvstore_evicted_pages_total", "kvstore_refused_pages_total", "kvstore_requests_in_flight",
-                 "process_resident_memory_bytes", "process_cpu_seconds_total", "kvstore_event_loop_lag_seconds"):
+    for name in (
+        "kvstore_used_bytes",
+        "kvstore_pages",
+        "kvstore_put_pages_total",
+        "kvstore_get_pages_total",
+        "kvstore_received_bytes_total",
+        "kvstore_sent_bytes_total",
+        "kvstore_evicted_pages_total",
+        "kvstore_refused_pages_total",
+        "kvstore_requests_in_flight",
+        "process_resident_memory_bytes",
+        "process_cpu_seconds_total",
+        "kvstore_event_loop_lag_seconds",
+    ):
         assert name in m, name
     assert m["kvstore_free_slabs"] >= 1
     assert m["kvstore_index_up"] == 1 and 0 <= m["kvstore_heartbeat_age_seconds"] < 5
     text = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
     assert "kvstore_request_seconds_bucket" in text
-    assert re.search(r'kvstore_build_info\{python="[0-9.]+",ucxx="[^"]+",version="[^"]+"\} 1.0', text), text[:2000]
+    assert re.search(
+        r'kvstore_build_info\{python="[0-9.]+",ucxx="[^"]+",version="[^"]+"\} 1.0', text
+    ), text[:2000]
 
     def ready() -> int:
         try:
@@ -367,7 +496,9 @@ def test_metrics_and_probes(clusters):
 
     cluster.valkey.stop()  # heartbeats fail: the node stops reporting ready
     wait_for(lambda: ready() == 503, 20, "/readyz to turn 503")
-    assert urllib.request.urlopen(base + "/healthz", timeout=5).status == 200  # alive: only the index is gone
+    assert (
+        urllib.request.urlopen(base + "/healthz", timeout=5).status == 200
+    )  # alive: only the index is gone
     text = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
     assert "kvstore_index_up 0.0" in text
     age = float(re.search(r"^kvstore_heartbeat_age_seconds ([0-9.e+-]+)$", text, re.M).group(1))
@@ -392,7 +523,9 @@ def test_healthz_fails_while_the_event_loop_is_stuck():
 
     def status() -> int:
         try:
-            return urllib.request.urlopen(f"http://127.0.0.1:{http.server_port}/healthz", timeout=5).status
+            return urllib.request.urlopen(
+                f"http://127.0.0.1:{http.server_port}/healthz", timeout=5
+            ).status
         except urllib.error.HTTPError as err:
             return err.code
 
@@ -409,9 +542,19 @@ def test_healthz_fails_while_the_event_loop_is_stuck():
 
 @pytest.mark.process
 def test_bad_options_exit_with_a_message():
-    out = subprocess.run([sys.executable, "-m", "server", "--capacity", "-1GiB"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "server", "--capacity", "-1GiB"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "capacity" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "server", "--high-watermark", "0.5", "--low-watermark", "0.7"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "server", "--high-watermark", "0.5", "--low-watermark", "0.7"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "low_watermark" in out.stderr
 
 
@@ -429,8 +572,15 @@ def test_thread_progress_mode_serves_and_exits_on_sigterm(clusters):
     cluster = clusters(extra=["--ucx-progress-mode", "thread"])
     ns = namespace_for_page_size(64 << 10, tenant="thread-mode")
     tokens = list(range(8 * ns.block_size))
-    assert run_worker(spec(cluster, ns, "put_pages", tokens=tokens, options={"ucx_progress_mode": "thread"}))["reports"][0]["stored"] == 8
-    assert run_worker(spec(cluster, ns, "get_pages", tokens=tokens))["results"] == [{"blocks": 8, "matched": 8, "exact": True}]
+    assert (
+        run_worker(
+            spec(cluster, ns, "put_pages", tokens=tokens, options={"ucx_progress_mode": "thread"})
+        )["reports"][0]["stored"]
+        == 8
+    )
+    assert run_worker(spec(cluster, ns, "get_pages", tokens=tokens))["results"] == [
+        {"blocks": 8, "matched": 8, "exact": True}
+    ]
     node = cluster.nodes[0].process
     node.send_signal(signal.SIGTERM)
     assert node.wait(15) == 0
@@ -461,7 +611,19 @@ def test_bad_same_host_frames_and_a_hostile_writer_do_not_hurt_the_node(clusters
     with socket.socket(socket.AF_UNIX) as sock:
         sock.settimeout(10)
         sock.connect(node.extra["shm"])
-        sock.sendall(P.encode(P.PutRequest(namespace=ns.digest_hex, tenant=ns.tenant, hashes=[b"3" * 16], sizes=[page.nbytes], join=[False], anchors=[b"3" * 16], positions=[0])))
+        sock.sendall(
+            P.encode(
+                P.PutRequest(
+                    namespace=ns.digest_hex,
+                    tenant=ns.tenant,
+                    hashes=[b"3" * 16],
+                    sizes=[page.nbytes],
+                    join=[False],
+                    anchors=[b"3" * 16],
+                    positions=[0],
+                )
+            )
+        )
         plan, fds = reply(sock)
         assert isinstance(plan, P.PutPlan) and len(fds) == 1 and plan.ints("wanted") == [0]
         with pytest.raises(PermissionError):
@@ -477,7 +639,9 @@ def test_bad_same_host_frames_and_a_hostile_writer_do_not_hurt_the_node(clusters
     assert advertised_prefix(PageIndex(cluster.redis_url), ns, [b"3" * 16], lease_ms=0) == 0
     tokens = list(range(4 * ns.block_size))
     assert run_worker(spec(cluster, ns, "put_pages", tokens=tokens))["reports"][0]["stored"] == 4
-    assert run_worker(spec(cluster, ns, "get_pages", tokens=tokens))["results"] == [{"blocks": 4, "matched": 4, "exact": True}]
+    assert run_worker(spec(cluster, ns, "get_pages", tokens=tokens))["results"] == [
+        {"blocks": 4, "matched": 4, "exact": True}
+    ]
     assert metrics(cluster, "node-0")['kvstore_transfer_requests_total{op="get",path="shm"}'] >= 1
     assert cluster.nodes[0].process.poll() is None
 
@@ -498,12 +662,25 @@ def test_a_node_verifying_on_two_threads_refuses_exactly_the_page_that_lies(clus
     with socket.socket(socket.AF_UNIX) as sock:
         sock.settimeout(10)
         sock.connect(node.extra["shm"])
-        sock.sendall(P.encode(P.PutRequest(namespace=ns.digest_hex, tenant=ns.tenant, hashes=hashes, sizes=[p.nbytes for p in pages],
-                                           join=[False] * 4, anchors=hashes, positions=[0] * 4)))
+        sock.sendall(
+            P.encode(
+                P.PutRequest(
+                    namespace=ns.digest_hex,
+                    tenant=ns.tenant,
+                    hashes=hashes,
+                    sizes=[p.nbytes for p in pages],
+                    join=[False] * 4,
+                    anchors=hashes,
+                    positions=[0] * 4,
+                )
+            )
+        )
         head, fds, _, _ = socket.recv_fds(sock, P.PREAMBLE.size, 8, socket.MSG_WAITALL)
         plan = P.decode(head + sock.recv(P.announced_length(head), socket.MSG_WAITALL))
         assert isinstance(plan, P.PutPlan) and plan.ints("wanted") == [0, 1, 2, 3]
-        slabs = {region: mmap.mmap(fd, os.fstat(fd).st_size) for (region, _), fd in zip(plan.mapped, fds)}
+        slabs = {
+            region: mmap.mmap(fd, os.fstat(fd).st_size) for (region, _), fd in zip(plan.mapped, fds)
+        }
         for page, region, off in zip(pages, plan.ints("regions"), plan.ints("offsets")):
             slabs[region][off : off + page.nbytes] = page.tobytes()
         sums = [page_checksum(p) for p in pages]
@@ -528,7 +705,10 @@ def test_more_slabs_than_one_frame_can_carry_descriptors_for(clusters):
     put = run_worker(spec(cluster, ns, "put_pages", tokens=tokens))
     assert put["reports"][0]["stored"] == 300 and put["stats"]["same_host_transfers"] == 1
     got = run_worker(spec(cluster, ns, "get_pages", tokens=tokens))
-    assert got["results"] == [{"blocks": 300, "matched": 300, "exact": True}] and got["stats"]["same_host_transfers"] == 1
+    assert (
+        got["results"] == [{"blocks": 300, "matched": 300, "exact": True}]
+        and got["stats"]["same_host_transfers"] == 1
+    )
 
 
 def test_a_client_that_cannot_reach_the_socket_falls_back_to_ucx(clusters):
@@ -543,7 +723,10 @@ def test_a_client_that_cannot_reach_the_socket_falls_back_to_ucx(clusters):
     assert result["reports"][0]["stored"] == 4 and result["stats"]["same_host_transfers"] == 0
     assert result["stats"]["node_errors"] == 0  # not counted as a node failure
     got = run_worker(spec(cluster, ns, "get_pages", tokens=tokens))
-    assert got["results"] == [{"blocks": 4, "matched": 4, "exact": True}] and got["stats"]["same_host_transfers"] == 0
+    assert (
+        got["results"] == [{"blocks": 4, "matched": 4, "exact": True}]
+        and got["stats"]["same_host_transfers"] == 0
+    )
     assert metrics(cluster, "node-0")['kvstore_transfer_requests_total{op="get",path="ucx"}'] >= 1
 
 
@@ -560,10 +743,15 @@ def test_pages_scattered_in_the_pool_move_as_many_runs_bit_exact(clusters):
     a = list(range(blocks * ns.block_size))
     b = list(range(10**6, 10**6 + blocks * ns.block_size))
     interleaved = [t[: k * ns.block_size] for k in range(1, blocks + 1) for t in (a, b)]
-    put = run_worker(spec(cluster, ns, "put_pages", token_lists=interleaved, options={"same_host": False}))
+    put = run_worker(
+        spec(cluster, ns, "put_pages", token_lists=interleaved, options={"same_host": False})
+    )
     assert sum(r["sent"] for r in put["reports"]) == 2 * blocks  # one new page per put
     before = metrics(cluster, "node-0")['kvstore_payload_messages_total{direction="out"}']
     asked = a + list(range(5 * 10**6, 5 * 10**6 + 4 * ns.block_size))  # 4 blocks no node holds
     got = run_worker(spec(cluster, ns, "get_pages", tokens=asked, options={"same_host": False}))
     assert got["results"] == [{"blocks": blocks + 4, "matched": blocks, "exact": True}]
-    assert metrics(cluster, "node-0")['kvstore_payload_messages_total{direction="out"}'] - before == blocks
+    assert (
+        metrics(cluster, "node-0")['kvstore_payload_messages_total{direction="out"}'] - before
+        == blocks
+    )

@@ -20,12 +20,32 @@ HEADS = 4
 TOKENS = list(range(8 * 16))  # 8 blocks of 16 tokens
 
 
-def rank_ns(tp_size: int, tp_rank: int, *, heads: int = HEADS, groups: int = 2, layout: str = "kv_lbhd", tenant: str = "tp") -> Namespace:
+def rank_ns(
+    tp_size: int,
+    tp_rank: int,
+    *,
+    heads: int = HEADS,
+    groups: int = 2,
+    layout: str = "kv_lbhd",
+    tenant: str = "tp",
+) -> Namespace:
     """The namespace of one rank of an engine at ``tp_size`` (vLLM's head split)."""
     replicated = tp_size > heads
-    return Namespace(model="tp-share", dtype="float16", num_layers=2, head_size=16, block_size=16, layout=layout, hidden_size=32,
-                     num_kv_heads=1 if replicated else heads // tp_size, tp_rank=tp_rank, tp_size=tp_size,
-                     total_kv_heads=heads if replicated else 0, head_groups=groups, tenant=tenant)
+    return Namespace(
+        model="tp-share",
+        dtype="float16",
+        num_layers=2,
+        head_size=16,
+        block_size=16,
+        layout=layout,
+        hidden_size=32,
+        num_kv_heads=1 if replicated else heads // tp_size,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        total_kv_heads=heads if replicated else 0,
+        head_groups=groups,
+        tenant=tenant,
+    )
 
 
 def _result(proc) -> dict:
@@ -36,7 +56,13 @@ def _result(proc) -> dict:
 
 def run_ranks(cluster, tp_size: int, op: str, ns_kw: dict | None = None, **kw) -> list[dict]:
     """Run ``op`` in one process per rank of an engine at ``tp_size``, all at once."""
-    procs = [run_worker(spec(cluster, rank_ns(tp_size, r, **(ns_kw or {})), op, kv="model", **kw), background=True) for r in range(tp_size)]
+    procs = [
+        run_worker(
+            spec(cluster, rank_ns(tp_size, r, **(ns_kw or {})), op, kv="model", **kw),
+            background=True,
+        )
+        for r in range(tp_size)
+    ]
     return [_result(p) for p in procs]
 
 
@@ -46,7 +72,9 @@ def cluster():
         yield c
 
 
-@pytest.mark.parametrize("layout", ["vllm_cpu"])  # heads at dimension 1; every layout is unit-tested below, kv_lbhd end to end in the other tests
+@pytest.mark.parametrize(
+    "layout", ["vllm_cpu"]
+)  # heads at dimension 1; every layout is unit-tested below, kv_lbhd end to end in the other tests
 def test_tp2_producers_and_a_tp1_consumer_share_pages(cluster, layout):
     """Two rank processes at TP=2 (2 of 4 heads each) put their pages; one process at
     TP=1 (4 heads) reads the whole KV, bit-exact, and a TP=2 rank reads its half."""
@@ -67,8 +95,11 @@ def test_units_of_consecutive_blocks_travel_as_one_message_over_ucx():
     one per unit (16 here), and a TP=2 rank reading a TP=1 writer's pages gets one."""
     ucx = {"options": {"same_host": False}}
     with LocalCluster(servers=1, capacity="64MiB", slab_size="4MiB") as one:
+
         def sent() -> float:
-            return metrics(one, one.nodes[0].node_id)['kvstore_payload_messages_total{direction="out"}']
+            return metrics(one, one.nodes[0].node_id)[
+                'kvstore_payload_messages_total{direction="out"}'
+            ]
 
         kw = {"tenant": "tp-runs"}
         puts = run_ranks(one, 2, "put_pages", kw, tokens=TOKENS, **ucx)
@@ -109,7 +140,9 @@ def test_ranks_fetch_what_one_lookup_found_without_asking_the_index(cluster):
             lookups, stale = rank.stats.lookups, rank.stats.stale_finds
             expected = rank_pages(rank.namespace, TOKENS)
             got = torch.empty_like(expected)
-            exact = rank.get_found(pickle.loads(pickle.dumps(found)), got) == len(TOKENS) and torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+            exact = rank.get_found(pickle.loads(pickle.dumps(found)), got) == len(
+                TOKENS
+            ) and torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
             out.append((exact, rank.stats.lookups - lookups, rank.stats.stale_finds - stale))
         return out
 
@@ -123,9 +156,13 @@ def test_ranks_fetch_what_one_lookup_found_without_asking_the_index(cluster):
         assert lease_reads() == before
         assert fetch(replace(found, taken=found.taken - 4.0)) == [(True, 1, 1)] * 2  # lease 5 s
         assert lease_reads() == before + 2
-        whole = torch.empty((8, *finder.namespace.page_shape), dtype=torch.float16)  # every group: the find as it is
+        whole = torch.empty(
+            (8, *finder.namespace.page_shape), dtype=torch.float16
+        )  # every group: the find as it is
         assert finder.get_found(found, whole) == len(TOKENS) and finder.stats.lookups == 1
-        assert torch.equal(whole.view(torch.uint8), rank_pages(finder.namespace, TOKENS).view(torch.uint8))
+        assert torch.equal(
+            whole.view(torch.uint8), rank_pages(finder.namespace, TOKENS).view(torch.uint8)
+        )
         short = finder.find(TOKENS[:15])  # not one full block: nothing found, nothing fetched
         assert short is not None and short.tokens == 0 and finder.get_found(short, whole) == 0
         # the head of a find (the connector's draft and target prefixes cut to the shorter):
@@ -154,7 +191,9 @@ def test_a_find_is_refused_by_a_client_it_does_not_fit(cluster):
     try:
         rank0.put_pages(TOKENS, rank_pages(rank0.namespace, TOKENS))
         found = rank0.find(TOKENS)
-        assert found is not None and found.units == (0, 1) and found.tokens == len(TOKENS)  # rank 0's group only
+        assert (
+            found is not None and found.units == (0, 1) and found.tokens == len(TOKENS)
+        )  # rank 0's group only
         out = torch.empty((8, *rank1.namespace.page_shape), dtype=torch.float16)
         with pytest.raises(InvalidInputError, match=r"head groups 0\.\.0, this rank reads 1\.\.1"):
             rank1.get_found(found, out)
@@ -170,11 +209,16 @@ def test_tp2_insert_and_tp1_select(cluster):
     the trailing partial block and hidden states stay with the producer's TP layout."""
     kw = {"tenant": "tp-insert"}
     inserts = run_ranks(cluster, 2, "insert", kw, tokens=TOKENS + [7, 7, 7])
-    assert [r["report"]["stored"] for r in inserts] == [8 + 1, 8 + 1]  # 8 block units and the rank's tail
+    assert [r["report"]["stored"] for r in inserts] == [
+        8 + 1,
+        8 + 1,
+    ]  # 8 block units and the rank's tail
     (sel,) = run_ranks(cluster, 1, "select", kw, tokens=TOKENS + [7, 7, 7])
     assert sel["matched"] == len(TOKENS) and sel["exact"] and not sel["hidden"]
     same = run_ranks(cluster, 2, "select", kw, tokens=TOKENS + [7, 7, 7])
-    assert [(s["matched"], s["exact"], s["hidden"]) for s in same] == [(len(TOKENS) + 3, True, True)] * 2
+    assert [(s["matched"], s["exact"], s["hidden"]) for s in same] == [
+        (len(TOKENS) + 3, True, True)
+    ] * 2
 
 
 def test_tp1_producer_and_tp2_consumers(cluster):
@@ -199,7 +243,11 @@ def test_replicated_heads_tp1_to_tp4_and_back_stores_each_head_once(cluster):
     before = sum(metrics(cluster, n.node_id)["kvstore_put_pages_total"] for n in _nodes(cluster))
     puts = run_ranks(cluster, 4, "put_pages", kw, tokens=TOKENS)
     assert all(p["reports"][0]["stored"] == 8 for p in puts)
-    assert sum(metrics(cluster, n.node_id)["kvstore_put_pages_total"] for n in _nodes(cluster)) - before == 16  # 8 blocks x 2 heads
+    assert (
+        sum(metrics(cluster, n.node_id)["kvstore_put_pages_total"] for n in _nodes(cluster))
+        - before
+        == 16
+    )  # 8 blocks x 2 heads
     (whole,) = run_ranks(cluster, 1, "get_pages", kw, tokens=TOKENS)
     assert whole["results"] == [{"blocks": 8, "matched": 8, "exact": True}]
 
@@ -214,7 +262,9 @@ def test_a_missing_head_group_shortens_the_prefix_for_every_consumer(cluster):
     (whole,) = run_ranks(cluster, 1, "get_pages", kw, tokens=TOKENS)
     assert whole["results"] == [{"blocks": 8, "matched": 5, "exact": True}]
     halves = run_ranks(cluster, 2, "get_pages", kw, tokens=TOKENS)
-    assert [h["results"][0]["matched"] for h in halves] == [8, 5] and all(h["results"][0]["exact"] for h in halves)
+    assert [h["results"][0]["matched"] for h in halves] == [8, 5] and all(
+        h["results"][0]["exact"] for h in halves
+    )
 
 
 def test_a_rank_that_holds_part_of_a_group_reads_but_does_not_store(cluster):
@@ -230,7 +280,10 @@ def test_a_rank_that_holds_part_of_a_group_reads_but_does_not_store(cluster):
     from tests.helpers import rank_pages
 
     ns = rank_ns(2, 0, **kw)
-    with KVCacheClient(cluster.redis_url, ns) as client, pytest.raises(InvalidInputError, match="part of a head group"):
+    with (
+        KVCacheClient(cluster.redis_url, ns) as client,
+        pytest.raises(InvalidInputError, match="part of a head group"),
+    ):
         client.put_pages(TOKENS, rank_pages(ns, TOKENS))
 
 
@@ -242,7 +295,9 @@ def test_a_rank_that_holds_part_of_a_group_selects_an_inserted_prefix(cluster):
     (ins,) = run_ranks(cluster, 1, "insert", kw, tokens=TOKENS + [7, 7, 7])
     assert ins["report"]["stored"] == 8 + 1
     halves = run_ranks(cluster, 2, "select", kw, tokens=TOKENS + [7, 7, 7])
-    assert [(h["matched"], h["exact"], h["hidden"]) for h in halves] == [(len(TOKENS), True, False)] * 2
+    assert [(h["matched"], h["exact"], h["hidden"]) for h in halves] == [
+        (len(TOKENS), True, False)
+    ] * 2
 
 
 @pytest.mark.parametrize("layout", ["kv_lbhd", "vllm_cpu", "vllm_flash"])
@@ -273,11 +328,29 @@ def test_head_group_settings_are_checked():
     with pytest.raises(ValueError, match="must divide"):
         rank_ns(1, 0, groups=3)
     with pytest.raises(ValueError, match="replicated head"):
-        Namespace(model="m", dtype="float16", num_layers=1, num_kv_heads=2, head_size=8, block_size=16, tp_size=4, total_kv_heads=2)
-    plain = Namespace(model="m", dtype="float16", num_layers=1, num_kv_heads=8, head_size=8, block_size=16)
-    assert plain.storage == plain and "head_groups" not in plain.canonical_json()  # TP=1 pages are what they were
-    before = plain.digest  # cached: a copy must not carry it over (a vLLM engine's storage namespace once did)
-    assert plain.model_copy(update={"head_groups": 2}).digest != before and plain.model_copy(update={"layout": "vllm_cpu"}).digest != before
+        Namespace(
+            model="m",
+            dtype="float16",
+            num_layers=1,
+            num_kv_heads=2,
+            head_size=8,
+            block_size=16,
+            tp_size=4,
+            total_kv_heads=2,
+        )
+    plain = Namespace(
+        model="m", dtype="float16", num_layers=1, num_kv_heads=8, head_size=8, block_size=16
+    )
+    assert (
+        plain.storage == plain and "head_groups" not in plain.canonical_json()
+    )  # TP=1 pages are what they were
+    before = (
+        plain.digest
+    )  # cached: a copy must not carry it over (a vLLM engine's storage namespace once did)
+    assert (
+        plain.model_copy(update={"head_groups": 2}).digest != before
+        and plain.model_copy(update={"layout": "vllm_cpu"}).digest != before
+    )
 
 
 def _nodes(cluster):
@@ -295,7 +368,9 @@ def test_rank_parts_place_each_ranks_heads_as_merge_does(layout, tp_size, groups
     from kvstore.pages import heads
 
     full_ns = rank_ns(1, 0, heads=HEADS, groups=groups, layout=layout)
-    stored = heads.split(full_ns, torch.randn(3, *full_ns.page_shape).to(torch.float16), heads.rank_units(full_ns))
+    stored = heads.split(
+        full_ns, torch.randn(3, *full_ns.page_shape).to(torch.float16), heads.rank_units(full_ns)
+    )
     for r in range(tp_size):
         ns = rank_ns(tp_size, r, heads=HEADS, groups=groups, layout=layout)
         p = heads.rank_units(ns)
@@ -305,7 +380,10 @@ def test_rank_parts_place_each_ranks_heads_as_merge_does(layout, tp_size, groups
         placed = torch.full_like(merged, float("nan"))
         d = 1 + ns.head_dim
         for part, at, layer_at in heads.rank_parts(ns, units, p):
-            assert part.untyped_storage().data_ptr() == units.untyped_storage().data_ptr() and layer_at == 0
+            assert (
+                part.untyped_storage().data_ptr() == units.untyped_storage().data_ptr()
+                and layer_at == 0
+            )
             placed.narrow(d, at, part.shape[d]).copy_(part)
         assert torch.equal(placed, merged)
 
@@ -336,7 +414,9 @@ def test_get_found_units_fetches_what_get_found_merges(cluster):
             heads.merge(ns, units, merged, p)
             assert torch.equal(merged.view(torch.uint8), expected[start:].view(torch.uint8))
         with pytest.raises(InvalidInputError, match="need"):
-            finder.get_found_units(found, torch.empty(finder.units_nbytes(8) - 1, dtype=torch.uint8))
+            finder.get_found_units(
+                found, torch.empty(finder.units_nbytes(8) - 1, dtype=torch.uint8)
+            )
     finally:
         for c in (finder, *ranks):
             c.close()

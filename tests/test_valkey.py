@@ -62,5 +62,7 @@ def test_a_server_that_cannot_start_says_why():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
-        with pytest.raises(KVStoreError, match=r"exited with status \d+(.|\n)*Address already in use"):
+        with pytest.raises(
+            KVStoreError, match=r"exited with status \d+(.|\n)*Address already in use"
+        ):
             EmbeddedValkey(taken.getsockname()[1]).start()

@@ -18,12 +18,12 @@ import torch
 
 pytest.importorskip("vllm")
 
-from client import KVCacheClient  # noqa: E402
-from kvstore import Namespace, block_hashes  # noqa: E402
-from kvstore.index import PageIndex  # noqa: E402
-from kvstore.pages.weights import fingerprint  # noqa: E402
-from kvstore.tools.launcher import LocalCluster  # noqa: E402
-from tests.helpers import ROOT, wait_for  # noqa: E402
+from client import KVCacheClient
+from kvstore import Namespace, block_hashes
+from kvstore.index import PageIndex
+from kvstore.pages.weights import fingerprint
+from kvstore.tools.launcher import LocalCluster
+from tests.helpers import ROOT, wait_for
 
 BLOCK = 32
 rng = random.Random(7)
@@ -35,33 +35,71 @@ PROMPT_D = [rng.randrange(512) for _ in range(70)]  # never stored
 PAGE_BYTES = 2 * 2 * BLOCK * 2 * 32 * 4  # layers, kv heads, block, K and V of head_dim 32, float32
 
 
-def run_engine_full(model_dir: str, prompts: list[list[int]], redis_url: str | None = None, role: str = "kv_both",
-                    extra: dict | None = None, mode: str = "sequential", env: dict | None = None,
-                    transfer_params: list[dict | None] | None = None, spec: dict | None = None, **llm_kwargs) -> dict:
+def run_engine_full(
+    model_dir: str,
+    prompts: list[list[int]],
+    redis_url: str | None = None,
+    role: str = "kv_both",
+    extra: dict | None = None,
+    mode: str = "sequential",
+    env: dict | None = None,
+    transfer_params: list[dict | None] | None = None,
+    spec: dict | None = None,
+    **llm_kwargs,
+) -> dict:
     """One engine in its own process; its whole JSON answer (results, steps, metrics).
     ``spec``: more keys of tests/vllm_engine.py's spec."""
-    spec = {"model_dir": model_dir, "prompts": prompts, "role": role, "prefix_caching": False, "llm_kwargs": llm_kwargs,
-            "extra": extra or {}, "mode": mode, "transfer_params": transfer_params, **(spec or {})}
+    spec = {
+        "model_dir": model_dir,
+        "prompts": prompts,
+        "role": role,
+        "prefix_caching": False,
+        "llm_kwargs": llm_kwargs,
+        "extra": extra or {},
+        "mode": mode,
+        "transfer_params": transfer_params,
+        **(spec or {}),
+    }
     if redis_url:
         spec["redis_url"] = redis_url
     env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo", **(env or {})}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_engine.py"), json.dumps(spec)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "vllm_engine.py"), json.dumps(spec)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     # raw_decode: a worker process's log line may run on after the answer's line (TP=2)
     line = [line for line in proc.stdout.splitlines() if line.startswith('{"results"')][-1]
     # "log": both streams (vLLM's handlers, which the connector's loggers use, write to stdout)
-    return {**json.JSONDecoder().raw_decode(line)[0], "stderr": proc.stderr, "log": proc.stdout + proc.stderr}
+    return {
+        **json.JSONDecoder().raw_decode(line)[0],
+        "stderr": proc.stderr,
+        "log": proc.stdout + proc.stderr,
+    }
 
 
-def run_engine(model_dir: str, prompts: list[list[int]], redis_url: str | None = None, role: str = "kv_both", **kwargs) -> list[dict]:
+def run_engine(
+    model_dir: str,
+    prompts: list[list[int]],
+    redis_url: str | None = None,
+    role: str = "kv_both",
+    **kwargs,
+) -> list[dict]:
     return run_engine_full(model_dir, prompts, redis_url, role, **kwargs)["results"]
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_engine.py"), "write-model", str(path)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "vllm_engine.py"), "write-model", str(path)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return str(path)
 
 
@@ -84,10 +122,19 @@ def test_consumer_loads_shared_blocks_and_generates_the_baseline_tokens(model_di
 def test_chunked_prefill_saves_the_whole_prompt(model_dir, baseline):
     with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
         # 64 tokens per step: prompt A's prefill takes four steps
-        (producer,) = run_engine(model_dir, [PROMPT_A], cluster.redis_url, role="kv_producer",
-                                 enable_chunked_prefill=True, max_num_batched_tokens=64, max_num_seqs=4)
+        (producer,) = run_engine(
+            model_dir,
+            [PROMPT_A],
+            cluster.redis_url,
+            role="kv_producer",
+            enable_chunked_prefill=True,
+            max_num_batched_tokens=64,
+            max_num_seqs=4,
+        )
         assert producer["tokens"] == baseline["A"]
-        wait_for(lambda: stored_pages(cluster) == 6, 5, "the node to report its pages")  # heartbeats carry the counts
+        wait_for(
+            lambda: stored_pages(cluster) == 6, 5, "the node to report its pages"
+        )  # heartbeats carry the counts
         (consumer,) = run_engine(model_dir, [PROMPT_A], cluster.redis_url, role="kv_consumer")
         assert consumer["num_cached_tokens"] == 6 * BLOCK and consumer["tokens"] == baseline["A"]
 
@@ -98,17 +145,32 @@ def test_two_storage_nodes_and_reuse_across_sessions(model_dir, baseline):
     named = {"model": "tiny-llama-two-nodes"}
     with LocalCluster(servers=2, capacity="256MiB", slab_size="16MiB") as cluster:
         # C opts out of saving (kv_transfer_params): only A's 6 pages are stored
-        run_engine(model_dir, [PROMPT_A, PROMPT_C], cluster.redis_url, role="kv_producer", extra=named,
-                   transfer_params=[None, {"kvstore_save": False}])
+        run_engine(
+            model_dir,
+            [PROMPT_A, PROMPT_C],
+            cluster.redis_url,
+            role="kv_producer",
+            extra=named,
+            transfer_params=[None, {"kvstore_save": False}],
+        )
         index = PageIndex(cluster.redis_url)
         ns = index.stats().namespaces[0].namespace
         # the engine finished its saves before it exited
-        assert [index.lookup(ns, block_hashes(ns, p)).resolve(index.live_nodes()).matched for p in (PROMPT_A, PROMPT_C)] == [6, 0]
+        assert [
+            index.lookup(ns, block_hashes(ns, p)).resolve(index.live_nodes()).matched
+            for p in (PROMPT_A, PROMPT_C)
+        ] == [6, 0]
         wait_for(lambda: stored_pages(cluster) == 6, 5, "the nodes to report their pages")
         # a fresh engine (another process) runs B, then A again: all of A's full blocks
         # load; then A once more opting out of loading: computed, not loaded
-        b, a, computed = run_engine(model_dir, [PROMPT_B, PROMPT_A, PROMPT_A], cluster.redis_url, role="kv_both", extra=named,
-                                    transfer_params=[None, None, {"kvstore_load": False, "kvstore_save": False}])
+        b, a, computed = run_engine(
+            model_dir,
+            [PROMPT_B, PROMPT_A, PROMPT_A],
+            cluster.redis_url,
+            role="kv_both",
+            extra=named,
+            transfer_params=[None, None, {"kvstore_load": False, "kvstore_save": False}],
+        )
         assert b["num_cached_tokens"] == SHARED_BLOCKS * BLOCK and b["tokens"] == baseline["B"]
         assert a["num_cached_tokens"] == (len(PROMPT_A) - 1) // BLOCK * BLOCK
         assert a["tokens"] == baseline["A"]
@@ -122,15 +184,23 @@ def stored_pages(cluster: LocalCluster) -> int:
     return sum(s.pages for s in PageIndex(cluster.redis_url).stats().namespaces)
 
 
-def corrupt_stored_page(cluster: LocalCluster, ns, chain: list[bytes], i: int, slab_size: int) -> None:
+def corrupt_stored_page(
+    cluster: LocalCluster, ns, chain: list[bytes], i: int, slab_size: int
+) -> None:
     """Overwrite the bytes of page ``chain[i]`` inside the storage node's pool (through the
     slab's memfd, /proc/<pid>/fd), as a memory fault would: the node keeps serving it
     with the checksum taken at put time."""
     index = PageIndex(cluster.redis_url)
-    location = index.lookup(ns, chain[: i + 1], lease_ms=0).resolve(index.live_nodes()).locations[i][0]
+    location = (
+        index.lookup(ns, chain[: i + 1], lease_ms=0).resolve(index.live_nodes()).locations[i][0]
+    )
     node = next(n for n in index.live_nodes() if n.node_id == location.node_id)
     fds = Path(f"/proc/{node.extra['pid']}/fd")
-    slab = next(fd for fd in fds.iterdir() if os.readlink(fd).startswith(f"/memfd:kvstore-slab-{location.slot // slab_size} "))
+    slab = next(
+        fd
+        for fd in fds.iterdir()
+        if os.readlink(fd).startswith(f"/memfd:kvstore-slab-{location.slot // slab_size} ")
+    )
     fd = os.open(slab, os.O_RDWR)
     try:  # mapped, not written: hugetlbfs memfds support only mmap
         with mmap.mmap(fd, slab_size) as mem:
@@ -153,28 +223,57 @@ def test_a_refused_token_is_logged_once_counted_and_served_as_misses(model_dir, 
     """A token the nodes refuse is a configuration error for the client library, but
     the connector must not take the engine down: its loads recompute, its saves are
     dropped, one ERROR line says why, and the refusals are counted."""
-    with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB", extra_args=["--auth-token", "s3cret"]) as cluster:
-        run_engine(model_dir, [PROMPT_A], cluster.redis_url, role="kv_producer", extra={"auth_token": "s3cret"})
-        out = run_engine_full(model_dir, [PROMPT_B, PROMPT_A], cluster.redis_url, extra={"auth_token": "wrong"})
+    with LocalCluster(
+        servers=1, capacity="256MiB", slab_size="16MiB", extra_args=["--auth-token", "s3cret"]
+    ) as cluster:
+        run_engine(
+            model_dir,
+            [PROMPT_A],
+            cluster.redis_url,
+            role="kv_producer",
+            extra={"auth_token": "s3cret"},
+        )
+        out = run_engine_full(
+            model_dir, [PROMPT_B, PROMPT_A], cluster.redis_url, extra={"auth_token": "wrong"}
+        )
     assert [r["tokens"] for r in out["results"]] == [baseline["B"], baseline["A"]]
-    assert out["metrics"]["lookup_hit_tokens"] > 0  # the index knew the pages: the loads were tried and refused
+    assert (
+        out["metrics"]["lookup_hit_tokens"] > 0
+    )  # the index knew the pages: the loads were tried and refused
     assert out["metrics"]["credential_refusals"] >= 2 and out["metrics"]["load_bytes"] == 0
     assert sum("refused this engine's credentials" in line for line in out["log"].splitlines()) == 1
     # and said at start, in the connector's start line
-    assert any("KVStoreConnector" in line and "REFUSED by node-0" in line for line in out["log"].splitlines()), out["log"][-3000:]
+    assert any(
+        "KVStoreConnector" in line and "REFUSED by node-0" in line
+        for line in out["log"].splitlines()
+    ), out["log"][-3000:]
 
 
 def test_the_comparison_is_sensitive_to_the_loaded_kv(model_dir, baseline):
     """Noise stored under B's block hashes (with valid checksums) is loaded and changes
     the output: so equal outputs above really mean the right KV was loaded."""
-    ns = Namespace(model=model_dir, dtype="float32", num_layers=2, num_kv_heads=2, head_size=32, block_size=BLOCK, layout="vllm_cpu",
-                   weights=fingerprint(model_dir))  # what the connector keys the checkpoint by
+    ns = Namespace(
+        model=model_dir,
+        dtype="float32",
+        num_layers=2,
+        num_kv_heads=2,
+        head_size=32,
+        block_size=BLOCK,
+        layout="vllm_cpu",
+        weights=fingerprint(model_dir),
+    )  # what the connector keys the checkpoint by
     with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
         with KVCacheClient(cluster.redis_url, ns) as writer:
-            noise = torch.randn((SHARED_BLOCKS, *ns.page_shape), generator=torch.Generator().manual_seed(3))
-            assert writer.put_pages(PROMPT_B[: SHARED_BLOCKS * BLOCK], noise).stored == SHARED_BLOCKS
+            noise = torch.randn(
+                (SHARED_BLOCKS, *ns.page_shape), generator=torch.Generator().manual_seed(3)
+            )
+            assert (
+                writer.put_pages(PROMPT_B[: SHARED_BLOCKS * BLOCK], noise).stored == SHARED_BLOCKS
+            )
         (consumer,) = run_engine(model_dir, [PROMPT_B], cluster.redis_url, role="kv_consumer")
-        assert consumer["num_cached_tokens"] == SHARED_BLOCKS * BLOCK  # the engine's namespace is ns
+        assert (
+            consumer["num_cached_tokens"] == SHARED_BLOCKS * BLOCK
+        )  # the engine's namespace is ns
         assert consumer["tokens"] != baseline["B"]
 
 
@@ -188,18 +287,36 @@ def test_two_loads_run_while_a_third_request_decodes(model_dir, baseline):
     with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
         run_engine(model_dir, [PROMPT_A, PROMPT_C], cluster.redis_url, role="kv_producer")
         wait_for(lambda: stored_pages(cluster) == 6 + 7, 5, "the node to report its pages")
-        out = run_engine_full(model_dir, [PROMPT_D, PROMPT_A, PROMPT_C], cluster.redis_url, role="kv_consumer", mode="steps")
+        out = run_engine_full(
+            model_dir,
+            [PROMPT_D, PROMPT_A, PROMPT_C],
+            cluster.redis_url,
+            role="kv_consumer",
+            mode="steps",
+        )
         d, a, c = out["results"]
-        assert (d["tokens"], a["tokens"], c["tokens"]) == (baseline["D"], baseline["A"], baseline["C"])
-        assert (d["num_cached_tokens"], a["num_cached_tokens"], c["num_cached_tokens"]) == (0, 6 * BLOCK, 7 * BLOCK)
+        assert (d["tokens"], a["tokens"], c["tokens"]) == (
+            baseline["D"],
+            baseline["A"],
+            baseline["C"],
+        )
+        assert (d["num_cached_tokens"], a["num_cached_tokens"], c["num_cached_tokens"]) == (
+            0,
+            6 * BLOCK,
+            7 * BLOCK,
+        )
         steps = out["steps"]
         for loaded in ("r1", "r2"):
             # by the step a loaded request produced its first token, r0 had already decoded
             assert steps[first_token_step(steps, loaded)].get("r0", len(d["tokens"])) >= 2, steps
-        assert first_token_step(steps, "r0") < min(first_token_step(steps, "r1"), first_token_step(steps, "r2"))
+        assert first_token_step(steps, "r0") < min(
+            first_token_step(steps, "r1"), first_token_step(steps, "r2")
+        )
         metrics = out["metrics"]
         assert metrics["load_seconds_count"] == 2 and metrics["load_failed_blocks"] == 0, metrics
-        assert metrics["load_bytes"] == 13 * PAGE_BYTES and metrics["lookup_hit_tokens"] == 13 * BLOCK, metrics
+        assert (
+            metrics["load_bytes"] == 13 * PAGE_BYTES and metrics["lookup_hit_tokens"] == 13 * BLOCK
+        ), metrics
 
 
 class Blackhole:
@@ -230,9 +347,18 @@ class Blackhole:
 def test_a_hung_index_makes_misses_within_the_lookup_budget(model_dir, baseline):
     hole = Blackhole()
     try:
-        extra = {"lookup_budget_ms": 100, "breaker_failures": 2, "breaker_cooldown_s": 120}  # no probe during the run
-        out = run_engine_full(model_dir, [PROMPT_A, PROMPT_B, PROMPT_C, PROMPT_D], f"redis://127.0.0.1:{hole.port}/0",
-                              role="kv_consumer", extra=extra)
+        extra = {
+            "lookup_budget_ms": 100,
+            "breaker_failures": 2,
+            "breaker_cooldown_s": 120,
+        }  # no probe during the run
+        out = run_engine_full(
+            model_dir,
+            [PROMPT_A, PROMPT_B, PROMPT_C, PROMPT_D],
+            f"redis://127.0.0.1:{hole.port}/0",
+            role="kv_consumer",
+            extra=extra,
+        )
     finally:
         hole.close()
     results = out["results"]
@@ -260,7 +386,9 @@ def test_connector_options_are_validated_with_the_key_named():
     from client.vllm.options import connector_options
     from kvstore.errors import InvalidInputError
 
-    conf, client = connector_options({"redis_url": "redis://127.0.0.1:1/0", "lookup_budget_ms": 20, "timeout": 2})
+    conf, client = connector_options(
+        {"redis_url": "redis://127.0.0.1:1/0", "lookup_budget_ms": 20, "timeout": 2}
+    )
     assert conf.lookup_budget_ms == 20 and client.timeout == 2
     with pytest.raises(InvalidInputError, match="lookup_budget_ms"):
         connector_options({"redis_url": "redis://127.0.0.1:1/0", "lookup_budget_ms": -1})
@@ -279,21 +407,40 @@ def test_a_tp2_engine_loads_what_a_tp1_engine_saved(model_dir, baseline):
     groups = {"head_groups": 2}
     tp = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
     with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
-        (a,) = run_engine(model_dir, [PROMPT_A], cluster.redis_url, role="kv_producer", extra=groups)
+        (a,) = run_engine(
+            model_dir, [PROMPT_A], cluster.redis_url, role="kv_producer", extra=groups
+        )
         assert a["tokens"] == baseline["A"]
         index = PageIndex(cluster.redis_url)
 
         def stored() -> set[tuple[int, int, int]]:  # the node's heartbeat carries the counts
-            return {(s.namespace.tp_size, s.namespace.head_groups, s.pages) for s in index.stats().namespaces if s.pages}
+            return {
+                (s.namespace.tp_size, s.namespace.head_groups, s.pages)
+                for s in index.stats().namespaces
+                if s.pages
+            }
 
         blocks_a = len(PROMPT_A) // BLOCK
-        wait_for(lambda: stored() == {(1, 2, 2 * blocks_a)}, 5, "the TP=1 engine's pages to be reported")  # 2 head groups per block
-        out = run_engine_full(model_dir, [PROMPT_B], cluster.redis_url, role="kv_both", env=tp, extra=groups, tensor_parallel_size=2)
+        wait_for(
+            lambda: stored() == {(1, 2, 2 * blocks_a)}, 5, "the TP=1 engine's pages to be reported"
+        )  # 2 head groups per block
+        out = run_engine_full(
+            model_dir,
+            [PROMPT_B],
+            cluster.redis_url,
+            role="kv_both",
+            env=tp,
+            extra=groups,
+            tensor_parallel_size=2,
+        )
         (b,) = out["results"]
         assert b["tokens"] == baseline["B"] and b["num_cached_tokens"] == SHARED_BLOCKS * BLOCK
         metrics = out["metrics"]
         rank_page = PAGE_BYTES // 2  # one KV head of two per rank
-        assert metrics["load_seconds_count"] == 2 and metrics["load_bytes"] == 2 * SHARED_BLOCKS * rank_page, metrics
+        assert (
+            metrics["load_seconds_count"] == 2
+            and metrics["load_bytes"] == 2 * SHARED_BLOCKS * rank_page
+        ), metrics
         assert metrics["save_seconds_count"] >= 2 and metrics["save_failures"] == 0, metrics
 
 
@@ -303,7 +450,9 @@ def test_every_accepted_breaker_cooldown_builds_a_breaker():
     from client.vllm.options import connector_options, lookup_breaker
 
     for cooldown in (0.1, 2.0, 120, 600):
-        conf, _ = connector_options({"redis_url": "redis://127.0.0.1:1/0", "breaker_cooldown_s": cooldown})
+        conf, _ = connector_options(
+            {"redis_url": "redis://127.0.0.1:1/0", "breaker_cooldown_s": cooldown}
+        )
         breaker = lookup_breaker(conf)
         assert breaker.cooldown == cooldown and breaker.max_cooldown >= cooldown
 
@@ -314,9 +463,17 @@ def test_the_connector_takes_kvstore_variables_for_what_its_json_leaves_out(monk
     clear error."""
     from client.vllm.options import connector_options, token_source
 
-    for var in ("KVSTORE_REDIS_URL", "KVSTORE_AUTH_TOKEN", "KVSTORE_AUTH_TOKEN_FILE", "KVSTORE_REPLICAS"):
+    for var in (
+        "KVSTORE_REDIS_URL",
+        "KVSTORE_AUTH_TOKEN",
+        "KVSTORE_AUTH_TOKEN_FILE",
+        "KVSTORE_REPLICAS",
+    ):
         monkeypatch.delenv(var, raising=False)
-    with pytest.raises(ValueError, match="has no index URL: put redis_url in kv_connector_extra_config or export KVSTORE_REDIS_URL"):
+    with pytest.raises(
+        ValueError,
+        match="has no index URL: put redis_url in kv_connector_extra_config or export KVSTORE_REDIS_URL",
+    ):
         connector_options({"tenant": "a"})
     token = tmp_path / "token"
     token.write_text("s3cret\n")
@@ -324,7 +481,17 @@ def test_the_connector_takes_kvstore_variables_for_what_its_json_leaves_out(monk
     monkeypatch.setenv("KVSTORE_AUTH_TOKEN_FILE", str(token))
     monkeypatch.setenv("KVSTORE_REPLICAS", "2")
     conf, options = connector_options({"tenant": "team-a"})
-    assert options.redis_url == "redis://10.0.0.1:6379/0" and options.auth_token.get_secret_value() == "s3cret" and options.replicas == 2
+    assert (
+        options.redis_url == "redis://10.0.0.1:6379/0"
+        and options.auth_token.get_secret_value() == "s3cret"
+        and options.replicas == 2
+    )
     assert conf.tenant == "team-a" and token_source(options) == f"KVSTORE_AUTH_TOKEN_FILE ({token})"
-    _, options = connector_options({"redis_url": "redis://127.0.0.1:7000/0", "replicas": 1, "auth_token": "other"})
-    assert options.redis_url == "redis://127.0.0.1:7000/0" and options.replicas == 1 and token_source(options) == "kv_connector_extra_config"
+    _, options = connector_options(
+        {"redis_url": "redis://127.0.0.1:7000/0", "replicas": 1, "auth_token": "other"}
+    )
+    assert (
+        options.redis_url == "redis://127.0.0.1:7000/0"
+        and options.replicas == 1
+        and token_source(options) == "kv_connector_extra_config"
+    )

@@ -19,20 +19,24 @@ import zmq
 
 pytest.importorskip("vllm")
 
-from vllm.distributed.kv_events import BlockStored, KVEventBatch  # noqa: E402
+from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
-from kvstore import block_hashes  # noqa: E402
-from kvstore.index import PageIndex  # noqa: E402
-from kvstore.tools.launcher import LocalCluster  # noqa: E402
-from tests.helpers import ROOT  # noqa: E402
-from tests.test_vllm_identity import write_lora_adapter  # noqa: E402
+from kvstore import block_hashes
+from kvstore.index import PageIndex
+from kvstore.tools.launcher import LocalCluster
+from tests.helpers import ROOT
+from tests.test_vllm_identity import write_lora_adapter
 
 BLOCK = 32
 TOPIC = "kv@engine-0@tiny-llama-events"
-MODEL = {"model": "tiny-llama-events"}  # a fixed name: the namespace does not depend on the temporary path
+MODEL = {
+    "model": "tiny-llama-events"
+}  # a fixed name: the namespace does not depend on the temporary path
 rng = random.Random(42)
 PROMPT_A = [rng.randrange(512) for _ in range(200)]  # 6 full blocks + 8
-PROMPT_B = PROMPT_A[: 4 * BLOCK] + [rng.randrange(512) for _ in range(52)]  # shares 4 blocks with A; 5 full blocks
+PROMPT_B = PROMPT_A[: 4 * BLOCK] + [
+    rng.randrange(512) for _ in range(52)
+]  # shares 4 blocks with A; 5 full blocks
 PROMPT_C = [rng.randrange(512) for _ in range(100)]  # opts out of saving: never announced
 PROMPT_P = [rng.randrange(512) for _ in range(140)]  # under a LoRA adapter: 4 full blocks
 
@@ -64,29 +68,64 @@ class Subscriber:
         self._sock.close(linger=0)
         self._ctx.term()
         decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        return [(t.decode(), int.from_bytes(s, "big"), decoder.decode(p)) for t, s, p in self.frames]
+        return [
+            (t.decode(), int.from_bytes(s, "big"), decoder.decode(p)) for t, s, p in self.frames
+        ]
 
 
-def run_engine(model_dir: str, prompts: list[list[int]], redis_url: str, port: int, *, extras: list | None = None, extra: dict | None = None,
-               transfer_params: list | None = None, env: dict | None = None, drain_s: float = 10, **llm_kwargs) -> dict:
+def run_engine(
+    model_dir: str,
+    prompts: list[list[int]],
+    redis_url: str,
+    port: int,
+    *,
+    extras: list | None = None,
+    extra: dict | None = None,
+    transfer_params: list | None = None,
+    env: dict | None = None,
+    drain_s: float = 10,
+    **llm_kwargs,
+) -> dict:
     """One engine publishing KV events to ``port`` (tests/vllm_engine.py), prefix caching on
     (so the engine's own BlockStored events are there to compare with); its JSON answer."""
-    spec = {"model_dir": model_dir, "prompts": prompts, "prompt_extras": extras, "redis_url": redis_url, "role": "kv_both",
-            "prefix_caching": True, "extra": {**MODEL, **(extra or {})}, "transfer_params": transfer_params, "llm_kwargs": llm_kwargs,
-            "drain_s": drain_s,
-            "kv_events": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}", "topic": TOPIC}}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_engine.py"), json.dumps(spec)],
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo", **(env or {})},
-                          capture_output=True, text=True, timeout=300)
+    spec = {
+        "model_dir": model_dir,
+        "prompts": prompts,
+        "prompt_extras": extras,
+        "redis_url": redis_url,
+        "role": "kv_both",
+        "prefix_caching": True,
+        "extra": {**MODEL, **(extra or {})},
+        "transfer_params": transfer_params,
+        "llm_kwargs": llm_kwargs,
+        "drain_s": drain_s,
+        "kv_events": {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://127.0.0.1:{port}",
+            "topic": TOPIC,
+        },
+    }
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "vllm_engine.py"), json.dumps(spec)],
+        env={**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = [line for line in proc.stdout.splitlines() if line.startswith('{"results"')][-1]
     return json.JSONDecoder().raw_decode(line)[0]
 
 
-def stored_events(messages: list[tuple[str, int, KVEventBatch]]) -> tuple[list[BlockStored], list[BlockStored]]:
+def stored_events(
+    messages: list[tuple[str, int, KVEventBatch]],
+) -> tuple[list[BlockStored], list[BlockStored]]:
     """(the connector's BlockStored events, the engine's own), each in publishing order."""
     events = [e for _, _, batch in messages for e in batch.events if isinstance(e, BlockStored)]
-    return [e for e in events if e.ownership == "kvstore"], [e for e in events if e.ownership is None]
+    return [e for e in events if e.ownership == "kvstore"], [
+        e for e in events if e.ownership is None
+    ]
 
 
 def engine_chain(theirs: list[BlockStored]) -> dict[tuple, object]:
@@ -96,28 +135,45 @@ def engine_chain(theirs: list[BlockStored]) -> dict[tuple, object]:
     for event in theirs:
         parent = event.parent_block_hash
         for i, block_hash in enumerate(event.block_hashes):
-            chain[(parent, tuple(event.token_ids[i * BLOCK : (i + 1) * BLOCK]), event.lora_name)] = block_hash
+            chain[
+                (parent, tuple(event.token_ids[i * BLOCK : (i + 1) * BLOCK]), event.lora_name)
+            ] = block_hash
             parent = block_hash
     return chain
 
 
-def assert_announces(event: BlockStored, prompt: list[int], chain: dict[tuple, object], lora_name: str | None = None) -> None:
+def assert_announces(
+    event: BlockStored, prompt: list[int], chain: dict[tuple, object], lora_name: str | None = None
+) -> None:
     """``event`` announces every full block of ``prompt``, from block 0 in prefix order,
     under the hashes the engine gave the same blocks."""
     full = len(prompt) // BLOCK
     assert event.token_ids == prompt[: full * BLOCK] and len(event.block_hashes) == full
-    assert (event.parent_block_hash, event.block_size, event.medium, event.locality, event.lora_name, event.group_idx) == (
-        None, BLOCK, "CPU", "REMOTE", lora_name, 0)
+    assert (
+        event.parent_block_hash,
+        event.block_size,
+        event.medium,
+        event.locality,
+        event.lora_name,
+        event.group_idx,
+    ) == (None, BLOCK, "CPU", "REMOTE", lora_name, 0)
     parent = None
     for i, block_hash in enumerate(event.block_hashes):
-        assert chain[(parent, tuple(prompt[i * BLOCK : (i + 1) * BLOCK]), lora_name)] == block_hash, i
+        assert (
+            chain[(parent, tuple(prompt[i * BLOCK : (i + 1) * BLOCK]), lora_name)] == block_hash
+        ), i
         parent = block_hash
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_engine.py"), "write-model", str(path)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "vllm_engine.py"), "write-model", str(path)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return str(path)
 
 
@@ -131,20 +187,31 @@ def test_saved_blocks_are_announced_with_the_engines_hashes_in_its_stream(model_
     sub = Subscriber()
     try:
         with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
-            out = run_engine(model_dir, [PROMPT_A, PROMPT_B, PROMPT_C, PROMPT_P], cluster.redis_url, sub.port,
-                             extras=[None, None, None, {"lora": ["a", 1, adapter]}],
-                             transfer_params=[None, None, {"kvstore_save": False}, None],
-                             enable_lora=True, max_lora_rank=8, max_loras=1)
+            out = run_engine(
+                model_dir,
+                [PROMPT_A, PROMPT_B, PROMPT_C, PROMPT_P],
+                cluster.redis_url,
+                sub.port,
+                extras=[None, None, None, {"lora": ["a", 1, adapter]}],
+                transfer_params=[None, None, {"kvstore_save": False}, None],
+                enable_lora=True,
+                max_lora_rank=8,
+                max_loras=1,
+            )
             index = PageIndex(cluster.redis_url)
             ns = index.stats().namespaces[0].namespace
-            held = {name: index.lookup(ns, block_hashes(ns, p)).resolve(index.live_nodes()).matched
-                    for name, p in (("A", PROMPT_A), ("B", PROMPT_B), ("C", PROMPT_C))}
+            held = {
+                name: index.lookup(ns, block_hashes(ns, p)).resolve(index.live_nodes()).matched
+                for name, p in (("A", PROMPT_A), ("B", PROMPT_B), ("C", PROMPT_C))
+            }
             index.close()
     finally:
         messages = sub.close()
     assert out["drained"], "the engine kept work it could not finish"
     assert {topic for topic, _, _ in messages} == {TOPIC}
-    assert [seq for _, seq, _ in messages] == list(range(len(messages)))  # the engine's sequence: no gap
+    assert [seq for _, seq, _ in messages] == list(
+        range(len(messages))
+    )  # the engine's sequence: no gap
     ours, theirs = stored_events(messages)
     assert all(e.medium == "GPU" for e in theirs) and theirs, theirs
     chain = engine_chain(theirs)
@@ -155,14 +222,18 @@ def test_saved_blocks_are_announced_with_the_engines_hashes_in_its_stream(model_
     assert b.block_hashes[:4] == a.block_hashes[:4]  # the shared blocks are the same blocks
     assert_announces(p, PROMPT_P, chain, lora_name="a")
     (engine_p,) = [e for e in theirs if e.lora_name == "a"]
-    assert p.lora_id == engine_p.lora_id == 1 and p.extra_keys == engine_p.extra_keys == [("a",)] * 4
+    assert (
+        p.lora_id == engine_p.lora_id == 1 and p.extra_keys == engine_p.extra_keys == [("a",)] * 4
+    )
     assert a.extra_keys is None and b.extra_keys is None
     # C opted out of saving: the engine computed and announced its blocks, the connector did not
     assert any(e.token_ids[:BLOCK] == PROMPT_C[:BLOCK] for e in theirs)
     assert not any(e.token_ids[:BLOCK] == PROMPT_C[:BLOCK] for e in ours)
     # the store holds what was announced, and nothing of C
     assert held == {"A": 6, "B": 5, "C": 0}, held
-    assert out["metrics"]["event_blocks"] == 6 + 5 + 4 and not out["metrics"].get("events_withheld"), out["metrics"]
+    assert out["metrics"]["event_blocks"] == 6 + 5 + 4 and not out["metrics"].get(
+        "events_withheld"
+    ), out["metrics"]
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two TP workers need two cores")
@@ -172,14 +243,24 @@ def test_a_tp2_engine_announces_a_save_once_both_ranks_stored_it(model_dir):
     sub = Subscriber()
     try:
         with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
-            out = run_engine(model_dir, [PROMPT_A], cluster.redis_url, sub.port, extra={"head_groups": 2}, drain_s=5,
-                             env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}, tensor_parallel_size=2)
+            out = run_engine(
+                model_dir,
+                [PROMPT_A],
+                cluster.redis_url,
+                sub.port,
+                extra={"head_groups": 2},
+                drain_s=5,
+                env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+                tensor_parallel_size=2,
+            )
     finally:
         messages = sub.close()
     ours, theirs = stored_events(messages)
     assert len(ours) == 1, ours
     assert_announces(ours[0], PROMPT_A, engine_chain(theirs))
-    assert out["metrics"]["event_blocks"] == 6 and out["metrics"]["save_seconds_count"] == 2, out["metrics"]
+    assert out["metrics"]["event_blocks"] == 6 and out["metrics"]["save_seconds_count"] == 2, out[
+        "metrics"
+    ]
 
 
 def test_kv_events_false_leaves_the_engines_own_events_only(model_dir):
@@ -188,12 +269,16 @@ def test_kv_events_false_leaves_the_engines_own_events_only(model_dir):
     sub = Subscriber()
     try:
         with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
-            out = run_engine(model_dir, [PROMPT_A], cluster.redis_url, sub.port, extra={"kv_events": False})
+            out = run_engine(
+                model_dir, [PROMPT_A], cluster.redis_url, sub.port, extra={"kv_events": False}
+            )
     finally:
         messages = sub.close()
     ours, theirs = stored_events(messages)
     assert not ours and len(theirs) == 1 and theirs[0].token_ids == PROMPT_A[: 6 * BLOCK]
-    assert out["metrics"]["save_bytes"] > 0 and not out["metrics"].get("event_blocks"), out["metrics"]
+    assert out["metrics"]["save_bytes"] > 0 and not out["metrics"].get("event_blocks"), out[
+        "metrics"
+    ]
 
 
 # --- scheduler level: vLLM's own Request objects and output types ----------------------
@@ -208,7 +293,13 @@ def hashed_request(req_id: str, tokens: list[int]):
 
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
-    return Request(req_id, tokens, SamplingParams(max_tokens=1), None, block_hasher=get_request_block_hasher(BLOCK, hash_fn))
+    return Request(
+        req_id,
+        tokens,
+        SamplingParams(max_tokens=1),
+        None,
+        block_hasher=get_request_block_hasher(BLOCK, hash_fn),
+    )
 
 
 def test_an_event_waits_for_every_worker_and_a_failed_rank_withholds_it():
@@ -229,13 +320,21 @@ def test_an_event_waits_for_every_worker_and_a_failed_rank_withholds_it():
     for request in (good, bad):
         full = len(request.prompt_token_ids) // BLOCK
         tokens = request.prompt_token_ids[: full * BLOCK]
-        specs.append(SaveSpec(request.request_id, tokens, [], event_id=events.expect(request, tokens, full)))
+        specs.append(
+            SaveSpec(request.request_id, tokens, [], event_id=events.expect(request, tokens, full))
+        )
     workers = [SaveOutcomeLog(), SaveOutcomeLog()]
     aggregator = KVOutputAggregator(expected_finished_count=2)
 
     def step() -> list:
-        outputs = [ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=KVConnectorOutput(kv_cache_events=w.take()))
-                   for w in workers]
+        outputs = [
+            ModelRunnerOutput(
+                req_ids=[],
+                req_id_to_index={},
+                kv_connector_output=KVConnectorOutput(kv_cache_events=w.take()),
+            )
+            for w in workers
+        ]
         events.reported(aggregator.aggregate(outputs).kv_connector_output.kv_cache_events)
         return events.take()
 

@@ -148,11 +148,22 @@ def test_a_tp1_hybrid_engine_loads_what_a_tp2_one_saved(gemma_dir, gemma_runs):
     tp = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
     with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
         producer = run_engine_full(
-            gemma_dir, [PROMPT], cluster.redis_url, "kv_producer", extra=groups, env=tp,
-            spec={"max_tokens": 32}, tensor_parallel_size=2,
+            gemma_dir,
+            [PROMPT],
+            cluster.redis_url,
+            "kv_producer",
+            extra=groups,
+            env=tp,
+            spec={"max_tokens": 32},
+            tensor_parallel_size=2,
         )
         consumer = run_engine_full(
-            gemma_dir, [NEXT, PROMPT], cluster.redis_url, "kv_consumer", extra=groups, spec={"max_tokens": 32}
+            gemma_dir,
+            [NEXT, PROMPT],
+            cluster.redis_url,
+            "kv_consumer",
+            extra=groups,
+            spec={"max_tokens": 32},
         )
     assert producer["results"][0]["tokens"] == plain and producer["metrics"]["save_failures"] == 0
     shared, whole = consumer["results"]
@@ -170,8 +181,12 @@ def test_gpt_oss_sliding_and_full_layers_with_sinks_save_and_load(tmp_path):
     baseline = run_engine_full(model, [PROMPT, NEXT], spec={"max_tokens": 16})
     plain, following = (r["tokens"] for r in baseline["results"])
     with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
-        producer = run_engine_full(model, [PROMPT], cluster.redis_url, "kv_producer", spec={"max_tokens": 16})
-        consumer = run_engine_full(model, [NEXT, PROMPT], cluster.redis_url, "kv_consumer", spec={"max_tokens": 16})
+        producer = run_engine_full(
+            model, [PROMPT], cluster.redis_url, "kv_producer", spec={"max_tokens": 16}
+        )
+        consumer = run_engine_full(
+            model, [NEXT, PROMPT], cluster.redis_url, "kv_consumer", spec={"max_tokens": 16}
+        )
     assert producer["results"][0]["tokens"] == plain and producer["metrics"]["save_bytes"] > 0
     shared, whole = consumer["results"]
     assert shared["num_cached_tokens"] == SHARED * BLOCK and shared["tokens"] == following

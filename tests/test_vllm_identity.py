@@ -24,17 +24,19 @@ import torch
 
 pytest.importorskip("vllm")
 
-from kvstore import Namespace, block_hashes  # noqa: E402
-from kvstore.index import PageIndex  # noqa: E402
-from kvstore.tools.launcher import LocalCluster  # noqa: E402
-from tests.helpers import ROOT, wait_for  # noqa: E402
+from kvstore import Namespace, block_hashes
+from kvstore.index import PageIndex
+from kvstore.tools.launcher import LocalCluster
+from tests.helpers import ROOT, wait_for
 
 BLOCK = 32
 HIDDEN, LAYERS, KV_OUT = 128, 2, 2 * 32  # the tiny Llama: hidden size, layers, kv heads * head_dim
 rng = random.Random(11)
 PROMPT_P = [rng.randrange(512) for _ in range(200)]  # LoRA: 6 full blocks + 8
 PROMPT_Q = [rng.randrange(512) for _ in range(170)]  # cache_salt: 5 full blocks + 10
-PROMPT_R = [rng.randrange(512) for _ in range(140)]  # prompt embeddings (the ids only give the length): 4 + 12
+PROMPT_R = [
+    rng.randrange(512) for _ in range(140)
+]  # prompt embeddings (the ids only give the length): 4 + 12
 PROMPT_W = [rng.randrange(512) for _ in range(110)]  # checkpoint weights: 3 + 14
 PROMPT_V = [rng.randrange(512) for _ in range(100)]  # per-request weights revision: 3 + 4
 ZEROS_R = [0] * len(PROMPT_R)  # the token ids vLLM (and kvstore) hash for an embeddings prompt
@@ -51,23 +53,55 @@ MODEL = {"model": "tiny-llama-identity"}
 ENGINE = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2, "enable_prompt_embeds": True}
 
 
-def run_engine(model_dir: str, prompts: list[list[int]], extras: list[dict | None], redis_url: str | None = None,
-               role: str = "kv_both", extra: dict | None = None, transfer_params: list[dict | None] | None = None) -> dict:
+def run_engine(
+    model_dir: str,
+    prompts: list[list[int]],
+    extras: list[dict | None],
+    redis_url: str | None = None,
+    role: str = "kv_both",
+    extra: dict | None = None,
+    transfer_params: list[dict | None] | None = None,
+) -> dict:
     """One engine (``tests/vllm_engine.py``) in its own process; its JSON answer."""
-    spec = {"model_dir": model_dir, "prompts": prompts, "prompt_extras": extras, "role": role, "prefix_caching": False,
-            "llm_kwargs": ENGINE, "extra": {**MODEL, **(extra or {})}, "transfer_params": transfer_params}
+    spec = {
+        "model_dir": model_dir,
+        "prompts": prompts,
+        "prompt_extras": extras,
+        "role": role,
+        "prefix_caching": False,
+        "llm_kwargs": ENGINE,
+        "extra": {**MODEL, **(extra or {})},
+        "transfer_params": transfer_params,
+    }
     if redis_url:
         spec["redis_url"] = redis_url
     env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_engine.py"), json.dumps(spec)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "vllm_engine.py"), json.dumps(spec)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads([line for line in proc.stdout.splitlines() if line.startswith('{"results"')][-1])
+    return json.loads(
+        [line for line in proc.stdout.splitlines() if line.startswith('{"results"')][-1]
+    )
 
 
 def write_model(path: Path, seed: int = 0) -> str:
-    subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_engine.py"), "write-model", str(path), json.dumps({"seed": seed})],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tests" / "vllm_engine.py"),
+            "write-model",
+            str(path),
+            json.dumps({"seed": seed}),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return str(path)
 
 
@@ -77,9 +111,19 @@ def write_lora_adapter(path: Path, base_model: str, seed: int, r: int = 8) -> st
     from safetensors.torch import save_file
 
     path.mkdir(parents=True)
-    (path / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": ["k_proj", "v_proj"], "bias": "none",
-        "base_model_name_or_path": base_model, "task_type": "CAUSAL_LM"}))
+    (path / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": r,
+                "lora_alpha": 2 * r,
+                "target_modules": ["k_proj", "v_proj"],
+                "bias": "none",
+                "base_model_name_or_path": base_model,
+                "task_type": "CAUSAL_LM",
+            }
+        )
+    )
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(LAYERS):
@@ -106,16 +150,27 @@ def lora(model_dir, tmp_path_factory) -> dict[str, list]:
     b = write_lora_adapter(root / "b", model_dir, seed=2)
     a_elsewhere = shutil.copytree(a, root / "elsewhere" / "a")
     b_named_a = shutil.copytree(b, root / "b-named-a")
-    return {"a": ["a", 1, a], "b": ["b", 2, b], "a_elsewhere": ["a", 3, str(a_elsewhere)], "b_named_a": ["a", 4, str(b_named_a)]}
+    return {
+        "a": ["a", 1, a],
+        "b": ["b", 2, b],
+        "a_elsewhere": ["a", 3, str(a_elsewhere)],
+        "b_named_a": ["a", 4, str(b_named_a)],
+    }
 
 
 @pytest.fixture(scope="module")
 def baseline(model_dir, lora) -> dict[str, list[int]]:
     """Greedy outputs of an engine without the connector (the same engine arguments)."""
     cases = {
-        "P": (PROMPT_P, None), "P@a": (PROMPT_P, {"lora": lora["a"]}), "P@b": (PROMPT_P, {"lora": lora["b"]}),
-        "Q": (PROMPT_Q, None), "R#1": (PROMPT_R, {"embeds_seed": 1}), "R#2": (PROMPT_R, {"embeds_seed": 2}),
-        "zeros": (ZEROS_R, None), "W": (PROMPT_W, None), "V": (PROMPT_V, None),
+        "P": (PROMPT_P, None),
+        "P@a": (PROMPT_P, {"lora": lora["a"]}),
+        "P@b": (PROMPT_P, {"lora": lora["b"]}),
+        "Q": (PROMPT_Q, None),
+        "R#1": (PROMPT_R, {"embeds_seed": 1}),
+        "R#2": (PROMPT_R, {"embeds_seed": 2}),
+        "zeros": (ZEROS_R, None),
+        "W": (PROMPT_W, None),
+        "V": (PROMPT_V, None),
     }
     out = run_engine(model_dir, [p for p, _ in cases.values()], [e for _, e in cases.values()])
     assert all(r["num_cached_tokens"] == 0 for r in out["results"])
@@ -127,15 +182,27 @@ def store(model_dir, lora, baseline):
     """A store holding what a producer engine saved: P under adapter A, Q under salt
     "alpha", R as embeddings of seed 1, W plain, V under per-request revision "step-1"."""
     with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
-        out = run_engine(model_dir, [PROMPT_P, PROMPT_Q, PROMPT_R, PROMPT_W, PROMPT_V],
-                         [{"lora": lora["a"]}, {"cache_salt": "alpha"}, {"embeds_seed": 1}, None, None],
-                         cluster.redis_url, role="kv_producer",
-                         transfer_params=[None, None, None, None, {"kvstore_weights_revision": "step-1"}])
-        assert [r["tokens"] for r in out["results"]] == [baseline[k] for k in ("P@a", "Q", "R#1", "W", "V")]
+        out = run_engine(
+            model_dir,
+            [PROMPT_P, PROMPT_Q, PROMPT_R, PROMPT_W, PROMPT_V],
+            [{"lora": lora["a"]}, {"cache_salt": "alpha"}, {"embeds_seed": 1}, None, None],
+            cluster.redis_url,
+            role="kv_producer",
+            transfer_params=[None, None, None, None, {"kvstore_weights_revision": "step-1"}],
+        )
+        assert [r["tokens"] for r in out["results"]] == [
+            baseline[k] for k in ("P@a", "Q", "R#1", "W", "V")
+        ]
         assert not out["metrics"].get("unkeyed_requests"), out["metrics"]
-        full_blocks = sum(len(p) // BLOCK for p in (PROMPT_P, PROMPT_Q, PROMPT_R, PROMPT_W, PROMPT_V))
+        full_blocks = sum(
+            len(p) // BLOCK for p in (PROMPT_P, PROMPT_Q, PROMPT_R, PROMPT_W, PROMPT_V)
+        )
         index = PageIndex(cluster.redis_url)
-        wait_for(lambda: sum(s.pages for s in index.stats().namespaces) == full_blocks, 5, "the node to report every saved page")
+        wait_for(
+            lambda: sum(s.pages for s in index.stats().namespaces) == full_blocks,
+            5,
+            "the node to report every saved page",
+        )
         yield cluster
 
 
@@ -163,11 +230,20 @@ def consumer(model_dir, lora, store) -> dict:
     """A fresh engine (a consumer: it saves nothing) asking for each stored prompt under
     its own identity and under others; misses first."""
     extras = [{"lora": lora[e]} if isinstance(e, str) else e for _, e, _ in CONSUMER_CASES.values()]
-    out = run_engine(model_dir, [p for p, _, _ in CONSUMER_CASES.values()], extras, store.redis_url, role="kv_consumer",
-                     transfer_params=[t for _, _, t in CONSUMER_CASES.values()])
+    out = run_engine(
+        model_dir,
+        [p for p, _, _ in CONSUMER_CASES.values()],
+        extras,
+        store.redis_url,
+        role="kv_consumer",
+        transfer_params=[t for _, _, t in CONSUMER_CASES.values()],
+    )
     results = dict(zip(CONSUMER_CASES, out["results"]))
-    return {"cached": {k: r["num_cached_tokens"] for k, r in results.items()}, "tokens": {k: r["tokens"] for k, r in results.items()},
-            "metrics": out["metrics"]}
+    return {
+        "cached": {k: r["num_cached_tokens"] for k, r in results.items()},
+        "tokens": {k: r["tokens"] for k, r in results.items()},
+        "metrics": out["metrics"],
+    }
 
 
 def test_lora_pages_are_read_under_the_same_adapter_only(baseline, consumer):
@@ -198,7 +274,9 @@ def test_prompt_embeds_pages_are_read_for_the_same_embeddings_only(baseline, con
     assert cached["R#1"] == hit(PROMPT_R) and tokens["R#1"] == baseline["R#1"]
 
 
-def test_per_request_weights_revision_pages_are_read_under_the_same_revision_only(baseline, consumer):
+def test_per_request_weights_revision_pages_are_read_under_the_same_revision_only(
+    baseline, consumer
+):
     cached, tokens = consumer["cached"], consumer["tokens"]
     assert (cached["V"], cached["V@step-2"], cached["V@step-1"]) == (0, 0, hit(PROMPT_V))
     assert tokens["V"] == tokens["V@step-2"] == tokens["V@step-1"] == baseline["V"]
@@ -209,37 +287,71 @@ def test_the_consumer_looked_up_every_request_and_loaded_only_the_hits(consumer)
     assert not metrics.get("unkeyed_requests"), metrics
     assert metrics["lookups"] == len(CONSUMER_CASES), metrics
     assert metrics["lookup_hit_tokens"] == sum(consumer["cached"].values()), metrics
-    assert metrics["load_seconds_count"] == sum(1 for c in consumer["cached"].values() if c), metrics
+    assert metrics["load_seconds_count"] == sum(1 for c in consumer["cached"].values() if c), (
+        metrics
+    )
 
 
-def test_other_weights_or_a_weights_revision_miss_the_checkpoints_pages(model_dir, baseline, store, consumer, tmp_path_factory):
+def test_other_weights_or_a_weights_revision_miss_the_checkpoints_pages(
+    model_dir, baseline, store, consumer, tmp_path_factory
+):
     """The same config and model name with other random weights (the checkpoint's
     fingerprint differs), or the same checkpoint under ``weights_revision``, miss what
     the first checkpoint's engine saved; that checkpoint's engine hits it."""
     assert consumer["cached"]["W"] == hit(PROMPT_W) and consumer["tokens"]["W"] == baseline["W"]
     other = write_model(tmp_path_factory.mktemp("tiny-llama-other"), seed=1)
     assert Path(other, "config.json").read_text() == Path(model_dir, "config.json").read_text()
-    (retrained,) = run_engine(other, [PROMPT_W], [None], store.redis_url, role="kv_consumer")["results"]
+    (retrained,) = run_engine(other, [PROMPT_W], [None], store.redis_url, role="kv_consumer")[
+        "results"
+    ]
     assert retrained["num_cached_tokens"] == 0
-    assert retrained["tokens"] != baseline["W"]  # the weights differ: loaded pages of the first would be wrong
-    (revised,) = run_engine(model_dir, [PROMPT_W], [None], store.redis_url, role="kv_consumer", extra={"weights_revision": "v2"})["results"]
+    assert (
+        retrained["tokens"] != baseline["W"]
+    )  # the weights differ: loaded pages of the first would be wrong
+    (revised,) = run_engine(
+        model_dir,
+        [PROMPT_W],
+        [None],
+        store.redis_url,
+        role="kv_consumer",
+        extra={"weights_revision": "v2"},
+    )["results"]
     assert revised["num_cached_tokens"] == 0 and revised["tokens"] == baseline["W"]
 
 
 # --- scheduler level: vLLM's own Request objects --------------------------------------
 
-NS = Namespace(model="tiny-llama-identity", dtype="float32", num_layers=2, num_kv_heads=2, head_size=32, block_size=BLOCK, layout="vllm_cpu")
+NS = Namespace(
+    model="tiny-llama-identity",
+    dtype="float32",
+    num_layers=2,
+    num_kv_heads=2,
+    head_size=32,
+    block_size=BLOCK,
+    layout="vllm_cpu",
+)
 
 
-def vllm_request(req_id: str, tokens: list[int] | None, *, images: list[tuple[str, int, int]] = (), **kwargs):
+def vllm_request(
+    req_id: str, tokens: list[int] | None, *, images: list[tuple[str, int, int]] = (), **kwargs
+):
     """A vLLM ``Request``; ``images``: (identifier, offset, length) of its multimodal items."""
     from vllm import SamplingParams
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
     from vllm.v1.request import Request
 
-    features = [MultiModalFeatureSpec(data=None, modality="image", identifier=ident, mm_position=PlaceholderRange(offset=offset, length=length))
-                for ident, offset, length in images]
-    return Request(req_id, tokens, SamplingParams(max_tokens=1), None, mm_features=features or None, **kwargs)
+    features = [
+        MultiModalFeatureSpec(
+            data=None,
+            modality="image",
+            identifier=ident,
+            mm_position=PlaceholderRange(offset=offset, length=length),
+        )
+        for ident, offset, length in images
+    ]
+    return Request(
+        req_id, tokens, SamplingParams(max_tokens=1), None, mm_features=features or None, **kwargs
+    )
 
 
 def chain(request) -> list[bytes]:
@@ -254,28 +366,44 @@ def test_images_at_the_same_offset_share_only_the_blocks_before_them():
 
     from client.vllm.identity import IdentityReader
 
-    tokens = [rng.randrange(512) for _ in range(320)]  # 10 full blocks; the image's placeholders at 100..149
+    tokens = [
+        rng.randrange(512) for _ in range(320)
+    ]  # 10 full blocks; the image's placeholders at 100..149
     offset, first = 100, 100 // BLOCK
     plain = chain(vllm_request("plain", tokens))
     x = chain(vllm_request("x", tokens, images=[("image-x", offset, 50)]))
     y = chain(vllm_request("y", tokens, images=[("image-y", offset, 50)]))
     assert len(plain) == len(x) == len(y) == 10
-    assert x[:first] == y[:first] == plain[:first]  # the blocks before the image are a plain request's
+    assert (
+        x[:first] == y[:first] == plain[:first]
+    )  # the blocks before the image are a plain request's
     assert not set(x[first:]) & set(y[first:]) and not set(x[first:]) & set(plain[first:])
-    assert chain(vllm_request("x-again", tokens, images=[("image-x", offset, 50)])) == x  # the same image: the same pages
+    assert (
+        chain(vllm_request("x-again", tokens, images=[("image-x", offset, 50)])) == x
+    )  # the same image: the same pages
     # the same image elsewhere in the same tokens differs from its first block on
     moved = chain(vllm_request("x-moved", tokens, images=[("image-x", offset + 1, 50)]))
     assert moved[:first] == x[:first] and not set(moved[first:]) & set(x[first:])
     # two images: a different second one changes only the blocks from its own first block on
     second, second_first = 250, 250 // BLOCK
-    xz = chain(vllm_request("xz", tokens, images=[("image-x", offset, 50), ("image-z", second, 40)]))
-    xw = chain(vllm_request("xw", tokens, images=[("image-x", offset, 50), ("image-w", second, 40)]))
+    xz = chain(
+        vllm_request("xz", tokens, images=[("image-x", offset, 50), ("image-z", second, 40)])
+    )
+    xw = chain(
+        vllm_request("xw", tokens, images=[("image-x", offset, 50), ("image-w", second, 40)])
+    )
     assert xz[:second_first] == xw[:second_first] == x[:second_first]
     assert not set(xz[second_first:]) & set(xw[second_first:])
     # kvstore keys exactly the blocks vLLM's own extra keys name
-    request = vllm_request("xz-blocks", tokens, images=[("image-x", offset, 50), ("image-z", second, 40)])
+    request = vllm_request(
+        "xz-blocks", tokens, images=[("image-x", offset, 50), ("image-z", second, 40)]
+    )
     keyed = IdentityReader(BLOCK).keyed(request)
-    vllm_keyed = {b for b in range(10) if generate_block_hash_extra_keys(request, b * BLOCK, (b + 1) * BLOCK, 0)[0]}
+    vllm_keyed = {
+        b
+        for b in range(10)
+        if generate_block_hash_extra_keys(request, b * BLOCK, (b + 1) * BLOCK, 0)[0]
+    }
     assert {b for b, _ in keyed.extras.digests} == vllm_keyed == {3, 4, 7, 8, 9}
 
 
@@ -343,7 +471,10 @@ def test_the_scheduler_neither_looks_up_nor_saves_an_unkeyable_request(later_vll
     assert stats.stats.data["unkeyed_requests"] == 1  # once per request
     # both prefills complete in one step: only the keyed request is saved
     step = SchedulerOutput.make_empty()
-    step.scheduled_new_reqs = [NewRequestData.from_request(r, ([0, 1, 2, 3],) if r is now else ([4, 5, 6, 7],)) for r in (now, future)]
+    step.scheduled_new_reqs = [
+        NewRequestData.from_request(r, ([0, 1, 2, 3],) if r is now else ([4, 5, 6, 7],))
+        for r in (now, future)
+    ]
     step.num_scheduled_tokens = {"now": len(tokens), "future": len(tokens)}
     step.total_num_scheduled_tokens = 2 * len(tokens)
     meta = scheduler.build_connector_meta(step)

@@ -17,19 +17,33 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvstore.tools.launcher import LocalCluster  # noqa: E402
-from kvstore.tools.procutil import free_port  # noqa: E402
-from tests.helpers import ROOT  # noqa: E402
-from tests.openai_server import OpenAIServer  # noqa: E402
-from tests.test_readme import blocks  # noqa: E402
+from kvstore.tools.launcher import LocalCluster
+from kvstore.tools.procutil import free_port
+from tests.helpers import ROOT
+from tests.openai_server import OpenAIServer
+from tests.test_readme import blocks
 
 PROMPT = list(range(3, 103))  # 3 full blocks of 32 + 4 tokens
 PRIVATE = list(range(200, 300))  # opted out of saving
-TINY = ["--enforce-eager", "--block-size", "32", "--dtype", "float32", "--max-model-len", "512", "--no-enable-prefix-caching"]
+TINY = [
+    "--enforce-eager",
+    "--block-size",
+    "32",
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "512",
+    "--no-enable-prefix-caching",
+]
 
 
 def serve_command() -> list[str]:
-    (line,) = [line for b in blocks("") for line in b.splitlines() if line.startswith("python -m vllm.entrypoints.openai.api_server")]
+    (line,) = [
+        line
+        for b in blocks("")
+        for line in b.splitlines()
+        if line.startswith("python -m vllm.entrypoints.openai.api_server")
+    ]
     return shlex.split(line)
 
 
@@ -37,8 +51,18 @@ def serve_command() -> list[str]:
 def served_model(tmp_path_factory) -> str:
     """The tiny Llama with a word-level tokenizer (t0 ... t511), which the server needs."""
     path = tmp_path_factory.mktemp("tiny-llama-served")
-    subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_engine.py"), "write-model", str(path)], check=True, capture_output=True, timeout=300)
-    subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_engine.py"), "write-tokenizer", str(path)], check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "vllm_engine.py"), "write-model", str(path)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "vllm_engine.py"), "write-tokenizer", str(path)],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     return str(path)
 
 
@@ -49,12 +73,31 @@ class Server(OpenAIServer):
         port = free_port()
         argv = [sys.executable if a == "python" else a for a in serve_command()]
         argv = [model if a == "MODEL_DIR" else str(port) if a == "8000" else a for a in argv]
-        super().__init__([*argv, "--host", "127.0.0.1", *TINY], {"VLLM_CPU_KVCACHE_SPACE": "1", "KVSTORE_REDIS_URL": redis_url}, log, port, wait_s=240)
+        super().__init__(
+            [*argv, "--host", "127.0.0.1", *TINY],
+            {"VLLM_CPU_KVCACHE_SPACE": "1", "KVSTORE_REDIS_URL": redis_url},
+            log,
+            port,
+            wait_s=240,
+        )
 
     def complete(self, prompt: list[int], **extra) -> str:
         """A streamed completion's text, joined from its server-sent events."""
-        body = json.dumps({"model": self.model_name(), "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True, **extra}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", body, {"Content-Type": "application/json"})
+        body = json.dumps(
+            {
+                "model": self.model_name(),
+                "prompt": prompt,
+                "max_tokens": 8,
+                "temperature": 0,
+                "stream": True,
+                **extra,
+            }
+        ).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/completions",
+            body,
+            {"Content-Type": "application/json"},
+        )
         text = []
         with urllib.request.urlopen(request, timeout=120) as response:
             for raw in response:
@@ -71,7 +114,9 @@ class Server(OpenAIServer):
         return self.kvstore_metric(name)
 
 
-def test_the_openai_server_stores_and_after_a_restart_loads_with_the_same_output(served_model, tmp_path):
+def test_the_openai_server_stores_and_after_a_restart_loads_with_the_same_output(
+    served_model, tmp_path
+):
     with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
         first = Server(served_model, cluster.redis_url, str(tmp_path / "first.log"))
         try:
@@ -81,12 +126,21 @@ def test_the_openai_server_stores_and_after_a_restart_loads_with_the_same_output
         finally:
             first.stop()
         log = (tmp_path / "first.log").read_text()
-        assert "KVStoreConnector (SCHEDULER): index redis://127.0.0.1:" in log and " reached, 1 live node(s)" in log
+        assert (
+            "KVStoreConnector (SCHEDULER): index redis://127.0.0.1:" in log
+            and " reached, 1 live node(s)" in log
+        )
         second = Server(served_model, cluster.redis_url, str(tmp_path / "second.log"))
         try:
             assert second.complete(PROMPT) == text
-            assert second.metric("lookup_hit_tokens_total") == 96 and second.metric("load_bytes_total") > 0
-            assert second.complete(PRIVATE) == private and second.metric("lookup_hit_tokens_total") == 96  # never saved
+            assert (
+                second.metric("lookup_hit_tokens_total") == 96
+                and second.metric("load_bytes_total") > 0
+            )
+            assert (
+                second.complete(PRIVATE) == private
+                and second.metric("lookup_hit_tokens_total") == 96
+            )  # never saved
         finally:
             second.stop()
 
@@ -94,25 +148,34 @@ def test_the_openai_server_stores_and_after_a_restart_loads_with_the_same_output
 @pytest.mark.parametrize(
     ("extra", "line"),
     [
-        ({}, "KVStoreConnector has no index URL: put redis_url in kv_connector_extra_config or export KVSTORE_REDIS_URL"),
+        (
+            {},
+            "KVStoreConnector has no index URL: put redis_url in kv_connector_extra_config or export KVSTORE_REDIS_URL",
+        ),
         (
             {"redis_url": "redis://127.0.0.1:1/0", "lookup_budget_ms": -5},
             "KVStoreConnector: invalid kv_connector_extra_config lookup_budget_ms=-5: Input should be greater than 0",
         ),
     ],
 )
-def test_a_configuration_the_connector_cannot_use_stops_the_server_before_the_model_loads(served_model, tmp_path, extra, line):
+def test_a_configuration_the_connector_cannot_use_stops_the_server_before_the_model_loads(
+    served_model, tmp_path, extra, line
+):
     """README's serve command with no index URL anywhere (nothing exported), or with an
     option that does not validate: the server exits with that one line, no traceback,
     before vLLM starts loading the model."""
     argv = [sys.executable if a == "python" else a for a in serve_command()]
-    argv = [served_model if a == "MODEL_DIR" else str(free_port()) if a == "8000" else a for a in argv]
+    argv = [
+        served_model if a == "MODEL_DIR" else str(free_port()) if a == "8000" else a for a in argv
+    ]
     if extra:
         at = argv.index("--kv-transfer-config") + 1
         argv[at] = json.dumps({**json.loads(argv[at]), "kv_connector_extra_config": extra})
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     env.update(PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="1")
-    done = subprocess.run([*argv, "--host", "127.0.0.1", *TINY], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [*argv, "--host", "127.0.0.1", *TINY], env=env, capture_output=True, text=True, timeout=120
+    )
     output = done.stdout + done.stderr
     assert done.returncode == 1, output[-3000:]
     assert done.stderr.rstrip().splitlines()[-1] == line

@@ -61,7 +61,9 @@ def eagle_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def draft_dir(tmp_path_factory) -> str:
     """A draft model of its own: the tiny Llama's config with one layer and other weights."""
-    return write("write-model", tmp_path_factory.mktemp("tiny-draft"), '{"seed": 1, "num_hidden_layers": 1}')
+    return write(
+        "write-model", tmp_path_factory.mktemp("tiny-draft"), '{"seed": 1, "num_hidden_layers": 1}'
+    )
 
 
 def write(command: str, path, *args: str) -> str:
@@ -152,12 +154,16 @@ def test_a_draft_models_layers_are_stored_beside_the_targets_and_loaded_with_the
     assert alone["tokens"] == plain_tokens and alone["num_cached_tokens"] == 0
     assert first["metrics"]["lookups"] >= 1 and first["metrics"]["save_bytes"] > 0
     shared, whole = second["results"]
-    assert shared["num_cached_tokens"] == (SHARED - drop) * BLOCK and shared["tokens"] == next_tokens
+    assert (
+        shared["num_cached_tokens"] == (SHARED - drop) * BLOCK and shared["tokens"] == next_tokens
+    )
     assert whole["num_cached_tokens"] == (len(PROMPT) // BLOCK - drop) * BLOCK
     assert whole["tokens"] == plain_tokens
     for out in (first, second):
         assert f"the draft's 1 layer(s) ({method})" in out["log"]
-        assert "cannot use the store" not in out["log"] and "disabled on this worker" not in out["log"]
+        assert (
+            "cannot use the store" not in out["log"] and "disabled on this worker" not in out["log"]
+        )
     assert second["spec_decode"]["num_draft_tokens"] > 0
 
 
@@ -170,11 +176,16 @@ def test_a_model_drafting_for_itself_reads_the_pages_a_plain_engine_of_it_saved(
     config = {"model_dir": model_dir, "speculative_config": DRAFTS["draft_model"](model_dir, None)}
     baseline = speculative(config, [PROMPT, NEXT])
     with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
-        run_engine_full(model_dir, [PROMPT], cluster.redis_url, "kv_producer", spec={"max_tokens": MAX_TOKENS})
+        run_engine_full(
+            model_dir, [PROMPT], cluster.redis_url, "kv_producer", spec={"max_tokens": MAX_TOKENS}
+        )
         out = speculative(config, [NEXT, PROMPT], cluster.redis_url, "kv_consumer")
     shared, whole = out["results"]
     assert [whole["tokens"], shared["tokens"]] == [r["tokens"] for r in baseline["results"]]
-    assert (shared["num_cached_tokens"], whole["num_cached_tokens"]) == (SHARED * BLOCK, len(PROMPT) // BLOCK * BLOCK)
+    assert (shared["num_cached_tokens"], whole["num_cached_tokens"]) == (
+        SHARED * BLOCK,
+        len(PROMPT) // BLOCK * BLOCK,
+    )
     drafts, before = out["spec_decode"], baseline["spec_decode"]
     assert before["num_accepted_tokens"] == before["num_draft_tokens"] > 0
     assert drafts["num_accepted_tokens"] == drafts["num_draft_tokens"] > 0
@@ -192,12 +203,22 @@ def test_a_tp2_speculating_engine_saves_the_draft_pages_a_tp1_one_loads(model_di
     tp = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
     with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
         producer = run_engine_full(
-            model_dir, [PROMPT], cluster.redis_url, "kv_producer", extra=groups, env=tp,
-            spec={"max_tokens": MAX_TOKENS}, speculative_config=config["speculative_config"],
+            model_dir,
+            [PROMPT],
+            cluster.redis_url,
+            "kv_producer",
+            extra=groups,
+            env=tp,
+            spec={"max_tokens": MAX_TOKENS},
+            speculative_config=config["speculative_config"],
             tensor_parallel_size=2,
         )
         consumer = run_engine_full(
-            model_dir, [NEXT, PROMPT], cluster.redis_url, "kv_consumer", extra=groups,
+            model_dir,
+            [NEXT, PROMPT],
+            cluster.redis_url,
+            "kv_consumer",
+            extra=groups,
             spec={"max_tokens": MAX_TOKENS, "spec_decode_metrics": True},
             speculative_config=config["speculative_config"],
         )
@@ -216,27 +237,47 @@ def test_drafts_the_store_cannot_serve_are_refused_with_the_reason(model_dir, dr
     one line at start and makes no lookups, as for every refusal)."""
     import torch
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
 
     from client.vllm.drafts import draft_facts, draft_refusal
 
     def config(spec: dict | None = None, **engine):
         return EngineArgs(
-            model=model_dir, dtype="float32", skip_tokenizer_init=True, block_size=BLOCK, max_model_len=512,
-            speculative_config={**DRAFTS["draft_model"](draft_dir, None), **(spec or {})}, **engine,
+            model=model_dir,
+            dtype="float32",
+            skip_tokenizer_init=True,
+            block_size=BLOCK,
+            max_model_len=512,
+            speculative_config={**DRAFTS["draft_model"](draft_dir, None), **(spec or {})},
+            **engine,
         ).create_engine_config()
 
     def groups(*members) -> KVCacheConfig:
-        return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec) for names, spec in members])
+        return KVCacheConfig(
+            num_blocks=8,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(names, spec) for names, spec in members],
+        )
 
     full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32)
-    window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64)
+    window = SlidingWindowSpec(
+        block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64
+    )
     target = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
     draft = ["draft_model.model.layers.0.self_attn.attn"]
     one = groups((target + draft, full))
     plain = config()
     facts = draft_facts(plain, one)
-    assert facts is not None and (facts.layers, facts.method, facts.drop_blocks) == (draft, "draft_model", 0)
+    assert facts is not None and (facts.layers, facts.method, facts.drop_blocks) == (
+        draft,
+        "draft_model",
+        0,
+    )
     assert draft_refusal(plain, one, facts) is None
     hybrid = groups((target[:1] + draft, full), (target[1:], window))
     assert draft_refusal(plain, hybrid, facts) == (
@@ -245,6 +286,8 @@ def test_drafts_the_store_cannot_serve_are_refused_with_the_reason(model_dir, dr
     assert draft_refusal(config(pipeline_parallel_size=2), one, facts) == (
         "speculative decoding (draft_model) with pipeline parallelism: a draft's pages are not stored across stages yet"
     )
-    assert draft_refusal(config({"draft_tensor_parallel_size": 1}, tensor_parallel_size=2), one, facts) == (
+    assert draft_refusal(
+        config({"draft_tensor_parallel_size": 1}, tensor_parallel_size=2), one, facts
+    ) == (
         "speculative decoding (draft_model) with a draft on 1 TP rank(s), not the target's every rank"
     )

@@ -76,9 +76,17 @@ def write_tiny_llama(path: str, overrides: dict | None = None, seed: int = 0) ->
     overrides = dict(overrides or {})
     torch.manual_seed(overrides.pop("seed", seed))
     fields = dict(
-        hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        intermediate_size=256, vocab_size=512, max_position_embeddings=512, initializer_range=0.2,
-        torch_dtype="float32", tie_word_embeddings=False,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+        vocab_size=512,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        torch_dtype="float32",
+        tie_word_embeddings=False,
     )
     fields.update(overrides)
     LlamaForCausalLM(LlamaConfig(**fields)).save_pretrained(path)
@@ -93,12 +101,29 @@ def write_tiny_deepseek(path: str) -> None:
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     torch.manual_seed(0)
-    DeepseekV2ForCausalLM(DeepseekV2Config(
-        hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None,
-        qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64, first_k_dense_replace=2, intermediate_size=512,
-        moe_intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2, vocab_size=512, max_position_embeddings=512,
-        initializer_range=0.2, torch_dtype="float32", tie_word_embeddings=False,
-    )).save_pretrained(path)
+    DeepseekV2ForCausalLM(
+        DeepseekV2Config(
+            hidden_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=64,
+            v_head_dim=64,
+            first_k_dense_replace=2,
+            intermediate_size=512,
+            moe_intermediate_size=128,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            vocab_size=512,
+            max_position_embeddings=512,
+            initializer_range=0.2,
+            torch_dtype="float32",
+            tie_word_embeddings=False,
+        )
+    ).save_pretrained(path)
 
 
 def write_tiny_gemma3(path: str) -> None:
@@ -109,12 +134,24 @@ def write_tiny_gemma3(path: str) -> None:
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(0)
-    Gemma3ForCausalLM(Gemma3TextConfig(
-        hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        intermediate_size=256, vocab_size=512, max_position_embeddings=512, initializer_range=0.2,
-        sliding_window=64, query_pre_attn_scalar=32, layer_types=["sliding_attention", "full_attention"] * 2,
-        torch_dtype="float32", tie_word_embeddings=False,
-    )).save_pretrained(path)
+    Gemma3ForCausalLM(
+        Gemma3TextConfig(
+            hidden_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            intermediate_size=256,
+            vocab_size=512,
+            max_position_embeddings=512,
+            initializer_range=0.2,
+            sliding_window=64,
+            query_pre_attn_scalar=32,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            torch_dtype="float32",
+            tie_word_embeddings=False,
+        )
+    ).save_pretrained(path)
 
 
 def write_tiny_gpt_oss(path: str) -> None:
@@ -125,12 +162,25 @@ def write_tiny_gpt_oss(path: str) -> None:
     from transformers import GptOssConfig, GptOssForCausalLM
 
     torch.manual_seed(0)
-    GptOssForCausalLM(GptOssConfig(
-        hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        intermediate_size=128, vocab_size=512, max_position_embeddings=512, sliding_window=64,
-        num_local_experts=4, num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"] * 2,
-        torch_dtype="float32", tie_word_embeddings=False, initializer_range=0.2,
-    )).save_pretrained(path)
+    GptOssForCausalLM(
+        GptOssConfig(
+            hidden_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            intermediate_size=128,
+            vocab_size=512,
+            max_position_embeddings=512,
+            sliding_window=64,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            torch_dtype="float32",
+            tie_word_embeddings=False,
+            initializer_range=0.2,
+        )
+    ).save_pretrained(path)
     config_path = os.path.join(path, "config.json")
     with open(config_path) as f:
         config = json.load(f)
@@ -149,16 +199,32 @@ def write_tiny_eagle(path: str) -> None:
     from transformers import LlamaConfig
 
     torch.manual_seed(2)
-    config = LlamaConfig(hidden_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=32, intermediate_size=256, vocab_size=512, max_position_embeddings=512,
-                         torch_dtype="float32", tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    config = LlamaConfig(
+        hidden_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+        vocab_size=512,
+        max_position_embeddings=512,
+        torch_dtype="float32",
+        tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
+    )
     config.save_pretrained(path)
     h, q, kv, inter = 128, 4 * 32, 2 * 32, 256
-    shapes = {"fc.weight": (h, 2 * h), "embed_tokens.weight": (512, h),
-              "layers.0.self_attn.q_proj.weight": (q, h), "layers.0.self_attn.k_proj.weight": (kv, h),
-              "layers.0.self_attn.v_proj.weight": (kv, h), "layers.0.self_attn.o_proj.weight": (h, q),
-              "layers.0.mlp.gate_proj.weight": (inter, h), "layers.0.mlp.up_proj.weight": (inter, h),
-              "layers.0.mlp.down_proj.weight": (h, inter)}
+    shapes = {
+        "fc.weight": (h, 2 * h),
+        "embed_tokens.weight": (512, h),
+        "layers.0.self_attn.q_proj.weight": (q, h),
+        "layers.0.self_attn.k_proj.weight": (kv, h),
+        "layers.0.self_attn.v_proj.weight": (kv, h),
+        "layers.0.self_attn.o_proj.weight": (h, q),
+        "layers.0.mlp.gate_proj.weight": (inter, h),
+        "layers.0.mlp.up_proj.weight": (inter, h),
+        "layers.0.mlp.down_proj.weight": (h, inter),
+    }
     weights = {name: torch.randn(shape) * 0.2 for name, shape in shapes.items()}
     weights["layers.0.post_attention_layernorm.weight"] = torch.ones(h)
     save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
@@ -171,12 +237,26 @@ def write_tiny_nemotron_h(path: str) -> None:
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
     torch.manual_seed(0)
-    NemotronHForCausalLM(NemotronHConfig(
-        hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256,
-        mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=16, n_groups=1, conv_kernel=4, chunk_size=64,
-        layers_block_type=["mamba", "attention", "mamba", "mlp"], vocab_size=512, max_position_embeddings=512,
-        initializer_range=0.2, tie_word_embeddings=False,
-    )).to(torch.float32).save_pretrained(path)
+    NemotronHForCausalLM(
+        NemotronHConfig(
+            hidden_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            intermediate_size=256,
+            mamba_num_heads=4,
+            mamba_head_dim=32,
+            ssm_state_size=16,
+            n_groups=1,
+            conv_kernel=4,
+            chunk_size=64,
+            layers_block_type=["mamba", "attention", "mamba", "mlp"],
+            vocab_size=512,
+            max_position_embeddings=512,
+            initializer_range=0.2,
+            tie_word_embeddings=False,
+        )
+    ).to(torch.float32).save_pretrained(path)
 
 
 def write_word_tokenizer(path: str, vocab: int = 512) -> None:
@@ -188,7 +268,9 @@ def write_word_tokenizer(path: str, vocab: int = 512) -> None:
     tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(path)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2"
+    ).save_pretrained(path)
 
 
 def kvstore_metrics(llm) -> dict:
@@ -220,10 +302,17 @@ class _BesideCopy:
         import numpy as np
 
         piece = nbytes // 96 // self.LAYERS  # the bench's 96 pages
-        self.src = np.ones(96 * self.LAYERS * piece, np.uint8)  # both faulted in now, as the store's pages and the cache are
+        self.src = np.ones(
+            96 * self.LAYERS * piece, np.uint8
+        )  # both faulted in now, as the store's pages and the cache are
         self.dst = np.zeros((self.LAYERS, 96, piece), np.uint8)
-        self.pairs = [(tuple(self.dst[layer, page] for layer in range(self.LAYERS)), self.src[page * self.LAYERS * piece : (page + 1) * self.LAYERS * piece])
-                      for page in range(96)]
+        self.pairs = [
+            (
+                tuple(self.dst[layer, page] for layer in range(self.LAYERS)),
+                self.src[page * self.LAYERS * piece : (page + 1) * self.LAYERS * piece],
+            )
+            for page in range(96)
+        ]
         self.seconds = 0.0
         self.thread = None
 
@@ -298,27 +387,54 @@ def main() -> int:
     from vllm.sampling_params import RequestOutputKind
 
     kv = None
-    if spec.get("example_connector_path"):  # vLLM's own reference connector, saving to and loading from files
-        kv = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
-                              kv_connector_extra_config={"shared_storage_path": spec["example_connector_path"]})
+    if spec.get(
+        "example_connector_path"
+    ):  # vLLM's own reference connector, saving to and loading from files
+        kv = KVTransferConfig(
+            kv_connector="ExampleConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": spec["example_connector_path"]},
+        )
     elif spec.get("redis_url"):
         kv = KVTransferConfig(
-            kv_connector="KVStoreConnector", kv_connector_module_path="client.vllm_connector",
-            kv_role=spec.get("role", "kv_both"), kv_connector_extra_config={"redis_url": spec["redis_url"], **spec.get("extra", {})},
+            kv_connector="KVStoreConnector",
+            kv_connector_module_path="client.vllm_connector",
+            kv_role=spec.get("role", "kv_both"),
+            kv_connector_extra_config={"redis_url": spec["redis_url"], **spec.get("extra", {})},
         )
-    llm_kwargs = {"max_model_len": 512, "block_size": BLOCK_SIZE, "enforce_eager": True, **spec.get("llm_kwargs", {})}
+    llm_kwargs = {
+        "max_model_len": 512,
+        "block_size": BLOCK_SIZE,
+        "enforce_eager": True,
+        **spec.get("llm_kwargs", {}),
+    }
     if spec.get("kv_events"):
         from vllm.config import KVEventsConfig
 
         llm_kwargs["kv_events_config"] = KVEventsConfig(**spec["kv_events"])
     llm = LLM(
-        model=spec["model_dir"], skip_tokenizer_init=True, dtype="float32",
-        gpu_memory_utilization=0.3, kv_transfer_config=kv, seed=0, disable_log_stats=False,
-        enable_prefix_caching=spec.get("prefix_caching", True), **llm_kwargs,
+        model=spec["model_dir"],
+        skip_tokenizer_init=True,
+        dtype="float32",
+        gpu_memory_utilization=0.3,
+        kv_transfer_config=kv,
+        seed=0,
+        disable_log_stats=False,
+        enable_prefix_caching=spec.get("prefix_caching", True),
+        **llm_kwargs,
     )
-    def params(transfer: dict | None = None) -> SamplingParams:  # LLM.generate turns the params it gets into FINAL_ONLY: one each
-        return SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 12), detokenize=False, ignore_eos=True,
-                              output_kind=RequestOutputKind.CUMULATIVE, extra_args={"kv_transfer_params": transfer} if transfer else None)
+
+    def params(
+        transfer: dict | None = None,
+    ) -> SamplingParams:  # LLM.generate turns the params it gets into FINAL_ONLY: one each
+        return SamplingParams(
+            temperature=0,
+            max_tokens=spec.get("max_tokens", 12),
+            detokenize=False,
+            ignore_eos=True,
+            output_kind=RequestOutputKind.CUMULATIVE,
+            extra_args={"kv_transfer_params": transfer} if transfer else None,
+        )
 
     transfers = spec.get("transfer_params") or [None] * len(spec["prompts"])
     extras = spec.get("prompt_extras") or [None] * len(spec["prompts"])
@@ -365,10 +481,19 @@ def main() -> int:
             ended = time.perf_counter()
             n = len(last.outputs[0].token_ids)
             decode_steps = [round(b - a, 5) for a, b in zip(step_ends, step_ends[1:]) if a >= first]
-            first_steps = [round(b - a, 5) for a, b in zip([started, *step_ends], step_ends) if a < first]
-            results.append(result(last) | {"seconds": ended - started, "ttft": first - started, "decode_steps": decode_steps,
-                                           "first_steps": first_steps,
-                                           "decode_tps": (n - 1) / (ended - first) if n > 1 else None})
+            first_steps = [
+                round(b - a, 5) for a, b in zip([started, *step_ends], step_ends) if a < first
+            ]
+            results.append(
+                result(last)
+                | {
+                    "seconds": ended - started,
+                    "ttft": first - started,
+                    "decode_steps": decode_steps,
+                    "first_steps": first_steps,
+                    "decode_tps": (n - 1) / (ended - first) if n > 1 else None,
+                }
+            )
     if spec.get("kv_events"):
         drain_events(engine, spec.get("drain_s", 10), out)
     if spec.get("idle_cpu_s"):
@@ -377,9 +502,14 @@ def main() -> int:
         out["idle_cpu"] = (time.process_time() - cpu) / (time.monotonic() - wall)
     if kv is not None:
         out["metrics"] = kvstore_metrics(llm)
-    if spec.get("spec_decode_metrics"):  # vLLM's counters of drafts, draft tokens and accepted tokens
-        out["spec_decode"] = {m.name.removeprefix("vllm:spec_decode_"): m.value for m in llm.get_metrics()
-                              if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value")}
+    if spec.get(
+        "spec_decode_metrics"
+    ):  # vLLM's counters of drafts, draft tokens and accepted tokens
+        out["spec_decode"] = {
+            m.name.removeprefix("vllm:spec_decode_"): m.value
+            for m in llm.get_metrics()
+            if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value")
+        }
     if beside is not None:
         beside.thread.join()
         out["beside_copy_seconds"] = beside.seconds
@@ -394,8 +524,12 @@ if __name__ == "__main__":
     if sys.argv[1] == "write-tokenizer":
         write_word_tokenizer(sys.argv[2])
         sys.exit(0)
-    writers = {"write-gemma3-model": write_tiny_gemma3, "write-eagle-model": write_tiny_eagle,
-               "write-nemotron-h-model": write_tiny_nemotron_h, "write-gpt-oss-model": write_tiny_gpt_oss}
+    writers = {
+        "write-gemma3-model": write_tiny_gemma3,
+        "write-eagle-model": write_tiny_eagle,
+        "write-nemotron-h-model": write_tiny_nemotron_h,
+        "write-gpt-oss-model": write_tiny_gpt_oss,
+    }
     if sys.argv[1] in writers:
         writers[sys.argv[1]](sys.argv[2])
         sys.exit(0)

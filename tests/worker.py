@@ -21,11 +21,17 @@ from tests.helpers import kv_for, pages_for, rank_kv, rank_pages
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-for-bit equality (random page bytes include NaNs, which torch.equal rejects)."""
-    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    )
 
 
 def tokens_of(spec: dict) -> list[int]:
-    return spec["tokens"] if "tokens" in spec else list(range(spec.get("start", 0), spec.get("start", 0) + spec["count"]))
+    return (
+        spec["tokens"]
+        if "tokens" in spec
+        else list(range(spec.get("start", 0), spec.get("start", 0) + spec["count"]))
+    )
 
 
 async def reconnect_cycles(client: KVCacheClient, ns: Namespace, cycles: int) -> int:
@@ -58,19 +64,25 @@ def main() -> int:
     out: dict = {"op": spec["op"]}
     t0 = time.perf_counter()
     if spec["op"] == "put_pages":
-        for tokens in (spec["token_lists"] if "token_lists" in spec else [tokens_of(spec)]):
+        for tokens in spec["token_lists"] if "token_lists" in spec else [tokens_of(spec)]:
             report = client.put_pages(tokens, pages_for_ns(ns, tokens))
             out.setdefault("reports", []).append(asdict(report))
     elif spec["op"] == "get_pages":
         results = []
         deadline = time.monotonic() + spec.get("loop_seconds", 0)
         while True:
-            for tokens in (spec["token_lists"] if "token_lists" in spec else [tokens_of(spec)]):
+            for tokens in spec["token_lists"] if "token_lists" in spec else [tokens_of(spec)]:
                 expected = pages_for_ns(ns, tokens)
                 buf = torch.empty_like(expected)
                 t = time.time()
                 n = client.get_pages(tokens, buf) // ns.block_size
-                results.append({"blocks": len(expected), "matched": n, "exact": same_bytes(buf[:n], expected[:n])})
+                results.append(
+                    {
+                        "blocks": len(expected),
+                        "matched": n,
+                        "exact": same_bytes(buf[:n], expected[:n]),
+                    }
+                )
                 if spec.get("timestamps"):
                     results[-1].update(t=t, took=time.time() - t)
             if time.monotonic() >= deadline:
@@ -102,7 +114,13 @@ def main() -> int:
     elif spec["op"] == "insert":
         tokens = tokens_of(spec)
         key, value, hidden = kv_for_ns(ns, tokens)
-        report = client.insert(torch.tensor(tokens), torch.ones(len(tokens), dtype=torch.bool), key, value, hidden if spec.get("hidden", True) else None)
+        report = client.insert(
+            torch.tensor(tokens),
+            torch.ones(len(tokens), dtype=torch.bool),
+            key,
+            value,
+            hidden if spec.get("hidden", True) else None,
+        )
         out["report"] = asdict(report)
     elif spec["op"] == "select":
         tokens = tokens_of(spec)
