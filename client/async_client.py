@@ -50,7 +50,7 @@ from kvstore.pages import heads
 from kvstore.pages.checksum import start_helper
 from kvstore.pages.hashing import split_hashes, token_array
 from kvstore.pages.namespace import Namespace
-from kvstore.settings.config import ClientOptions, client_options, client_options_from_env
+from kvstore.settings.client import ClientOptions, client_options, client_options_from_env
 from kvstore.wire.transport import ensure_ucx
 
 __all__ = [

@@ -33,7 +33,7 @@ from kvstore.index import PageIndex
 from kvstore.index.routing import INDEX_TIMEOUT
 from kvstore.pages.heads import RankUnits
 from kvstore.pages.namespace import Namespace
-from kvstore.settings.config import client_options_from_env
+from kvstore.settings.client import client_options_from_env
 
 log = logging.getLogger(__name__)
 _MARGIN = 10.0

@@ -25,7 +25,7 @@ from kvstore import (
 )
 from kvstore.index import PageIndex
 from kvstore.pages import keys
-from kvstore.settings.config import client_options
+from kvstore.settings.client import client_options
 from kvstore.tools.launcher import LocalCluster
 from kvstore.tools.procutil import free_port
 from tests.helpers import (

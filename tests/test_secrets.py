@@ -18,7 +18,8 @@ import torch
 from client import KVCacheClient
 from kvstore.errors import InvalidInputError
 from kvstore.index import PageIndex
-from kvstore.settings.config import ServerSettings, client_options, client_options_from_env
+from kvstore.settings.client import client_options, client_options_from_env
+from kvstore.settings.config import ServerSettings
 from kvstore.tools.valkey import EmbeddedValkey
 from tests.helpers import ROOT, namespace_for_page_size, pages_for
 from tests.test_security import as_bytes, cmdline

@@ -44,7 +44,7 @@ from client.vllm.options import (
 from client.vllm.support import draft_layers
 from kvstore.errors import KVStoreError
 from kvstore.pages.namespace import Namespace
-from kvstore.settings.config import ClientOptions
+from kvstore.settings.client import ClientOptions
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -16,13 +16,8 @@ from kvstore.errors import InvalidInputError, KVStoreError
 from kvstore.index.routing import redact_url
 from kvstore.pages.namespace import Namespace, Tenant
 from kvstore.pages.weights import fingerprint
-from kvstore.settings.config import (
-    ByteSize,
-    ClientOptions,
-    client_options,
-    client_options_from_env,
-    first_error,
-)
+from kvstore.settings.client import ClientOptions, client_options, client_options_from_env
+from kvstore.settings.config import ByteSize, first_error
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig, ParallelConfig, VllmConfig

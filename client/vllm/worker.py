@@ -45,7 +45,7 @@ from client.vllm.paged_cache import GatherResult, PagedCache
 from client.vllm.staging_pool import StagingPool
 from client.vllm.stats import StatsRecorder
 from kvstore.errors import CredentialError, KVStoreError
-from kvstore.settings.config import ClientOptions
+from kvstore.settings.client import ClientOptions
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -16,7 +16,7 @@ from kvstore.security.credentials import make_credential, new_token, token_diges
 def index_from_env() -> tuple[str, str | None]:
     """The index URL and password from KVSTORE_REDIS_URL and KVSTORE_REDIS_PASSWORD(_FILE),
     read and checked once, as a client reads them."""
-    from kvstore.settings.config import client_options_from_env
+    from kvstore.settings.client import client_options_from_env
 
     options = client_options_from_env()
     return options.redis_url, options.redis_password.get_secret_value() or None
