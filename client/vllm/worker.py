@@ -23,6 +23,7 @@ on threads of their own, so nothing blocks the engine step for a transfer.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -101,6 +102,10 @@ class ConnectorWorker:
         self._conf = conf
         self._options = options
         self._stats = stats
+        # guards what the engine thread and the loader and saver threads share: the load
+        # errors, the pending save bytes and when the credential error was last logged
+        # (taken before the stats recorder's lock, never after it)
+        self._lock = threading.Lock()
         self._credential_logged = -CREDENTIAL_LOG_EVERY_S  # monotonic time of the last ERROR line
         self._block_size = vllm_config.cache_config.block_size
         self._client: KVCacheClient | None = None
@@ -208,7 +213,7 @@ class ConnectorWorker:
             after.record()
         for spec in meta.loads:
             if self._page_loader is None or self._loader is None:
-                with self._stats.lock:
+                with self._lock:
                     self._load_errors.update(ids_from(spec, spec.start_block))
                 self._unloadable.add(spec.req_id)
                 continue
@@ -245,7 +250,7 @@ class ConnectorWorker:
         client, _, staging = self._registered()
         pages = held.wait()  # no copy may still land in pages given back
         staging.give(pages)
-        with self._stats.lock:
+        with self._lock:
             self._pending_save_bytes -= len(pages) * client.namespace.page_nbytes
 
     def get_finished(self, meta: Any) -> tuple[set[str] | None, set[str] | None]:
@@ -272,11 +277,9 @@ class ConnectorWorker:
                 continue
             del self._loading[req_id]
             outcome: LoadOutcome = future.result()
-            with self._stats.lock:
+            with self._lock:
                 self._load_errors.update(outcome.failed)
-                self._stats.stats.add(
-                    load_bytes=outcome.nbytes, load_failed_blocks=len(outcome.failed)
-                )
+                self._stats.count(load_bytes=outcome.nbytes, load_failed_blocks=len(outcome.failed))
                 self._stats.stats.observe("load_seconds", outcome.seconds)
             done.add(req_id)
         self._count_device()
@@ -297,7 +300,7 @@ class ConnectorWorker:
             self._stats.count(device_loads=loads, host_register_failures=failures)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        with self._stats.lock:
+        with self._lock:
             errors, self._load_errors = self._load_errors, set()
         return errors
 
@@ -342,12 +345,12 @@ class ConnectorWorker:
             draft = self._draft
             nbytes = len(spec.block_ids) * page_nbytes
             draft_nbytes = len(spec.block_ids) * draft.client.namespace.page_nbytes if draft else 0
-            with self._stats.lock:
+            with self._lock:
                 if (
                     self._pending_save_bytes + nbytes + draft_nbytes
                     > self._conf.max_pending_save_bytes
                 ):
-                    self._stats.stats.add(saves_dropped=1)
+                    self._stats.count(saves_dropped=1)
                     log.warning(
                         "save of %s dropped: %d bytes already wait to be published",
                         spec.req_id,
@@ -383,9 +386,9 @@ class ConnectorWorker:
             if spec.first > spec.base:  # an earlier gather was dropped: the pages would have a hole
                 return
             nbytes = pages * client.namespace.page_nbytes
-            with self._stats.lock:
+            with self._lock:
                 if self._pending_save_bytes + nbytes > self._conf.max_pending_save_bytes:
-                    self._stats.stats.add(saves_dropped=1)
+                    self._stats.count(saves_dropped=1)
                     log.warning(
                         "save of %s dropped: %d bytes already wait to be published",
                         spec.req_id,
@@ -458,7 +461,7 @@ class ConnectorWorker:
         finally:
             staging.give(gathered.pages)
             self._stats.observe("save_seconds", time.perf_counter() - started)
-            with self._stats.lock:
+            with self._lock:
                 self._pending_save_bytes -= nbytes
             if answers_event:
                 self._outcomes.report([spec], ok=stored)
@@ -472,7 +475,7 @@ class ConnectorWorker:
         goes on (loads recompute, saves are future misses); counted, and logged at
         ERROR the first time and then at most once a minute."""
         self._stats.count(credential_refusals=1)
-        with self._stats.lock:
+        with self._lock:
             now = time.monotonic()
             if now - self._credential_logged < CREDENTIAL_LOG_EVERY_S:
                 return
