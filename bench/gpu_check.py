@@ -450,7 +450,7 @@ def caches(ns: Any, blocks: int, dev: Dev) -> dict[str, Any]:
 def section_h2d(report: Report, dev: Dev, cluster: Any, args: argparse.Namespace) -> None:
     from client.vllm.loader import PageLoader
     from client.vllm.metadata import LoadSpec
-    from client.vllm.paged_cache import StagingPool
+    from client.vllm.staging_pool import StagingPool
     from kvstore.pages import device_checksum
 
     for label, shape in SIZES.items():
@@ -631,7 +631,7 @@ def connector_load(dev: Dev, cluster: Any, d: dict[str, Any]) -> Callable[[], No
     node's memory into device rows, checked, scattered into an LBNHC cache)."""
     from client.vllm.loader import PageLoader
     from client.vllm.metadata import LoadSpec
-    from client.vllm.paged_cache import StagingPool
+    from client.vllm.staging_pool import StagingPool
 
     shape = {
         "num_layers": d["layers"],
@@ -745,7 +745,9 @@ def section_save(report: Report, dev: Dev, cluster: Any, args: argparse.Namespac
     if why := missing(("client.vllm.paged_cache",)):
         report(f"  skipped: {why}")
         return
-    from client.vllm.paged_cache import PagedCache, StagingPool, block_runs
+    from client.buffers import block_runs
+    from client.vllm.paged_cache import PagedCache
+    from client.vllm.staging_pool import StagingPool
 
     d, layer = llama(dev)
     n = d["tokens"] // d["block"]  # a 4,096-token prompt's blocks, saved as its prefill ends

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 import torch
 
+from client.buffers import block_runs
 from client.staging import ALIGN, HostBuffers
 from client.vllm.breaker import CircuitBreaker
-from client.vllm.paged_cache import PagedCache, StagingPool, block_runs
+from client.vllm.paged_cache import PagedCache
+from client.vllm.staging_pool import StagingPool
 from kvstore.errors import InvalidInputError
 from kvstore.pages.checksum import copy_checksummed
 

@@ -25,7 +25,7 @@ event to wait on), so the engine thread only queues the copies.
 Called by the vLLM connector's worker side: ``gather`` on the engine thread (the blocks
 may be reused once the step ends), ``scatter`` on the loader thread (the blocks belong
 to a request that waits for them and nothing else touches). The host page buffers both
-stage through are ``client.vllm.staging_pool.StagingPool`` (re-exported here)."""
+stage through are ``client.vllm.staging_pool.StagingPool``."""
 
 from __future__ import annotations
 
@@ -37,10 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from client.buffers import Span
-from client.buffers import block_runs as block_runs  # imported from here too
+from client.buffers import Span, block_runs
 from client.vllm.gather_pages import LayerGather, why_not
-from client.vllm.staging_pool import StagingPool as StagingPool  # imported from here too
 from kvstore.errors import InvalidInputError
 
 log = logging.getLogger(__name__)

@@ -1,17 +1,26 @@
 """The vLLM connector's host page buffers (``StagingPool``), which its worker's loads and
-saves stage pages through. Re-exported by ``client.vllm.paged_cache``, where tests and
-``bench/gpu_check.py`` import it from."""
+saves stage pages through."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from client.staging import ALIGN, HostBuffers, host_buffers
 
-if TYPE_CHECKING:
-    from client.vllm.paged_cache import PagedCache
+
+class PageFormat(Protocol):
+    """What the pool needs of the cache it stages for (``client.vllm.paged_cache.PagedCache``):
+    a page's shape, dtype and size, and fresh host pages past the pool's bound."""
+
+    page_shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def page_nbytes(self) -> int: ...
+
+    def host_pages(self, count: int) -> torch.Tensor: ...
 
 
 class StagingPool:
@@ -31,7 +40,7 @@ class StagingPool:
 
     def __init__(
         self,
-        cache: PagedCache,
+        cache: PageFormat,
         buffers: int,
         pages: int,
         pool: HostBuffers | None = None,
