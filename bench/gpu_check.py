@@ -432,7 +432,7 @@ def caches(ns: Any, blocks: int, dev: Dev) -> dict[str, Any]:
     """vLLM 0.32's per-layer views ``[blocks, heads, block, 2*head_size]`` over the two
     byte orders that matter: LBNHC (FlashAttention's default: per layer, token-major
     inside a block) and BLHNC (one block of every layer contiguous: one kvstore page)."""
-    from client.vllm.paged_cache import PagedCache
+    from client.paging.paged_cache import PagedCache
 
     L, H, B, C = ns.page_shape
     dt = ns.torch_dtype()
@@ -448,9 +448,9 @@ def caches(ns: Any, blocks: int, dev: Dev) -> dict[str, Any]:
 
 
 def section_h2d(report: Report, dev: Dev, cluster: Any, args: argparse.Namespace) -> None:
-    from client.vllm.loader import PageLoader
+    from client.paging.loader import PageLoader
+    from client.paging.staging_pool import StagingPool
     from client.vllm.metadata import LoadSpec
-    from client.vllm.staging_pool import StagingPool
     from kvstore.pages import device_checksum
 
     for label, shape in SIZES.items():
@@ -629,9 +629,9 @@ def connector_load(dev: Dev, cluster: Any, d: dict[str, Any]) -> Callable[[], No
     """The KV of ``d``'s prompt stored as pages, and a function that loads all of it
     through the connector's load path (``PageLoader``: on a GPU, pages straight from the
     node's memory into device rows, checked, scattered into an LBNHC cache)."""
-    from client.vllm.loader import PageLoader
+    from client.paging.loader import PageLoader
+    from client.paging.staging_pool import StagingPool
     from client.vllm.metadata import LoadSpec
-    from client.vllm.staging_pool import StagingPool
 
     shape = {
         "num_layers": d["layers"],
@@ -742,12 +742,12 @@ def section_layerwise(report: Report, dev: Dev, cluster: Any, args: argparse.Nam
 
 
 def section_save(report: Report, dev: Dev, cluster: Any, args: argparse.Namespace) -> None:
-    if why := missing(("client.vllm.paged_cache",)):
+    if why := missing(("client.paging.paged_cache",)):
         report(f"  skipped: {why}")
         return
     from client.buffers import block_runs
-    from client.vllm.paged_cache import PagedCache
-    from client.vllm.staging_pool import StagingPool
+    from client.paging.paged_cache import PagedCache
+    from client.paging.staging_pool import StagingPool
 
     d, layer = llama(dev)
     n = d["tokens"] // d["block"]  # a 4,096-token prompt's blocks, saved as its prefill ends
@@ -826,7 +826,7 @@ def section_save(report: Report, dev: Dev, cluster: Any, args: argparse.Namespac
 
 
 def section_tests(report: Report, dev: Dev, cluster: Any, args: argparse.Namespace) -> None:
-    why = missing(("pytest", "client.vllm.paged_cache"))
+    why = missing(("pytest", "client.paging.paged_cache"))
     if why or not (dev.cuda or args.tests):
         report(
             f"  skipped: {why or 'no GPU here (its CUDA cases need one; --tests runs it anyway)'}"

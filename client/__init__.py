@@ -1,5 +1,6 @@
 """Client library of the KV-cache store: ``KVCacheClient`` (blocking) and
-``AsyncKVCacheClient`` (asyncio), plus the vLLM connector in ``client.vllm_connector``."""
+``AsyncKVCacheClient`` (asyncio), plus the vLLM connector in ``client.vllm``
+(``client.vllm_connector`` for vLLM configs)."""
 
 from client.async_client import AsyncKVCacheClient
 from client.lookup import StoredPrefix

@@ -6,7 +6,7 @@ when the kernel compacts), as long as the same-host transfer into it. So the buf
 a client fills and drops again come from arenas that stay: select's key/value
 (returned to the pool when the caller drops them), packed runs of scattered pages for
 UCX puts, the scratch of UCX gets, the staging of gets into device memory or merged
-head groups, and the vLLM connector's page buffers (``client.vllm.paged_cache.
+head groups, and the vLLM connector's page buffers (``client.paging.paged_cache.
 StagingPool`` takes its pages here too: one pool per process, not one per consumer).
 
 What is reserved (``reserve``: ``host_buffer_bytes`` at the first client's start, and

@@ -18,11 +18,11 @@ import torch
 from client import KVCacheClient
 from client.buffers import Span
 from client.device_pages import CudaCopier, DeviceCopier, DeviceSpan, HostCopier
+from client.paging.loader import PageLoader
+from client.paging.paged_cache import PagedCache
+from client.paging.staging_pool import StagingPool
 from client.stats import ClientStats
-from client.vllm.loader import PageLoader
 from client.vllm.metadata import LoadSpec
-from client.vllm.paged_cache import PagedCache
-from client.vllm.staging_pool import StagingPool
 from kvstore import InvalidInputError, Namespace
 from kvstore.tools.launcher import LocalCluster
 from tests.helpers import pages_for, tenant_for

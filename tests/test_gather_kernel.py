@@ -1,5 +1,5 @@
 """The GPU save's one-launch copy of a request's blocks out of every layer
-(client/vllm/gather_pages.py) gives each page's bytes exactly, for every byte order a
+(client/paging/gather_pages.py) gives each page's bytes exactly, for every byte order a
 vLLM backend may give the per-layer view: in Triton's interpreter on the CPU here (a
 child process with CI's Triton folder on its path, as tests/test_device_checksum.py),
 and through ``PagedCache.gather`` on CUDA in tests/test_paged_cache.py where a GPU is."""
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.process  # every test here starts a node or a Python pr
 
 CHILD = r"""
 import itertools, torch
-from client.vllm.gather_pages import LayerGather, why_not
+from client.paging.gather_pages import LayerGather, why_not
 L, NB, H, B, C = 3, 20, 2, 4, 6
 ok = []
 for order in itertools.permutations(range(4)):

@@ -1,6 +1,6 @@
-"""Gather and scatter between store pages and a paged KV cache (client/vllm/paged_cache.py),
+"""Gather and scatter between store pages and a paged KV cache (client/paging/paged_cache.py),
 bit-exact for every physical layout a vLLM backend may give the per-layer view, and
-the lookup circuit breaker (client/vllm/breaker.py). Runs on CPU, and on CUDA too where a
+the lookup circuit breaker (client/paging/breaker.py). Runs on CPU, and on CUDA too where a
 GPU is present."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from client.buffers import block_runs
+from client.paging.breaker import CircuitBreaker
+from client.paging.paged_cache import PagedCache
+from client.paging.staging_pool import StagingPool
 from client.staging import ALIGN, HostBuffers
-from client.vllm.breaker import CircuitBreaker
-from client.vllm.paged_cache import PagedCache
-from client.vllm.staging_pool import StagingPool
 from kvstore.errors import InvalidInputError
 from kvstore.pages.checksum import copy_checksummed
 
@@ -71,7 +71,7 @@ def test_the_permutations_cover_every_vllm_layout():
 @pytest.mark.parametrize("max_runs", [64, 1], ids=["runs", "indexed"])
 def test_gather_then_scatter_is_bit_exact(order, blocks, device, max_runs, monkeypatch):
     monkeypatch.setattr(
-        "client.vllm.paged_cache._MAX_RUNS", max_runs
+        "client.paging.paged_cache._MAX_RUNS", max_runs
     )  # past it: one indexed copy per layer
     source = strided_cache(order, device, seed=1)
     gathered = PagedCache(list(source.unbind(0))).gather(blocks).wait()

@@ -71,7 +71,7 @@ def test_large_scattered_pages_share_ucx_messages(clusters):
     import torch
 
     from client import KVCacheClient
-    from client.vllm.paged_cache import PagedCache
+    from client.paging.paged_cache import PagedCache
     from kvstore import Namespace
 
     cluster = clusters()

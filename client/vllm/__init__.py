@@ -1,9 +1,14 @@
-"""The vLLM v1 connector in parts. ``client.vllm_connector.KVStoreConnector`` is the
-facade vLLM loads: it builds the side its role needs and delegates every method.
+"""The vLLM v1 connector in parts. ``client.vllm.connector.KVStoreConnector`` is the
+facade vLLM loads (configs name it as ``client.vllm_connector``, which re-exports it):
+it builds the side its role needs and delegates every method.
 
 - ``options``: the connector's keys of ``kv_connector_extra_config``, the engine's
   namespace, per-request switches;
-- ``metadata``: what the scheduler hands the workers each step (loads and saves);
+- ``metadata``: what the scheduler hands the workers each step (``client.paging.specs``
+  in vLLM's metadata);
 - ``scheduler``: lookups, pending loads, the blocks of requests to save, the breaker;
 - ``worker``: the paged cache, loader and saver threads, the staging pool;
-- ``paged_cache``, ``breaker``, ``stats``: their tools."""
+- ``stats``, ``events``, ``drafts``, ``support``, ``preflight``: their tools.
+
+What is engine-neutral (paged copies, staging, the load path, the breaker) is in
+``client.paging``, which imports nothing of vLLM."""

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from client.paging.breaker import CircuitBreaker
 from client.sync_client import KVCacheClient
-from client.vllm.breaker import CircuitBreaker
 from client.vllm.support import cache_dtype
 from kvstore.errors import InvalidInputError, KVStoreError
 from kvstore.index.routing import redact_url

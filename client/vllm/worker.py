@@ -2,7 +2,7 @@
 on threads of their own, so nothing blocks the engine step for a transfer.
 
 - Loads: ``start_load_kv`` submits each load to loader threads (the load path itself
-  is ``client.vllm.loader``; the checks of the registered caches are
+  is ``client.paging.loader``; the checks of the registered caches are
   ``client.vllm.cache_checks``), which fetch the pages the scheduler's lookup found
   (``KVCacheClient.get_found``: no second index round trip while that lookup's read
   lease is less than half gone), verified by checksum, and scatter them into the paged
@@ -32,18 +32,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from client.paging.loader import LoadOutcome, PageLoader, ids_from, layer_rows
+from client.paging.paged_cache import GatherResult, PagedCache
+from client.paging.staging_pool import StagingPool
 from client.sync_client import KVCacheClient
 from client.vllm.cache_checks import layer_groups_of, stage_layout
 from client.vllm.drafts import DraftFacts, draft_layout, rank_draft_client
 from client.vllm.events import SaveOutcomeLog, SaveOutcomes
-from client.vllm.loader import LoadOutcome, PageLoader, ids_from, layer_rows
 from client.vllm.metadata import GatherSpec, KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from client.vllm.options import (
     ConnectorOptions,
     rank_client,
 )
-from client.vllm.paged_cache import GatherResult, PagedCache
-from client.vllm.staging_pool import StagingPool
 from client.vllm.stats import StatsRecorder
 from kvstore.errors import CredentialError, KVStoreError
 from kvstore.settings.client import ClientOptions

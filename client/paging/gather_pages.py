@@ -26,7 +26,7 @@ _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 @functools.lru_cache(maxsize=1)
 def _kernel() -> Any:
-    from client.vllm import _gather_kernel
+    from client.paging import _gather_kernel
 
     return _gather_kernel.gather
 

@@ -11,7 +11,7 @@ from client.staging import ALIGN, HostBuffers, host_buffers
 
 
 class PageFormat(Protocol):
-    """What the pool needs of the cache it stages for (``client.vllm.paged_cache.PagedCache``):
+    """What the pool needs of the cache it stages for (``client.paging.paged_cache.PagedCache``):
     a page's shape, dtype and size, and fresh host pages past the pool's bound."""
 
     page_shape: tuple[int, ...]

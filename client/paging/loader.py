@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from client.landing import Landing, choose_landing
+from client.paging.paged_cache import PagedCache
+from client.paging.specs import LoadSpec
+from client.paging.staging_pool import StagingPool
 from client.sync_client import KVCacheClient
-from client.vllm.metadata import LoadSpec
-from client.vllm.paged_cache import PagedCache
-from client.vllm.staging_pool import StagingPool
 from kvstore.errors import CredentialError
 from kvstore.pages import heads
 

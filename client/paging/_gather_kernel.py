@@ -1,4 +1,4 @@
-"""The Triton kernel of ``client.vllm.gather_pages``: copy blocks of every layer of a
+"""The Triton kernel of ``client.paging.gather_pages``: copy blocks of every layer of a
 paged KV cache into page-major rows in one launch; a module of its own because it
 imports Triton, which only GPU hosts have."""
 

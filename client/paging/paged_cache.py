@@ -25,7 +25,7 @@ event to wait on), so the engine thread only queues the copies.
 Called by the vLLM connector's worker side: ``gather`` on the engine thread (the blocks
 may be reused once the step ends), ``scatter`` on the loader thread (the blocks belong
 to a request that waits for them and nothing else touches). The host page buffers both
-stage through are ``client.vllm.staging_pool.StagingPool``."""
+stage through are ``client.paging.staging_pool.StagingPool``."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from client.buffers import Span, block_runs
-from client.vllm.gather_pages import LayerGather, why_not
+from client.paging.gather_pages import LayerGather, why_not
 from kvstore.errors import InvalidInputError
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class PagedCache:
         )
         self._block_major: tuple[np.ndarray, int, int] | None = None
         self._save_stream: Any = None  # GPU: device-to-host copies of saves (``gather``)
-        # GPU: the one-launch copy of a save's blocks (client.vllm.gather_pages), None
+        # GPU: the one-launch copy of a save's blocks (client.paging.gather_pages), None
         # where it cannot serve these layers; asked once (``_layer_gather``)
         self._gatherer: LayerGather | None = None
         self._gatherer_asked = False
