@@ -316,12 +316,13 @@ def test_garbage_and_truncated_frames_do_not_take_the_server_down(clusters):
 
 @ON_BOTH_INDEXES
 def test_sigterm_deregisters_and_exits_zero(clusters):
-    cluster = clusters()
+    # a 1.5 s TTL (heartbeats every 0.5 s) so the wait past it is short
+    cluster = clusters(extra=["--node-ttl", "1.5", "--heartbeat-interval", "0.5"])
     ns = namespace_for_page_size(64 << 10, tenant="sigterm")
     tokens = list(range(4 * ns.block_size))
     run_worker(spec(cluster, ns, "put_pages", tokens=tokens))
     index = PageIndex(cluster.redis_url)
-    time.sleep(5.5)  # past the 5 s node TTL: only heartbeats keep the pages visible
+    time.sleep(2.0)  # past the node's TTL: only heartbeats keep the pages visible
     assert advertised_prefix(index, ns, block_hashes(ns, tokens), lease_ms=0) == 4
     node = cluster.nodes[0]
     node.process.send_signal(signal.SIGTERM)
