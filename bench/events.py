@@ -69,6 +69,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvstore import events as ev  # noqa: E402
+from kvstore.tools.procutil import free_port  # noqa: E402
 
 ENGINE = ROOT / "tests" / "vllm_engine.py"
 BLOCK_TOKENS = 16  # a node's page of an 8B model: 2 MiB, 16 tokens (64 bytes of token ids)
@@ -587,7 +588,6 @@ def bench_node_cost(rounds: int, query_calls: int) -> None:
     API against KVCacheClient.lookup of the same 8,192 blocks (interleaved)."""
     import base64
     import http.client
-    import socket
 
     import numpy as np
     import torch
@@ -597,13 +597,11 @@ def bench_node_cost(rounds: int, query_calls: int) -> None:
     from kvstore.pages.namespace import Namespace
     from kvstore.tools.launcher import LocalCluster
 
-    def port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
     on = LocalCluster(
-        1, "256MiB", slab_size="16MiB", extra_args=["--kv-events-endpoint", f"tcp://*:{port()}"]
+        1,
+        "256MiB",
+        slab_size="16MiB",
+        extra_args=["--kv-events-endpoint", f"tcp://*:{free_port()}"],
     ).start()
     off = LocalCluster(1, "256MiB", slab_size="16MiB").start()
     try:
@@ -744,16 +742,16 @@ class _RouterKeys:
         self.curve = (self.node_public, self.router_secret)  # what the router's socket is given
 
     def access(self, store_id: str):
-        """A fresh ``EventAccess`` (a node's, ``server.events.event_access``) for one publisher."""
-        from kvstore.events.access import CurveKeys, EventAccess
-        from kvstore.security.routers import load_key_pair, router_keys
+        """A fresh ``EventAccess`` for one publisher, built as a node builds its own."""
+        from kvstore.settings.events import EventSettings
+        from server.events import event_access
 
-        public, secret = load_key_pair(self.node_secret, "node key file")
-        return EventAccess(
-            CurveKeys(public, secret),
-            router_keys(self.routers),
-            lambda t: ev.tenant_prefix(store_id, t),
+        settings = EventSettings(
+            kv_events_endpoint="tcp://*:0",
+            kv_events_routers_file=self.routers,
+            kv_events_key_file=self.node_secret,
         )
+        return event_access(settings, store_id)
 
     def router_socket(self, ctx, endpoint: str):
         """A SUB connected to ``endpoint`` as the router, subscribed to everything (granted:
@@ -939,7 +937,6 @@ def bench_auth_node(rounds: int, idle_s: float, put_rounds: int) -> None:
     key file) with a router connected, so its XPUB, ZAP handler and monitors are live.
     Idle CPU of both over the same windows; then puts of 32 pages of 256 KiB to each in
     turn (interleaved), every put's events read by the subscriber."""
-    import socket
 
     import torch
     import zmq
@@ -948,13 +945,8 @@ def bench_auth_node(rounds: int, idle_s: float, put_rounds: int) -> None:
     from kvstore.pages.namespace import Namespace
     from kvstore.tools.launcher import LocalCluster
 
-    def port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
     keys = _RouterKeys(AUTH_TENANT)
-    p_off, p_on = port(), port()
+    p_off, p_on = free_port(), free_port()
     clusters = {
         "off": LocalCluster(
             1, "256MiB", slab_size="16MiB", extra_args=["--kv-events-endpoint", f"tcp://*:{p_off}"]

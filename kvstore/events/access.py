@@ -41,7 +41,7 @@ class CurveKeys:
 
 class EventAccess:
     """Routers' rights over a publisher's topics; see the module doc. Called from the
-    publisher's thread only, except ``generation`` (any thread)."""
+    publisher's thread only (the ZAP handler runs there too)."""
 
     def __init__(
         self,

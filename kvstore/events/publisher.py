@@ -252,8 +252,9 @@ class EventPublisher:
             ready = dict(poller.poll(timeout))
             if gate is not None:
                 gate.serve(ready, self._pub)
-                if gate.access.generation() != generation or rebind_due:
-                    generation = gate.access.generation()
+                current = gate.access.generation()
+                if current != generation or rebind_due:
+                    generation = current
                     rebind_due = not self._rebind()
                     poller = self._poller()
             if self._router is not None and ready.get(self._router):
