@@ -6,6 +6,7 @@ a router or an attacker would open one."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -479,3 +480,55 @@ def test_a_bad_routers_file_line_is_refused_naming_it(line, problem):
 def test_a_z85_key_holding_a_hash_sign_is_not_a_comment():
     key = "#" + "a" * 39
     assert parse_router_keys(f"# routers\nr1 {key} team-a\n")[key].tenants == frozenset({"team-a"})
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        (
+            {"kv_events_endpoint": "tcp://*:5557", "kv_events_key_file": "node.key_secret"},
+            "--kv-events-routers-file and --kv-events-key-file go together",
+        ),
+        (
+            {
+                "kv_events_endpoint": "tcp://router:5557",
+                "kv_events_routers_file": "r",
+                "kv_events_key_file": "k",
+            },
+            "connects to a router",
+        ),
+        ({"kv_events_routers_file": "r", "kv_events_key_file": "k"}, "needs --kv-events-endpoint"),
+        (
+            {"kv_events_endpoint": "tcp://*:5557", "kv_events_token_ids": "team-a,*"},
+            "* stands alone",
+        ),
+        ({"kv_events_endpoint": "tcp://*:5557", "auth_token": "t"}, "--kv-events-open"),
+        (
+            {
+                "kv_events_endpoint": "tcp://127.0.0.1:5557",
+                "kv_events_replay_endpoint": "tcp://*:5558",
+                "auth_token": "t",
+            },
+            "tcp://*:5558",
+        ),
+    ],
+)
+def test_event_options_that_cannot_work_are_refused_naming_them(options, named):
+    """Inconsistent event options, and a token-checking node's open stream beyond
+    loopback, stop the node before it starts, naming what to change."""
+    from pydantic import ValidationError
+
+    from kvstore.settings.config import ServerSettings
+
+    base = {"redis_url": "redis://127.0.0.1:1/0", "anonymous": True}
+    with pytest.raises(ValidationError, match=re.escape(named)):
+        ServerSettings(**{**base, **options})
+
+
+def test_token_ids_default_to_every_tenant_only_on_an_anonymous_node():
+    from kvstore.settings.events import EventSettings, token_tenants
+
+    assert token_tenants(EventSettings(), checks_tokens=False) is None
+    assert token_tenants(EventSettings(), checks_tokens=True) == frozenset()
+    assert token_tenants(EventSettings(kv_events_token_ids=""), checks_tokens=False) == frozenset()
+    assert token_tenants(EventSettings(kv_events_token_ids="a,b"), checks_tokens=True) == {"a", "b"}
