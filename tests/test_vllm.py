@@ -3,13 +3,10 @@ separate processes. Skipped when vLLM is not installed (``pip install -e '.[vllm
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import random
 import socket
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -23,7 +20,8 @@ from kvstore import Namespace, block_hashes
 from kvstore.index import PageIndex
 from kvstore.pages.weights import fingerprint
 from kvstore.tools.launcher import LocalCluster
-from tests.helpers import ROOT, wait_for
+from tests import engines
+from tests.helpers import wait_for
 
 BLOCK = 32
 rng = random.Random(7)
@@ -45,10 +43,12 @@ def run_engine_full(
     env: dict | None = None,
     transfer_params: list[dict | None] | None = None,
     spec: dict | None = None,
+    fresh: bool = False,
     **llm_kwargs,
 ) -> dict:
-    """One engine in its own process; its whole JSON answer (results, steps, metrics).
-    ``spec``: more keys of tests/vllm_engine.py's spec."""
+    """One engine in its own process (``tests.engines.run_engine``; ``fresh``: a new
+    interpreter); its whole JSON answer (results, steps, metrics). ``spec``: more keys of
+    tests/vllm_engine.py's spec."""
     spec = {
         "model_dir": model_dir,
         "prompts": prompts,
@@ -62,23 +62,7 @@ def run_engine_full(
     }
     if redis_url:
         spec["redis_url"] = redis_url
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo", **(env or {})}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "vllm_engine.py"), json.dumps(spec)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    # raw_decode: a worker process's log line may run on after the answer's line (TP=2)
-    line = [line for line in proc.stdout.splitlines() if line.startswith('{"results"')][-1]
-    # "log": both streams (vLLM's handlers, which the connector's loggers use, write to stdout)
-    return {
-        **json.JSONDecoder().raw_decode(line)[0],
-        "stderr": proc.stderr,
-        "log": proc.stdout + proc.stderr,
-    }
+    return engines.run_engine(spec, env, fresh=fresh)
 
 
 def run_engine(
@@ -93,14 +77,7 @@ def run_engine(
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "vllm_engine.py"), "write-model", str(path)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return str(path)
+    return engines.write_model("write-model", tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +91,11 @@ def test_consumer_loads_shared_blocks_and_generates_the_baseline_tokens(model_di
     with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
         (producer,) = run_engine(model_dir, [PROMPT_A], cluster.redis_url, role="kv_producer")
         assert producer["tokens"] == baseline["A"]
-        (consumer,) = run_engine(model_dir, [PROMPT_B], cluster.redis_url, role="kv_consumer")
+        # a new interpreter, as a user starts one: it shares nothing (not even Python's
+        # hash seed) with the producer, forked from the session's engine zygote
+        (consumer,) = run_engine(
+            model_dir, [PROMPT_B], cluster.redis_url, role="kv_consumer", fresh=True
+        )
         assert consumer["num_cached_tokens"] == SHARED_BLOCKS * BLOCK
         assert consumer["tokens"] == baseline["B"]
 

@@ -6,11 +6,8 @@ hashes are the engine's own for the same tokens and whose blocks the store holds
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import subprocess
-import sys
 import threading
 
 import msgspec
@@ -24,7 +21,7 @@ from vllm.distributed.kv_events import BlockStored, KVEventBatch
 from kvstore import block_hashes
 from kvstore.index import PageIndex
 from kvstore.tools.launcher import LocalCluster
-from tests.helpers import ROOT
+from tests import engines
 from tests.test_vllm_identity import write_lora_adapter
 
 BLOCK = 32
@@ -106,16 +103,7 @@ def run_engine(
             "topic": TOPIC,
         },
     }
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "vllm_engine.py"), json.dumps(spec)],
-        env={**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo", **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = [line for line in proc.stdout.splitlines() if line.startswith('{"results"')][-1]
-    return json.JSONDecoder().raw_decode(line)[0]
+    return engines.run_engine(spec, env)
 
 
 def stored_events(
@@ -167,14 +155,7 @@ def assert_announces(
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "vllm_engine.py"), "write-model", str(path)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return str(path)
+    return engines.write_model("write-model", tmp_path_factory.mktemp("tiny-llama"))
 
 
 def test_saved_blocks_are_announced_with_the_engines_hashes_in_its_stream(model_dir, tmp_path):

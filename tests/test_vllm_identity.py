@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +24,8 @@ pytest.importorskip("vllm")
 from kvstore import Namespace, block_hashes
 from kvstore.index import PageIndex
 from kvstore.tools.launcher import LocalCluster
-from tests.helpers import ROOT, wait_for
+from tests import engines
+from tests.helpers import wait_for
 
 BLOCK = 32
 HIDDEN, LAYERS, KV_OUT = 128, 2, 2 * 32  # the tiny Llama: hidden size, layers, kv heads * head_dim
@@ -75,34 +73,11 @@ def run_engine(
     }
     if redis_url:
         spec["redis_url"] = redis_url
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo"}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "vllm_engine.py"), json.dumps(spec)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(
-        [line for line in proc.stdout.splitlines() if line.startswith('{"results"')][-1]
-    )
+    return engines.run_engine(spec)
 
 
 def write_model(path: Path, seed: int = 0) -> str:
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tests" / "vllm_engine.py"),
-            "write-model",
-            str(path),
-            json.dumps({"seed": seed}),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return str(path)
+    return engines.write_model("write-model", path, json.dumps({"seed": seed}))
 
 
 def write_lora_adapter(path: Path, base_model: str, seed: int, r: int = 8) -> str:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,7 +18,8 @@ from safetensors.torch import load_file
 from client import KVCacheClient
 from kvstore.index import PageIndex
 from kvstore.tools.launcher import LocalCluster
-from tests.helpers import ROOT, wait_for
+from tests import engines
+from tests.helpers import wait_for
 from tests.test_vllm import run_engine, run_engine_full
 
 BLOCK = 16  # the CPU MLA backend's only block size
@@ -38,14 +37,7 @@ PAGE_BYTES = 2 * BLOCK * LATENT * 4  # 2 layers, float32
 
 @pytest.fixture(scope="module")
 def mla_dir(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny-deepseek")
-    subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "vllm_engine.py"), "write-mla-model", str(path)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return str(path)
+    return engines.write_model("write-mla-model", tmp_path_factory.mktemp("tiny-deepseek"))
 
 
 @pytest.fixture(scope="module")

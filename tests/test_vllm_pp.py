@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 
@@ -20,7 +18,8 @@ pytest.importorskip("vllm")
 
 from kvstore.index import PageIndex
 from kvstore.tools.launcher import LocalCluster
-from tests.helpers import ROOT, wait_for
+from tests import engines
+from tests.helpers import wait_for
 from tests.test_vllm import run_engine, run_engine_full
 
 BLOCK = 32
@@ -43,20 +42,9 @@ def loaded(prompt: list[int], blocks: int | None = None) -> int:
 
 @pytest.fixture(scope="module")
 def model4(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny-llama-4")
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tests" / "vllm_engine.py"),
-            "write-model",
-            str(path),
-            '{"num_hidden_layers": 4}',
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
+    return engines.write_model(
+        "write-model", tmp_path_factory.mktemp("tiny-llama-4"), '{"num_hidden_layers": 4}'
     )
-    return str(path)
 
 
 @pytest.fixture(scope="module")

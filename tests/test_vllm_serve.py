@@ -19,6 +19,7 @@ pytest.importorskip("vllm")
 
 from kvstore.tools.launcher import LocalCluster
 from kvstore.tools.procutil import free_port
+from tests import engines
 from tests.helpers import ROOT
 from tests.openai_server import OpenAIServer
 from tests.test_readme import blocks
@@ -50,20 +51,8 @@ def serve_command() -> list[str]:
 @pytest.fixture(scope="module")
 def served_model(tmp_path_factory) -> str:
     """The tiny Llama with a word-level tokenizer (t0 ... t511), which the server needs."""
-    path = tmp_path_factory.mktemp("tiny-llama-served")
-    subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "vllm_engine.py"), "write-model", str(path)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "vllm_engine.py"), "write-tokenizer", str(path)],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
-    return str(path)
+    path = engines.write_model("write-model", tmp_path_factory.mktemp("tiny-llama-served"))
+    return engines.write_model("write-tokenizer", path)
 
 
 class Server(OpenAIServer):

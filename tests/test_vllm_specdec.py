@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 
@@ -29,7 +27,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 from kvstore.tools.launcher import LocalCluster  # noqa: E402
-from tests.helpers import ROOT  # noqa: E402
+from tests import engines  # noqa: E402
 from tests.test_vllm import run_engine_full  # noqa: E402
 
 BLOCK = 32
@@ -66,14 +64,7 @@ def draft_dir(tmp_path_factory) -> str:
     )
 
 
-def write(command: str, path, *args: str) -> str:
-    subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "vllm_engine.py"), command, str(path), *args],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return str(path)
+write = engines.write_model
 
 
 def speculative(

@@ -61,9 +61,6 @@ import os
 import sys
 import time
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
 BLOCK_SIZE = 32
 
 
@@ -379,8 +376,7 @@ def drain_events(engine, seconds: float, out: dict) -> None:
     time.sleep(0.3)
 
 
-def main() -> int:
-    spec = json.loads(sys.argv[1])
+def main(spec: dict) -> int:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -517,23 +513,27 @@ def main() -> int:
     return 0
 
 
-if __name__ == "__main__":
-    if sys.argv[1] == "write-model":
-        write_tiny_llama(sys.argv[2], json.loads(sys.argv[3]) if len(sys.argv) > 3 else None)
-        sys.exit(0)
-    if sys.argv[1] == "write-tokenizer":
-        write_word_tokenizer(sys.argv[2])
-        sys.exit(0)
+def dispatch(argv: list[str]) -> int:
+    """Runs one command line's worth (the module docstring): an engine, or a writer."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     writers = {
+        "write-model": write_tiny_llama,
+        "write-tokenizer": write_word_tokenizer,
+        "write-mla-model": write_tiny_deepseek,
         "write-gemma3-model": write_tiny_gemma3,
         "write-eagle-model": write_tiny_eagle,
         "write-nemotron-h-model": write_tiny_nemotron_h,
         "write-gpt-oss-model": write_tiny_gpt_oss,
     }
-    if sys.argv[1] in writers:
-        writers[sys.argv[1]](sys.argv[2])
-        sys.exit(0)
-    if sys.argv[1] == "write-mla-model":
-        write_tiny_deepseek(sys.argv[2])
-        sys.exit(0)
-    sys.exit(main())
+    if argv[0] == "write-model":
+        write_tiny_llama(argv[1], json.loads(argv[2]) if len(argv) > 2 else None)
+    elif argv[0] in writers:
+        writers[argv[0]](argv[1])
+    else:
+        return main(json.loads(argv[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(dispatch(sys.argv[1:]))

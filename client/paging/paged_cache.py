@@ -40,6 +40,7 @@ import torch
 from client.buffers import Span, block_runs
 from client.paging.gather_pages import LayerGather, why_not
 from kvstore.errors import InvalidInputError
+from kvstore.pages.layouts import LAYOUTS
 
 log = logging.getLogger(__name__)
 _MAX_RUNS = 64
@@ -70,21 +71,31 @@ class GatherResult:
 
 
 class PagedCache:
-    """The per-layer KV tensors of one worker, in layer order."""
+    """The per-layer KV tensors of one worker, in layer order, holding pages of
+    ``layout`` (a record of ``kvstore.pages.layouts``; its per-layer cache tensors must
+    put the blocks first)."""
 
-    def __init__(self, layers: list[torch.Tensor]) -> None:
+    def __init__(self, layers: list[torch.Tensor], layout: str = "vllm_cpu") -> None:
         if not layers:
             raise InvalidInputError("PagedCache needs at least one layer tensor")
+        record = LAYOUTS[layout]
+        if not record.cache_dims or record.block_axis != 0:
+            raise InvalidInputError(
+                f"PagedCache pages caches whose blocks are their first dimension; layout "
+                f"{layout} has {record.cache_dims or 'no engine cache'}"
+            )
+        rank = len(record.cache_dims)
         first = layers[0]
         for i, t in enumerate(layers):
             if (
-                t.dim() != 4
+                t.dim() != rank
                 or t.shape != first.shape
                 or t.dtype != first.dtype
                 or t.device != first.device
             ):
                 raise InvalidInputError(
-                    f"layer {i}: every layer must be a 4-D view of one shape, dtype and device "
+                    f"layer {i}: every layer must be a {rank}-D view ({layout}: "
+                    f"{', '.join(record.cache_dims)}) of one shape, dtype and device "
                     f"(layer 0 is {tuple(first.shape)} {first.dtype} on {first.device}, layer {i} is "
                     f"{tuple(t.shape)} {t.dtype} on {t.device})"
                 )

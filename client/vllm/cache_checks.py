@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from client.vllm.options import detect_layout, engine_layout, stage_layers
+from client.vllm.options import engine_layout, stage_layers
 from kvstore.errors import KVStoreError
+from kvstore.pages.layouts import detect_layout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -36,13 +36,13 @@ from client.sync_client import KVCacheClient
 from client.vllm.options import (
     ConnectorOptions,
     checkpoint_fingerprint,
-    detect_layout,
     engine_layout,
     engine_weights,
     model_namespace,
 )
 from client.vllm.support import draft_layers
 from kvstore.errors import KVStoreError
+from kvstore.pages.layouts import detect_layout
 from kvstore.pages.namespace import Namespace
 from kvstore.settings.client import ClientOptions
 

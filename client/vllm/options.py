@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from client.paging.breaker import CircuitBreaker
 from client.sync_client import KVCacheClient
 from client.vllm.support import cache_dtype
-from kvstore.errors import InvalidInputError, KVStoreError
+from kvstore.errors import InvalidInputError
 from kvstore.index.routing import redact_url
 from kvstore.pages.namespace import Namespace, Tenant
 from kvstore.pages.weights import fingerprint
@@ -32,33 +32,6 @@ def engine_layout(vllm_config: VllmConfig) -> str:
     """The page layout of this engine's connector view: ``vllm_mla`` for MLA models
     (DeepSeek-V2/V3/R1, Kimi-K2), else ``vllm_cpu``."""
     return "vllm_mla" if vllm_config.model_config.use_mla else "vllm_cpu"
-
-
-def detect_layout(
-    shape: tuple[int, ...], block_size: int, num_kv_heads: int, head_size: int, *, mla: bool = False
-) -> str:
-    """Page layout tag for a per-layer KV cache tensor of ``shape``.
-
-    vLLM's standardized per-layer view (the CPU backend and 0.32's connector view) is
-    ``[blocks, kv_heads, block_size, 2 * head_size]``: pages ``vllm_cpu``. The
-    FlashAttention layout ``[2, blocks, block_size, kv_heads, head_size]``: ``vllm_flash``.
-    An MLA model's (``mla``) ``[blocks, 1, block_size, latent]``, where ``head_size`` is the
-    latent width (kv_lora_rank + rope dims, 576 for DeepSeek-V3): ``vllm_mla``."""
-    if mla:
-        if len(shape) == 4 and tuple(shape[1:]) == (1, block_size, head_size):
-            return "vllm_mla"
-    elif len(shape) == 4 and tuple(shape[1:]) == (num_kv_heads, block_size, 2 * head_size):
-        return "vllm_cpu"
-    if (
-        len(shape) == 5
-        and shape[0] == 2
-        and tuple(shape[2:]) == (block_size, num_kv_heads, head_size)
-    ):
-        return "vllm_flash"
-    raise KVStoreError(
-        f"unsupported KV cache layout {tuple(shape)} for block_size={block_size}, "
-        f"kv_heads={num_kv_heads}, head_size={head_size}"
-    )
 
 
 class ConnectorOptions(BaseModel):

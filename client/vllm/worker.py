@@ -138,14 +138,14 @@ class ConnectorWorker:
         tp_rank = get_tp_group().rank_in_group
         try:
             layout = stage_layout(self._vllm_config, names, layers, self._block_size, pp_rank)
-            self._cache = PagedCache(layers)
+            self._cache = PagedCache(layers, layout)
             self._layer_groups = layer_groups_of(self._kv_cache_config, names)
             missing = [n for n in draft_names if n not in kv_caches]
             if missing:  # the scheduler looks the draft's pages up: this worker must load them
                 raise KVStoreError(f"the draft's KV caches {missing[:2]} are not on this worker")
             draft_caches = [kv_caches[n] for n in draft_names]
-            draft_cache = PagedCache(draft_caches) if draft_caches else None
             draft_layout_tag = draft_layout(self._vllm_config, draft_caches) if draft_caches else ""
+            draft_cache = PagedCache(draft_caches, draft_layout_tag) if draft_caches else None
         except KVStoreError as exc:
             log.error("KVStoreConnector disabled on this worker: %s", exc)
             self._cache = None

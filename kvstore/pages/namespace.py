@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from kvstore.errors import InvalidInputError
 from kvstore.pages.keys import NamespaceKey
+from kvstore.pages.layouts import LAYOUTS
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -53,21 +54,8 @@ DTYPE_SIZES: dict[str, int] = {
     "uint8": 1,
 }
 
-# Page layouts: how one block of KV for all layers of a pipeline stage is laid out.
-#   kv_lbhd     [2, layers, block_size, kv_heads, head_size]   (insert/select API)
-#   vllm_cpu    [layers, kv_heads, block_size, 2 * head_size]  (vLLM CPU attention backend)
-#   vllm_flash  [layers, 2, block_size, kv_heads, head_size]   (vLLM FlashAttention backend)
-#   vllm_mla    [layers, 1, block_size, latent]                (vLLM MLA: one latent row of
-#               kv_lora_rank + rope dims per token, the same on every TP rank)
-# The dimensions of each layout's page, in order: 2 (K and V), L (layers), B (block
-# size), H (KV heads), D (head size), and KV as one dimension of 2 * head size.
-_DIMS = {
-    "kv_lbhd": ("2", "L", "B", "H", "D"),
-    "vllm_cpu": ("L", "H", "B", "KV"),
-    "vllm_flash": ("L", "2", "B", "H", "D"),
-    "vllm_mla": ("L", "H", "B", "D"),
-}
-LAYOUTS = tuple(_DIMS)
+# Page layouts (one record each, kvstore.pages.layouts): how one block of KV for all
+# layers of a pipeline stage is laid out.
 
 
 class Namespace(BaseModel):
@@ -254,7 +242,7 @@ class Namespace(BaseModel):
     @property
     def layer_dim(self) -> int:
         """The index of the layer dimension in ``page_shape``."""
-        return _DIMS[self.layout].index("L")
+        return LAYOUTS[self.layout].axis("L")
 
     @property
     def head_range(self) -> tuple[int, int]:
@@ -278,7 +266,7 @@ class Namespace(BaseModel):
     @property
     def head_dim(self) -> int:
         """The index of the KV-head dimension in ``page_shape``."""
-        return _DIMS[self.layout].index("H")
+        return LAYOUTS[self.layout].axis("H")
 
     @cached_property
     def storage(self) -> Namespace:
@@ -338,15 +326,9 @@ class Namespace(BaseModel):
         return self._shape(self.num_kv_heads, self.num_layers)
 
     def _shape(self, heads: int, layers: int) -> tuple[int, ...]:
-        sizes = {
-            "2": 2,
-            "L": layers,
-            "B": self.block_size,
-            "H": heads,
-            "D": self.head_size,
-            "KV": 2 * self.head_size,
-        }
-        return tuple(sizes[d] for d in _DIMS[self.layout])
+        return LAYOUTS[self.layout].page_shape(
+            layers=layers, block_size=self.block_size, heads=heads, head_size=self.head_size
+        )
 
     @property
     def page_nbytes(self) -> int:
