@@ -50,7 +50,13 @@ from kvstore.pages import heads
 from kvstore.pages.checksum import start_helper
 from kvstore.pages.hashing import split_hashes, token_array
 from kvstore.pages.namespace import Namespace
-from kvstore.settings.client import ClientOptions, client_options, client_options_from_env
+from kvstore.settings.client import (
+    ClientOptions,
+    client_namespace,
+    client_options,
+    client_options_from_env,
+    split_options,
+)
 from kvstore.wire.transport import ensure_ucx
 
 __all__ = [
@@ -59,37 +65,10 @@ __all__ = [
     "PublishReport",
     "StoredPrefix",
     "TransferMode",
-    "split_options",
 ]
 # Longest a client's start waits for its connections to the live nodes (the rest
 # finish in the background, before or during the first request to each node).
 START_CONNECT_WAIT_S = 1.0
-
-
-def split_options(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split constructor keywords into client options and namespace fields."""
-    options = {k: v for k, v in kwargs.items() if k in ClientOptions.model_fields}
-    return options, {k: v for k, v in kwargs.items() if k not in options}
-
-
-def _namespace_of(
-    namespace: Namespace | None, fields: dict[str, Any], weights_revision: str
-) -> Namespace:
-    """The client's namespace: given, or built from the constructor's namespace fields,
-    with the options' ``weights_revision`` set into it."""
-    if namespace is None:
-        namespace = Namespace(**fields)
-    elif fields:
-        raise InvalidInputError(
-            f"unknown client options {sorted(fields)} (pass either a Namespace or namespace fields)"
-        )
-    if weights_revision and weights_revision != namespace.weights:
-        if namespace.weights:
-            raise InvalidInputError(
-                f"weights_revision {weights_revision!r} contradicts the namespace's weights {namespace.weights!r}"
-            )
-        namespace = namespace.model_copy(update={"weights": weights_revision})
-    return namespace
 
 
 class AsyncKVCacheClient:
@@ -119,7 +98,7 @@ class AsyncKVCacheClient:
             options if options is not None else client_options_from_env(), **overrides
         )
         self.options = opts
-        self.namespace = _namespace_of(namespace, namespace_fields, opts.weights_revision)
+        self.namespace = client_namespace(namespace, namespace_fields, opts.weights_revision)
         # pages are stored per head group, keyed by the TP-independent namespace
         # (kvstore.pages.heads): a rank reads and writes the groups its heads fall in
         self.storage = self.namespace.storage

@@ -88,6 +88,20 @@ class PageLoader:
         # compiling them, so the first load does not wait for that)
         self._on_device = not layer_groups and client.lands_on_device(cache.device)
 
+    def beside(self, client: KVCacheClient, cache: PagedCache, staging: StagingPool) -> PageLoader:
+        """A loader of other layers (a speculative draft's) stored under ``client``'s
+        namespace, in ``cache``, with this one's block size, load stream and credential
+        handling, in one KV-cache group."""
+        return PageLoader(
+            client,
+            cache,
+            staging,
+            block_size=self._block_size,
+            layer_groups=[],
+            load_stream=self._load_stream,
+            credential_refused=self._credential_refused,
+        )
+
     def load(self, spec: LoadSpec, after: Any) -> LoadOutcome:
         """Loader thread: fetch, verify and scatter one request's blocks. Never raises:
         whatever did not arrive is listed as failed."""

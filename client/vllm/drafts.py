@@ -32,6 +32,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from client.paging.loader import PageLoader
+from client.paging.paged_cache import PagedCache
+from client.paging.staging_pool import StagingPool
 from client.sync_client import KVCacheClient
 from client.vllm.options import (
     ConnectorOptions,
@@ -141,6 +144,36 @@ def draft_namespace(
         tp_rank=tp_rank,
         weights=weights[:256],
     )
+
+
+@dataclass
+class DraftPages:
+    """A speculative draft's layers on one worker: their client, paged cache, staging
+    and loader, beside the target's; loads and saves use the same block ids."""
+
+    client: KVCacheClient
+    cache: PagedCache
+    staging: StagingPool
+    loader: PageLoader
+
+    @classmethod
+    def build(
+        cls,
+        client: KVCacheClient,
+        cache: PagedCache,
+        target: PageLoader,
+        *,
+        buffers: int,
+        pages: int,
+    ) -> DraftPages:
+        """The draft's pages beside the ``target``'s loader: as many staging buffers of
+        as many pages (every load and save moves both), the same load stream and
+        credential handling, one KV-cache group. Called by the worker when the engine
+        registers its caches."""
+        staging = StagingPool(cache, buffers, pages, share="staging-draft")
+        cache.warm()
+        loader = target.beside(client, cache, staging)
+        return cls(client, cache, staging, loader)
 
 
 def draft_layout(vllm_config: VllmConfig, layers: list[torch.Tensor]) -> str:

@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from client.async_client import StoredPrefix
 from client.sync_client import KVCacheClient
 from client.vllm.events import StoredEvents
 from client.vllm.identity import IdentityReader, KeyedPrompt, Unkeyable
-from client.vllm.metadata import GatherSpec, KVStoreConnectorMetadata, LoadSpec, SaveSpec
+from client.vllm.metadata import KVStoreConnectorMetadata, LoadSpec
 from client.vllm.options import ConnectorOptions, lookup_breaker, request_switch
+from client.vllm.save_tracking import SaveTracker
 from client.vllm.stats import StatsRecorder
 from kvstore.pages.identity import BlockExtras
 
@@ -35,30 +35,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Tracked:
-    """A request the connector may save: its prompt, its identity resolved to blocks,
-    and its blocks as they grow, per KV-cache group (one group unless hybrid). Hybrid:
-    ``gathered`` pages were copied out step by step, from ``base`` (set at the first
-    gather: past the blocks loaded and past any null block); ``broken`` once a position
-    past ``base`` had the null block in some group, from which on nothing is gathered
-    and the request is not saved."""
-
-    prompt: list[int]
-    extras: BlockExtras
-    block_ids: list[list[int]]
-    stored_blocks: int = 0
-    saved: bool = False
-    gathered: int = 0
-    broken: bool = False
-    base: int | None = None
-
-    @property
-    def holding(self) -> bool:
-        """Whether a worker holds pages gathered for this request (hybrid groups)."""
-        return self.gathered > (self.base or 0)
 
 
 class ConnectorScheduler:
@@ -95,7 +71,7 @@ class ConnectorScheduler:
         self._pending_loads: dict[str, LoadSpec] = {}
         # req id -> the blocks a load fills: each position's block id in every group
         self._loaded_blocks: dict[str, list[tuple[int, ...]]] = {}
-        self._tracked: dict[str, _Tracked] = {}
+        self._saves = SaveTracker(block_size, hybrid=hybrid, events=events if saves else None)
         # Each request's prompt and identity, read once when vLLM first asks about it
         # (``get_num_new_matched_tokens``, before the request is first scheduled): its
         # lookups and its save key pages by both. A request vLLM never asked about, or
@@ -246,115 +222,23 @@ class ConnectorScheduler:
                 self._loaded_blocks[req_id] = list(zip(*(spec.group_block_ids or [spec.block_ids])))
                 del self._pending_loads[req_id]
         if self._saves_enabled:
-            self._track(scheduler_output)
+            self._saves.track(
+                scheduler_output,
+                loaded=lambda req_id: len(self._loaded_blocks.pop(req_id, [])),
+                keyed=self._keyed.get,
+            )
             if self._hybrid:
-                meta.gathers.extend(self._gathers(scheduler_output))
-            meta.saves.extend(self._finished_prefills(scheduler_output, meta.dropped))
+                meta.gathers.extend(self._saves.gathers(scheduler_output))
+            meta.saves.extend(
+                self._saves.finished_prefills(
+                    scheduler_output, meta.dropped, lambda req_id: self._requests.pop(req_id, None)
+                )
+            )
         for req_id in scheduler_output.finished_req_ids:
-            tracked = self._tracked.get(req_id)
-            if tracked is not None and tracked.holding and not tracked.saved:
+            if self._saves.finish(req_id):
                 meta.dropped.append(req_id)  # the worker holds its gathered pages
             self._forget(req_id)
         return meta
-
-    def _gathers(self, scheduler_output: SchedulerOutput) -> list[GatherSpec]:
-        """Hybrid groups: the prompt blocks of tracked requests that become full with
-        this step, to copy out before the step ends. A sliding group's block is freed
-        when vLLM next schedules the request once the block left the window (and may then
-        hold another request's KV), so a save at the prompt's end could not gather it."""
-        computed_after = _computed_after_step(scheduler_output)
-        gathers = []
-        for req_id, tracked in self._tracked.items():
-            computed = computed_after.get(req_id)
-            if computed is None or tracked.saved or tracked.broken:
-                continue
-            full = min(computed, len(tracked.prompt)) // self._block_size
-            if tracked.base is None:
-                tracked.base = tracked.gathered = _save_base(tracked, full)
-            if full <= tracked.gathered:
-                continue
-            ids = [group[tracked.gathered : full] for group in tracked.block_ids]
-            if any(len(group) < full - tracked.gathered or 0 in group for group in ids):
-                tracked.broken = True  # a null block past the base: no whole page
-                continue
-            blocks = len(tracked.prompt) // self._block_size
-            gathers.append(GatherSpec(req_id, tracked.gathered, blocks, ids, tracked.base))
-            tracked.gathered = full
-        return gathers
-
-    def _finished_prefills(
-        self, scheduler_output: SchedulerOutput, dropped: list[str]
-    ) -> list[SaveSpec]:
-        """The saves of tracked requests whose prefill (possibly over several chunks)
-        completes with this step, each once. Hybrid: only of requests whose every page
-        was gathered; the others' gathered pages are ``dropped``."""
-        computed_after = _computed_after_step(scheduler_output)
-        saves = []
-        for req_id, tracked in self._tracked.items():
-            computed = computed_after.get(req_id)
-            if tracked.saved or computed is None or computed < len(tracked.prompt):
-                continue
-            tracked.saved = True
-            full = len(tracked.prompt) // self._block_size
-            base = tracked.base or 0
-            if self._hybrid and (tracked.broken or tracked.gathered < full or base >= full):
-                if tracked.holding:
-                    dropped.append(req_id)
-                continue
-            if full > tracked.stored_blocks:
-                tokens = tracked.prompt[: full * self._block_size]
-                request = self._requests.pop(req_id, None)
-                event_id = (
-                    self._events.expect(request, tokens, full)
-                    if self._events is not None and request is not None
-                    else None
-                )
-                if self._hybrid:
-                    saves.append(
-                        SaveSpec(
-                            req_id,
-                            tokens,
-                            [],
-                            tracked.extras,
-                            event_id,
-                            gathered=True,
-                            start_block=base,
-                        )
-                    )
-                else:
-                    saves.append(
-                        SaveSpec(
-                            req_id, tokens, tracked.block_ids[0][:full], tracked.extras, event_id
-                        )
-                    )
-            elif tracked.holding:
-                dropped.append(req_id)
-        return saves
-
-    def _track(self, scheduler_output: SchedulerOutput) -> None:
-        """Follow the block lists of scheduled requests (for their saves)."""
-        for new in scheduler_output.scheduled_new_reqs:
-            loaded = self._loaded_blocks.pop(new.req_id, [])
-            keyed = self._keyed.get(new.req_id)
-            extra = new.sampling_params.extra_args if new.sampling_params is not None else None
-            if keyed is None or not request_switch(
-                (extra or {}).get("kv_transfer_params"), "kvstore_save", new.req_id
-            ):
-                continue  # never tracked: nothing gathered or published
-            self._tracked[new.req_id] = _Tracked(
-                keyed.tokens, keyed.extras, [list(group) for group in new.block_ids], len(loaded)
-            )
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            tracked = self._tracked.get(req_id)
-            new_blocks = cached.new_block_ids[i]
-            if tracked is None or new_blocks is None:
-                continue
-            if req_id in cached.resumed_req_ids:  # preempted and resumed: a fresh block list
-                tracked.block_ids = [list(group) for group in new_blocks]
-            else:
-                for group, more in zip(tracked.block_ids, new_blocks):
-                    group.extend(more)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Blocks that failed to load are recomputed, so they must be saved again; the
@@ -371,7 +255,7 @@ class ConnectorScheduler:
                 self._load_failed.add(req_id)
 
     def _forget(self, req_id: str) -> None:
-        self._tracked.pop(req_id, None)
+        self._saves.finish(req_id)
         self._pending_loads.pop(req_id, None)
         self._loaded_blocks.pop(req_id, None)
         self._load_failed.discard(req_id)
@@ -402,23 +286,3 @@ class ConnectorScheduler:
         if self._client is not None:
             self._client.close()
             self._client = None
-
-
-def _save_base(tracked: _Tracked, full: int) -> int:
-    """Hybrid groups: the first block a request's save gathers. Blocks it loaded are
-    stored already, and below a sliding window after a hit (loaded, or vLLM's own
-    prefix cache) that group holds the null block: no whole page of those positions
-    exists, so the save starts past the last of them (``put_pages(start_block=)``)."""
-    nulls = [i for group in tracked.block_ids for i, block in enumerate(group[:full]) if block == 0]
-    return max(tracked.stored_blocks, max(nulls, default=-1) + 1)
-
-
-def _computed_after_step(scheduler_output: SchedulerOutput) -> dict[str, int]:
-    """Tokens each scheduled request will have computed once this step has run."""
-    before = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
-    cached = scheduler_output.scheduled_cached_reqs
-    before.update(zip(cached.req_ids, cached.num_computed_tokens))
-    scheduled = scheduler_output.num_scheduled_tokens
-    return {
-        req_id: done + scheduled[req_id] for req_id, done in before.items() if req_id in scheduled
-    }

@@ -27,7 +27,7 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,13 +37,14 @@ from client.paging.paged_cache import GatherResult, PagedCache
 from client.paging.staging_pool import StagingPool
 from client.sync_client import KVCacheClient
 from client.vllm.cache_checks import layer_groups_of, stage_layout
-from client.vllm.drafts import DraftFacts, draft_layout, rank_draft_client
-from client.vllm.events import SaveOutcomeLog, SaveOutcomes
-from client.vllm.metadata import GatherSpec, KVStoreConnectorMetadata, LoadSpec, SaveSpec
+from client.vllm.drafts import DraftFacts, DraftPages, draft_layout, rank_draft_client
+from client.vllm.events import SaveOutcomes
+from client.vllm.metadata import GatherSpec, KVStoreConnectorMetadata, LoadSpec
 from client.vllm.options import (
     ConnectorOptions,
     rank_client,
 )
+from client.vllm.saver import SaveQueue
 from client.vllm.stats import StatsRecorder
 from kvstore.errors import CredentialError, KVStoreError
 from kvstore.settings.client import ClientOptions
@@ -60,17 +61,6 @@ CREDENTIAL_LOG_EVERY_S = 60.0
 # Longest an idle engine step waits in get_finished for a load to finish: short enough
 # that a request arriving meanwhile is scheduled without a noticeable delay.
 _IDLE_WAIT_S = 0.02
-
-
-@dataclass
-class _DraftPages:
-    """A speculative draft's layers (``client.vllm.drafts``): their client, paged cache,
-    staging and loader, beside the target's; loads and saves use the same block ids."""
-
-    client: KVCacheClient
-    cache: PagedCache
-    staging: StagingPool
-    loader: PageLoader
 
 
 class ConnectorWorker:
@@ -92,7 +82,7 @@ class ConnectorWorker:
     ) -> None:
         self._vllm_config = vllm_config
         self._drafts = drafts  # the draft's layers, stored apart (client.vllm.drafts)
-        self._draft: _DraftPages | None = None
+        self._draft: DraftPages | None = None
         self._kv_cache_config = kv_cache_config
         # Hybrid KV-cache groups (client.vllm.support.hybrid_groups): the group of each
         # layer of the cache, in its order; empty for one group.
@@ -103,22 +93,20 @@ class ConnectorWorker:
         self._options = options
         self._stats = stats
         # guards what the engine thread and the loader and saver threads share: the load
-        # errors, the pending save bytes and when the credential error was last logged
-        # (taken before the stats recorder's lock, never after it)
+        # errors and when the credential error was last logged (taken before the stats
+        # recorder's lock, never after it)
         self._lock = threading.Lock()
         self._credential_logged = -CREDENTIAL_LOG_EVERY_S  # monotonic time of the last ERROR line
         self._block_size = vllm_config.cache_config.block_size
         self._client: KVCacheClient | None = None
         self._cache: PagedCache | None = None
         self._loader: ThreadPoolExecutor | None = None
-        self._saver: ThreadPoolExecutor | None = None
         self._loading: dict[str, Future] = {}
         self._unloadable: set[str] = set()  # loads given to a worker that cannot load
         self._load_errors: set[int] = set()
-        self._saving: set[Future] = set()
-        self._pending_save_bytes = 0
-        # answers for the scheduler's KV events (client.vllm.events)
-        self._outcomes = SaveOutcomeLog()
+        # saves copied out and not yet published, and their outcomes for the scheduler's
+        # KV events (client.vllm.events)
+        self._saves = SaveQueue(conf.max_pending_save_bytes, stats, self._credential_refused)
         self._load_stream: Any = None
         self._staging: StagingPool | None = None
         self._page_loader: PageLoader | None = None  # set once register_kv_caches succeeds
@@ -166,7 +154,7 @@ class ConnectorWorker:
         self._loader = ThreadPoolExecutor(
             self._conf.load_threads, thread_name_prefix="kvstore-load"
         )
-        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvstore-save")
+        self._saves.start()
         if self._cache.device.type == "cuda":
             self._load_stream = torch.cuda.Stream(device=self._cache.device)
         self._page_loader = PageLoader(
@@ -189,18 +177,9 @@ class ConnectorWorker:
                 tp_rank=tp_rank,
             )
             # as many pages per buffer as the target's: every load and save moves both
-            staging = StagingPool(draft_cache, buffers, pages, share="staging-draft")
-            draft_cache.warm()
-            loader = PageLoader(
-                client,
-                draft_cache,
-                staging,
-                block_size=self._block_size,
-                layer_groups=[],
-                load_stream=self._load_stream,
-                credential_refused=self._credential_refused,
+            self._draft = DraftPages.build(
+                client, draft_cache, self._page_loader, buffers=buffers, pages=pages
             )
-            self._draft = _DraftPages(client, draft_cache, staging, loader)
 
     # ---- loads ---------------------------------------------------------------------
 
@@ -250,14 +229,13 @@ class ConnectorWorker:
         client, _, staging = self._registered()
         pages = held.wait()  # no copy may still land in pages given back
         staging.give(pages)
-        with self._lock:
-            self._pending_save_bytes -= len(pages) * client.namespace.page_nbytes
+        self._saves.release(len(pages) * client.namespace.page_nbytes)
 
     def get_finished(self, meta: Any) -> tuple[set[str] | None, set[str] | None]:
         """Loads finished since the last call (``meta``: this step's metadata, None
         when the step carried none)."""
         if (
-            (self._loading or self._saving)
+            (self._loading or self._saves.in_flight)
             and isinstance(meta, KVStoreConnectorMetadata)
             and meta.idle
         ):
@@ -267,7 +245,7 @@ class ConnectorWorker:
             # in bench/vllm_ttft.py, a 120 MiB load took 4.6 s, and 0.41 s with the wait.
             # Saves too: an engine keeps stepping idle while a save's KV event waits for it.
             wait_futures(
-                [*self._loading.values(), *self._saving],
+                [*self._loading.values(), *self._saves.in_flight],
                 timeout=_IDLE_WAIT_S,
                 return_when=FIRST_COMPLETED,
             )
@@ -315,12 +293,12 @@ class ConnectorWorker:
                 self._release(dropped)
         # Nothing to save here when this worker cannot (its saves' events are withheld),
         # or another rank holds the same replicated heads (MLA's latent) and saves them.
-        if self._saver is None:
-            self._outcomes.report(meta.saves, ok=False)
+        if not self._saves.started:
+            self._saves.outcomes.report(meta.saves, ok=False)
             return
-        client, cache, staging = self._registered()  # a saver exists once registered
+        client, cache, staging = self._registered()  # saves start once registered
         if not client.namespace.stores_heads:
-            self._outcomes.report(meta.saves, ok=True)
+            self._saves.outcomes.report(meta.saves, ok=True)
             return
         for gather in meta.gathers:
             try:
@@ -337,28 +315,17 @@ class ConnectorWorker:
             if spec.gathered:
                 held = self._gathered.pop(spec.req_id, None)
                 if held is None:  # a gather was dropped (pending bytes): nothing to publish
-                    self._outcomes.report([spec], ok=False)
+                    self._saves.outcomes.report([spec], ok=False)
                     continue
                 nbytes = len(held.pages) * page_nbytes
-                self._submit_save(client, staging, spec, held, nbytes)
+                self._saves.submit(client, staging, spec, held, nbytes)
                 continue
             draft = self._draft
             nbytes = len(spec.block_ids) * page_nbytes
             draft_nbytes = len(spec.block_ids) * draft.client.namespace.page_nbytes if draft else 0
-            with self._lock:
-                if (
-                    self._pending_save_bytes + nbytes + draft_nbytes
-                    > self._conf.max_pending_save_bytes
-                ):
-                    self._stats.count(saves_dropped=1)
-                    log.warning(
-                        "save of %s dropped: %d bytes already wait to be published",
-                        spec.req_id,
-                        self._pending_save_bytes,
-                    )
-                    self._outcomes.report([spec], ok=False)
-                    continue
-                self._pending_save_bytes += nbytes + draft_nbytes
+            if not self._saves.reserve(spec.req_id, nbytes + draft_nbytes):
+                self._saves.outcomes.report([spec], ok=False)
+                continue
             started = time.perf_counter()
             gathered = cache.gather(spec.block_ids, staging.take(len(spec.block_ids)))
             drafted = (
@@ -367,10 +334,10 @@ class ConnectorWorker:
                 else None
             )
             self._stats.observe("save_gather_seconds", time.perf_counter() - started)
-            self._submit_save(client, staging, spec, gathered, nbytes)
+            self._saves.submit(client, staging, spec, gathered, nbytes)
             if draft is not None and drafted is not None:
                 # the draft's pages: counted, never in the save's KV event (the target's)
-                self._submit_save(
+                self._saves.submit(
                     draft.client, draft.staging, spec, drafted, draft_nbytes, answers_event=False
                 )
 
@@ -385,17 +352,8 @@ class ConnectorWorker:
         if held is None:
             if spec.first > spec.base:  # an earlier gather was dropped: the pages would have a hole
                 return
-            nbytes = pages * client.namespace.page_nbytes
-            with self._lock:
-                if self._pending_save_bytes + nbytes > self._conf.max_pending_save_bytes:
-                    self._stats.count(saves_dropped=1)
-                    log.warning(
-                        "save of %s dropped: %d bytes already wait to be published",
-                        spec.req_id,
-                        self._pending_save_bytes,
-                    )
-                    return
-                self._pending_save_bytes += nbytes
+            if not self._saves.reserve(spec.req_id, pages * client.namespace.page_nbytes):
+                return
             held = GatherResult(staging.take(pages))
             self._gathered[spec.req_id] = held
         started = time.perf_counter()
@@ -408,67 +366,9 @@ class ConnectorWorker:
         self._gathered[spec.req_id] = GatherResult(held.pages[:pages], ready or held.ready)
         self._stats.observe("save_gather_seconds", time.perf_counter() - started)
 
-    def _submit_save(
-        self,
-        client: KVCacheClient,
-        staging: StagingPool,
-        spec: SaveSpec,
-        gathered: GatherResult,
-        nbytes: int,
-        *,
-        answers_event: bool = True,
-    ) -> None:
-        """Engine thread: hand one request's pages to the saver thread (``_save``),
-        tracked in ``_saving`` until published (``get_finished`` and ``shutdown`` wait on it)."""
-        assert self._saver is not None  # wait_for_save submits only once registered
-        future = self._saver.submit(
-            self._save, client, staging, spec, gathered, nbytes, answers_event
-        )
-        self._saving.add(future)
-        future.add_done_callback(self._saving.discard)
-
-    def _save(
-        self,
-        client: KVCacheClient,
-        staging: StagingPool,
-        spec: SaveSpec,
-        gathered: GatherResult,
-        nbytes: int,
-        answers_event: bool = True,
-    ) -> None:
-        """Saver thread: publish one request's pages through the registered ``client``
-        and give them back to ``staging`` (``wait_for_save`` passes both); failures are
-        counted, not raised. ``answers_event``: the outcome answers the save's KV event (the
-        target's pages do; a draft's do not)."""
-        started = time.perf_counter()
-        stored = False
-        try:
-            report = client.put_pages(
-                spec.token_ids,
-                gathered.wait(),
-                identity=spec.extras or None,
-                start_block=spec.start_block,
-            )
-            stored = report.refused == 0  # every page of this rank's part on some node
-            self._stats.count(save_bytes=report.bytes_sent)
-            log.debug("saved %s: %s", spec.req_id, report)
-        except CredentialError as exc:
-            self._stats.count(save_failures=1)
-            self._credential_refused(exc)
-        except Exception as exc:
-            self._stats.count(save_failures=1)
-            log.warning("save of %s failed (a future miss, not an error): %s", spec.req_id, exc)
-        finally:
-            staging.give(gathered.pages)
-            self._stats.observe("save_seconds", time.perf_counter() - started)
-            with self._lock:
-                self._pending_save_bytes -= nbytes
-            if answers_event:
-                self._outcomes.report([spec], ok=stored)
-
     def take_save_outcomes(self) -> SaveOutcomes | None:
         """Outcomes of saves finished since the engine step last asked (its KV events)."""
-        return self._outcomes.take()
+        return self._saves.take_outcomes()
 
     def _credential_refused(self, exc: CredentialError) -> None:
         """Loader or saver thread: every node refused the engine's token. The engine
@@ -488,12 +388,10 @@ class ConnectorWorker:
 
     def shutdown(self) -> None:
         """Finish the saves in flight (each is bounded by the client's timeout), then stop."""
-        if self._saving:
-            wait_futures(list(self._saving))
-        for pool in (self._loader, self._saver):
-            if pool is not None:
-                pool.shutdown(wait=True)
-        self._loader = self._saver = None
+        self._saves.shutdown()
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
+        self._loader = None
         for client in (self._client, self._draft.client if self._draft is not None else None):
             if client is not None:
                 client.close()

@@ -12,6 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvstore.errors import InvalidInputError
 from kvstore.index.page_index import DEFAULT_LEASE_MS
+from kvstore.pages.namespace import Namespace
 from kvstore.settings.config import ByteSize, IndexAccess, first_error
 
 
@@ -109,3 +110,29 @@ def client_options_from_env() -> ClientOptions:
             if name
             else f"invalid KVSTORE_* client options: {message}"
         ) from None
+
+
+def split_options(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A client constructor's keywords split into client options and namespace fields."""
+    options = {k: v for k, v in kwargs.items() if k in ClientOptions.model_fields}
+    return options, {k: v for k, v in kwargs.items() if k not in options}
+
+
+def client_namespace(
+    namespace: Namespace | None, fields: dict[str, Any], weights_revision: str
+) -> Namespace:
+    """A client's namespace (its constructor calls this): given, or built from the
+    constructor's namespace fields, with the options' ``weights_revision`` set into it."""
+    if namespace is None:
+        namespace = Namespace(**fields)
+    elif fields:
+        raise InvalidInputError(
+            f"unknown client options {sorted(fields)} (pass either a Namespace or namespace fields)"
+        )
+    if weights_revision and weights_revision != namespace.weights:
+        if namespace.weights:
+            raise InvalidInputError(
+                f"weights_revision {weights_revision!r} contradicts the namespace's weights {namespace.weights!r}"
+            )
+        namespace = namespace.model_copy(update={"weights": weights_revision})
+    return namespace

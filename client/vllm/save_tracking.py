@@ -1,0 +1,194 @@
+"""Which finished prefills the connector saves: the requests it may save, their block
+lists as they grow, and, with several KV-cache groups (hybrid), the blocks to copy out
+in the step they become full (``SaveTracker``).
+
+Used by ``client.vllm.scheduler.ConnectorScheduler`` on the engine's scheduler thread,
+once per step in ``build_connector_meta``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from client.vllm.events import StoredEvents
+from client.vllm.identity import KeyedPrompt
+from client.vllm.metadata import GatherSpec, SaveSpec
+from client.vllm.options import request_switch
+from kvstore.pages.identity import BlockExtras
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+
+@dataclass
+class Tracked:
+    """A request the connector may save: its prompt, its identity resolved to blocks,
+    and its blocks as they grow, per KV-cache group (one group unless hybrid). Hybrid:
+    ``gathered`` pages were copied out step by step, from ``base`` (set at the first
+    gather: past the blocks loaded and past any null block); ``broken`` once a position
+    past ``base`` had the null block in some group, from which on nothing is gathered
+    and the request is not saved."""
+
+    prompt: list[int]
+    extras: BlockExtras
+    block_ids: list[list[int]]
+    stored_blocks: int = 0
+    saved: bool = False
+    gathered: int = 0
+    broken: bool = False
+    base: int | None = None
+
+    @property
+    def holding(self) -> bool:
+        """Whether a worker holds pages gathered for this request (hybrid groups)."""
+        return self.gathered > (self.base or 0)
+
+
+class SaveTracker:
+    """The requests the connector may save, from their first scheduling to their save
+    (or their end). ``events``: the engine's KV events of saves, or None."""
+
+    def __init__(self, block_size: int, *, hybrid: bool, events: StoredEvents | None) -> None:
+        self._block_size = block_size
+        self._hybrid = hybrid
+        self._events = events
+        self._tracked: dict[str, Tracked] = {}
+
+    def track(
+        self,
+        scheduler_output: SchedulerOutput,
+        *,
+        loaded: Callable[[str], int],
+        keyed: Callable[[str], KeyedPrompt | None],
+    ) -> None:
+        """Follow the block lists of scheduled requests (for their saves). ``loaded``:
+        how many blocks a newly scheduled request loaded (asked once);
+        ``keyed``: its prompt and identity, None when it cannot be keyed."""
+        for new in scheduler_output.scheduled_new_reqs:
+            stored = loaded(new.req_id)
+            prompt = keyed(new.req_id)
+            extra = new.sampling_params.extra_args if new.sampling_params is not None else None
+            if prompt is None or not request_switch(
+                (extra or {}).get("kv_transfer_params"), "kvstore_save", new.req_id
+            ):
+                continue  # never tracked: nothing gathered or published
+            self._tracked[new.req_id] = Tracked(
+                prompt.tokens, prompt.extras, [list(group) for group in new.block_ids], stored
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            new_blocks = cached.new_block_ids[i]
+            if tracked is None or new_blocks is None:
+                continue
+            if req_id in cached.resumed_req_ids:  # preempted and resumed: a fresh block list
+                tracked.block_ids = [list(group) for group in new_blocks]
+            else:
+                for group, more in zip(tracked.block_ids, new_blocks):
+                    group.extend(more)
+
+    def gathers(self, scheduler_output: SchedulerOutput) -> list[GatherSpec]:
+        """Hybrid groups: the prompt blocks of tracked requests that become full with
+        this step, to copy out before the step ends. A sliding group's block is freed
+        when vLLM next schedules the request once the block left the window (and may then
+        hold another request's KV), so a save at the prompt's end could not gather it."""
+        computed_after = _computed_after_step(scheduler_output)
+        gathers = []
+        for req_id, tracked in self._tracked.items():
+            computed = computed_after.get(req_id)
+            if computed is None or tracked.saved or tracked.broken:
+                continue
+            full = min(computed, len(tracked.prompt)) // self._block_size
+            if tracked.base is None:
+                tracked.base = tracked.gathered = _save_base(tracked, full)
+            if full <= tracked.gathered:
+                continue
+            ids = [group[tracked.gathered : full] for group in tracked.block_ids]
+            if any(len(group) < full - tracked.gathered or 0 in group for group in ids):
+                tracked.broken = True  # a null block past the base: no whole page
+                continue
+            blocks = len(tracked.prompt) // self._block_size
+            gathers.append(GatherSpec(req_id, tracked.gathered, blocks, ids, tracked.base))
+            tracked.gathered = full
+        return gathers
+
+    def finished_prefills(
+        self,
+        scheduler_output: SchedulerOutput,
+        dropped: list[str],
+        request_of: Callable[[str], Request | None],
+    ) -> list[SaveSpec]:
+        """The saves of tracked requests whose prefill (possibly over several chunks)
+        completes with this step, each once. Hybrid: only of requests whose every page
+        was gathered; the others' gathered pages are ``dropped``. ``request_of``: the
+        request vLLM asked about (for its save's KV event), given once."""
+        computed_after = _computed_after_step(scheduler_output)
+        saves = []
+        for req_id, tracked in self._tracked.items():
+            computed = computed_after.get(req_id)
+            if tracked.saved or computed is None or computed < len(tracked.prompt):
+                continue
+            tracked.saved = True
+            full = len(tracked.prompt) // self._block_size
+            base = tracked.base or 0
+            if self._hybrid and (tracked.broken or tracked.gathered < full or base >= full):
+                if tracked.holding:
+                    dropped.append(req_id)
+                continue
+            if full > tracked.stored_blocks:
+                tokens = tracked.prompt[: full * self._block_size]
+                request = request_of(req_id)
+                event_id = (
+                    self._events.expect(request, tokens, full)
+                    if self._events is not None and request is not None
+                    else None
+                )
+                if self._hybrid:
+                    saves.append(
+                        SaveSpec(
+                            req_id,
+                            tokens,
+                            [],
+                            tracked.extras,
+                            event_id,
+                            gathered=True,
+                            start_block=base,
+                        )
+                    )
+                else:
+                    saves.append(
+                        SaveSpec(
+                            req_id, tokens, tracked.block_ids[0][:full], tracked.extras, event_id
+                        )
+                    )
+            elif tracked.holding:
+                dropped.append(req_id)
+        return saves
+
+    def finish(self, req_id: str) -> bool:
+        """Stop tracking a finished request; True when a worker holds pages gathered for
+        it that no save will publish (the worker must drop them)."""
+        tracked = self._tracked.pop(req_id, None)
+        return tracked is not None and tracked.holding and not tracked.saved
+
+
+def _save_base(tracked: Tracked, full: int) -> int:
+    """Hybrid groups: the first block a request's save gathers. Blocks it loaded are
+    stored already, and below a sliding window after a hit (loaded, or vLLM's own
+    prefix cache) that group holds the null block: no whole page of those positions
+    exists, so the save starts past the last of them (``put_pages(start_block=)``)."""
+    nulls = [i for group in tracked.block_ids for i, block in enumerate(group[:full]) if block == 0]
+    return max(tracked.stored_blocks, max(nulls, default=-1) + 1)
+
+
+def _computed_after_step(scheduler_output: SchedulerOutput) -> dict[str, int]:
+    """Tokens each scheduled request will have computed once this step has run."""
+    before = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
+    cached = scheduler_output.scheduled_cached_reqs
+    before.update(zip(cached.req_ids, cached.num_computed_tokens))
+    scheduled = scheduler_output.num_scheduled_tokens
+    return {
+        req_id: done + scheduled[req_id] for req_id, done in before.items() if req_id in scheduled
+    }
