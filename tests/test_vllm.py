@@ -3,12 +3,8 @@ separate processes. Skipped when vLLM is not installed (``pip install -e '.[vllm
 
 from __future__ import annotations
 
-import mmap
 import os
 import random
-import socket
-import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -100,26 +96,6 @@ def test_consumer_loads_shared_blocks_and_generates_the_baseline_tokens(model_di
         assert consumer["tokens"] == baseline["B"]
 
 
-def test_chunked_prefill_saves_the_whole_prompt(model_dir, baseline):
-    with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
-        # 64 tokens per step: prompt A's prefill takes four steps
-        (producer,) = run_engine(
-            model_dir,
-            [PROMPT_A],
-            cluster.redis_url,
-            role="kv_producer",
-            enable_chunked_prefill=True,
-            max_num_batched_tokens=64,
-            max_num_seqs=4,
-        )
-        assert producer["tokens"] == baseline["A"]
-        wait_for(
-            lambda: stored_pages(cluster) == 6, 5, "the node to report its pages"
-        )  # heartbeats carry the counts
-        (consumer,) = run_engine(model_dir, [PROMPT_A], cluster.redis_url, role="kv_consumer")
-        assert consumer["num_cached_tokens"] == 6 * BLOCK and consumer["tokens"] == baseline["A"]
-
-
 def test_two_storage_nodes_and_reuse_across_sessions(model_dir, baseline):
     # A fixed model name: the model path is a fresh temporary directory, which made the
     # page hashes, and so their placement, random (all 6 pages on one node 3 % of runs)
@@ -163,41 +139,6 @@ def test_two_storage_nodes_and_reuse_across_sessions(model_dir, baseline):
 
 def stored_pages(cluster: LocalCluster) -> int:
     return sum(s.pages for s in PageIndex(cluster.redis_url).stats().namespaces)
-
-
-def corrupt_stored_page(
-    cluster: LocalCluster, ns, chain: list[bytes], i: int, slab_size: int
-) -> None:
-    """Overwrite the bytes of page ``chain[i]`` inside the storage node's pool (through the
-    slab's memfd, /proc/<pid>/fd), as a memory fault would: the node keeps serving it
-    with the checksum taken at put time."""
-    index = PageIndex(cluster.redis_url)
-    location = (
-        index.lookup(ns, chain[: i + 1], lease_ms=0).resolve(index.live_nodes()).locations[i][0]
-    )
-    node = next(n for n in index.live_nodes() if n.node_id == location.node_id)
-    fds = Path(f"/proc/{node.extra['pid']}/fd")
-    slab = next(
-        fd
-        for fd in fds.iterdir()
-        if os.readlink(fd).startswith(f"/memfd:kvstore-slab-{location.slot // slab_size} ")
-    )
-    fd = os.open(slab, os.O_RDWR)
-    try:  # mapped, not written: hugetlbfs memfds support only mmap
-        with mmap.mmap(fd, slab_size) as mem:
-            start = location.slot % slab_size
-            mem[start : start + location.size] = random.Random(5).randbytes(location.size)
-    finally:
-        os.close(fd)
-
-
-def test_corrupted_page_is_not_used(model_dir, baseline):
-    with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
-        run_engine(model_dir, [PROMPT_A], cluster.redis_url, role="kv_producer")
-        ns = PageIndex(cluster.redis_url).stats().namespaces[0].namespace
-        corrupt_stored_page(cluster, ns, block_hashes(ns, PROMPT_A), 2, 16 << 20)
-        (consumer,) = run_engine(model_dir, [PROMPT_B], cluster.redis_url, role="kv_consumer")
-        assert consumer["tokens"] == baseline["B"]
 
 
 def test_a_refused_token_is_logged_once_counted_and_served_as_misses(model_dir, baseline):
@@ -256,100 +197,6 @@ def test_the_comparison_is_sensitive_to_the_loaded_kv(model_dir, baseline):
             consumer["num_cached_tokens"] == SHARED_BLOCKS * BLOCK
         )  # the engine's namespace is ns
         assert consumer["tokens"] != baseline["B"]
-
-
-def first_token_step(steps: list[dict[str, int]], req_id: str) -> int:
-    return next(i for i, counts in enumerate(steps) if counts.get(req_id, 0) >= 1)
-
-
-def test_two_loads_run_while_a_third_request_decodes(model_dir, baseline):
-    """Loads are asynchronous: the engine keeps stepping a request that needs no load
-    while two others wait for their blocks, and all three give the baseline tokens."""
-    with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
-        run_engine(model_dir, [PROMPT_A, PROMPT_C], cluster.redis_url, role="kv_producer")
-        wait_for(lambda: stored_pages(cluster) == 6 + 7, 5, "the node to report its pages")
-        out = run_engine_full(
-            model_dir,
-            [PROMPT_D, PROMPT_A, PROMPT_C],
-            cluster.redis_url,
-            role="kv_consumer",
-            mode="steps",
-        )
-        d, a, c = out["results"]
-        assert (d["tokens"], a["tokens"], c["tokens"]) == (
-            baseline["D"],
-            baseline["A"],
-            baseline["C"],
-        )
-        assert (d["num_cached_tokens"], a["num_cached_tokens"], c["num_cached_tokens"]) == (
-            0,
-            6 * BLOCK,
-            7 * BLOCK,
-        )
-        steps = out["steps"]
-        for loaded in ("r1", "r2"):
-            # by the step a loaded request produced its first token, r0 had already decoded
-            assert steps[first_token_step(steps, loaded)].get("r0", len(d["tokens"])) >= 2, steps
-        assert first_token_step(steps, "r0") < min(
-            first_token_step(steps, "r1"), first_token_step(steps, "r2")
-        )
-        metrics = out["metrics"]
-        assert metrics["load_seconds_count"] == 2 and metrics["load_failed_blocks"] == 0, metrics
-        assert (
-            metrics["load_bytes"] == 13 * PAGE_BYTES and metrics["lookup_hit_tokens"] == 13 * BLOCK
-        ), metrics
-
-
-class Blackhole:
-    """A TCP listener on loopback that accepts connections and never answers: an index
-    that hangs rather than refuses."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.held: list[socket.socket] = []
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.held.append(conn)
-
-    def close(self) -> None:
-        self.sock.close()
-        for conn in self.held:
-            conn.close()
-
-
-def test_a_hung_index_makes_misses_within_the_lookup_budget(model_dir, baseline):
-    hole = Blackhole()
-    try:
-        extra = {
-            "lookup_budget_ms": 100,
-            "breaker_failures": 2,
-            "breaker_cooldown_s": 120,
-        }  # no probe during the run
-        out = run_engine_full(
-            model_dir,
-            [PROMPT_A, PROMPT_B, PROMPT_C, PROMPT_D],
-            f"redis://127.0.0.1:{hole.port}/0",
-            role="kv_consumer",
-            extra=extra,
-        )
-    finally:
-        hole.close()
-    results = out["results"]
-    assert [r["tokens"] for r in results] == [baseline[k] for k in "ABCD"]
-    assert all(r["num_cached_tokens"] == 0 for r in results)
-    metrics = out["metrics"]
-    # the first two lookups pass their budget, then the breaker answers without asking
-    assert metrics["lookup_faults"] == 2 and metrics["lookups_skipped"] == 2, metrics
-    assert metrics["lookup_seconds_count"] == 2
-    assert metrics["lookup_seconds_buckets"]["0.25"] == 2, metrics  # neither waited past 0.25 s
 
 
 def test_per_request_switches_are_on_unless_false_and_a_bad_value_is_named(caplog):

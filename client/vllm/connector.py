@@ -60,11 +60,11 @@ from client.vllm.options import connector_options, engine_layout, namespace_refu
 from client.vllm.preflight import check_config_being_built
 from client.vllm.scheduler import ConnectorScheduler
 from client.vllm.stats import KVStoreConnectorStats, KVStorePromMetrics, StatsRecorder
-from client.vllm.support import hybrid_groups, unsupported
+from client.vllm.support import hybrid_groups, unsupported, vllm_ranks
 from client.vllm.worker import ConnectorWorker
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
@@ -124,7 +124,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         vllm_config: VllmConfig,
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig | None = None,
+        *,
+        ranks: Callable[[], tuple[int, int]] = vllm_ranks,
     ) -> None:
+        """vLLM calls this with its three arguments. ``ranks``: the worker's (PP rank, TP
+        rank), asked when its caches are registered; vLLM's process groups unless a
+        caller without them (an in-process test) hands its own."""
         super().__init__(
             vllm_config=vllm_config,
             role=role,
@@ -222,6 +227,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 enabled=refusal is None,
                 kv_cache_config=kv_cache_config,
                 drafts=drafts,
+                ranks=ranks,
             )
 
     @property

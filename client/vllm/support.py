@@ -139,3 +139,11 @@ def hybrid_groups(kv_cache_config: KVCacheConfig | None) -> bool:
     sliding group's blocks below the window are the null block 0 (``unsupported`` refuses
     every other kind of several groups)."""
     return kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1
+
+
+def vllm_ranks() -> tuple[int, int]:
+    """This worker's (PP rank, TP rank) in vLLM's process groups: what the connector's
+    worker half asks when the engine registers its caches."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    return get_pp_group().rank_in_group, get_tp_group().rank_in_group

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import replace
@@ -46,6 +47,7 @@ from client.vllm.options import (
 )
 from client.vllm.saver import SaveQueue
 from client.vllm.stats import StatsRecorder
+from client.vllm.support import vllm_ranks
 from kvstore.errors import CredentialError, KVStoreError
 from kvstore.settings.client import ClientOptions
 
@@ -79,8 +81,10 @@ class ConnectorWorker:
         enabled: bool = True,
         kv_cache_config: KVCacheConfig | None = None,
         drafts: DraftFacts | None = None,
+        ranks: Callable[[], tuple[int, int]] = vllm_ranks,
     ) -> None:
         self._vllm_config = vllm_config
+        self._ranks = ranks  # (PP rank, TP rank), asked in register_kv_caches
         self._drafts = drafts  # the draft's layers, stored apart (client.vllm.drafts)
         self._draft: DraftPages | None = None
         self._kv_cache_config = kv_cache_config
@@ -116,14 +120,12 @@ class ConnectorWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if not self._enabled:
             return
-        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
         from vllm.model_executor.models.utils import extract_layer_index
 
         draft_names = self._drafts.layers if self._drafts is not None else []
         names = sorted((n for n in kv_caches if n not in draft_names), key=extract_layer_index)
         layers = [kv_caches[n] for n in names]
-        pp_rank = get_pp_group().rank_in_group
-        tp_rank = get_tp_group().rank_in_group
+        pp_rank, tp_rank = self._ranks()
         try:
             layout = stage_layout(self._vllm_config, names, layers, self._block_size, pp_rank)
             self._cache = PagedCache(layers, layout)
