@@ -18,7 +18,7 @@ Systems are interleaved (memcpy, valkey, shm, ucx, then again) for ``--repeat``
 rounds, first with one reader, then with ``--readers`` readers at once (aggregate
 GB/s), then with one reader while two CPU-burning processes run. Every put writes
 fresh slabs of the node's pool, so each first get maps slabs its reader has never
-seen (a cost per slab and process, see client/connection.py); "get again" reads the
+seen (a cost per slab and process, see client/nodes/connection.py); "get again" reads the
 same pages once more, as a long-lived reader of a recycled pool does. Each figure is a
 median with min-max, and a ratio to the quiet memcpy of the same size. Gets are
 end to end (hash the tokens, one index lookup, transfer, verify) and are checked

@@ -3,8 +3,8 @@
 (``client.vllm_connector`` for vLLM configs)."""
 
 from client.async_client import AsyncKVCacheClient
-from client.lookup import StoredPrefix
-from client.publish import PublishReport
+from client.lookups.prefix import StoredPrefix
+from client.puts.publish import PublishReport
 from client.sync_client import KVCacheClient
 
 __all__ = ["AsyncKVCacheClient", "KVCacheClient", "PublishReport", "StoredPrefix"]

@@ -6,18 +6,18 @@ Two APIs over one mechanism (publish pages, fetch a prefix of pages):
 - the lookup-buffer contract of vLLM's SimpleConnector: ``insert`` / ``select``.
 
 The client is the front of parts with one job each, built here and handed to one
-another at construction: ``NodeDirectory`` (``client.nodes``: registry, suspects,
-connections), ``NamespaceRegistration`` (``client.registration``), ``PrefixLookup``
-(``client.lookup``), ``Publisher`` (``client.publish``), ``ReplicaFetcher``
-(``client.fetch``), ``PageReader`` (``client.reads``: the get variants, landing as
-``client.landing`` chooses) and ``LookupBuffer`` (``client.sequences``: insert/select).
-Host buffers are ``client.staging.HostBuffers`` (one pool per process).
+another at construction: ``NodeDirectory`` (``client.nodes.directory``: registry, suspects,
+connections), ``NamespaceRegistration`` (``client.lookups.registration``), ``PrefixLookup``
+(``client.lookups.prefix``), ``Publisher`` (``client.puts.publish``), ``ReplicaFetcher``
+(``client.gets.fetch``), ``PageReader`` (``client.gets.reads``: the get variants, landing as
+``client.gets.landing`` chooses) and ``LookupBuffer`` (``client.sequences``: insert/select).
+Host buffers are ``client.memory.staging.HostBuffers`` (one pool per process).
 
 Remote faults (``RemoteFault``: a node that errors or times out, Redis gone, a wrong
 checksum) make the affected pages count as missing, so reads return a shorter prefix
 or a miss within ``timeout``. Misuse (bad shapes, dtypes, roi, options) raises
 ``InvalidInputError``; a put or get that every node asked refused for the client's
-credentials raises ``CredentialError`` (a ``PermissionError``, ``client.credentials``).
+credentials raises ``CredentialError`` (a ``PermissionError``, ``client.nodes.credentials``).
 An index that rejects a script (a bug) is logged at ERROR, counted in
 ``stats.index_script_errors`` and read as a miss."""
 
@@ -30,18 +30,18 @@ from typing import Any
 
 import torch
 
-from client.buffers import Span
 from client.codec import check_pages
-from client.device_pages import DeviceCopier, default_copier
-from client.fetch import ReplicaFetcher
-from client.landing import TransferMode, lands_in_place
-from client.lookup import Identity, PrefixLookup, StoredPrefix
-from client.nodes import NodeDirectory
-from client.publish import Publisher, PublishReport
-from client.reads import PageReader
-from client.registration import NamespaceRegistration
+from client.gets.device_pages import DeviceCopier, default_copier
+from client.gets.fetch import ReplicaFetcher
+from client.gets.landing import TransferMode, lands_in_place
+from client.gets.reads import PageReader
+from client.lookups.prefix import Identity, PrefixLookup, StoredPrefix
+from client.lookups.registration import NamespaceRegistration
+from client.memory.buffers import Span
+from client.memory.staging import host_buffers
+from client.nodes.directory import NodeDirectory
+from client.puts.publish import Publisher, PublishReport
 from client.sequences import LookupBuffer
-from client.staging import host_buffers
 from client.stats import ClientStats
 from kvstore.errors import InvalidInputError
 from kvstore.index import AsyncPageIndex
@@ -106,7 +106,7 @@ class AsyncKVCacheClient:
         self.replicas = opts.replicas
         self.timeout = opts.timeout
         self.stats = ClientStats()
-        # lands gets into device memory (client.device_pages): CUDA's copier where a GPU
+        # lands gets into device memory (client.gets.device_pages): CUDA's copier where a GPU
         # is, else none; ``device`` builds it (a test passes HostCopier)
         self.device = device(self.stats)
         self.index = AsyncPageIndex(
@@ -377,5 +377,5 @@ class AsyncKVCacheClient:
 
     def _mode_for(self, out: torch.Tensor) -> str:
         """How a get into ``out`` lands whole pages: "direct" (in place) or "staged"
-        (``client.landing.lands_in_place``; raises for 'direct' into device memory)."""
+        (``client.gets.landing.lands_in_place``; raises for 'direct' into device memory)."""
         return "direct" if lands_in_place(out.device.type, self.transfer_mode) else "staged"

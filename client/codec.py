@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from client.buffers import Span, scattered_span
+from client.memory.buffers import Span, scattered_span
 from kvstore.errors import InvalidInputError
 from kvstore.pages.namespace import Namespace
 

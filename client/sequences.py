@@ -14,12 +14,12 @@ import numpy as np
 import torch
 
 from client import codec
-from client.buffers import split_spans
-from client.fetch import ReplicaFetcher, leading, unit_requests, whole_blocks
-from client.lookup import Identity, PrefixLookup
-from client.publish import Outgoing, Publisher, PublishReport
-from client.reads import PageReader
-from client.staging import HostBuffers
+from client.gets.fetch import ReplicaFetcher, leading, unit_requests, whole_blocks
+from client.gets.reads import PageReader
+from client.lookups.prefix import Identity, PrefixLookup
+from client.memory.buffers import split_spans
+from client.memory.staging import HostBuffers
+from client.puts.publish import Outgoing, Publisher, PublishReport
 from kvstore.errors import InvalidInputError
 from kvstore.index import LookupResult
 from kvstore.pages import heads, keys

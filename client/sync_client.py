@@ -4,7 +4,7 @@ Every ``KVCacheClient`` in a process runs its ``AsyncKVCacheClient`` on one shar
 event loop in a daemon thread, which is also the only thread that drives UCX progress
 (a ucxx worker must not be progressed from two threads). Lookups (``find``,
 ``lookup``) only talk to the index: they take the async client's lookup path
-(``client.lookup.PrefixLookup``) in the caller's thread, over an index connection of
+(``client.lookups.prefix.PrefixLookup``) in the caller's thread, over an index connection of
 their own, sparing the hop to the loop. Every call waits at most a
 bound derived from the client timeout, so a wedged transfer cannot hang the caller.
 A call that passes its bound is cancelled, and it returns only once the cancelled
@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from client.async_client import AsyncKVCacheClient
-from client.buffers import Span
-from client.lookup import Identity, StoredPrefix
-from client.publish import PublishReport
+from client.lookups.prefix import Identity, StoredPrefix
+from client.memory.buffers import Span
+from client.puts.publish import PublishReport
 from client.stats import ClientStats
 from kvstore.errors import TransportError
 from kvstore.index import PageIndex
@@ -172,7 +172,7 @@ class KVCacheClient:
         directory, which reads the registry in the background: a lookup after a pause
         no longer reads it in its own round trip (paused lookups in bench/lookup.py).
         Until the namespace is registered, or when the list went stale while the client
-        was idle (``client.nodes.KEEP_FRESH_S``), the call goes through the loop, which
+        was idle (``client.nodes.directory.KEEP_FRESH_S``), the call goes through the loop, which
         registers the namespace and reads the list first."""
         inner = self._async
         nodes = inner.nodes.fresh() if inner.namespace_registered else None

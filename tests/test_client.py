@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from client import KVCacheClient
-from client.placement import place
+from client.nodes.placement import place
 from kvstore import InvalidInputError, Namespace, block_hashes
 from kvstore.errors import CredentialError
 from kvstore.index import PageIndex
@@ -549,8 +549,8 @@ def test_get_found_into_writes_pages_straight_into_a_strided_cache(
     A block-major cache (each block's layers back to back) gives contiguous spans, so
     UCX receives consecutive blocks straight into it, with no scratch buffer; a
     layer-major one lands each run in one scratch buffer first."""
+    from client.memory.staging import HostBuffers
     from client.paging.paged_cache import PagedCache
-    from client.staging import HostBuffers
 
     ns = make_ns(f"into-{same_host}-{block_major}", layout="vllm_cpu", num_layers=3)
     n = 6

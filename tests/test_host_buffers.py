@@ -1,4 +1,4 @@
-"""The process's pool of host buffers (client.staging.HostBuffers): blocks are reused,
+"""The process's pool of host buffers (client.memory.staging.HostBuffers): blocks are reused,
 coalesced when given back, and a lent tensor's memory returns only once the caller
 has dropped every view of it; past what was reserved the pool grows to its bound and
 keeps what it grew, and past the bound a request gets fresh memory."""
@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import torch
 
-from client.staging import ALIGN, HostBuffers
+from client.memory.staging import ALIGN, HostBuffers
 
 
 def in_pool(pool: HostBuffers, buf: np.ndarray | torch.Tensor) -> bool:

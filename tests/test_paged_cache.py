@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from client.buffers import block_runs
+from client.memory.buffers import block_runs
+from client.memory.staging import ALIGN, HostBuffers
 from client.paging.breaker import CircuitBreaker
 from client.paging.paged_cache import PagedCache
 from client.paging.staging_pool import StagingPool
-from client.staging import ALIGN, HostBuffers
 from kvstore.errors import InvalidInputError
 from kvstore.pages.checksum import copy_checksummed
 

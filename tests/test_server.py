@@ -734,9 +734,9 @@ def test_a_client_that_cannot_reach_the_socket_falls_back_to_ucx(clusters):
 def test_pages_scattered_in_the_pool_move_as_many_runs_bit_exact(clusters):
     """Pages put one block at a time between another prompt's blocks get slots that never
     touch: a get of them is one payload message per page, more runs than the client
-    posts receives ahead (client/connection.py RECEIVES_AHEAD), with pages the node
+    posts receives ahead (client/nodes/connection.py RECEIVES_AHEAD), with pages the node
     lacks after them, and still lands bit-exact in another process."""
-    from client.connection import RECEIVES_AHEAD
+    from client.nodes.connection import RECEIVES_AHEAD
 
     cluster = clusters()
     ns = namespace_for_page_size(64 << 10, tenant="scattered")

@@ -35,8 +35,8 @@ def tokens_of(spec: dict) -> list[int]:
 
 
 async def reconnect_cycles(client: KVCacheClient, ns: Namespace, cycles: int) -> int:
-    from client.buffers import Span
-    from client.connection import NodeConnection
+    from client.memory.buffers import Span
+    from client.nodes.connection import NodeConnection
 
     inner = client._async
     node = (await inner.index.live_nodes())[0]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from client.buffers import Span
+from client.memory.buffers import Span
 
 
 def _block_rows(layer: np.ndarray) -> np.ndarray:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from client.landing import Landing, choose_landing
+from client.gets.landing import Landing, choose_landing
 from client.paging.paged_cache import PagedCache
 from client.paging.specs import LoadSpec
 from client.paging.staging_pool import StagingPool
@@ -120,7 +120,7 @@ class PageLoader:
                     hybrid_bytes,
                     time.perf_counter() - started,
                 )
-            # how pages land: the client's gets choose the same way (client.landing)
+            # how pages land: the client's gets choose the same way (client.gets.landing)
             landing, spans = choose_landing(
                 client.heads, lambda: cache.block_spans(wanted), self._on_device
             )

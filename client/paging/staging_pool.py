@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from client.staging import ALIGN, HostBuffers, host_buffers
+from client.memory.staging import ALIGN, HostBuffers, host_buffers
 
 
 class PageFormat(Protocol):
@@ -25,7 +25,7 @@ class PageFormat(Protocol):
 
 class StagingPool:
     """The connector's host page buffers: pages of the process's one host-buffer pool
-    (``client.staging.HostBuffers``), the pool the worker's client stages and receives
+    (``client.memory.staging.HostBuffers``), the pool the worker's client stages and receives
     through too, so both share what is faulted in and what the pool grew.
 
     A fresh 120 MiB host tensor costs its page faults on first write: measured here, a

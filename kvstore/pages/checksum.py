@@ -251,7 +251,7 @@ def copy_checksummed(
     in ``dst`` meanwhile then fail verification). One side of a pair may be scattered
     (``Pieces``: the caller's tensors in insert/select, a paged cache's blocks), and
     then the contiguous side is hashed (``_copy_one``). Called by the same-host data
-    path (client/connection.py) for gets and puts, and to pack UCX runs. The calling
+    path (client/nodes/connection.py) for gets and puts, and to pack UCX runs. The calling
     thread and the helper thread each take half the bytes, in C without the GIL where
     every piece is C-contiguous (``_copy_run``); returns only once both are done, so
     nothing writes into any ``dst`` after it returns, whatever the caller's timeout."""

@@ -1,11 +1,11 @@
 """One client's connection to one storage node: PUT and GET batches.
 
 ``NodeConnection`` (here) speaks UCX (any host); ``ShmConnection``
-(``client.shm_connection``) speaks the same frames over a Unix socket to a node on this
+(``client.nodes.shm_connection``) speaks the same frames over a Unix socket to a node on this
 host and moves pages through shared memory (kvstore.wire.shm). Both verify every page
 they receive against the index's checksum, and hash only the pages a node asks for on
 a put. ``Connection`` (here) is the request discipline they share; what a call carries
-and returns (pages, outcomes, refusals, request frames) is ``client.node_calls``.
+and returns (pages, outcomes, refusals, request frames) is ``client.nodes.calls``.
 
 Requests on a connection are serialised (control frames and payloads must stay in
 order). A clean refusal (an ERROR frame) raises ``NodeRefusedError`` and keeps the
@@ -21,9 +21,10 @@ from typing import Any, cast
 
 import numpy as np
 
-from client.buffers import Span, adjacent, joined, split_spans
-from client.device_pages import DeviceCopier, DeviceSpan
-from client.node_calls import (
+from client.gets.device_pages import DeviceCopier, DeviceSpan
+from client.memory.buffers import Span, adjacent, joined, split_spans
+from client.memory.staging import host_buffers
+from client.nodes.calls import (
     Checksums,
     ClosedBeforeUseError,
     GetOutcome,
@@ -33,7 +34,6 @@ from client.node_calls import (
     get_request,
     put_request,
 )
-from client.staging import host_buffers
 from kvstore.errors import ProtocolError, TransportError
 from kvstore.index import NodeInfo
 from kvstore.pages.checksum import checksums, copy_checksummed
@@ -51,7 +51,7 @@ class Connection:
     def __init__(self, node: NodeInfo, token: str, device: DeviceCopier | None = None) -> None:
         self.node = node
         self.token = token
-        self.device = device  # lands pages in device memory (client.device_pages)
+        self.device = device  # lands pages in device memory (client.gets.device_pages)
         self._lock = asyncio.Lock()
         self.broken = False
         self._borrowed: list[np.ndarray] = []  # pool blocks of the request in flight (``_borrow``)

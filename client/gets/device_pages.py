@@ -3,7 +3,7 @@ memory (``DeviceCopier``), its CUDA form (``CudaCopier``) and a host stand-in
 (``HostCopier``: the same path with the CPU as the "device", for tests and CPU checks).
 
 The path, on the same host: a node's pool slabs are mapped read-only into the client
-(``client.shm_connection``); each mapping is registered with CUDA once, when a device
+(``client.nodes.shm_connection``); each mapping is registered with CUDA once, when a device
 get first reads from it (``cudaHostRegister``, read-only flag for read-only mappings),
 so that a page is copied from the node's memory straight into device memory by DMA:
 no CPU copy, no CPU hash. Every page that landed is then checked on the device against
@@ -21,7 +21,7 @@ A mapping whose registration fails still works (the copy is then the driver's st
 one, about 6 GB/s): the failure is logged once per copier and counted
 (``ClientStats.host_register_failures``), never silent. Across hosts, UCX receives
 into the client's pinned host buffers (checked there as it lands), and the verified
-pages are copied to the device (``client.connection``)."""
+pages are copied to the device (``client.nodes.connection``)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from client.buffers import Span, block_runs
+from client.memory.buffers import Span, block_runs
 from client.stats import ClientStats
 from kvstore.pages import device_checksum
 from kvstore.pages.checksum import page_checksum

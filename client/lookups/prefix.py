@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from client.nodes import NodeDirectory
-from client.registration import NamespaceRegistration
+from client.lookups.registration import NamespaceRegistration
+from client.nodes.directory import NodeDirectory
 from client.stats import ClientStats
 from kvstore.errors import IndexScriptError, InvalidInputError, KVStoreError, RemoteFault
 from kvstore.index import AsyncPageIndex, IndexLookup, LookupResult, NodeInfo, PageIndex

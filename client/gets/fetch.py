@@ -10,11 +10,11 @@ from collections import defaultdict
 
 import numpy as np
 
-from client.buffers import Span
-from client.credentials import CallRefusals
-from client.device_pages import DeviceSpan
-from client.node_calls import NodeRefusedError
-from client.nodes import NodeDirectory
+from client.gets.device_pages import DeviceSpan
+from client.memory.buffers import Span
+from client.nodes.calls import NodeRefusedError
+from client.nodes.credentials import CallRefusals
+from client.nodes.directory import NodeDirectory
 from client.stats import ClientStats
 from kvstore.errors import RemoteFault
 from kvstore.index import LookupResult, NodeInfo, PageLocation
@@ -29,7 +29,7 @@ class ReplicaFetcher:
     until every page arrived or its replicas ran out, within the client's ``timeout``
     overall. A node that fails is suspected and its pages stay missing (a miss, never
     wrong bytes); a call that every node asked refused for the client's token raises
-    ``CredentialError`` (``client.credentials``). Runs on the client's event loop."""
+    ``CredentialError`` (``client.nodes.credentials``). Runs on the client's event loop."""
 
     def __init__(
         self, nodes: NodeDirectory, stats: ClientStats, namespace: NamespaceKey, timeout: float

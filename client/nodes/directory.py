@@ -12,12 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from client.buffers import Span
-from client.connection import NodeConnection
-from client.device_pages import DeviceCopier
-from client.node_calls import ClosedBeforeUseError, NodeRefusedError, SameHostUnavailableError
-from client.placement import rank_nodes
-from client.shm_connection import ShmConnection
+from client.gets.device_pages import DeviceCopier
+from client.memory.buffers import Span
+from client.nodes.calls import ClosedBeforeUseError, NodeRefusedError, SameHostUnavailableError
+from client.nodes.connection import NodeConnection
+from client.nodes.placement import rank_nodes
+from client.nodes.shm_connection import ShmConnection
 from client.stats import ClientStats
 from kvstore.errors import RemoteFault
 from kvstore.index import AsyncPageIndex, NodeInfo, PageLocation
@@ -60,7 +60,7 @@ class NodeDirectory:
         self.index = index
         self.stats = stats
         self.ucxx: Any = None
-        # lands gets into device memory (client.device_pages); every connection has it
+        # lands gets into device memory (client.gets.device_pages); every connection has it
         self.device = device
         self.same_host = same_host
         self._token = token

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from client.buffers import Span, host_bytes, page_spans
-from client.credentials import CallRefusals
-from client.node_calls import NodeRefusedError, OutgoingPage, PutOutcome
-from client.nodes import NodeDirectory
-from client.placement import place
-from client.registration import NamespaceRegistration
+from client.lookups.registration import NamespaceRegistration
+from client.memory.buffers import Span, host_bytes, page_spans
+from client.nodes.calls import NodeRefusedError, OutgoingPage, PutOutcome
+from client.nodes.credentials import CallRefusals
+from client.nodes.directory import NodeDirectory
+from client.nodes.placement import place
 from client.stats import ClientStats
 from kvstore.errors import InvalidInputError, RemoteFault
 from kvstore.index import NodeInfo
@@ -226,7 +226,7 @@ class ChecksumOnce:
     """A put's page checksums, each computed once and, beyond what ``ahead`` hashes
     while a plan is on its way, only for pages some node asks for (a node that already
     holds a page makes the client hash it only if it was hashed ahead). Satisfies
-    ``client.node_calls.Checksums``."""
+    ``client.nodes.calls.Checksums``."""
 
     def __init__(self) -> None:
         self._memo: dict[int, int] = {}  # written by the helper thread too (one key per page)

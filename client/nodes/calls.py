@@ -1,5 +1,5 @@
 """What one call to a storage node carries and returns, for both connections
-(``client.connection``, ``client.shm_connection``) and their callers: the pages of a
+(``client.nodes.connection``, ``client.nodes.shm_connection``) and their callers: the pages of a
 put and their checksums, the outcomes of a put and a get, the ways a node refuses or a
 connection fails, and the request frames."""
 
@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from client.buffers import Span, join_flags
+from client.memory.buffers import Span, join_flags
 from kvstore.errors import TransportError
 from kvstore.pages.checksum import HashAhead
 from kvstore.pages.keys import NamespaceKey
@@ -125,7 +125,7 @@ def get_request(
     namespace: NamespaceKey, token: str, hashes: list[bytes], sinks: Sequence[Any], probe: bool
 ) -> P.GetRequest:
     """The GET of ``hashes`` into ``sinks``: host spans say which pages may travel in
-    one message (``join_flags``); device spans (client.device_pages) never do."""
+    one message (``join_flags``); device spans (client.gets.device_pages) never do."""
     host = not sinks or isinstance(sinks[0], Span)  # one kind per get
     return P.GetRequest(
         namespace=namespace.digest,

@@ -14,10 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from client.buffers import Span
-from client.connection import Connection
-from client.device_pages import DeviceCopier, DeviceSpan
-from client.node_calls import (
+from client.gets.device_pages import DeviceCopier, DeviceSpan
+from client.memory.buffers import Span
+from client.nodes.calls import (
     Checksums,
     GetOutcome,
     OutgoingPage,
@@ -26,6 +25,7 @@ from client.node_calls import (
     get_request,
     put_request,
 )
+from client.nodes.connection import Connection
 from kvstore.errors import ProtocolError, TransportError
 from kvstore.index import NodeInfo
 from kvstore.pages.checksum import copy_checksummed
@@ -184,7 +184,7 @@ class ShmConnection(Connection):
     ) -> GetOutcome:
         """A get into device memory straight from the node's slots: each page is copied
         by DMA from the slab's mapping (registered with the device once) into its sink
-        and checked on the device against the index's checksum (client.device_pages);
+        and checked on the device against the index's checksum (client.gets.device_pages);
         the node is told it may unpin once every copy and check has finished."""
         device = self._device_copier()
         slots = await self._slots(namespace, hashes, sinks, False)

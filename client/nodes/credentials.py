@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
-from client.node_calls import NodeRefusedError
+from client.nodes.calls import NodeRefusedError
 from client.stats import ClientStats
 from kvstore.errors import CredentialError
 

@@ -7,13 +7,13 @@ from typing import Any
 
 import torch
 
-from client.buffers import Span, host_bytes, page_spans
 from client.codec import check_pages
-from client.device_pages import DeviceCopier, DeviceSpan, device_spans
-from client.fetch import ReplicaFetcher, leading, unit_requests, whole_blocks
-from client.landing import Landing, TransferMode, choose_landing, lands_in_place
-from client.lookup import Identity, PrefixLookup, StoredPrefix
-from client.staging import HostBuffers
+from client.gets.device_pages import DeviceCopier, DeviceSpan, device_spans
+from client.gets.fetch import ReplicaFetcher, leading, unit_requests, whole_blocks
+from client.gets.landing import Landing, TransferMode, choose_landing, lands_in_place
+from client.lookups.prefix import Identity, PrefixLookup, StoredPrefix
+from client.memory.buffers import Span, host_bytes, page_spans
+from client.memory.staging import HostBuffers
 from client.stats import ClientStats
 from kvstore.errors import InvalidInputError
 from kvstore.index import LookupResult
@@ -27,7 +27,7 @@ class PageReader:
     """One job: fill a caller's memory with a stored prefix of full blocks: as rank
     pages (``get_pages``, ``get_found``), as this rank's head-group units
     (``get_found_units``) or straight into spans over the caller's own memory
-    (``get_found_into``). How pages land is ``client.landing``'s choice. Every page is
+    (``get_found_into``). How pages land is ``client.gets.landing``'s choice. Every page is
     verified by checksum; a block that did not arrive whole ends the prefix, and rows
     past it are unspecified. Runs on the client's event loop."""
 
@@ -53,7 +53,7 @@ class PageReader:
 
     def lands_on_device(self, memory: torch.device) -> bool:
         """Whether whole pages of this rank can land straight in ``memory`` (device memory
-        the client's copier reaches: ``client.device_pages``), checked there; False for
+        the client's copier reaches: ``client.gets.device_pages``), checked there; False for
         host memory unless the copier's "device" is the host, and with
         ``transfer_mode='staged'``."""
         device = self._device

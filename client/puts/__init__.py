@@ -1,0 +1,2 @@
+"""A put: pages onto their rendezvous replicas, each page's checksum computed once
+(``publish``)."""
