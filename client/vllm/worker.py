@@ -56,9 +56,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger(__name__)
-# A refused token is a configuration error the operator must see, but every load and
-# save hits it: logged at ERROR the first time, then at most once a minute (counted
-# every time in credential_refusals).
+# A refused token is a configuration error every load and save hits: logged at ERROR
+# the first time, then at most once a minute (counted every time).
 CREDENTIAL_LOG_EVERY_S = 60.0
 # Longest an idle engine step waits in get_finished for a load to finish: short enough
 # that a request arriving meanwhile is scheduled without a noticeable delay.
