@@ -270,7 +270,7 @@ def bench_scheduler_cost() -> None:
             event_id = events.expect(request, prompt, tokens // block)
             t1 = time.perf_counter()
             events.reported(SaveOutcomes([SaveOutcome(event_id, True)]))
-            taken = events.take()
+            taken = events.take_events()
             t2 = time.perf_counter()
             encoder.encode(KVEventBatch(ts=time.time(), events=taken))
             t3 = time.perf_counter()

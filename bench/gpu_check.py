@@ -790,7 +790,7 @@ def section_save(report: Report, dev: Dev, cluster: Any, args: argparse.Namespac
     exact = True
     for r in range(args.rounds + 1):
         for name, save in saves.items():
-            host = pool.take(n)
+            host = pool.take_pages(n)
             dev.sync()
             start = time.perf_counter()
             ready = save(host)
@@ -811,7 +811,7 @@ def section_save(report: Report, dev: Dev, cluster: Any, args: argparse.Namespac
                 exact = exact and all(
                     same(host[:, li], kv[ids]) for li, kv in enumerate(cache.layers)
                 )
-            pool.give(host)
+            pool.give_pages(host)
     save_mib = n * cache.page_nbytes / MiB
     report(
         f"  decode steps of {d['batch']} tokens x {d['layers']} layers; a save of {n} blocks ({save_mib:.1f} MiB) "

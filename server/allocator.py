@@ -38,7 +38,7 @@ class _Slab:
     free: list[int] = field(default_factory=list)
     used: int = 0
 
-    def take(self) -> int:
+    def take_slot(self) -> int:
         self.used += 1
         if self.free:
             return self.free.pop()
@@ -98,7 +98,7 @@ class SlabAllocator:
             partial[index] = slab
         else:
             return None
-        slot = slab.take()
+        slot = slab.take_slot()
         if slab.full:
             del partial[slab.index]
         self.used_bytes += cls

@@ -233,7 +233,7 @@ class PrefixQuery:
             if authorization.startswith("Bearer ")
             else ""
         )
-        credential = self.credentials.find(token) if token else None
+        credential = self.credentials.credential_for(token) if token else None
         if credential is None:
             raise QueryRefused(401, "the bearer token matches no credential of this node")
         if not credential.allows(tenant, write=False):

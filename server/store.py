@@ -85,7 +85,7 @@ class PageStore:
         assert page.offset is not None
         return self.allocator.slot_size(page.offset)
 
-    def find(self, key: PageKey) -> StoredPage | None:
+    def find_page(self, key: PageKey) -> StoredPage | None:
         """The page under ``key`` in any state but dropped, if any."""
         return self.pages.get(key)
 

@@ -102,10 +102,12 @@ def test_a_claimed_key_is_invisible_and_an_aborted_claim_frees_its_slot():
     key = ("ns", b"k" * 16)
     page = store.claim(key, 65536, 7)
     assert store.assign_slot(page)
-    assert store.find(key) is page and store.pin_for_read(key) is None  # receiving: not readable
+    assert (
+        store.find_page(key) is page and store.pin_for_read(key) is None
+    )  # receiving: not readable
     assert store.pins == 1
     store.abort_put(page)
-    assert store.find(key) is None and store.used_bytes == 0 and store.pins == 0
+    assert store.find_page(key) is None and store.used_bytes == 0 and store.pins == 0
     again = put(store, key, 65536, 7)  # the key can be claimed again
     assert store.pin_for_read(key) is again and store.ready_pages == 1
 

@@ -23,16 +23,16 @@ def test_blocks_are_taken_from_the_arena_and_coalesce_when_given_back():
     pool.reserve(16 * ALIGN)
     arena = pool.free_bytes
     assert arena == 16 * ALIGN
-    a, b, c = pool.take(3 * ALIGN), pool.take(ALIGN + 1), pool.take(4 * ALIGN)
+    a, b, c = pool.take_buffer(3 * ALIGN), pool.take_buffer(ALIGN + 1), pool.take_buffer(4 * ALIGN)
     assert pool.free_bytes == arena - 9 * ALIGN  # sizes round up to whole pages
     assert len({a.ctypes.data, b.ctypes.data, c.ctypes.data}) == 3
-    big = pool.take(12 * ALIGN)  # cannot fit in what is left: fresh memory, not the pool's
+    big = pool.take_buffer(12 * ALIGN)  # cannot fit in what is left: fresh memory, not the pool's
     assert pool.free_bytes == arena - 9 * ALIGN and not in_pool(pool, big) and pool.fresh_takes == 1
-    pool.give(big)  # a block the pool never gave is ignored
+    pool.give_buffer(big)  # a block the pool never gave is ignored
     for buf in (b, a, c):
-        pool.give(buf)
+        pool.give_buffer(buf)
     assert pool.free_bytes == arena
-    whole = pool.take(16 * ALIGN)  # the three blocks and the rest merged into one again
+    whole = pool.take_buffer(16 * ALIGN)  # the three blocks and the rest merged into one again
     assert whole.ctypes.data == a.ctypes.data and pool.free_bytes == 0
 
 
@@ -59,19 +59,21 @@ def test_the_pool_grows_to_its_bound_keeps_what_it_grew_and_past_it_gives_fresh_
     pool = HostBuffers(growth=2, grow_step=2 * ALIGN)
     pool.reserve(10 * ALIGN)
     assert pool.limit == 20 * ALIGN and pool.held == 10 * ALIGN
-    first = pool.take(6 * ALIGN)
-    second = pool.take(6 * ALIGN)  # 4 pages left in the reserve: the pool grows by 6
+    first = pool.take_buffer(6 * ALIGN)
+    second = pool.take_buffer(6 * ALIGN)  # 4 pages left in the reserve: the pool grows by 6
     assert in_pool(pool, second) and pool.held == 16 * ALIGN and pool.fresh_takes == 0
-    pool.give(second)
-    again = pool.take(6 * ALIGN)  # what the pool grew stayed: the same memory, no new arena
+    pool.give_buffer(second)
+    again = pool.take_buffer(6 * ALIGN)  # what the pool grew stayed: the same memory, no new arena
     assert again.ctypes.data == second.ctypes.data and pool.held == 16 * ALIGN
-    past = pool.take(5 * ALIGN)  # 4 pages of room before the bound, and free blocks of 4: fresh
+    past = pool.take_buffer(
+        5 * ALIGN
+    )  # 4 pages of room before the bound, and free blocks of 4: fresh
     assert not in_pool(pool, past) and pool.fresh_takes == 1 and pool.held == 16 * ALIGN
     assert (
-        pool.try_take(5 * ALIGN) is None and pool.fresh_takes == 2
+        pool.try_take_buffer(5 * ALIGN) is None and pool.fresh_takes == 2
     )  # for a caller whose fresh memory is its own
     for buf in (first, again):
-        pool.give(buf)
+        pool.give_buffer(buf)
     assert pool.free_bytes == 16 * ALIGN
 
 
@@ -115,7 +117,7 @@ def test_threads_growing_at_once_stay_under_the_bound():
     def grab() -> None:
         start.wait()
         for _ in range(8):
-            buf = pool.take(ALIGN)
+            buf = pool.take_buffer(ALIGN)
             with lock:
                 taken.append(buf)
 

@@ -184,23 +184,23 @@ def test_staging_pool_takes_pages_of_the_one_host_pool_and_never_waits():
     pool = StagingPool(cache, buffers=2, pages=8, pool=host)
     per_buffer = -(-8 * cache.page_nbytes // ALIGN) * ALIGN
     assert cache.page_nbytes == L * H * N * C * 4 and host.reserved == 2 * per_buffer
-    a, b = pool.take(8), pool.take(3)
+    a, b = pool.take_pages(8), pool.take_pages(3)
     assert (
         a.shape == (8, L, H, N, C)
         and b.shape == (3, L, H, N, C)
         and a.dtype == b.dtype == torch.float32
     )
-    extra = pool.take(8)  # the reservation is out: fresh pages, at once
+    extra = pool.take_pages(8)  # the reservation is out: fresh pages, at once
     assert host.fresh_takes == 1 and extra.shape == (8, L, H, N, C)
     pooled = {a.data_ptr(), b.data_ptr()}
     assert extra.data_ptr() not in pooled
     for t in (extra, b):
-        pool.give(t)
-    again = pool.take(5)
+        pool.give_pages(t)
+    again = pool.take_pages(5)
     assert again.data_ptr() == b.data_ptr()  # the pool's pages came back, not fresh ones
-    pool.give(a)
+    pool.give_pages(a)
     assert (
-        host.take(per_buffer).ctypes.data == a.data_ptr()
+        host.take_buffer(per_buffer).ctypes.data == a.data_ptr()
     )  # the client's scratch gets what staging gave back
 
 
@@ -210,14 +210,14 @@ def test_staging_pages_carry_a_gather_and_scatter_bit_exact():
     src, dst = PagedCache(src_layers), PagedCache(dst_layers)
     pool = StagingPool(src, buffers=1, pages=6, pool=HostBuffers())
     ids = [3, 4, 5, 11, 20, 21]
-    pages = pool.take(len(ids))
+    pages = pool.take_pages(len(ids))
     pages.view(torch.int32).fill_(-1)  # whatever the pool held before
     src.gather(ids, pages).wait()
     dst.scatter(pages, ids)
     for s_kv, d_kv in zip(src_layers, dst_layers):
         assert torch.equal(bits(d_kv)[ids], bits(s_kv)[ids])
         assert not bits(d_kv)[[0, 1, 2]].any()  # blocks not named stay untouched
-    pool.give(pages)
+    pool.give_pages(pages)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -141,14 +141,14 @@ def test_without_a_tier_evicted_pages_leave_the_table_and_the_index(valkey, ns):
         parts = await build(valkey.url, ns, None)
         try:
             await parts.put(ns, hashes)
-            held = [h for h in hashes if parts.store.find((ns.digest_hex, h)) is not None]
+            held = [h for h in hashes if parts.store.find_page((ns.digest_hex, h)) is not None]
             assert 0 < len(held) <= POOL // PAGE
             assert held == hashes[-len(held) :]  # the least recently used went
             assert parts.metrics.registry.get_sample_value(
                 "kvstore_evicted_pages_total"
             ) == PAGES - len(held)
             assert parts.store.disk_pages == 0 and all(
-                parts.store.find((ns.digest_hex, h)).offset is not None for h in held
+                parts.store.find_page((ns.digest_hex, h)).offset is not None for h in held
             )
             assert indexed(valkey.url, ns, hashes) == 0  # block 0 left the index with its page
             assert await parts.read(ns, hashes) == {h: page_bytes(ns, h).tobytes() for h in held}
@@ -165,7 +165,7 @@ def test_with_the_disk_tier_evicted_pages_stay_ready_on_disk_and_come_back(valke
         parts = await build(valkey.url, ns, tmp_path)
         try:
             await parts.put(ns, hashes)
-            pages = [parts.store.find((ns.digest_hex, h)) for h in hashes]
+            pages = [parts.store.find_page((ns.digest_hex, h)) for h in hashes]
             assert all(p is not None for p in pages), (
                 "before_evict wrote every victim first: none was dropped"
             )
@@ -202,7 +202,7 @@ def test_a_record_that_fails_its_check_is_a_miss_and_leaves_the_index(valkey, ns
             await parts.put(ns, hashes)
             victim = next(
                 p
-                for p in (parts.store.find((ns.digest_hex, h)) for h in hashes[1:])
+                for p in (parts.store.find_page((ns.digest_hex, h)) for h in hashes[1:])
                 if p is not None and p.offset is None
             )
             assert victim.disk is not None
@@ -215,7 +215,7 @@ def test_a_record_that_fails_its_check_is_a_miss_and_leaves_the_index(valkey, ns
             finally:
                 os.close(fd)
             assert await parts.read(ns, [victim.key[1]]) == {}  # a miss, never wrong bytes
-            assert parts.store.find(victim.key) is None
+            assert parts.store.find_page(victim.key) is None
             assert (
                 parts.metrics.registry.get_sample_value(
                     "kvstore_disk_errors_total", {"kind": "checksum"}

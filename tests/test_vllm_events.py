@@ -312,12 +312,12 @@ def test_an_event_waits_for_every_worker_and_a_failed_rank_withholds_it():
             ModelRunnerOutput(
                 req_ids=[],
                 req_id_to_index={},
-                kv_connector_output=KVConnectorOutput(kv_cache_events=w.take()),
+                kv_connector_output=KVConnectorOutput(kv_cache_events=w.take_outcomes()),
             )
             for w in workers
         ]
         events.reported(aggregator.aggregate(outputs).kv_connector_output.kv_cache_events)
-        return events.take()
+        return events.take_events()
 
     workers[0].report(specs, ok=True)
     assert step() == [] and events.waiting  # one worker of two answered
@@ -327,7 +327,7 @@ def test_an_event_waits_for_every_worker_and_a_failed_rank_withholds_it():
     assert not events.waiting
     assert event.token_ids == PROMPT_A[: 6 * BLOCK] and event.parent_block_hash is None
     assert event.block_hashes == _external(good.block_hashes[:6])
-    taken = stats.take()
+    taken = stats.take_stats()
     assert taken.data["event_blocks"] == 6 and taken.data["events_withheld"] == 1
 
 
@@ -345,10 +345,10 @@ def test_an_event_whose_workers_never_answer_is_given_up(monkeypatch):
     stats = StatsRecorder()
     events = connector_events.StoredEvents(BLOCK, 1, kv_cache_config=None, stats=stats)
     assert events.expect(hashed_request("lost", PROMPT_A), PROMPT_A[: 6 * BLOCK], 6) is not None
-    assert events.take() == [] and events.waiting
+    assert events.take_events() == [] and events.waiting
     monkeypatch.setattr(connector_events, "OUTCOME_WAIT_S", 0.0)
-    assert events.take() == [] and not events.waiting
-    assert stats.take().data["events_withheld"] == 1
+    assert events.take_events() == [] and not events.waiting
+    assert stats.take_stats().data["events_withheld"] == 1
     # a request vLLM has not hashed that far announces nothing
     assert events.expect(hashed_request("short", PROMPT_A[:40]), PROMPT_A[:64], 2) is None
 
@@ -365,6 +365,6 @@ def test_block_hashes_take_the_form_vllm_publishes(monkeypatch, as_ints):
     events = StoredEvents(BLOCK, 1, kv_cache_config=None, stats=StatsRecorder())
     event_id = events.expect(request, PROMPT_C[: 3 * BLOCK], 3)
     events.reported(SaveOutcomes([SaveOutcome(event_id, True)]))
-    (event,) = events.take()
+    (event,) = events.take_events()
     assert event.block_hashes == _external(request.block_hashes[:3])
     assert all(isinstance(h, int if as_ints == "1" else bytes) for h in event.block_hashes)

@@ -131,7 +131,7 @@ class ReplicaFetcher:
             )
         except NodeRefusedError as exc:
             if exc.credentials:
-                refusals.add(exc)
+                refusals.add_refusal(exc)
             else:
                 self._nodes.failed(node.node_id, exc)
             return

@@ -214,15 +214,19 @@ class PageReader:
         self._stats.staged_transfers += 1
         if landing is Landing.UNITS:
             # head groups land in staging and are merged into the rank's pages
-            staging = torch.from_numpy(self._buffers.take(self.units_nbytes(n - start_block)))
+            staging = torch.from_numpy(
+                self._buffers.take_buffer(self.units_nbytes(n - start_block))
+            )
             units, blocks = await self.fetch_units(hashes, result, start_block, staging)
             if blocks:
                 heads.merge(
                     self._ns, units[:, :blocks], out[start_block : start_block + blocks], self._rank
                 )
-            self._buffers.give(staging)  # not when cancelled: a transfer may still be landing in it
+            self._buffers.give_buffer(
+                staging
+            )  # not when cancelled: a transfer may still be landing in it
             return (start_block + blocks) * block_size
-        staging = torch.from_numpy(self._buffers.take((n - start_block) * nbytes))
+        staging = torch.from_numpy(self._buffers.take_buffer((n - start_block) * nbytes))
         ok = await self._fetcher.fetch(
             *unit_requests(self._rank, hashes, result, wanted),
             page_spans(staging.numpy(), n - start_block, nbytes),
@@ -231,7 +235,9 @@ class PageReader:
         if got:
             flat = out.reshape(-1).view(torch.uint8)
             flat[start_block * nbytes : (start_block + got) * nbytes].copy_(staging[: got * nbytes])
-        self._buffers.give(staging)  # not when cancelled: a transfer may still be landing in it
+        self._buffers.give_buffer(
+            staging
+        )  # not when cancelled: a transfer may still be landing in it
         return (start_block + got) * block_size
 
     async def _fetch_into(

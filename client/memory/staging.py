@@ -40,7 +40,7 @@ class HostBuffers:
     keeps what it grew. Any thread may call it (select's tensors return from whichever
     thread drops them). Callers: the client (``reserve`` at start; ``take``/``give``
     for scratch and staging, ``lend`` for select's results), the connection's packing
-    and scratch, the connector's ``StagingPool`` (``reserve``, ``try_take``)."""
+    and scratch, the connector's ``StagingPool`` (``reserve``, ``try_take_buffer``)."""
 
     def __init__(self, growth: float = GROWTH, grow_step: int = GROW_STEP) -> None:
         self._lock = threading.Lock()
@@ -76,14 +76,14 @@ class HostBuffers:
             self.held += grow
         self._new_arena(grow, fault=True)
 
-    def take(self, nbytes: int) -> np.ndarray:
+    def take_buffer(self, nbytes: int) -> np.ndarray:
         """``nbytes`` of host memory (uint8): a pooled block when one fits or the pool
         may grow to hold it, else fresh memory. Give it back with ``give`` once nothing
         can write into it."""
-        block = self.try_take(nbytes)
+        block = self.try_take_buffer(nbytes)
         return np.empty(nbytes, dtype=np.uint8) if block is None else block
 
-    def try_take(self, nbytes: int) -> np.ndarray | None:
+    def try_take_buffer(self, nbytes: int) -> np.ndarray | None:
         """``take``, or None where it would get fresh memory (a caller whose fresh
         memory must be of another kind: pinned staging for a device)."""
         size = -(-max(nbytes, 1) // ALIGN) * ALIGN
@@ -98,7 +98,7 @@ class HostBuffers:
             self.held += grow  # counted now, so that threads growing at once stay under the bound
         return self._new_arena(grow, fault=False, keep=size)[:nbytes]
 
-    def give(self, buf: np.ndarray | torch.Tensor) -> None:
+    def give_buffer(self, buf: np.ndarray | torch.Tensor) -> None:
         """Return a block ``take`` gave (fresh memory is left to the garbage collector).
         Never for a buffer a cancelled transfer may still be landing in."""
         addr = buf.data_ptr() if isinstance(buf, torch.Tensor) else buf.ctypes.data
@@ -107,7 +107,7 @@ class HostBuffers:
     def lend(self, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """A tensor over a block that returns to the pool once the caller has dropped
         it and every view of it (select's key and value)."""
-        block = self.take(nbytes)
+        block = self.take_buffer(nbytes)
         owner = block.view()  # only torch holds this object, so it dies with the last view
         weakref.finalize(owner, self._give_address, owner.ctypes.data)
         return torch.from_numpy(owner).view(dtype).view(shape)

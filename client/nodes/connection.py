@@ -128,12 +128,12 @@ class Connection:
                 borrowed, self._borrowed = self._borrowed, []
                 if settled:  # else left to the garbage collector, out of the pool
                     for buf in borrowed:
-                        host_buffers().give(buf)
+                        host_buffers().give_buffer(buf)
 
     def _borrow(self, nbytes: int) -> np.ndarray:
         """Host memory from the pool for this request (packed runs, scratch), given back
         once no request of the call can touch it (``_guarded``)."""
-        buf = host_buffers().take(nbytes)
+        buf = host_buffers().take_buffer(nbytes)
         self._borrowed.append(buf)
         return buf
 

@@ -28,7 +28,7 @@ class CallRefusals:
         self._verb = verb
         self._refusals: list[NodeRefusedError] = []
 
-    def add(self, exc: NodeRefusedError) -> None:
+    def add_refusal(self, exc: NodeRefusedError) -> None:
         """A node refused this client's token: counted and logged."""
         self._stats.credential_refusals += 1
         self._refusals.append(exc)

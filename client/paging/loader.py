@@ -155,7 +155,7 @@ class PageLoader:
                 )
                 parts = []
             elif landing is Landing.STAGED:
-                pages = staging.take(len(spec.block_ids))
+                pages = staging.take_pages(len(spec.block_ids))
                 got = (
                     client.get_found(spec.found, pages, start_block=spec.start_block)
                     // self._block_size
@@ -170,7 +170,7 @@ class PageLoader:
                     -client.units_nbytes(spec.found.blocks - spec.start_block)
                     // client.namespace.page_nbytes
                 )
-                pages = staging.take(units_pages)
+                pages = staging.take_pages(units_pages)
                 units, blocks = client.get_found_units(
                     spec.found, pages, start_block=spec.start_block
                 )
@@ -200,7 +200,7 @@ class PageLoader:
             got = spec.start_block
         finally:
             for held in ([pages] if pages is not None else []) + taken:
-                staging.give(held)
+                staging.give_pages(held)
         failed = ids_from(spec, max(got, spec.start_block))
         if failed:
             log.warning(
@@ -225,7 +225,7 @@ class PageLoader:
         client, cache, staging = self._client, self._cache, self._staging
         count = spec.found.blocks - spec.start_block
         if client.heads.identity:
-            pages = staging.take(spec.found.blocks)
+            pages = staging.take_pages(spec.found.blocks)
             taken.append(pages)
             got = (
                 client.get_found(spec.found, pages, start_block=spec.start_block)
@@ -234,7 +234,7 @@ class PageLoader:
             parts = [(pages[spec.start_block : got], 0, 0)]
         else:  # head groups: this rank's heads of each layer range, as Landing.UNITS
             units_pages = -(-client.units_nbytes(count) // client.namespace.page_nbytes)
-            pages = staging.take(units_pages)
+            pages = staging.take_pages(units_pages)
             taken.append(pages)
             units, blocks = client.get_found_units(spec.found, pages, start_block=spec.start_block)
             if units is None:  # a fault or the deadline: nothing arrived

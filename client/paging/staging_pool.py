@@ -54,13 +54,13 @@ class StagingPool:
         per_buffer = -(-max(pages, 0) * self._page_nbytes // ALIGN) * ALIGN
         self._pool.reserve(max(buffers, 0) * per_buffer, share=share)
 
-    def take(self, count: int) -> torch.Tensor:
+    def take_pages(self, count: int) -> torch.Tensor:
         """``count`` pages of host memory; rows are uninitialised."""
-        block = self._pool.try_take(count * self._page_nbytes)
+        block = self._pool.try_take_buffer(count * self._page_nbytes)
         if block is None:
             return self.cache.host_pages(count)
         return torch.from_numpy(block).view(self.cache.dtype).view((count, *self.cache.page_shape))
 
-    def give(self, pages: torch.Tensor) -> None:
+    def give_pages(self, pages: torch.Tensor) -> None:
         """Return what ``take`` gave (a fresh allocation is simply dropped)."""
-        self._pool.give(pages)
+        self._pool.give_buffer(pages)

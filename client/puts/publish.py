@@ -184,7 +184,7 @@ class Publisher:
             )
         except NodeRefusedError as exc:
             if exc.credentials:
-                refusals.add(exc)
+                refusals.add_refusal(exc)
                 return None
             if exc.code is not P.RefusalCode.UNKNOWN_NAMESPACE:
                 self._nodes.failed(node.node_id, exc)

@@ -249,7 +249,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     # ---- both sides ----------------------------------------------------------------
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        return self._stats.take()
+        return self._stats.take_stats()
 
     @classmethod
     def build_kv_connector_stats(

@@ -126,7 +126,7 @@ class SaveOutcomeLog:
             with self._lock:
                 self._outcomes.extend(answers)
 
-    def take(self) -> SaveOutcomes | None:
+    def take_outcomes(self) -> SaveOutcomes | None:
         """What was recorded since the last call; None when nothing was."""
         with self._lock:
             if not self._outcomes:
@@ -228,7 +228,7 @@ class StoredEvents:
                 else:
                     self._stats.count(events_withheld=1)
 
-    def take(self) -> list[KVCacheEvent]:
+    def take_events(self) -> list[KVCacheEvent]:
         """The events ready since the last call (the scheduler's ``take_events``),
         after giving up on saves unanswered for ``OUTCOME_WAIT_S``."""
         if self._pending:

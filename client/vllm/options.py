@@ -137,8 +137,9 @@ def connector_options(extra: dict[str, Any]) -> tuple[ConnectorOptions, ClientOp
     # The client's share of the process's one pool holds UCX scratch (a load into the
     # layer-major cache lands each message there first) and packing; staging_bytes is
     # the connector's share on top (client.memory.staging). Measured in
-    # bench/vllm_ttft.py's warm engine over UCX (120 MiB, 96 messages): with no pool every message got fresh memory and the load took
-    # 300-620 ms; with a pool 74-87 ms. A few messages in flight fit in 128 MiB.
+    # bench/vllm_ttft.py's warm engine over UCX (120 MiB, 96 messages): with no pool
+    # every message got fresh memory and the load took 300-620 ms; with a pool 74-87 ms.
+    # A few messages in flight fit in 128 MiB.
     client = {
         "host_buffer_bytes": CONNECTOR_HOST_BUFFER_BYTES,
         **from_env,

@@ -122,7 +122,7 @@ class SaveQueue:
             self._stats.count(save_failures=1)
             log.warning("save of %s failed (a future miss, not an error): %s", spec.req_id, exc)
         finally:
-            staging.give(gathered.pages)
+            staging.give_pages(gathered.pages)
             self._stats.observe("save_seconds", time.perf_counter() - started)
             self.release(nbytes)
             if answers_event:
@@ -130,7 +130,7 @@ class SaveQueue:
 
     def take_outcomes(self) -> SaveOutcomes | None:
         """Outcomes of saves finished since the engine step last asked (its KV events)."""
-        return self.outcomes.take()
+        return self.outcomes.take_outcomes()
 
     def shutdown(self) -> None:
         """Finish the saves in flight (each is bounded by the client's timeout), then stop."""

@@ -110,7 +110,7 @@ class ConnectorScheduler:
         seconds = time.perf_counter() - started
         self._breaker.record(found is not None)
         with self._stats.lock:
-            self._stats.stats.add(
+            self._stats.stats.add_counts(
                 lookups=1,
                 lookup_prompt_tokens=len(tokens),
                 lookup_hit_tokens=found.tokens if found else 0,
@@ -274,7 +274,7 @@ class ConnectorScheduler:
     def take_events(self) -> list[KVCacheEvent]:
         """The ``BlockStored`` events of saves every worker finished since the last call
         (vLLM's scheduler publishes them each step)."""
-        return self._events.take() if self._events is not None else []
+        return self._events.take_events() if self._events is not None else []
 
     def has_pending_events(self) -> bool:
         """Saves whose workers have not all answered: the engine keeps stepping until

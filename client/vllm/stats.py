@@ -85,7 +85,7 @@ class KVStoreConnectorStats(KVConnectorStats):
         data: dict[str, Any] = {name: 0 for name in COUNTERS} | {name: [] for name in HISTOGRAMS}
         self.data = data
 
-    def add(self, **counts: float) -> None:
+    def add_counts(self, **counts: float) -> None:
         for name, value in counts.items():
             self.data[name] = self.data.get(name, 0) + value
 
@@ -181,13 +181,13 @@ class StatsRecorder:
 
     def count(self, **counts: float) -> None:
         with self.lock:
-            self.stats.add(**counts)
+            self.stats.add_counts(**counts)
 
     def observe(self, name: str, seconds: float) -> None:
         with self.lock:
             self.stats.observe(name, seconds)
 
-    def take(self) -> KVStoreConnectorStats | None:
+    def take_stats(self) -> KVStoreConnectorStats | None:
         """What was counted since the last call, or None when nothing was."""
         with self.lock:
             if self.stats.is_empty():

@@ -229,7 +229,7 @@ class ConnectorWorker:
         bytes from the pending saves' count."""
         client, _, staging = self._registered()
         pages = held.wait()  # no copy may still land in pages given back
-        staging.give(pages)
+        staging.give_pages(pages)
         self._saves.release(len(pages) * client.namespace.page_nbytes)
 
     def get_finished(self, meta: Any) -> tuple[set[str] | None, set[str] | None]:
@@ -328,9 +328,9 @@ class ConnectorWorker:
                 self._saves.outcomes.report([spec], ok=False)
                 continue
             started = time.perf_counter()
-            gathered = cache.gather(spec.block_ids, staging.take(len(spec.block_ids)))
+            gathered = cache.gather(spec.block_ids, staging.take_pages(len(spec.block_ids)))
             drafted = (
-                draft.cache.gather(spec.block_ids, draft.staging.take(len(spec.block_ids)))
+                draft.cache.gather(spec.block_ids, draft.staging.take_pages(len(spec.block_ids)))
                 if draft is not None
                 else None
             )
@@ -355,7 +355,7 @@ class ConnectorWorker:
                 return
             if not self._saves.reserve(spec.req_id, pages * client.namespace.page_nbytes):
                 return
-            held = GatherResult(staging.take(pages))
+            held = GatherResult(staging.take_pages(pages))
             self._gathered[spec.req_id] = held
         started = time.perf_counter()
         count = len(spec.group_block_ids[0])

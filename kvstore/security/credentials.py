@@ -1,6 +1,6 @@
 """Data-plane credentials: a token grants read, or read and write, to named tenants.
 
-Storage nodes call ``CredentialFile.find(token)`` on every request and
+Storage nodes call ``CredentialFile.credential_for(token)`` on every request and
 ``Credential.allows`` once the request's namespace is known (its tenant is part of the
 namespace the digest names, read from the index, so a frame cannot claim another
 tenant). Nodes hold only SHA-256 digests of tokens: a leaked credentials file grants
@@ -146,7 +146,7 @@ class CredentialFile:
         """False when no credential is configured (a node started with ``--anonymous``)."""
         return self._file is not None or bool(self._legacy)
 
-    def find(self, token: str) -> Credential | None:
+    def credential_for(self, token: str) -> Credential | None:
         """The credential ``token`` grants, or None. Re-reads the file when it changed."""
         table = self._file.table() if self._file is not None else {}
         if not token:

@@ -191,7 +191,7 @@ class _BodyReader:
         self.body = body
         self.pos = 0
 
-    def take(self, n: int, what: str) -> memoryview:
+    def take_bytes(self, n: int, what: str) -> memoryview:
         if self.pos + n > len(self.body):
             raise ProtocolError(
                 f"truncated {self.model.__name__}: {what} runs past the end of the body"
@@ -201,19 +201,19 @@ class _BodyReader:
 
     def fields(self) -> dict[str, Any]:
         name_ = self.model.__name__
-        (hlen,) = _COUNT.unpack(self.take(_COUNT.size, "header length"))
-        fields = json.loads(bytes(self.take(hlen, "header")))
+        (hlen,) = _COUNT.unpack(self.take_bytes(_COUNT.size, "header length"))
+        fields = json.loads(bytes(self.take_bytes(hlen, "header")))
         if not isinstance(fields, dict):
             raise ProtocolError(f"invalid {name_}: the header is not a JSON object")
         for name, kind in self.model.ARRAYS.items():
             dtype, width = ARRAY_TYPES[kind]
             if name in self.model.OPTIONAL and self.pos == len(self.body):
                 continue  # an older peer's frame ends before it: the field's default
-            (rows,) = _COUNT.unpack(self.take(_COUNT.size, f"{name} count"))
+            (rows,) = _COUNT.unpack(self.take_bytes(_COUNT.size, f"{name} count"))
             limit = self.model.ROWS.get(name, MAX_PAGES_PER_REQUEST)
             if rows > limit:
                 raise ProtocolError(f"invalid {name_}: {name} has {rows} rows, more than {limit}")
-            arr = np.frombuffer(self.take(rows * width, name), dtype=dtype)
+            arr = np.frombuffer(self.take_bytes(rows * width, name), dtype=dtype)
             fields[name] = arr.reshape(rows, HASH_BYTES) if kind == "hash" else arr
         if self.pos != len(self.body):
             raise ProtocolError(

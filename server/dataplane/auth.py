@@ -31,7 +31,7 @@ class Authorizer:
     def identify(self, token: str) -> Credential | None:
         """The credential ``token`` names (None on an anonymous node); ``Unauthorized``
         when the node needs one and none matches."""
-        credential = self.credentials.find(token)
+        credential = self.credentials.credential_for(token)
         if credential is None and self.credentials.enabled:
             self.metrics.errors.labels("auth").inc()
             raise Unauthorized("the data-plane token matches no credential of this node")

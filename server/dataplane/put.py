@@ -110,7 +110,7 @@ class PutHandler:
         width = 4 * per_page
         for i, (h, size) in enumerate(zip(req.hashes, req.ints("sizes"))):
             key = (req.namespace, h.tobytes())
-            current = self.store.find(key)
+            current = self.store.find_page(key)
             if current is not None:
                 (batch.refused if current.state is PageState.EVICTING else batch.present).append(i)
             elif size > slab or size > budget:

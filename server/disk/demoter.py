@@ -183,7 +183,7 @@ class Demoter:
         """Write one pinned page's record; on success the page is clean."""
         offset = None
         try:
-            offset = await self.space.take(page)
+            offset = await self.space.take_offset(page)
             if offset is None or page.state is not PageState.READY or page.offset is None:
                 return
             sequence = self.sequence

@@ -60,7 +60,7 @@ class DiskSpace:
 
     # ---- while serving ------------------------------------------------------------------
 
-    async def take(self, page: StoredPage) -> int | None:
+    async def take_offset(self, page: StoredPage) -> int | None:
         """A disk slot for ``page``, evicting the tenant's own disk pages past its quota,
         then anyone's least recently used; None when none can be had."""
         cls = record_slot(page.size)
