@@ -34,3 +34,21 @@ def test_data_files_the_code_reads_are_package_data():
     data = config["tool"]["setuptools"]["package-data"]
     assert "lua/*.lua" in data["kvstore.index"]  # the index scripts
     assert list((ROOT / "kvstore/index/lua").glob("*.lua"))
+
+
+def test_the_programs_kvstore_starts_are_modules_of_this_project():
+    """kvstore starts the floors above by module name (kvstore.tools.programs): each
+    name must still be a runnable module here, or ``kvstore up`` and the demo break."""
+    import importlib.util
+    import sys
+
+    from kvstore.tools.programs import DEMO_WORKER, STORAGE_NODE
+
+    for program in (STORAGE_NODE, DEMO_WORKER):
+        spec = importlib.util.find_spec(program.module)
+        assert spec is not None and spec.origin is not None, program
+        runnable = spec.submodule_search_locations is None or importlib.util.find_spec(
+            program.module + ".__main__"
+        )
+        assert runnable, f"{program.module} has no __main__"
+        assert program.argv("--x") == [sys.executable, "-m", program.module, "--x"]

@@ -2,7 +2,8 @@
 ``events-key`` and ``acl``.
 
 This module parses the command line and runs one command: ``kvstore server`` execs
-``python -m server`` so this core package never imports the storage node; ``up``
+the storage node's program (``kvstore.tools.programs``: by module name, so this core
+package never imports the storage node); ``up``
 (``cli_up``) and ``demo`` start local processes through ``LocalCluster``; ``stats`` is
 in ``cli_stats``, ``credential``, ``events-key`` and ``acl`` in ``cli_access``."""
 
@@ -17,6 +18,7 @@ from kvstore.tools.cli_access import run_acl, run_credential, run_events_key
 from kvstore.tools.cli_errors import EXIT_FAILED, EXIT_INDEX, EXIT_USAGE
 from kvstore.tools.cli_stats import run_stats
 from kvstore.tools.cli_up import run_up
+from kvstore.tools.programs import STORAGE_NODE
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +52,7 @@ def _fail(argv: list[str], exc: Exception, code: int) -> int:
 
 def _main(argv: list[str]) -> int:
     if argv and argv[0] == "server":
-        os.execv(sys.executable, [sys.executable, "-m", "server", *argv[1:]])
+        os.execv(sys.executable, STORAGE_NODE.argv(*argv[1:]))
     parser = argparse.ArgumentParser(
         prog="kvstore", description="Storage-tier KV cache for LLM inference"
     )

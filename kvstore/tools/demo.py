@@ -17,19 +17,11 @@ from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no types; ty
 
 from kvstore.settings.sizes import format_size
 from kvstore.tools.launcher import LocalCluster
+from kvstore.tools.programs import DEMO_WORKER
 
 
 def _worker(role: str, redis_url: str, tokens: str) -> dict:
-    args = [
-        sys.executable,
-        "-m",
-        "client.demo_worker",
-        role,
-        "--redis-url",
-        redis_url,
-        "--tokens",
-        tokens,
-    ]
+    args = DEMO_WORKER.argv(role, "--redis-url", redis_url, "--tokens", tokens)
     proc = subprocess.run(
         args,
         capture_output=True,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from kvstore.errors import KVStoreError
 from kvstore.index import PageIndex
 from kvstore.index.urls import split_password
 from kvstore.tools.procutil import die_with_parent
+from kvstore.tools.programs import STORAGE_NODE, Program
 from kvstore.tools.valkey import EmbeddedValkey, EmbeddedValkeyCluster
 
 
@@ -71,10 +71,12 @@ class LocalCluster:
         disk_path: str | None = None,
         disk_capacity: str | None = None,
         progress: Callable[[str], None] | None = None,
+        node_program: Program = STORAGE_NODE,
     ) -> None:
         self.num_servers = servers
         # `kvstore up` prints each step of a start
         self._progress = progress or (lambda _line: None)
+        self.node_program = node_program  # what each node runs (kvstore.tools.programs)
         self.disk_path = disk_path  # each node's disk tier is <disk_path>/<node id>
         self.disk_capacity = disk_capacity
         self.index_shards = index_shards
@@ -122,10 +124,7 @@ class LocalCluster:
 
     def add_node(self, node_id: str, extra_args: list[str] | None = None) -> NodeProcess:
         """Start one more storage node (it registers itself; see ``wait_registered``)."""
-        args = [
-            sys.executable,
-            "-m",
-            "server",
+        args = self.node_program.argv(
             "--redis-url",
             self.redis_url,
             "--capacity",
@@ -145,7 +144,7 @@ class LocalCluster:
             *self.disk_args(node_id),
             *self.extra_args,
             *(extra_args or []),
-        ]
+        )
         log_path = None
         out = None
         if self.log_dir is not None:
