@@ -176,7 +176,15 @@ class ConnectorHarness:
 
     # ---- requests --------------------------------------------------------------------
 
-    def add(self, req_id: str, prompt: list[int], max_tokens: int = 8, **transfer) -> None:
+    def add(
+        self,
+        req_id: str,
+        prompt: list[int],
+        max_tokens: int = 8,
+        *,
+        cache_salt: str | None = None,
+        **transfer,
+    ) -> None:
         """Queue a request (``transfer``: its ``kv_transfer_params``)."""
         params = SamplingParams(
             temperature=0,
@@ -184,7 +192,9 @@ class ConnectorHarness:
             ignore_eos=True,
             extra_args={"kv_transfer_params": transfer} if transfer else None,
         )
-        request = Request(req_id, list(prompt), params, None, block_hasher=self._hasher)
+        request = Request(
+            req_id, list(prompt), params, None, cache_salt=cache_salt, block_hasher=self._hasher
+        )
         self.scheduler.add_request(request)
         self._running[req_id] = _Running(list(prompt), len(prompt), request)
 

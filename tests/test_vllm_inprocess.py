@@ -233,3 +233,23 @@ def test_a_hung_index_makes_misses_within_the_lookup_budget(model_dir, baseline)
     assert metrics["lookup_faults"] == 2 and metrics["lookups_skipped"] == 2, metrics
     assert len(metrics["lookup_seconds"]) == 2 and max(metrics["lookup_seconds"]) < 0.25, metrics
     assert seconds < 2.0
+
+
+def test_a_salted_prompt_reads_only_the_pages_saved_under_its_salt(model_dir, cluster):
+    """vLLM's cache_salt is part of a page's identity: the same tokens under another
+    salt, or none, are a miss; under the same salt, a hit."""
+    with ConnectorHarness(model_dir, cluster.redis_url, role="kv_producer") as producer:
+        producer.add("a", PROMPT_A, cache_salt="alice")
+        producer.run()
+    wait_for(lambda: stored_pages(cluster) == 6, 5, "the node to report its pages")
+    with ConnectorHarness(model_dir, cluster.redis_url, role="kv_consumer") as consumer:
+        consumer.add("bob", PROMPT_A, cache_salt="bob")
+        consumer.add("none", PROMPT_A)
+        consumer.add("alice", PROMPT_A, cache_salt="alice")
+        out = consumer.run()
+    assert {k: r.num_cached_tokens for k, r in out.items()} == {
+        "bob": 0,
+        "none": 0,
+        "alice": 6 * BLOCK,
+    }
+    assert out["alice"].tokens == out["none"].tokens == out["bob"].tokens
