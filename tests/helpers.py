@@ -21,6 +21,7 @@ import weakref
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from client.codec import pages_into_kv
@@ -313,3 +314,8 @@ class RouterKeys:
     def client(self, sock) -> None:
         """Make a SUB or DEALER socket (before it connects) authenticate as the router."""
         curve_client(sock, self.node_public, self.router_secret)
+
+
+# A test of storage nodes on a single Valkey and on a 3-shard Valkey cluster (the
+# ``index_shards`` fixture of tests/conftest.py).
+ON_BOTH_INDEXES = pytest.mark.parametrize("index_shards", [1, 3], ids=["valkey", "cluster3"])
