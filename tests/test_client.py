@@ -569,9 +569,11 @@ def test_get_found_into_writes_pages_straight_into_a_strided_cache(
     block_ids = [17, 3, 6, 7, 8, 9]  # those fetched are consecutive: one message can land in place
     assert all(bool(s.pieces) != block_major for s in cache.block_spans(block_ids))
     scratch = []
-    take = HostBuffers.take
+    take = HostBuffers.take_buffer
     monkeypatch.setattr(
-        HostBuffers, "take", lambda self, nbytes: scratch.append(nbytes) or take(self, nbytes)
+        HostBuffers,
+        "take_buffer",
+        lambda self, nbytes: scratch.append(nbytes) or take(self, nbytes),
     )
     with KVCacheClient(cluster.redis_url, ns, same_host=same_host) as client:
         assert client.put_pages(tokens, pages).stored == n
