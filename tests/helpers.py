@@ -12,6 +12,7 @@ import multiprocessing
 import multiprocessing.context
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +20,7 @@ import time
 import urllib.request
 import weakref
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -29,6 +31,8 @@ from kvstore import Namespace, block_hashes
 from kvstore.events.access import curve_client
 from kvstore.index import PageIndex
 from kvstore.security.routers import new_key_files
+from kvstore.tools.launcher import LocalCluster
+from kvstore.wire import protocol
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -319,3 +323,26 @@ class RouterKeys:
 # A test of storage nodes on a single Valkey and on a 3-shard Valkey cluster (the
 # ``index_shards`` fixture of tests/conftest.py).
 ON_BOTH_INDEXES = pytest.mark.parametrize("index_shards", [1, 3], ids=["valkey", "cluster3"])
+
+
+def no_tracebacks(cluster: LocalCluster) -> None:
+    """No traceback through this project's code in any node's log."""
+    for node in cluster.nodes:
+        assert not re.search(r'File "[^"]*/(?:server|kvstore|client)/', node.log()), node.log()[
+            -3000:
+        ]
+
+
+def unix_reply(sock: socket.socket) -> Any:
+    head = sock.recv(protocol.PREAMBLE.size, socket.MSG_WAITALL)
+    if len(head) < protocol.PREAMBLE.size:
+        raise ConnectionError(f"the node closed the socket ({len(head)} bytes of a reply)")
+    return protocol.decode(head + sock.recv(protocol.announced_length(head), socket.MSG_WAITALL))
+
+
+def shm_path(cluster: LocalCluster) -> str:
+    index = PageIndex(cluster.redis_url)
+    try:
+        return index.live_nodes()[0].extra["shm"]
+    finally:
+        index.close()
