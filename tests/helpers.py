@@ -346,3 +346,57 @@ def shm_path(cluster: LocalCluster) -> str:
         return index.live_nodes()[0].extra["shm"]
     finally:
         index.close()
+
+
+# The kvstore command as a test runs it, and its environment without a token (the
+# tests hand every process the credentials they mean it to have).
+KVSTORE_CLI = [sys.executable, "-m", "kvstore.tools.cli"]
+
+
+def cli_env() -> dict[str, str]:
+    env = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONPATH": str(ROOT)}
+    for name in ("KVSTORE_AUTH_TOKEN", "KVSTORE_AUTH_TOKEN_FILE", "KVSTORE_CREDENTIALS_FILE"):
+        env.pop(name, None)
+    return env
+
+
+def make_credentials(
+    tmp_path: Path, *specs: tuple[str, str, list[str]]
+) -> tuple[Path, dict[str, Path]]:
+    """A credentials file with one line per ``(name, rights, tenants)``, each made by
+    ``kvstore credential`` (a real process); returns it and each name's token file."""
+    lines, tokens = [], {}
+    for name, rights, tenants in specs:
+        token_file = tmp_path / f"{name}.token"
+        tenant_args = [a for t in tenants for a in ("--tenant", t)]
+        out = subprocess.run(
+            [
+                *KVSTORE_CLI,
+                "credential",
+                "--name",
+                name,
+                "--rights",
+                rights,
+                *tenant_args,
+                "--token-file",
+                str(token_file),
+            ],
+            env=cli_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        token = token_file.read_text().strip()
+        assert len(token) >= 40 and token not in out.stdout + out.stderr
+        assert oct(token_file.stat().st_mode & 0o777) == "0o600"
+        lines.append(out.stdout.strip())
+        tokens[name] = token_file
+    path = tmp_path / "credentials"
+    path.write_text("\n".join(lines) + "\n")
+    return path, tokens
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, flat."""
+    return t.contiguous().view(-1).view(torch.uint8)

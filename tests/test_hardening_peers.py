@@ -17,6 +17,7 @@ from kvstore.tools.launcher import LocalCluster
 from kvstore.wire import protocol as P
 from tests.helpers import (
     ROOT,
+    make_credentials,
     metrics,
     namespace_for_page_size,
     pages_for,
@@ -26,7 +27,6 @@ from tests.helpers import (
     unix_reply,
     wait_for,
 )
-from tests.test_security import make_credentials
 
 ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONPATH": str(ROOT)}
 for _name in ("KVSTORE_AUTH_TOKEN", "KVSTORE_AUTH_TOKEN_FILE"):

@@ -17,8 +17,7 @@ from kvstore import block_hashes
 from kvstore.index import PageIndex
 from kvstore.pages.identity import RequestIdentity
 from kvstore.tools.launcher import LocalCluster
-from tests.helpers import namespace_for_page_size, pages_for
-from tests.test_security import make_credentials
+from tests.helpers import make_credentials, namespace_for_page_size, pages_for
 
 
 def metrics_address(cluster, node_id: str = "node-0") -> str:

@@ -21,8 +21,8 @@ from kvstore.index import PageIndex
 from kvstore.settings.client import client_options, client_options_from_env
 from kvstore.settings.config import ServerSettings
 from kvstore.tools.valkey import EmbeddedValkey
-from tests.helpers import ROOT, namespace_for_page_size, pages_for
-from tests.test_security import as_bytes, cmdline
+from tests.helpers import ROOT, as_bytes, namespace_for_page_size, pages_for
+from tests.test_security import cmdline
 
 KVSTORE = [sys.executable, "-m", "kvstore.tools.cli"]
 ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONPATH": str(ROOT)}

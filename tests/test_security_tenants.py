@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import redis
@@ -18,54 +17,20 @@ import torch
 from client import KVCacheClient
 from kvstore.index import PageIndex
 from kvstore.tools.valkey import EmbeddedValkey
-from tests.helpers import ROOT, namespace_for_page_size, pages_for, wait_for
+from tests.helpers import (
+    ROOT,
+    as_bytes,
+    make_credentials,
+    namespace_for_page_size,
+    pages_for,
+    wait_for,
+)
 from tests.test_security import make_ns
 
 KVSTORE = [sys.executable, "-m", "kvstore.tools.cli"]
 ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONPATH": str(ROOT)}
 ENV.pop("KVSTORE_AUTH_TOKEN", None)
 ENV.pop("KVSTORE_AUTH_TOKEN_FILE", None)
-
-
-def make_credentials(
-    tmp_path: Path, *specs: tuple[str, str, list[str]]
-) -> tuple[Path, dict[str, Path]]:
-    """A credentials file with one line per ``(name, rights, tenants)``, each made by
-    ``kvstore credential`` (a real process); returns it and each name's token file."""
-    lines, tokens = [], {}
-    for name, rights, tenants in specs:
-        token_file = tmp_path / f"{name}.token"
-        tenant_args = [a for t in tenants for a in ("--tenant", t)]
-        out = subprocess.run(
-            [
-                *KVSTORE,
-                "credential",
-                "--name",
-                name,
-                "--rights",
-                rights,
-                *tenant_args,
-                "--token-file",
-                str(token_file),
-            ],
-            env=ENV,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        )
-        token = token_file.read_text().strip()
-        assert len(token) >= 40 and token not in out.stdout + out.stderr
-        assert oct(token_file.stat().st_mode & 0o777) == "0o600"
-        lines.append(out.stdout.strip())
-        tokens[name] = token_file
-    path = tmp_path / "credentials"
-    path.write_text("\n".join(lines) + "\n")
-    return path, tokens
-
-
-def as_bytes(t):
-    return t.contiguous().view(-1).view(torch.uint8)
 
 
 @pytest.mark.process

@@ -53,7 +53,7 @@ import json, sys, time, torch
 sys.path.insert(0, sys.argv[2])
 from client import KVCacheClient
 from kvstore import Namespace
-from tests.test_server import cpu_seconds, thread_wakeups
+from tests.test_server_process import cpu_seconds, thread_wakeups
 small = Namespace(model="idle", dtype="float32", num_layers=1, num_kv_heads=1, head_size=64, block_size=16)
 large = Namespace(model="idle-large", dtype="float16", num_layers=8, num_kv_heads=8, head_size=128, block_size=64)  # 2 MiB pages
 for ns, n in ((small, 2), (large, 8)):  # large runs spin the loop's UCX progress while they move (kvstore.wire.loop_progress)
@@ -102,7 +102,7 @@ import numpy as np
 sys.path.insert(0, sys.argv[1])
 from kvstore.wire import loop_progress
 from kvstore.wire.transport import connect, ensure_ucx, listen
-from tests.test_server import cpu_seconds
+from tests.test_server_process import cpu_seconds
 
 async def main():
     ucxx = ensure_ucx("loop")
