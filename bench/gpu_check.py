@@ -11,7 +11,7 @@ verdict: bench/gpu_wheels.txt), carry .whl/, and build kvstore.pages' C modules 
     python bench/gpu_check.py --wheels .whl --quick; cp bench/gpu_check.txt "$OUT"/
 
 1. Same-host loads into device memory: ``get_pages`` into a CUDA tensor (pages copied by
-   DMA from the node's registered memory, checked on the device: client/gets/device_pages.py),
+   DMA from the node's registered memory, checked on the device: client/memory/device_pages.py),
    the connector's own load path (``PageLoader``) into vLLM 0.32's views over the two
    byte orders that matter (LBNHC, FlashAttention's default; BLHNC, a block of every
    layer contiguous), and the staged path as it was (CPU copy and hash into pinned
@@ -860,7 +860,7 @@ def section_breakdown(report: Report, dev: Dev, cluster: Any, args: argparse.Nam
     if not dev.cuda:
         report("  skipped: needs a GPU")
         return
-    from client.gets.device_pages import CHECK_BATCH, CudaCopier
+    from client.memory.device_pages import CHECK_BATCH, CudaCopier
     from client.nodes.shm_connection import ShmConnection
     from kvstore.pages import device_checksum
 

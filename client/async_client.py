@@ -31,13 +31,13 @@ from typing import Any
 import torch
 
 from client.codec import check_pages
-from client.gets.device_pages import DeviceCopier, default_copier
 from client.gets.fetch import ReplicaFetcher
 from client.gets.landing import TransferMode, lands_in_place
 from client.gets.reads import PageReader
 from client.lookups.prefix import Identity, PrefixLookup, StoredPrefix
 from client.lookups.registration import NamespaceRegistration
 from client.memory.buffers import Span
+from client.memory.device_pages import DeviceCopier, default_copier
 from client.memory.staging import host_buffers
 from client.nodes.directory import NodeDirectory
 from client.puts.publish import Publisher, PublishReport
@@ -106,7 +106,7 @@ class AsyncKVCacheClient:
         self.replicas = opts.replicas
         self.timeout = opts.timeout
         self.stats = ClientStats()
-        # lands gets into device memory (client.gets.device_pages): CUDA's copier where a GPU
+        # lands gets into device memory (client.memory.device_pages): CUDA's copier where a GPU
         # is, else none; ``device`` builds it (a test passes HostCopier)
         self.device = device(self.stats)
         self.index = AsyncPageIndex(

@@ -27,7 +27,7 @@ class ClientStats:
     # requests that moved pages through shared memory (kvstore.wire.shm)
     same_host_transfers: int = 0
     # requests whose pages were copied from a node's memory straight into device memory
-    # (client.gets.device_pages: DMA from registered mappings, checked on the device)
+    # (client.memory.device_pages: DMA from registered mappings, checked on the device)
     device_transfers: int = 0
     # node slabs registered with CUDA for those copies, and registrations that failed
     # (pages of such a slab are copied at pageable speed; logged once)

@@ -1,4 +1,4 @@
-"""Gets into device memory (client/gets/device_pages.py) against real storage nodes: pages copied
+"""Gets into device memory (client/memory/device_pages.py) against real storage nodes: pages copied
 from the node's memory into device rows and checked there, over shared memory and over
 UCX, into ``get_pages`` and the vLLM connector's ``PageLoader``; a page overwritten in the
 node's memory while a load is under way is a miss and its blocks are recomputed, never
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from client import KVCacheClient
-from client.gets.device_pages import CudaCopier, DeviceCopier, DeviceSpan, HostCopier
 from client.memory.buffers import Span
+from client.memory.device_pages import CudaCopier, DeviceCopier, DeviceSpan, HostCopier
 from client.paging.loader import PageLoader
 from client.paging.paged_cache import PagedCache
 from client.paging.staging_pool import StagingPool
@@ -225,7 +225,7 @@ def test_device_gets_refuse_what_they_cannot_do(cluster, request):
 def test_copies_of_pages_that_touch_are_merged():
     """Pages that lie back to back in a slab and in their rows travel as one copy (one
     DMA on a GPU: measured, 128 separate 2 MiB copies reached 0.93x of one)."""
-    from client.gets.device_pages import _merged
+    from client.memory.device_pages import _merged
 
     slab = np.arange(64, dtype=np.uint8)
     rows = torch.zeros(64, dtype=torch.uint8)
@@ -242,8 +242,8 @@ def test_copies_of_pages_that_touch_are_merged():
 def test_checks_are_queued_in_batches_with_a_small_last_one():
     """A get's checks follow its copies in batches of about 32 MiB; the last batch, what
     the get waits for once its copies are done, is at most 8 MiB or one page."""
-    from client.gets.device_pages import check_batches
     from client.memory.buffers import block_runs
+    from client.memory.device_pages import check_batches
 
     MiB = 1 << 20
     assert [len(b) for b in check_batches([2 * MiB] * 64)] == [16, 16, 16, 12, 4]
@@ -280,7 +280,7 @@ def test_a_failed_registration_is_counted_every_time_and_logged_once(caplog):
     slabs = [np.zeros(4096, dtype=np.uint8) for _ in range(3)]
     runtime = _RefusingRuntime({slabs[1].ctypes.data, slabs[2].ctypes.data})
     copier._cudart = runtime
-    with caplog.at_level("WARNING", logger="client.gets.device_pages"):
+    with caplog.at_level("WARNING", logger="client.memory.device_pages"):
         assert copier.register(slabs[0], writable=False) == slabs[0].ctypes.data
         assert copier.register(slabs[1], writable=False) is None
         assert copier.register(slabs[2], writable=True) is None

@@ -10,8 +10,8 @@ from collections import defaultdict
 
 import numpy as np
 
-from client.gets.device_pages import DeviceSpan
 from client.memory.buffers import Span
+from client.memory.device_pages import DeviceSpan
 from client.nodes.calls import NodeRefusedError
 from client.nodes.credentials import CallRefusals
 from client.nodes.directory import NodeDirectory

@@ -9,7 +9,7 @@ both the client's gets (``client.gets.reads``) and the vLLM worker's loads
   cannot be viewed, or ``transfer_mode='staged'``).
 - ``DEVICE``: every page is copied straight into device memory (from a node's
   registered memory on the same host, from pinned host memory over UCX) and checked
-  there against its checksum (``client.gets.device_pages``).
+  there against its checksum (``client.memory.device_pages``).
 - ``UNITS``: a page of this rank is not one stored unit (it spans several head or
   layer groups, or part of one: ``kvstore.pages.heads``): the units are received into
   a buffer and the rank's heads are taken out of them."""
@@ -65,7 +65,7 @@ def lands_in_place(device_type: str, transfer_mode: TransferMode) -> bool:
     if transfer_mode == "direct":
         raise InvalidInputError(
             f"transfer_mode='direct' into {device_type} memory needs a device copier that checks "
-            "pages there (CUDA with Triton: client.gets.device_pages); use 'auto' or 'staged' "
+            "pages there (CUDA with Triton: client.memory.device_pages); use 'auto' or 'staged' "
             "(pinned host memory, checked, then one copy to the device)"
         )
     return False

@@ -8,11 +8,11 @@ from typing import Any
 import torch
 
 from client.codec import check_pages
-from client.gets.device_pages import DeviceCopier, DeviceSpan, device_spans
 from client.gets.fetch import ReplicaFetcher, leading, unit_requests, whole_blocks
 from client.gets.landing import Landing, TransferMode, choose_landing, lands_in_place
 from client.lookups.prefix import Identity, PrefixLookup, StoredPrefix
 from client.memory.buffers import Span, host_bytes, page_spans
+from client.memory.device_pages import DeviceCopier, DeviceSpan, device_spans
 from client.memory.staging import HostBuffers
 from client.stats import ClientStats
 from kvstore.errors import InvalidInputError
@@ -53,7 +53,7 @@ class PageReader:
 
     def lands_on_device(self, memory: torch.device) -> bool:
         """Whether whole pages of this rank can land straight in ``memory`` (device memory
-        the client's copier reaches: ``client.gets.device_pages``), checked there; False for
+        the client's copier reaches: ``client.memory.device_pages``), checked there; False for
         host memory unless the copier's "device" is the host, and with
         ``transfer_mode='staged'``."""
         device = self._device

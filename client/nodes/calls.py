@@ -125,7 +125,7 @@ def get_request(
     namespace: NamespaceKey, token: str, hashes: list[bytes], sinks: Sequence[Any], probe: bool
 ) -> P.GetRequest:
     """The GET of ``hashes`` into ``sinks``: host spans say which pages may travel in
-    one message (``join_flags``); device spans (client.gets.device_pages) never do."""
+    one message (``join_flags``); device spans (client.memory.device_pages) never do."""
     host = not sinks or isinstance(sinks[0], Span)  # one kind per get
     return P.GetRequest(
         namespace=namespace.digest,

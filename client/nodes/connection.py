@@ -21,8 +21,8 @@ from typing import Any, cast
 
 import numpy as np
 
-from client.gets.device_pages import DeviceCopier, DeviceSpan
 from client.memory.buffers import Span, adjacent, joined, split_spans
+from client.memory.device_pages import DeviceCopier, DeviceSpan
 from client.memory.staging import host_buffers
 from client.nodes.calls import (
     Checksums,
@@ -51,7 +51,7 @@ class Connection:
     def __init__(self, node: NodeInfo, token: str, device: DeviceCopier | None = None) -> None:
         self.node = node
         self.token = token
-        self.device = device  # lands pages in device memory (client.gets.device_pages)
+        self.device = device  # lands pages in device memory (client.memory.device_pages)
         self._lock = asyncio.Lock()
         self.broken = False
         self._borrowed: list[np.ndarray] = []  # pool blocks of the request in flight (``_borrow``)

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from client.gets.device_pages import DeviceCopier
 from client.memory.buffers import Span
+from client.memory.device_pages import DeviceCopier
 from client.nodes.calls import ClosedBeforeUseError, NodeRefusedError, SameHostUnavailableError
 from client.nodes.connection import NodeConnection
 from client.nodes.placement import rank_nodes
@@ -60,7 +60,7 @@ class NodeDirectory:
         self.index = index
         self.stats = stats
         self.ucxx: Any = None
-        # lands gets into device memory (client.gets.device_pages); every connection has it
+        # lands gets into device memory (client.memory.device_pages); every connection has it
         self.device = device
         self.same_host = same_host
         self._token = token

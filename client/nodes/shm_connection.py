@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from client.gets.device_pages import DeviceCopier, DeviceSpan
 from client.memory.buffers import Span
+from client.memory.device_pages import DeviceCopier, DeviceSpan
 from client.nodes.calls import (
     Checksums,
     GetOutcome,
@@ -184,7 +184,7 @@ class ShmConnection(Connection):
     ) -> GetOutcome:
         """A get into device memory straight from the node's slots: each page is copied
         by DMA from the slab's mapping (registered with the device once) into its sink
-        and checked on the device against the index's checksum (client.gets.device_pages);
+        and checked on the device against the index's checksum (client.memory.device_pages);
         the node is told it may unpin once every copy and check has finished."""
         device = self._device_copier()
         slots = await self._slots(namespace, hashes, sinks, False)

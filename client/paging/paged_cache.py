@@ -16,7 +16,7 @@ gather 42 ms vs 62 ms with ``index_select``. Fragmented lists (more runs than
 
 On a GPU every copy is a kernel the calling thread launches, so the copies are indexed,
 one per layer, whatever the runs. ``scatter`` takes pages already in device memory (the
-connector's loads land there: ``client.gets.device_pages``) or copies host pages over in
+connector's loads land there: ``client.memory.device_pages``) or copies host pages over in
 one copy first; ``gather`` copies the blocks into a device scratch on the current
 stream (before any later work can reuse them) and the scratch to the host on a stream
 of its own, on the copy engines, beside the next steps (``GatherResult.ready`` is the

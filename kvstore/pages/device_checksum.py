@@ -1,7 +1,7 @@
 """Page checksums computed on the GPU: the same 64-bit xxh3 as ``kvstore.pages.checksum``
 (xxhash's ``xxh3_64``, seed 0), over pages that already lie in device memory.
 
-Who calls it: the client's device loads (``client.gets.device_pages``). Pages are copied from
+Who calls it: the client's device loads (``client.memory.device_pages``). Pages are copied from
 a node's registered memory into device memory by DMA, with no CPU copy and no CPU hash;
 this checks the bytes that landed against the index's checksum, so "never wrong KV"
 holds off the copy path: a page evicted, overwritten or scribbled on while it was being
