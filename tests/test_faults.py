@@ -264,7 +264,10 @@ def test_pages_evicted_while_the_index_was_unreachable_stop_matching(clusters):
 
 
 def test_a_second_node_with_a_live_node_id_is_refused(clusters):
-    cluster = clusters()
+    # a 1.5 s TTL (heartbeats every 0.5 s): a second process with a live id is refused
+    # once it waited two TTLs for a restarted predecessor's entry to expire (3 s, not 10)
+    ttl = ["--node-ttl", "1.5", "--heartbeat-interval", "0.5"]
+    cluster = clusters(extra=ttl)
     before = {n.node_id: n.address for n in PageIndex(cluster.redis_url).live_nodes()}
     dup = cluster.add_node("node-0")
     assert dup.process.wait(60) == 1
