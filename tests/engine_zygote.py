@@ -49,9 +49,8 @@ def child(conn: socket.socket, request: dict) -> int:
     """In the forked child: become the engine process the request describes and run it;
     returns the exit status, which the caller exits with (the interpreter then finishes
     as an engine's own process would, and its last exit handler reports the status)."""
-    signal.signal(
-        signal.SIGCHLD, signal.SIG_DFL
-    )  # the zygote ignores it: subprocess waits would fail
+    # the zygote ignores SIGCHLD, which the child inherits: its subprocess waits would fail
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     os.setpgid(0, 0)  # a timed-out run is killed with its workers
     conn.sendall(f"{os.getpid()}\n".encode())
     status = [1]

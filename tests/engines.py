@@ -55,10 +55,16 @@ class _Zygote:
             cwd=str(ROOT),
         )
         assert self._proc.stdout is not None
-        line = self._proc.stdout.readline()
-        if line.strip() != b"ready":
+        said = []
+        for line in self._proc.stdout:  # whatever the imports print comes first
+            if line.strip() == b"ready":
+                break
+            said.append(line)
+        else:
             self._proc.kill()
-            raise RuntimeError(f"the engine zygote did not start (it said {line!r})")
+            raise RuntimeError(
+                f"the engine zygote did not start (it said {b''.join(said)[-2000:]!r})"
+            )
         atexit.register(self.stop)
 
     def stop(self) -> None:
