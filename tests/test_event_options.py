@@ -5,7 +5,6 @@ gets token ids by default."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -16,12 +15,11 @@ from kvstore.events import tenant_prefix
 from kvstore.events.access import CurveKeys, EventAccess
 from kvstore.security.routers import load_key_pair, new_key_files, parse_router_keys, router_keys
 from kvstore.tools.procutil import free_port
-from tests.helpers import ROOT
-from tests.test_event_security import KVSTORE, make_credentials
+from tests.helpers import KVSTORE_CLI as KVSTORE
+from tests.helpers import cli_env
+from tests.test_event_security import make_credentials
 
-ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONPATH": str(ROOT)}
-for name in ("KVSTORE_AUTH_TOKEN", "KVSTORE_AUTH_TOKEN_FILE", "KVSTORE_CREDENTIALS_FILE"):
-    ENV.pop(name, None)
+ENV = cli_env()  # no token: each test hands its processes the one it means
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,12 +22,10 @@ from kvstore.events.access import curve_client
 from kvstore.security.routers import new_key_files
 from kvstore.tools.launcher import LocalCluster
 from kvstore.tools.procutil import free_port
-from tests.helpers import ROOT, metrics, namespace_for_page_size, pages_for, wait_for
+from tests.helpers import KVSTORE_CLI as KVSTORE
+from tests.helpers import cli_env, metrics, namespace_for_page_size, pages_for, wait_for
 
-KVSTORE = [sys.executable, "-m", "kvstore.tools.cli"]
-ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONPATH": str(ROOT)}
-for name in ("KVSTORE_AUTH_TOKEN", "KVSTORE_AUTH_TOKEN_FILE", "KVSTORE_CREDENTIALS_FILE"):
-    ENV.pop(name, None)
+ENV = cli_env()  # no token: each test hands its processes the one it means
 STORE = "node-0"
 
 

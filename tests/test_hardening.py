@@ -28,7 +28,7 @@ from kvstore.tools.launcher import LocalCluster
 from kvstore.tools.valkey import EmbeddedValkey
 from kvstore.wire import protocol as P
 from tests.helpers import (
-    ROOT,
+    cli_env,
     make_credentials,
     metrics,
     namespace_for_page_size,
@@ -39,9 +39,7 @@ from tests.helpers import (
     wait_for,
 )
 
-ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONPATH": str(ROOT)}
-for _name in ("KVSTORE_AUTH_TOKEN", "KVSTORE_AUTH_TOKEN_FILE"):
-    ENV.pop(_name, None)
+ENV = cli_env()  # no token: each test hands its processes the one it means
 
 
 def open_descriptors(pid: int) -> int:

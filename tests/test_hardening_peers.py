@@ -3,7 +3,6 @@ handshake, and a flood of one kind of log line hiding no other."""
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from kvstore.index import PageIndex
 from kvstore.tools.launcher import LocalCluster
 from kvstore.wire import protocol as P
 from tests.helpers import (
-    ROOT,
+    cli_env,
     make_credentials,
     metrics,
     namespace_for_page_size,
@@ -28,9 +27,7 @@ from tests.helpers import (
     wait_for,
 )
 
-ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONPATH": str(ROOT)}
-for _name in ("KVSTORE_AUTH_TOKEN", "KVSTORE_AUTH_TOKEN_FILE"):
-    ENV.pop(_name, None)
+ENV = cli_env()  # no token: each test hands its processes the one it means
 
 
 @pytest.mark.process

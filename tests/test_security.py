@@ -5,7 +5,6 @@ tenants writing or reading each other's pages."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -21,12 +20,10 @@ from kvstore.index import PageIndex
 from kvstore.index.routing import redact_url
 from kvstore.tools.procutil import free_port
 from kvstore.tools.valkey import EmbeddedValkey
-from tests.helpers import ROOT, namespace_for_page_size, pages_for, wait_for
+from tests.helpers import KVSTORE_CLI as KVSTORE
+from tests.helpers import cli_env, namespace_for_page_size, pages_for, wait_for
 
-KVSTORE = [sys.executable, "-m", "kvstore.tools.cli"]
-ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONPATH": str(ROOT)}
-ENV.pop("KVSTORE_AUTH_TOKEN", None)
-ENV.pop("KVSTORE_AUTH_TOKEN_FILE", None)
+ENV = cli_env()  # no token: each test hands its processes the one it means
 
 
 def make_ns(tenant: str):

@@ -17,9 +17,11 @@ import torch
 from client import KVCacheClient
 from kvstore.index import PageIndex
 from kvstore.tools.valkey import EmbeddedValkey
+from tests.helpers import KVSTORE_CLI as KVSTORE
 from tests.helpers import (
     ROOT,
     as_bytes,
+    cli_env,
     make_credentials,
     namespace_for_page_size,
     pages_for,
@@ -27,10 +29,7 @@ from tests.helpers import (
 )
 from tests.test_security import make_ns
 
-KVSTORE = [sys.executable, "-m", "kvstore.tools.cli"]
-ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONPATH": str(ROOT)}
-ENV.pop("KVSTORE_AUTH_TOKEN", None)
-ENV.pop("KVSTORE_AUTH_TOKEN_FILE", None)
+ENV = cli_env()  # no token: each test hands its processes the one it means
 
 
 @pytest.mark.process
