@@ -46,10 +46,13 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from client.vllm.connector import KVStoreConnector
+from tests.tiny_models import TINY_LLAMA, write_tiny_llama_config
 
 BLOCK = 32
-VOCAB = 512
-LAYERS, KV_HEADS, HEAD = 2, 2, 32  # tests/vllm_engine.py's tiny Llama
+VOCAB = TINY_LLAMA["vocab_size"]
+LAYERS, KV_HEADS, HEAD = (
+    TINY_LLAMA[k] for k in ("num_hidden_layers", "num_key_value_heads", "head_dim")
+)
 _MOD = 1_000_003
 # The stand-in model has no checkpoint to fingerprint: its pages are keyed by this
 # revision (``weights_revision``, as an operator names weights the connector cannot read)
@@ -63,21 +66,7 @@ def kv_value(previous: int, token: int) -> int:
 
 def write_config(path: Path) -> str:
     """The tiny Llama's config (no weights: nothing here runs the model)."""
-    from transformers import LlamaConfig
-
-    LlamaConfig(
-        hidden_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD,
-        intermediate_size=256,
-        vocab_size=VOCAB,
-        max_position_embeddings=512,
-        torch_dtype="float32",
-        architectures=["LlamaForCausalLM"],
-    ).save_pretrained(path)
-    return str(path)
+    return write_tiny_llama_config(str(path))
 
 
 @dataclass

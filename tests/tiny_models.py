@@ -8,6 +8,21 @@ from __future__ import annotations
 import json
 import os
 
+# The tiny Llama's shape (tests/connector_harness.py keys pages by the same shape)
+TINY_LLAMA = dict(
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=256,
+    vocab_size=512,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+    torch_dtype="float32",
+    tie_word_embeddings=False,
+)
+
 
 def write_tiny_llama(path: str, overrides: dict | None = None, seed: int = 0) -> None:
     """Random weights large enough that the output depends on the context; ``seed``
@@ -17,21 +32,15 @@ def write_tiny_llama(path: str, overrides: dict | None = None, seed: int = 0) ->
 
     overrides = dict(overrides or {})
     torch.manual_seed(overrides.pop("seed", seed))
-    fields = dict(
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        intermediate_size=256,
-        vocab_size=512,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-        torch_dtype="float32",
-        tie_word_embeddings=False,
-    )
-    fields.update(overrides)
-    LlamaForCausalLM(LlamaConfig(**fields)).save_pretrained(path)
+    LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, **overrides})).save_pretrained(path)
+
+
+def write_tiny_llama_config(path: str) -> str:
+    """The tiny Llama's config alone, no weights (for what never runs the model)."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(**TINY_LLAMA, architectures=["LlamaForCausalLM"]).save_pretrained(path)
+    return str(path)
 
 
 def write_tiny_deepseek(path: str) -> None:
