@@ -66,3 +66,22 @@ def test_a_server_that_cannot_start_says_why():
             KVStoreError, match=r"exited with status \d+(.|\n)*Address already in use"
         ):
             EmbeddedValkey(taken.getsockname()[1]).start()
+
+
+def test_a_picked_port_taken_before_valkey_binds_it_is_picked_again():
+    """A free port can be taken between picking it and Valkey binding it (a full test
+    run once lost a cluster shard so): start() picks another and the server answers."""
+    server = EmbeddedValkey()
+    taken = server.port
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        with server:
+            assert server.port != taken
+            assert redis.Redis.from_url(server.url).ping()
+    given = EmbeddedValkey(port=taken)  # a port the caller chose is never changed
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        with pytest.raises(KVStoreError, match="Address already in use"):
+            given.start()

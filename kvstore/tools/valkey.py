@@ -28,6 +28,10 @@ def valkey_binary() -> str:
     return str(get_binary_path())
 
 
+class _PortTaken(KVStoreError):
+    """Valkey exited because a port it was given is in use."""
+
+
 class EmbeddedValkey:
     """A Valkey server on 127.0.0.1 (TCP, free port by default) or a unix socket.
 
@@ -51,6 +55,9 @@ class EmbeddedValkey:
             self.workdir = Path(self._tmp.name)
         self.unix_socket = unix_socket
         self.port = 0 if unix_socket else (port or free_port())
+        # a port picked here may be taken by someone else before Valkey binds it (seen
+        # once in a full test run): start() then picks another
+        self._picked_port = not unix_socket and not port
         self.pidfile = Path(pidfile) if pidfile else self.workdir / "valkey.pid"
         self.process: subprocess.Popen | None = None
         self.extra_args = extra_args or []
@@ -62,6 +69,22 @@ class EmbeddedValkey:
         )
 
     def start(self, timeout: float = 10.0) -> EmbeddedValkey:
+        """Start the server and wait until it answers; raises ``KVStoreError`` naming
+        why it did not. A port this object picked that another process took meanwhile
+        is picked again (the cluster bus port too), up to three times."""
+        for attempt in range(3):
+            try:
+                return self._start(timeout)
+            except _PortTaken:
+                if not self._picked_port or attempt == 2:
+                    raise
+                self.port = free_port()
+                if "--cluster-port" in self.extra_args:
+                    at = self.extra_args.index("--cluster-port") + 1
+                    self.extra_args[at] = str(free_port())
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> EmbeddedValkey:
         self._kill_stale()
         self.workdir.mkdir(parents=True, exist_ok=True)
         args = [
@@ -113,8 +136,12 @@ class EmbeddedValkey:
                         else f"it did not answer within {timeout:.0f} s"
                     )
                     log = self._log_tail()
-                    self.stop()
-                    raise KVStoreError(
+                    taken = code is not None and "Address already in use" in err + log
+                    if taken:  # start() retries on another port, in the same work dir
+                        self._stop_process()
+                    else:
+                        self.stop()
+                    raise (_PortTaken if taken else KVStoreError)(
                         f"embedded Valkey did not start on {self.url}: {why}"
                         + "".join(f"\n{t}" for t in (err, log) if t)
                     ) from exc
@@ -144,6 +171,12 @@ class EmbeddedValkey:
             os.kill(pid, signal.SIGKILL)
 
     def stop(self) -> None:
+        self._stop_process()
+        if self._tmp:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def _stop_process(self) -> None:
         if self.process and self.process.poll() is None:
             self.process.terminate()
             try:
@@ -152,9 +185,6 @@ class EmbeddedValkey:
                 self.process.kill()
                 self.process.wait()
         self.pidfile.unlink(missing_ok=True)
-        if self._tmp:
-            self._tmp.cleanup()
-            self._tmp = None
 
     def save(self) -> None:
         """Write a snapshot (dump.rdb in the work dir) that the next ``start`` loads."""
