@@ -22,13 +22,16 @@ verdict: bench/gpu_wheels.txt), carry .whl/, and build kvstore.pages' C modules 
 3. Layer-wise loading, a synthetic Llama-8B forward (32 layers of its matmuls, 4,096
    tokens), KV per layer from pinned memory: (a) all loaded first, (b) layer i+1 loading
    on a side stream while layer i computes, (c) vLLM's start_load_kv/wait_for_layer_load
-   shape (all issued at once, the host waiting per layer). Time to first token.
+   shape (all issued at once, the host waiting per layer); the same KV from the store
+   through the connector's loads: (d) whole before the forward, (e) layer by layer in it
+   (``client.paging.layerwise``: 2-D copies per layer from the node's registered memory,
+   the forward's stream waiting for each layer). Time to first token.
 4. Save path from an LBNHC cache: decode steps with no save, with the save as it was
    (strided copies per run and layer, D2H on the compute stream) and with
    ``PagedCache.gather`` (one indexed copy per layer, D2H on a stream of its own); the
    save call's time on the engine thread.
-5. tests/test_paged_cache.py, test_device_checksum.py and test_device_loads.py, whose
-   CUDA cases run only on a GPU.
+5. tests/test_paged_cache.py, test_device_checksum.py, test_device_loads.py and
+   test_device_layerwise.py, whose CUDA cases run only on a GPU.
 
 A section whose needs are missing reports "skipped: <why>". Comparisons are interleaved
 round by round (A B C A B C), reported as medians with min-max and ratios to the first
@@ -625,10 +628,18 @@ def llama(dev: Dev) -> tuple[dict[str, Any], Callable[[Any], Any]]:
     return d, layer
 
 
-def connector_load(dev: Dev, cluster: Any, d: dict[str, Any]) -> Callable[[], None] | None:
-    """The KV of ``d``'s prompt stored as pages, and a function that loads all of it
-    through the connector's load path (``PageLoader``: on a GPU, pages straight from the
-    node's memory into device rows, checked, scattered into an LBNHC cache)."""
+def connector_load(
+    dev: Dev, cluster: Any, d: dict[str, Any]
+) -> tuple[Callable[[], None], Callable[[Callable[[Callable[[int], Any]], Any]], None]]:
+    """The KV of ``d``'s prompt stored as pages, and two ways to load all of it through
+    the connector's load paths into an LBNHC cache: whole (``PageLoader.load``: on a GPU,
+    pages straight from the node's memory into device rows, checked, scattered), and
+    layer by layer beside a forward pass (``LayerwiseLoads``: the forward's wait for
+    layer i makes its stream wait for that layer's copies and scatters it), which checks
+    once that the cache holds the stored pages bit-exact."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from client.paging.layerwise import LayerwiseLoads
     from client.paging.loader import PageLoader
     from client.paging.staging_pool import StagingPool
     from client.vllm.metadata import LoadSpec
@@ -640,8 +651,11 @@ def connector_load(dev: Dev, cluster: Any, d: dict[str, Any]) -> Callable[[], No
         "head_size": d["head"],
         "dtype": "bfloat16" if d["dtype"] == torch.bfloat16 else "float32",
     }
+    from client.memory.device_pages import HostCopier
+
+    on_cpu = {} if dev.cuda else {"device": HostCopier}  # a dry run: the host as the device
     client, src, tokens, ns = stored_pages(
-        cluster, dev, {}, d["tokens"] // d["block"], layout="vllm_cpu", **{"_shape": shape}
+        cluster, dev, {}, d["tokens"] // d["block"], layout="vllm_cpu", _shape=shape, **on_cpu
     )
     n = src.shape[0]
     cache = caches(ns, n + 8, dev)["LBNHC"]
@@ -661,7 +675,39 @@ def connector_load(dev: Dev, cluster: Any, d: dict[str, Any]) -> Callable[[], No
         if outcome.failed:
             raise RuntimeError(f"{len(outcome.failed)} blocks failed")
 
-    return run
+    names = [f"layers.{i}" for i in range(d["layers"])]
+    loads = LayerwiseLoads(
+        loader,
+        cache,
+        ThreadPoolExecutor(2),
+        lambda spec, after: loader.load(spec, after),
+        feeds=True,
+        timeout=60,
+        layer_index={name: i for i, name in enumerate(names)},
+    )
+    if not loader.feeds_layers:
+        raise RuntimeError("the connector cannot load layer by layer here (no 2-D copies?)")
+    checked: list[bool] = []
+
+    def layered(forward: Callable[[Callable[[int], Any]], Any]) -> None:
+        loads.start(LoadSpec("r", client.find(tokens), ids, 0, layerwise=True), None)
+        forward(lambda i: loads.wait_layer(names[i]))
+        ((_, outcome),) = loads.finish()
+        if outcome.failed:
+            raise RuntimeError(f"{len(outcome.failed)} blocks failed")
+        if not checked:  # once: every layer of every block is the stored page's
+            dev.sync()
+            index = torch.tensor(ids, device=dev.device)
+            checked.append(
+                all(
+                    same(cache.layers[i].index_select(0, index), src[:, i])
+                    for i in range(d["layers"])
+                )
+            )
+            if not checked[0]:
+                raise RuntimeError("the layer-wise load is not bit-exact")
+
+    return run, layered
 
 
 def section_layerwise(report: Report, dev: Dev, cluster: Any, args: argparse.Namespace) -> None:
@@ -713,14 +759,13 @@ def section_layerwise(report: Report, dev: Dev, cluster: Any, args: argparse.Nam
         "compute only (no KV load)": lambda: forward(lambda i: None),
         "KV load only": lambda: [load(i) for i in range(L)],
     }
-    store = connector_load(dev, cluster, d) if cluster is not None else None
-    if (
-        store is not None
-    ):  # the same KV from the store, through the connector's whole-request device load
+    if cluster is not None:  # the same KV from the store, through the connector's loads
+        store, layered = connector_load(dev, cluster, d)
         ways["(d) connector load from the store, then compute"] = lambda: (
             store(),
             forward(lambda i: None),
         )
+        ways["(e) connector layer-wise load, in the forward"] = lambda: layered(forward)
         ways["connector load from the store only"] = store
     ordered, last = {}, torch.stack([h.view(-1)[-1] for h in host])
     for name in list(ways)[:3]:  # on zeroed caches: did each layer run after its KV was in place?
@@ -843,6 +888,7 @@ def section_tests(report: Report, dev: Dev, cluster: Any, args: argparse.Namespa
         "tests/test_paged_cache.py",
         "tests/test_device_checksum.py",
         "tests/test_device_loads.py",
+        "tests/test_device_layerwise.py",
     ]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     report(f"  {' '.join(cmd[1:])}: exit {res.returncode}")

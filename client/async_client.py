@@ -38,6 +38,7 @@ from client.lookups.prefix import Identity, PrefixLookup, StoredPrefix
 from client.lookups.registration import NamespaceRegistration
 from client.memory.buffers import Span
 from client.memory.device_pages import DeviceCopier, default_copier
+from client.memory.layer_feed import LayerFeed
 from client.memory.staging import host_buffers
 from client.nodes.directory import NodeDirectory
 from client.puts.publish import Publisher, PublishReport
@@ -300,7 +301,11 @@ class AsyncKVCacheClient:
         return await self._reader.get_found(found, out, start_block)
 
     async def get_found_device(
-        self, found: StoredPrefix, rows: torch.Tensor, start_block: int = 0
+        self,
+        found: StoredPrefix,
+        rows: torch.Tensor,
+        start_block: int = 0,
+        feed: LayerFeed | None = None,
     ) -> int:
         """``get_found`` straight into device memory: the pages of blocks ``start_block``
         on land back to back in ``rows`` (a contiguous tensor on the device, of at least
@@ -308,13 +313,20 @@ class AsyncKVCacheClient:
         memory by DMA on the same host (from pinned host memory over UCX) and checked on
         the device against their checksums. Returns the tokens of the prefix that
         arrived, as ``get_found``; rows past it are unspecified. For a rank whose head
-        groups are its whole pages; ``lands_on_device`` says whether it can run."""
-        return await self._reader.get_found_device(found, rows, start_block)
+        groups are its whole pages; ``lands_on_device`` says whether it can run. With
+        ``feed`` (``client.memory.layer_feed``: one per call), the pages land layer by
+        layer and ``feed`` tells a reader when each layer is in place
+        (``lands_layers``)."""
+        return await self._reader.get_found_device(found, rows, start_block, feed)
 
     def lands_on_device(self, memory: torch.device) -> bool:
         """Whether ``get_found_device`` (and ``get_pages`` into a tensor there) lands
         pages straight in ``memory``; else gets into it stage through host memory."""
         return self._reader.lands_on_device(memory)
+
+    def lands_layers(self, memory: torch.device) -> bool:
+        """Whether ``get_found_device`` into ``memory`` can land layer by layer (a feed)."""
+        return self._reader.lands_layers(memory)
 
     async def get_found_units(
         self, found: StoredPrefix, buf: torch.Tensor, start_block: int = 0

@@ -26,6 +26,7 @@ import torch
 from client.async_client import AsyncKVCacheClient
 from client.lookups.prefix import Identity, StoredPrefix
 from client.memory.buffers import Span
+from client.memory.layer_feed import LayerFeed
 from client.puts.publish import PublishReport
 from client.stats import ClientStats
 from kvstore.errors import TransportError
@@ -133,6 +134,12 @@ class KVCacheClient:
     def stats(self) -> ClientStats:
         return self._async.stats
 
+    @property
+    def call_limit(self) -> float:
+        """The longest a blocking call of this client waits before it gives up (a get
+        ends by then, with what arrived)."""
+        return self._bound()
+
     def _bound(self) -> float:
         return self._async.timeout * 3 + _MARGIN
 
@@ -227,14 +234,22 @@ class KVCacheClient:
         return self._read(self._async.get_found_into(found, sinks, start_block), 0)
 
     def get_found_device(
-        self, found: StoredPrefix, rows: torch.Tensor, start_block: int = 0
+        self,
+        found: StoredPrefix,
+        rows: torch.Tensor,
+        start_block: int = 0,
+        feed: LayerFeed | None = None,
     ) -> int:
         """``AsyncKVCacheClient.get_found_device``; a fault or the deadline gives 0."""
-        return self._read(self._async.get_found_device(found, rows, start_block), 0)
+        return self._read(self._async.get_found_device(found, rows, start_block, feed), 0)
 
     def lands_on_device(self, memory: torch.device) -> bool:
         """``AsyncKVCacheClient.lands_on_device`` (any thread)."""
         return self._async.lands_on_device(memory)
+
+    def lands_layers(self, memory: torch.device) -> bool:
+        """``AsyncKVCacheClient.lands_layers`` (any thread)."""
+        return self._async.lands_layers(memory)
 
     def get_found_units(
         self, found: StoredPrefix, buf: torch.Tensor, start_block: int = 0

@@ -20,6 +20,7 @@ at a small fraction of an engine's start-up."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +46,8 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from client.memory.device_pages import DeviceCopier, default_copier
+from client.stats import ClientStats
 from client.vllm.connector import KVStoreConnector
 from tests.tiny_models import TINY_LLAMA, write_tiny_llama_config
 
@@ -102,7 +105,12 @@ class ConnectorHarness:
         extra: dict | None = None,
         num_blocks: int = 64,
         max_batched: int = 2048,
+        device: Callable[[ClientStats], DeviceCopier | None] = default_copier,
+        layer_waits: bool = True,
     ) -> None:
+        """``device``: the worker client's device copier (``HostCopier`` runs the GPU's
+        load path on the CPU); ``layer_waits``: whether the forward calls
+        ``wait_for_layer_load`` before each layer, as vLLM's attention layers do."""
         args = EngineArgs(
             model=model_dir,
             skip_tokenizer_init=True,
@@ -152,8 +160,13 @@ class ConnectorHarness:
             log_stats=True,
         )
         self.worker = KVStoreConnector(
-            self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config, ranks=lambda: (0, 0)
+            self.vllm_config,
+            KVConnectorRole.WORKER,
+            self.kv_cache_config,
+            ranks=lambda: (0, 0),
+            device=device,
         )
+        self._names = names if layer_waits else []
         self._stats: KVConnectorStats | None = None
         # vLLM's connector view: [blocks, kv heads, block, 2 * head size] per layer
         self.layers = [torch.zeros(num_blocks, KV_HEADS, BLOCK, 2 * HEAD) for _ in names]
@@ -209,6 +222,8 @@ class ConnectorHarness:
         worker.bind_connector_metadata(out.kv_connector_metadata)
         worker.start_load_kv(None)  # type: ignore[arg-type]  # the CPU runner passes its forward context
         self._track_blocks(out)
+        for name in self._names:  # each attention layer waits for its KV, then reads it
+            worker.wait_for_layer_load(name)
         sampled = self._forward(out)
         worker.wait_for_save()
         results = worker.get_transfer_results(out.finished_req_ids)
@@ -234,6 +249,9 @@ class ConnectorHarness:
         for engine_output in self.scheduler.update_from_output(out, output).values():
             for request_output in engine_output.outputs:
                 running = self._running[request_output.request_id]
+                # what the scheduler kept of the step's tokens (it drops a step's token
+                # of a request whose sync load failed)
+                running.tokens.extend(request_output.new_token_ids)
                 counts[request_output.request_id] = len(running.tokens) - running.prompt_len
                 if request_output.prefill_stats is not None:  # its first output
                     running.cached = request_output.prefill_stats.num_cached_tokens
@@ -274,7 +292,6 @@ class ConnectorHarness:
                 self._write(running, pos, previous)
             if start + count >= len(running.tokens):
                 token = self._next_token(running, start + count)
-                running.tokens.append(token)
                 sampled[req_id] = [token]
         return sampled
 

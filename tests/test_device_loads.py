@@ -8,101 +8,30 @@ runs this file there)."""
 
 from __future__ import annotations
 
-import mmap
-import os
-
 import numpy as np
 import pytest
 import torch
 
 from client import KVCacheClient
 from client.memory.buffers import Span
-from client.memory.device_pages import CudaCopier, DeviceCopier, DeviceSpan, HostCopier
+from client.memory.device_pages import CudaCopier, DeviceSpan, HostCopier
 from client.paging.loader import PageLoader
 from client.paging.paged_cache import PagedCache
 from client.paging.staging_pool import StagingPool
 from client.stats import ClientStats
 from client.vllm.metadata import LoadSpec
-from kvstore import InvalidInputError, Namespace
-from kvstore.tools.launcher import LocalCluster
-from tests.helpers import pages_for, tenant_for
-
-BLOCK = 16
-CUDA = torch.cuda.is_available()
-COPIERS = {"host": HostCopier} | (
-    {"cuda": lambda stats: CudaCopier(torch.device("cuda"), stats)} if CUDA else {}
+from kvstore import InvalidInputError
+from tests.device_fixtures import (  # noqa: F401 (fixtures)
+    BLOCK,
+    COPIERS,
+    cluster,
+    copier,
+    device_of,
+    make_ns,
+    same,
+    scribbling,
 )
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as c:
-        yield c
-
-
-@pytest.fixture(params=list(COPIERS))
-def copier(request):
-    return request.param
-
-
-def make_ns(name: str, **over) -> Namespace:
-    fields = dict(
-        model="device-test",
-        dtype="float16",
-        num_layers=2,
-        num_kv_heads=2,
-        head_size=32,
-        block_size=BLOCK,
-        tenant=tenant_for(name),
-    )
-    fields.update(over)
-    return Namespace(**fields)
-
-
-def device_of(copier: str) -> torch.device:
-    return torch.device("cuda") if copier == "cuda" else torch.device("cpu")
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(
-        a.contiguous().view(torch.uint8).cpu(), b.contiguous().view(torch.uint8).cpu()
-    )
-
-
-def scribble(span: Span) -> None:
-    """Overwrite a page in the node's memory, as the reader maps it: through a writable
-    mapping of the same memfd (what a writer of the tenant holds), so the node's slot
-    itself changes under the reader."""
-    addr, size = span.base.ctypes.data, span.base.nbytes
-    fd = os.open(f"/proc/self/map_files/{addr:x}-{addr + size:x}", os.O_RDWR)
-    try:
-        with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as m:
-            view = np.frombuffer(m, dtype=np.uint8)
-            view[span.offset : span.offset + span.nbytes : 97] ^= 0x5A
-            del view
-    finally:
-        os.close(fd)
-
-
-def scribbling(make, page: int):
-    """A copier of kind ``make`` that overwrites the ``page``-th page of a get's plan in
-    the node's memory once the node has pinned it, just before its copy."""
-
-    def build(stats: ClientStats) -> DeviceCopier:
-        inner = make(stats)
-
-        class Scribbling(
-            type(inner)
-        ):  # the copier under test, with its copy step timed by the test
-            async def land(self, copies, check=True):
-                if len(copies) > page:
-                    scribble(copies[page][1])
-                return await super().land(copies, check)
-
-        inner.__class__ = Scribbling
-        return inner
-
-    return build
+from tests.helpers import pages_for
 
 
 @pytest.mark.parametrize("same_host", [True, False], ids=["shm", "ucx"])
@@ -225,7 +154,7 @@ def test_device_gets_refuse_what_they_cannot_do(cluster, request):
 def test_copies_of_pages_that_touch_are_merged():
     """Pages that lie back to back in a slab and in their rows travel as one copy (one
     DMA on a GPU: measured, 128 separate 2 MiB copies reached 0.93x of one)."""
-    from client.memory.device_pages import _merged
+    from client.memory.copy_plans import merged as _merged
 
     slab = np.arange(64, dtype=np.uint8)
     rows = torch.zeros(64, dtype=torch.uint8)
@@ -243,7 +172,7 @@ def test_checks_are_queued_in_batches_with_a_small_last_one():
     """A get's checks follow its copies in batches of about 32 MiB; the last batch, what
     the get waits for once its copies are done, is at most 8 MiB or one page."""
     from client.memory.buffers import block_runs
-    from client.memory.device_pages import check_batches
+    from client.memory.copy_plans import check_batches
 
     MiB = 1 << 20
     assert [len(b) for b in check_batches([2 * MiB] * 64)] == [16, 16, 16, 12, 4]

@@ -20,6 +20,7 @@ import torch
 pytest.importorskip("vllm")
 
 from client import KVCacheClient
+from client.memory.device_pages import HostCopier
 from kvstore import Namespace, block_hashes
 from kvstore.index import PageIndex
 from kvstore.tools.launcher import LocalCluster
@@ -253,3 +254,54 @@ def test_a_salted_prompt_reads_only_the_pages_saved_under_its_salt(model_dir, cl
         "alice": 6 * BLOCK,
     }
     assert out["alice"].tokens == out["none"].tokens == out["bob"].tokens
+
+
+@pytest.mark.parametrize("device", ["host", "none"])
+def test_a_layerwise_hit_loads_in_the_step_that_computes_the_rest(
+    model_dir, baseline, cluster, device
+):
+    """With layer-wise loads the scheduler schedules a hit at once (a sync load): its
+    pages land during that step's forward, layer by layer, where a device copier lands
+    them (the host as the device here), or whole before the forward where none does; the
+    first token comes from that first step, and the KV and tokens are a miss's."""
+    save(model_dir, cluster, {"a": PROMPT_A})
+    copier = HostCopier if device == "host" else lambda stats: None
+    extra = {"layerwise_loads": "on"}
+    with ConnectorHarness(
+        model_dir, cluster.redis_url, role="kv_consumer", extra=extra, device=copier
+    ) as consumer:
+        consumer.add("b", PROMPT_B)
+        consumer.step()
+        assert consumer.steps[0] == {"b": 1}  # loaded and computed in one step
+        assert consumer.check_cache("b", PROMPT_B, len(PROMPT_B)) == []
+        out, metrics = consumer.run(), consumer.metrics()
+    assert out["b"].num_cached_tokens == SHARED * BLOCK and out["b"].tokens == baseline["B"]
+    assert metrics["load_bytes"] == SHARED * PAGE_BYTES and metrics["load_failed_blocks"] == 0
+    assert metrics.get("device_loads", 0) == (1 if device == "host" else 0), metrics
+
+
+@pytest.mark.parametrize("waits", [True, False], ids=["corrupted", "no-layer-waits"])
+def test_a_layerwise_load_recomputes_what_it_could_not_feed(model_dir, baseline, cluster, waits):
+    """A layer-wise load whose page fails its check (corrupted in the node's memory), or
+    whose forward never waited for its layers, reports those blocks failed in the same
+    step; vLLM drops that step's token and recomputes them, so the output is a miss's."""
+    save(model_dir, cluster, {"a": PROMPT_A})
+    if waits:
+        ns = PageIndex(cluster.redis_url).stats().namespaces[0].namespace
+        corrupt_stored_page(cluster, ns, block_hashes(ns, PROMPT_A), 2, 16 << 20)
+    with ConnectorHarness(
+        model_dir,
+        cluster.redis_url,
+        role="kv_consumer",
+        extra={"layerwise_loads": "on"},
+        device=HostCopier,
+        layer_waits=waits,
+    ) as consumer:
+        consumer.add("b", PROMPT_B)
+        consumer.step()
+        assert consumer.steps[0] == {}  # the step's token was dropped
+        out, metrics = consumer.run(), consumer.metrics()
+    assert out["b"].tokens == baseline["B"]
+    failed = 2 if waits else SHARED
+    assert metrics["load_failed_blocks"] == failed, metrics
+    assert metrics["load_bytes"] == (SHARED - failed) * PAGE_BYTES, metrics

@@ -13,6 +13,7 @@ from client.gets.landing import Landing, TransferMode, choose_landing, lands_in_
 from client.lookups.prefix import Identity, PrefixLookup, StoredPrefix
 from client.memory.buffers import Span, host_bytes, page_spans
 from client.memory.device_pages import DeviceCopier, DeviceSpan, device_spans
+from client.memory.layer_feed import LayerFeed
 from client.memory.staging import HostBuffers
 from client.stats import ClientStats
 from kvstore.errors import InvalidInputError
@@ -64,6 +65,16 @@ class PageReader:
             and memory.type == device.device.type
             and _index(memory) == _index(device.device)
             and device.supports(self._ns.page_nbytes)
+        )
+
+    def lands_layers(self, memory: torch.device) -> bool:
+        """Whether whole pages land in ``memory`` layer by layer (``get_found_device`` with a
+        ``client.memory.layer_feed.LayerFeed``)."""
+        return (
+            self._ns.layer_dim == 0  # a layer of a page is one slice of it
+            and self.lands_on_device(memory)
+            and self._device is not None
+            and self._device.lands_layers()
         )
 
     def units_nbytes(self, blocks: int) -> int:
@@ -130,7 +141,11 @@ class PageReader:
         )
 
     async def get_found_device(
-        self, found: StoredPrefix, rows: torch.Tensor, start_block: int
+        self,
+        found: StoredPrefix,
+        rows: torch.Tensor,
+        start_block: int,
+        feed: LayerFeed | None = None,
     ) -> int:
         """``AsyncKVCacheClient.get_found_device``: ``found``'s pages from ``start_block``
         on into ``rows``, back to back, straight from the nodes' memory."""
@@ -155,7 +170,12 @@ class PageReader:
         if not result or result.matched <= start_block:
             return 0
         self._stats.device_transfers += 1
-        spans = device_spans(rows, result.matched - start_block, self._ns.page_nbytes)
+        if feed is not None and (self._ns.layer_dim or feed.layers != self._ns.page_shape[0]):
+            raise InvalidInputError(
+                f"a feed of {feed.layers} layers for pages of shape {self._ns.page_shape} "
+                f"({self._ns.layout}: layers on axis {self._ns.layer_dim})"
+            )
+        spans = device_spans(rows, result.matched - start_block, self._ns.page_nbytes, feed)
         return await self._fetch_into(split_hashes(found.joined), result, start_block, spans)
 
     async def fetch_units(

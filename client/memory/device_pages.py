@@ -15,7 +15,7 @@ Measured on an NVIDIA H200 (``../shared/reference/gpu-h200.md``): an H2D copy fr
 unregistered ``/dev/shm`` mapping ran at 6.0-6.2 GB/s, from a registered one at 54.2
 (read-only registration 54.5), the pinned-buffer limit being 54.4; 128 separate 2 MiB
 copies 50.2-50.5. So copies of pages that lie back to back in a slab, to rows that lie
-back to back, are merged into one (``_merged``).
+back to back, are merged into one (``client.memory.copy_plans``).
 
 A mapping whose registration fails still works (the copy is then the driver's staged
 one, about 6 GB/s): the failure is logged once per copier and counted
@@ -26,7 +26,6 @@ pages are copied to the device (``client.nodes.connection``)."""
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import threading
 import warnings
@@ -38,6 +37,9 @@ import numpy as np
 import torch
 
 from client.memory.buffers import Span, block_runs
+from client.memory.copy_plans import check_batches, layer_runs, merged
+from client.memory.cudart import Memcpy2D, clear_last_error
+from client.memory.layer_feed import LayerFeed
 from client.stats import ClientStats
 from kvstore.pages import device_checksum
 from kvstore.pages.checksum import page_checksum
@@ -47,11 +49,6 @@ log = logging.getLogger(__name__)
 # (measured: PROT_READ /dev/shm mapping with flag 8 reached 54.5 GB/s on an H200).
 REGISTER_DEFAULT = 0
 REGISTER_READ_ONLY = 8
-# Bytes of pages whose checks are queued together behind their copies: the device
-# hashes one batch while the next crosses the bus, so a get waits after its last copy
-# only for the checks of the last batch.
-CHECK_BATCH = 32 << 20
-LAST_CHECK_BATCH = 8 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,40 +59,24 @@ class DeviceSpan:
     base: torch.Tensor
     offset: int
     nbytes: int
+    # set for a get whose pages land layer by layer (``client.memory.layer_feed``)
+    feed: LayerFeed | None = None
 
     def view(self) -> torch.Tensor:
         return self.base[self.offset : self.offset + self.nbytes]
 
 
-def device_spans(rows: torch.Tensor, count: int, page_nbytes: int) -> list[DeviceSpan]:
-    """``count`` pages back to back at the start of ``rows`` (any contiguous tensor)."""
+def device_spans(
+    rows: torch.Tensor, count: int, page_nbytes: int, feed: LayerFeed | None = None
+) -> list[DeviceSpan]:
+    """``count`` pages back to back at the start of ``rows`` (any contiguous tensor),
+    landed layer by layer through ``feed`` when one is given."""
     flat = rows.reshape(-1).view(torch.uint8)
     if flat.numel() < count * page_nbytes:
         raise ValueError(f"{flat.numel()} bytes hold fewer than {count} pages of {page_nbytes}")
-    return [DeviceSpan(flat, i * page_nbytes, page_nbytes) for i in range(count)]
-
-
-def _merged(copies: list[tuple[DeviceSpan, Span]]) -> list[tuple[torch.Tensor, np.ndarray]]:
-    """Copies whose sources and destinations both continue the one before, joined: the
-    device and host views of each copy to make (plain lists: a 1,024-page get of
-    64 KiB pages spends its Python time per page)."""
-    runs: list[list[Any]] = []  # [device base, device offset, host base, host offset, bytes]
-    for dst, src in copies:
-        if runs:
-            run = runs[-1]
-            if (
-                run[0] is dst.base
-                and run[1] + run[4] == dst.offset
-                and run[2] is src.base
-                and run[3] + run[4] == src.offset
-                and not src.pieces
-            ):
-                run[4] += dst.nbytes
-                continue
-        if src.pieces or src.nbytes != dst.nbytes:
-            raise ValueError("a device copy takes a contiguous host span of the page's size")
-        runs.append([dst.base, dst.offset, src.base, src.offset, dst.nbytes])
-    return [(db[do : do + n], hb[ho : ho + n]) for db, do, hb, ho, n in runs]
+    if feed is not None and page_nbytes % feed.layers:
+        raise ValueError(f"pages of {page_nbytes} bytes do not split into {feed.layers} layers")
+    return [DeviceSpan(flat, i * page_nbytes, page_nbytes, feed) for i in range(count)]
 
 
 class DeviceCopier:
@@ -110,6 +91,10 @@ class DeviceCopier:
 
     def supports(self, page_nbytes: int) -> bool:
         """Whether pages of this size can land through this copier (else: staged)."""
+        return True
+
+    def lands_layers(self) -> bool:
+        """Whether gets can land layer by layer (``DeviceSpan.feed``) here."""
         return True
 
     def register(self, mapping: np.ndarray, writable: bool) -> Any:
@@ -151,10 +136,25 @@ class HostCopier(DeviceCopier):
         super().__init__(torch.device("cpu"), stats)
 
     async def land(self, copies: list[tuple[DeviceSpan, Span]], check: bool = True) -> Checks:
+        feed = copies[0][0].feed if copies else None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # a read-only mapping: only read
-            for dst, src in _merged(copies):
-                dst.copy_(torch.from_numpy(src))
+            if feed is None:
+                for dst, src in merged(copies):
+                    dst.copy_(torch.from_numpy(src))
+            else:  # layer by layer, as the CUDA copier's 2-D copies
+                width, plan = layer_runs(copies, feed.layers)
+                page = copies[0][0].nbytes
+                for layer in range(feed.layers):
+                    at = layer * width
+                    for (db, do, hb, ho, n), _ in plan:
+                        into = db[do : do + n].view(n // page, page)[:, at : at + width]
+                        into.copy_(
+                            torch.from_numpy(hb[ho : ho + n]).view(n // page, page)[
+                                :, at : at + width
+                            ]
+                        )
+                    feed.queued(layer, [r for _, rows in plan for r in rows], None)
         landed = [dst for dst, _ in copies]
 
         async def digests() -> list[int]:
@@ -180,6 +180,8 @@ class CudaCopier(DeviceCopier):
         self._cudart: Any = None
         self._register_warned = False
         self.unusable: str | None = None  # why the device checks cannot run (``prepare``)
+        self.unusable_layers: str | None = None  # why gets cannot land layer by layer
+        self._memcpy_2d: Any = None
 
     def prepare(self) -> None:
         """Make the copy stream and check the device checksums against xxhash
@@ -194,6 +196,10 @@ class CudaCopier(DeviceCopier):
             self._stream = torch.cuda.Stream(device=self.device)
             self._checks = torch.cuda.Stream(device=self.device)
             self._cudart = torch.cuda.cudart()
+            try:
+                self._memcpy_2d = Memcpy2D()
+            except (OSError, AttributeError) as exc:  # no runtime found: no layer-wise gets
+                self.unusable_layers = f"no cudaMemcpy2DAsync: {exc}"
             with torch.cuda.device(self.device):
                 self.unusable = device_checksum.self_test(self.device)
             if self.unusable:
@@ -206,6 +212,10 @@ class CudaCopier(DeviceCopier):
         self.prepare()
         return self.unusable is None and device_checksum.supports(page_nbytes)
 
+    def lands_layers(self) -> bool:
+        self.prepare()
+        return self.unusable_layers is None
+
     def register(self, mapping: np.ndarray, writable: bool) -> Any:
         ptr, size = mapping.ctypes.data, mapping.nbytes
         flags = REGISTER_DEFAULT if writable else REGISTER_READ_ONLY
@@ -213,7 +223,7 @@ class CudaCopier(DeviceCopier):
         if err and not writable:  # a driver without read-only registration: plain flags
             err = int(self._cudart.cudaHostRegister(ptr, size, REGISTER_DEFAULT))
         if err:
-            _clear_last_error(self._cudart)  # else torch's next launch check raises it
+            clear_last_error(self._cudart)  # else torch's next launch check raises it
             self.stats.host_register_failures += 1
             if not self._register_warned:
                 self._register_warned = True
@@ -237,17 +247,20 @@ class CudaCopier(DeviceCopier):
         ``CHECK_BATCH`` bytes; each batch's checks are queued on the check stream behind
         its copies, so the device hashes one batch while the next one crosses the bus,
         and only the last batch's checks remain once the copies are done."""
-        batches = check_batches([dst.nbytes for dst, _ in copies])
-        landed: list[tuple[list[int], Any]] = []  # (pages, event after their copies)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # a read-only mapping: only read
-            with torch.cuda.stream(self._stream):
-                for ks in batches:
-                    for dst_view, src_view in _merged([copies[k] for k in ks]):
-                        dst_view.copy_(torch.from_numpy(src_view), non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record(self._stream)
-                    landed.append((ks, event))
+        feed = copies[0][0].feed if copies else None
+        if feed is not None:
+            landed = self._queue_layers(copies, feed)
+        else:
+            landed = []  # (pages, event after their copies)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # a read-only mapping: only read
+                with torch.cuda.stream(self._stream):
+                    for ks in check_batches([dst.nbytes for dst, _ in copies]):
+                        for dst_view, src_view in merged([copies[k] for k in ks]):
+                            dst_view.copy_(torch.from_numpy(src_view), non_blocking=True)
+                        event = torch.cuda.Event()
+                        event.record(self._stream)
+                        landed.append((ks, event))
         if not (check and copies):
             await _settled(landed[-1][1])
             return Checks(_no_digests)
@@ -260,6 +273,27 @@ class CudaCopier(DeviceCopier):
             return finish()
 
         return Checks(digests)
+
+    def _queue_layers(
+        self, copies: list[tuple[DeviceSpan, Span]], feed: LayerFeed
+    ) -> list[tuple[list[int], Any]]:
+        """Queue a layer-wise landing: per layer, one 2-D copy per run of pages (that
+        layer's slice of each page), then an event handed to ``feed``; the checks follow
+        the last layer, as one batch."""
+        width, plan = layer_runs(copies, feed.layers)
+        page, stream = copies[0][0].nbytes, self._stream
+        rows = [r for _, run_rows in plan for r in run_rows]
+        event = None
+        with torch.cuda.device(self.device):  # the runtime call acts on the current device
+            for layer in range(feed.layers):
+                at = layer * width
+                for (db, do, hb, ho, n), _ in plan:
+                    dst, src = db.data_ptr() + do + at, hb.ctypes.data + ho + at
+                    self._memcpy_2d(dst, page, src, page, width, n // page, stream.cuda_stream)
+                event = torch.cuda.Event()
+                event.record(stream)
+                feed.queued(layer, rows, event)
+        return [(list(range(len(copies))), event)]
 
     def _launch(
         self, copies: list[tuple[DeviceSpan, Span]], landed: list[tuple[list[int], Any]]
@@ -298,42 +332,6 @@ class CudaCopier(DeviceCopier):
             return out
 
         return finish
-
-
-def check_batches(sizes: list[int]) -> list[list[int]]:
-    """The pages (by position) whose checks are queued together: consecutive pages of
-    about ``CHECK_BATCH`` bytes, the last batch at most ``LAST_CHECK_BATCH`` (at least
-    one page), since its checks are what a get waits for after its copies."""
-    tail, tail_bytes = len(sizes), 0
-    while tail > 1 and (not tail_bytes or tail_bytes + sizes[tail - 1] <= LAST_CHECK_BATCH):
-        tail -= 1
-        tail_bytes += sizes[tail]
-    batches: list[list[int]] = [[]]
-    size = 0
-    for k, nbytes in enumerate(sizes):
-        if size >= CHECK_BATCH or (k == tail and batches[-1]):
-            batches.append([])
-            size = 0
-        batches[-1].append(k)
-        size += nbytes
-    return batches
-
-
-def _clear_last_error(cudart: Any) -> None:
-    """Reset CUDA's last error after a failed runtime call of ours: torch checks it after
-    its own kernel launches and would raise ours there. torch's cudart module may lack
-    the call; then the loaded libcudart is asked directly."""
-    get = getattr(cudart, "cudaGetLastError", None)
-    if get is not None:
-        get()
-        return
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libcudart" in line}
-        for path in paths:
-            ctypes.CDLL(path).cudaGetLastError()
-    except OSError as exc:
-        log.debug("could not reset CUDA's last error: %s", exc)
 
 
 async def _no_digests() -> list[int]:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from client.gets.landing import Landing, choose_landing
+from client.memory.layer_feed import LayerFeed
 from client.paging.paged_cache import PagedCache
 from client.paging.specs import LoadSpec
 from client.paging.staging_pool import StagingPool
@@ -87,6 +88,8 @@ class PageLoader:
         # (asked here, at registration: on a GPU it checks the device checksums once,
         # compiling them, so the first load does not wait for that)
         self._on_device = not layer_groups and client.lands_on_device(cache.device)
+        # and layer by layer (``client.paging.layerwise``) where the copier can
+        self.feeds_layers = self._on_device and client.lands_layers(cache.device)
 
     def beside(self, client: KVCacheClient, cache: PagedCache, staging: StagingPool) -> PageLoader:
         """A loader of other layers (a speculative draft's) stored under ``client``'s
@@ -211,6 +214,22 @@ class PageLoader:
             )
         nbytes = (max(got, spec.start_block) - spec.start_block) * client.namespace.page_nbytes
         return LoadOutcome(failed, nbytes, time.perf_counter() - started)
+
+    def feed(self, spec: LoadSpec, rows: torch.Tensor, feed: LayerFeed) -> int:
+        """Loader thread: a layer-wise load's get, ``spec``'s pages into ``rows`` layer by
+        layer through ``feed`` (``client.paging.layerwise`` scatters each layer as the
+        forward reaches it). Returns the blocks that arrived (from 0); never raises, and
+        closes ``feed`` whatever happens."""
+        try:
+            got = self._client.get_found_device(spec.found, rows, spec.start_block, feed)
+            return got // self._block_size
+        except CredentialError as exc:
+            self._credential_refused(exc)
+        except Exception as exc:
+            log.warning("load of %s failed: %s", spec.req_id, exc)
+        finally:
+            feed.close()
+        return spec.start_block
 
     def _load_hybrid(
         self, spec: LoadSpec, after: Any, taken: list[torch.Tensor]

@@ -26,6 +26,9 @@ class LoadSpec:
     group_block_ids: list[list[int]] = field(default_factory=list)
     # The draft's pages of the same blocks (client.vllm.drafts), found with the target's.
     draft_found: StoredPrefix | None = None
+    # Loaded during this step's forward, layer by layer (client.paging.layerwise), not
+    # before the request is scheduled again.
+    layerwise: bool = False
 
 
 @dataclass

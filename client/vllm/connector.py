@@ -53,10 +53,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from client.memory.device_pages import DeviceCopier, default_copier
+from client.stats import ClientStats
 from client.vllm.drafts import draft_facts, draft_refusal, rank_draft_client
 from client.vllm.events import SaveOutcomes, StoredEvents
 from client.vllm.metadata import KVStoreConnectorMetadata
-from client.vllm.options import connector_options, engine_layout, namespace_refusal, rank_client
+from client.vllm.options import (
+    connector_options,
+    engine_layout,
+    layerwise_loads,
+    namespace_refusal,
+    rank_client,
+)
 from client.vllm.preflight import check_config_being_built
 from client.vllm.scheduler import ConnectorScheduler
 from client.vllm.stats import KVStoreConnectorStats, KVStorePromMetrics, StatsRecorder
@@ -126,10 +134,13 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         kv_cache_config: KVCacheConfig | None = None,
         *,
         ranks: Callable[[], tuple[int, int]] = vllm_ranks,
+        device: Callable[[ClientStats], DeviceCopier | None] = default_copier,
     ) -> None:
         """vLLM calls this with its three arguments. ``ranks``: the worker's (PP rank, TP
         rank), asked when its caches are registered; vLLM's process groups unless a
-        caller without them (an in-process test) hands its own."""
+        caller without them (an in-process test) hands its own. ``device``: builds the
+        worker client's device copier (``client.memory.device_pages``: CUDA's on a GPU;
+        a test hands ``HostCopier`` to run the device path on the CPU)."""
         super().__init__(
             vllm_config=vllm_config,
             role=role,
@@ -217,6 +228,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 hybrid=hybrid_groups(kv_cache_config),
                 draft=draft_client,
                 draft_drop=drafts.drop_blocks if drafts is not None else 0,
+                layerwise=layerwise_loads(
+                    conf, hybrid=hybrid_groups(kv_cache_config), draft=drafts is not None
+                ),
             )
         else:
             self._worker = ConnectorWorker(
@@ -228,6 +242,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 kv_cache_config=kv_cache_config,
                 drafts=drafts,
                 ranks=ranks,
+                device=device,
             )
 
     @property
@@ -331,7 +346,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.take_save_outcomes() if self._worker is not None else None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete before their request is scheduled again
+        self._worker_side.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any

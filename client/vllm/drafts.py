@@ -36,14 +36,9 @@ from client.paging.loader import PageLoader
 from client.paging.paged_cache import PagedCache
 from client.paging.staging_pool import StagingPool
 from client.sync_client import KVCacheClient
-from client.vllm.options import (
-    ConnectorOptions,
-    checkpoint_fingerprint,
-    engine_layout,
-    engine_weights,
-    model_namespace,
-)
+from client.vllm.options import ConnectorOptions, engine_layout, model_namespace
 from client.vllm.support import draft_layers
+from client.vllm.weights import checkpoint_fingerprint, engine_weights
 from kvstore.errors import KVStoreError
 from kvstore.pages.layouts import detect_layout
 from kvstore.pages.namespace import Namespace

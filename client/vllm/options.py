@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from client.memory.device_pages import DeviceCopier, default_copier
 from client.paging.breaker import CircuitBreaker
+from client.stats import ClientStats
 from client.sync_client import KVCacheClient
 from client.vllm.support import cache_dtype
+from client.vllm.weights import engine_weights
 from kvstore.errors import InvalidInputError
 from kvstore.index.routing import redact_url
 from kvstore.pages.namespace import Namespace, Tenant
-from kvstore.pages.weights import fingerprint
 from kvstore.settings.client import ClientOptions, client_options, client_options_from_env
 from kvstore.settings.config import ByteSize, first_error
 
@@ -69,6 +72,13 @@ class ConnectorOptions(BaseModel):
         description="seconds the open breaker answers every lookup with a miss before one probe",
     )
     load_threads: int = Field(2, ge=1, le=64, description="loads running at once on each worker")
+    layerwise_loads: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description=(
+            "load a hit during the forward pass, layer by layer, instead of before the request"
+            " is scheduled (auto: on CUDA engines without hybrid groups or a draft)"
+        ),
+    )
     staging_bytes: ByteSize = Field(
         512 << 20,
         description=(
@@ -166,6 +176,17 @@ def token_source(options: ClientOptions) -> str:
     return "nowhere (nodes must run --anonymous)"
 
 
+def layerwise_loads(conf: ConnectorOptions, *, hybrid: bool, draft: bool) -> bool:
+    """Whether hits load during the forward pass, layer by layer (``layerwise_loads``;
+    auto: on CUDA engines, where loads land straight in device memory, without hybrid
+    groups or a draft, whose pages land whole)."""
+    if conf.layerwise_loads != "auto":
+        return conf.layerwise_loads == "on"
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda() and not hybrid and not draft
+
+
 def lookup_breaker(conf: ConnectorOptions) -> CircuitBreaker:
     """The scheduler's breaker: backs off to 30 s, or to the configured cooldown when
     that is longer (every cooldown ``ConnectorOptions`` accepts must build one)."""
@@ -174,45 +195,6 @@ def lookup_breaker(conf: ConnectorOptions) -> CircuitBreaker:
         conf.breaker_cooldown_s,
         max_cooldown=max(30.0, conf.breaker_cooldown_s),
     )
-
-
-def engine_weights(vllm_config: VllmConfig, options: ClientOptions) -> str:
-    """Which weights this engine's KV comes from (``Namespace.weights``): the operator's
-    ``weights_revision`` when set, else a fingerprint of the checkpoint's files
-    (``kvstore.pages.weights``: milliseconds at start, the same on every machine
-    holding the same files), with the runtime quantization when there is one (the same
-    files quantized on load compute other KV). A model that is neither a local
-    checkpoint nor one in the local hub cache is named by id and revision, and said so."""
-    if options.weights_revision:
-        return options.weights_revision
-    model = vllm_config.model_config
-    found = checkpoint_fingerprint(model.model, model.revision)
-    if found is None:
-        found = f"id:{model.model}@{model.revision or 'default'}"[:200]
-        log.warning(
-            "KVStoreConnector: cannot read the checkpoint of %s to fingerprint it; its pages are keyed by model id and "
-            "revision only: set weights_revision in kv_connector_extra_config when the weights change under that name",
-            model.model,
-        )
-    quantization = getattr(model, "quantization", None)
-    return f"{found} quant:{quantization}" if quantization else found
-
-
-def checkpoint_fingerprint(model_id: str, revision: str | None) -> str | None:
-    """The fingerprint of a local checkpoint, or of one in the local Hugging Face
-    cache; None when neither holds ``model_id``."""
-    return fingerprint(model_id) or _hub_fingerprint(model_id, revision)
-
-
-def _hub_fingerprint(model_id: str, revision: str | None) -> str | None:
-    """The fingerprint of ``model_id``'s snapshot in the local Hugging Face cache; None
-    when it is not there (nothing is downloaded)."""
-    try:
-        from huggingface_hub import snapshot_download
-
-        return fingerprint(snapshot_download(model_id, revision=revision, local_files_only=True))
-    except Exception:  # not a hub id, not cached, no huggingface_hub: no fingerprint
-        return None
 
 
 def stage_layers(vllm_config: VllmConfig, pp_rank: int) -> tuple[int, int]:
@@ -337,6 +319,7 @@ def rank_client(
     tp_rank: int,
     pp_rank: int,
     all_heads: bool = False,
+    device: Callable[[ClientStats], DeviceCopier | None] = default_copier,
 ) -> KVCacheClient:
     """A client for one rank's pages; with ``all_heads`` (the scheduler) for every head
     group, so a lookup counts a block only when every worker can load it."""
@@ -350,7 +333,7 @@ def rank_client(
     )
     if all_heads:  # the storage namespace is the TP=1 view of every head group
         ns = ns.storage
-    client = KVCacheClient(None, ns, options=options)
+    client = KVCacheClient(None, ns, options=options, device=device)
     log.info("KVStoreConnector (%s): %s", side, start_line(client, options))
     return client
 

@@ -5,7 +5,9 @@ loads to start, which finished prefills to save.
 stored (always leaving one prompt token to compute), waiting at most
 ``lookup_budget_ms``; past it, on an index fault, or while the circuit breaker is open
 after repeated faults, the request is a miss. A hit is loaded asynchronously: the
-request waits in WAITING_FOR_REMOTE_KVS while others keep running.
+request waits in WAITING_FOR_REMOTE_KVS while others keep running; or, with layer-wise
+loads (GPU engines), in the step that computes the rest of its prompt, during the
+forward pass.
 ``build_connector_meta`` hands the workers the loads to start and the saves of
 requests whose prefill (possibly chunked) completed this step. When the engine
 publishes KV events, each save's ``BlockStored`` is built here and published once
@@ -55,8 +57,12 @@ class ConnectorScheduler:
         hybrid: bool = False,
         draft: KVCacheClient | None = None,
         draft_drop: int = 0,
+        layerwise: bool = False,
     ) -> None:
         self._conf = conf
+        # hits are loaded in the step that computes the rest of their prompt, layer by
+        # layer (client.paging.layerwise), not while the request waits
+        self._layerwise = layerwise
         # A speculative draft's pages (client.vllm.drafts): a hit is the shorter of the
         # target's and the draft's prefixes, less ``draft_drop`` blocks (EAGLE/MTP).
         self._draft = draft
@@ -195,8 +201,9 @@ class ConnectorScheduler:
             [],
             num_computed_tokens // self._block_size,
             draft_found=answer[1],
+            layerwise=self._layerwise,
         )
-        return new, True
+        return new, not self._layerwise
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

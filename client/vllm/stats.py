@@ -10,7 +10,9 @@ save or gather."""
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -20,6 +22,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
+
+from client.stats import ClientStats
+from kvstore.errors import CredentialError
 
 # counter name -> what it counts (exported as vllm:kvstore_<name>_total)
 COUNTERS = {
@@ -194,3 +199,53 @@ class StatsRecorder:
                 return None
             stats, self.stats = self.stats, KVStoreConnectorStats()
         return stats
+
+
+# A refused token is a configuration error every load and save hits: logged at ERROR
+# the first time, then at most once a minute (counted every time).
+CREDENTIAL_LOG_EVERY_S = 60.0
+
+
+class RefusalLog:
+    """A worker's answer to the store refusing its credentials: the engine goes on
+    (loads recompute, saves are future misses); each refusal is counted in ``stats``,
+    and logged at ERROR the first time and then at most once a minute. ``refused`` is
+    called on loader and saver threads."""
+
+    def __init__(self, stats: StatsRecorder) -> None:
+        self._stats = stats
+        self._lock = threading.Lock()
+        self._logged = -CREDENTIAL_LOG_EVERY_S  # monotonic time of the last ERROR line
+
+    def refused(self, exc: CredentialError) -> None:
+        self._stats.count(credential_refusals=1)
+        with self._lock:
+            now = time.monotonic()
+            if now - self._logged < CREDENTIAL_LOG_EVERY_S:
+                return
+            self._logged = now
+        logging.getLogger("client.vllm.worker").error(
+            "the store refused this engine's credentials; loads recompute and saves are dropped until it is fixed "
+            "(logged at most once a minute, counted in vllm:kvstore_credential_refusals_total): %s",
+            exc,
+        )
+
+
+class DeviceCounts:
+    """The worker clients' device counters (``ClientStats``), added to the connector's
+    each step since they were last reported: loads that landed in GPU memory straight
+    from the store, and node slabs the GPU could not register. Engine thread."""
+
+    def __init__(self, stats: StatsRecorder) -> None:
+        self._stats = stats
+        self._seen = (0, 0)
+
+    def report(self, clients: list[ClientStats]) -> None:
+        seen = (
+            sum(c.device_transfers for c in clients),
+            sum(c.host_register_failures for c in clients),
+        )
+        loads, failures = seen[0] - self._seen[0], seen[1] - self._seen[1]
+        self._seen = seen
+        if loads or failures:
+            self._stats.count(device_loads=loads, host_register_failures=failures)

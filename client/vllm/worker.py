@@ -12,7 +12,9 @@ on threads of their own, so nothing blocks the engine step for a transfer.
   ``get_finished`` reports finished loads; blocks that did not arrive are reported
   through ``get_block_ids_with_load_errors`` no later than that, and vLLM recomputes
   them. Every worker reports every load it was given, so with several TP workers
-  vLLM's ``KVOutputAggregator`` sees a request finished only once all have.
+  vLLM's ``KVOutputAggregator`` sees a request finished only once all have. Layer-wise
+  loads (``LoadSpec.layerwise``) run in the step's forward instead
+  (``client.paging.layerwise``): ``wait_for_layer_load`` feeds each layer.
 - Saves: ``wait_for_save`` copies the blocks out of the cache at the end of the step
   (on a GPU into a device scratch on the compute stream, so later steps may reuse the
   blocks, and from it to the host on a stream of its own, left in flight) and
@@ -33,9 +35,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from client.memory.device_pages import DeviceCopier, default_copier
+from client.paging.layerwise import LayerwiseLoads
 from client.paging.loader import LoadOutcome, PageLoader, ids_from, layer_rows
 from client.paging.paged_cache import GatherResult, PagedCache
 from client.paging.staging_pool import StagingPool
+from client.stats import ClientStats
 from client.sync_client import KVCacheClient
 from client.vllm.cache_checks import layer_groups_of, stage_layout
 from client.vllm.drafts import DraftFacts, DraftPages, draft_layout, rank_draft_client
@@ -46,9 +51,9 @@ from client.vllm.options import (
     rank_client,
 )
 from client.vllm.saver import SaveQueue
-from client.vllm.stats import StatsRecorder
+from client.vllm.stats import DeviceCounts, RefusalLog, StatsRecorder
 from client.vllm.support import vllm_ranks
-from kvstore.errors import CredentialError, KVStoreError
+from kvstore.errors import KVStoreError
 from kvstore.settings.client import ClientOptions
 
 if TYPE_CHECKING:
@@ -56,9 +61,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger(__name__)
-# A refused token is a configuration error every load and save hits: logged at ERROR
-# the first time, then at most once a minute (counted every time).
-CREDENTIAL_LOG_EVERY_S = 60.0
 # Longest an idle engine step waits in get_finished for a load to finish: short enough
 # that a request arriving meanwhile is scheduled without a noticeable delay.
 _IDLE_WAIT_S = 0.02
@@ -81,7 +83,9 @@ class ConnectorWorker:
         kv_cache_config: KVCacheConfig | None = None,
         drafts: DraftFacts | None = None,
         ranks: Callable[[], tuple[int, int]] = vllm_ranks,
+        device: Callable[[ClientStats], DeviceCopier | None] = default_copier,
     ) -> None:
+        self._device = device  # builds the client's device copier (KVStoreConnector)
         self._vllm_config = vllm_config
         self._ranks = ranks  # (PP rank, TP rank), asked in register_kv_caches
         self._drafts = drafts  # the draft's layers, stored apart (client.vllm.drafts)
@@ -95,11 +99,10 @@ class ConnectorWorker:
         self._conf = conf
         self._options = options
         self._stats = stats
-        # guards what the engine thread and the loader and saver threads share: the load
-        # errors and when the credential error was last logged (taken before the stats
-        # recorder's lock, never after it)
+        # guards the load errors, which the engine thread and the loader threads share
+        # (taken before the stats recorder's lock, never after it)
         self._lock = threading.Lock()
-        self._credential_logged = -CREDENTIAL_LOG_EVERY_S  # monotonic time of the last ERROR line
+        self._refusals = RefusalLog(stats)
         self._block_size = vllm_config.cache_config.block_size
         self._client: KVCacheClient | None = None
         self._cache: PagedCache | None = None
@@ -109,12 +112,12 @@ class ConnectorWorker:
         self._load_errors: set[int] = set()
         # saves copied out and not yet published, and their outcomes for the scheduler's
         # KV events (client.vllm.events)
-        self._saves = SaveQueue(conf.max_pending_save_bytes, stats, self._credential_refused)
+        self._saves = SaveQueue(conf.max_pending_save_bytes, stats, self._refusals.refused)
         self._load_stream: Any = None
         self._staging: StagingPool | None = None
         self._page_loader: PageLoader | None = None  # set once register_kv_caches succeeds
-        # the clients' device counters as last reported (``_count_device``)
-        self._device_seen = (0, 0)
+        self._layerwise: LayerwiseLoads | None = None  # likewise
+        self._devices = DeviceCounts(stats)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if not self._enabled:
@@ -147,6 +150,7 @@ class ConnectorWorker:
             layout=layout,
             tp_rank=tp_rank,
             pp_rank=pp_rank,
+            device=self._device,
         )
         buffers = self._conf.load_threads + 1  # every load at once, and one save
         pages = self._conf.staging_bytes // buffers // self._client.namespace.page_nbytes
@@ -165,7 +169,16 @@ class ConnectorWorker:
             block_size=self._block_size,
             layer_groups=self._layer_groups,
             load_stream=self._load_stream,
-            credential_refused=self._credential_refused,
+            credential_refused=self._refusals.refused,
+        )
+        self._layerwise = LayerwiseLoads(
+            self._page_loader,
+            self._cache,
+            self._loader,
+            self._load,
+            feeds=draft_cache is None,  # a draft's pages land whole, beside the target's
+            timeout=self._client.call_limit,
+            layer_index={name: i for i, name in enumerate(names)},
         )
         if draft_cache is not None and self._drafts is not None:
             client = rank_draft_client(
@@ -197,7 +210,16 @@ class ConnectorWorker:
                     self._load_errors.update(ids_from(spec, spec.start_block))
                 self._unloadable.add(spec.req_id)
                 continue
+            if spec.layerwise and self._layerwise is not None:
+                self._layerwise.start(spec, after)  # this step's forward waits for it
+                continue
             self._loading[spec.req_id] = self._loader.submit(self._load, spec, after)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Engine thread, before the layer reads the cache: its part of this step's
+        layer-wise loads (``client.paging.layerwise``)."""
+        if self._layerwise is not None:
+            self._layerwise.wait_layer(layer_name)
 
     def _load(self, spec: LoadSpec, after: Any) -> LoadOutcome:
         """Loader thread: the target's blocks, then the draft's of the same blocks when the
@@ -255,30 +277,23 @@ class ConnectorWorker:
             if not future.done():
                 continue
             del self._loading[req_id]
-            outcome: LoadOutcome = future.result()
-            with self._lock:
-                self._load_errors.update(outcome.failed)
-                self._stats.count(load_bytes=outcome.nbytes, load_failed_blocks=len(outcome.failed))
-                self._stats.stats.observe("load_seconds", outcome.seconds)
+            self._record(future.result())
             done.add(req_id)
-        self._count_device()
+        draft = self._draft.client if self._draft is not None else None
+        self._devices.report([c.stats for c in (self._client, draft) if c is not None])
         return None, done or None
 
-    def _count_device(self) -> None:
-        """Engine thread: the loads that landed in GPU memory straight from the store and
-        the node slabs the GPU could not register since the last step (the clients count
-        them: ``ClientStats``), into the connector's counters."""
-        clients = [c for c in (self._client, self._draft.client if self._draft else None) if c]
-        seen = (
-            sum(c.stats.device_transfers for c in clients),
-            sum(c.stats.host_register_failures for c in clients),
-        )
-        loads, failures = seen[0] - self._device_seen[0], seen[1] - self._device_seen[1]
-        self._device_seen = seen
-        if loads or failures:
-            self._stats.count(device_loads=loads, host_register_failures=failures)
+    def _record(self, outcome: LoadOutcome) -> None:
+        """A finished load's failed blocks (reported to vLLM) and counts."""
+        with self._lock:
+            self._load_errors.update(outcome.failed)
+            self._stats.count(load_bytes=outcome.nbytes, load_failed_blocks=len(outcome.failed))
+            self._stats.stats.observe("load_seconds", outcome.seconds)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """Engine thread, after the forward: this step's layer-wise loads end here."""
+        for _, outcome in self._layerwise.finish() if self._layerwise is not None else []:
+            self._record(outcome)
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
         return errors
@@ -370,22 +385,6 @@ class ConnectorWorker:
     def take_save_outcomes(self) -> SaveOutcomes | None:
         """Outcomes of saves finished since the engine step last asked (its KV events)."""
         return self._saves.take_outcomes()
-
-    def _credential_refused(self, exc: CredentialError) -> None:
-        """Loader or saver thread: every node refused the engine's token. The engine
-        goes on (loads recompute, saves are future misses); counted, and logged at
-        ERROR the first time and then at most once a minute."""
-        self._stats.count(credential_refusals=1)
-        with self._lock:
-            now = time.monotonic()
-            if now - self._credential_logged < CREDENTIAL_LOG_EVERY_S:
-                return
-            self._credential_logged = now
-        log.error(
-            "the store refused this engine's credentials; loads recompute and saves are dropped until it is fixed "
-            "(logged at most once a minute, counted in vllm:kvstore_credential_refusals_total): %s",
-            exc,
-        )
 
     def shutdown(self) -> None:
         """Finish the saves in flight (each is bounded by the client's timeout), then stop."""
