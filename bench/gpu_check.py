@@ -42,11 +42,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import importlib
 import importlib.util
+import io
 import logging
 import os
 import platform
+import pstats
 import re
 import statistics
 import subprocess
@@ -898,19 +901,16 @@ def section_tests(report: Report, dev: Dev, cluster: Any, args: argparse.Namespa
         report(f"    {line}")
 
 
-def section_breakdown(report: Report, dev: Dev, cluster: Any, args: argparse.Namespace) -> None:
-    """Where a same-host device load of 2 MiB pages spends its time: the lookup, the plan,
-    the copies until landed, the wait for the checks; and the copy engine's rate from
-    the node's registered slabs alone, and the checks alone in one launch and in
-    batches, against the pinned copy."""
-    if not dev.cuda:
-        report("  skipped: needs a GPU")
-        return
-    from client.memory.device_pages import CHECK_BATCH, CudaCopier
+def get_marks(
+    report: Report, dev: Dev, cluster: Any, args: argparse.Namespace, size: str
+) -> tuple[Any, Any, Any, Any, Any]:
+    """Same-host device gets of ``size`` pages timed by stage (the lookup, the node's
+    plan, queuing the copies and checks, waiting for them), and the client's event-loop
+    thread profiled over one get (its 12 costliest functions by own time)."""
+    from client.memory.device_pages import CudaCopier
     from client.nodes.shm_connection import ShmConnection
-    from kvstore.pages import device_checksum
 
-    client, src, tokens, ns = stored_pages(cluster, dev, SIZES["2 MiB"], args.total)
+    client, src, tokens, ns = stored_pages(cluster, dev, SIZES[size], args.total)
     n, nbytes = src.shape[0], src.numel() * src.element_size()
     rows_ = torch.empty((n, *ns.page_shape), dtype=ns.torch_dtype(), device=dev.device)
     client.get_found_device(client.find(tokens), rows_)
@@ -952,9 +952,41 @@ def section_breakdown(report: Report, dev: Dev, cluster: Any, args: argparse.Nam
     finally:
         CudaCopier.land, ShmConnection._plan = land, plan  # type: ignore[method-assign]
     report(
-        f"  {n} pages of 2 MiB ({nbytes / MiB:.0f} MiB), medians of {args.rounds}: "
+        f"  {n} pages of {size} ({nbytes / MiB:.0f} MiB), medians of {args.rounds}: "
         + ", ".join(f"{k} {statistics.median(v) * 1e3:.2f} ms" for k, v in marks.items() if v)
     )
+    profile = cProfile.Profile()
+
+    async def switch(on: bool) -> None:  # on the client's loop thread, where gets run
+        (profile.enable if on else profile.disable)()
+
+    found = client.find(tokens)
+    client._run(switch(True))
+    client.get_found_device(found, rows_)
+    client._run(switch(False))
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(12)
+    report("  the client's loop thread over one get (cProfile, by own time):")
+    for line in out.getvalue().splitlines():
+        if line.strip() and not line.startswith(("   Ordered", "   List")):
+            report(f"    {line.strip()[:150]}")
+    return client, src, tokens, ns, rows_
+
+
+def section_breakdown(report: Report, dev: Dev, cluster: Any, args: argparse.Namespace) -> None:
+    """Where a same-host device load spends its time, for 64 KiB and 2 MiB pages
+    (``get_marks``); and for 2 MiB pages the copy engine's rate from the node's
+    registered slabs alone, and the checks alone in one launch and in batches, against
+    the pinned copy."""
+    if not dev.cuda:
+        report("  skipped: needs a GPU")
+        return
+    from client.memory.copy_plans import CHECK_BATCH
+    from kvstore.pages import device_checksum
+
+    get_marks(report, dev, cluster, args, "64 KiB")[0].close()
+    client, src, tokens, ns, rows_ = get_marks(report, dev, cluster, args, "2 MiB")
+    n = src.shape[0]
     conn = next(c for c in client._async.nodes._conns.values() if c.path == "shm")
     maps = [
         (r, m) for r, m in conn._maps.items() if conn._registered.get(r) is not None

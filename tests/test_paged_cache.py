@@ -244,23 +244,24 @@ def test_scatter_writes_a_range_of_heads_and_leaves_the_others(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_hybrid_layers_gather_and_scatter_their_own_rows(device):
     """Hybrid groups (each layer its own group's blocks, a sliding layer skipping the
-    positions below its window): ``gather_layers`` fills exactly each layer's rows of the
-    host pages (on a GPU through the save stream: rows filled earlier stay as they were),
-    and ``scatter_layers`` writes them back into those blocks only."""
+    positions below its window): ``gather_layers`` fills each layer's rows of the host
+    pages and zeros a layer's part of the rows it skips (never a pooled buffer's stale
+    bytes); rows not gathered now stay as they were (on a GPU through the save stream);
+    ``scatter_layers`` writes them back into those blocks only."""
     cache = PagedCache(
         [strided_cache((0, 1, 2, 3, 4), device, seed=7)[layer] for layer in range(L)]
     )
     # layer 0: full attention, positions 0-3 in blocks 3-6; layers 1-2: a sliding group
     # whose blocks of positions 0-1 are the null block (skipped)
     rows = [([0, 1, 2, 3], [3, 4, 5, 6]), ([2, 3], [10, 11]), ([2, 3], [10, 11])]
-    out = torch.full((4, *cache.page_shape), 7.0)
+    out = torch.full((5, *cache.page_shape), 7.0)  # row 4: gathered in an earlier step
     cache.gather_layers(rows, out).wait()
     for layer, (positions, blocks) in enumerate(rows):
-        for p in range(4):
+        for p in range(5):
             want = (
                 cache.layers[layer][blocks[positions.index(p)]]
                 if p in positions
-                else torch.full(cache.page_shape[1:], 7.0)
+                else torch.full(cache.page_shape[1:], 7.0 if p == 4 else 0.0)
             )
             assert torch.equal(bits(out[p, layer]), bits(want)), (layer, p)
     fresh = PagedCache([torch.zeros_like(kv) for kv in cache.layers])

@@ -12,9 +12,10 @@ block from the first one that failed its check, did not arrive, or whose layer w
 place when the forward took it. The engine then drops what the step sampled from them
 (vLLM does for sync loads), so a bad page costs a recompute, never wrong output.
 
-Measured on an NVIDIA H200 with pinned host memory (gpu_check section 3: 32 layers of a
-synthetic Llama-8B over 4,096 tokens, 512 MiB of KV): loading everything first 91.2 ms,
-layer by layer 84.0 ms, computing alone 83.5 ms. Loads this cannot feed layer by layer
+Measured on an NVIDIA H200 (bench/gpu_check.py section 3: 32 layers of a synthetic
+Llama-8B over 4,096 tokens, 512 MiB of KV stored as 2 MiB pages): the forward alone
+82.8 ms; the connector's whole load from the store, then the forward, 98.0 ms; this
+path, the load in the forward, 89.8 ms (1.08x). Loads this cannot feed layer by layer
 (no device copier, head groups, hybrid groups, a draft's pages) are loaded whole here
 before the forward starts, as the scheduler promised vLLM."""
 
@@ -75,6 +76,7 @@ class LayerwiseLoads:
         self._layer_index = layer_index  # the engine's layer names: the cache's layers
         self._fed: list[_Fed] = []
         self._done: list[tuple[LoadSpec, LoadOutcome]] = []
+        self._warned = False  # the line about loads that cannot be fed
 
     def start(self, spec: LoadSpec, after: Any) -> None:
         """Before the forward: start ``spec``'s load, fed layer by layer where it can be,
@@ -82,6 +84,14 @@ class LayerwiseLoads:
         stream waits for)."""
         blocks = spec.block_ids[spec.start_block :]
         if not self._feeds or not blocks:
+            if blocks and not self._warned:
+                self._warned = True
+                log.warning(
+                    "layer-wise loads are on, but this worker lands pages whole (no device "
+                    "copier with 2-D copies, head groups, hybrid groups or a draft): each "
+                    "such load holds up its step until it is done; layerwise_loads=off lets "
+                    "them run beside the steps instead (logged once)"
+                )
             self._done.append((spec, self._threads.submit(self._whole, spec, after).result()))
             return
         cache = self._cache

@@ -248,11 +248,17 @@ class PagedCache:
         self, layer_rows: list[tuple[list[int], list[int]]], out: torch.Tensor
     ) -> GatherResult:
         """Hybrid groups: fill rows of the host pages ``out`` from each layer's own blocks
-        (``_copy_layers``). Called on the engine thread at the end of the step, before
-        vLLM can free the blocks; on a GPU the device-to-host copy is left in flight
-        (``GatherResult.ready``)."""
+        (``_copy_layers``), a layer's part of a row it skips with zeros. Called on the
+        engine thread at the end of the step, before vLLM can free the blocks; on a GPU
+        the device-to-host copy is left in flight (``GatherResult.ready``)."""
         if not self._on_gpu:
             self._copy_layers(out, layer_rows, to_cache=False)
+            # a layer's part of a row it skips is zeros, as from the GPU's scratch: never
+            # the stale bytes of a pooled buffer (another request's, maybe another tenant's)
+            gathered = {r for rows, _ in layer_rows for r in rows}
+            for j, (layer, _) in enumerate(layer_rows):
+                for r in gathered.difference(layer):
+                    out[r, j].zero_()
             return GatherResult(out)
         scratch = torch.zeros(
             (out.shape[0], *self.page_shape), dtype=self.dtype, device=self.device
