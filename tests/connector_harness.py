@@ -232,11 +232,7 @@ class ConnectorHarness:
             finished_recving=results.finished_recving,
             invalid_block_ids=worker.get_block_ids_with_load_errors(),
         )
-        for side in (worker, self.scheduler.connector):  # the lookups' stats are the scheduler's
-            assert side is not None
-            stats = side.get_kv_connector_stats()
-            if stats is not None:
-                self._stats = stats if self._stats is None else self._stats.aggregate(stats)
+        self._collect()
         worker.clear_connector_metadata()
         req_ids = list(out.num_scheduled_tokens)
         output = ModelRunnerOutput(
@@ -329,8 +325,19 @@ class ConnectorHarness:
                     break
         return wrong
 
+    def _collect(self) -> None:
+        """Take both halves' statistics since the last call, as vLLM does each step (the
+        lookups' are the scheduler's)."""
+        for side in (self.worker, self.scheduler.connector):
+            assert side is not None
+            stats = side.get_kv_connector_stats()
+            if stats is not None:
+                self._stats = stats if self._stats is None else self._stats.aggregate(stats)
+
     def metrics(self) -> dict:
-        """The connector's statistics so far, both halves (``KVStoreConnectorStats.data``)."""
+        """The connector's statistics so far, both halves (``KVStoreConnectorStats.data``),
+        including what the saver thread counted since the last step."""
+        self._collect()
         return dict(self._stats.data) if self._stats is not None else {}
 
     def close(self) -> None:

@@ -1,10 +1,14 @@
 """Faults as a client sees them: a cancelled blocking call, bad or unknown options, an
-index script error (a bug, not an outage), and a stopped index shard."""
+index script error (a bug, not an outage), a stopped index shard, and a lost node's
+lines in the client's output."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -25,6 +29,7 @@ from kvstore.pages import keys
 from kvstore.settings.client import client_options
 from kvstore.tools.launcher import LocalCluster
 from tests.helpers import (
+    ROOT,
     kv_for,
     metrics,
     namespace_for_page_size,
@@ -175,3 +180,44 @@ def insert_tokens(client, ns, tokens):
     return client.insert(
         torch.tensor(tokens), torch.ones(len(tokens), dtype=torch.bool), key, value
     )
+
+
+LOSING_CLIENT = """
+import sys, time, torch
+from client import KVCacheClient
+from kvstore import Namespace
+ns = Namespace(model="ucxx-log", dtype="float16", num_layers=2, num_kv_heads=2, head_size=32, block_size=16)
+with KVCacheClient(sys.argv[1], ns, timeout=2, same_host=False) as c:
+    tokens, pages = list(range(64)), torch.ones((4, *ns.page_shape), dtype=torch.float16)
+    c.put_pages(tokens, pages)
+    print("ready", flush=True)
+    end = time.time() + 5
+    while time.time() < end:
+        c.get_pages(tokens, torch.zeros_like(pages)); c.put_pages(tokens, pages); time.sleep(0.05)
+print("done", flush=True)
+"""
+
+
+@pytest.mark.process
+def test_a_lost_node_leaves_no_raw_ucxx_lines_in_the_clients_output(tmp_path):
+    """A client (an engine's, say) whose node was killed under its UCX gets and puts
+    says so in its own words, rate-limited; ucxx's own ERROR lines about the lost
+    endpoints ("Endpoint is not connected") stay out of the process's output (they did,
+    three in five seconds, before ``UCXX_LOG_LEVEL`` defaulted to FATAL)."""
+    script = tmp_path / "losing_client.py"
+    script.write_text(LOSING_CLIENT)
+    with LocalCluster(servers=1, capacity="64MiB", slab_size="16MiB") as cluster:
+        proc = subprocess.Popen(
+            [sys.executable, str(script), cluster.redis_url],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        time.sleep(0.5)
+        cluster.nodes[0].kill()
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and out.strip().endswith("done"), out[-2000:]
+    assert "node node-0 failed" in out and out.count("node node-0 failed") == 1, out[-2000:]
+    assert not [line for line in out.splitlines() if "UCXX ERROR" in line], out[-2000:]

@@ -6,9 +6,12 @@ is in the other ``test_vllm*`` files."""
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import random
+import re
+import signal
 import socket
 import threading
 import time
@@ -305,3 +308,55 @@ def test_a_layerwise_load_recomputes_what_it_could_not_feed(model_dir, baseline,
     failed = 2 if waits else SHARED
     assert metrics["load_failed_blocks"] == failed, metrics
     assert metrics["load_bytes"] == (SHARED - failed) * PAGE_BYTES, metrics
+
+
+def test_every_save_that_does_not_reach_the_store_is_counted(model_dir, cluster):
+    """Saves that reach no node (the nodes stopped gracefully, the index up) and saves
+    with the index gone are each counted as a failure, with nothing counted as sent,
+    and the worker's log says so at most once a minute (the repeats at DEBUG)."""
+    with ConnectorHarness(model_dir, cluster.redis_url, role="kv_producer") as producer:
+        for node in cluster.nodes:
+            node.kill(signal.SIGTERM)  # deregisters: the index lists no live node
+        for node in cluster.nodes:
+            node.process.wait(10)
+        wait_for(lambda: not PageIndex(cluster.redis_url).live_nodes(), 10, "no live node")
+        producer.generate({"a": PROMPT_A, "c": PROMPT_C}, max_tokens=2)
+        wait_for(lambda: producer.metrics().get("save_failures", 0) >= 2, 10, "two failures")
+        assert not producer.metrics().get("save_bytes")
+        cluster.valkey.stop()  # and now the index too
+        producer.generate({"d": PROMPT_D}, max_tokens=2)
+        wait_for(lambda: producer.metrics().get("save_failures", 0) >= 3, 30, "a third failure")
+    metrics = producer.metrics()
+    assert metrics["save_failures"] == 3 and not metrics.get("save_bytes"), metrics
+
+
+def test_start_lines_warn_when_the_store_is_unusable_and_name_one_namespace(model_dir, cluster):
+    """Each side's start line is INFO when the index and a node answer, a WARNING when
+    the index is unreachable (the engine runs without the store), and both sides name
+    the one namespace id the index lists. A misspelt key is refused naming the option
+    it is closest to, and its kind."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("client.vllm.options")  # kvstore's loggers do not propagate
+    logger.addHandler(handler)  # once the connector adopted vLLM's handlers
+    save(model_dir, cluster, {"a": PROMPT_A})  # the index lists namespaces holding pages
+    records.clear()
+    try:
+        with ConnectorHarness(model_dir, cluster.redis_url):
+            pass
+        good = [r for r in records if "KVStoreConnector (" in r.getMessage()]
+        records.clear()
+        with ConnectorHarness(model_dir, "redis://127.0.0.1:1/0"):
+            pass
+        bad = [r for r in records if "KVStoreConnector (" in r.getMessage()]
+    finally:
+        logger.removeHandler(handler)
+    assert len(good) == len(bad) == 2  # the scheduler's and the worker's (kv_both)
+    assert {r.levelname for r in good} == {"INFO"} and {r.levelname for r in bad} == {"WARNING"}
+    assert all("NOT reached" in r.getMessage() for r in bad)
+    ids = {re.search(r"namespace ([0-9a-f]{32})", r.getMessage())[1] for r in good + bad}
+    listed = {n.namespace.digest_hex for n in PageIndex(cluster.redis_url).stats().namespaces}
+    assert len(ids) == 1 and ids <= listed, (ids, listed)
+    with pytest.raises(ValueError, match="did you mean the connector option lookup_budget_ms"):
+        ConnectorHarness(model_dir, cluster.redis_url, extra={"lookup_budget_msec": 100})

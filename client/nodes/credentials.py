@@ -9,11 +9,14 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
+from client.log_limit import LogLimit
 from client.nodes.calls import NodeRefusedError
 from client.stats import ClientStats
 from kvstore.errors import CredentialError
 
 log = logging.getLogger(__name__)
+# a refused token repeats with every call: at most a line a minute per tenant and node
+_LIMIT = LogLimit(log)
 Verb = Literal["store", "read"]
 
 
@@ -32,7 +35,7 @@ class CallRefusals:
         """A node refused this client's token: counted and logged."""
         self._stats.credential_refusals += 1
         self._refusals.append(exc)
-        log.warning("%s", exc)
+        _LIMIT.warning(f"{self._tenant} {exc.node_id}", "%s", exc)
 
     def raise_if_all(self, asked: set[str]) -> None:
         """Raise ``CredentialError`` when every node in ``asked`` refused the token."""

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from client.log_limit import LogLimit
 from client.memory.buffers import Span
 from client.memory.device_pages import DeviceCopier
 from client.nodes.calls import ClosedBeforeUseError, NodeRefusedError, SameHostUnavailableError
@@ -57,6 +58,8 @@ class NodeDirectory:
         refresh: float,
         device: DeviceCopier | None = None,
     ) -> None:
+        # per-request faults (a node failing each call) repeat at most once a minute
+        self.log_limit = LogLimit(log)
         self.index = index
         self.stats = stats
         self.ucxx: Any = None
@@ -250,7 +253,12 @@ class NodeDirectory:
             return await work(conn), conn
         except SameHostUnavailableError as exc:
             self._shm_failed[node.node_id] = node.incarnation
-            log.warning("same-host path to %s unavailable, using UCX: %s", node.node_id, exc)
+            self.log_limit.warning(
+                f"no shm {node.node_id}",
+                "same-host path to %s unavailable, using UCX: %s",
+                node.node_id,
+                exc,
+            )
             conn = self._conn(node)
             return await work(conn), conn
 
@@ -264,7 +272,9 @@ class NodeDirectory:
         )
         if self._wake is not None:
             self._wake.set()  # read the registry now: the node may have gone
-        log.warning("node %s failed, its pages count as missing: %s", node_id, exc)
+        self.log_limit.warning(
+            f"failed {node_id}", "node %s failed, its pages count as missing: %s", node_id, exc
+        )
 
     def ok(self, node_id: str) -> None:
         """``node_id`` answered: its earlier failures are forgiven."""

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from client.memory.layer_feed import LayerFeed
-from client.paging.loader import LoadOutcome, PageLoader, ids_from
+from client.paging.loader import LOAD_LOG, LoadOutcome, PageLoader, ids_from
 from client.paging.paged_cache import PagedCache
 from client.paging.specs import LoadSpec
 
@@ -139,7 +139,8 @@ class LayerwiseLoads:
             good = max(min(got, spec.start_block + load.feed.first_late()), spec.start_block)
             failed = ids_from(spec, good)
             if failed:
-                log.warning(
+                LOAD_LOG.warning(
+                    "blocks recomputed",
                     "request %s: %d of %d blocks could not be loaded and will be recomputed",
                     spec.req_id,
                     len(failed),

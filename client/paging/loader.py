@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from client.gets.landing import Landing, choose_landing
+from client.log_limit import LogLimit
 from client.memory.layer_feed import LayerFeed
 from client.paging.paged_cache import PagedCache
 from client.paging.specs import LoadSpec
@@ -26,6 +27,8 @@ from kvstore.pages import heads
 
 # Logged under the worker's name, as before the load path had a module of its own.
 log = logging.getLogger("client.vllm.worker")
+# faults repeat with every load: a WARNING at most once a minute, the others at DEBUG
+LOAD_LOG = LogLimit(log)
 
 
 @dataclass
@@ -199,14 +202,15 @@ class PageLoader:
             self._credential_refused(exc)
             got = spec.start_block
         except Exception as exc:
-            log.warning("load of %s failed: %s", spec.req_id, exc)
+            LOAD_LOG.warning("load failed", "load of %s failed: %s", spec.req_id, exc)
             got = spec.start_block
         finally:
             for held in ([pages] if pages is not None else []) + taken:
                 staging.give_pages(held)
         failed = ids_from(spec, max(got, spec.start_block))
         if failed:
-            log.warning(
+            LOAD_LOG.warning(
+                "blocks recomputed",
                 "request %s: %d of %d blocks could not be loaded and will be recomputed",
                 spec.req_id,
                 len(failed),
@@ -226,7 +230,7 @@ class PageLoader:
         except CredentialError as exc:
             self._credential_refused(exc)
         except Exception as exc:
-            log.warning("load of %s failed: %s", spec.req_id, exc)
+            LOAD_LOG.warning("load failed", "load of %s failed: %s", spec.req_id, exc)
         finally:
             feed.close()
         return spec.start_block

@@ -190,7 +190,7 @@ class Publisher:
                 self._nodes.failed(node.node_id, exc)
                 return None
             # the index lost the namespace: register it again, so the next put works
-            log.warning("put refused: %s", exc)
+            self._nodes.log_limit.warning("put refused", "put refused: %s", exc)
             await self._registration.again()
             return None
         except RemoteFault as exc:

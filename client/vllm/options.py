@@ -3,6 +3,7 @@ both sides of the connector read from vLLM's config and requests."""
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 from collections.abc import Callable
@@ -136,6 +137,7 @@ def connector_options(extra: dict[str, Any]) -> tuple[ConnectorOptions, ClientOp
         raise InvalidInputError(
             "KVStoreConnector has no index URL: put redis_url in kv_connector_extra_config or export KVSTORE_REDIS_URL"
         )
+    unknown_key(extra)
     own = {k: v for k, v in extra.items() if k in ConnectorOptions.model_fields}
     try:
         options = ConnectorOptions.model_validate(own)
@@ -156,6 +158,24 @@ def connector_options(extra: dict[str, Any]) -> tuple[ConnectorOptions, ClientOp
         **{k: v for k, v in extra.items() if k not in own},
     }
     return options, client_options(**client)
+
+
+def unknown_key(extra: dict[str, Any]) -> None:
+    """Raise ``InvalidInputError`` for the first key of ``kv_connector_extra_config`` that
+    is neither a connector nor a client option, naming the closest of either kind."""
+    kinds = {name: "connector" for name in ConnectorOptions.model_fields}
+    kinds.update((name, "client") for name in ClientOptions.model_fields)
+    for key in extra:
+        if key in kinds:
+            continue
+        close = difflib.get_close_matches(key, list(kinds), n=1, cutoff=0.6)
+        hint = (
+            f"; did you mean the {kinds[close[0]]} option {close[0]}?"
+            if close
+            else " (docs/vllm-connector.md lists the connector's options, docs/operations.md"
+            " the client's)"
+        )
+        raise InvalidInputError(f"kv_connector_extra_config has no option {key!r}{hint}")
 
 
 def token_source(options: ClientOptions) -> str:
@@ -334,13 +354,17 @@ def rank_client(
     if all_heads:  # the storage namespace is the TP=1 view of every head group
         ns = ns.storage
     client = KVCacheClient(None, ns, options=options, device=device)
-    log.info("KVStoreConnector (%s): %s", side, start_line(client, options))
+    line, well = start_line(client, options)
+    (log.info if well else log.warning)("KVStoreConnector (%s): %s", side, line)
     return client
 
 
-def start_line(client: KVCacheClient, options: ClientOptions) -> str:
+def start_line(client: KVCacheClient, options: ClientOptions) -> tuple[str, bool]:
     """One line of what the connector reached at start: the index, the live nodes,
-    the tenant, where the token came from, and the namespace."""
+    the tenant, where the token came from, and the namespace (the id ``kvstore stats``
+    lists, the same on every side and rank of an engine); and whether all is well (else
+    the line is a WARNING: an unreachable index, a refused token or no live node leave
+    the engine running without the store)."""
     ns = client.namespace
     status = client.start_status()
     index = f"index {redact_url(options.redis_url)} " + (
@@ -354,12 +378,19 @@ def start_line(client: KVCacheClient, options: ClientOptions) -> str:
         if status.refused
         else ""
     )
-    nodes = f" ({', '.join(status.nodes)})" if status.nodes else ""
-    return (
+    nodes = (
+        f" ({', '.join(status.nodes)})"
+        if status.nodes
+        else ": saves and loads fail until one registers"
+        if status.index_reached
+        else ""
+    )
+    line = (
         f"{index}, {len(status.nodes)} live node(s){nodes}, tenant {ns.tenant}, "
-        f"token from {token_source(options)}{refused}, namespace {ns.digest_hex} "
+        f"token from {token_source(options)}{refused}, namespace {ns.storage.digest_hex} "
         f"({ns.model} {ns.dtype} {ns.layout}, weights {ns.weights or '-'})"
     )
+    return line, status.index_reached and bool(status.nodes) and not status.refused
 
 
 def request_switch(params: dict[str, Any] | None, name: str, req_id: str) -> bool:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
+from client.log_limit import LogLimit
 from client.paging.paged_cache import GatherResult
 from client.paging.specs import SaveSpec
 from client.paging.staging_pool import StagingPool
@@ -24,6 +25,8 @@ from client.vllm.stats import StatsRecorder
 from kvstore.errors import CredentialError
 
 log = logging.getLogger(__name__)
+# a fault fails every save: a WARNING at most once a minute, the others at DEBUG
+_LIMIT = LogLimit(log)
 
 
 class SaveQueue:
@@ -113,14 +116,25 @@ class SaveQueue:
                 start_block=spec.start_block,
             )
             stored = report.refused == 0  # every page of this rank's part on some node
-            self._stats.count(save_bytes=report.bytes_sent)
-            log.debug("saved %s: %s", spec.req_id, report)
+            self._stats.count(save_bytes=report.bytes_sent, save_failures=0 if stored else 1)
+            if stored:
+                log.debug("saved %s: %s", spec.req_id, report)
+            else:  # no live node, every node failing or refusing: a future miss
+                _LIMIT.warning(
+                    "not stored",
+                    "save of %s not stored: %d of %d pages reached no node (a future miss)",
+                    spec.req_id,
+                    report.refused,
+                    report.refused + report.stored,
+                )
         except CredentialError as exc:
             self._stats.count(save_failures=1)
             self._credential_refused(exc)
         except Exception as exc:
             self._stats.count(save_failures=1)
-            log.warning("save of %s failed (a future miss, not an error): %s", spec.req_id, exc)
+            _LIMIT.warning(
+                "failed", "save of %s failed (a future miss, not an error): %s", spec.req_id, exc
+            )
         finally:
             staging.give_pages(gathered.pages)
             self._stats.observe("save_seconds", time.perf_counter() - started)
