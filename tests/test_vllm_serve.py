@@ -38,14 +38,18 @@ TINY = [
 ]
 
 
-def serve_command() -> list[str]:
+def serve_command() -> tuple[dict[str, str], list[str]]:
+    """README's serve line: the variables it sets before the command, and the command."""
     (line,) = [
-        line
-        for b in blocks("")
-        for line in b.splitlines()
-        if line.startswith("python -m vllm.entrypoints.openai.api_server")
+        line for b in blocks("") for line in b.splitlines() if "vllm.entrypoints.openai" in line
     ]
-    return shlex.split(line)
+    words = shlex.split(line)
+    env = {}
+    while "=" in words[0] and not words[0].startswith("-"):
+        name, value = words.pop(0).split("=", 1)
+        env[name] = value
+    assert words[:3] == [".venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"], words
+    return env, words
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +64,12 @@ class Server(OpenAIServer):
 
     def __init__(self, model: str, redis_url: str, log: str) -> None:
         port = free_port()
-        argv = [sys.executable if a == "python" else a for a in serve_command()]
+        env, argv = serve_command()
+        argv = [sys.executable if a == ".venv/bin/python" else a for a in argv]
         argv = [model if a == "MODEL_DIR" else str(port) if a == "8000" else a for a in argv]
         super().__init__(
             [*argv, "--host", "127.0.0.1", *TINY],
-            {"VLLM_CPU_KVCACHE_SPACE": "1", "KVSTORE_REDIS_URL": redis_url},
+            {**env, "KVSTORE_REDIS_URL": redis_url},
             log,
             port,
             wait_s=240,

@@ -213,12 +213,15 @@ def write_tiny_nemotron_h(path: str) -> None:
 def write_word_tokenizer(path: str, vocab: int = 512) -> None:
     """A word-level tokenizer, ``t0`` ... ``t<vocab-1>`` one token each, for what needs
     text (vLLM's OpenAI server, ``vllm bench serve``): ``"t5 t7"`` is tokens 5 and 7."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2"
-    ).save_pretrained(path)
+    # special tokens match whole words only: else "t12" was "t1" (bos) then "2" (unknown)
+    special = {
+        name: AddedToken(word, single_word=True, special=True)
+        for name, word in (("unk_token", "t0"), ("bos_token", "t1"), ("eos_token", "t2"))
+    }
+    PreTrainedTokenizerFast(tokenizer_object=tok, **special).save_pretrained(path)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from client.log_limit import LogLimit
 from client.lookups.registration import NamespaceRegistration
 from client.nodes.directory import NodeDirectory
 from client.stats import ClientStats
@@ -27,6 +28,8 @@ from kvstore.pages.identity import BlockExtras, RequestIdentity, resolve
 from kvstore.pages.namespace import Namespace
 
 log = logging.getLogger(__name__)
+# an index fault fails every lookup: a WARNING at most once a minute, then DEBUG
+_LIMIT = LogLimit(log)
 # What a call's ``identity`` may be: a request identity, one already resolved to blocks
 # (the vLLM connector's workers get those), or None for a plain request.
 Identity = RequestIdentity | BlockExtras | None
@@ -199,8 +202,10 @@ class PrefixLookup:
                 self._failed(found.unavailable)
                 return None
             self._stats.index_errors += 1
-            log.warning(
-                "an index shard failed, the prefix ends before its segments: %s", found.unavailable
+            _LIMIT.warning(
+                "shard failed",
+                "an index shard failed, the prefix ends before its segments: %s",
+                found.unavailable,
             )
         return found.resolve(nodes)
 
@@ -213,5 +218,5 @@ class PrefixLookup:
             )
         else:
             self._stats.index_errors += 1
-            log.warning("lookup failed, counting as a miss: %s", exc)
+            _LIMIT.warning("lookup failed", "lookup failed, counting as a miss: %s", exc)
         return None

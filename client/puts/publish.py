@@ -175,9 +175,11 @@ class Publisher:
         pages: list[OutgoingPage],
         checksum: ChecksumOnce,
         refusals: CallRefusals,
+        retried: bool = False,
     ) -> PutOutcome | None:
         """Put ``pages`` on ``node``; the node's outcome, or None when it failed or
-        refused (a node that lost the namespace gets it registered again)."""
+        refused. An index that lost the namespace (restarted empty) gets it registered
+        again, and the put is made once more, so a store's restart loses no save."""
         try:
             outcome, conn = await self._nodes.on_node(
                 node, lambda c: c.put(self._key, pages, checksum, self._timeout)
@@ -189,10 +191,12 @@ class Publisher:
             if exc.code is not P.RefusalCode.UNKNOWN_NAMESPACE:
                 self._nodes.failed(node.node_id, exc)
                 return None
-            # the index lost the namespace: register it again, so the next put works
+            # the index lost the namespace: register it again, and put once more
             self._nodes.log_limit.warning("put refused", "put refused: %s", exc)
             await self._registration.again()
-            return None
+            if retried or not self._registration.registered:
+                return None
+            return await self._put_on(node, pages, checksum, refusals, retried=True)
         except RemoteFault as exc:
             self._nodes.failed(node.node_id, exc)
             return None

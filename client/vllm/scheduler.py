@@ -20,6 +20,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from client.async_client import StoredPrefix
+from client.log_limit import LogLimit
 from client.sync_client import KVCacheClient
 from client.vllm.events import StoredEvents
 from client.vllm.identity import IdentityReader, KeyedPrompt, Unkeyable
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+# while the index is down every request would log it: at most a WARNING a minute
+_LIMIT = LogLimit(log)
 
 
 class ConnectorScheduler:
@@ -124,7 +127,8 @@ class ConnectorScheduler:
             )
             self._stats.stats.observe("lookup_seconds", seconds)
         if found is None and self._breaker.state != "closed":
-            log.warning(
+            _LIMIT.warning(
+                "breaker",
                 "index lookups keep failing: every request is a miss for the next %.1f s",
                 self._breaker.current_cooldown,
             )

@@ -17,7 +17,7 @@ from kvstore.errors import IndexUnavailableError, InvalidInputError, KVStoreErro
 from kvstore.tools.cli_access import run_acl, run_credential, run_events_key
 from kvstore.tools.cli_errors import EXIT_FAILED, EXIT_INDEX, EXIT_USAGE
 from kvstore.tools.cli_stats import run_stats
-from kvstore.tools.cli_up import run_up
+from kvstore.tools.cli_up import run_down, run_up
 from kvstore.tools.programs import STORAGE_NODE
 
 
@@ -117,6 +117,13 @@ def _main(argv: list[str]) -> int:
         default=None,
         help="write each node's log to DIR/<node id>.log (default: a new directory, kept after exit)",
     )
+    state_help = (
+        "where kvstore up keeps its token, index port and pid across restarts "
+        "(default $XDG_STATE_HOME/kvstore/up, or ~/.local/state/kvstore/up)"
+    )
+    up.add_argument("--state-dir", default=None, help=state_help)
+    down = sub.add_parser("down", help="stop the kvstore up running on a state directory")
+    down.add_argument("--state-dir", default=None, help=state_help)
     demo = sub.add_parser(
         "demo", help="prefill and decode processes sharing KV through a local store"
     )
@@ -217,6 +224,8 @@ def _main(argv: list[str]) -> int:
         return run_events_key(args)
     if args.command == "up":
         return run_up(args)
+    if args.command == "down":
+        return run_down(args)
     if args.command == "demo":
         from kvstore.tools.demo import run_demo
 

@@ -1,4 +1,6 @@
-"""``kvstore up``: embedded Valkey and storage nodes on loopback, served until Ctrl-C.
+"""``kvstore up``: embedded Valkey and storage nodes on loopback, served until Ctrl-C or
+``kvstore down``; a restart on the same state directory (``kvstore.tools.up_state``)
+keeps the index URL and the token, so engines recover by themselves.
 
 The nodes are started through ``LocalCluster``, imported when the command runs so the
 other commands start without it."""
@@ -14,10 +16,10 @@ import threading
 from typing import TYPE_CHECKING
 
 from kvstore.errors import InvalidInputError
-from kvstore.security.credentials import new_token
 from kvstore.settings.events import local
-from kvstore.tools.cli_access import index_from_env, write_secret
+from kvstore.tools.cli_access import index_from_env
 from kvstore.tools.cli_errors import EXIT_FAILED
+from kvstore.tools.up_state import UpState
 
 if TYPE_CHECKING:
     from kvstore.tools.launcher import LocalCluster
@@ -40,8 +42,10 @@ def run_up(args: argparse.Namespace) -> int:
     password = index_from_env()[1] if args.redis_url else None
     if args.redis_url:
         PageIndex(args.redis_url, password=password).ping()  # fail now, not after 30 s
-    with tempfile.TemporaryDirectory(prefix="kvstore-up-") as private:
-        token_env, token_note = _data_plane_token(private)
+    state = UpState(args.state_dir)
+    state.claim()
+    try:
+        token_env, token_note = _data_plane_token(state)
         if args.disk_capacity and not args.disk_path:
             raise InvalidInputError(
                 "--disk-capacity needs --disk-path (the directory the nodes' disk tiers live in)"
@@ -83,44 +87,75 @@ def run_up(args: argparse.Namespace) -> int:
             extra_args=extra or None,
             log_dir=log_dir,
             progress=lambda line: print(f"kvstore up: {line}", flush=True),
+            # the same index URL as the last start on this state directory, when free
+            index_port=None if args.redis_url or args.index_shards > 1 else state.index_port(),
         )
-        return _serve(args, cluster, token_note)
+        return _serve(args, cluster, token_note, state)
+    finally:
+        state.release()
 
 
-def _data_plane_token(private_dir: str) -> tuple[dict[str, str], str]:
+def _data_plane_token(state: UpState) -> tuple[dict[str, str], str]:
     """The nodes' token: the caller's (KVSTORE_AUTH_TOKEN or KVSTORE_AUTH_TOKEN_FILE in
-    the environment), else a fresh random one in a file only this user can read. The
-    token itself is never printed; clients are told where to read it."""
+    the environment), else the state directory's, made the first time in a file only
+    this user can read and kept across restarts. The token itself is never printed;
+    clients are told where to read it."""
     if os.environ.get("KVSTORE_AUTH_TOKEN") or os.environ.get("KVSTORE_AUTH_TOKEN_FILE"):
         return {}, "data-plane token: the one in your KVSTORE_AUTH_TOKEN(_FILE)"
-    path = os.path.join(private_dir, "auth-token")
-    write_secret(path, new_token())
+    path = state.token_file()
     return {"KVSTORE_AUTH_TOKEN_FILE": path}, f"export KVSTORE_AUTH_TOKEN_FILE={path}"
 
 
-def _serve(args: argparse.Namespace, cluster: LocalCluster, token_note: str) -> int:
+def run_down(args: argparse.Namespace) -> int:
+    """``kvstore down``: stop the ``kvstore up`` running on the state directory (SIGTERM,
+    then wait for it); stopping none is not an error."""
+    state = UpState(args.state_dir)
+    try:
+        pid = state.stop()
+    except TimeoutError as exc:
+        print(f"kvstore down: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    if pid is None:
+        print(f"kvstore down: no kvstore up runs with state directory {state.path}")
+    else:
+        print(f"kvstore down: stopped kvstore up (pid {pid}, state directory {state.path})")
+    return 0
+
+
+def _serve(args: argparse.Namespace, cluster: LocalCluster, token_note: str, state: UpState) -> int:
     from kvstore.index.urls import redact_url
+    from kvstore.tools.valkey import EmbeddedValkey
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     with cluster:
-        index = f"a {args.index_shards}-shard Valkey cluster" if args.index_shards > 1 else "Valkey"
+        if isinstance(cluster.valkey, EmbeddedValkey):  # one shard: its URL is its port
+            state.keep_index_port(cluster.valkey.port)
+        index = (
+            f"the index at {redact_url(args.redis_url)}"
+            if args.redis_url
+            else f"a {args.index_shards}-shard Valkey cluster on loopback"
+            if args.index_shards > 1
+            else "Valkey on loopback"
+        )
         disk = (
             f" over a disk tier of {args.disk_capacity} each in {args.disk_path}/<node id>"
             if args.disk_path
             else ""
         )
-        print(
-            f"kvstore up: {args.servers} storage node(s) of {args.capacity}{disk} and {index} on loopback"
-        )
+        print(f"kvstore up: {args.servers} storage node(s) of {args.capacity}{disk} and {index}")
         # ready to paste into the shell of a client: KVCacheClient reads KVSTORE_* for
         # every option it is not given (a password stays out of the printed URL)
         print(f"export KVSTORE_REDIS_URL={redact_url(cluster.redis_url)}", flush=True)
         print(token_note, flush=True)
         for line in _node_lines(cluster):
             print(line, flush=True)
-        print("press Ctrl-C to stop", flush=True)
+        print(
+            f"press Ctrl-C to stop, or run `kvstore down` (state directory {state.path}: a "
+            "restart there keeps the index URL and the token)",
+            flush=True,
+        )
         while not stop.wait(0.5):
             if all(n.process.poll() is not None for n in cluster.nodes):
                 reasons = "; ".join(

@@ -72,6 +72,7 @@ class LocalCluster:
         disk_capacity: str | None = None,
         progress: Callable[[str], None] | None = None,
         node_program: Program = STORAGE_NODE,
+        index_port: int | None = None,
     ) -> None:
         self.num_servers = servers
         # `kvstore up` prints each step of a start
@@ -80,6 +81,7 @@ class LocalCluster:
         self.disk_path = disk_path  # each node's disk tier is <disk_path>/<node id>
         self.disk_capacity = disk_capacity
         self.index_shards = index_shards
+        self.index_port = index_port  # the embedded one-shard index's, when given
         self.capacity = capacity
         self.slab_size = slab_size
         self.extra_args = extra_args or []
@@ -109,7 +111,7 @@ class LocalCluster:
             self.valkey = (
                 EmbeddedValkeyCluster(self.index_shards)
                 if self.index_shards > 1
-                else EmbeddedValkey()
+                else EmbeddedValkey(self.index_port)
             ).start()
             self.redis_url = self.valkey.url
         for i in range(self.num_servers):
