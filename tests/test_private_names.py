@@ -9,6 +9,8 @@ instead of as a slow copy loop, a noisy idle process or a process that hangs at 
   of its thread progress mode;
 - ``threading._register_atexit`` (kvstore/wire/transport.py): stops ucxx's notifier
   thread before the interpreter joins it;
+- ucxx's ``core._ctx`` (kvstore/wire/transport.py): wakes that thread's wait first, so
+  the stop takes milliseconds, not up to a second;
 - ``xxhash._xxhash`` (kvstore/pages/checksum.py): the extension whose XXH3 functions
   the C copy loop calls."""
 
@@ -96,6 +98,31 @@ def test_threading_register_atexit_runs_before_non_daemon_threads_are_joined() -
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "main done"
+
+
+@pytest.mark.process
+def test_ucxx_context_wakes_and_stops_its_notifier_at_exit() -> None:
+    """kvstore's exit hook reaches ucxx's notifier through ``ucxx.core._ctx`` (its
+    ``notifier_thread`` and ``worker.stop_request_notifier_thread``): a process that
+    used UCX exits at once, and prints nothing after its own last line (ucxx's warning
+    about the woken thread stays below ``UCXX_LOG_LEVEL``'s default)."""
+    script = textwrap.dedent(
+        """
+        from kvstore.wire.transport import ensure_ucx
+        ensure_ucx()
+        import ucxx
+        ctx = ucxx.core._ctx
+        assert ctx.notifier_thread.is_alive()
+        assert callable(ctx.worker.stop_request_notifier_thread)
+        print("last line", flush=True)
+        """
+    )
+    for _ in range(5):
+        done = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=30
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "last line" and "UCX" not in done.stderr, done
 
 
 def test_xxhash_extension_is_where_the_copy_loop_finds_xxh3() -> None:
