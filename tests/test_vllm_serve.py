@@ -124,6 +124,9 @@ def test_the_openai_server_stores_and_after_a_restart_loads_with_the_same_output
             "KVStoreConnector (SCHEDULER): index redis://127.0.0.1:" in log
             and " reached, 1 live node(s)" in log
         )
+        # SIGTERM (vLLM's default shutdown, mode=abort) still shuts the worker's connector
+        # down, which finishes the saves in flight first
+        assert "mode=abort" in log and "save(s) in flight finish first" in log, log[-3000:]
         second = Server(served_model, cluster.redis_url, str(tmp_path / "second.log"))
         try:
             assert second.complete(PROMPT) == text
@@ -158,7 +161,8 @@ def test_a_configuration_the_connector_cannot_use_stops_the_server_before_the_mo
     """README's serve command with no index URL anywhere (nothing exported), or with an
     option that does not validate: the server exits with that one line, no traceback,
     before vLLM starts loading the model."""
-    argv = [sys.executable if a == "python" else a for a in serve_command()]
+    readme_env, argv = serve_command()
+    argv = [sys.executable if a == ".venv/bin/python" else a for a in argv]
     argv = [
         served_model if a == "MODEL_DIR" else str(free_port()) if a == "8000" else a for a in argv
     ]
@@ -166,7 +170,7 @@ def test_a_configuration_the_connector_cannot_use_stops_the_server_before_the_mo
         at = argv.index("--kv-transfer-config") + 1
         argv[at] = json.dumps({**json.loads(argv[at]), "kv_connector_extra_config": extra})
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    env.update(PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="1")
+    env.update(readme_env, PYTHONPATH=str(ROOT))
     done = subprocess.run(
         [*argv, "--host", "127.0.0.1", *TINY], env=env, capture_output=True, text=True, timeout=120
     )

@@ -217,6 +217,11 @@ class NodeDirectory:
         order = {n: r for r, n in enumerate(rank_nodes(page_hash, [loc.node_id for loc in locs]))}
         return sorted(locs, key=lambda loc: (loc.node_id in self._suspect, order[loc.node_id]))
 
+    def _latest(self, node: NodeInfo) -> NodeInfo:
+        """``node`` as the registry last named it: a call planned on an older list
+        reaches a restarted node at its new address and socket."""
+        return next((n for n in self._nodes if n.node_id == node.node_id), node)
+
     def _conn(self, node: NodeInfo) -> NodeConnection | ShmConnection:
         """The connection to ``node``: shared memory when it runs on this host (same
         kernel) and its Unix socket has not failed for this incarnation, else UCX."""
@@ -245,11 +250,14 @@ class NodeDirectory:
         the same call goes over UCX, as does every later one to this incarnation: a
         healthy node must not look dead. A request that found its connection closed by
         another (a refusal, a failure) before it sent anything goes on a new one."""
-        conn = self._conn(node)
+        conn = self._conn(self._latest(node))
         try:
             return await work(conn), conn
-        except ClosedBeforeUseError:  # another request closed it first: a new one, once
-            conn = self._conn(node)
+        except ClosedBeforeUseError:
+            # another request closed it first, or the node closed it (a restart: the
+            # registry names its new incarnation): a new connection, once
+            await self._read()
+            conn = self._conn(self._latest(node))
             return await work(conn), conn
         except SameHostUnavailableError as exc:
             self._shm_failed[node.node_id] = node.incarnation

@@ -18,6 +18,7 @@ from client.memory.buffers import Span
 from client.memory.device_pages import DeviceCopier, DeviceSpan
 from client.nodes.calls import (
     Checksums,
+    ClosedBeforeUseError,
     GetOutcome,
     OutgoingPage,
     PutOutcome,
@@ -84,6 +85,19 @@ class ShmConnection(Connection):
             raise TransportError(f"connection to {self.node.node_id} is not open")
         return self._ch
 
+    async def _ask(self, request: Any) -> None:
+        """Send a request's first frame. A node that closed this connection before it
+        (it restarted since, its socket path now another process's) never saw the
+        request: ``ClosedBeforeUseError``, which the directory answers with one try on a
+        new connection."""
+        try:
+            await self._channel().send_frame(request)
+        except shm.PeerClosedError as exc:
+            self.broken = True
+            raise ClosedBeforeUseError(
+                f"{self.node.node_id} closed the connection: {exc}"
+            ) from None
+
     async def _recv_frame(self, expected: type) -> tuple[Any, list[int]]:
         raw, fds = await self._channel().recv_frame()
         try:
@@ -104,7 +118,7 @@ class ShmConnection(Connection):
     async def _put(
         self, namespace: NamespaceKey, pages: list[OutgoingPage], checksum: Checksums
     ) -> PutOutcome:
-        await self._channel().send_frame(
+        await self._ask(
             put_request(namespace, self.token, pages, self.node.extra.get("put_tokens") == "1")
         )
         plan = await self._plan(P.PutPlan)
@@ -144,7 +158,7 @@ class ShmConnection(Connection):
         pinned, ``(request position, node's checksum, slab, slab mapping, offset,
         size)``; a page whose size is not its sink's is left out (it can never be the
         one asked for). The caller says GET_DONE once it has copied them."""
-        await self._channel().send_frame(get_request(namespace, self.token, hashes, sinks, probe))
+        await self._ask(get_request(namespace, self.token, hashes, sinks, probe))
         plan = await self._plan(P.GetPlan)
         present, sizes, sums = plan.ints("present"), plan.ints("sizes"), plan.ints("checksums")
         regions, offsets = plan.ints("regions"), plan.ints("offsets")

@@ -36,7 +36,10 @@ COUNTERS = {
     "load_bytes": "bytes loaded into the KV cache",
     "load_failed_blocks": "blocks that failed to load and were recomputed",
     "save_bytes": "bytes of pages handed to the store (pages it held already are not resent)",
-    "save_failures": "saves that failed (a future miss, not an error)",
+    "save_failures": (
+        "saves not wholly stored: no live node, nodes failing or refusing, the index down"
+        " (a future miss, not an error)"
+    ),
     "saves_dropped": "saves skipped because too many bytes were waiting to be published",
     "unkeyed_requests": (
         "requests neither looked up nor saved because vLLM keys them by something kvstore"

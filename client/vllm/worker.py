@@ -388,6 +388,7 @@ class ConnectorWorker:
 
     def shutdown(self) -> None:
         """Finish the saves in flight (each is bounded by the client's timeout), then stop."""
+        log.info("shutting down: %d save(s) in flight finish first", len(self._saves.in_flight))
         self._saves.shutdown()
         if self._loader is not None:
             self._loader.shutdown(wait=True)

@@ -59,6 +59,11 @@ class DescriptorsRefusedError(ProtocolError):
     """A peer sent file descriptors to a channel that takes none (a node's)."""
 
 
+class PeerClosedError(TransportError):
+    """The other end had closed the socket before a frame went out: none of the frame
+    reached it (a node that restarted since the connection was made)."""
+
+
 class UnixChannel:
     """A connected, non-blocking Unix stream socket carrying control frames, each with
     optional file descriptors. One request at a time per channel (callers serialise).
@@ -99,7 +104,10 @@ class UnixChannel:
             remove(fd)
 
     async def send_frame(self, frame: Any, fds: Sequence[int] = ()) -> None:
+        """Send one frame (with ``fds``); ``PeerClosedError`` when the other end had
+        closed the socket before any of it went out."""
         data = memoryview(P.encode(frame))
+        whole = len(data)
         ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
         while data:
             try:
@@ -107,6 +115,10 @@ class UnixChannel:
             except (BlockingIOError, InterruptedError):
                 await self._wait(writable=True)
                 continue
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                if len(data) == whole:
+                    raise PeerClosedError(f"unix socket send failed: {exc}") from None
+                raise TransportError(f"unix socket send failed: {exc}") from None
             except OSError as exc:
                 raise TransportError(f"unix socket send failed: {exc}") from None
             data, ancillary = data[sent:], []
