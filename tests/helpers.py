@@ -369,18 +369,9 @@ def make_credentials(
     for name, rights, tenants in specs:
         token_file = tmp_path / f"{name}.token"
         tenant_args = [a for t in tenants for a in ("--tenant", t)]
+        argv = ["credential", "--name", name, "--rights", rights, *tenant_args]
         out = subprocess.run(
-            [
-                *KVSTORE_CLI,
-                "credential",
-                "--name",
-                name,
-                "--rights",
-                rights,
-                *tenant_args,
-                "--token-file",
-                str(token_file),
-            ],
+            [*KVSTORE_CLI, *argv, "--token-file", str(token_file)],
             env=cli_env(),
             capture_output=True,
             text=True,

@@ -9,7 +9,7 @@ instead of as a slow copy loop, a noisy idle process or a process that hangs at 
   of its thread progress mode;
 - ``threading._register_atexit`` (kvstore/wire/transport.py): stops ucxx's notifier
   thread before the interpreter joins it;
-- ucxx's ``core._ctx`` (kvstore/wire/transport.py): wakes that thread's wait first, so
+- ucxx's ``core._ctx`` (kvstore/wire/ucxx_progress.py): wakes that thread's wait first, so
   the stop takes milliseconds, not up to a second;
 - ``xxhash._xxhash`` (kvstore/pages/checksum.py): the extension whose XXH3 functions
   the C copy loop calls."""

@@ -290,7 +290,8 @@ def test_the_connector_takes_kvstore_variables_for_what_its_json_leaves_out(monk
     """What `kvstore up` prints (KVSTORE_REDIS_URL, KVSTORE_AUTH_TOKEN_FILE) reaches the
     connector as it reaches any client; the JSON wins; no index URL anywhere is one
     clear error."""
-    from client.vllm.options import connector_options, token_source
+    from client.vllm.options import connector_options
+    from client.vllm.start_line import token_source
 
     for var in (
         "KVSTORE_REDIS_URL",

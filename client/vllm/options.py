@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import difflib
 import logging
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -15,10 +14,10 @@ from client.memory.device_pages import DeviceCopier, default_copier
 from client.paging.breaker import CircuitBreaker
 from client.stats import ClientStats
 from client.sync_client import KVCacheClient
+from client.vllm.start_line import start_line
 from client.vllm.support import cache_dtype
 from client.vllm.weights import engine_weights
 from kvstore.errors import InvalidInputError
-from kvstore.index.routing import redact_url
 from kvstore.pages.namespace import Namespace, Tenant
 from kvstore.settings.client import ClientOptions, client_options, client_options_from_env
 from kvstore.settings.config import ByteSize, first_error
@@ -176,24 +175,6 @@ def unknown_key(extra: dict[str, Any]) -> None:
             " the client's)"
         )
         raise InvalidInputError(f"kv_connector_extra_config has no option {key!r}{hint}")
-
-
-def token_source(options: ClientOptions) -> str:
-    """Where the connector's data-plane token came from, for its start line."""
-    if options.auth_token_file:
-        where = (
-            "KVSTORE_AUTH_TOKEN_FILE"
-            if os.environ.get("KVSTORE_AUTH_TOKEN_FILE") == options.auth_token_file
-            else "kv_connector_extra_config"
-        )
-        return f"{where} ({options.auth_token_file})"
-    if options.auth_token.get_secret_value():
-        return (
-            "KVSTORE_AUTH_TOKEN"
-            if os.environ.get("KVSTORE_AUTH_TOKEN") == options.auth_token.get_secret_value()
-            else "kv_connector_extra_config"
-        )
-    return "nowhere (nodes must run --anonymous)"
 
 
 def layerwise_loads(conf: ConnectorOptions, *, hybrid: bool, draft: bool) -> bool:
@@ -357,40 +338,6 @@ def rank_client(
     line, well = start_line(client, options)
     (log.info if well else log.warning)("KVStoreConnector (%s): %s", side, line)
     return client
-
-
-def start_line(client: KVCacheClient, options: ClientOptions) -> tuple[str, bool]:
-    """One line of what the connector reached at start: the index, the live nodes,
-    the tenant, where the token came from, and the namespace (the id ``kvstore stats``
-    lists, the same on every side and rank of an engine); and whether all is well (else
-    the line is a WARNING: an unreachable index, a refused token or no live node leave
-    the engine running without the store)."""
-    ns = client.namespace
-    status = client.start_status()
-    index = f"index {redact_url(options.redis_url)} " + (
-        "reached"
-        if status.index_reached
-        else f"NOT reached ({status.index_error}): every lookup is a miss until it is"
-    )
-    refused = (
-        f" REFUSED by {', '.join(sorted(status.refused))}"
-        f" ({next(iter(status.refused.values()))}): saves and loads will fail"
-        if status.refused
-        else ""
-    )
-    nodes = (
-        f" ({', '.join(status.nodes)})"
-        if status.nodes
-        else ": saves and loads fail until one registers"
-        if status.index_reached
-        else ""
-    )
-    line = (
-        f"{index}, {len(status.nodes)} live node(s){nodes}, tenant {ns.tenant}, "
-        f"token from {token_source(options)}{refused}, namespace {ns.storage.digest_hex} "
-        f"({ns.model} {ns.dtype} {ns.layout}, weights {ns.weights or '-'})"
-    )
-    return line, status.index_reached and bool(status.nodes) and not status.refused
 
 
 def request_switch(params: dict[str, Any] | None, name: str, req_id: str) -> bool:

@@ -155,26 +155,8 @@ def ensure_ucx(progress_mode: str = "loop") -> Any:
                 # stop, so every process that used UCX would hang at exit. This hook
                 # runs when the interpreter shuts threads down, before it joins them.
                 # private: the public atexit.register runs only after that join (too late)
-                threading._register_atexit(_stop_notifier)  # type: ignore[attr-defined]
+                threading._register_atexit(ucxx_progress.stop_notifier)  # type: ignore[attr-defined]
         return ucxx
-
-
-def _stop_notifier() -> None:
-    """Stop ucxx's notifier thread at once. ``ucxx.stop_notifier_thread`` only queues a
-    stop that the thread reads after its wait for requests returns, which it does
-    every second: every process that used UCX took up to 1 s to exit (a storage node
-    0.6-1.1 s from SIGTERM to exit; 0.16-0.34 s with the wake). Waking the wait first
-    ends it in milliseconds. The wake made ucxx log a warning ("worker progress thread
-    not running or already stopped") to stdout at 1 exit in 30-40, which broke a client
-    whose last stdout line is its answer (in a full run of the suite, once); with
-    ``UCXX_LOG_LEVEL`` at its FATAL default (``UCX_DEFAULTS``) that line is below the
-    level. Measured since: 0 of 100 exits of tests/raw_client.py printed anything."""
-    import ucxx
-
-    ctx = ucxx.core._ctx  # private: ucxx offers no public handle on its worker
-    if ctx is not None and ctx.notifier_thread is not None:
-        ctx.worker.stop_request_notifier_thread()
-    ucxx.stop_notifier_thread()
 
 
 def listen(ucxx: Any, callback: Any, port: int) -> Any:
