@@ -130,6 +130,10 @@ def _load(cluster, ns, tokens, make, device, block_ids, *, waits=True):
                 loads.wait_layer(name)
             loads.wait_layer("draft.layers.0")  # not the cache's: nothing to do
             done = loads.finish()
+            if not waits:  # a forward that never waits: later loads are made whole
+                loads.start(spec, None)
+                assert whole == [spec] and loads.finish()[0][0] is spec
+                whole.clear()
         if device.type == "cuda":
             torch.cuda.synchronize()
     assert not whole and [s for s, _ in done] == [spec]

@@ -129,12 +129,16 @@ class LayerwiseLoads:
             got = load.got.result()  # bounded: the get ends by the client's timeout
             untaken = load.feed.untaken()
             if untaken:
-                # the forward read those layers without their KV: all of it is recomputed
+                # the forward read those layers without their KV: all of it is recomputed,
+                # and this engine's later loads come whole, before the forward (its
+                # attention layers do not call wait_for_layer_load)
                 log.warning(
-                    "request %s: the forward never waited for layers %s; its load is recomputed",
+                    "request %s: the forward never waited for layers %s; its load is "
+                    "recomputed, and later loads are made whole before the forward",
                     spec.req_id,
                     untaken[:4],
                 )
+                self._feeds = False
                 got = spec.start_block
             good = max(min(got, spec.start_block + load.feed.first_late()), spec.start_block)
             failed = ids_from(spec, good)
