@@ -28,6 +28,15 @@ class LogLimit:
     def warning(self, key: str, msg: str, *args: Any) -> None:
         """``msg % args`` at WARNING when ``key`` was not warned of in the last
         ``every_s`` seconds (with the count of repeats since), else at DEBUG."""
+        self.log(logging.WARNING, key, msg, *args)
+
+    def error(self, key: str, msg: str, *args: Any) -> None:
+        """``warning``, at ERROR: a fault that only the operator can mend."""
+        self.log(logging.ERROR, key, msg, *args)
+
+    def log(self, level: int, key: str, msg: str, *args: Any) -> None:
+        """``msg % args`` at ``level``, or at DEBUG when ``key`` was logged at its level
+        in the last ``every_s`` seconds."""
         now = time.monotonic()
         with self._lock:
             last = self._last.get(key)
@@ -47,4 +56,4 @@ class LogLimit:
             )
         elif last is None:
             msg += f" (repeats are logged at most once every {self._every_s:.0f} s)"
-        self._log.warning(msg, *args)
+        self._log.log(level, msg, *args)

@@ -150,24 +150,15 @@ def write_tiny_eagle(path: str) -> None:
     from transformers import LlamaConfig
 
     torch.manual_seed(2)
-    config = LlamaConfig(
-        hidden_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        intermediate_size=256,
-        vocab_size=512,
-        max_position_embeddings=512,
-        torch_dtype="float32",
-        tie_word_embeddings=False,
-        architectures=["LlamaForCausalLM"],
-    )
-    config.save_pretrained(path)
-    h, q, kv, inter = 128, 4 * 32, 2 * 32, 256
+    llama = {**TINY_LLAMA, "num_hidden_layers": 1}
+    llama.pop("initializer_range")  # the weights below are drawn here, not by the config
+    LlamaConfig(**llama, architectures=["LlamaForCausalLM"]).save_pretrained(path)
+    h, inter = llama["hidden_size"], llama["intermediate_size"]
+    q = llama["num_attention_heads"] * llama["head_dim"]
+    kv = llama["num_key_value_heads"] * llama["head_dim"]
     shapes = {
         "fc.weight": (h, 2 * h),
-        "embed_tokens.weight": (512, h),
+        "embed_tokens.weight": (llama["vocab_size"], h),
         "layers.0.self_attn.q_proj.weight": (q, h),
         "layers.0.self_attn.k_proj.weight": (kv, h),
         "layers.0.self_attn.v_proj.weight": (kv, h),

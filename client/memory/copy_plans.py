@@ -54,15 +54,13 @@ def runs(copies: list[tuple[DeviceSpan, Span]]) -> list[list[Any]]:
 
 def layer_runs(
     copies: list[tuple[DeviceSpan, Span]], layers: int
-) -> tuple[int, list[tuple[list[Any], list[int]]]]:
-    """A layer-wise landing's plan: the bytes of one layer of a page, and each run of
-    ``runs`` with the rows (page places in the device tensor) it covers."""
+) -> tuple[int, list[list[Any]], list[int]]:
+    """A layer-wise landing's plan: the bytes of one layer of a page, the runs of
+    ``runs``, and the rows (page places in the device tensor) they cover."""
     page = copies[0][0].nbytes
-    plan = []
-    for run in runs(copies):
-        first = run[1] // page
-        plan.append((run, list(range(first, first + run[4] // page))))
-    return page // layers, plan
+    joined = runs(copies)
+    rows = [r for run in joined for r in range(run[1] // page, (run[1] + run[4]) // page)]
+    return page // layers, joined, rows
 
 
 def check_batches(sizes: list[int]) -> list[list[int]]:

@@ -74,8 +74,6 @@ def device_spans(
     flat = rows.reshape(-1).view(torch.uint8)
     if flat.numel() < count * page_nbytes:
         raise ValueError(f"{flat.numel()} bytes hold fewer than {count} pages of {page_nbytes}")
-    if feed is not None and page_nbytes % feed.layers:
-        raise ValueError(f"pages of {page_nbytes} bytes do not split into {feed.layers} layers")
     return [DeviceSpan(flat, i * page_nbytes, page_nbytes, feed) for i in range(count)]
 
 
@@ -143,18 +141,15 @@ class HostCopier(DeviceCopier):
                 for dst, src in merged(copies):
                     dst.copy_(torch.from_numpy(src))
             else:  # layer by layer, as the CUDA copier's 2-D copies
-                width, plan = layer_runs(copies, feed.layers)
+                width, plan, rows = layer_runs(copies, feed.layers)
                 page = copies[0][0].nbytes
                 for layer in range(feed.layers):
                     at = layer * width
-                    for (db, do, hb, ho, n), _ in plan:
+                    for db, do, hb, ho, n in plan:
                         into = db[do : do + n].view(n // page, page)[:, at : at + width]
-                        into.copy_(
-                            torch.from_numpy(hb[ho : ho + n]).view(n // page, page)[
-                                :, at : at + width
-                            ]
-                        )
-                    feed.queued(layer, [r for _, rows in plan for r in rows], None)
+                        host = torch.from_numpy(hb[ho : ho + n]).view(n // page, page)
+                        into.copy_(host[:, at : at + width])
+                    feed.queued(layer, rows, None)
         landed = [dst for dst, _ in copies]
 
         async def digests() -> list[int]:
@@ -246,7 +241,8 @@ class CudaCopier(DeviceCopier):
         """All copies are queued on the copy stream at once, in batches of about
         ``CHECK_BATCH`` bytes; each batch's checks are queued on the check stream behind
         its copies, so the device hashes one batch while the next one crosses the bus,
-        and only the last batch's checks remain once the copies are done."""
+        and only the last batch's checks remain once the copies are done. Spans with a
+        feed land layer by layer instead (``_queue_layers``), checked after the last."""
         feed = copies[0][0].feed if copies else None
         if feed is not None:
             landed = self._queue_layers(copies, feed)
@@ -280,14 +276,13 @@ class CudaCopier(DeviceCopier):
         """Queue a layer-wise landing: per layer, one 2-D copy per run of pages (that
         layer's slice of each page), then an event handed to ``feed``; the checks follow
         the last layer, as one batch."""
-        width, plan = layer_runs(copies, feed.layers)
+        width, plan, rows = layer_runs(copies, feed.layers)
         page, stream = copies[0][0].nbytes, self._stream
-        rows = [r for _, run_rows in plan for r in run_rows]
         event = None
         with torch.cuda.device(self.device):  # the runtime call acts on the current device
             for layer in range(feed.layers):
                 at = layer * width
-                for (db, do, hb, ho, n), _ in plan:
+                for db, do, hb, ho, n in plan:
                     dst, src = db.data_ptr() + do + at, hb.ctypes.data + ho + at
                     self._memcpy_2d(dst, page, src, page, width, n // page, stream.cuda_stream)
                 event = torch.cuda.Event()

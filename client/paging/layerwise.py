@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from client.memory.layer_feed import LayerFeed
-from client.paging.loader import LOAD_LOG, LoadOutcome, PageLoader, ids_from
+from client.paging.loader import LoadOutcome, PageLoader, load_outcome
 from client.paging.paged_cache import PagedCache
 from client.paging.specs import LoadSpec
 
@@ -52,8 +52,8 @@ class _Fed:
 
 class LayerwiseLoads:
     """A worker's sync loads of one step. Engine thread only; ``loader``'s gets run on
-    ``threads``; ``whole`` loads a spec entirely (the worker's own load, drafts included)
-    when it cannot be fed (or ``feeds`` is False); ``timeout``: the client's, which bounds
+    ``threads``; ``whole`` loads a spec entirely, in the caller's thread (the worker's own
+    load, drafts included) when it cannot be fed (or ``feeds`` is False); ``timeout``: the client's, which bounds
     every wait here; ``layer_index``: the cache's layer of each engine layer name."""
 
     def __init__(
@@ -92,11 +92,13 @@ class LayerwiseLoads:
                     "such load holds up its step until it is done; layerwise_loads=off lets "
                     "them run beside the steps instead (logged once)"
                 )
-            self._done.append((spec, self._threads.submit(self._whole, spec, after).result()))
+            self._done.append((spec, self._whole(spec, after)))
             return
         cache = self._cache
-        if any(not 0 < b < cache.num_blocks for b in blocks):
-            raise ValueError(f"block ids {blocks[:4]} outside the cache's blocks")
+        if any(not 0 < b < cache.num_blocks for b in blocks):  # a device-side assert on CUDA
+            log.warning("load of %s names blocks outside the cache: %s", spec.req_id, blocks[:4])
+            self._done.append((spec, load_outcome(spec, spec.start_block, 0, time.perf_counter())))
+            return
         rows = torch.empty((len(blocks), *cache.page_shape), dtype=cache.dtype, device=cache.device)
         feed = LayerFeed(cache.page_shape[0], len(blocks))
         index = torch.tensor(blocks, dtype=torch.long).to(cache.device, non_blocking=True)
@@ -140,16 +142,6 @@ class LayerwiseLoads:
                 )
                 self._feeds = False
                 got = spec.start_block
-            good = max(min(got, spec.start_block + load.feed.first_late()), spec.start_block)
-            failed = ids_from(spec, good)
-            if failed:
-                LOAD_LOG.warning(
-                    "blocks recomputed",
-                    "request %s: %d of %d blocks could not be loaded and will be recomputed",
-                    spec.req_id,
-                    len(failed),
-                    len(spec.block_ids) - spec.start_block,
-                )
-            nbytes = (good - spec.start_block) * self._cache.page_nbytes
-            done.append((spec, LoadOutcome(failed, nbytes, time.perf_counter() - load.started)))
+            good = min(got, spec.start_block + load.feed.first_late())
+            done.append((spec, load_outcome(spec, good, self._cache.page_nbytes, load.started)))
         return done

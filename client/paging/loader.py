@@ -48,6 +48,23 @@ def ids_from(spec: LoadSpec, position: int) -> list[int]:
     return [b for ids in groups for b in ids[position:] if b]
 
 
+def load_outcome(spec: LoadSpec, got: int, page_nbytes: int, started: float) -> LoadOutcome:
+    """A whole-page load's outcome: blocks ``got`` on failed (logged at most once a
+    minute), the bytes of those before them, the seconds since ``started``."""
+    good = max(got, spec.start_block)
+    failed = ids_from(spec, good)
+    if failed:
+        LOAD_LOG.warning(
+            "blocks recomputed",
+            "request %s: %d of %d blocks could not be loaded and will be recomputed",
+            spec.req_id,
+            len(failed),
+            len(spec.block_ids) - spec.start_block,
+        )
+    nbytes = (good - spec.start_block) * page_nbytes
+    return LoadOutcome(failed, nbytes, time.perf_counter() - started)
+
+
 def layer_rows(
     layer_groups: list[int], group_block_ids: list[list[int]], first: int, count: int
 ) -> list[tuple[list[int], list[int]]]:
@@ -207,17 +224,7 @@ class PageLoader:
         finally:
             for held in ([pages] if pages is not None else []) + taken:
                 staging.give_pages(held)
-        failed = ids_from(spec, max(got, spec.start_block))
-        if failed:
-            LOAD_LOG.warning(
-                "blocks recomputed",
-                "request %s: %d of %d blocks could not be loaded and will be recomputed",
-                spec.req_id,
-                len(failed),
-                len(wanted),
-            )
-        nbytes = (max(got, spec.start_block) - spec.start_block) * client.namespace.page_nbytes
-        return LoadOutcome(failed, nbytes, time.perf_counter() - started)
+        return load_outcome(spec, got, client.namespace.page_nbytes, started)
 
     def feed(self, spec: LoadSpec, rows: torch.Tensor, feed: LayerFeed) -> int:
         """Loader thread: a layer-wise load's get, ``spec``'s pages into ``rows`` layer by

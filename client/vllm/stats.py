@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -23,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from client.log_limit import LogLimit
 from client.stats import ClientStats
 from kvstore.errors import CredentialError
 
@@ -204,32 +204,22 @@ class StatsRecorder:
         return stats
 
 
-# A refused token is a configuration error every load and save hits: logged at ERROR
-# the first time, then at most once a minute (counted every time).
-CREDENTIAL_LOG_EVERY_S = 60.0
-
-
 class RefusalLog:
     """A worker's answer to the store refusing its credentials: the engine goes on
     (loads recompute, saves are future misses); each refusal is counted in ``stats``,
-    and logged at ERROR the first time and then at most once a minute. ``refused`` is
-    called on loader and saver threads."""
+    and logged at ERROR the first time and then at most once a minute
+    (``client.log_limit``). ``refused`` is called on loader and saver threads."""
 
     def __init__(self, stats: StatsRecorder) -> None:
         self._stats = stats
-        self._lock = threading.Lock()
-        self._logged = -CREDENTIAL_LOG_EVERY_S  # monotonic time of the last ERROR line
+        self._log = LogLimit(logging.getLogger("client.vllm.worker"))
 
     def refused(self, exc: CredentialError) -> None:
         self._stats.count(credential_refusals=1)
-        with self._lock:
-            now = time.monotonic()
-            if now - self._logged < CREDENTIAL_LOG_EVERY_S:
-                return
-            self._logged = now
-        logging.getLogger("client.vllm.worker").error(
-            "the store refused this engine's credentials; loads recompute and saves are dropped until it is fixed "
-            "(logged at most once a minute, counted in vllm:kvstore_credential_refusals_total): %s",
+        self._log.error(
+            "refused",
+            "the store refused this engine's credentials; loads recompute and saves are dropped "
+            "until it is fixed (counted in vllm:kvstore_credential_refusals_total): %s",
             exc,
         )
 
