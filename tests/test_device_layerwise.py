@@ -144,7 +144,8 @@ def test_layerwise_loads_scatter_each_layer_and_recompute_what_failed(cluster, c
     """The connector's layer-wise load path: a clean load lands every block of every
     layer bit-exact in the cache's strided layers; with a page overwritten in the node's
     memory during the get, that block and every later one are reported failed; a forward
-    that never waited for its layers has the whole load failed."""
+    that never waited for its layers has the whole load failed, and so has a load naming a
+    block outside the cache (the cache untouched)."""
     ns = make_ns(request.node.name, layout="vllm_cpu", num_layers=3)
     tokens = list(range(6 * BLOCK))
     pages = pages_for(ns, tokens)
@@ -159,3 +160,7 @@ def test_layerwise_loads_scatter_each_layer_and_recompute_what_failed(cluster, c
     assert outcome.failed == block_ids[3:]  # the third page of the get: block 3 of the prompt
     _, outcome = _load(cluster, ns, tokens, COPIERS[copier], device, block_ids, waits=False)
     assert outcome.failed == block_ids[1:] and outcome.nbytes == 0
+    outside = [9, 10, 11, 3, 4, 25]  # the cache has 20 blocks: a failed load, no exception
+    layers, outcome = _load(cluster, ns, tokens, COPIERS[copier], device, outside)
+    assert outcome.failed == outside[1:] and outcome.nbytes == 0
+    assert not any(layer.any() for layer in layers)
