@@ -30,8 +30,9 @@ verdict: bench/gpu_wheels.txt), carry .whl/, and build kvstore.pages' C modules 
    (strided copies per run and layer, D2H on the compute stream) and with
    ``PagedCache.gather`` (one indexed copy per layer, D2H on a stream of its own); the
    save call's time on the engine thread.
-5. tests/test_paged_cache.py, test_device_checksum.py, test_device_loads.py and
-   test_device_layerwise.py, whose CUDA cases run only on a GPU.
+5. tests/test_paged_cache.py, test_device_checksum.py, test_device_loads.py,
+   test_device_layerwise.py and test_device_get_parts.py, whose CUDA cases run only on
+   a GPU.
 
 A section whose needs are missing reports "skipped: <why>". Comparisons are interleaved
 round by round (A B C A B C), reported as medians with min-max and ratios to the first
@@ -887,73 +888,94 @@ def section_tests(report: Report, dev: Dev, cluster: Any, args: argparse.Namespa
         "-q",
         "-p",
         "no:cacheprovider",
-        "-x",
+        "--maxfail=10",
         "tests/test_paged_cache.py",
         "tests/test_device_checksum.py",
         "tests/test_device_loads.py",
         "tests/test_device_layerwise.py",
+        "tests/test_device_get_parts.py",
     ]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     report(f"  {' '.join(cmd[1:])}: exit {res.returncode}")
-    for line in [x for x in res.stdout.splitlines() if x.strip()][
-        -8:
-    ] + res.stderr.strip().splitlines()[-3:]:
+    out = [x for x in res.stdout.splitlines() if x.strip()]
+    failed = [x for x in out if x.startswith(("FAILED", "ERROR"))]
+    for line in (
+        out[-8:] + [x for x in failed if x not in out[-8:]] + res.stderr.strip().splitlines()[-3:]
+    ):
         report(f"    {line}")
 
 
 def get_marks(
     report: Report, dev: Dev, cluster: Any, args: argparse.Namespace, size: str
 ) -> tuple[Any, Any, Any, Any, Any]:
-    """Same-host device gets of ``size`` pages timed by stage (the lookup, the node's
-    plan, queuing the copies and checks, waiting for them), and the client's event-loop
-    thread profiled over one get (its 12 costliest functions by own time)."""
-    from client.memory.device_pages import CudaCopier
+    """Same-host device gets of ``size`` pages, each timed along its way (medians, ms
+    from the call: the request sent, the plan's first and last parts in, the last
+    part's copies and checks queued, its digests in, the call's return); the client's
+    event-loop thread profiled over one get (its 12 costliest functions by own time);
+    and the get against the pinned copy with its plan in parts of 8 to 64 MiB and in one
+    (``shm_connection.PART_BYTES``), interleaved."""
+    import client.nodes.shm_connection as shm_connection
+    from client.memory.device_pages import HostCopier
     from client.nodes.shm_connection import ShmConnection
 
-    client, src, tokens, ns = stored_pages(cluster, dev, SIZES[size], args.total)
+    # without a GPU (a dry run of this code), the host as the device
+    host = {} if dev.cuda else {"device": HostCopier}
+    client, src, tokens, ns = stored_pages(cluster, dev, SIZES[size], args.total, **host)
+    Copier = type(client._async.device)
     n, nbytes = src.shape[0], src.numel() * src.element_size()
     rows_ = torch.empty((n, *ns.page_shape), dtype=ns.torch_dtype(), device=dev.device)
     client.get_found_device(client.find(tokens), rows_)
-    marks: dict[str, list[float]] = {
-        k: [] for k in ("find", "get_found_device", "plan", "land", "checks wait")
-    }
-    land, plan = CudaCopier.land, ShmConnection._plan
+    marks: dict[str, list[float]] = {}
+    now: dict[str, float] = {}
+    land, ask, part = Copier.land, ShmConnection._ask_get, ShmConnection._plan_part
+
+    def mark(name: str) -> None:
+        now[name] = time.perf_counter()
 
     async def timed_land(self: Any, copies: Any, check: bool = True) -> Any:
-        t = time.perf_counter()
         checks = await land(self, copies, check)
-        marks["land"].append(time.perf_counter() - t)
+        mark("last part queued")
         digests = checks.digests
 
         async def timed_digests() -> Any:
-            t2 = time.perf_counter()
             out = await digests()
-            marks["checks wait"].append(time.perf_counter() - t2)
+            mark("digests in")
             return out
 
         checks.digests = timed_digests
         return checks
 
-    async def timed_plan(self: Any, kind: Any) -> Any:
-        t = time.perf_counter()
-        out = await plan(self, kind)
-        marks["plan"].append(time.perf_counter() - t)
+    async def timed_ask(self: Any, *a: Any, **k: Any) -> Any:
+        out = await ask(self, *a, **k)
+        mark("request sent")
         return out
 
-    CudaCopier.land, ShmConnection._plan = timed_land, timed_plan  # type: ignore[method-assign]
+    async def timed_part(self: Any, *a: Any, **k: Any) -> Any:
+        out = await part(self, *a, **k)
+        now.setdefault("first part in", time.perf_counter())
+        mark("last part in")
+        return out
+
+    Copier.land, ShmConnection._ask_get, ShmConnection._plan_part = (  # type: ignore[method-assign]
+        timed_land,
+        timed_ask,
+        timed_part,
+    )
     try:
         for _ in range(args.rounds):
-            t0 = time.perf_counter()
             found = client.find(tokens)
-            t1 = time.perf_counter()
+            now.clear()
+            t0 = time.perf_counter()
             whole(client.get_found_device(found, rows_), src, ns.block_size)
-            marks["find"].append(t1 - t0)
-            marks["get_found_device"].append(time.perf_counter() - t1)
+            mark("returned")
+            for name, at in sorted(now.items(), key=lambda kv: kv[1]):
+                marks.setdefault(name, []).append(at - t0)
     finally:
-        CudaCopier.land, ShmConnection._plan = land, plan  # type: ignore[method-assign]
+        Copier.land, ShmConnection._ask_get, ShmConnection._plan_part = land, ask, part  # type: ignore[method-assign]
     report(
-        f"  {n} pages of {size} ({nbytes / MiB:.0f} MiB), medians of {args.rounds}: "
-        + ", ".join(f"{k} {statistics.median(v) * 1e3:.2f} ms" for k, v in marks.items() if v)
+        f"  {n} pages of {size} ({nbytes / MiB:.0f} MiB), ms from the call (medians of {args.rounds}; "
+        f"plan in parts of {shm_connection.PART_BYTES >> 20} MiB): "
+        + ", ".join(f"{k} {statistics.median(v) * 1e3:.2f}" for k, v in marks.items())
     )
     profile = cProfile.Profile()
 
@@ -970,6 +992,33 @@ def get_marks(
     for line in out.getvalue().splitlines():
         if line.strip() and not line.startswith(("   Ordered", "   List")):
             report(f"    {line.strip()[:150]}")
+    pinned = dev.host((n, *ns.page_shape), ns.torch_dtype())
+    chosen = shm_connection.PART_BYTES
+    found_: list[Any] = [None]
+
+    def parted(part_mib: int) -> Callable[[], None]:
+        def run() -> None:
+            shm_connection.PART_BYTES = part_mib << 20 if part_mib else 1 << 40
+            try:
+                whole(client.get_found_device(found_[0], rows_), src, ns.block_size)
+            finally:
+                shm_connection.PART_BYTES = chosen
+
+        return run
+
+    errors: dict[str, str] = {}
+    times = interleave(
+        {"pinned H2D of the same bytes (baseline)": lambda: rows_.copy_(pinned, non_blocking=True)}
+        | {
+            f"get_found_device, plan in {f'parts of {m} MiB' if m else 'one'}": parted(m)
+            for m in (8, 16, 32, 64, 0)
+        },
+        args.rounds,
+        dev,
+        errors,
+        before=lambda: found_.__setitem__(0, client.find(tokens)),
+    )
+    rows(report, times, errors, nbytes)
     return client, src, tokens, ns, rows_
 
 
@@ -978,9 +1027,6 @@ def section_breakdown(report: Report, dev: Dev, cluster: Any, args: argparse.Nam
     (``get_marks``); and for 2 MiB pages the copy engine's rate from the node's
     registered slabs alone, and the checks alone in one launch and in batches, against
     the pinned copy."""
-    if not dev.cuda:
-        report("  skipped: needs a GPU")
-        return
     from client.memory.copy_plans import CHECK_BATCH
     from kvstore.pages import device_checksum
 

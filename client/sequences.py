@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from client import codec
-from client.gets.fetch import ReplicaFetcher, leading, unit_requests, whole_blocks
+from client.gets.fetch import ReplicaFetcher, leading, unit_locations, whole_blocks
 from client.gets.reads import PageReader
 from client.lookups.prefix import Identity, PrefixLookup
 from client.memory.buffers import split_spans
@@ -191,11 +191,9 @@ class LookupBuffer:
             return await self._fetch_merged(
                 hashes, result, kv, tail_hashes, tail_locations, tail, part_sizes
             )
-        unit_hashes, unit_locations = unit_requests(self.heads, hashes, result, slice(0, nblocks))
+        unit_hashes, unit_locs = unit_locations(self.heads, hashes, result, slice(0, nblocks))
         sinks = codec.kv_spans(ns, kv[0], kv[1], nblocks, count) + split_spans(tail, part_sizes)
-        ok = await self._fetcher.fetch(
-            unit_hashes + tail_hashes, unit_locations + tail_locations, sinks
-        )
+        ok = await self._fetcher.fetch(unit_hashes + tail_hashes, unit_locs + tail_locations, sinks)
         blocks = whole_blocks(ok, count, nblocks)
         got_parts = leading(ok[nblocks * count :]) if blocks == nblocks else 0
         return _Fetched(blocks, tail, part_sizes, got_parts)

@@ -205,9 +205,10 @@ class StorageNode:
             loop.add_signal_handler(sig, self._stop.set)
         listener = listen(ucxx, self.dataplane.serve, s.port)
         self.address = f"{s.host}:{listener.port}"
-        # published in the registry; put_tokens: puts may carry token ids (a client sends
-        # them only to nodes that say so: an older node refuses the field)
-        extra = {"pid": str(os.getpid()), "put_tokens": "1"}
+        # published in the registry; put_tokens: puts may carry token ids; get_parts: a
+        # same-host get's plan may come in parts (a client sends either field only to
+        # nodes that say so: an older node refuses it)
+        extra = {"pid": str(os.getpid()), "put_tokens": "1", "get_parts": "1"}
         unix = (
             SameHostListener(s.shm_dir, s.node_id, self.dataplane, self.metrics)
             if s.shm_dir

@@ -87,7 +87,7 @@ def scribbling(make, page: int):
         ):  # the copier under test, with its copy step timed by the test
             async def land(self, copies, check=True):
                 if len(copies) > page:
-                    scribble(copies[page][1])
+                    scribble(copies.source(page))
                 return await super().land(copies, check)
 
         inner.__class__ = Scribbling

@@ -153,19 +153,33 @@ def test_device_gets_refuse_what_they_cannot_do(cluster, request):
 
 def test_copies_of_pages_that_touch_are_merged():
     """Pages that lie back to back in a slab and in their rows travel as one copy (one
-    DMA on a GPU: measured, 128 separate 2 MiB copies reached 0.93x of one)."""
-    from client.memory.copy_plans import merged as _merged
+    DMA on a GPU: measured, 128 separate 2 MiB copies reached 0.93x of one); a page in
+    another slab, or not next to the one before on either side, starts a new copy."""
+    from client.memory.copy_plans import PageCopies
 
-    slab = np.arange(64, dtype=np.uint8)
+    slab, other = np.arange(64, dtype=np.uint8), np.arange(64, 128, dtype=np.uint8)
     rows = torch.zeros(64, dtype=torch.uint8)
-    copies = [
-        (DeviceSpan(rows, 0, 8), Span(slab, 16, 8)),
-        (DeviceSpan(rows, 8, 8), Span(slab, 24, 8)),
-        (DeviceSpan(rows, 16, 8), Span(slab, 40, 8)),
-        (DeviceSpan(rows, 32, 8), Span(slab, 48, 8)),
-    ]
-    merged = _merged(copies)
-    assert [(d.numel(), int(s[0])) for d, s in merged] == [(16, 16), (8, 40), (8, 48)]
+    copies = PageCopies.of(
+        [
+            (DeviceSpan(rows, 0, 8), Span(slab, 16, 8)),
+            (DeviceSpan(rows, 8, 8), Span(slab, 24, 8)),
+            (DeviceSpan(rows, 16, 8), Span(slab, 40, 8)),
+            (DeviceSpan(rows, 32, 8), Span(slab, 48, 8)),
+            (DeviceSpan(rows, 40, 8), Span(other, 56, 8)),
+        ]
+    )
+    merged = copies.views()
+    assert [(d.numel(), int(s[0])) for d, s in merged] == [(16, 16), (8, 40), (8, 48), (8, 120)]
+    assert copies.rows() == [0, 1, 2, 4, 5] and copies.source(4).base is other
+    with pytest.raises(ValueError, match="one page size"):
+        PageCopies.of([(DeviceSpan(rows, 0, 8), Span(slab, 0, 16))])
+    with pytest.raises(ValueError, match="one tensor"):
+        PageCopies.of(
+            [
+                (DeviceSpan(rows, 0, 8), Span(slab, 0, 8)),
+                (DeviceSpan(rows.clone(), 0, 8), Span(slab, 8, 8)),
+            ]
+        )
 
 
 def test_checks_are_queued_in_batches_with_a_small_last_one():
@@ -175,11 +189,19 @@ def test_checks_are_queued_in_batches_with_a_small_last_one():
     from client.memory.copy_plans import check_batches
 
     MiB = 1 << 20
-    assert [len(b) for b in check_batches([2 * MiB] * 64)] == [16, 16, 16, 12, 4]
-    assert [len(b) for b in check_batches([16 * MiB] * 5)] == [2, 2, 1]
-    assert [len(b) for b in check_batches([64 << 10] * 1024)] == [512, 384, 128]
-    assert check_batches([MiB]) == [[0]] and check_batches([]) == [[]]
-    assert sum(check_batches([3 * MiB] * 40), []) == list(range(40))
+
+    def sizes(count: int, nbytes: int) -> list[int]:
+        batches = check_batches(count, nbytes)
+        assert batches[0][0] == 0 and batches[-1][1] == count  # every page, in order, once
+        assert all(a[1] == b[0] for a, b in zip(batches, batches[1:]))
+        return [end - start for start, end in batches]
+
+    assert sizes(64, 2 * MiB) == [16, 16, 16, 12, 4]
+    assert sizes(5, 16 * MiB) == [2, 2, 1]
+    assert sizes(1024, 64 << 10) == [512, 384, 128]
+    assert sizes(40, 3 * MiB) == [11, 11, 11, 5, 2]
+    assert sizes(2, 2 * MiB) == [1, 1]
+    assert check_batches(1, MiB) == [(0, 1)] and check_batches(0, MiB) == [(0, 0)]
     assert block_runs([0, 1, 2, 5, 6, 9]) == [(0, 0, 3), (3, 5, 2), (5, 9, 1)]
 
 

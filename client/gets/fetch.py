@@ -11,13 +11,14 @@ from collections import defaultdict
 import numpy as np
 
 from client.memory.buffers import Span
-from client.memory.device_pages import DeviceSpan
+from client.memory.device_pages import DeviceRows
 from client.nodes.calls import NodeRefusedError
 from client.nodes.credentials import CallRefusals
 from client.nodes.directory import NodeDirectory
 from client.stats import ClientStats
 from kvstore.errors import RemoteFault
 from kvstore.index import LookupResult, NodeInfo, PageLocation
+from kvstore.index.records import SoleReplicas
 from kvstore.pages import heads
 from kvstore.pages.heads import RankUnits
 from kvstore.pages.keys import NamespaceKey
@@ -42,17 +43,41 @@ class ReplicaFetcher:
     async def fetch(
         self,
         hashes: list[bytes],
-        locations: list[list[PageLocation]],
-        sinks: list[Span] | list[DeviceSpan],
+        locations: list[list[PageLocation]] | SoleReplicas,
+        sinks: list[Span] | DeviceRows,
     ) -> list[bool]:
         """Fetch page i of ``hashes`` from its replicas ``locations[i]`` into ``sinks[i]``;
         per page, whether it arrived intact."""
         deadline = time.monotonic() + self._timeout
         ok = [False] * len(hashes)
-        tried: list[set[str]] = [set() for _ in hashes]
         nodes = {n.node_id: n for n in await self._nodes.live()}
         asked: set[str] = set()
         refusals = CallRefusals(self._stats, self._namespace.tenant, "read")
+        if isinstance(locations, SoleReplicas):  # one round: no other replica to try
+            sole: dict[str, np.ndarray] = {}
+            for number in np.unique(locations.numbers).tolist():
+                node_id = locations.nodes[number].node_id
+                if node_id in nodes:
+                    sole[node_id] = np.flatnonzero(locations.numbers == number)
+            asked.update(sole)
+            await asyncio.gather(
+                *(
+                    self._get_on(
+                        nodes[n],
+                        idx.tolist(),
+                        locations.checksums[idx].tolist(),
+                        hashes,
+                        sinks,
+                        ok,
+                        deadline - time.monotonic(),
+                        refusals,
+                    )
+                    for n, idx in sole.items()
+                )
+            )
+            refusals.raise_if_all(asked)
+            return ok
+        tried: list[set[str]] = [set() for _ in hashes]
         for _ in range(max((len(loc) for loc in locations[: len(hashes)]), default=0)):
             per_node = self._next_round(hashes, locations, ok, tried, nodes)
             remaining = deadline - time.monotonic()
@@ -61,7 +86,19 @@ class ReplicaFetcher:
             asked.update(per_node)
             await asyncio.gather(
                 *(
-                    self._get_on(nodes[n], idx, hashes, locations, sinks, ok, remaining, refusals)
+                    self._get_on(
+                        nodes[n],
+                        idx,
+                        [
+                            next(loc.checksum for loc in locations[i] if loc.node_id == n)
+                            for i in idx
+                        ],
+                        hashes,
+                        sinks,
+                        ok,
+                        remaining,
+                        refusals,
+                    )
                     for n, idx in per_node.items()
                 )
             )
@@ -106,25 +143,31 @@ class ReplicaFetcher:
         self,
         node: NodeInfo,
         idx: list[int],
+        expected: list[int],
         hashes: list[bytes],
-        locations: list[list[PageLocation]],
-        sinks: list[Span] | list[DeviceSpan],
+        sinks: list[Span] | DeviceRows,
         ok: list[bool],
         seconds: float,
         refusals: CallRefusals,
     ) -> None:
         """Get pages ``idx`` from ``node`` into their sinks, marking in ``ok`` those that
-        arrived intact; a node that fails is suspected, its pages stay missing."""
-        expected = [
-            next(loc.checksum for loc in locations[i] if loc.node_id == node.node_id) for i in idx
-        ]
+        arrived intact (``expected``: their checksums in the index, in ``idx``'s order);
+        a node that fails is suspected, its pages stay missing."""
+        whole = len(idx) == len(hashes)  # every page, in order: no lists to pick
+        picked = (
+            sinks
+            if whole
+            else sinks.take(idx)
+            if isinstance(sinks, DeviceRows)
+            else [sinks[i] for i in idx]
+        )
         try:
             got, conn = await self._nodes.on_node(
                 node,
                 lambda c: c.get(
                     self._namespace,
-                    [hashes[i] for i in idx],
-                    [sinks[i] for i in idx],
+                    hashes if whole else [hashes[i] for i in idx],
+                    picked,
                     expected,
                     seconds,
                 ),
@@ -141,8 +184,11 @@ class ReplicaFetcher:
         self._nodes.ok(node.node_id)
         for k in got.ok:
             ok[idx[k]] = True
-            self._stats.pages_received += 1
-            self._stats.bytes_received += sinks[idx[k]].nbytes
+        self._stats.pages_received += len(got.ok)
+        if isinstance(sinks, DeviceRows):
+            self._stats.bytes_received += len(got.ok) * sinks.nbytes
+        else:
+            self._stats.bytes_received += sum(sinks[idx[k]].nbytes for k in got.ok)
         self._stats.checksum_failures += got.corrupt
         if conn.path == "shm":
             self._stats.same_host_transfers += 1
@@ -150,9 +196,19 @@ class ReplicaFetcher:
 
 def unit_requests(
     rank: RankUnits, hashes: list[bytes], result: LookupResult, blocks: slice
-) -> tuple[list[bytes], list[list[PageLocation]]]:
+) -> tuple[list[bytes], list[list[PageLocation]] | SoleReplicas]:
     """The keys and replicas of ``rank``'s units of ``blocks``, unit by unit
-    (``heads.unit_hashes``)."""
+    (``heads.unit_hashes``): as arrays when each has one replica."""
+    count = rank.count
+    if count == 1 and (sole := result.sole(blocks)) is not None:
+        return heads.unit_hashes(hashes[blocks], rank.first, count), sole
+    return unit_locations(rank, hashes, result, blocks)
+
+
+def unit_locations(
+    rank: RankUnits, hashes: list[bytes], result: LookupResult, blocks: slice
+) -> tuple[list[bytes], list[list[PageLocation]]]:
+    """``unit_requests`` with every replica listed (for callers that join lists)."""
     count, first = rank.count, rank.first
     keys_ = heads.unit_hashes(hashes[blocks], first, count)
     if count == 1:

@@ -12,7 +12,7 @@ from client.gets.fetch import ReplicaFetcher, leading, unit_requests, whole_bloc
 from client.gets.landing import Landing, TransferMode, choose_landing, lands_in_place
 from client.lookups.prefix import Identity, PrefixLookup, StoredPrefix
 from client.memory.buffers import Span, host_bytes, page_spans
-from client.memory.device_pages import DeviceCopier, DeviceSpan, device_spans
+from client.memory.device_pages import DeviceCopier, DeviceRows, device_spans
 from client.memory.layer_feed import LayerFeed
 from client.memory.staging import HostBuffers
 from client.stats import ClientStats
@@ -265,7 +265,7 @@ class PageReader:
         hashes: list[bytes],
         result: LookupResult,
         start_block: int,
-        spans: list[Span] | list[DeviceSpan],
+        spans: list[Span] | DeviceRows,
     ) -> int:
         """Fetch whole pages of blocks ``start_block`` to ``result.matched`` into ``spans``
         (one per block); the tokens of the prefix that arrived."""

@@ -29,15 +29,14 @@ import asyncio
 import logging
 import threading
 import warnings
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
 
-from client.memory.buffers import Span, block_runs
-from client.memory.copy_plans import check_batches, layer_runs, merged
+from client.memory.copy_plans import PageCopies, check_batches
 from client.memory.cudart import Memcpy2D, clear_last_error
 from client.memory.layer_feed import LayerFeed
 from client.stats import ClientStats
@@ -66,15 +65,49 @@ class DeviceSpan:
         return self.base[self.offset : self.offset + self.nbytes]
 
 
+class DeviceRows(Sequence[DeviceSpan]):
+    """Pages of ``nbytes`` bytes in one device tensor, at ``offsets`` (bytes into
+    ``base``, a flat uint8 tensor): a get's sinks as arrays (a ``DeviceSpan`` each only
+    when one is asked for; a get names thousands)."""
+
+    def __init__(
+        self, base: torch.Tensor, offsets: np.ndarray, nbytes: int, feed: LayerFeed | None = None
+    ) -> None:
+        self.base = base
+        self.offsets = offsets
+        self.nbytes = nbytes
+        self.feed = feed
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    @overload
+    def __getitem__(self, k: int) -> DeviceSpan: ...
+
+    @overload
+    def __getitem__(self, k: slice) -> DeviceRows: ...
+
+    def __getitem__(self, k: int | slice) -> DeviceSpan | DeviceRows:
+        if isinstance(k, slice):
+            return DeviceRows(self.base, self.offsets[k], self.nbytes, self.feed)
+        return DeviceSpan(self.base, int(self.offsets[k]), self.nbytes, self.feed)
+
+    def take(self, positions: Sequence[int] | np.ndarray) -> DeviceRows:
+        """The pages at ``positions``, in that order."""
+        return DeviceRows(
+            self.base, self.offsets[np.asarray(positions, dtype=np.int64)], self.nbytes, self.feed
+        )
+
+
 def device_spans(
     rows: torch.Tensor, count: int, page_nbytes: int, feed: LayerFeed | None = None
-) -> list[DeviceSpan]:
+) -> DeviceRows:
     """``count`` pages back to back at the start of ``rows`` (any contiguous tensor),
     landed layer by layer through ``feed`` when one is given."""
     flat = rows.reshape(-1).view(torch.uint8)
     if flat.numel() < count * page_nbytes:
         raise ValueError(f"{flat.numel()} bytes hold fewer than {count} pages of {page_nbytes}")
-    return [DeviceSpan(flat, i * page_nbytes, page_nbytes, feed) for i in range(count)]
+    return DeviceRows(flat, np.arange(count, dtype=np.int64) * page_nbytes, page_nbytes, feed)
 
 
 class DeviceCopier:
@@ -103,22 +136,26 @@ class DeviceCopier:
     def unregister(self, token: Any) -> None:
         """Undo ``register`` before the mapping goes away."""
 
-    async def land(self, copies: list[tuple[DeviceSpan, Span]], check: bool = True) -> Checks:
-        """Copy each host span (contiguous, of its page's size) into its device span.
-        With ``check``, the pages' checks follow their copies, and every byte has
-        landed once ``Checks.digests`` (their digests, in ``copies``' order) returns,
-        which the caller must await before it lets go of either side; without, this
-        returns once every byte has landed."""
+    async def land(self, copies: PageCopies, check: bool = True) -> Checks:
+        """Copy each page of ``copies`` from host memory into the device tensor. With
+        ``check``, the pages' checks follow their copies, and every byte has landed
+        once ``Checks.digests`` (their digests, in ``copies``' order) returns, which the
+        caller must await (or ``Checks.settle``) before it lets go of either side;
+        without, this returns once every byte has landed."""
         raise NotImplementedError
 
 
 class Checks:
     """The xxh3-64 digests of pages that landed in device memory, in the order they were
     copied (``kvstore.pages.checksum``'s digests of the same bytes); ``digests`` waits
-    for them. ``compute``: what gives them."""
+    for them. ``compute``: what gives them; ``settle``: blocks until no copy of theirs
+    can still land (for a caller giving up on them)."""
 
-    def __init__(self, compute: Callable[[], Awaitable[list[int]]]) -> None:
+    def __init__(
+        self, compute: Callable[[], Awaitable[list[int]]], settle: Callable[[], None] = lambda: None
+    ) -> None:
         self._compute = compute
+        self.settle = settle
 
     async def digests(self) -> list[int]:
         return await self._compute()
@@ -133,27 +170,28 @@ class HostCopier(DeviceCopier):
     def __init__(self, stats: ClientStats) -> None:
         super().__init__(torch.device("cpu"), stats)
 
-    async def land(self, copies: list[tuple[DeviceSpan, Span]], check: bool = True) -> Checks:
-        feed = copies[0][0].feed if copies else None
+    async def land(self, copies: PageCopies, check: bool = True) -> Checks:
+        feed, page = copies.feed, copies.nbytes
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # a read-only mapping: only read
             if feed is None:
-                for dst, src in merged(copies):
+                for dst, src in copies.views():
                     dst.copy_(torch.from_numpy(src))
             else:  # layer by layer, as the CUDA copier's 2-D copies
-                width, plan, rows = layer_runs(copies, feed.layers)
-                page = copies[0][0].nbytes
+                width, rows = page // feed.layers, copies.rows()
+                runs = copies.runs()
                 for layer in range(feed.layers):
                     at = layer * width
-                    for db, do, hb, ho, n in plan:
-                        into = db[do : do + n].view(n // page, page)[:, at : at + width]
-                        host = torch.from_numpy(hb[ho : ho + n]).view(n // page, page)
-                        into.copy_(host[:, at : at + width])
+                    for si, so, do, n in runs:
+                        into = copies.dst[do : do + n * page].view(n, page)[:, at : at + width]
+                        host = torch.from_numpy(copies.sources[si][so : so + n * page])
+                        into.copy_(host.view(n, page)[:, at : at + width])
                     feed.queued(layer, rows, None)
-        landed = [dst for dst, _ in copies]
+        flat = copies.dst.numpy()
+        landed = copies.dst_offsets.tolist()
 
         async def digests() -> list[int]:
-            return [page_checksum(d.view().numpy()) for d in landed]
+            return [page_checksum(flat[o : o + page]) for o in landed]
 
         return Checks(digests)
 
@@ -237,96 +275,72 @@ class CudaCopier(DeviceCopier):
         if token is not None:
             self._cudart.cudaHostUnregister(token)
 
-    async def land(self, copies: list[tuple[DeviceSpan, Span]], check: bool = True) -> Checks:
+    async def land(self, copies: PageCopies, check: bool = True) -> Checks:
         """All copies are queued on the copy stream at once, in batches of about
         ``CHECK_BATCH`` bytes; each batch's checks are queued on the check stream behind
         its copies, so the device hashes one batch while the next one crosses the bus,
-        and only the last batch's checks remain once the copies are done. Spans with a
+        and only the last batch's checks remain once the copies are done. Pages with a
         feed land layer by layer instead (``_queue_layers``), checked after the last."""
-        feed = copies[0][0].feed if copies else None
-        if feed is not None:
-            landed = self._queue_layers(copies, feed)
+        if copies.feed is not None:
+            landed = self._queue_layers(copies, copies.feed)
         else:
-            landed = []  # (pages, event after their copies)
+            landed = []  # (pages [start, end), event after their copies)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # a read-only mapping: only read
                 with torch.cuda.stream(self._stream):
-                    for ks in check_batches([dst.nbytes for dst, _ in copies]):
-                        for dst_view, src_view in merged([copies[k] for k in ks]):
+                    for start, end in check_batches(len(copies), copies.nbytes):
+                        for dst_view, src_view in copies.views(start, end):
                             dst_view.copy_(torch.from_numpy(src_view), non_blocking=True)
                         event = torch.cuda.Event()
                         event.record(self._stream)
-                        landed.append((ks, event))
-        if not (check and copies):
-            await _settled(landed[-1][1])
+                        landed.append((start, end, event))
+        if not (check and len(copies)):
+            await _settled(landed[-1][2])
             return Checks(_no_digests)
-        finish = self._launch(copies, landed)
+        accs = self._launch(copies, landed)
         checked = torch.cuda.Event()
         checked.record(self._checks)  # after every batch's copies and checks
 
         async def digests() -> list[int]:
             await _settled(checked)  # one wait for the copies and the checks
-            return finish()
+            return device_checksum.finish(accs, copies.nbytes)
 
-        return Checks(digests)
+        return Checks(digests, checked.synchronize)
 
-    def _queue_layers(
-        self, copies: list[tuple[DeviceSpan, Span]], feed: LayerFeed
-    ) -> list[tuple[list[int], Any]]:
+    def _queue_layers(self, copies: PageCopies, feed: LayerFeed) -> list[tuple[int, int, Any]]:
         """Queue a layer-wise landing: per layer, one 2-D copy per run of pages (that
         layer's slice of each page), then an event handed to ``feed``; the checks follow
         the last layer, as one batch."""
-        width, plan, rows = layer_runs(copies, feed.layers)
-        page, stream = copies[0][0].nbytes, self._stream
+        page, stream = copies.nbytes, self._stream
+        width, rows = page // feed.layers, copies.rows()
+        runs = [
+            (copies.dst.data_ptr() + do, copies.sources[si].ctypes.data + so, n)
+            for si, so, do, n in copies.runs()
+        ]
         event = None
         with torch.cuda.device(self.device):  # the runtime call acts on the current device
             for layer in range(feed.layers):
                 at = layer * width
-                for db, do, hb, ho, n in plan:
-                    dst, src = db.data_ptr() + do + at, hb.ctypes.data + ho + at
-                    self._memcpy_2d(dst, page, src, page, width, n // page, stream.cuda_stream)
+                for dst, src, n in runs:
+                    self._memcpy_2d(dst + at, page, src + at, page, width, n, stream.cuda_stream)
                 event = torch.cuda.Event()
                 event.record(stream)
                 feed.queued(layer, rows, event)
-        return [(list(range(len(copies))), event)]
+        return [(0, len(copies), event)]
 
-    def _launch(
-        self, copies: list[tuple[DeviceSpan, Span]], landed: list[tuple[list[int], Any]]
-    ) -> Callable[[], list[int]]:
-        """Queue each batch's checks on the check stream behind its copies; the function
-        it returns gives the digests, in ``copies``' order, once the stream has passed
-        them. Pages of one size in one tensor (a get's rows) take one upload of their
-        offsets and one download of their accumulators; others are checked per tensor."""
-        spans = [dst for dst, _ in copies]
-        nbytes = spans[0].nbytes
-        if any(s.nbytes != nbytes for s in spans):
-            raise ValueError("device checksums take pages of one size")
-        bases: dict[int, list[int]] = {}
-        for k, s in enumerate(spans):
-            bases.setdefault(id(s.base), []).append(k)
-        order = [k for ks in bases.values() for k in ks]  # each tensor's pages together
+    def _launch(self, copies: PageCopies, landed: list[tuple[int, int, Any]]) -> torch.Tensor:
+        """Queue each batch's checks on the check stream behind its copies: one upload
+        of the pages' offsets, one launch per batch; the pages' accumulators (for
+        ``device_checksum.finish``, once the stream has passed them)."""
         with torch.cuda.stream(self._checks):
-            offsets = device_checksum.word_offsets(
-                [spans[k].offset for k in order], nbytes, self.device
-            )
-            accs = torch.empty((len(order), 8), dtype=torch.int64, device=self.device)
-            at = {k: i for i, k in enumerate(order)}
-            for ks, event in landed:
+            offsets = device_checksum.word_offsets(copies.dst_offsets, copies.nbytes, self.device)
+            accs = torch.empty((len(copies), 8), dtype=torch.int64, device=self.device)
+            for start, end, event in landed:
                 self._checks.wait_event(event)
-                # this batch's pages, a run of consecutive places in ``order`` per tensor
-                for _, first, count in block_runs(sorted(at[k] for k in ks)):
-                    base = spans[order[first]].base
-                    rows = slice(first, first + count)
-                    device_checksum.launch(base, offsets[rows], nbytes, out=accs[rows])
-
-        def finish() -> list[int]:
-            by_place = device_checksum.finish(accs, nbytes)
-            out = [0] * len(spans)
-            for place, k in enumerate(order):
-                out[k] = by_place[place]
-            return out
-
-        return finish
+                device_checksum.launch(
+                    copies.dst, offsets[start:end], copies.nbytes, out=accs[start:end]
+                )
+        return accs
 
 
 async def _no_digests() -> list[int]:
@@ -335,8 +349,12 @@ async def _no_digests() -> list[int]:
 
 async def _settled(done: Any) -> None:
     """Wait for the work before ``done`` (a CUDA event) in a thread, so the loop serves
-    other nodes' transfers meanwhile. Cancelled, it still waits, here: no copy may land
-    in a caller's memory after its call has returned (the caller may reuse it at once)."""
+    other nodes' transfers meanwhile; no thread when it has passed already (a get's
+    earlier parts, once its last part's checks are done). Cancelled, it still waits,
+    here: no copy may land in a caller's memory after its call has returned (the caller
+    may reuse it at once)."""
+    if done.query():
+        return
     try:
         await asyncio.to_thread(done.synchronize)
     except asyncio.CancelledError:

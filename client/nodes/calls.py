@@ -5,7 +5,7 @@ connection fails, and the request frames."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -71,14 +71,10 @@ class GetOutcome:
     ok: list[int]
     corrupt: int
 
-    @classmethod
-    def of(cls, landed: Iterable[tuple[int, int, int]], expected: list[int]) -> GetOutcome:
-        """The outcome of pages that landed, each ``(request position, the node's
-        checksum, the digest of the bytes that landed)``, against ``expected``."""
-        outcome = cls([], 0)
-        for i, node_checksum, digest in landed:
-            outcome.check(i, node_checksum, expected[i], digest)
-        return outcome
+    def merge(self, other: GetOutcome) -> None:
+        """Add the outcome of another part of the same get."""
+        self.ok += other.ok
+        self.corrupt += other.corrupt
 
     def check(self, i: int, node_checksum: int, expected: int, digest: int) -> None:
         """Count page ``i``: good only if the node's record and the bytes' ``digest``
@@ -122,16 +118,23 @@ def put_request(
 
 
 def get_request(
-    namespace: NamespaceKey, token: str, hashes: list[bytes], sinks: Sequence[Any], probe: bool
+    namespace: NamespaceKey,
+    token: str,
+    hashes: list[bytes],
+    sinks: Sequence[Any],
+    probe: bool,
+    part_pages: int = 0,
 ) -> P.GetRequest:
     """The GET of ``hashes`` into ``sinks``: host spans say which pages may travel in
-    one message (``join_flags``); device spans (client.memory.device_pages) never do."""
+    one message (``join_flags``); device spans (client.memory.device_pages) never do.
+    ``part_pages``: its plan in parts of that many pages (same host; 0: one plan)."""
     host = not sinks or isinstance(sinks[0], Span)  # one kind per get
     return P.GetRequest(
         namespace=namespace.digest,
         tenant=namespace.tenant,
         token=token,
         hashes=hashes,
-        join=join_flags(list(sinks)) if host else [False] * len(hashes),
+        join=join_flags(list(sinks)) if host else np.zeros(len(hashes), dtype=bool),
         probe=probe,
+        part_pages=part_pages,
     )

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
 from client.memory.buffers import Span, adjacent, joined, split_spans
-from client.memory.device_pages import DeviceCopier, DeviceSpan
+from client.memory.copy_plans import PageCopies
+from client.memory.device_pages import DeviceCopier, DeviceRows
 from client.memory.staging import host_buffers
 from client.nodes.calls import (
     Checksums,
@@ -70,7 +71,7 @@ class Connection:
         self,
         namespace: NamespaceKey,
         hashes: list[bytes],
-        sinks: list[Span] | list[DeviceSpan],
+        sinks: list[Span] | DeviceRows,
         expected: list[int],
         timeout: float,
         probe: bool = False,
@@ -78,17 +79,17 @@ class Connection:
         """Fetch pages into ``sinks`` (host spans, or device spans of ``device``) and
         verify each against ``expected`` (the index's checksums); a ``probe`` (client
         start's warm-up) is left out of the node's counters."""
-        if sinks and isinstance(sinks[0], DeviceSpan):
+        if isinstance(sinks, DeviceRows):
             work = self._get_device(namespace, hashes, sinks, expected)
         else:
-            work = self._get(namespace, hashes, cast(list[Span], sinks), expected, probe)
+            work = self._get(namespace, hashes, sinks, expected, probe)
         return await self._guarded(work, timeout, "get")
 
     async def _get_device(
         self,
         namespace: NamespaceKey,
         hashes: list[bytes],
-        sinks: list[DeviceSpan],
+        sinks: DeviceRows,
         expected: list[int],
     ) -> GetOutcome:
         """Fetch pages into device spans of the client's copier and verify each (each
@@ -288,7 +289,7 @@ class NodeConnection(Connection):
         self,
         namespace: NamespaceKey,
         hashes: list[bytes],
-        sinks: list[DeviceSpan],
+        sinks: DeviceRows,
         expected: list[int],
     ) -> GetOutcome:
         """A get into device memory through host memory: the pages land in pinned host
@@ -297,11 +298,13 @@ class NodeConnection(Connection):
         arrive (measured on an H200 with one copy at the end: 0.96x the rate of the same
         get into host memory, the copy's 4.9 ms of 126)."""
         device = self._device_copier()
-        host = self._borrow(sum(s.nbytes for s in sinks))
-        spans = split_spans(host, [s.nbytes for s in sinks])
+        host = self._borrow(len(sinks) * sinks.nbytes)
+        spans = split_spans(host, [sinks.nbytes] * len(sinks))
 
         async def to_device(intact: list[int]) -> None:
-            await device.land([(sinks[i], spans[i]) for i in intact], check=False)
+            if intact:
+                copies = PageCopies.of([(sinks[i], spans[i]) for i in intact])
+                await device.land(copies, check=False)
 
         return await self._get(namespace, hashes, spans, expected, False, to_device)
 

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from client.memory.buffers import Span
-from client.memory.device_pages import DeviceCopier, DeviceSpan
+from client.memory.copy_plans import PageCopies
+from client.memory.device_pages import Checks, DeviceCopier, DeviceRows
 from client.nodes.calls import (
     Checksums,
     ClosedBeforeUseError,
@@ -27,6 +28,7 @@ from client.nodes.calls import (
     put_request,
 )
 from client.nodes.connection import Connection
+from client.nodes.get_plan import PlanPart
 from kvstore.errors import ProtocolError, TransportError
 from kvstore.index import NodeInfo
 from kvstore.pages.checksum import copy_checksummed
@@ -44,6 +46,9 @@ from kvstore.wire.transport import with_timeout
 # slab the mapping step fell from 5.6 to 2.5-2.8 ms (of about 25 ms); a steady client
 # maps each slab of its tenant once and keeps it.
 FAULT_AROUND = 64 << 10
+# A device get's plan comes in parts of about this many bytes (``GetRequest.part_pages``):
+# the first part's copies start while the node plans the rest. XXX measured on the H200
+PART_BYTES = 32 << 20
 
 
 class ShmConnection(Connection):
@@ -147,31 +152,47 @@ class ShmConnection(Connection):
             sum(pages[i].span.nbytes for i in wanted),
         )
 
-    async def _slots(
+    async def _ask_get(
         self,
         namespace: NamespaceKey,
         hashes: list[bytes],
-        sinks: Sequence[Span] | Sequence[DeviceSpan],
+        sinks: Sequence[Span] | DeviceRows,
         probe: bool,
-    ) -> list[tuple[int, int, int, np.ndarray, int, int]]:
-        """Ask for ``hashes`` and map what the plan lends: per page the node holds and
-        pinned, ``(request position, node's checksum, slab, slab mapping, offset,
-        size)``; a page whose size is not its sink's is left out (it can never be the
-        one asked for). The caller says GET_DONE once it has copied them."""
-        await self._ask(get_request(namespace, self.token, hashes, sinks, probe))
-        plan = await self._plan(P.GetPlan)
-        present, sizes, sums = plan.ints("present"), plan.ints("sizes"), plan.ints("checksums")
-        regions, offsets = plan.ints("regions"), plan.ints("offsets")
-        if not len(present) == len(sizes) == len(sums) == len(regions) == len(offsets) or any(
-            not 0 <= i < len(hashes) for i in present
+        part_pages: int = 0,
+    ) -> None:
+        """Send a get; ``part_pages`` asks for its plan in parts of that many pages, from
+        a node that advertises ``get_parts`` (one plan from others)."""
+        if self.node.extra.get("get_parts") != "1":
+            part_pages = 0
+        await self._ask(get_request(namespace, self.token, hashes, sinks, probe, part_pages))
+
+    async def _plan_part(
+        self, hashes: list[bytes], sinks: Sequence[Span] | DeviceRows, seen: np.ndarray
+    ) -> tuple[PlanPart, bool]:
+        """The next plan frame's pages the node holds and pinned (mapping the slab
+        descriptors that came with it), and whether more frames follow. A page whose
+        size is not its sink's is left out (it can never be the one asked for); a page
+        named twice in one get is a protocol error (``seen``: the positions so far)."""
+        plan, fds = await self._recv_frame(P.GetPlan)
+        self._map(plan.mapped, fds)
+        present = plan.present.astype(np.int64)
+        arrays = (plan.sizes, plan.checksums, plan.regions, plan.offsets)
+        if any(len(a) != len(present) for a in arrays) or (
+            len(present) and int(present.max()) >= len(hashes)
         ):
             raise ProtocolError(f"node {self.node.node_id} sent an inconsistent get plan")
-        slots = []
-        for i, size, region, off, node_sum in zip(present, sizes, regions, offsets, sums):
-            mapped = self._maps.get(region)
-            if mapped is not None and sinks[i].nbytes == size and off + size <= mapped.size:
-                slots.append((i, node_sum, region, mapped, off, size))
-        return slots
+        if seen[present].any() or len(np.unique(present)) != len(present):
+            raise ProtocolError(f"node {self.node.node_id} planned a page twice")
+        seen[present] = True
+        part = PlanPart(present, *arrays)
+        if len(present):
+            sizes = (
+                sinks.nbytes
+                if isinstance(sinks, DeviceRows)
+                else [sinks[i].nbytes for i in present.tolist()]
+            )
+            part = part.kept(self._maps, sizes)
+        return part, bool(plan.more)
 
     async def _get(
         self,
@@ -181,39 +202,80 @@ class ShmConnection(Connection):
         expected: list[int],
         probe: bool,
     ) -> GetOutcome:
-        slots = await self._slots(namespace, hashes, sinks, probe)
+        await self._ask_get(namespace, hashes, sinks, probe)
+        seen = np.zeros(len(hashes), dtype=bool)
+        parts, more = [], True
+        while more:  # frames before the last carry descriptors only: one plan
+            part, more = await self._plan_part(hashes, sinks, seen)
+            parts.append(part)
+        part = PlanPart.joined(parts)
         copies = [
-            (sinks[i].bytes(), mapped[off : off + size]) for i, _, _, mapped, off, size in slots
+            (sinks[i].bytes(), self._maps[r][off : off + size]) for i, r, off, size in part.rows()
         ]
         digests = copy_checksummed(copies)  # the one copy; hashes of the bytes that landed
         await self._channel().send_frame(P.GetDone())  # the node unpins
-        return GetOutcome.of(((s[0], s[1], d) for s, d in zip(slots, digests)), expected)
+        return part.outcome(digests, expected)
 
     async def _get_device(
         self,
         namespace: NamespaceKey,
         hashes: list[bytes],
-        sinks: list[DeviceSpan],
+        sinks: DeviceRows,
         expected: list[int],
     ) -> GetOutcome:
         """A get into device memory straight from the node's slots: each page is copied
         by DMA from the slab's mapping (registered with the device once) into its sink
         and checked on the device against the index's checksum (client.memory.device_pages);
-        the node is told it may unpin once every copy and check has finished."""
+        the node is told it may unpin once every copy and check has finished. The plan
+        comes in parts of about ``PART_BYTES`` (a get landing layer by layer: in one),
+        each part's copies queued as it arrives, while the node plans the next."""
         device = self._device_copier()
-        slots = await self._slots(namespace, hashes, sinks, False)
-        copies = []
-        for i, _, region, mapped, off, size in slots:
+        part_pages = 0
+        if sinks.feed is None:
+            part_pages = min(len(hashes), max(1, PART_BYTES // sinks.nbytes))
+        await self._ask_get(namespace, hashes, sinks, False, part_pages)
+        seen = np.zeros(len(hashes), dtype=bool)
+        queued: list[tuple[PlanPart, Checks]] = []
+        more, done = True, False
+        try:
+            while more:
+                part, more = await self._plan_part(hashes, sinks, seen)
+                if len(part.present):
+                    queued.append((part, await device.land(self._copies(device, part, sinks))))
+            # the last part's checks follow every earlier part's on the device: once they
+            # are done, the others' digests need no wait of their own
+            digests = [await checks.digests() for _, checks in reversed(queued)][::-1]
+            done = True
+        finally:
+            if not done:  # a part failed or the get was cancelled: nothing lands later
+                for _, checks in queued:
+                    checks.settle()
+        # the pins hold until here; every copy is over (and was checked)
+        await self._channel().send_frame(P.GetDone())
+        outcome = GetOutcome([], 0)
+        for (part, _), got in zip(queued, digests):
+            outcome.merge(part.outcome(got, expected))
+        return outcome
+
+    def _copies(self, device: DeviceCopier, part: PlanPart, sinks: DeviceRows) -> PageCopies:
+        """A plan part's copies from the slabs' mappings, each registered with the
+        device once (by the first get that reads from it)."""
+        regions, src_index = np.unique(part.regions, return_inverse=True)
+        sources = []
+        for region in regions.tolist():
+            mapped = self._maps[region]
             if region not in self._registered:
                 self._registered[region] = device.register(mapped, mapped.flags.writeable)
-            copies.append((sinks[i], Span(mapped, off, size)))
-        try:
-            checks = await device.land(copies)
-            digests = await checks.digests()  # every byte has landed, and been checked
-        finally:
-            # the pins hold until here; the copies are over (or will never be looked at)
-            await self._channel().send_frame(P.GetDone())
-        return GetOutcome.of(((s[0], s[1], d) for s, d in zip(slots, digests)), expected)
+            sources.append(mapped)
+        return PageCopies(
+            sinks.base,
+            sinks.offsets[part.present],
+            sources,
+            src_index.reshape(-1),
+            part.offsets.astype(np.int64),
+            sinks.nbytes,
+            sinks.feed,
+        )
 
     def _unregister(self, region: int) -> None:
         token = self._registered.pop(region, None)

@@ -62,6 +62,19 @@ class PageLocation:
 
 
 @dataclass(frozen=True, slots=True)
+class SoleReplicas:
+    """Pages with one replica each, as arrays: page ``i``'s is on node
+    ``nodes[numbers[i]]``, with checksum ``checksums[i]`` (``LookupResult.sole``)."""
+
+    numbers: np.ndarray
+    checksums: np.ndarray
+    nodes: dict[int, NodeInfo]
+
+    def __len__(self) -> int:
+        return len(self.numbers)
+
+
+@dataclass(frozen=True, slots=True)
 class CommitEntry:
     """A verified page to publish; ``anchor`` and ``position`` place it in its segment
     (``kvstore.pages.keys.placement``)."""
@@ -157,6 +170,19 @@ class LookupResult:
                 )
             self._locations = out
         return self._locations
+
+    def sole(self, blocks: slice) -> SoleReplicas | None:
+        """The replicas of positions ``blocks`` as arrays when every matched position
+        has exactly one (one replica per page, whole pages: a reader's common case,
+        which then never builds ``locations``); None otherwise."""
+        recs, positions = self._records, self._positions
+        if len(recs) != self.matched or self._units.any():
+            return None
+        if not np.array_equal(positions, np.arange(self.matched)):
+            return None
+        return SoleReplicas(
+            recs["node"][blocks], recs["checksum"][blocks].astype(np.uint64), self._nodes
+        )
 
     @classmethod
     def empty(cls) -> LookupResult:

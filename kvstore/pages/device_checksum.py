@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -148,18 +149,19 @@ BLOCKS_PER_PROGRAM = 16
 CHAIN_PAGES = 4  # pages (of 8 lanes each) one program of ``_chain`` runs: one warp
 
 
-def word_offsets(offsets: list[int], nbytes: int, device: Any) -> Any:
+def word_offsets(offsets: Sequence[int] | np.ndarray, nbytes: int, device: Any) -> Any:
     """The pages' offsets in ``base`` (bytes) as the kernels take them: an int64 tensor of
     8-byte words on ``device``, uploaded on the current stream from pinned memory (a
     pageable upload would wait for the stream's earlier work). A caller that checks
     pages in batches uploads them once."""
     import torch
 
-    if not supports(nbytes) or any(o % 8 for o in offsets):
+    at = np.asarray(offsets, dtype=np.int64)
+    if not supports(nbytes) or (at % 8).any():
         raise ValueError(
             f"device checksums need pages of at least {MIN_BYTES} bytes, 8-byte aligned"
         )
-    words = torch.tensor([o // 8 for o in offsets], dtype=torch.int64)
+    words = torch.from_numpy(at // 8)
     if torch.device(device).type == "cuda":
         words = words.pin_memory()
     return words.to(device, non_blocking=True)

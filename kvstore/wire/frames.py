@@ -78,9 +78,10 @@ class _Frame(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
     ARRAYS: ClassVar[dict[str, str]] = {}
-    # trailing arrays an older peer neither sends nor reads: left off the wire while
-    # empty (the frame's bytes are then what they were before the field existed), and
-    # read as empty when the body ends before them
+    # fields an older peer neither sends nor reads, left off the wire at their default
+    # (the frame's bytes are then what they were before the field existed): trailing
+    # arrays while empty, read as empty when the body ends before them; scalars while
+    # at their default, which a header without them reads as
     OPTIONAL: ClassVar[frozenset[str]] = frozenset()
     ROWS: ClassVar[dict[str, int]] = {}  # rows an array may hold, when not MAX_PAGES_PER_REQUEST
 
@@ -195,9 +196,13 @@ class PutResult(_Frame):
 
 class GetRequest(_Frame):
     """Client -> server: pages the client asks for (hash, and whether each page may
-    share a message with the one before it), and the largest run it takes."""
+    share a message with the one before it), and the largest run it takes. On the same
+    host, ``part_pages`` (sent only to a node that advertises ``get_parts``: an older
+    node refuses the field) asks for the plan in parts of that many pages, so the
+    client copies one part while the node plans the next; 0: one plan."""
 
     ARRAYS = {"hashes": "hash", "join": "bool"}
+    OPTIONAL = frozenset({"part_pages"})
     namespace: Hex128
     tenant: Tenant
     token: str = ""
@@ -207,6 +212,7 @@ class GetRequest(_Frame):
     # a client's warm-up at start (connection, the node's first look at the namespace
     # and credential): answered like any get, left out of the node's counters
     probe: bool = False
+    part_pages: int = Field(default=0, ge=0, le=MAX_PAGES_PER_REQUEST)
 
     @model_validator(mode="after")
     def _check(self) -> GetRequest:
@@ -225,7 +231,9 @@ class GetPlan(_Frame):
     say where each page lies in the node's shared memory, and the frame carries a
     read-only descriptor for each ``mapped`` [slab, generation] the client lacks; with
     more descriptors than one frame can carry, frames with ``more`` set come first
-    (see kvstore.wire.shm)."""
+    (see kvstore.wire.shm). A plan asked for in parts (``GetRequest.part_pages``) is
+    such frames too, each listing the pages of its part; the last has ``more`` unset.
+    A frame's pages are its own: a client reads each frame's arrays as it arrives."""
 
     ARRAYS = {
         "present": "u32",

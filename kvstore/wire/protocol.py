@@ -115,7 +115,13 @@ _COUNT = struct.Struct("<I")
 def encode(frame: _Frame) -> bytes:
     """Preamble, then the body: a u32 header length, the JSON header, then for each
     field of ``ARRAYS`` in order a u32 row count and the packed rows."""
-    header = frame.model_dump_json(exclude=set(frame.ARRAYS)).encode()
+    fields = type(frame).model_fields
+    unset = {
+        name
+        for name in frame.OPTIONAL
+        if name not in frame.ARRAYS and getattr(frame, name) == fields[name].default
+    }
+    header = frame.model_dump_json(exclude=set(frame.ARRAYS) | unset).encode()
     parts = [b"", _COUNT.pack(len(header)), header]
     for name in frame.ARRAYS:
         arr = np.ascontiguousarray(getattr(frame, name))

@@ -32,6 +32,8 @@ class Connection(ABC):
     transfer timeout, and the steps by which a request's pages move over its path."""
 
     path: ClassVar[str]  # "ucx" or "shm": the label of its metrics
+    # whether a get's plan may go in parts (``GetRequest.part_pages``; same host only)
+    plans_in_parts: ClassVar[bool] = False
 
     def __init__(self, frame_seconds: float, timeout: float) -> None:
         self.frame_seconds = frame_seconds  # how long a frame may take once it started
@@ -113,6 +115,8 @@ class Connection(ABC):
         pages: list[StoredPage],
         sizes: list[int],
         checksums: np.ndarray,
+        more: bool = False,
     ) -> int:
         """Answer a get with its plan and the pinned pages, in memory; returns the payload
-        messages sent."""
+        messages sent. ``more``: one part of a plan in parts, more to follow (only
+        where ``plans_in_parts``)."""

@@ -32,12 +32,14 @@ class SlabLender:
         pages: list[StoredPage],
         writable: bool,
         also: list[int] | None = None,
+        more: bool = False,
     ) -> None:
         """Same-host plan: where each page's slot lies (slab and offset), with descriptors
         of the slabs the client lacks at their current generation (and of the slabs
         ``also`` names): read-only for a GET, writable for a PUT (the client writes the
         wanted pages into their slots). More descriptors than one frame carries go in
-        earlier frames marked ``more``."""
+        earlier frames marked ``more``; with ``more``, the last is marked too (a part of
+        a plan sent in parts, more parts to follow)."""
         slab = self.store.allocator.slab_size
         offsets: list[int] = [p.offset for p in pages]  # type: ignore[misc]  # pinned: each holds its slot
         regions = [o // slab for o in offsets]
@@ -60,6 +62,7 @@ class SlabLender:
                     "regions": regions,
                     "offsets": [o % slab for o in offsets],
                     "mapped": mapped,
+                    "more": more,
                 }
                 if last
                 else {"mapped": mapped, "more": True}

@@ -32,6 +32,7 @@ class ShmConnection(Connection):
     in, and the client moves the bytes."""
 
     path = "shm"
+    plans_in_parts = True
 
     def __init__(
         self, channel: shm.UnixChannel, store: PageStore, frame_seconds: float, timeout: float
@@ -73,10 +74,12 @@ class ShmConnection(Connection):
         pages: list[StoredPage],
         sizes: list[int],
         checksums: np.ndarray,
+        more: bool = False,
     ) -> int:
         """The plan with read-only descriptors (a start probe's also lends its tenant's
         slabs), then the client's word that it copied the pages out: their pins hold
-        until then. No payload message."""
+        until then. No payload message. With ``more``, this is one part of a plan sent
+        in parts (``GetRequest.part_pages``): the client's word comes after the last."""
         slab = self.store.allocator.slab_size
         also = (
             self.store.allocator.slabs_of(req.tenant, max(1, PROBE_MAP_BYTES // slab))
@@ -90,6 +93,8 @@ class ShmConnection(Connection):
             pages,
             writable=False,
             also=also,
+            more=more,
         )
-        await self.expect(P.GetDone, "get done")
+        if not more:
+            await self.expect(P.GetDone, "get done")
         return 0

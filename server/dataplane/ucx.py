@@ -120,6 +120,7 @@ class UcxConnection(Connection):
         pages: list[StoredPage],
         sizes: list[int],
         checksums: np.ndarray,
+        more: bool = False,
     ) -> int:
         """Post the plan and every run's message out of the pool at once, then wait for
         all of them: the client posts each run's receive as the plan tells it, and a
