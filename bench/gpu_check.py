@@ -916,34 +916,36 @@ def get_marks(
     (``shm_connection.PART_BYTES``), interleaved."""
     import client.nodes.shm_connection as shm_connection
     from client.memory.device_pages import HostCopier
+    from client.memory.landing import CudaLanding, HostLanding
     from client.nodes.shm_connection import ShmConnection
 
     # without a GPU (a dry run of this code), the host as the device
     host = {} if dev.cuda else {"device": HostCopier}
     client, src, tokens, ns = stored_pages(cluster, dev, SIZES[size], args.total, **host)
-    Copier = type(client._async.device)
+    Landing = CudaLanding if dev.cuda else HostLanding
     n, nbytes = src.shape[0], src.numel() * src.element_size()
     rows_ = torch.empty((n, *ns.page_shape), dtype=ns.torch_dtype(), device=dev.device)
     client.get_found_device(client.find(tokens), rows_)
     marks: dict[str, list[float]] = {}
     now: dict[str, float] = {}
-    land, ask, part = Copier.land, ShmConnection._ask_get, ShmConnection._plan_part
+    add, digests, ask, part = (
+        Landing.add,
+        Landing.digests,
+        ShmConnection._ask_get,
+        ShmConnection._plan_part,
+    )
 
     def mark(name: str) -> None:
         now[name] = time.perf_counter()
 
-    async def timed_land(self: Any, copies: Any, check: bool = True) -> Any:
-        checks = await land(self, copies, check)
+    def timed_add(self: Any, positions: Any, copies: Any) -> None:
+        add(self, positions, copies)
         mark("last part queued")
-        digests = checks.digests
 
-        async def timed_digests() -> Any:
-            out = await digests()
-            mark("digests in")
-            return out
-
-        checks.digests = timed_digests
-        return checks
+    async def timed_digests(self: Any) -> Any:
+        out = await digests(self)
+        mark("digests in")
+        return out
 
     async def timed_ask(self: Any, *a: Any, **k: Any) -> Any:
         out = await ask(self, *a, **k)
@@ -956,8 +958,9 @@ def get_marks(
         mark("last part in")
         return out
 
-    Copier.land, ShmConnection._ask_get, ShmConnection._plan_part = (  # type: ignore[method-assign]
-        timed_land,
+    Landing.add, Landing.digests, ShmConnection._ask_get, ShmConnection._plan_part = (  # type: ignore[method-assign]
+        timed_add,
+        timed_digests,
         timed_ask,
         timed_part,
     )
@@ -971,7 +974,12 @@ def get_marks(
             for name, at in sorted(now.items(), key=lambda kv: kv[1]):
                 marks.setdefault(name, []).append(at - t0)
     finally:
-        Copier.land, ShmConnection._ask_get, ShmConnection._plan_part = land, ask, part  # type: ignore[method-assign]
+        Landing.add, Landing.digests, ShmConnection._ask_get, ShmConnection._plan_part = (  # type: ignore[method-assign]
+            add,
+            digests,
+            ask,
+            part,
+        )
     report(
         f"  {n} pages of {size} ({nbytes / MiB:.0f} MiB), ms from the call (medians of {args.rounds}; "
         f"plan in parts of {shm_connection.PART_BYTES >> 20} MiB): "

@@ -85,10 +85,17 @@ def scribbling(make, page: int):
         class Scribbling(
             type(inner)
         ):  # the copier under test, with its copy step timed by the test
-            async def land(self, copies, check=True):
-                if len(copies) > page:
-                    scribble(copies.source(page))
-                return await super().land(copies, check)
+            def landing(self, rows):
+                inner_landing = super().landing(rows)
+                add = inner_landing.add
+
+                def scribbled(positions, copies):
+                    if len(copies) > page:
+                        scribble(copies.source(page))
+                    add(positions, copies)
+
+                inner_landing.add = scribbled
+                return inner_landing
 
         inner.__class__ = Scribbling
         return inner

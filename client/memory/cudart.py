@@ -1,6 +1,7 @@
-"""Calls into the CUDA runtime that torch loaded, for what torch does not expose: a
-strided (2-D) host-to-device copy, and resetting CUDA's last error after a failed call
-of ours. Used by ``client.memory.device_pages``' CUDA copier only, on a GPU.
+"""Calls into the CUDA runtime that torch loaded, for what torch does not expose or
+exposes at a cost: a strided (2-D) host-to-device copy, a plain one from raw addresses
+(torch's ``copy_`` spends tens of microseconds of Python on each), and resetting CUDA's
+last error after a failed call of ours. Used by ``client.memory.device_pages``' CUDA copier only, on a GPU.
 
 The runtime is the one already mapped into this process (``/proc/self/maps``), so its
 streams and contexts are torch's."""
@@ -37,7 +38,8 @@ class Memcpy2D:
     every ``spitch`` bytes from ``src`` (host memory, registered for DMA) and every
     ``dpitch`` bytes into ``dst`` (device memory), queued on ``stream`` (a
     ``cudaStream_t`` as an int). One call lands one layer of a run of pages that lie back
-    to back (``client.memory.layer_feed``). Raises ``OSError`` when no runtime is loaded."""
+    to back (``client.memory.layer_feed``). ``copy``: ``cudaMemcpyAsync`` of ``nbytes``
+    from ``src`` to ``dst``, the same way. Raises ``OSError`` when no runtime is loaded."""
 
     def __init__(self) -> None:
         libs = loaded_cudart()
@@ -49,14 +51,25 @@ class Memcpy2D:
         fn.argtypes += [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
         fn.restype = ctypes.c_int
         self._fn = fn
+        one = self._lib.cudaMemcpyAsync
+        one.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        one.argtypes += [ctypes.c_void_p]
+        one.restype = ctypes.c_int
+        self._one = one
 
     def __call__(
         self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream: int
     ) -> None:
         err = self._fn(dst, dpitch, src, spitch, width, height, _HOST_TO_DEVICE, stream)
+        self._check(err, "cudaMemcpy2DAsync")
+
+    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self._check(self._one(dst, src, nbytes, _HOST_TO_DEVICE, stream), "cudaMemcpyAsync")
+
+    def _check(self, err: int, call: str) -> None:
         if err:
             self._lib.cudaGetLastError()  # else torch's next launch check raises it
-            raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {err}")
+            raise RuntimeError(f"{call} failed with CUDA error {err}")
 
 
 def clear_last_error(cudart: Any) -> None:

@@ -25,23 +25,22 @@ pages are copied to the device (``client.nodes.connection``)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import warnings
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, overload
 
 import numpy as np
 import torch
 
-from client.memory.copy_plans import PageCopies, check_batches
+from client.memory.copy_plans import PageCopies
 from client.memory.cudart import Memcpy2D, clear_last_error
+from client.memory.landing import CudaLanding, HostLanding, Landing, host_copies, settled
 from client.memory.layer_feed import LayerFeed
 from client.stats import ClientStats
 from kvstore.pages import device_checksum
-from kvstore.pages.checksum import page_checksum
 
 log = logging.getLogger(__name__)
 # cudaHostRegister's flags (driver_types.h): read-only mappings need the read-only flag
@@ -136,29 +135,14 @@ class DeviceCopier:
     def unregister(self, token: Any) -> None:
         """Undo ``register`` before the mapping goes away."""
 
-    async def land(self, copies: PageCopies, check: bool = True) -> Checks:
-        """Copy each page of ``copies`` from host memory into the device tensor. With
-        ``check``, the pages' checks follow their copies, and every byte has landed
-        once ``Checks.digests`` (their digests, in ``copies``' order) returns, which the
-        caller must await (or ``Checks.settle``) before it lets go of either side;
-        without, this returns once every byte has landed."""
+    def landing(self, rows: DeviceRows) -> Landing:
+        """A get's landing in ``rows``, checked page by page (``client.memory.landing``)."""
         raise NotImplementedError
 
-
-class Checks:
-    """The xxh3-64 digests of pages that landed in device memory, in the order they were
-    copied (``kvstore.pages.checksum``'s digests of the same bytes); ``digests`` waits
-    for them. ``compute``: what gives them; ``settle``: blocks until no copy of theirs
-    can still land (for a caller giving up on them)."""
-
-    def __init__(
-        self, compute: Callable[[], Awaitable[list[int]]], settle: Callable[[], None] = lambda: None
-    ) -> None:
-        self._compute = compute
-        self.settle = settle
-
-    async def digests(self) -> list[int]:
-        return await self._compute()
+    async def land(self, copies: PageCopies) -> None:
+        """Copy each page of ``copies`` from host memory (pages checked there already:
+        a get over UCX) into the device tensor; returns once every byte has landed."""
+        raise NotImplementedError
 
 
 class HostCopier(DeviceCopier):
@@ -170,30 +154,11 @@ class HostCopier(DeviceCopier):
     def __init__(self, stats: ClientStats) -> None:
         super().__init__(torch.device("cpu"), stats)
 
-    async def land(self, copies: PageCopies, check: bool = True) -> Checks:
-        feed, page = copies.feed, copies.nbytes
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # a read-only mapping: only read
-            if feed is None:
-                for dst, src in copies.views():
-                    dst.copy_(torch.from_numpy(src))
-            else:  # layer by layer, as the CUDA copier's 2-D copies
-                width, rows = page // feed.layers, copies.rows()
-                runs = copies.runs()
-                for layer in range(feed.layers):
-                    at = layer * width
-                    for si, so, do, n in runs:
-                        into = copies.dst[do : do + n * page].view(n, page)[:, at : at + width]
-                        host = torch.from_numpy(copies.sources[si][so : so + n * page])
-                        into.copy_(host.view(n, page)[:, at : at + width])
-                    feed.queued(layer, rows, None)
-        flat = copies.dst.numpy()
-        landed = copies.dst_offsets.tolist()
+    def landing(self, rows: DeviceRows) -> Landing:
+        return HostLanding(rows)
 
-        async def digests() -> list[int]:
-            return [page_checksum(flat[o : o + page]) for o in landed]
-
-        return Checks(digests)
+    async def land(self, copies: PageCopies) -> None:
+        host_copies(copies)
 
 
 class CudaCopier(DeviceCopier):
@@ -275,42 +240,42 @@ class CudaCopier(DeviceCopier):
         if token is not None:
             self._cudart.cudaHostUnregister(token)
 
-    async def land(self, copies: PageCopies, check: bool = True) -> Checks:
-        """All copies are queued on the copy stream at once, in batches of about
-        ``CHECK_BATCH`` bytes; each batch's checks are queued on the check stream behind
-        its copies, so the device hashes one batch while the next one crosses the bus,
-        and only the last batch's checks remain once the copies are done. Pages with a
-        feed land layer by layer instead (``_queue_layers``), checked after the last."""
-        if copies.feed is not None:
-            landed = self._queue_layers(copies, copies.feed)
-        else:
-            landed = []  # (pages [start, end), event after their copies)
-            with warnings.catch_warnings():
+    @property
+    def checks(self) -> Any:
+        """The stream the pages' checks run on (``client.memory.landing``)."""
+        return self._checks
+
+    def landing(self, rows: DeviceRows) -> Landing:
+        return CudaLanding(self, rows)
+
+    async def land(self, copies: PageCopies) -> None:
+        feed = copies.feed
+        await settled(
+            self.queue_copies(copies) if feed is None else self.queue_layers(copies, feed)
+        )
+
+    def queue_copies(self, copies: PageCopies, start: int = 0, end: int | None = None) -> Any:
+        """Queue the copies of pages ``start`` to ``end`` on the copy stream, one per run
+        of pages that lie back to back on both sides; the event after them."""
+        stream = self._stream
+        if self._memcpy_2d is None:  # no runtime of our own to call: torch's copies
+            with warnings.catch_warnings(), torch.cuda.stream(stream):
                 warnings.simplefilter("ignore", UserWarning)  # a read-only mapping: only read
-                with torch.cuda.stream(self._stream):
-                    for start, end in check_batches(len(copies), copies.nbytes):
-                        for dst_view, src_view in copies.views(start, end):
-                            dst_view.copy_(torch.from_numpy(src_view), non_blocking=True)
-                        event = torch.cuda.Event()
-                        event.record(self._stream)
-                        landed.append((start, end, event))
-        if not (check and len(copies)):
-            await _settled(landed[-1][2])
-            return Checks(_no_digests)
-        accs = self._launch(copies, landed)
-        checked = torch.cuda.Event()
-        checked.record(self._checks)  # after every batch's copies and checks
+                for dst, src in copies.views(start, end):
+                    dst.copy_(torch.from_numpy(src), non_blocking=True)
+        else:  # one runtime call a run (torch's copy_ costs tens of us of Python each)
+            base, page = copies.dst.data_ptr(), copies.nbytes
+            with torch.cuda.device(self.device):  # the runtime call acts on the current device
+                for si, so, do, n in copies.runs(start, end):
+                    host = copies.sources[si].ctypes.data + so
+                    self._memcpy_2d.copy(base + do, host, n * page, stream.cuda_stream)
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
 
-        async def digests() -> list[int]:
-            await _settled(checked)  # one wait for the copies and the checks
-            return device_checksum.finish(accs, copies.nbytes)
-
-        return Checks(digests, checked.synchronize)
-
-    def _queue_layers(self, copies: PageCopies, feed: LayerFeed) -> list[tuple[int, int, Any]]:
+    def queue_layers(self, copies: PageCopies, feed: LayerFeed) -> Any:
         """Queue a layer-wise landing: per layer, one 2-D copy per run of pages (that
-        layer's slice of each page), then an event handed to ``feed``; the checks follow
-        the last layer, as one batch."""
+        layer's slice of each page), then an event handed to ``feed``; the last one."""
         page, stream = copies.nbytes, self._stream
         width, rows = page // feed.layers, copies.rows()
         runs = [
@@ -326,40 +291,7 @@ class CudaCopier(DeviceCopier):
                 event = torch.cuda.Event()
                 event.record(stream)
                 feed.queued(layer, rows, event)
-        return [(0, len(copies), event)]
-
-    def _launch(self, copies: PageCopies, landed: list[tuple[int, int, Any]]) -> torch.Tensor:
-        """Queue each batch's checks on the check stream behind its copies: one upload
-        of the pages' offsets, one launch per batch; the pages' accumulators (for
-        ``device_checksum.finish``, once the stream has passed them)."""
-        with torch.cuda.stream(self._checks):
-            offsets = device_checksum.word_offsets(copies.dst_offsets, copies.nbytes, self.device)
-            accs = torch.empty((len(copies), 8), dtype=torch.int64, device=self.device)
-            for start, end, event in landed:
-                self._checks.wait_event(event)
-                device_checksum.launch(
-                    copies.dst, offsets[start:end], copies.nbytes, out=accs[start:end]
-                )
-        return accs
-
-
-async def _no_digests() -> list[int]:
-    return []
-
-
-async def _settled(done: Any) -> None:
-    """Wait for the work before ``done`` (a CUDA event) in a thread, so the loop serves
-    other nodes' transfers meanwhile; no thread when it has passed already (a get's
-    earlier parts, once its last part's checks are done). Cancelled, it still waits,
-    here: no copy may land in a caller's memory after its call has returned (the caller
-    may reuse it at once)."""
-    if done.query():
-        return
-    try:
-        await asyncio.to_thread(done.synchronize)
-    except asyncio.CancelledError:
-        done.synchronize()  # queued on the device already: bounded by the copy itself
-        raise
+        return event
 
 
 def default_copier(stats: ClientStats) -> DeviceCopier | None:

@@ -304,7 +304,7 @@ class NodeConnection(Connection):
         async def to_device(intact: list[int]) -> None:
             if intact:
                 copies = PageCopies.of([(sinks[i], spans[i]) for i in intact])
-                await device.land(copies, check=False)
+                await device.land(copies)
 
         return await self._get(namespace, hashes, spans, expected, False, to_device)
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from client.memory.buffers import Span
 from client.memory.copy_plans import PageCopies
-from client.memory.device_pages import Checks, DeviceCopier, DeviceRows
+from client.memory.device_pages import DeviceCopier, DeviceRows
 from client.nodes.calls import (
     Checksums,
     ClosedBeforeUseError,
@@ -235,27 +235,26 @@ class ShmConnection(Connection):
             part_pages = min(len(hashes), max(1, PART_BYTES // sinks.nbytes))
         await self._ask_get(namespace, hashes, sinks, False, part_pages)
         seen = np.zeros(len(hashes), dtype=bool)
-        queued: list[tuple[PlanPart, Checks]] = []
+        landing = device.landing(sinks)
+        parts: list[PlanPart] = []
         more, done = True, False
         try:
             while more:
                 part, more = await self._plan_part(hashes, sinks, seen)
                 if len(part.present):
-                    queued.append((part, await device.land(self._copies(device, part, sinks))))
-            # the last part's checks follow every earlier part's on the device: once they
-            # are done, the others' digests need no wait of their own
-            digests = [await checks.digests() for _, checks in reversed(queued)][::-1]
+                    landing.add(part.present, self._copies(device, part, sinks))
+                    parts.append(part)
+            digests = await landing.digests()
             done = True
         finally:
             if not done:  # a part failed or the get was cancelled: nothing lands later
-                for _, checks in queued:
-                    checks.settle()
+                landing.settle()
         # the pins hold until here; every copy is over (and was checked)
         await self._channel().send_frame(P.GetDone())
-        outcome = GetOutcome([], 0)
-        for (part, _), got in zip(queued, digests):
-            outcome.merge(part.outcome(got, expected))
-        return outcome
+        if not parts:
+            return GetOutcome([], 0)
+        landed = PlanPart.joined(parts)
+        return landed.outcome(digests[landed.present], expected)
 
     def _copies(self, device: DeviceCopier, part: PlanPart, sinks: DeviceRows) -> PageCopies:
         """A plan part's copies from the slabs' mappings, each registered with the

@@ -15,7 +15,7 @@ the accumulators (a multiply: a chain from block to block). So two kernels:
    (reads each page once; writes 64 bytes per KiB).
 2. ``_chain``: one program per page runs the scramble chain over those sums, 8 blocks a
    step with their loads issued together, then adds the last partial block and the
-   final stripe; the 8 accumulators go back to the host, which merges them (``_merge``,
+   final stripe; the 8 accumulators go back to the host, which merges them (``merge``,
    numpy over all pages at once: a 64x64->128-bit multiply per pair).
 
 Pages of 240 bytes or fewer (xxh3's short-input paths; no KV page is that small) and
@@ -129,8 +129,9 @@ def _mul128_fold(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return lower ^ upper
 
 
-def _merge(accs: np.ndarray, nbytes: int) -> list[int]:
-    """xxh3's final merge and avalanche of each row of accumulators ``[pages, 8]`` (uint64)."""
+def merge(accs: np.ndarray, nbytes: int) -> np.ndarray:
+    """xxh3's final merge and avalanche of each row of accumulators ``[pages, 8]``
+    (uint64, downloaded from ``launch``'s): the pages' digests (uint64)."""
     with np.errstate(over="ignore"):
         h = np.full(accs.shape[0], (nbytes * _P64[0]) & _M, dtype=np.uint64)
         for i in range(4):
@@ -140,7 +141,7 @@ def _merge(accs: np.ndarray, nbytes: int) -> list[int]:
         h ^= h >> np.uint64(37)
         h = h * np.uint64(0x165667919E3779F9)
         h ^= h >> np.uint64(32)
-    return [int(v) for v in h]
+    return h
 
 
 # Blocks one program of ``_block_sums`` takes (more past 65,535 programs a page, the
@@ -213,7 +214,7 @@ def launch(base: Any, offsets: Any, nbytes: int, out: Any = None) -> Any:
 def finish(accs: Any, nbytes: int) -> list[int]:
     """The digests of the pages ``launch`` queued (waits for the kernels)."""
     host = accs.cpu().numpy().view(np.uint64)
-    return _merge(host.reshape(-1, 8), nbytes) if len(host) else []
+    return merge(host.reshape(-1, 8), nbytes).tolist() if len(host) else []
 
 
 def checksums(base: Any, offsets: list[int], nbytes: int) -> list[int]:
