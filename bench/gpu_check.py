@@ -1030,6 +1030,98 @@ def get_marks(
     return client, src, tokens, ns, rows_
 
 
+def loop_costs(report: Report, client: Any, tokens: list[int], ns: Any) -> None:
+    """What a turn of the client's event loop costs (UCX progressed before each select)
+    against a plain loop, UCX's progress and arm alone, and the node's own pace over a
+    raw socket: a 1-page plan's round trip, and the gaps between the parts of a plan of
+    128 pages in parts of 16."""
+    import asyncio
+    import socket
+    import threading
+
+    from kvstore.pages._chainhash import split_hashes
+    from kvstore.wire import loop_progress, shm
+    from kvstore.wire import protocol as P
+
+    async def turns(n: int = 2000) -> float:
+        t = time.perf_counter()
+        for _ in range(n):
+            await asyncio.sleep(0)
+        return (time.perf_counter() - t) / n
+
+    ucx_turn = client._run(turns())
+    plain: list[float] = []
+    thread = threading.Thread(target=lambda: plain.append(asyncio.run(turns())))
+    thread.start()
+    thread.join()
+    line = f"  a loop turn: the client's {ucx_turn * 1e6:.1f} us, a plain loop's {plain[0] * 1e6:.1f} us"
+    progress = next(iter(loop_progress._by_loop.values()), None)
+    if progress is not None:
+
+        async def calls(n: int = 1000) -> tuple[float, float]:
+            t = time.perf_counter()
+            for _ in range(n):
+                progress.worker.progress()
+            t1 = time.perf_counter()
+            for _ in range(n):
+                progress.worker.arm()
+            return (t1 - t) / n, (time.perf_counter() - t1) / n
+
+        prog, arm = client._run(calls())
+        line += f"; worker.progress() {prog * 1e6:.1f} us, worker.arm() {arm * 1e6:.1f} us"
+    report(line)
+    hashes = split_hashes(client.find(tokens).joined)
+    path = next(c for c in client._async.nodes._conns.values() if c.path == "shm").node.extra["shm"]
+
+    async def raw() -> tuple[list[float], list[list[float]]]:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, path)
+        ch = shm.UnixChannel(sock)
+        trips, gaps = [], []
+        for k in range(12):
+            one = P.GetRequest(
+                namespace=ns.key.digest, tenant=ns.key.tenant, hashes=hashes[:1], join=[False]
+            )
+            t = time.perf_counter()
+            await ch.send_frame(one)
+            _, fds = await ch.recv_frame()
+            trips.append(time.perf_counter() - t)
+            shm.close_fds(fds)
+            await ch.send_frame(P.GetDone())
+            parted = P.GetRequest(
+                namespace=ns.key.digest,
+                tenant=ns.key.tenant,
+                hashes=hashes,
+                join=[False] * len(hashes),
+                part_pages=16,
+            )
+            t = time.perf_counter()
+            await ch.send_frame(parted)
+            at = []
+            while True:
+                raw_, fds = await ch.recv_frame()
+                at.append(time.perf_counter() - t)
+                shm.close_fds(fds)
+                if not P.decode(raw_).more:
+                    break
+            await ch.send_frame(P.GetDone())
+            if k >= 2:
+                gaps.append(at)
+            await asyncio.sleep(0.002)
+        ch.close()
+        return trips[2:], gaps
+
+    trips, parts = asyncio.run(raw())
+    firsts = [p[0] for p in parts]
+    gaps_ = [b - a for p in parts for a, b in zip(p, p[1:])]
+    report(
+        f"  the node over a raw socket (plain loop): 1-page plan round trip {statistics.median(trips) * 1e3:.2f} ms; "
+        f"{len(hashes)} pages in parts of 16: first part {statistics.median(firsts) * 1e3:.2f} ms, "
+        f"then one every {statistics.median(gaps_ or [0]) * 1e3:.2f} ms (median), all in {statistics.median(p[-1] for p in parts) * 1e3:.2f} ms"
+    )
+
+
 def section_breakdown(report: Report, dev: Dev, cluster: Any, args: argparse.Namespace) -> None:
     """Where a same-host device load spends its time, for 64 KiB and 2 MiB pages
     (``get_marks``); and for 2 MiB pages the copy engine's rate from the node's
@@ -1040,6 +1132,7 @@ def section_breakdown(report: Report, dev: Dev, cluster: Any, args: argparse.Nam
 
     get_marks(report, dev, cluster, args, "64 KiB")[0].close()
     client, src, tokens, ns, rows_ = get_marks(report, dev, cluster, args, "2 MiB")
+    loop_costs(report, client, tokens, ns)
     n = src.shape[0]
     conn = next(c for c in client._async.nodes._conns.values() if c.path == "shm")
     maps = [
