@@ -12,7 +12,7 @@ import numpy as np
 
 from client.memory.buffers import Span
 from client.memory.device_pages import DeviceRows
-from client.nodes.calls import NodeRefusedError
+from client.nodes.calls import Expected, NodeRefusedError
 from client.nodes.credentials import CallRefusals
 from client.nodes.directory import NodeDirectory
 from client.stats import ClientStats
@@ -49,7 +49,7 @@ class ReplicaFetcher:
         """Fetch page i of ``hashes`` from its replicas ``locations[i]`` into ``sinks[i]``;
         per page, whether it arrived intact."""
         deadline = time.monotonic() + self._timeout
-        ok = [False] * len(hashes)
+        ok = np.zeros(len(hashes), dtype=bool)
         nodes = {n.node_id: n for n in await self._nodes.live()}
         asked: set[str] = set()
         refusals = CallRefusals(self._stats, self._namespace.tenant, "read")
@@ -64,8 +64,8 @@ class ReplicaFetcher:
                 *(
                     self._get_on(
                         nodes[n],
-                        idx.tolist(),
-                        locations.checksums[idx].tolist(),
+                        idx,
+                        locations.checksums[idx],
                         hashes,
                         sinks,
                         ok,
@@ -76,7 +76,7 @@ class ReplicaFetcher:
                 )
             )
             refusals.raise_if_all(asked)
-            return ok
+            return ok.tolist()
         tried: list[set[str]] = [set() for _ in hashes]
         for _ in range(max((len(loc) for loc in locations[: len(hashes)]), default=0)):
             per_node = self._next_round(hashes, locations, ok, tried, nodes)
@@ -88,7 +88,7 @@ class ReplicaFetcher:
                 *(
                     self._get_on(
                         nodes[n],
-                        idx,
+                        np.asarray(idx, dtype=np.int64),
                         [
                             next(loc.checksum for loc in locations[i] if loc.node_id == n)
                             for i in idx
@@ -102,23 +102,24 @@ class ReplicaFetcher:
                     for n, idx in per_node.items()
                 )
             )
-            if all(ok):
+            if ok.all():
                 break
         refusals.raise_if_all(asked)
-        return ok
+        return ok.tolist()
 
     def _next_round(
         self,
         hashes: list[bytes],
         locations: list[list[PageLocation]],
-        ok: list[bool],
+        ok: np.ndarray,
         tried: list[set[str]],
         nodes: dict[str, NodeInfo],
     ) -> dict[str, list[int]]:
         """Per node, the pages still missing whose preferred untried replica it holds."""
         per_node: dict[str, list[int]] = defaultdict(list)
+        arrived = ok.tolist()
         for i, locs in enumerate(locations[: len(hashes)]):
-            if ok[i]:
+            if arrived[i]:
                 continue
             if len(locs) == 1:  # one replica: nothing to order (a 1,024-page get: 2.5 ms less)
                 only = locs[0]
@@ -142,11 +143,11 @@ class ReplicaFetcher:
     async def _get_on(
         self,
         node: NodeInfo,
-        idx: list[int],
-        expected: list[int],
+        idx: np.ndarray,
+        expected: Expected,
         hashes: list[bytes],
         sinks: list[Span] | DeviceRows,
-        ok: list[bool],
+        ok: np.ndarray,
         seconds: float,
         refusals: CallRefusals,
     ) -> None:
@@ -159,14 +160,14 @@ class ReplicaFetcher:
             if whole
             else sinks.take(idx)
             if isinstance(sinks, DeviceRows)
-            else [sinks[i] for i in idx]
+            else [sinks[i] for i in idx.tolist()]
         )
         try:
             got, conn = await self._nodes.on_node(
                 node,
                 lambda c: c.get(
                     self._namespace,
-                    hashes if whole else [hashes[i] for i in idx],
+                    hashes if whole else [hashes[i] for i in idx.tolist()],
                     picked,
                     expected,
                     seconds,
@@ -182,13 +183,13 @@ class ReplicaFetcher:
             self._nodes.failed(node.node_id, exc)
             return
         self._nodes.ok(node.node_id)
-        for k in got.ok:
-            ok[idx[k]] = True
-        self._stats.pages_received += len(got.ok)
+        arrived = idx[got.ok]
+        ok[arrived] = True
+        self._stats.pages_received += len(arrived)
         if isinstance(sinks, DeviceRows):
-            self._stats.bytes_received += len(got.ok) * sinks.nbytes
+            self._stats.bytes_received += len(arrived) * sinks.nbytes
         else:
-            self._stats.bytes_received += sum(sinks[idx[k]].nbytes for k in got.ok)
+            self._stats.bytes_received += sum(sinks[i].nbytes for i in arrived.tolist())
         self._stats.checksum_failures += got.corrupt
         if conn.path == "shm":
             self._stats.same_host_transfers += 1

@@ -63,6 +63,10 @@ class PutOutcome:
     bytes_sent: int
 
 
+# The index's checksums of a get's pages, in request order (a list, or uint64 array).
+Expected = Sequence[int] | np.ndarray
+
+
 @dataclass(slots=True)
 class GetOutcome:
     """Request positions whose bytes arrived and match the expected checksum, and how

@@ -28,6 +28,7 @@ from client.memory.staging import host_buffers
 from client.nodes.calls import (
     Checksums,
     ClosedBeforeUseError,
+    Expected,
     GetOutcome,
     NodeRefusedError,
     OutgoingPage,
@@ -72,7 +73,7 @@ class Connection:
         namespace: NamespaceKey,
         hashes: list[bytes],
         sinks: list[Span] | DeviceRows,
-        expected: list[int],
+        expected: Expected,
         timeout: float,
         probe: bool = False,
     ) -> GetOutcome:
@@ -90,7 +91,7 @@ class Connection:
         namespace: NamespaceKey,
         hashes: list[bytes],
         sinks: DeviceRows,
-        expected: list[int],
+        expected: Expected,
     ) -> GetOutcome:
         """Fetch pages into device spans of the client's copier and verify each (each
         path its own way)."""
@@ -168,7 +169,7 @@ class Connection:
         namespace: NamespaceKey,
         hashes: list[bytes],
         sinks: list[Span],
-        expected: list[int],
+        expected: Expected,
         probe: bool,
     ) -> GetOutcome:
         raise NotImplementedError
@@ -290,7 +291,7 @@ class NodeConnection(Connection):
         namespace: NamespaceKey,
         hashes: list[bytes],
         sinks: DeviceRows,
-        expected: list[int],
+        expected: Expected,
     ) -> GetOutcome:
         """A get into device memory through host memory: the pages land in pinned host
         buffers of the pool (checked there as on any get), and each run's intact pages
@@ -313,7 +314,7 @@ class NodeConnection(Connection):
         namespace: NamespaceKey,
         hashes: list[bytes],
         sinks: list[Span],
-        expected: list[int],
+        expected: Expected,
         probe: bool,
         checked: Callable[[list[int]], Awaitable[None]] | None = None,
     ) -> GetOutcome:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from client.nodes.calls import GetOutcome
+from client.nodes.calls import Expected, GetOutcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +58,7 @@ class PlanPart:
             self.sizes.tolist(),
         )
 
-    def outcome(self, digests: Sequence[int], expected: Sequence[int]) -> GetOutcome:
+    def outcome(self, digests: Sequence[int] | np.ndarray, expected: Expected) -> GetOutcome:
         """The pages whose node checksum and landed bytes' digest both equal the
         index's (``expected``, by request position); the others count as corrupt."""
         want = np.asarray(expected, dtype=np.uint64)[self.present]

@@ -20,6 +20,7 @@ from client.memory.device_pages import DeviceCopier, DeviceRows
 from client.nodes.calls import (
     Checksums,
     ClosedBeforeUseError,
+    Expected,
     GetOutcome,
     OutgoingPage,
     PutOutcome,
@@ -47,8 +48,13 @@ from kvstore.wire.transport import with_timeout
 # maps each slab of its tenant once and keeps it.
 FAULT_AROUND = 64 << 10
 # A device get's plan comes in parts of about this many bytes (``GetRequest.part_pages``):
-# the first part's copies start while the node plans the rest. XXX measured on the H200
-PART_BYTES = 32 << 20
+# the first part's copies start while the node plans the rest. Measured on an H200 host
+# (bench/gpu_check.py section 6, 256 MiB gets, three runs): 64 MiB parts against one
+# plan 0.42-0.44x of the pinned copy against 0.27-0.33x for 64 KiB pages, and
+# 0.62-0.67x against 0.62-0.69x for 2 MiB pages; smaller parts lost (32 MiB: 0.34-0.40x
+# and 0.52-0.64x; 8 MiB: 0.16-0.23x), each part costing the client's loop about
+# 0.8 ms of Python there, whatever its size.
+PART_BYTES = 64 << 20
 
 
 class ShmConnection(Connection):
@@ -181,9 +187,10 @@ class ShmConnection(Connection):
             len(present) and int(present.max()) >= len(hashes)
         ):
             raise ProtocolError(f"node {self.node.node_id} sent an inconsistent get plan")
-        if seen[present].any() or len(np.unique(present)) != len(present):
-            raise ProtocolError(f"node {self.node.node_id} planned a page twice")
+        before = int(np.count_nonzero(seen))
         seen[present] = True
+        if int(np.count_nonzero(seen)) != before + len(present):  # named twice, or again
+            raise ProtocolError(f"node {self.node.node_id} planned a page twice")
         part = PlanPart(present, *arrays)
         if len(present):
             sizes = (
@@ -199,7 +206,7 @@ class ShmConnection(Connection):
         namespace: NamespaceKey,
         hashes: list[bytes],
         sinks: list[Span],
-        expected: list[int],
+        expected: Expected,
         probe: bool,
     ) -> GetOutcome:
         await self._ask_get(namespace, hashes, sinks, probe)
@@ -221,7 +228,7 @@ class ShmConnection(Connection):
         namespace: NamespaceKey,
         hashes: list[bytes],
         sinks: DeviceRows,
-        expected: list[int],
+        expected: Expected,
     ) -> GetOutcome:
         """A get into device memory straight from the node's slots: each page is copied
         by DMA from the slab's mapping (registered with the device once) into its sink
