@@ -634,7 +634,9 @@ def llama(dev: Dev) -> tuple[dict[str, Any], Callable[[Any], Any]]:
 
 def connector_load(
     dev: Dev, cluster: Any, d: dict[str, Any]
-) -> tuple[Callable[[], None], Callable[[Callable[[Callable[[int], Any]], Any]], None]]:
+) -> tuple[
+    Callable[[], None], Callable[[Callable[[Callable[[int], Any]], Any]], None], Callable[[], None]
+]:
     """The KV of ``d``'s prompt stored as pages, and two ways to load all of it through
     the connector's load paths into an LBNHC cache: whole (``PageLoader.load``: on a GPU,
     pages straight from the node's memory into device rows, checked, scattered), and
@@ -680,10 +682,11 @@ def connector_load(
             raise RuntimeError(f"{len(outcome.failed)} blocks failed")
 
     names = [f"layers.{i}" for i in range(d["layers"])]
+    pool = ThreadPoolExecutor(2)
     loads = LayerwiseLoads(
         loader,
         cache,
-        ThreadPoolExecutor(2),
+        pool,
         lambda spec, after: loader.load(spec, after),
         feeds=True,
         timeout=60,
@@ -711,7 +714,11 @@ def connector_load(
             if not checked[0]:
                 raise RuntimeError("the layer-wise load is not bit-exact")
 
-    return run, layered
+    def close() -> None:  # its slabs' registrations go with the client (as an engine's would)
+        pool.shutdown()
+        client.close()
+
+    return run, layered, close
 
 
 def section_layerwise(report: Report, dev: Dev, cluster: Any, args: argparse.Namespace) -> None:
@@ -764,7 +771,7 @@ def section_layerwise(report: Report, dev: Dev, cluster: Any, args: argparse.Nam
         "KV load only": lambda: [load(i) for i in range(L)],
     }
     if cluster is not None:  # the same KV from the store, through the connector's loads
-        store, layered = connector_load(dev, cluster, d)
+        store, layered, close = connector_load(dev, cluster, d)
         ways["(d) connector load from the store, then compute"] = lambda: (
             store(),
             forward(lambda i: None),
@@ -780,7 +787,11 @@ def section_layerwise(report: Report, dev: Dev, cluster: Any, args: argparse.Nam
         dev.sync()
         ordered[name[:3]] = same(probes, last) and all(same(c, h) for c, h in zip(cache, host))
     errors: dict[str, str] = {}
-    times = interleave(ways, args.rounds, dev, errors)
+    try:
+        times = interleave(ways, args.rounds, dev, errors)
+    finally:
+        if cluster is not None:
+            close()
     kv_mib = sum(h.numel() * h.element_size() for h in host) / MiB
     report(
         f"  {L} layers, {d['tokens']} tokens, hidden {d['hidden']}, {kv_mib:.1f} MiB of KV from pinned memory; "
@@ -925,7 +936,14 @@ def get_marks(
     Landing = CudaLanding if dev.cuda else HostLanding
     n, nbytes = src.shape[0], src.numel() * src.element_size()
     rows_ = torch.empty((n, *ns.page_shape), dtype=ns.torch_dtype(), device=dev.device)
-    client.get_found_device(client.find(tokens), rows_)
+    got = client.get_found_device(client.find(tokens), rows_)
+    if got != n * ns.block_size:  # say what the client counted before the rounds fail
+        stats = client.stats
+        report(
+            f"  the first get of {n} pages got {got // ns.block_size}: find matched "
+            f"{client.find(tokens).blocks}; checksum_failures {stats.checksum_failures}, "
+            f"host_register_failures {stats.host_register_failures}, node_errors {stats.node_errors}"
+        )
     marks: dict[str, list[float]] = {}
     now: dict[str, float] = {}
     add, digests, ask, part = (
@@ -1279,7 +1297,7 @@ def main() -> int:
 
             # room for section 3's prompt (512 MiB of KV on a GPU) beside what sections 1-2 left
             cluster = LocalCluster(
-                1, f"{3 * args.total // MiB + (1024 if dev.cuda else 128)}MiB", slab_size="32MiB"
+                1, f"{3 * args.total // MiB + (2048 if dev.cuda else 128)}MiB", slab_size="32MiB"
             ).start()
         except Exception as exc:
             store_why = f"the local store did not start: {type(exc).__name__}: {exc}"

@@ -141,3 +141,37 @@ def test_a_device_get_in_parts_is_exact_and_a_bad_page_is_a_miss(
         else:
             assert got == BLOCK and same(rows[:1], pages[:1])
             assert reader.stats.checksum_failures == 3  # parts (0,1), (2,3), (4,5); (6) alone
+
+
+def test_a_connection_dropped_without_close_undoes_its_registrations(cluster, request):
+    """A same-host connection that is dropped without ``close`` (a client nobody closed)
+    undoes its slabs' registrations before their mappings go: a stale registration would
+    have the driver copy a later mapping at the same address from the old pages."""
+    import gc
+
+    from client.memory.device_pages import HostCopier
+
+    undone: list[int] = []
+
+    class Registering(HostCopier):
+        def register(self, mapping, writable):
+            return mapping.ctypes.data
+
+        def unregister(self, token):
+            undone.append(token)
+
+    ns = make_ns(request.node.name)
+    tokens = list(range(3 * BLOCK))
+    pages = pages_for(ns, tokens)
+    with KVCacheClient(cluster.redis_url, ns, timeout=10, device=Registering) as client:
+        assert client.put_pages(tokens, pages).stored == 3
+        rows = torch.zeros((3, *ns.page_shape), dtype=pages.dtype)
+        assert client.get_found_device(client.find(tokens), rows) == len(tokens)
+        conns = client._async.nodes._conns
+        (conn,) = [c for c in conns.values() if c.path == "shm"]
+        registered = [t for t in conn._registered.values() if t is not None]
+        assert registered and not undone
+        conns.clear()  # dropped by its directory, never closed
+        del conn
+        gc.collect()
+        assert sorted(undone) == sorted(registered)

@@ -9,6 +9,7 @@ import fcntl
 import mmap
 import os
 import socket
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -70,6 +71,13 @@ class ShmConnection(Connection):
         # slab -> the device copier's registration of its mapping (made by the first
         # device get that reads from it; undone before the mapping goes)
         self._registered: dict[int, Any] = {}
+        # A connection dropped without close must not leave its mappings registered: once
+        # unmapped, the range stays registered, and a later mapping at the same address
+        # cannot be (seen on an H200 after a bench dropped a client unclosed:
+        # cudaHostRegister refused a new slab mapping, error 712, already registered, and
+        # that client's gets landed none of their pages). The finalizer runs before the
+        # mappings are released.
+        weakref.finalize(self, _unregister_all, device, self._registered).atexit = False
 
     async def _open(self, timeout: float) -> None:
         if self._ch is None:
@@ -320,3 +328,11 @@ class ShmConnection(Connection):
         for region in list(self._registered):
             self._unregister(region)
         self._maps.clear()
+
+
+def _unregister_all(device: DeviceCopier | None, registered: dict[int, Any]) -> None:
+    """Undo a connection's registrations (its finalizer: not ``close``d)."""
+    for token in registered.values():
+        if token is not None and device is not None:
+            device.unregister(token)
+    registered.clear()
