@@ -926,8 +926,8 @@ def get_marks(
     and the get against the pinned copy with its plan in parts of 8 to 64 MiB and in one
     (``shm_connection.PART_BYTES``), interleaved."""
     import client.nodes.shm_connection as shm_connection
+    from client.memory.device_landing import CudaLanding, HostLanding
     from client.memory.device_pages import HostCopier
-    from client.memory.landing import CudaLanding, HostLanding
     from client.nodes.shm_connection import ShmConnection
 
     # without a GPU (a dry run of this code), the host as the device

@@ -9,7 +9,9 @@ so that a page is copied from the node's memory straight into device memory by D
 no CPU copy, no CPU hash. Every page that landed is then checked on the device against
 the index's checksum (``kvstore.pages.device_checksum``: the same xxh3), after the copy
 is complete and the node was told it may unpin, so a page evicted, overwritten or
-scribbled on while it was copied fails its check and is a miss, never wrong KV.
+scribbled on while it was copied fails its check and is a miss, never wrong KV. A get
+lands part by part as its plan arrives, through a ``Landing`` the copier makes for it
+(``client.memory.device_landing``).
 
 Measured on an NVIDIA H200 (``../shared/reference/gpu-h200.md``): an H2D copy from an
 unregistered ``/dev/shm`` mapping ran at 6.0-6.2 GB/s, from a registered one at 54.2
@@ -37,7 +39,7 @@ import torch
 
 from client.memory.copy_plans import PageCopies
 from client.memory.cudart import Memcpy2D, clear_last_error
-from client.memory.landing import CudaLanding, HostLanding, Landing, host_copies, settled
+from client.memory.device_landing import CudaLanding, HostLanding, Landing, host_copies, settled
 from client.memory.layer_feed import LayerFeed
 from client.stats import ClientStats
 from kvstore.pages import device_checksum
@@ -136,7 +138,7 @@ class DeviceCopier:
         """Undo ``register`` before the mapping goes away."""
 
     def landing(self, rows: DeviceRows) -> Landing:
-        """A get's landing in ``rows``, checked page by page (``client.memory.landing``)."""
+        """A get's landing in ``rows``, checked page by page (``client.memory.device_landing``)."""
         raise NotImplementedError
 
     async def land(self, copies: PageCopies) -> None:
@@ -242,7 +244,7 @@ class CudaCopier(DeviceCopier):
 
     @property
     def checks(self) -> Any:
-        """The stream the pages' checks run on (``client.memory.landing``)."""
+        """The stream the pages' checks run on (``client.memory.device_landing``)."""
         return self._checks
 
     def landing(self, rows: DeviceRows) -> Landing:
