@@ -175,3 +175,60 @@ def test_a_connection_dropped_without_close_undoes_its_registrations(cluster, re
         del conn
         gc.collect()
         assert sorted(undone) == sorted(registered)
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        dict(present=[1, 0], sizes=[8192] * 2, checksums=[0, 0], regions=[0, 0], offsets=[0, 8192]),
+        dict(present=[0, 0], sizes=[8192] * 2, checksums=[0, 0], regions=[0, 0], offsets=[0, 0]),
+        dict(present=[0], sizes=[8192], checksums=[0], regions=[0], offsets=[2**64 - 4096]),
+        dict(present=[5], sizes=[8192], checksums=[0], regions=[0], offsets=[0]),
+    ],
+    ids=["out-of-order", "twice", "offset-past-any-slab", "not-asked"],
+)
+def test_a_device_get_refuses_a_plan_no_node_would_send(tmp_path, plan):
+    """A plan whose pages are out of request order, named twice, at an offset past any
+    slab or at a position never asked for fails the get on that node before anything is
+    copied (the node is then suspected by the caller): its pages are misses."""
+    from client.memory.device_pages import HostCopier, device_spans
+    from client.nodes.shm_connection import ShmConnection
+    from client.stats import ClientStats
+    from kvstore.errors import TransportError
+    from kvstore.index import NodeInfo
+    from kvstore.pages.keys import NamespaceKey
+
+    path = str(tmp_path / "node.sock")
+    node = NodeInfo("n", "", 0, "i", extra={"shm": path, "get_parts": "1"})
+
+    async def run() -> str:
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(path)
+        server.listen(1)
+        server.setblocking(False)
+
+        async def answer() -> None:
+            sock, _ = await asyncio.get_running_loop().sock_accept(server)
+            sock.setblocking(False)
+            ch = shm.UnixChannel(sock)
+            await ch.recv_frame()
+            await ch.send_frame(P.GetPlan(runs=[], **plan))
+            await asyncio.sleep(1)
+            ch.close()
+
+        node_side = asyncio.ensure_future(answer())
+        conn = ShmConnection(node, "", HostCopier(ClientStats()))
+        rows = torch.zeros(2 * 8192, dtype=torch.uint8)
+        try:
+            await conn.get(
+                NamespaceKey("t", "0" * 32), [bytes(16)] * 2, device_spans(rows, 2, 8192), [0, 0], 5
+            )
+        except TransportError as exc:
+            return str(exc)
+        finally:
+            node_side.cancel()
+            server.close()
+        return "no error"
+
+    said = asyncio.run(run())
+    assert "planned a page twice" in said or "inconsistent get plan" in said

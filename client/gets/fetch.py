@@ -54,6 +54,8 @@ class ReplicaFetcher:
         asked: set[str] = set()
         refusals = CallRefusals(self._stats, self._namespace.tenant, "read")
         if isinstance(locations, SoleReplicas):  # one round: no other replica to try
+            if deadline - time.monotonic() <= 0:  # the live nodes took the whole time
+                return ok.tolist()
             sole: dict[str, np.ndarray] = {}
             for number in np.unique(locations.numbers).tolist():
                 node_id = locations.nodes[number].node_id

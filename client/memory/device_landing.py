@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import warnings
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -80,10 +81,12 @@ class CudaLanding(Landing):
         self._accs: torch.Tensor | None = None  # [rows, 8]: the checks of parts that are ranges
         self._scattered: list[tuple[np.ndarray, torch.Tensor]] = []  # the other parts' rows, accs
         self._checked: Any = None  # after the last part's checks
+        self._sources: list[Sequence[np.ndarray]] = []  # held until no copy reads them
 
     def add(self, positions: np.ndarray, copies: PageCopies) -> None:
         copier, page, n = self._copier, copies.nbytes, len(positions)
         self.added[positions] = True
+        self._sources.append(copies.sources)
         if copies.feed is not None:  # one batch, after the last layer
             landed = [(0, n, copier.queue_layers(copies, copies.feed))]
         else:
@@ -128,11 +131,16 @@ class CudaLanding(Landing):
         for (positions, _), got in zip(self._scattered, host[1:]):
             digests[positions] = device_checksum.merge(got.numpy().view(np.uint64), page)
         digests[~self.added] = 0
+        self._sources.clear()
         return digests
 
     def settle(self) -> None:
-        if self._checked is not None:
-            self._checked.synchronize()
+        """Both streams, whole: a part whose ``add`` failed half way has no event of
+        its own, and may have copies queued."""
+        if self._sources:
+            self._copier.copy_stream.synchronize()
+            self._copier.checks.synchronize()
+            self._sources.clear()
 
 
 def host_copies(copies: PageCopies) -> None:

@@ -239,8 +239,13 @@ class CudaCopier(DeviceCopier):
         return ptr
 
     def unregister(self, token: Any) -> None:
-        if token is not None:
-            self._cudart.cudaHostUnregister(token)
+        if token is not None and int(self._cudart.cudaHostUnregister(token)):
+            clear_last_error(self._cudart)  # else torch's next launch check raises it
+
+    @property
+    def copy_stream(self) -> Any:
+        """The stream the copies run on (``client.memory.device_landing``)."""
+        return self._stream
 
     @property
     def checks(self) -> Any:

@@ -17,6 +17,7 @@ import numpy as np
 
 from client.memory.buffers import Span
 from client.memory.copy_plans import PageCopies
+from client.memory.device_landing import Landing
 from client.memory.device_pages import DeviceCopier, DeviceRows
 from client.nodes.calls import (
     Checksums,
@@ -56,6 +57,8 @@ FAULT_AROUND = 64 << 10
 # and 0.52-0.64x; 8 MiB: 0.16-0.23x), each part costing the client's loop about
 # 0.8 ms of Python there, whatever its size.
 PART_BYTES = 64 << 20
+# Offsets and sizes in a plan at or past this are a broken node's, refused.
+MAX_SLAB_BYTES = 1 << 48
 
 
 class ShmConnection(Connection):
@@ -77,7 +80,9 @@ class ShmConnection(Connection):
         # cudaHostRegister refused a new slab mapping, error 712, already registered, and
         # that client's gets landed none of their pages). The finalizer runs before the
         # mappings are released.
-        weakref.finalize(self, _unregister_all, device, self._registered).atexit = False
+        self._landing: list[Landing] = []  # the device get in flight's (one at a time)
+        finalizer = weakref.finalize(self, _unregister_all, device, self._registered, self._landing)
+        finalizer.atexit = False
 
     async def _open(self, timeout: float) -> None:
         if self._ch is None:
@@ -192,7 +197,15 @@ class ShmConnection(Connection):
         present = plan.present.astype(np.int64)
         arrays = (plan.sizes, plan.checksums, plan.regions, plan.offsets)
         if any(len(a) != len(present) for a in arrays) or (
-            len(present) and int(present.max()) >= len(hashes)
+            len(present)
+            and (
+                int(present.max()) >= len(hashes)
+                # in request order: a part's rows are then a range but where pages lack
+                or (np.diff(present) <= 0).any()
+                # no slab is this large: the arithmetic on them stays in int64
+                or int(plan.offsets.max()) >= MAX_SLAB_BYTES
+                or int(plan.sizes.max()) >= MAX_SLAB_BYTES
+            )
         ):
             raise ProtocolError(f"node {self.node.node_id} sent an inconsistent get plan")
         before = int(np.count_nonzero(seen))
@@ -251,6 +264,7 @@ class ShmConnection(Connection):
         await self._ask_get(namespace, hashes, sinks, False, part_pages)
         seen = np.zeros(len(hashes), dtype=bool)
         landing = device.landing(sinks)
+        self._landing.append(landing)
         parts: list[PlanPart] = []
         more, done = True, False
         try:
@@ -264,6 +278,7 @@ class ShmConnection(Connection):
         finally:
             if not done:  # a part failed or the get was cancelled: nothing lands later
                 landing.settle()
+            self._landing.clear()
         # the pins hold until here; every copy is over (and was checked)
         await self._channel().send_frame(P.GetDone())
         if not parts:
@@ -330,8 +345,13 @@ class ShmConnection(Connection):
         self._maps.clear()
 
 
-def _unregister_all(device: DeviceCopier | None, registered: dict[int, Any]) -> None:
-    """Undo a connection's registrations (its finalizer: not ``close``d)."""
+def _unregister_all(
+    device: DeviceCopier | None, registered: dict[int, Any], landing: list[Landing]
+) -> None:
+    """Undo a connection's registrations (its finalizer: not ``close``d), once no copy
+    of a get it had in flight (collected with it) can still read them."""
+    for unfinished in landing:
+        unfinished.settle()
     for token in registered.values():
         if token is not None and device is not None:
             device.unregister(token)
