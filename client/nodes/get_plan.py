@@ -24,6 +24,9 @@ class PlanPart:
     checksums: np.ndarray
     regions: np.ndarray
     offsets: np.ndarray
+    # set by ``kept``: the slabs of the frame (ascending) and each page's place among them
+    slabs: np.ndarray | None = None
+    slab_index: np.ndarray | None = None
 
     @classmethod
     def joined(cls, parts: Sequence[PlanPart]) -> PlanPart:
@@ -35,19 +38,20 @@ class PlanPart:
     def kept(self, maps: dict[int, np.ndarray], sink_sizes: int | Sequence[int]) -> PlanPart:
         """The pages the client can copy: in a slab it has mapped, within it, and of
         their sink's size (any other can never be the page asked for): ``sink_sizes``
-        per page, or one for all."""
-        limits = np.zeros(len(self.regions), dtype=np.int64)  # 0: no mapping, nothing fits
-        for region in np.unique(self.regions).tolist():
-            mapped = maps.get(region)
-            if mapped is not None:
-                limits[self.regions == region] = mapped.size
+        per page, or one for all; with ``slabs`` and ``slab_index`` set."""
+        slabs, index = np.unique(self.regions, return_inverse=True)
+        index = index.reshape(-1)
+        slab_bytes = np.array([getattr(maps.get(r), "size", 0) for r in slabs.tolist()])
+        limits = slab_bytes[index] if len(index) else np.zeros(0, dtype=np.int64)
         sizes = self.sizes.astype(np.int64)
         keep = (sizes == np.asarray(sink_sizes, dtype=np.int64)) & (
             self.offsets.astype(np.int64) + sizes <= limits
         )
-        if keep.all():
-            return self
-        return PlanPart(*(a[keep] for a in self._arrays()))
+        present, sizes_, sums, regions, offsets = self._arrays()
+        if not keep.all():
+            present, sizes_, sums = present[keep], sizes_[keep], sums[keep]
+            regions, offsets, index = regions[keep], offsets[keep], index[keep]
+        return PlanPart(present, sizes_, sums, regions, offsets, slabs, index)
 
     def rows(self) -> Iterator[tuple[int, int, int, int]]:
         """Per page ``(request position, slab, offset, size)`` as Python ints."""
@@ -65,5 +69,5 @@ class PlanPart:
         good = (self.checksums == want) & (np.asarray(digests, dtype=np.uint64) == want)
         return GetOutcome(self.present[good].tolist(), int((~good).sum()))
 
-    def _arrays(self) -> tuple[np.ndarray, ...]:
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         return (self.present, self.sizes, self.checksums, self.regions, self.offsets)

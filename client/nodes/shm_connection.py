@@ -289,10 +289,13 @@ class ShmConnection(Connection):
     def _copies(self, device: DeviceCopier, part: PlanPart, sinks: DeviceRows) -> PageCopies:
         """A plan part's copies from the slabs' mappings, each registered with the
         device once (by the first get that reads from it)."""
-        regions, src_index = np.unique(part.regions, return_inverse=True)
+        assert part.slabs is not None and part.slab_index is not None  # ``kept`` set them
         sources = []
-        for region in regions.tolist():
-            mapped = self._maps[region]
+        for region in part.slabs.tolist():
+            mapped = self._maps.get(region)
+            if mapped is None:  # none of the part's pages lies there (``kept``)
+                sources.append(np.zeros(0, dtype=np.uint8))
+                continue
             if region not in self._registered:
                 self._registered[region] = device.register(mapped, mapped.flags.writeable)
             sources.append(mapped)
@@ -300,7 +303,7 @@ class ShmConnection(Connection):
             sinks.base,
             sinks.offsets[part.present],
             sources,
-            src_index.reshape(-1),
+            part.slab_index,
             part.offsets.astype(np.int64),
             sinks.nbytes,
             sinks.feed,

@@ -64,6 +64,8 @@ def _as_array(name: str, value: Any, kind: str) -> np.ndarray:
             raise ValueError(f"{name} must be {HASH_BYTES}-byte hashes")
         return np.frombuffer(joined, dtype=np.uint8).reshape(-1, HASH_BYTES)
     arr = np.asarray(value)
+    if arr.ndim == 1 and arr.dtype == dtype:  # decoded from the wire: in range by its type
+        return arr
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iub"):
         raise ValueError(f"{name} must be a flat integer array")
     if arr.size and (int(arr.min()) < 0 or (kind == "u32" and int(arr.max()) >= 2**32)):
