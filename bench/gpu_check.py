@@ -946,6 +946,7 @@ def get_marks(
         )
     marks: dict[str, list[float]] = {}
     now: dict[str, float] = {}
+    per_part: list[float] = []  # the landing's add, per part
     add, digests, ask, part = (
         Landing.add,
         Landing.digests,
@@ -956,9 +957,14 @@ def get_marks(
     def mark(name: str) -> None:
         now[name] = time.perf_counter()
 
+    spent: dict[str, float] = {}  # per get: time in the landing's adds, and their count
+
     def timed_add(self: Any, positions: Any, copies: Any) -> None:
+        t = time.perf_counter()
         add(self, positions, copies)
         mark("last part queued")
+        spent["adds"] = spent.get("adds", 0.0) + now["last part queued"] - t
+        spent["parts"] = spent.get("parts", 0) + 1
 
     async def timed_digests(self: Any) -> Any:
         out = await digests(self)
@@ -991,6 +997,7 @@ def get_marks(
             mark("returned")
             for name, at in sorted(now.items(), key=lambda kv: kv[1]):
                 marks.setdefault(name, []).append(at - t0)
+            per_part.append(spent.pop("adds", 0.0) / max(spent.pop("parts", 1), 1))
     finally:
         Landing.add, Landing.digests, ShmConnection._ask_get, ShmConnection._plan_part = (  # type: ignore[method-assign]
             add,
@@ -1002,6 +1009,7 @@ def get_marks(
         f"  {n} pages of {size} ({nbytes / MiB:.0f} MiB), ms from the call (medians of {args.rounds}; "
         f"plan in parts of {shm_connection.PART_BYTES >> 20} MiB): "
         + ", ".join(f"{k} {statistics.median(v) * 1e3:.2f}" for k, v in marks.items())
+        + f"; a part's copies and checks queued in {statistics.median(per_part) * 1e3:.3f} ms"
     )
     profile = cProfile.Profile()
 
