@@ -157,13 +157,12 @@ class ReplicaFetcher:
         arrived intact (``expected``: their checksums in the index, in ``idx``'s order);
         a node that fails is suspected, its pages stay missing."""
         whole = len(idx) == len(hashes)  # every page, in order: no lists to pick
-        picked = (
-            sinks
-            if whole
-            else sinks.take(idx)
-            if isinstance(sinks, DeviceRows)
-            else [sinks[i] for i in idx.tolist()]
-        )
+        if whole:
+            picked = sinks
+        elif isinstance(sinks, DeviceRows):
+            picked = sinks.take(idx)
+        else:
+            picked = [sinks[i] for i in idx.tolist()]
         try:
             got, conn = await self._nodes.on_node(
                 node,

@@ -75,11 +75,6 @@ class GetOutcome:
     ok: list[int]
     corrupt: int
 
-    def merge(self, other: GetOutcome) -> None:
-        """Add the outcome of another part of the same get."""
-        self.ok += other.ok
-        self.corrupt += other.corrupt
-
     def check(self, i: int, node_checksum: int, expected: int, digest: int) -> None:
         """Count page ``i``: good only if the node's record and the bytes' ``digest``
         both equal the index's checksum."""

@@ -20,6 +20,7 @@ from pathlib import Path
 from kvstore.errors import InvalidInputError
 from kvstore.security.credentials import new_token
 from kvstore.tools.cli_access import write_secret
+from kvstore.tools.procutil import pid_alive
 
 
 def default_state_dir() -> Path:
@@ -60,12 +61,8 @@ class UpState:
             pid = int(self._pid_file.read_text().strip())
         except (FileNotFoundError, ValueError):
             return None
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not pid_alive(pid):
             return None
-        except PermissionError:  # alive, another user's
-            return pid
         proc = Path(f"/proc/{pid}")
         with contextlib.suppress(OSError):
             if b"kvstore" not in (proc / "cmdline").read_bytes():
