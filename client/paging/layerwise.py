@@ -95,7 +95,7 @@ class LayerwiseLoads:
             self._done.append((spec, self._whole(spec, after)))
             return
         cache = self._cache
-        if any(not 0 < b < cache.num_blocks for b in blocks):  # a device-side assert on CUDA
+        if cache.outside(blocks):
             log.warning("load of %s names blocks outside the cache: %s", spec.req_id, blocks[:4])
             self._done.append((spec, load_outcome(spec, spec.start_block, 0, time.perf_counter())))
             return

@@ -30,6 +30,7 @@ stage through are ``client.paging.staging_pool.StagingPool``."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -104,6 +105,12 @@ class PagedCache:
         self._gatherer: LayerGather | None = None
         self._gatherer_asked = False
 
+    def outside(self, block_ids: Sequence[int], null_ok: bool = False) -> list[int]:
+        """The ids of ``block_ids`` naming no block of this cache (the null block 0 too
+        unless ``null_ok``): every copy into it asks (a device-side assert on CUDA)."""
+        low = 0 if null_ok else 1
+        return [b for b in block_ids if not low <= b < self.num_blocks]
+
     def _check(
         self,
         block_ids: list[int],
@@ -111,7 +118,7 @@ class PagedCache:
         head_at: int = 0,
         layer_at: int = 0,
     ) -> None:
-        bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
+        bad = self.outside(block_ids, null_ok=True)
         if bad:
             raise InvalidInputError(
                 f"block ids {bad[:4]} outside the cache's {self.num_blocks} blocks"
@@ -223,7 +230,7 @@ class PagedCache:
             rows, blocks = layer_rows[layer_at + j]
             if not rows:
                 continue
-            bad = [b for b in blocks if not 0 < b < self.num_blocks]  # never the null block 0
+            bad = self.outside(blocks)
             if bad:
                 raise InvalidInputError(
                     f"block ids {bad[:4]} outside the cache's blocks 1 to {self.num_blocks - 1}"
