@@ -118,8 +118,7 @@ class PagedCache:
         head_at: int = 0,
         layer_at: int = 0,
     ) -> None:
-        bad = self.outside(block_ids, null_ok=True)
-        if bad:
+        if bad := self.outside(block_ids, null_ok=True):
             raise InvalidInputError(
                 f"block ids {bad[:4]} outside the cache's {self.num_blocks} blocks"
             )
@@ -230,8 +229,7 @@ class PagedCache:
             rows, blocks = layer_rows[layer_at + j]
             if not rows:
                 continue
-            bad = self.outside(blocks)
-            if bad:
+            if bad := self.outside(blocks):
                 raise InvalidInputError(
                     f"block ids {bad[:4]} outside the cache's blocks 1 to {self.num_blocks - 1}"
                 )
