@@ -48,9 +48,12 @@ def ids_from(spec: LoadSpec, position: int) -> list[int]:
     return [b for ids in groups for b in ids[position:] if b]
 
 
-def load_outcome(spec: LoadSpec, got: int, page_nbytes: int, started: float) -> LoadOutcome:
-    """A whole-page load's outcome: blocks ``got`` on failed (logged at most once a
-    minute), the bytes of those before them, the seconds since ``started``."""
+def load_outcome(
+    spec: LoadSpec, got: int, page_nbytes: int, started: float, nbytes: int | None = None
+) -> LoadOutcome:
+    """A load's outcome: blocks ``got`` on failed (logged at most once a minute), the
+    bytes of those before them (``nbytes`` when given: a hybrid load's rows differ in
+    size), the seconds since ``started``."""
     good = max(got, spec.start_block)
     failed = ids_from(spec, good)
     if failed:
@@ -61,7 +64,8 @@ def load_outcome(spec: LoadSpec, got: int, page_nbytes: int, started: float) -> 
             len(failed),
             len(spec.block_ids) - spec.start_block,
         )
-    nbytes = (good - spec.start_block) * page_nbytes
+    if nbytes is None:
+        nbytes = (good - spec.start_block) * page_nbytes
     return LoadOutcome(failed, nbytes, time.perf_counter() - started)
 
 
@@ -133,16 +137,11 @@ class PageLoader:
         wanted = spec.block_ids[spec.start_block :]
         got = spec.start_block
         pages = None
-        hybrid_bytes = None
         taken: list[torch.Tensor] = []
         try:
             if self._layer_groups:
-                got, hybrid_bytes = self._load_hybrid(spec, after, taken)
-                return LoadOutcome(
-                    ids_from(spec, max(got, spec.start_block)),
-                    hybrid_bytes,
-                    time.perf_counter() - started,
-                )
+                got, nbytes = self._load_hybrid(spec, after, taken)
+                return load_outcome(spec, got, 0, started, nbytes)
             # how pages land: the client's gets choose the same way (client.gets.landing)
             landing, spans = choose_landing(
                 client.heads, lambda: cache.block_spans(wanted), self._on_device
