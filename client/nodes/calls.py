@@ -40,6 +40,11 @@ class ClosedBeforeUseError(TransportError):
     request waited for it; nothing was sent, so the caller may retry on a new one."""
 
 
+class NodeClosedBeforeUseError(ClosedBeforeUseError):
+    """The node itself had closed the connection (it restarted: the registry may name a
+    new incarnation, on a new socket) before this request was sent."""
+
+
 class SameHostUnavailableError(TransportError):
     """The node's Unix socket cannot be reached from here (another container's
     filesystem, permissions): the client uses UCX for that node instead."""

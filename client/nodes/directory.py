@@ -15,7 +15,12 @@ import numpy as np
 from client.log_limit import LogLimit
 from client.memory.buffers import Span
 from client.memory.device_pages import DeviceCopier
-from client.nodes.calls import ClosedBeforeUseError, NodeRefusedError, SameHostUnavailableError
+from client.nodes.calls import (
+    ClosedBeforeUseError,
+    NodeClosedBeforeUseError,
+    NodeRefusedError,
+    SameHostUnavailableError,
+)
 from client.nodes.connection import NodeConnection
 from client.nodes.placement import rank_nodes
 from client.nodes.shm_connection import ShmConnection
@@ -250,14 +255,17 @@ class NodeDirectory:
         the same call goes over UCX, as does every later one to this incarnation: a
         healthy node must not look dead. A request that found its connection closed by
         another (a refusal, a failure) before it sent anything goes on a new one."""
-        conn = self._conn(self._latest(node))
+        node = self._latest(node)
+        conn = self._conn(node)
         try:
             return await work(conn), conn
-        except ClosedBeforeUseError:
-            # another request closed it first, or the node closed it (a restart: the
-            # registry names its new incarnation): a new connection, once
-            await self._read()
-            conn = self._conn(self._latest(node))
+        except ClosedBeforeUseError as exc:
+            # another request closed it first: a new connection, once; the node closed it
+            # (a restart): the registry names its new incarnation, read it first
+            if isinstance(exc, NodeClosedBeforeUseError):
+                await self._read()
+                node = self._latest(node)
+            conn = self._conn(node)
             return await work(conn), conn
         except SameHostUnavailableError as exc:
             self._shm_failed[node.node_id] = node.incarnation

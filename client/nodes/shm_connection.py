@@ -21,9 +21,9 @@ from client.memory.device_landing import Landing
 from client.memory.device_pages import DeviceCopier, DeviceRows
 from client.nodes.calls import (
     Checksums,
-    ClosedBeforeUseError,
     Expected,
     GetOutcome,
+    NodeClosedBeforeUseError,
     OutgoingPage,
     PutOutcome,
     SameHostUnavailableError,
@@ -112,13 +112,13 @@ class ShmConnection(Connection):
     async def _ask(self, request: Any) -> None:
         """Send a request's first frame. A node that closed this connection before it
         (it restarted since, its socket path now another process's) never saw the
-        request: ``ClosedBeforeUseError``, which the directory answers with one try on a
-        new connection."""
+        request: ``NodeClosedBeforeUseError``, which the directory answers with one try
+        on a new connection to the node's latest registry entry."""
         try:
             await self._channel().send_frame(request)
         except shm.PeerClosedError as exc:
             self.broken = True
-            raise ClosedBeforeUseError(
+            raise NodeClosedBeforeUseError(
                 f"{self.node.node_id} closed the connection: {exc}"
             ) from None
 
