@@ -193,3 +193,33 @@ def test_a_stale_slot_map_costs_one_shorter_lookup_then_is_read_again(namespace)
         assert index.lookup(namespace, hashes).resolve(nodes).matched == len(hashes)
         assert index._router.topology.slot_shard[slot] == right
         index.close()
+
+
+def test_a_namespace_registered_again_by_many_callers_at_once_is_one_index_call(valkey, namespace):
+    """Every node refusing a put for a namespace the index lost makes its caller
+    register it again: callers at once share one registration, and a later call (the
+    index lost it again) makes a new one."""
+    from client.lookups.registration import NamespaceRegistration
+
+    calls = []
+
+    class Counting(AsyncPageIndex):
+        async def ensure_namespace(self, ns):
+            calls.append(ns)
+            await asyncio.sleep(0.05)  # in flight while the other callers arrive
+            return await super().ensure_namespace(ns)
+
+    async def scenario():
+        idx = Counting(valkey.url)
+        registration = NamespaceRegistration(idx, namespace)
+        await asyncio.gather(*(registration.again() for _ in range(5)))
+        shared = len(calls)
+        await registration.again()
+        await idx.close()
+        return shared, len(calls), registration.registered, namespace_stored(valkey.url)
+
+    def namespace_stored(url):
+        return PageIndex(url).namespace(namespace.key) == namespace
+
+    shared, total, registered, stored = asyncio.run(scenario())
+    assert shared == 1 and total == 2 and registered and stored

@@ -3,6 +3,7 @@ that finds it missing (an index that was unreachable at start, or lost its keys)
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from kvstore.errors import Fault
@@ -24,6 +25,9 @@ class NamespaceRegistration:
         self._storage = storage
         self.registered = False
         self.error: str | None = None  # why the last registration failed
+        # the registration in flight: callers at once (a put refused by every node
+        # after the index lost the namespace) share one index call
+        self._pending: asyncio.Future[None] | None = None
 
     async def ensure(self) -> None:
         """Register the namespace unless a registration succeeded already."""
@@ -31,7 +35,13 @@ class NamespaceRegistration:
             await self.again()
 
     async def again(self) -> None:
-        """Register the namespace now (the index may have lost it)."""
+        """Register the namespace now (the index may have lost it); a call while one is
+        in flight waits for that one."""
+        if self._pending is None or self._pending.done():
+            self._pending = asyncio.ensure_future(self._register())
+        await asyncio.shield(self._pending)
+
+    async def _register(self) -> None:
         try:
             await self._index.ensure_namespace(self._storage)
             self.registered = True
