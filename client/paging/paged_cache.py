@@ -256,20 +256,20 @@ class PagedCache:
         (``_copy_layers``), a layer's part of a row it skips with zeros. Called on the
         engine thread at the end of the step, before vLLM can free the blocks; on a GPU
         the device-to-host copy is left in flight (``GatherResult.ready``)."""
+        gathered = {r for rows, _ in layer_rows for r in rows}
         if not self._on_gpu:
             self._copy_layers(out, layer_rows, to_cache=False)
             # a layer's part of a row it skips is zeros, as from the GPU's scratch: never
             # the stale bytes of a pooled buffer (another request's, maybe another tenant's)
-            gathered = {r for rows, _ in layer_rows for r in rows}
             for j, (layer, _) in enumerate(layer_rows):
-                for r in gathered.difference(layer):
-                    out[r, j].zero_()
+                if skipped := sorted(gathered.difference(layer)):
+                    out[skipped, j] = 0
             return GatherResult(out)
         scratch = torch.zeros(
             (out.shape[0], *self.page_shape), dtype=self.dtype, device=self.device
         )
         self._copy_layers(scratch, layer_rows, to_cache=False)
-        rows = sorted({r for rows, _ in layer_rows for r in rows})
+        rows = sorted(gathered)
         # only the rows gathered now: earlier steps filled the others
         runs = [slice(rows[first], rows[first] + length) for first, _, length in block_runs(rows)]
         return self._copy_out(out, scratch, [(out[r], scratch[r]) for r in runs])
