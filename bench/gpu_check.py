@@ -31,8 +31,8 @@ verdict: bench/gpu_wheels.txt), carry .whl/, and build kvstore.pages' C modules 
    ``PagedCache.gather`` (one indexed copy per layer, D2H on a stream of its own); the
    save call's time on the engine thread.
 5. tests/test_paged_cache.py, test_device_checksum.py, test_device_loads.py,
-   test_device_layerwise.py and test_device_get_parts.py, whose CUDA cases run only on
-   a GPU.
+   test_device_layerwise.py, test_device_get_parts.py and test_device_slot_reads.py,
+   whose CUDA cases run only on a GPU.
 
 A section whose needs are missing reports "skipped: <why>". Comparisons are interleaved
 round by round (A B C A B C), reported as medians with min-max and ratios to the first
@@ -548,7 +548,8 @@ def section_h2d(report: Report, dev: Dev, cluster: Any, args: argparse.Namespace
         stats = client.stats
         report(
             f"  client counters: device_transfers {stats.device_transfers}, host_registrations {stats.host_registrations}, "
-            f"host_register_failures {stats.host_register_failures}, checksum_failures {stats.checksum_failures}"
+            f"host_register_failures {stats.host_register_failures}, checksum_failures {stats.checksum_failures}, "
+            f"slot_reads {stats.slot_reads}, slot_read_misses {stats.slot_read_misses}"
         )
         client.close()
         staged.close()
@@ -905,6 +906,7 @@ def section_tests(report: Report, dev: Dev, cluster: Any, args: argparse.Namespa
         "tests/test_device_loads.py",
         "tests/test_device_layerwise.py",
         "tests/test_device_get_parts.py",
+        "tests/test_device_slot_reads.py",
     ]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     report(f"  {' '.join(cmd[1:])}: exit {res.returncode}")
@@ -920,11 +922,13 @@ def get_marks(
     report: Report, dev: Dev, cluster: Any, args: argparse.Namespace, size: str
 ) -> tuple[Any, Any, Any, Any, Any]:
     """Same-host device gets of ``size`` pages, each timed along its way (medians, ms
-    from the call: the request sent, the plan's first and last parts in, the last
-    part's copies and checks queued, its digests in, the call's return); the client's
-    event-loop thread profiled over one get (its 12 costliest functions by own time);
-    and the get against the pinned copy with its plan in parts of 8 to 64 MiB and in one
-    (``shm_connection.PART_BYTES``), interleaved."""
+    from the call: the first copies queued, the last part's copies and checks queued,
+    its digests in, the call's return; through a plan also the request sent and the
+    plan's first and last parts in); the client's event-loop thread profiled over one
+    get (its 12 costliest functions by own time); and the get against the pinned copy
+    reading the index's slots (the default, ``client.nodes.slot_reads``) and through the
+    node's plan in parts of 32 and 64 MiB and in one (``shm_connection.PART_BYTES``),
+    interleaved."""
     import client.nodes.shm_connection as shm_connection
     from client.memory.device_landing import CudaLanding, HostLanding
     from client.memory.device_pages import HostCopier
@@ -962,6 +966,7 @@ def get_marks(
     def timed_add(self: Any, positions: Any, copies: Any) -> None:
         t = time.perf_counter()
         add(self, positions, copies)
+        now.setdefault("first copies queued", time.perf_counter())
         mark("last part queued")
         spent["adds"] = spent.get("adds", 0.0) + now["last part queued"] - t
         spent["parts"] = spent.get("parts", 0) + 1
@@ -1007,7 +1012,7 @@ def get_marks(
         )
     report(
         f"  {n} pages of {size} ({nbytes / MiB:.0f} MiB), ms from the call (medians of {args.rounds}; "
-        f"plan in parts of {shm_connection.PART_BYTES >> 20} MiB): "
+        f"slot reads {client.stats.slot_reads}, of them missed {client.stats.slot_read_misses}): "
         + ", ".join(f"{k} {statistics.median(v) * 1e3:.2f}" for k, v in marks.items())
         + f"; a part's copies and checks queued in {statistics.median(per_part) * 1e3:.3f} ms"
     )
@@ -1027,25 +1032,33 @@ def get_marks(
         if line.strip() and not line.startswith(("   Ordered", "   List")):
             report(f"    {line.strip()[:150]}")
     pinned = dev.host((n, *ns.page_shape), ns.torch_dtype())
-    chosen = shm_connection.PART_BYTES
+    chosen, slot_part = shm_connection.PART_BYTES, shm_connection.slot_part
     found_: list[Any] = [None]
 
     def parted(part_mib: int) -> Callable[[], None]:
         def run() -> None:
             shm_connection.PART_BYTES = part_mib << 20 if part_mib else 1 << 40
+            shm_connection.slot_part = lambda *a: None  # type: ignore[assignment]
             try:
                 whole(client.get_found_device(found_[0], rows_), src, ns.block_size)
             finally:
-                shm_connection.PART_BYTES = chosen
+                shm_connection.PART_BYTES, shm_connection.slot_part = chosen, slot_part
 
         return run
 
     errors: dict[str, str] = {}
     times = interleave(
-        {"pinned H2D of the same bytes (baseline)": lambda: rows_.copy_(pinned, non_blocking=True)}
+        {
+            "pinned H2D of the same bytes (baseline)": lambda: rows_.copy_(
+                pinned, non_blocking=True
+            ),
+            "get_found_device, index slots (default)": lambda: whole(
+                client.get_found_device(found_[0], rows_), src, ns.block_size
+            ),
+        }
         | {
             f"get_found_device, plan in {f'parts of {m} MiB' if m else 'one'}": parted(m)
-            for m in (8, 16, 32, 64, 0)
+            for m in (32, 64, 0)
         },
         args.rounds,
         dev,
@@ -1162,7 +1175,7 @@ def section_breakdown(report: Report, dev: Dev, cluster: Any, args: argparse.Nam
     n = src.shape[0]
     conn = next(c for c in client._async.nodes._conns.values() if c.path == "shm")
     maps = [
-        (r, m) for r, m in conn._maps.items() if conn._registered.get(r) is not None
+        (r, m) for r, m in conn._maps.items() if conn._slabs.registered.get(r) is not None
     ]  # what gets copy from
     total = sum(m.nbytes for _, m in maps)
     dst = torch.empty(total, dtype=torch.uint8, device=dev.device)

@@ -33,6 +33,11 @@ class ClientStats:
     # (pages of such a slab are copied at pageable speed; logged once)
     host_registrations: int = 0
     host_register_failures: int = 0
+    # pages of such gets read straight from their index slots, without the node's plan
+    # (client.nodes.slot_reads), and of those the ones whose check failed (moved or
+    # evicted since the index recorded them; asked for again through a plan)
+    slot_reads: int = 0
+    slot_read_misses: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -86,6 +86,12 @@ class NodeMetrics:
             "kvstore_put_skipped_pages", "Offered pages already stored", registry=r
         )
         self.gets = Counter("kvstore_get_pages", "Pages sent by GET requests", registry=r)
+        self.slot_reads = Counter(
+            "kvstore_slot_read_pages",
+            "Pages same-host clients copied straight from their slots, told afterwards "
+            "(SLOT_READS; also in kvstore_get_pages)",
+            registry=r,
+        )
         self.get_missing = Counter(
             "kvstore_get_missing_pages", "Requested pages not held", registry=r
         )
@@ -95,7 +101,7 @@ class NodeMetrics:
         self.sent_bytes = Counter("kvstore_sent_bytes", "Payload bytes sent (gets)", registry=r)
         self.requests = Counter(
             "kvstore_transfer_requests",
-            "PUT and GET requests served, by data path",
+            "PUT and GET requests served, and SLOT_READS notices taken, by data path",
             ["op", "path"],
             registry=r,
         )
@@ -253,6 +259,7 @@ class NodeMetrics:
             self.latency.labels(op)
             for path in ("ucx", "shm"):
                 self.requests.labels(op, path)
+        self.requests.labels("slot_reads", "shm")  # same-host notices (SLOT_READS)
         for kind in (
             "protocol",
             "descriptors",

@@ -207,7 +207,9 @@ class StorageNode:
         self.address = f"{s.host}:{listener.port}"
         # published in the registry; put_tokens: puts may carry token ids; get_parts: a
         # same-host get's plan may come in parts (a client sends either field only to
-        # nodes that say so: an older node refuses it)
+        # nodes that say so: an older node refuses it); slab_bytes: the pool's slab size,
+        # by which a same-host client finds an index slot in the slabs it mapped (and the
+        # node takes SLOT_READS notices)
         extra = {"pid": str(os.getpid()), "put_tokens": "1", "get_parts": "1"}
         unix = (
             SameHostListener(s.shm_dir, s.node_id, self.dataplane, self.metrics)
@@ -215,7 +217,7 @@ class StorageNode:
             else None
         )
         if unix is not None and unix.start():
-            extra.update(shm=unix.path, host=host_id())
+            extra.update(shm=unix.path, host=host_id(), slab_bytes=str(self.pool.slab_size))
         if s.metrics_port is not None:
             http = start_health_server(
                 s.metrics_host,

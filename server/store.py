@@ -154,6 +154,20 @@ class PageStore:
             self._disk_lru.move_to_end(key)
         return page
 
+    def mark_read(self, key: PageKey) -> StoredPage | None:
+        """A ready page a same-host client copied straight from its slot (no pin was
+        held; its own check decides whether the copy counts): counted as read and marked
+        most recently used, as ``pin_for_read`` does. None when the page is not held."""
+        page = self.pages.get(key)
+        if page is None or page.state is not PageState.READY:
+            return None
+        page.reads += 1
+        if page.key in self._lru:
+            self._lru.move_to_end(key)
+        if page.key in self._disk_lru:
+            self._disk_lru.move_to_end(key)
+        return page
+
     def unpin(self, page: StoredPage) -> None:
         page.pins -= 1
         self.pins -= 1

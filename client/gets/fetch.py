@@ -73,6 +73,7 @@ class ReplicaFetcher:
                         ok,
                         deadline - time.monotonic(),
                         refusals,
+                        locations.slots[idx],
                     )
                     for n, idx in sole.items()
                 )
@@ -86,24 +87,23 @@ class ReplicaFetcher:
             if not per_node or remaining <= 0:
                 break
             asked.update(per_node)
-            await asyncio.gather(
-                *(
+            calls = []
+            for n, idx in per_node.items():
+                placed = [next(loc for loc in locations[i] if loc.node_id == n) for i in idx]
+                calls.append(
                     self._get_on(
                         nodes[n],
                         np.asarray(idx, dtype=np.int64),
-                        [
-                            next(loc.checksum for loc in locations[i] if loc.node_id == n)
-                            for i in idx
-                        ],
+                        [loc.checksum for loc in placed],
                         hashes,
                         sinks,
                         ok,
                         remaining,
                         refusals,
+                        np.array([loc.slot for loc in placed], dtype=np.uint64),
                     )
-                    for n, idx in per_node.items()
                 )
-            )
+            await asyncio.gather(*calls)
             if ok.all():
                 break
         refusals.raise_if_all(asked)
@@ -152,10 +152,12 @@ class ReplicaFetcher:
         ok: np.ndarray,
         seconds: float,
         refusals: CallRefusals,
+        slots: np.ndarray,
     ) -> None:
         """Get pages ``idx`` from ``node`` into their sinks, marking in ``ok`` those that
-        arrived intact (``expected``: their checksums in the index, in ``idx``'s order);
-        a node that fails is suspected, its pages stay missing."""
+        arrived intact (``expected`` and ``slots``: their checksums and pool slots in
+        the index, in ``idx``'s order); a node that fails is suspected, its pages stay
+        missing."""
         whole = len(idx) == len(hashes)  # every page, in order: no lists to pick
         if whole:
             picked = sinks
@@ -172,6 +174,7 @@ class ReplicaFetcher:
                     picked,
                     expected,
                     seconds,
+                    slots=slots,
                 ),
             )
         except NodeRefusedError as exc:

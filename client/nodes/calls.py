@@ -142,3 +142,11 @@ def get_request(
         probe=probe,
         part_pages=part_pages,
     )
+
+
+def slot_reads(namespace: NamespaceKey, token: str, hashes: list[bytes]) -> P.SlotReads:
+    """The node's notice of pages read straight from their slots
+    (``client.nodes.slot_reads``)."""
+    return P.SlotReads(
+        namespace=namespace.digest, tenant=namespace.tenant, token=token, hashes=hashes
+    )

@@ -76,12 +76,14 @@ class Connection:
         expected: Expected,
         timeout: float,
         probe: bool = False,
+        slots: np.ndarray | None = None,
     ) -> GetOutcome:
         """Fetch pages into ``sinks`` (host spans, or device spans of ``device``) and
         verify each against ``expected`` (the index's checksums); a ``probe`` (client
-        start's warm-up) is left out of the node's counters."""
+        start's warm-up) is left out of the node's counters. ``slots``: the pages' pool
+        slots in the index, which a same-host get into device memory reads straight."""
         if isinstance(sinks, DeviceRows):
-            work = self._get_device(namespace, hashes, sinks, expected)
+            work = self._get_device(namespace, hashes, sinks, expected, slots)
         else:
             work = self._get(namespace, hashes, sinks, expected, probe)
         return await self._guarded(work, timeout, "get")
@@ -92,9 +94,10 @@ class Connection:
         hashes: list[bytes],
         sinks: DeviceRows,
         expected: Expected,
+        slots: np.ndarray | None = None,
     ) -> GetOutcome:
         """Fetch pages into device spans of the client's copier and verify each (each
-        path its own way)."""
+        path its own way; ``slots``: the index's, for a path that reads them straight)."""
         raise NotImplementedError
 
     def _device_copier(self) -> DeviceCopier:
@@ -292,6 +295,7 @@ class NodeConnection(Connection):
         hashes: list[bytes],
         sinks: DeviceRows,
         expected: Expected,
+        slots: np.ndarray | None = None,
     ) -> GetOutcome:
         """A get into device memory through host memory: the pages land in pinned host
         buffers of the pool (checked there as on any get), and each run's intact pages

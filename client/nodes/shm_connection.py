@@ -5,9 +5,6 @@ between the node's slots and the caller's memory, hashed as it is copied."""
 from __future__ import annotations
 
 import asyncio
-import fcntl
-import mmap
-import os
 import socket
 import weakref
 from collections.abc import Sequence
@@ -29,9 +26,12 @@ from client.nodes.calls import (
     SameHostUnavailableError,
     get_request,
     put_request,
+    slot_reads,
 )
 from client.nodes.connection import Connection
 from client.nodes.get_plan import PlanPart
+from client.nodes.slab_maps import SlabMaps
+from client.nodes.slot_reads import slot_part
 from kvstore.errors import ProtocolError, TransportError
 from kvstore.index import NodeInfo
 from kvstore.pages.checksum import copy_checksummed
@@ -40,15 +40,6 @@ from kvstore.wire import protocol as P
 from kvstore.wire import shm
 from kvstore.wire.transport import with_timeout
 
-# Mapping a slab the client has not seen costs page-table work before the first copy.
-# Measured on a 64 MiB memfd slab (kernel 6.18, shmem without huge pages): MAP_POPULATE
-# 5-6.6 ms; no populate and faults during the copy +2.8 ms (reads, which the kernel's
-# fault-around maps 16 pages at a time) or +19 ms (writes, a fault per 4 KiB page);
-# reading one byte per 64 KiB first 2.5-3 ms, after which reads and writes copy at full
-# speed (shmem maps its pages writable on a read fault). In a put of 64 MiB into a fresh
-# slab the mapping step fell from 5.6 to 2.5-2.8 ms (of about 25 ms); a steady client
-# maps each slab of its tenant once and keeps it.
-FAULT_AROUND = 64 << 10
 # A device get's plan comes in parts of about this many bytes (``GetRequest.part_pages``):
 # the first part's copies start while the node plans the rest. Measured on an H200 host
 # (bench/gpu_check.py section 6, 256 MiB gets, three runs): 64 MiB parts against one
@@ -59,6 +50,7 @@ FAULT_AROUND = 64 << 10
 PART_BYTES = 64 << 20
 # Offsets and sizes in a plan at or past this are a broken node's, refused.
 MAX_SLAB_BYTES = 1 << 48
+_NOTHING = np.zeros(0, dtype=np.uint8)
 
 
 class ShmConnection(Connection):
@@ -69,11 +61,8 @@ class ShmConnection(Connection):
     def __init__(self, node: NodeInfo, token: str, device: DeviceCopier | None = None) -> None:
         super().__init__(node, token, device)
         self._ch: shm.UnixChannel | None = None
-        # slab -> its mapping (writable once a put lent it); the node tracks generations
-        self._maps: dict[int, np.ndarray] = {}
-        # slab -> the device copier's registration of its mapping (made by the first
-        # device get that reads from it; undone before the mapping goes)
-        self._registered: dict[int, Any] = {}
+        self._slabs = SlabMaps(node.node_id, device)
+        self._maps = self._slabs.views
         # A connection dropped without close must not leave its mappings registered: once
         # unmapped, the range stays registered, and a later mapping at the same address
         # cannot be (seen on an H200 after a bench dropped a client unclosed:
@@ -81,7 +70,7 @@ class ShmConnection(Connection):
         # that client's gets landed none of their pages). The finalizer runs before the
         # mappings are released.
         self._landing: list[Landing] = []  # the device get in flight's (one at a time)
-        finalizer = weakref.finalize(self, _unregister_all, device, self._registered, self._landing)
+        finalizer = weakref.finalize(self, self._slabs.release, self._landing)
         finalizer.atexit = False
 
     async def _open(self, timeout: float) -> None:
@@ -135,7 +124,7 @@ class ShmConnection(Connection):
         any earlier frames marked ``more``)."""
         while True:
             plan, fds = await self._recv_frame(kind)
-            self._map(plan.mapped, fds)
+            self._slabs.map(plan.mapped, fds)
             if not plan.more:
                 return plan
 
@@ -193,7 +182,7 @@ class ShmConnection(Connection):
         size is not its sink's is left out (it can never be the one asked for); a page
         named twice in one get is a protocol error (``seen``: the positions so far)."""
         plan, fds = await self._recv_frame(P.GetPlan)
-        self._map(plan.mapped, fds)
+        self._slabs.map(plan.mapped, fds)
         present = plan.present.astype(np.int64)
         arrays = (plan.sizes, plan.checksums, plan.regions, plan.offsets)
         if any(len(a) != len(present) for a in arrays) or (
@@ -250,14 +239,78 @@ class ShmConnection(Connection):
         hashes: list[bytes],
         sinks: DeviceRows,
         expected: Expected,
+        slots: np.ndarray | None = None,
     ) -> GetOutcome:
         """A get into device memory straight from the node's slots: each page is copied
         by DMA from the slab's mapping (registered with the device once) into its sink
-        and checked on the device against the index's checksum (client.memory.device_pages);
-        the node is told it may unpin once every copy and check has finished. The plan
-        comes in parts of about ``PART_BYTES`` (a get landing layer by layer: in one),
-        each part's copies queued as it arrives, while the node plans the next."""
+        and checked on the device against the index's checksum (client.memory.device_pages).
+        Pages whose index slot lies in a slab already mapped are read at once, with no
+        plan (``client.nodes.slot_reads``); the rest, and those whose check then failed,
+        through a plan (``_planned``). A get landing layer by layer asks no page twice:
+        the forward may have read a failed page's layers, which must stay failed."""
         device = self._device_copier()
+        direct = None
+        if slots is not None:
+            direct = slot_part(self.node, slots, expected, self._maps, sinks.nbytes)
+        if direct is None:
+            return await self._planned(device, namespace, hashes, sinks, expected)
+        good = await self._read_slots(device, namespace, hashes, sinks, direct)
+        device.stats.slot_reads += len(direct.present)
+        device.stats.slot_read_misses += len(direct.present) - int(good[direct.present].sum())
+        rest = np.flatnonzero(~good)
+        if sinks.feed is not None:
+            rest = np.setdiff1d(rest, direct.present)
+        if not len(rest):
+            return GetOutcome(np.flatnonzero(good).tolist(), 0)
+        more = await self._planned(
+            device,
+            namespace,
+            [hashes[i] for i in rest.tolist()],
+            sinks.take(rest),
+            np.asarray(expected, dtype=np.uint64)[rest],
+        )
+        good[rest[np.asarray(more.ok, dtype=np.int64)]] = True
+        return GetOutcome(np.flatnonzero(good).tolist(), more.corrupt)
+
+    async def _read_slots(
+        self,
+        device: DeviceCopier,
+        namespace: NamespaceKey,
+        hashes: list[bytes],
+        sinks: DeviceRows,
+        part: PlanPart,
+    ) -> np.ndarray:
+        """Land ``part`` (pages at their index slots, ``slot_part``) and tell the node
+        (``SlotReads``) while the copies run; per request position, whether its page
+        landed and its bytes hash to the index's checksum (``part.checksums``)."""
+        landing = device.landing(sinks)
+        self._landing.append(landing)
+        done = False
+        try:
+            landing.add(part.present, self._copies(device, part, sinks))
+            await self._ask(slot_reads(namespace, self.token, [hashes[i] for i in part.present]))
+            digests = await landing.digests()
+            done = True
+        finally:
+            if not done:
+                landing.settle()
+            self._landing.clear()
+        good = np.zeros(len(hashes), dtype=bool)
+        good[part.present[digests[part.present] == part.checksums]] = True
+        return good
+
+    async def _planned(
+        self,
+        device: DeviceCopier,
+        namespace: NamespaceKey,
+        hashes: list[bytes],
+        sinks: DeviceRows,
+        expected: Expected,
+    ) -> GetOutcome:
+        """A device get through the node's plan, which pins the pages until every copy
+        and check has finished (GET_DONE). The plan comes in parts of about
+        ``PART_BYTES`` (a get landing layer by layer: in one), each part's copies queued
+        as it arrives, while the node plans the next."""
         part_pages = 0
         if sinks.feed is None:
             part_pages = min(len(hashes), max(1, PART_BYTES // sinks.nbytes))
@@ -292,13 +345,9 @@ class ShmConnection(Connection):
         assert part.slabs is not None and part.slab_index is not None  # ``kept`` set them
         sources = []
         for region in part.slabs.tolist():
-            mapped = self._maps.get(region)
-            if mapped is None:  # none of the part's pages lies there (``kept``)
-                sources.append(np.zeros(0, dtype=np.uint8))
-                continue
-            if region not in self._registered:
-                self._registered[region] = device.register(mapped, mapped.flags.writeable)
-            sources.append(mapped)
+            view = self._slabs.for_device(region, device)
+            # a slab none of the part's pages lies in (``kept``) stays unmapped
+            sources.append(_NOTHING if view is None else view)
         return PageCopies(
             sinks.base,
             sinks.offsets[part.present],
@@ -309,53 +358,9 @@ class ShmConnection(Connection):
             sinks.feed,
         )
 
-    def _unregister(self, region: int) -> None:
-        token = self._registered.pop(region, None)
-        if token is not None and self.device is not None:
-            self.device.unregister(token)
-
-    def _map(self, mapped: list[tuple[int, int]], fds: list[int]) -> None:
-        """Map the slabs whose descriptors came with a plan (replacing stale generations
-        and read-only mappings of slabs now lent for writing); the descriptors are
-        closed, the mappings stay."""
-        try:
-            if len(mapped) != len(fds):
-                raise ProtocolError(
-                    f"node {self.node.node_id} sent {len(fds)} descriptors for {len(mapped)} slabs"
-                )
-            for (region, _generation), fd in zip(mapped, fds):
-                size = os.fstat(fd).st_size
-                writable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
-                prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-                view = np.frombuffer(
-                    mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot), dtype=np.uint8
-                )
-                int(
-                    view[::FAULT_AROUND].sum()
-                )  # one read per 64 KiB maps the slab (see FAULT_AROUND)
-                self._unregister(region)  # the mapping it replaces goes now
-                self._maps[region] = view
-        finally:
-            shm.close_fds(fds)
-
     async def close(self) -> None:
         self.broken = True
         ch, self._ch = self._ch, None
         if ch is not None:
             ch.close()
-        for region in list(self._registered):
-            self._unregister(region)
-        self._maps.clear()
-
-
-def _unregister_all(
-    device: DeviceCopier | None, registered: dict[int, Any], landing: list[Landing]
-) -> None:
-    """Undo a connection's registrations (its finalizer: not ``close``d), once no copy
-    of a get it had in flight (collected with it) can still read them."""
-    for unfinished in landing:
-        unfinished.settle()
-    for token in registered.values():
-        if token is not None and device is not None:
-            device.unregister(token)
-    registered.clear()
+        self._slabs.release()

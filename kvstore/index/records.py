@@ -64,11 +64,13 @@ class PageLocation:
 @dataclass(frozen=True, slots=True)
 class SoleReplicas:
     """Pages with one replica each, as arrays: page ``i``'s is on node
-    ``nodes[numbers[i]]``, with checksum ``checksums[i]`` (``LookupResult.sole``)."""
+    ``nodes[numbers[i]]``, with checksum ``checksums[i]``, in pool slot ``slots[i]``
+    (``LookupResult.sole``)."""
 
     numbers: np.ndarray
     checksums: np.ndarray
     nodes: dict[int, NodeInfo]
+    slots: np.ndarray
 
     def __len__(self) -> int:
         return len(self.numbers)
@@ -181,7 +183,10 @@ class LookupResult:
         if not np.array_equal(positions, np.arange(self.matched)):
             return None
         return SoleReplicas(
-            recs["node"][blocks], recs["checksum"][blocks].astype(np.uint64), self._nodes
+            recs["node"][blocks],
+            recs["checksum"][blocks].astype(np.uint64),
+            self._nodes,
+            recs["slot"][blocks].astype(np.uint64),
         )
 
     @classmethod

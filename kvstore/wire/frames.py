@@ -41,6 +41,7 @@ class FrameType(enum.IntEnum):
     GET_PLAN = 5
     PUT_CHECKSUMS = 6
     GET_DONE = 7
+    SLOT_READS = 8
     ERROR = 15
 
 
@@ -257,6 +258,30 @@ class GetPlan(_Frame):
 
 class GetDone(_Frame):
     """Client -> server after a same-host GET_PLAN: the pages are copied; unpin them."""
+
+
+class SlotReads(_Frame):
+    """Client -> server, on the same host, answered by nothing: the client copied these
+    pages of ``namespace`` straight from the slots the index places them in, out of slabs
+    it had mapped, without a plan (sent only to a node whose registry entry has
+    ``slab_bytes``). The node counts them as read and marks them recently used; a page
+    it no longer holds is passed over. A notice it refuses closes the connection
+    (``unauthorized``) or is dropped: never an ERROR reply, which the client's next
+    request would read as its own."""
+
+    ARRAYS = {"hashes": "hash"}
+    namespace: Hex128
+    tenant: Tenant
+    token: str = ""
+    hashes: Array
+
+    @model_validator(mode="after")
+    def _check(self) -> SlotReads:
+        if not 1 <= len(self.hashes) <= MAX_PAGES_PER_REQUEST:
+            raise ValueError(
+                f"a slot-read notice names 1 to {MAX_PAGES_PER_REQUEST} pages, got {len(self.hashes)}"
+            )
+        return self
 
 
 # Not StrEnum: str() of a (str, Enum) member is "RefusalCode.X", of a StrEnum member the value.

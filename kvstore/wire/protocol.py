@@ -51,6 +51,7 @@ from kvstore.wire.frames import (
     PutRequest,
     PutResult,
     RefusalCode,
+    SlotReads,
     _Frame,
 )
 from kvstore.wire.runs import DEFAULT_MAX_RUN_BYTES, PACK_BELOW, group_runs, may_share
@@ -77,6 +78,7 @@ __all__ = [
     "PutRequest",
     "PutResult",
     "RefusalCode",
+    "SlotReads",
     "_Frame",
     "announced_length",
     "decode",
@@ -106,6 +108,7 @@ _MODELS: dict[FrameType, type[_Frame]] = {
     FrameType.GET_REQUEST: GetRequest,
     FrameType.GET_PLAN: GetPlan,
     FrameType.GET_DONE: GetDone,
+    FrameType.SLOT_READS: SlotReads,
     FrameType.ERROR: ErrorFrame,
 }
 _TYPES = {model: ftype for ftype, model in _MODELS.items()}

@@ -71,6 +71,24 @@ class GetHandler:
         self.metrics.get_missing.inc(count - len(held))
         self.metrics.sent_bytes.inc(sum(p.size for p in held))
 
+    async def noted(self, req: P.SlotReads, credential: Credential | None) -> None:
+        """A same-host client's word that it copied these pages straight from their
+        slots (``SlotReads``): each page still held is counted as read and marked most
+        recently used, like a get's; the others are passed over (the client's check
+        failed them, and it asks for them again). Nothing is sent back."""
+        if self.auth.enabled:
+            self.auth.authorize(credential, await self.namespaces.lookup(req), write=False)
+        raw, namespace, nbytes, count = req.hashes.tobytes(), req.namespace, 0, 0
+        mark = self.store.mark_read
+        for at in range(0, len(raw), HASH_BYTES):
+            page = mark((namespace, raw[at : at + HASH_BYTES]))
+            if page is not None:
+                count += 1
+                nbytes += page.size
+        self.metrics.slot_reads.inc(count)
+        self.metrics.gets.inc(count)
+        self.metrics.sent_bytes.inc(nbytes)
+
     def _pin(self, req: P.GetRequest, start: int, end: int) -> tuple[list[int], list[StoredPage]]:
         """Pin the pages of request positions ``start`` to ``end`` that the node holds:
         their positions and pages."""

@@ -26,7 +26,7 @@ class NamespaceCache:
         """The namespace of ``digest``, if a request of this node's brought it here."""
         return self._known.get(digest)
 
-    async def lookup(self, req: P.PutRequest | P.GetRequest) -> Namespace:
+    async def lookup(self, req: P.PutRequest | P.GetRequest | P.SlotReads) -> Namespace:
         """The namespace behind a request's digest, read from the index once (under the
         tenant the request names) and cached. What the index holds must hash to the
         digest, so the tenant a node acts on is the one the digest names; then the node

@@ -203,6 +203,8 @@ class DataPlane:
         handler; says what was learnt of its credential."""
         try:
             frame = P.decode(raw)
+            if isinstance(frame, P.SlotReads):
+                return await self._noted(conn, frame)
             if not isinstance(frame, (P.PutRequest, P.GetRequest)):
                 raise ProtocolError(f"a request may not start with {type(frame).__name__}")
             credential = self.auth.identify(frame.token)
@@ -229,4 +231,22 @@ class DataPlane:
             return _Verdict.UNCHECKED
         except Refused as exc:
             await conn.reply_error(exc.code, str(exc))
+        return _Verdict.ADMITTED
+
+    async def _noted(self, conn: Connection, frame: P.SlotReads) -> _Verdict:
+        """A same-host client's notice of pages it copied straight from their slots:
+        never answered (the client reads no reply, and its next request would take an
+        ERROR as its own). A token that matches no credential closes the connection;
+        any other refusal drops the notice (it only counts reads and orders eviction)."""
+        try:
+            credential = self.auth.identify(frame.token)
+            if len(frame.hashes) > self.limits.pages:
+                raise Refused(P.RefusalCode.TOO_LARGE, "slot-read notice too large")
+            self.metrics.requests.labels("slot_reads", conn.path).inc()
+            await self.get.noted(frame, credential)
+        except Unauthorized:
+            return _Verdict.UNAUTHORIZED
+        except (Refused, ProtocolError) as exc:
+            self.peer_log("dropping a slot-read notice: %s", exc)
+            return _Verdict.UNCHECKED
         return _Verdict.ADMITTED
