@@ -42,6 +42,7 @@ sizes: a check of the script, not a measurement."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import cProfile
 import importlib
@@ -951,48 +952,66 @@ def get_marks(
     marks: dict[str, list[float]] = {}
     now: dict[str, float] = {}
     per_part: list[float] = []  # the landing's add, per part
-    add, digests, ask, part = (
-        Landing.add,
-        Landing.digests,
-        ShmConnection._ask_get,
-        ShmConnection._plan_part,
-    )
-
-    def mark(name: str) -> None:
-        now[name] = time.perf_counter()
-
     spent: dict[str, float] = {}  # per get: time in the landing's adds, and their count
+    patched: list[tuple[Any, str, Any]] = []
+
+    def mark(name: str, first: bool = False) -> None:
+        if first:
+            now.setdefault(name, time.perf_counter())
+        else:
+            now[name] = time.perf_counter()
+
+    def wrap(owner: Any, attr: str, before: str = "", after: str = "", first: bool = False) -> None:
+        """Mark ``before`` and ``after`` each call of ``owner.attr`` (the first call's
+        only, with ``first``)."""
+        inner = getattr(owner, attr)
+        if asyncio.iscoroutinefunction(inner):
+
+            async def timed(*a: Any, **k: Any) -> Any:
+                if before:
+                    mark(before, first)
+                out = await inner(*a, **k)
+                if after:
+                    mark(after, first)
+                return out
+
+        else:
+
+            def timed(*a: Any, **k: Any) -> Any:  # type: ignore[misc]
+                if before:
+                    mark(before, first)
+                out = inner(*a, **k)
+                if after:
+                    mark(after, first)
+                return out
+
+        patched.append((owner, attr, inner))
+        setattr(owner, attr, timed)
+
+    add = Landing.add
 
     def timed_add(self: Any, positions: Any, copies: Any) -> None:
         t = time.perf_counter()
+        now.setdefault("first add starts", t)
         add(self, positions, copies)
-        now.setdefault("first copies queued", time.perf_counter())
-        mark("last part queued")
-        spent["adds"] = spent.get("adds", 0.0) + now["last part queued"] - t
+        mark("last add done")
+        spent["adds"] = spent.get("adds", 0.0) + now["last add done"] - t
         spent["parts"] = spent.get("parts", 0) + 1
 
-    async def timed_digests(self: Any) -> Any:
-        out = await digests(self)
-        mark("digests in")
-        return out
+    from client.gets.fetch import ReplicaFetcher
+    from client.memory import device_landing
+    from client.memory.device_pages import CudaCopier
 
-    async def timed_ask(self: Any, *a: Any, **k: Any) -> Any:
-        out = await ask(self, *a, **k)
-        mark("request sent")
-        return out
-
-    async def timed_part(self: Any, *a: Any, **k: Any) -> Any:
-        out = await part(self, *a, **k)
-        now.setdefault("first part in", time.perf_counter())
-        mark("last part in")
-        return out
-
-    Landing.add, Landing.digests, ShmConnection._ask_get, ShmConnection._plan_part = (  # type: ignore[method-assign]
-        timed_add,
-        timed_digests,
-        timed_ask,
-        timed_part,
-    )
+    wrap(ReplicaFetcher, "fetch", "fetch starts (loop)", "fetch done")
+    wrap(ShmConnection, "_get_device", "connection's get starts", "connection's get done")
+    wrap(CudaCopier, "queue_copies", after="first copies queued", first=True)
+    wrap(ShmConnection, "_ask", after="first frame sent", first=True)
+    wrap(ShmConnection, "_plan_part", after="first part in", first=True)
+    wrap(ShmConnection, "_plan_part", after="last part in")
+    wrap(device_landing, "settled", "waiting for the device", "device done, loop woken")
+    wrap(Landing, "digests", after="digests in")
+    patched.append((Landing, "add", add))
+    Landing.add = timed_add  # type: ignore[method-assign]
     try:
         for _ in range(args.rounds):
             found = client.find(tokens)
@@ -1004,17 +1023,13 @@ def get_marks(
                 marks.setdefault(name, []).append(at - t0)
             per_part.append(spent.pop("adds", 0.0) / max(spent.pop("parts", 1), 1))
     finally:
-        Landing.add, Landing.digests, ShmConnection._ask_get, ShmConnection._plan_part = (  # type: ignore[method-assign]
-            add,
-            digests,
-            ask,
-            part,
-        )
+        for owner, attr, inner in reversed(patched):
+            setattr(owner, attr, inner)
     report(
         f"  {n} pages of {size} ({nbytes / MiB:.0f} MiB), ms from the call (medians of {args.rounds}; "
         f"slot reads {client.stats.slot_reads}, of them missed {client.stats.slot_read_misses}): "
         + ", ".join(f"{k} {statistics.median(v) * 1e3:.2f}" for k, v in marks.items())
-        + f"; a part's copies and checks queued in {statistics.median(per_part) * 1e3:.3f} ms"
+        + f"; an add (copies and checks queued) took {statistics.median(per_part) * 1e3:.3f} ms"
     )
     profile = cProfile.Profile()
 
@@ -1034,6 +1049,18 @@ def get_marks(
     pinned = dev.host((n, *ns.page_shape), ns.torch_dtype())
     chosen, slot_part = shm_connection.PART_BYTES, shm_connection.slot_part
     found_: list[Any] = [None]
+    settled = device_landing.settled
+
+    async def polled(done: Any) -> None:  # the loop's thread asks the event, turn by turn
+        while not done.query():
+            await asyncio.sleep(0)
+
+    def polling() -> None:
+        device_landing.settled = polled  # type: ignore[assignment]
+        try:
+            whole(client.get_found_device(found_[0], rows_), src, ns.block_size)
+        finally:
+            device_landing.settled = settled
 
     def parted(part_mib: int) -> Callable[[], None]:
         def run() -> None:
@@ -1055,6 +1082,7 @@ def get_marks(
             "get_found_device, index slots (default)": lambda: whole(
                 client.get_found_device(found_[0], rows_), src, ns.block_size
             ),
+            "get_found_device, index slots, the device polled": polling,
         }
         | {
             f"get_found_device, plan in {f'parts of {m} MiB' if m else 'one'}": parted(m)
@@ -1074,7 +1102,6 @@ def loop_costs(report: Report, client: Any, tokens: list[int], ns: Any) -> None:
     against a plain loop, UCX's progress and arm alone, and the node's own pace over a
     raw socket: a 1-page plan's round trip, and the gaps between the parts of a plan of
     128 pages in parts of 16."""
-    import asyncio
     import socket
     import threading
 
@@ -1088,6 +1115,17 @@ def loop_costs(report: Report, client: Any, tokens: list[int], ns: Any) -> None:
             await asyncio.sleep(0)
         return (time.perf_counter() - t) / n
 
+    async def nothing() -> None:
+        pass
+
+    hops = []
+    for _ in range(500):
+        t = time.perf_counter()
+        client._run(nothing())
+        hops.append(time.perf_counter() - t)
+    report(
+        f"  a sync call's hop to the client's loop and back: {statistics.median(hops) * 1e6:.0f} us (median of 500)"
+    )
     ucx_turn = client._run(turns())
     plain: list[float] = []
     thread = threading.Thread(target=lambda: plain.append(asyncio.run(turns())))

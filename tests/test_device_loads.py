@@ -8,12 +8,16 @@ runs this file there)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import numpy as np
 import pytest
 import torch
 
 from client import KVCacheClient
 from client.memory.buffers import Span
+from client.memory.device_landing import POLL_AFTER, POLL_BEFORE, BusPace, settled
 from client.memory.device_pages import CudaCopier, DeviceSpan, HostCopier
 from client.paging.loader import PageLoader
 from client.paging.paged_cache import PagedCache
@@ -238,3 +242,61 @@ def test_a_failed_registration_is_counted_every_time_and_logged_once(caplog):
     assert runtime.calls[:2] == [(slabs[0].ctypes.data, 8), (slabs[0].ctypes.data, 0)]
     assert (stats.host_registrations, stats.host_register_failures, runtime.cleared) == (1, 2, 2)
     assert sum("cudaHostRegister" in r.getMessage() for r in caplog.records) == 1
+
+
+class _PassingAt:
+    """Stands in for a CUDA event (``query``, ``synchronize``) that passes at ``at``
+    (``time.perf_counter``), noting when it was asked and whether a thread waited on it."""
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+        self.asked: list[float] = []
+        self.waited = False
+
+    def query(self) -> bool:
+        self.asked.append(time.perf_counter())
+        return self.asked[-1] >= self.at
+
+    def synchronize(self) -> None:
+        self.waited = True
+        time.sleep(max(0.0, self.at - time.perf_counter()))
+
+
+def _settle(after: float, until: float | None) -> tuple[_PassingAt, float]:
+    async def run() -> tuple[_PassingAt, float]:
+        event = _PassingAt(time.perf_counter() + after)
+        start = time.perf_counter()
+        await settled(event, None if until is None else start + until)
+        return event, time.perf_counter()
+
+    return asyncio.run(run())
+
+
+def test_a_landing_is_waited_for_asleep_then_asked_every_turn_near_its_expected_end():
+    """Given when a landing should end, the loop sleeps until shortly before it (asking
+    nothing meanwhile), then asks its event every turn and returns within a few turns of
+    its end, with no thread; asked for far too early, it asks for ``POLL_AFTER`` past
+    the estimate, then waits in a thread; with no estimate, in a thread at once. Either
+    way it never returns before the event passed."""
+    event, returned = _settle(0.03, 0.03)
+    assert not event.waited and event.at <= returned < event.at + 0.005
+    second = event.asked[1]  # the first is the check on entry
+    assert second >= event.at - POLL_BEFORE - 0.002  # asleep until shortly before
+    event, returned = _settle(0.05, 0.0)
+    assert event.waited and returned >= event.at
+    assert event.asked[-1] - event.asked[0] < POLL_AFTER + 0.01  # gave up asking in time
+    event, returned = _settle(0.02, None)
+    assert event.waited and returned >= event.at and len(event.asked) <= 2
+
+
+def test_a_copiers_pace_learns_from_its_landings():
+    """``BusPace`` has no estimate before a landing was measured, then one from the
+    moving average of the rates measured."""
+    pace = BusPace()
+    assert pace.end(1.0, 100) is None
+    pace.measured(100, 0.5)  # 200 bytes/s
+    assert pace.end(1.0, 100) == pytest.approx(1.5)
+    pace.measured(100, 0.25)  # 400 bytes/s: the average moves a quarter of the way
+    assert pace.rate == pytest.approx(250.0)
+    pace.measured(0, 0.1)  # nothing landed: nothing learned
+    assert pace.rate == pytest.approx(250.0)

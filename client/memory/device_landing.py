@@ -14,6 +14,7 @@ cost the client's loop about 0.8 ms, more than its copies took (0.6 ms)."""
 from __future__ import annotations
 
 import asyncio
+import time
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -82,9 +83,13 @@ class CudaLanding(Landing):
         self._scattered: list[tuple[np.ndarray, torch.Tensor]] = []  # the other parts' rows, accs
         self._checked: Any = None  # after the last part's checks
         self._sources: list[Sequence[np.ndarray]] = []  # held until no copy reads them
+        self._started = 0.0  # when the first copy was queued
+        self._bytes = 0
 
     def add(self, positions: np.ndarray, copies: PageCopies) -> None:
         copier, page, n = self._copier, copies.nbytes, len(positions)
+        self._started = self._started or time.perf_counter()
+        self._bytes += n * page
         self.added[positions] = True
         self._sources.append(copies.sources)
         if copies.feed is not None:  # one batch, after the last layer
@@ -126,7 +131,13 @@ class CudaLanding(Landing):
             host = [_download(self._accs)] + [_download(accs) for _, accs in self._scattered]
             done = torch.cuda.Event()
             done.record(checks)
-        await settled(done)
+        # A get landing layer by layer is waited for in a thread: the forward runs beside
+        # it, and its thread would share the interpreter with a loop asking every turn.
+        pace = self._copier.pace
+        polled = self.rows.feed is None
+        await settled(done, pace.end(self._started, self._bytes) if polled else None)
+        if polled:
+            pace.measured(self._bytes, time.perf_counter() - self._started)
         digests = device_checksum.merge(host[0].numpy().view(np.uint64), page)
         for (positions, _), got in zip(self._scattered, host[1:]):
             digests[positions] = device_checksum.merge(got.numpy().view(np.uint64), page)
@@ -169,15 +180,54 @@ def _download(accs: torch.Tensor) -> torch.Tensor:
     return host.copy_(accs, non_blocking=True)
 
 
-async def settled(done: Any) -> None:
-    """Wait for the work before ``done`` (a CUDA event) in a thread, so the loop serves
-    other nodes' transfers meanwhile; no thread when it has passed already. Cancelled, it
-    still waits, here: no copy may land in a caller's memory after its call has returned
-    (the caller may reuse it at once)."""
+# Waiting for a landing on the loop: asleep until this long before its expected end,
+# then asking its event each turn, for at most POLL_AFTER past that end (then in a
+# thread). The loop's sleeps end up to 1 ms late (epoll's timeout is in milliseconds).
+# Measured on an H200 host (bench/gpu_check.py section 6, 256 MiB gets): waiting in a
+# thread, the loop heard of the end 0.3-0.4 ms after it (2 MiB pages: 6.74 ms a get
+# against 6.32 asking every turn; 64 KiB pages 9.77 against 8.65).
+POLL_BEFORE = 1.5e-3
+POLL_AFTER = 2e-3
+
+
+class BusPace:
+    """How fast a copier's landings have gone, from their first copy queued to their
+    last check done (bytes a second, a moving average of the landings waited for on
+    the loop): when the next one should end. Used on the client's event loop."""
+
+    def __init__(self) -> None:
+        self.rate = 0.0
+
+    def end(self, started: float, nbytes: int) -> float | None:
+        """The ``time.perf_counter()`` by which a landing of ``nbytes`` whose first
+        copy was queued at ``started`` should be over; None before any was measured."""
+        return started + nbytes / self.rate if self.rate > 0 else None
+
+    def measured(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            rate = nbytes / seconds
+            self.rate = rate if self.rate <= 0 else 0.75 * self.rate + 0.25 * rate
+
+
+async def settled(done: Any, until: float | None = None) -> None:
+    """Wait for the work before ``done`` (a CUDA event) so the loop serves other nodes'
+    transfers meanwhile: in a thread, or, given the time it should pass (``until``,
+    ``BusPace.end``), asleep until shortly before then and asking the event every turn
+    after (a thread's word reaches the loop late). Cancelled, it still waits, here: no
+    copy may land in a caller's memory after its call has returned (the caller may reuse
+    it at once)."""
     if done.query():
         return
     try:
-        await asyncio.to_thread(done.synchronize)
+        if until is not None:
+            ahead = until - time.perf_counter() - POLL_BEFORE
+            if ahead > 0:
+                await asyncio.sleep(ahead)
+            give_up = max(until, time.perf_counter()) + POLL_AFTER
+            while not done.query() and time.perf_counter() < give_up:
+                await asyncio.sleep(0)
+        if not done.query():
+            await asyncio.to_thread(done.synchronize)
     except asyncio.CancelledError:
         done.synchronize()  # queued on the device already: bounded by the copy itself
         raise

@@ -39,7 +39,14 @@ import torch
 
 from client.memory.copy_plans import PageCopies
 from client.memory.cudart import Memcpy2D, clear_last_error
-from client.memory.device_landing import CudaLanding, HostLanding, Landing, host_copies, settled
+from client.memory.device_landing import (
+    BusPace,
+    CudaLanding,
+    HostLanding,
+    Landing,
+    host_copies,
+    settled,
+)
 from client.memory.layer_feed import LayerFeed
 from client.stats import ClientStats
 from kvstore.pages import device_checksum
@@ -182,6 +189,7 @@ class CudaCopier(DeviceCopier):
         self.unusable: str | None = None  # why the device checks cannot run (``prepare``)
         self.unusable_layers: str | None = None  # why gets cannot land layer by layer
         self._memcpy_2d: Any = None
+        self.pace = BusPace()  # how fast its landings have gone (when to wait for the next)
 
     def prepare(self) -> None:
         """Make the copy stream and check the device checksums against xxhash

@@ -49,15 +49,16 @@ def slot_part(
         return None
     slots = np.asarray(slots, dtype=np.uint64)
     regions = slots // np.uint64(slab)
-    mapped = np.isin(regions, np.fromiter(maps, dtype=np.uint64, count=len(maps)))
-    present = np.flatnonzero(mapped)
+    offsets = (slots - regions * np.uint64(slab)).astype(np.int64)
+    slabs, index = np.unique(regions, return_inverse=True)
+    index = index.reshape(-1)
+    limits = np.array([getattr(maps.get(r), "size", 0) for r in slabs.tolist()], dtype=np.int64)
+    keep = offsets + nbytes <= limits[index]  # in a mapped slab (else its limit is 0), within it
+    present = np.flatnonzero(keep)
     if not len(present):
         return None
-    part = PlanPart(
-        present,
-        np.full(len(present), nbytes, dtype=np.uint64),
-        np.asarray(expected, dtype=np.uint64)[present],
-        regions[present],
-        slots[present] % np.uint64(slab),
-    ).kept(maps, nbytes)
-    return part if len(part.present) else None
+    sums = np.asarray(expected, dtype=np.uint64)
+    if len(present) < len(slots):
+        sums, regions, offsets, index = sums[keep], regions[keep], offsets[keep], index[keep]
+    sizes = np.full(len(present), nbytes, dtype=np.uint64)
+    return PlanPart(present, sizes, sums, regions, offsets, slabs, index)

@@ -129,15 +129,18 @@ def _mul128_fold(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return lower ^ upper
 
 
+_EVEN_KEYS = np.array(_MERGE_KEYS[0::2], dtype=np.uint64)
+_ODD_KEYS = np.array(_MERGE_KEYS[1::2], dtype=np.uint64)
+
+
 def merge(accs: np.ndarray, nbytes: int) -> np.ndarray:
     """xxh3's final merge and avalanche of each row of accumulators ``[pages, 8]``
-    (uint64, downloaded from ``launch``'s): the pages' digests (uint64)."""
+    (uint64, downloaded from ``launch``'s): the pages' digests (uint64). The four lane
+    pairs of every row at once (a get waits for this after its last copy: one pass
+    per pair cost about 0.1 ms more on an H200 host)."""
     with np.errstate(over="ignore"):
-        h = np.full(accs.shape[0], (nbytes * _P64[0]) & _M, dtype=np.uint64)
-        for i in range(4):
-            x = accs[:, 2 * i] ^ np.uint64(_MERGE_KEYS[2 * i])
-            y = accs[:, 2 * i + 1] ^ np.uint64(_MERGE_KEYS[2 * i + 1])
-            h = h + _mul128_fold(x, y)
+        folds = _mul128_fold(accs[:, 0::2] ^ _EVEN_KEYS, accs[:, 1::2] ^ _ODD_KEYS)
+        h = folds.sum(axis=1, dtype=np.uint64) + np.uint64((nbytes * _P64[0]) & _M)
         h ^= h >> np.uint64(37)
         h = h * np.uint64(0x165667919E3779F9)
         h ^= h >> np.uint64(32)
