@@ -289,14 +289,17 @@ def test_a_landing_is_waited_for_asleep_then_asked_every_turn_near_its_expected_
     assert event.waited and returned >= event.at and len(event.asked) <= 2
 
 
-def test_a_copiers_pace_learns_from_its_landings():
-    """``BusPace`` has no estimate before a landing was measured, then one from the
-    moving average of the rates measured."""
-    pace = BusPace()
+def test_a_copiers_pace_is_its_fastest_recent_landing():
+    """``BusPace`` has no estimate before a landing was timed, then the fastest of the
+    last ``KEPT`` landings of at least ``TIMED_BYTES`` (a slow one lowers nothing, a
+    small one teaches nothing, and old ones are forgotten)."""
+    pace, mib = BusPace(), 1 << 20
     assert pace.end(1.0, 100) is None
-    pace.measured(100, 0.5)  # 200 bytes/s
-    assert pace.end(1.0, 100) == pytest.approx(1.5)
-    pace.measured(100, 0.25)  # 400 bytes/s: the average moves a quarter of the way
-    assert pace.rate == pytest.approx(250.0)
-    pace.measured(0, 0.1)  # nothing landed: nothing learned
-    assert pace.rate == pytest.approx(250.0)
+    pace.measured(8 * mib, 0.5)
+    assert pace.end(1.0, 8 * mib) == pytest.approx(1.5)
+    pace.measured(8 * mib, 2.0)  # a slow one (contention)
+    pace.measured(mib, 1e-6)  # a small one: its rate is its fixed costs'
+    assert pace.rate == pytest.approx(16 * mib)
+    for _ in range(BusPace.KEPT):
+        pace.measured(8 * mib, 1.0)
+    assert pace.rate == pytest.approx(8 * mib)

@@ -152,9 +152,7 @@ def test_a_page_torn_during_its_slot_read_is_read_again_through_a_plan(cluster, 
     assert metrics(cluster, "node-0")[GETS] == before[GETS] + 1  # the torn page's plan
 
 
-def test_a_page_the_index_places_in_an_unmapped_slab_comes_through_a_plan(
-    cluster, copier, request
-):
+def test_a_page_the_index_places_in_an_unmapped_slab_comes_through_a_plan(cluster, copier, request):
     """A reader that started before its tenant had any slab has none mapped: its first
     get comes through the node's plan (which lends the slabs), as before slot reads;
     the next get of the same pages reads their slots."""

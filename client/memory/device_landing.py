@@ -14,6 +14,7 @@ cost the client's loop about 0.8 ms, more than its copies took (0.6 ms)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 import warnings
 from collections.abc import Sequence
@@ -84,11 +85,15 @@ class CudaLanding(Landing):
         self._checked: Any = None  # after the last part's checks
         self._sources: list[Sequence[np.ndarray]] = []  # held until no copy reads them
         self._started = 0.0  # when the first copy was queued
+        self._start: Any = None  # on the copy stream before it (timed)
         self._bytes = 0
 
     def add(self, positions: np.ndarray, copies: PageCopies) -> None:
         copier, page, n = self._copier, copies.nbytes, len(positions)
-        self._started = self._started or time.perf_counter()
+        if self._start is None:
+            self._started = time.perf_counter()
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record(copier.copy_stream)
         self._bytes += n * page
         self.added[positions] = True
         self._sources.append(copies.sources)
@@ -129,15 +134,15 @@ class CudaLanding(Landing):
         page, checks = self.rows.nbytes, self._copier.checks
         with torch.cuda.stream(checks):  # behind every check, off the default stream
             host = [_download(self._accs)] + [_download(accs) for _, accs in self._scattered]
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=True)
             done.record(checks)
         # A get landing layer by layer is waited for in a thread: the forward runs beside
         # it, and its thread would share the interpreter with a loop asking every turn.
         pace = self._copier.pace
         polled = self.rows.feed is None
         await settled(done, pace.end(self._started, self._bytes) if polled else None)
-        if polled:
-            pace.measured(self._bytes, time.perf_counter() - self._started)
+        if polled:  # the device's own time: a wait that overslept must not teach a slower pace
+            pace.measured(self._bytes, self._start.elapsed_time(done) / 1e3)
         digests = device_checksum.merge(host[0].numpy().view(np.uint64), page)
         for (positions, _), got in zip(self._scattered, host[1:]):
             digests[positions] = device_checksum.merge(got.numpy().view(np.uint64), page)
@@ -191,22 +196,35 @@ POLL_AFTER = 2e-3
 
 
 class BusPace:
-    """How fast a copier's landings have gone, from their first copy queued to their
-    last check done (bytes a second, a moving average of the landings waited for on
-    the loop): when the next one should end. Used on the client's event loop."""
+    """How fast a copier's recent landings went on the device, from their first copy to
+    their last check, timed by CUDA events: when the next one should end. The fastest
+    of the last ``KEPT`` landings of at least ``TIMED_BYTES``: the bus has a top speed
+    that contention only lowers, so an estimate from it errs early (the loop asks a
+    little longer) rather than late (the loop would sleep past the end); small
+    landings, whose time is mostly fixed costs, teach nothing. Timed by the host's
+    clock, a late wait had taught a slower pace and the next wait slept later still
+    (seen on an H200: 16 MiB gets settling at 1.5 s each). Used on the client's loop."""
+
+    KEPT = 8
+    TIMED_BYTES = 8 << 20
 
     def __init__(self) -> None:
-        self.rate = 0.0
+        self._rates: collections.deque[float] = collections.deque(maxlen=self.KEPT)
+
+    @property
+    def rate(self) -> float:
+        """Bytes a second; 0 before a landing was timed."""
+        return max(self._rates, default=0.0)
 
     def end(self, started: float, nbytes: int) -> float | None:
         """The ``time.perf_counter()`` by which a landing of ``nbytes`` whose first
-        copy was queued at ``started`` should be over; None before any was measured."""
-        return started + nbytes / self.rate if self.rate > 0 else None
+        copy was queued at ``started`` should be over; None before any was timed."""
+        rate = self.rate
+        return started + nbytes / rate if rate > 0 else None
 
     def measured(self, nbytes: int, seconds: float) -> None:
-        if nbytes > 0 and seconds > 0:
-            rate = nbytes / seconds
-            self.rate = rate if self.rate <= 0 else 0.75 * self.rate + 0.25 * rate
+        if nbytes >= self.TIMED_BYTES and seconds > 0:
+            self._rates.append(nbytes / seconds)
 
 
 async def settled(done: Any, until: float | None = None) -> None:
