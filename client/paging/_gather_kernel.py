@@ -1,5 +1,5 @@
 """The Triton kernel of ``client.paging.gather_pages``: copy blocks of every layer of a
-paged KV cache into page-major rows in one launch; a module of its own because it
+paged KV cache into page-major rows in one launch, or rows into blocks (``TO_CACHE``); a module of its own because it
 imports Triton, which only GPU hosts have."""
 
 # mypy: ignore-errors
@@ -28,6 +28,7 @@ def gather(
     s_c,
     C: tl.constexpr,
     ROW: tl.constexpr,
+    TO_CACHE: tl.constexpr,
 ):
     # program (page i, layer l, chunk): element e of the page's layer part, in page order
     # [heads, block, C], read from the layer's own strides. Every address is ``anchor``
@@ -42,5 +43,8 @@ def gather(
     c = e % C
     block = tl.load(blocks + i)
     src = tl.load(layer_at + layer) + block * s_blk + h * s_h + b * s_b + c * s_c
-    v = tl.load(anchor + src, mask=inside)
-    tl.store(anchor + out_at + (i * layers + layer).to(tl.int64) * inner + e, v, mask=inside)
+    row = out_at + (i * layers + layer).to(tl.int64) * inner + e
+    if TO_CACHE:  # the other way: the rows into the blocks (a load's scatter)
+        tl.store(anchor + src, tl.load(anchor + row, mask=inside), mask=inside)
+    else:
+        tl.store(anchor + row, tl.load(anchor + src, mask=inside), mask=inside)

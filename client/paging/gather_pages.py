@@ -1,23 +1,27 @@
 """One kernel launch that copies a request's blocks of every layer out of a paged KV
 cache into page-major rows on the device (``LayerGather``): the GPU save's copy on
-the engine thread.
+the engine thread; and the other way, rows into blocks (``LayerGather.scatter``): a
+load's last step, on the loader thread.
 
 Who calls it: ``PagedCache.gather`` on a GPU, at the end of an engine step, before the
-blocks can be reused. One indexed copy per layer costs the engine thread a kernel
-launch each: measured on an H200, 32 layers' ``index_select`` calls held it 0.90 ms for
-a 512 MiB save and the first decode step after the save took 1.45x a step without one;
-this one Triton launch, which reads every layer through its own strides (any
-``KVCacheLayout``) and writes each page in its byte order (no reorder follows), 0.54 ms
-and 1.20x. Used where Triton runs and the layers share one dtype and one set of
-strides (vLLM gives every layer the same view); else ``PagedCache`` keeps its indexed
-copies."""
+blocks can be reused; ``PagedCache.scatter`` with whole pages. One indexed copy per
+layer costs the engine thread a kernel launch each: measured on an H200, 32 layers'
+``index_select`` calls held it 0.90 ms for a 512 MiB save and the first decode step
+after the save took 1.45x a step without one; this one Triton launch, which reads every
+layer through its own strides (any ``KVCacheLayout``) and writes each page in its byte
+order (no reorder follows), 0.54 ms and 1.20x. Used where Triton runs and the layers
+share one dtype and one set of strides (vLLM gives every layer the same view); else
+``PagedCache`` keeps its indexed copies."""
 
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 # elements of one page's layer part a program copies
 ROW = 1024
@@ -45,6 +49,15 @@ def why_not(layers: list[torch.Tensor]) -> str | None:
     return None
 
 
+def one_launch(layers: list[torch.Tensor]) -> LayerGather | None:
+    """``LayerGather`` for ``layers``, or None where it cannot serve them (logged)."""
+    why = why_not(layers)
+    if why is None:
+        return LayerGather(layers)
+    log.info("saves and loads copy one layer at a time: %s", why)
+    return None
+
+
 class LayerGather:
     """Copies blocks of every layer of ``layers`` (each ``[blocks, heads, block_size, C]``
     of one dtype and one set of strides, on one device) into page-major rows
@@ -67,6 +80,27 @@ class LayerGather:
         """Queue, on the current stream, the copy of blocks ``block_ids`` into ``out``
         (contiguous, ``[len(block_ids), layers, heads, block_size, C]``, on the cache's
         device and of its element size)."""
+        self._launch(block_ids, out, to_cache=False)
+
+    def scatter(self, block_ids: list[int], pages: torch.Tensor) -> None:
+        """The other way, for a load: queue the copy of ``pages`` (as ``out`` above)
+        into blocks ``block_ids`` of every layer, in one launch. On an H200 a 256 MiB
+        load through the connector, scattered by an indexed copy per layer, took
+        1.2 ms more than its get alone (bench/gpu_check.py sections 1 and 6)."""
+        self._launch(block_ids, pages, to_cache=True)
+
+    def takes(self, pages: torch.Tensor) -> bool:
+        """Whether ``pages`` are whole pages as ``scatter`` takes them: contiguous, every
+        layer and head, of the cache's device and element size."""
+        shape = (self._layers, self._heads, self._block, self._c)
+        return (
+            tuple(pages.shape[1:]) == shape
+            and pages.is_contiguous()
+            and pages.device == self._device
+            and pages.element_size() == self._item
+        )
+
+    def _launch(self, block_ids: list[int], out: torch.Tensor, to_cache: bool) -> None:
         n = len(block_ids)
         if not n:
             return
@@ -91,4 +125,5 @@ class LayerGather:
             s_c,
             C=self._c,
             ROW=ROW,
+            TO_CACHE=to_cache,
         )

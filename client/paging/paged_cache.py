@@ -14,13 +14,14 @@ layers x 128 KiB (126 MiB): scatter 14.8 ms in runs vs 17.5 ms with ``index_copy
 gather 42 ms vs 62 ms with ``index_select``. Fragmented lists (more runs than
 ``_MAX_RUNS``) fall back to one indexed copy per layer.
 
-On a GPU every copy is a kernel the calling thread launches, so the copies are indexed,
-one per layer, whatever the runs. ``scatter`` takes pages already in device memory (the
-connector's loads land there: ``client.memory.device_pages``) or copies host pages over in
-one copy first; ``gather`` copies the blocks into a device scratch on the current
-stream (before any later work can reuse them) and the scratch to the host on a stream
-of its own, on the copy engines, beside the next steps (``GatherResult.ready`` is the
-event to wait on), so the engine thread only queues the copies.
+On a GPU every copy is a kernel the calling thread launches, so whole pages move in one
+launch for every layer (``client.paging.gather_pages``), else by an indexed copy per
+layer. ``scatter`` takes pages already in device memory (the connector's loads land
+there: ``client.memory.device_pages``) or copies host pages over in one copy first;
+``gather`` copies the blocks into a device scratch on the current stream (before any
+later work can reuse them) and the scratch to the host on a stream of its own, on the
+copy engines, beside the next steps (``GatherResult.ready`` is the event to wait on), so
+the engine thread only queues the copies.
 
 Called by the vLLM connector's worker side: ``gather`` on the engine thread (the blocks
 may be reused once the step ends), ``scatter`` on the loader thread (the blocks belong
@@ -29,7 +30,6 @@ stage through are ``client.paging.staging_pool.StagingPool``."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -40,11 +40,10 @@ import torch
 
 from client.memory.buffers import Span, block_runs
 from client.paging.cache_spans import CacheSpans
-from client.paging.gather_pages import LayerGather, why_not
+from client.paging.gather_pages import LayerGather, one_launch
 from kvstore.errors import InvalidInputError
 from kvstore.pages.layouts import LAYOUTS
 
-log = logging.getLogger(__name__)
 _MAX_RUNS = 64
 
 
@@ -335,15 +334,9 @@ class PagedCache:
         return self._copy_out(host, by_layer, [(host, by_layer.transpose(0, 1))])
 
     def _layer_gather(self) -> LayerGather | None:
-        """GPU: the one-launch copy of a save's blocks, None where it cannot serve (the
-        indexed copies per layer then: ``gather``)."""
+        """GPU: the one-launch copies of blocks, asked for once (None: one per layer)."""
         if not self._gatherer_asked:
-            self._gatherer_asked = True
-            why = why_not(self.layers)
-            if why is None:
-                self._gatherer = LayerGather(self.layers)
-            else:
-                log.info("saves copy one layer at a time: %s", why)
+            self._gatherer_asked, self._gatherer = True, one_launch(self.layers)
         return self._gatherer
 
     def warm(self) -> None:
@@ -395,5 +388,9 @@ class PagedCache:
             return
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             device_pages = pages[: len(block_ids)].to(self.device, non_blocking=True)
-            self._copy(block_ids, device_pages, to_cache=True, head_at=head_at, layer_at=layer_at)
+            copier = self._layer_gather()
+            if copier is not None and copier.takes(device_pages):
+                copier.scatter(block_ids, device_pages)
+            else:
+                self._copy(block_ids, device_pages, True, head_at=head_at, layer_at=layer_at)
             (stream or torch.cuda.current_stream()).synchronize()
