@@ -50,9 +50,10 @@ class StoredPage:
 
 
 def commit_entry(page: StoredPage) -> CommitEntry:
-    """What the index records for a verified page of this node. The slot is only
-    informative (a get names pages by hash): a page only on disk records 0, since the
-    index does not follow pages between tiers (docs/storage-tiers.md)."""
+    """What the index records for a verified page of this node. The slot is a hint (a
+    get names pages by hash; a same-host reader copies from it first and checks what
+    landed against the checksum, client/nodes/slot_reads.py): a page only on disk records
+    0, since the index does not follow pages between tiers (docs/storage-tiers.md)."""
     return CommitEntry(
         page.key[1], page.anchor, page.position, page.offset or 0, page.size, page.checksum
     )

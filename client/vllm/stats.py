@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 from prometheus_client import Counter, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -56,6 +56,10 @@ COUNTERS = {
     "host_register_failures": (
         "node slabs the GPU could not register: their pages copy at pageable speed"
         " (logged once per worker)"
+    ),
+    "slot_read_misses": (
+        "pages a GPU load read straight from the slots the index named that failed their"
+        " check (moved or evicted since), and came again through the node's plan"
     ),
     "event_blocks": "blocks announced in BlockStored KV events (engines publishing KV events only)",
     "events_withheld": "saves announced in no KV event because some rank's pages were not all stored",
@@ -227,18 +231,23 @@ class RefusalLog:
 class DeviceCounts:
     """The worker clients' device counters (``ClientStats``), added to the connector's
     each step since they were last reported: loads that landed in GPU memory straight
-    from the store, and node slabs the GPU could not register. Engine thread."""
+    from the store, node slabs the GPU could not register, and pages read from their
+    index slots that had moved. Engine thread."""
+
+    # connector counter <- ClientStats field
+    FIELDS: ClassVar[dict[str, str]] = {
+        "device_loads": "device_transfers",
+        "host_register_failures": "host_register_failures",
+        "slot_read_misses": "slot_read_misses",
+    }
 
     def __init__(self, stats: StatsRecorder) -> None:
         self._stats = stats
-        self._seen = (0, 0)
+        self._seen = dict.fromkeys(self.FIELDS, 0)
 
     def report(self, clients: list[ClientStats]) -> None:
-        seen = (
-            sum(c.device_transfers for c in clients),
-            sum(c.host_register_failures for c in clients),
-        )
-        loads, failures = seen[0] - self._seen[0], seen[1] - self._seen[1]
+        seen = {k: sum(getattr(c, f) for c in clients) for k, f in self.FIELDS.items()}
+        new = {k: seen[k] - self._seen[k] for k in seen}
         self._seen = seen
-        if loads or failures:
-            self._stats.count(device_loads=loads, host_register_failures=failures)
+        if any(new.values()):
+            self._stats.count(**new)
