@@ -279,7 +279,7 @@ def test_a_landing_is_waited_for_asleep_then_asked_every_turn_near_its_expected_
     the estimate, then waits in a thread; with no estimate, in a thread at once. Either
     way it never returns before the event passed."""
     event, returned = _settle(0.03, 0.03)
-    assert not event.waited and event.at <= returned < event.at + 0.005
+    assert not event.waited and event.at <= returned < event.at + 0.02
     second = event.asked[1]  # the first is the check on entry
     assert second >= event.at - POLL_BEFORE - 0.002  # asleep until shortly before
     event, returned = _settle(0.05, 0.0)

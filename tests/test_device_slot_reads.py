@@ -17,6 +17,7 @@ import torch
 import client.nodes.shm_connection as shm_connection
 from client import KVCacheClient
 from client.memory.device_pages import DeviceCopier
+from client.memory.layer_feed import LayerFeed
 from client.stats import ClientStats
 from kvstore.errors import TransportError
 from kvstore.index import NodeInfo, PageIndex
@@ -66,9 +67,10 @@ def test_slot_part_keeps_pages_in_mapped_slabs_and_within_them():
 
 
 def _torn(make, page: int):
-    """A copier of kind ``make`` whose first get has the ``page``-th page of its first
-    landing overwritten in the node's memory just before its copy and put back once that
-    landing's digests are in: a slot reused and given back while a reader copied it."""
+    """A copier of kind ``make`` whose second landing (the first is the get through a
+    plan that registers the slabs) has its ``page``-th page overwritten in the node's
+    memory just before its copy and put back once that landing's digests are in: a
+    slot reused and given back while a reader copied it."""
 
     def build(stats: ClientStats) -> DeviceCopier:
         inner = make(stats)
@@ -78,7 +80,7 @@ def _torn(make, page: int):
             def landing(self, rows):
                 landing = super().landing(rows)
                 made.append(landing)
-                if len(made) > 1:
+                if len(made) != 2:
                     return landing
                 add, digests = landing.add, landing.digests
                 torn = []
@@ -114,25 +116,36 @@ def _stored(cluster, name: str, count: int):
     return ns, tokens, pages
 
 
+def _get(reader, found, ns, pages, copier) -> torch.Tensor:
+    rows = torch.zeros((len(pages), *ns.page_shape), dtype=pages.dtype, device=device_of(copier))
+    assert reader.get_found_device(found, rows) == len(pages) * BLOCK
+    assert same(rows, pages)
+    return rows
+
+
 def test_a_device_get_reads_index_slots_without_a_plan(cluster, copier, request):
-    """A reader that mapped its tenant's slabs at start lands a device get bit-exact from
-    the index's slots alone: no GET reaches the node for it, one SLOT_READS notice does,
-    and the node counts every page as read."""
+    """A reader whose slabs were mapped at start (not yet registered) lands its first
+    device get through the node's plan, which registers them; its next get lands
+    bit-exact from the index's slots alone: no GET reaches the node for it, one
+    SLOT_READS notice does, and the node counts every page as read."""
     ns, tokens, pages = _stored(cluster, request.node.name, 7)
     with KVCacheClient(cluster.redis_url, ns, timeout=10, device=COPIERS[copier]) as reader:
         found = reader.find(tokens)
+        start = metrics(cluster, "node-0")
+        _get(reader, found, ns, pages, copier)
+        assert reader.stats.slot_reads == 0
         before = metrics(cluster, "node-0")
-        rows = torch.zeros((7, *ns.page_shape), dtype=pages.dtype, device=device_of(copier))
-        assert reader.get_found_device(found, rows) == len(tokens)
-        assert same(rows, pages)
+        assert before[GETS] == start[GETS] + 1
+        _get(reader, found, ns, pages, copier)
         assert reader.stats.slot_reads == 7 and reader.stats.slot_read_misses == 0
         assert reader.stats.checksum_failures == 0
         wait_for(
-            lambda: metrics(cluster, "node-0")[NOTICES] == before[NOTICES] + 1, 5, "the notice"
+            lambda: metrics(cluster, "node-0")[SLOT_READS] == before[SLOT_READS] + 7,
+            5,
+            "the notice",
         )
         after = metrics(cluster, "node-0")
-    assert after[GETS] == before[GETS]
-    assert after[SLOT_READS] == before[SLOT_READS] + 7
+    assert after[GETS] == before[GETS] and after[NOTICES] == before[NOTICES] + 1
 
 
 def test_a_page_torn_during_its_slot_read_is_read_again_through_a_plan(cluster, copier, request):
@@ -143,19 +156,20 @@ def test_a_page_torn_during_its_slot_read_is_read_again_through_a_plan(cluster, 
     device = _torn(COPIERS[copier], 2)
     with KVCacheClient(cluster.redis_url, ns, timeout=10, device=device) as reader:
         found = reader.find(tokens)
+        _get(reader, found, ns, pages, copier)  # through a plan: registers the slabs
         before = metrics(cluster, "node-0")
-        rows = torch.zeros((7, *ns.page_shape), dtype=pages.dtype, device=device_of(copier))
-        assert reader.get_found_device(found, rows) == len(tokens)
-        assert same(rows, pages)
+        _get(reader, found, ns, pages, copier)
         assert reader.stats.slot_reads == 7 and reader.stats.slot_read_misses == 1
         assert reader.stats.checksum_failures == 0
     assert metrics(cluster, "node-0")[GETS] == before[GETS] + 1  # the torn page's plan
 
 
-def test_a_page_the_index_places_in_an_unmapped_slab_comes_through_a_plan(cluster, copier, request):
-    """A reader that started before its tenant had any slab has none mapped: its first
-    get comes through the node's plan (which lends the slabs), as before slot reads;
-    the next get of the same pages reads their slots."""
+def test_pages_in_slabs_no_plan_registered_come_through_a_plan(cluster, copier, request):
+    """Slot reads take a get only when every page lies in a slab a plan registered: a
+    reader that started before its tenant had any slab reads a get through the plan
+    (which lends and registers the slabs), then the same pages from their slots; a
+    get with one page in a slab no plan registered goes wholly through a plan; and a
+    get landing layer by layer always does."""
     ns = make_ns(request.node.name)
     tokens = list(range(4 * BLOCK))
     pages = pages_for(ns, tokens)
@@ -163,12 +177,20 @@ def test_a_page_the_index_places_in_an_unmapped_slab_comes_through_a_plan(cluste
         with KVCacheClient(cluster.redis_url, ns, timeout=10) as writer:
             assert writer.put_pages(tokens, pages).stored == 4
         found = reader.find(tokens)
-        rows = torch.zeros((4, *ns.page_shape), dtype=pages.dtype, device=device_of(copier))
-        assert reader.get_found_device(found, rows) == len(tokens) and same(rows, pages)
+        _get(reader, found, ns, pages, copier)
         assert reader.stats.slot_reads == 0
-        rows.zero_()
-        assert reader.get_found_device(found, rows) == len(tokens) and same(rows, pages)
+        _get(reader, found, ns, pages, copier)
         assert reader.stats.slot_reads == 4 and reader.stats.slot_read_misses == 0
+        (conn,) = [c for c in reader._async.nodes._conns.values() if c.path == "shm"]
+        slab = next(iter(conn._slabs.registered))
+        conn._slabs._unregister(slab)  # as if that slab's mapping had just been replaced
+        _get(reader, found, ns, pages, copier)
+        assert reader.stats.slot_reads == 4
+        if reader.lands_layers(device_of(copier)):
+            rows = torch.zeros((4, *ns.page_shape), dtype=pages.dtype, device=device_of(copier))
+            feed = LayerFeed(ns.num_layers, 4)
+            assert reader.get_found_device(found, rows, feed=feed) == len(tokens)
+            assert same(rows, pages) and reader.stats.slot_reads == 4
 
 
 async def _notice_then_get(path: str, notice: P.SlotReads, ask: P.GetRequest) -> object:

@@ -244,22 +244,28 @@ class ShmConnection(Connection):
         """A get into device memory straight from the node's slots: each page is copied
         by DMA from the slab's mapping (registered with the device once) into its sink
         and checked on the device against the index's checksum (client.memory.device_pages).
-        Pages whose index slot lies in a slab already mapped are read at once, with no
-        plan (``client.nodes.slot_reads``); the rest, and those whose check then failed,
-        through a plan (``_planned``). A get landing layer by layer asks no page twice:
-        the forward may have read a failed page's layers, which must stay failed."""
+        When every page's index slot lies in a slab an earlier device get registered,
+        they are read at once, with no plan (``client.nodes.slot_reads``), and those whose
+        check failed (moved since) through a plan; otherwise every page through a plan
+        (``_planned``), which maps and registers their slabs for the next get. Only a
+        slab read through a plan is read from its slots: the node had just lent its
+        current generation, and registering a stale mapping (its memfd emptied when the
+        slab went to another tenant) would fault the emptied memory back in. A get
+        landing layer by layer always goes through a plan: it could not ask a failed page
+        again (the forward may have read its layers), and a page that came back from the
+        node's disk, whose index slot is stale, would then be recomputed on every load."""
         device = self._device_copier()
         direct = None
-        if slots is not None:
-            direct = slot_part(self.node, slots, expected, self._maps, sinks.nbytes)
-        if direct is None:
+        if slots is not None and sinks.feed is None:
+            direct = slot_part(
+                self.node, slots, expected, self._slabs.registered_views(), sinks.nbytes
+            )
+        if direct is None or len(direct.present) < len(hashes):
             return await self._planned(device, namespace, hashes, sinks, expected)
         good = await self._read_slots(device, namespace, hashes, sinks, direct)
         device.stats.slot_reads += len(direct.present)
-        device.stats.slot_read_misses += len(direct.present) - int(good[direct.present].sum())
         rest = np.flatnonzero(~good)
-        if sinks.feed is not None:
-            rest = np.setdiff1d(rest, direct.present)
+        device.stats.slot_read_misses += len(rest)
         if not len(rest):
             return GetOutcome(np.flatnonzero(good).tolist(), 0)
         more = await self._planned(

@@ -61,6 +61,11 @@ class SlabMaps:
         finally:
             shm.close_fds(fds)
 
+    def registered_views(self) -> dict[int, np.ndarray]:
+        """The mappings a device get has registered (through a plan): slot reads read
+        only these (``client.nodes.slot_reads``)."""
+        return {r: self.views[r] for r in self.registered if r in self.views}
+
     def for_device(self, region: int, device: DeviceCopier) -> np.ndarray | None:
         """Slab ``region``'s mapping, registered with ``device`` (once); None if unmapped."""
         view = self.views.get(region)

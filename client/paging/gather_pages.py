@@ -75,6 +75,7 @@ class LayerGather:
         _, self._heads, self._block, self._c = first.shape
         self._strides = first.stride()
         self._device = first.device
+        self._dtype = first.dtype
 
     def __call__(self, block_ids: list[int], out: torch.Tensor) -> None:
         """Queue, on the current stream, the copy of blocks ``block_ids`` into ``out``
@@ -91,13 +92,13 @@ class LayerGather:
 
     def takes(self, pages: torch.Tensor) -> bool:
         """Whether ``pages`` are whole pages as ``scatter`` takes them: contiguous, every
-        layer and head, of the cache's device and element size."""
+        layer and head, of the cache's device and dtype."""
         shape = (self._layers, self._heads, self._block, self._c)
         return (
             tuple(pages.shape[1:]) == shape
             and pages.is_contiguous()
             and pages.device == self._device
-            and pages.element_size() == self._item
+            and pages.dtype == self._dtype
         )
 
     def _launch(self, block_ids: list[int], out: torch.Tensor, to_cache: bool) -> None:

@@ -340,14 +340,14 @@ class PagedCache:
         return self._gatherer
 
     def warm(self) -> None:
-        """GPU: compile the save's copy kernel now, at registration (seconds, once per
-        process), rather than in the engine step of the first save."""
+        """GPU: compile the copy kernels of saves and loads now, at registration
+        (seconds, once per process), rather than in the first save's engine step."""
         if self._on_gpu and self.num_blocks:
             gather = self._layer_gather()
-            if gather is not None:
-                gather(
-                    [0], torch.empty((1, *self.page_shape), dtype=self.dtype, device=self.device)
-                )
+            if gather is not None:  # both ways: block 0's bytes out and back, unchanged
+                page = torch.empty((1, *self.page_shape), dtype=self.dtype, device=self.device)
+                gather([0], page)
+                gather.scatter([0], page)
                 torch.cuda.current_stream(self.device).synchronize()
 
     def _copy_out(

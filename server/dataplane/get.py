@@ -73,9 +73,11 @@ class GetHandler:
 
     async def noted(self, req: P.SlotReads, credential: Credential | None) -> None:
         """A same-host client's word that it copied these pages straight from their
-        slots (``SlotReads``): each page still held is counted as read and marked most
-        recently used, like a get's; the others are passed over (the client's check
-        failed them, and it asks for them again). Nothing is sent back."""
+        slots (``SlotReads``), sent while its copies run: each page still held is
+        counted as read and marked most recently used, like a get's; the others are
+        passed over. A page the client's check then fails (it moved since the index
+        recorded its slot) is asked for again with a GET and counted twice. Nothing is
+        sent back."""
         if self.auth.enabled:
             self.auth.authorize(credential, await self.namespaces.lookup(req), write=False)
         raw, namespace, nbytes, count = req.hashes.tobytes(), req.namespace, 0, 0

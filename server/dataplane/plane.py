@@ -171,9 +171,10 @@ class DataPlane:
                 except Exception:
                     return
                 shm.close_fds(fds)  # a request frame carries none (and a node's channel takes none)
-                if self.closing:
-                    await conn.reply_error(P.RefusalCode.SHUTTING_DOWN, "node is shutting down")
-                    await conn.linger()
+                if self.closing:  # a notice is never answered, not even now (``_noted``)
+                    if not _is_notice(raw):
+                        await conn.reply_error(P.RefusalCode.SHUTTING_DOWN, "node is shutting down")
+                        await conn.linger()
                     return
                 self.active += 1
                 self.idle.clear()
@@ -250,3 +251,11 @@ class DataPlane:
             self.peer_log("dropping a slot-read notice: %s", exc)
             return _Verdict.UNCHECKED
         return _Verdict.ADMITTED
+
+
+def _is_notice(raw: bytes) -> bool:
+    """Whether a frame's preamble names a SLOT_READS notice."""
+    try:
+        return P.PREAMBLE.unpack_from(raw)[2] == P.FrameType.SLOT_READS
+    except Exception:
+        return False
