@@ -48,13 +48,11 @@ class PageStore:
         self.allocator = SlabAllocator(pool.capacity, pool.slab_size, pool.claim_slab)
         self.pages: dict[PageKey, StoredPage] = {}
         self._lru: OrderedDict[PageKey, StoredPage] = OrderedDict()  # ready pages in memory
-        self._disk_lru: OrderedDict[PageKey, StoredPage] = (
-            OrderedDict()
-        )  # ready pages with a disk copy
+        # ready pages with a disk copy
+        self._disk_lru: OrderedDict[PageKey, StoredPage] = OrderedDict()
         self.namespace_pages: Counter[str] = Counter()  # ready pages (either tier) per namespace
-        self.tenant_bytes: Counter[str] = (
-            Counter()
-        )  # memory slot bytes each owner holds (quota, server/eviction.py)
+        # memory slot bytes each owner holds (quota, server/eviction.py)
+        self.tenant_bytes: Counter[str] = Counter()
         self.pins = 0  # claims, transfers and disk writes in progress, over all pages
         self.ready_pages = 0  # ready pages, either tier
         self.released_pages = 0  # clean pages whose memory copy was freed (their disk copy stays)
@@ -86,8 +84,7 @@ class PageStore:
         return self.allocator.slot_size(page.offset)
 
     def find_page(self, key: PageKey) -> StoredPage | None:
-        """The page under ``key`` in any state but dropped, if any."""
-        return self.pages.get(key)
+        return self.pages.get(key)  # in any state but dropped
 
     def ready_items(self) -> list[StoredPage]:
         """Every ready page, either tier (for re-publishing after an index loss or a restart)."""
@@ -140,24 +137,16 @@ class PageStore:
     # ---- readers -------------------------------------------------------------------------
 
     def pin_for_read(self, key: PageKey) -> StoredPage | None:
-        """Pin a ready page for sending and mark it most recently used. A page that is
-        only on disk (``offset is None``) or still ``loading`` must be brought back first."""
-        page = self.pages.get(key)
-        if page is None or page.state is not PageState.READY:
-            return None
-        page.pins += 1
-        page.reads += 1
-        self.pins += 1
-        if page.key in self._lru:
-            self._lru.move_to_end(key)
-        if page.key in self._disk_lru:
-            self._disk_lru.move_to_end(key)
+        """Pin a ready page for sending (``mark_read``). A page only on disk (``offset``
+        None) or still ``loading`` must be brought back first."""
+        page = self.mark_read(key)
+        if page is not None:
+            page.pins += 1
+            self.pins += 1
         return page
 
     def mark_read(self, key: PageKey) -> StoredPage | None:
-        """A ready page a same-host client copied straight from its slot (no pin was
-        held; its own check decides whether the copy counts): counted as read and marked
-        most recently used, as ``pin_for_read`` does. None when the page is not held."""
+        """A ready page counted as read, most recently used, unpinned (SLOT_READS)."""
         page = self.pages.get(key)
         if page is None or page.state is not PageState.READY:
             return None
