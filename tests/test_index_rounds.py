@@ -145,6 +145,59 @@ def test_a_lookup_is_one_round_trip_per_shard_and_one_read_per_segment(
     assert reads == len(keys.segments(count))
 
 
+def _sent(servers, action) -> list[str]:
+    """The data commands clients sent to ``servers`` (not a script's own) while
+    ``action`` ran, in order."""
+    seen: list[list[dict]] = [[] for _ in servers]
+    readers = []
+    for server, out in zip(servers, seen):
+        monitor = redis.Redis.from_url(server.url).monitor().__enter__()
+        readers.append((threading.Thread(target=_collect, args=(monitor, out)), monitor))
+    for reader, _ in readers:
+        reader.start()
+    time.sleep(0.1)
+    action()
+    for server in servers:
+        redis.Redis.from_url(server.url).echo("monitor-done")
+    for reader, monitor in readers:
+        reader.join(10)
+        monitor.__exit__(None, None, None)
+    return [
+        c["command"].split()[0]
+        for out in seen
+        for c in out
+        if c["client_type"] != "lua"
+        and c["command"].split()[0] in ("GET", "PTTL", "SET", "PEXPIRE", "EVALSHA")
+    ]
+
+
+def test_a_due_lease_is_renewed_in_the_lookups_one_round_trip(index, namespace, valkey):
+    """A lookup of one segment reads it plainly (GET, PTTL) while its lease is known
+    fresh; a lease it has not seen, or one due by the clock it keeps, goes through the
+    lookup script, which renews it in the same round trip, with the lease's PTTL after
+    it (before, a due lease cost a second round trip: GET, PTTL, then lease.lua). A
+    segment not stored is then read plainly."""
+    index.ensure_namespace(namespace)
+    a = register(index, "a")
+    hashes = block_hashes(namespace, list(range(16 * namespace.block_size)))
+    commit(index, namespace, a, hashes, chain_hashes=hashes)
+    servers = valkey.shards if isinstance(valkey, EmbeddedValkeyCluster) else [valkey]
+    index.lookup(namespace, hashes[:1])  # loads the script on the segment's shard
+    held = keys.lease_key(namespace.key.prefix, hashes[0])
+    shard = redis.Redis.from_url(servers[index._router.topology.shard_of(held)].url)
+    shard.delete(held)  # a lease nobody holds
+    reader = PageIndex(valkey.url, lease_ms=600)  # has seen no lease
+    assert _sent(servers, lambda: reader.lookup(namespace, hashes)) == ["EVALSHA", "PTTL"]
+    assert _sent(servers, lambda: reader.lookup(namespace, hashes)) == ["GET", "PTTL"]
+    time.sleep(0.35)  # past half the lease: due by the reader's clock
+    assert _sent(servers, lambda: reader.lookup(namespace, hashes)) == ["EVALSHA", "PTTL"]
+    assert shard.pttl(held) > 300  # renewed
+    assert reader.lookup(namespace, hashes).resolve(reader.live_nodes()).matched == 16
+    missing = block_hashes(namespace, list(range(10**6, 10**6 + 16 * namespace.block_size)))
+    assert _sent(servers, lambda: reader.lookup(namespace, missing)) == ["EVALSHA", "PTTL"]
+    assert _sent(servers, lambda: reader.lookup(namespace, missing)) == ["GET", "PTTL"]
+
+
 @pytest.mark.parametrize("shards", [1, 3])
 def test_a_lookup_with_nodes_answers_both_in_one_round_trip(namespace, shards):
     """``with_nodes``: the lookup's own answer and the registry's live nodes, read in the

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvstore.errors import KVStoreError
 from kvstore.index.commands import Cmd
+from kvstore.index.lease_clock import LeaseClock
 from kvstore.index.routing import AsyncRouter, SyncRouter
 from kvstore.pages import keys
 
@@ -61,6 +62,7 @@ class IndexDriver:
         self.lease_ms = lease_ms
         self.entry_ttl_ms = entry_ttl_ms
         self._router = router
+        self.leases = LeaseClock()  # when the leases its lookups saw fall due (lookups.py)
 
     @property
     def cluster(self) -> bool:
