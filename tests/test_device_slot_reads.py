@@ -263,6 +263,7 @@ def test_a_notice_is_never_answered_and_one_refused_changes_nothing(tmp_path):
         answer = asyncio.run(_notice_then_get(path, notice(bob_ns, hashes["bob"], alice), ask))
         assert isinstance(answer, P.GetPlan) and answer.ints("present") == [0, 1]
         assert metrics(c, "node-0")[SLOT_READS] == base + 2
+        assert metrics(c, "node-0")['kvstore_errors_total{kind="slot_reads"}'] == 1
         answer = asyncio.run(
             _notice_then_get(path, notice(alice_ns, hashes["alice"], "x" * 43), ask)
         )

@@ -248,6 +248,7 @@ class DataPlane:
         except Unauthorized:
             return _Verdict.UNAUTHORIZED
         except (Refused, ProtocolError) as exc:
+            self.metrics.errors.labels("slot_reads").inc()  # dropped notices, counted
             self.peer_log("dropping a slot-read notice: %s", exc)
             return _Verdict.UNCHECKED
         return _Verdict.ADMITTED
