@@ -18,7 +18,8 @@ the event loop (``call_soon``), as few events as the order allows: consecutive p
 one kind, tier and model go into one event. The table is never slowed by a subscriber:
 the publisher's queue is bounded and drops (counted) instead of waiting.
 
-Block hashes are the store's page keys (16 bytes): for a namespace stored in head or
+Block hashes are the store's page keys (16 bytes; their last 8 as an integer under
+``--kv-events-profile dynamo``, kvstore.events.profiles): for a namespace stored in head or
 layer groups each unit of a block is a page of its own, and is announced as a block
 (the units of a block carry the same tokens). ``token_ids`` are those the put carried
 (an optional field of the put: ``KVCacheClient.put_pages`` sends them to nodes that
@@ -42,10 +43,11 @@ from prometheus_client.registry import Collector
 from kvstore.events import (
     MEDIUM_CPU,
     MEDIUM_DISK,
-    OWNERSHIP,
+    PROFILES,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EventProfile,
     EventPublisher,
     KVCacheEvent,
     PublisherOptions,
@@ -89,6 +91,8 @@ class NodeEvents(PageEvents):
     at shutdown. With ``access`` the stream is authenticated and each router reads
     only its tenants' topics (kvstore.events.access). Blocks of a tenant outside
     ``token_tenants`` (None: every tenant) are announced with block hashes only.
+    ``profile`` shapes hashes and marks for the routers that read the stream
+    (kvstore.events.profiles).
 
     Guarantees: events come out in the order the table made the changes; a page's
     stored event for a tier comes before its removed event for that tier; events that
@@ -104,11 +108,13 @@ class NodeEvents(PageEvents):
         *,
         token_tenants: frozenset[str] | None = None,
         access: EventAccess | None = None,
+        profile: EventProfile = PROFILES["vllm"],
     ) -> None:
         pool_topic(store_id, "m")  # the store id's own check, before anything binds
         self.publisher = EventPublisher(options, access)
         self.store_id = store_id
         self.token_tenants = token_tenants
+        self.profile = profile
         self._models = models  # namespace digest -> its Namespace, when the node knows it
         self._pending: list[tuple[bool, str, StoredPage]] = []
         self._scheduled = False
@@ -145,7 +151,7 @@ class NodeEvents(PageEvents):
         run_topic = ""
         for digest, kind, medium, group in _groups(pending):
             topic = self._topic(digest)
-            hashes: list[int | bytes] = [p.key[1] for p in group]
+            hashes = self.profile.hashes([p.key[1] for p in group])
             if run and topic != run_topic:
                 self.publisher.publish(run, run_topic)
                 run = []
@@ -160,11 +166,15 @@ class NodeEvents(PageEvents):
                         lora_id=None,
                         medium=medium,
                         lora_name=None,
-                        ownership=OWNERSHIP,
+                        ownership=self.profile.ownership,
                     )
                 )
             else:
-                run.append(BlockRemoved(block_hashes=hashes, medium=medium, ownership=OWNERSHIP))
+                run.append(
+                    BlockRemoved(
+                        block_hashes=hashes, medium=medium, ownership=self.profile.ownership
+                    )
+                )
         if run:
             self.publisher.publish(run, run_topic)
 

@@ -19,7 +19,7 @@ import os
 import signal
 
 from kvstore.errors import KVStoreError
-from kvstore.events import PublisherOptions
+from kvstore.events import PROFILES, PublisherOptions
 from kvstore.index import AsyncPageIndex, PageIndex
 from kvstore.security.credentials import CredentialFile
 from kvstore.settings.config import ServerSettings
@@ -137,6 +137,7 @@ class StorageNode:
             self.metrics.registry,
             token_tenants=token_tenants(s, checks_tokens=checks_tokens),
             access=event_access(s, store_id),
+            profile=PROFILES[s.kv_events_profile],
         )
 
     def _query(self) -> PrefixQuery:

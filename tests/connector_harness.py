@@ -28,7 +28,7 @@ import torch
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from vllm.config import KVTransferConfig
+from vllm.config import KVEventsConfig, KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.engine.arg_utils import EngineArgs
@@ -107,10 +107,13 @@ class ConnectorHarness:
         max_batched: int = 2048,
         device: Callable[[ClientStats], DeviceCopier | None] = default_copier,
         layer_waits: bool = True,
+        events_endpoint: str | None = None,
     ) -> None:
         """``device``: the worker client's device copier (``HostCopier`` runs the GPU's
         load path on the CPU); ``layer_waits``: whether the forward calls
-        ``wait_for_layer_load`` before each layer, as vLLM's attention layers do."""
+        ``wait_for_layer_load`` before each layer, as vLLM's attention layers do;
+        ``events_endpoint``: the ZMQ address the scheduler publishes KV events on
+        (vLLM's publisher, ``kv_events_config``), None for none."""
         args = EngineArgs(
             model=model_dir,
             skip_tokenizer_init=True,
@@ -131,6 +134,11 @@ class ConnectorHarness:
                     **(extra or {}),
                 },
             ),
+            kv_events_config=KVEventsConfig(
+                enable_kv_cache_events=True, publisher="zmq", endpoint=events_endpoint
+            )
+            if events_endpoint
+            else None,
         )
         self.vllm_config = args.create_engine_config()
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
@@ -231,6 +239,7 @@ class ConnectorHarness:
             finished_sending=results.finished_sending,
             finished_recving=results.finished_recving,
             invalid_block_ids=worker.get_block_ids_with_load_errors(),
+            kv_cache_events=worker.get_kv_connector_kv_cache_events(),
         )
         self._collect()
         worker.clear_connector_metadata()

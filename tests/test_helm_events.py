@@ -311,3 +311,14 @@ def test_an_open_stream_renders_its_flag_and_no_keys(monkeypatch, tmp_path):
         "--capacity",
         storage_container(plain)["args"][2],
     ]
+
+
+@pytest.mark.parametrize("profile", ["vllm", "dynamo"])
+def test_the_event_profile_reaches_the_node(curve_keys, monkeypatch, tmp_path, profile):
+    objects = render(routed(curve_keys, profile=profile))
+    assert server_settings(objects, monkeypatch, tmp_path).kv_events_profile == profile
+
+
+def test_an_unknown_event_profile_fails_at_render_time(curve_keys):
+    with pytest.raises(HelmValuesError, match="profile"):
+        render(routed(curve_keys, profile="llm-d"))

@@ -243,3 +243,20 @@ def test_replay_answers_as_vllms_publisher_does(publisher):
         ]  # past the newest: the end marker only
     finally:
         theirs.shutdown()
+
+
+def test_the_dynamo_profile_turns_hashes_into_the_integers_vllm_publishes(monkeypatch):
+    """``u64_hash`` of a byte hash is what vLLM publishes for it under
+    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES (so a node's and an engine's int hashes are made
+    alike); the vllm profile leaves hashes and marks as they are."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
+    hashes = [bytes(range(i, i + 16)) for i in (0, 200)] + [b"\xff" * 32]
+    assert [ev.u64_hash(h) for h in hashes] == [maybe_convert_block_hash(h) for h in hashes]
+    assert ev.u64_hash(5) == 5 and ev.u64_hash(-1) == (1 << 64) - 1
+    dynamo, plain = ev.PROFILES["dynamo"], ev.PROFILES["vllm"]
+    assert dynamo.hashes(hashes) == [ev.u64_hash(h) for h in hashes]
+    assert (dynamo.ownership, dynamo.remote) == (None, None)
+    assert plain.hashes(hashes) is hashes
+    assert (plain.ownership, plain.remote) == (ev.OWNERSHIP, ev.REMOTE)

@@ -21,7 +21,7 @@ import pytest
 import zmq
 
 from kvstore import block_hashes
-from kvstore.events import END_SEQ
+from kvstore.events import END_SEQ, PROFILES, u64_hash
 from kvstore.index import PageIndex
 from tests.helpers import (
     RouterKeys,
@@ -117,8 +117,10 @@ def block_tokens(ns, batches) -> dict[bytes, list[int]]:
 
 
 def check_tokens(ns, stored, batches) -> None:
-    """Every BlockStored carries its blocks' token ids, block_size per block, in order."""
+    """Every BlockStored carries its blocks' token ids, block_size per block, in order
+    (a block known by its 16-byte hash or, under the dynamo profile, its u64)."""
     tokens = block_tokens(ns, batches)
+    tokens.update({u64_hash(h): t for h, t in list(tokens.items())})
     for e in stored:
         assert (
             e.block_size == ns.block_size
@@ -135,9 +137,14 @@ def put_all(cluster, ns, batches) -> int:
     return sum(r["stored"] for r in reports)
 
 
-def test_memory_stores_and_evictions_are_announced_in_order_with_vllms_decoder(clusters):
+@pytest.mark.parametrize("profile", ["vllm", "dynamo"])
+def test_memory_stores_and_evictions_are_announced_in_order_with_vllms_decoder(clusters, profile):
+    """Under either profile (``--kv-events-profile``): vllm's 16-byte page keys and
+    ownership "kvstore", or dynamo's 64-bit integers of their last 8 bytes, no ownership."""
     pub, rep = free_port(), free_port()
-    cluster = clusters(capacity="4MiB", slab="1MiB", extra=events_args(pub, rep))
+    extra = [*events_args(pub, rep), "--kv-events-profile", profile]
+    cluster = clusters(capacity="4MiB", slab="1MiB", extra=extra)
+    shape = PROFILES[profile]
     ns = namespace_for_page_size(PAGE, tenant="events-mem")
     batches = batches_of(ns, 8, 4)  # 32 pages, twice the pool: the oldest are evicted
     assert put_all(cluster, ns, batches) == 32
@@ -156,10 +163,12 @@ def test_memory_stores_and_evictions_are_announced_in_order_with_vllms_decoder(c
     assert all(e.medium == "CPU" for e in stored)
     check_tokens(ns, stored, batches)
     assert all(e.parent_block_hash is None for e in stored)
+    assert {e.ownership for _, e in events} == {"kvstore" if profile == "vllm" else None}
     # every page put was announced once, in the order of the puts (one batch after another)
     announced = [h for e in stored for h in e.block_hashes]
     expected = [h for b in batches for h in block_hashes(ns, b)]
-    assert announced == expected
+    assert announced == shape.hashes(expected)
+    assert all(isinstance(h, bytes if profile == "vllm" else int) for h in announced)
     # every eviction was announced, and nothing else left memory
     assert sum(len(e.block_hashes) for e in removed) == m["kvstore_evicted_pages_total"] > 0
     live = live_sets(events)["CPU"]
@@ -169,10 +178,11 @@ def test_memory_stores_and_evictions_are_announced_in_order_with_vllms_decoder(c
         for b in batches:  # what the events say the node holds is what the index advertises
             hashes = block_hashes(ns, b)
             held = advertised_prefix(index, ns, hashes, lease_ms=0)
-            assert all(h in live for h in hashes[:held]), (
+            announced_as = shape.hashes(hashes)
+            assert all(h in live for h in announced_as[:held]), (
                 "the index advertises a block the events removed"
             )
-            if all(h in live for h in hashes):
+            if all(h in live for h in announced_as):
                 assert held == len(hashes), "the events announce a block the index lacks"
     finally:
         index.close()

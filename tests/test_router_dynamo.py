@@ -11,19 +11,21 @@ block with its own hash, keeps a radix tree per tier (``medium`` CPU is its host
 DISK its disk tier) and answers ``POST /query`` with the tokens of each worker's
 longest stored prefix, per tier (``instances.<worker>.cpu``).
 
-What was found with ai-dynamo-runtime 1.6.1:
+What was found with ai-dynamo-runtime 1.6.1, and what the store does about it:
 
-- the stream as a node publishes it is not indexed: every batch fails to decode
-  (``data did not match any variant of untagged enum BlockHashValue``: block hashes
-  must be 64-bit integers, kvstore's are 16 bytes), and an event that names an
+- the stream under the default profile (``vllm``) is not indexed: every batch fails to
+  decode (``data did not match any variant of untagged enum BlockHashValue``: block
+  hashes must be 64-bit integers, a node's are 16 bytes), and an event that names an
   ``ownership`` Dynamo does not know (kvstore's ``"kvstore"``) or ``locality`` REMOTE
   is dropped without a word (only an absent ownership means the engine's own blocks);
-- with those two fields adapted on the way (each hash as the integer of its last 8
-  bytes, big-endian, which is what later Dynamo sources do with byte hashes, and no
-  ``ownership``), Dynamo scores the node from its events: a stored prompt scores its
-  block count times the block size on the host tier, an unrelated prompt nothing, a
-  prompt sharing two blocks two, and after evictions each prompt scores the prefix the
-  store's index still advertises.
+- under ``--kv-events-profile dynamo`` (each hash the integer of its last 8 bytes,
+  big-endian, which is what later Dynamo sources and llm-d make of byte hashes; no
+  ``ownership``), Dynamo scores the node from its events as published: a stored prompt
+  scores its block count times the block size on the host tier, an unrelated prompt
+  nothing, a prompt sharing two blocks two, and after evictions each prompt scores the
+  prefix the store's index still advertises;
+- the connector's events under ``kv_events_profile: dynamo`` are scored the same way,
+  on the engine's own worker (``test_dynamo_scores_the_connectors_saves``).
 """
 
 from __future__ import annotations
@@ -34,19 +36,15 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
 
-import msgspec
 import pytest
-import zmq
 
 from kvstore import block_hashes
 from kvstore.index import PageIndex
 from tests.helpers import (
-    RouterKeys,
     advertised_prefix,
     metrics,
     namespace_for_page_size,
@@ -163,63 +161,6 @@ def dynamo(tmp_path):
     idx.stop()
 
 
-def dynamo_hash(h):
-    """A block hash as Dynamo takes it: a 64-bit integer (later Dynamo sources map byte
-    hashes to the integer of their last 8 bytes, big-endian; 1.6.1 refuses them)."""
-    return int.from_bytes(h[-8:], "big") if isinstance(h, bytes) else h
-
-
-class Adapter:
-    """Relays a node's events to Dynamo with the two changes Dynamo 1.6.1 needs: integer
-    block hashes and no ``ownership``. Everything else (topic, sequence, token ids,
-    block size, medium, the events' order) passes unchanged. An XPUB socket tells when
-    Dynamo's subscription arrived."""
-
-    def __init__(self, source: str, keys: RouterKeys) -> None:
-        self.ctx = zmq.Context()
-        self.sub = self.ctx.socket(zmq.SUB)
-        keys.client(self.sub)  # the adapter is a router: it authenticates with its key
-        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sub.connect(source)
-        self.pub = self.ctx.socket(zmq.XPUB)
-        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
-        self.subscribed = threading.Event()
-        self.stored: list[list[int]] = []  # token ids of each BlockStored relayed
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sub, zmq.POLLIN)
-        poller.register(self.pub, zmq.POLLIN)
-        while not self._stop.is_set():
-            for sock, _ in poller.poll(50):
-                if sock is self.pub:
-                    if self.pub.recv()[:1] == b"\x01":
-                        self.subscribed.set()
-                    continue
-                topic, seq, payload = self.sub.recv_multipart()
-                ts, events, *rest = msgspec.msgpack.decode(payload)
-                for e in events:
-                    e.pop("ownership", None)
-                    if "block_hashes" in e:
-                        e["block_hashes"] = [dynamo_hash(h) for h in e["block_hashes"]]
-                    if e.get("parent_block_hash") is not None:
-                        e["parent_block_hash"] = dynamo_hash(e["parent_block_hash"])
-                    if e.get("type") == "BlockStored":
-                        self.stored.append(list(e["token_ids"]))
-                self.pub.send_multipart([topic, seq, msgspec.msgpack.encode([ts, events, *rest])])
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.sub.close(linger=0)
-        self.pub.close(linger=0)
-        self.ctx.term()
-
-
 def put(cluster, ns, token_lists) -> int:
     reports = run_worker(spec(cluster, ns, "put_pages", token_lists=token_lists, options=OPTS))[
         "reports"
@@ -234,85 +175,79 @@ def prompts(ns, count: int, blocks: int, base: int = 1) -> list[list[int]]:
     ]
 
 
-def test_dynamo_scores_a_node_from_its_events_through_the_adapter(clusters, dynamo):
-    pub, keys = free_port(), RouterKeys()
+def subscribed(dynamo: DynamoIndexer, cluster, ns) -> None:
+    """Return once Dynamo indexes the node's events: the SUB connection has no handshake
+    (ZMQ's slow joiner), so one-block prompts are put until one is scored."""
+    for k in range(50):
+        warm = prompts(ns, 1, 1, base=900 + k)[0]
+        put(cluster, ns, [warm])
+        try:
+            wait_for(lambda w=warm: dynamo.host_tokens(ns.model, w) == ns.block_size, 1, "")
+            return
+        except AssertionError:
+            continue
+    raise AssertionError(f"Dynamo indexed no event of the node: {dynamo.warnings()}")
+
+
+def test_dynamo_scores_a_node_from_its_events_under_the_dynamo_profile(clusters, dynamo):
+    """``--kv-events-profile dynamo``: Dynamo's indexer reads the node's stream as
+    published, with no relay, and follows its stores and evictions."""
+    pub = free_port()
     cluster = clusters(
         capacity="4MiB",
         slab="1MiB",
-        extra=["--kv-events-endpoint", f"tcp://*:{pub}", *keys.node_args()],
+        extra=["--kv-events-endpoint", f"tcp://*:{pub}", "--kv-events-profile", "dynamo"],
     )
     ns = namespace_for_page_size(PAGE, tenant="dynamo")
-    adapter = Adapter(f"tcp://127.0.0.1:{pub}", keys)
+    dynamo.register(f"tcp://127.0.0.1:{pub}", ns.model, ns.block_size)
+    subscribed(dynamo, cluster, ns)
+
+    first = prompts(ns, 1, 4)[0]
+    assert put(cluster, ns, [first]) == 4
+    bs = ns.block_size
+    # a stored prompt scores its 4 blocks; Dynamo hashed the event's token ids itself
+    wait_for(lambda: dynamo.host_tokens(ns.model, first) == 4 * bs, 10, "the prompt's 4 blocks")
+    unrelated = list(range(5_000_000, 5_000_000 + 3 * bs))
+    assert dynamo.host_tokens(ns.model, unrelated) == 0
+    assert dynamo.host_tokens(ns.model, first[: 2 * bs] + unrelated) == 2 * bs
+    assert dynamo.host_tokens(ns.model, first[: 3 * bs + 10]) == 3 * bs  # full blocks only
+    got = dynamo.post("/query", {"token_ids": first, "model_name": ns.model})
+    assert got["instances"][str(INSTANCE)]["gpu"] == 0, "the node's CPU blocks counted as GPU"
+
+    # twice the pool: the first prompts are evicted, and their BlockRemoved reach Dynamo
+    more = prompts(ns, 8, 4, base=10)
+    assert put(cluster, ns, more) == 32
+    wait_for(
+        lambda: metrics(cluster, "node-0")["kvstore_events_queued"] == 0,
+        10,
+        "the node's queue to drain",
+    )
+    assert metrics(cluster, "node-0")["kvstore_evicted_pages_total"] > 0
+    index = PageIndex(cluster.redis_url)
     try:
-        dynamo.register(adapter.endpoint, ns.model, ns.block_size)
-        wait_for(adapter.subscribed.is_set, 10, "Dynamo's subscription")
-        # the node -> adapter hop has no handshake: put one-block prompts until one arrives
-        for k in range(50):
-            warm = prompts(ns, 1, 1, base=900 + k)
-            put(cluster, ns, warm)
-            try:
-                wait_for(lambda w=warm: w[0] in adapter.stored, 1, "the warm-up put's event")
-                break
-            except AssertionError:
-                continue
-        else:
-            raise AssertionError("no event of the node reached the adapter")
-        wait_for(
-            lambda: dynamo.host_tokens(ns.model, warm[0]) == ns.block_size,
-            10,
-            "Dynamo to index the warm-up",
-        )
-
-        first = prompts(ns, 1, 4)[0]
-        assert put(cluster, ns, [first]) == 4
-        bs = ns.block_size
-        # a stored prompt scores its 4 blocks; Dynamo hashed the event's token ids itself
-        wait_for(lambda: dynamo.host_tokens(ns.model, first) == 4 * bs, 10, "the prompt's 4 blocks")
-        unrelated = list(range(5_000_000, 5_000_000 + 3 * bs))
-        assert dynamo.host_tokens(ns.model, unrelated) == 0
-        assert dynamo.host_tokens(ns.model, first[: 2 * bs] + unrelated) == 2 * bs
-        assert dynamo.host_tokens(ns.model, first[: 3 * bs + 10]) == 3 * bs  # full blocks only
-        got = dynamo.post("/query", {"token_ids": first, "model_name": ns.model})
-        assert got["instances"][str(INSTANCE)]["gpu"] == 0, "the node's CPU blocks counted as GPU"
-
-        # twice the pool: the first prompts are evicted, and their BlockRemoved reach Dynamo
-        more = prompts(ns, 8, 4, base=10)
-        assert put(cluster, ns, more) == 32
-        wait_for(
-            lambda: metrics(cluster, "node-0")["kvstore_events_queued"] == 0,
-            10,
-            "the node's queue to drain",
-        )
-        assert metrics(cluster, "node-0")["kvstore_evicted_pages_total"] > 0
-        index = PageIndex(cluster.redis_url)
-        try:
-            expected = {
-                i: advertised_prefix(index, ns, block_hashes(ns, p), lease_ms=0) * bs
-                for i, p in enumerate([first, *more])
-            }
-        finally:
-            index.close()
-        assert expected[0] < 4 * bs, "the first prompt was not evicted"
-        assert any(v == 4 * bs for v in expected.values())
-
-        def agrees() -> bool:
-            return all(
-                dynamo.host_tokens(ns.model, p) == expected[i] for i, p in enumerate([first, *more])
-            )
-
-        # what Dynamo credits each prompt with is what the store's index still advertises
-        wait_for(
-            agrees, 10, f"Dynamo's scores to equal the store's prefixes {expected}", interval=0.2
-        )
+        expected = {
+            i: advertised_prefix(index, ns, block_hashes(ns, p), lease_ms=0) * bs
+            for i, p in enumerate([first, *more])
+        }
     finally:
-        adapter.stop()
+        index.close()
+    assert expected[0] < 4 * bs, "the first prompt was not evicted"
+    assert any(v == 4 * bs for v in expected.values())
+
+    def agrees() -> bool:
+        return all(
+            dynamo.host_tokens(ns.model, p) == expected[i] for i, p in enumerate([first, *more])
+        )
+
+    # what Dynamo credits each prompt with is what the store's index still advertises
+    wait_for(agrees, 10, f"Dynamo's scores to equal the store's prefixes {expected}", interval=0.2)
     assert not [w for w in dynamo.warnings() if "decode" in w.lower()], dynamo.warnings()
 
 
-def test_dynamo_reads_a_nodes_events_as_published(clusters, dynamo):
-    """The node's stream without the adapter. Dynamo 1.6.1 indexes none of it (16-byte
-    block hashes, ``ownership: "kvstore"``): an expected failure, which names what
-    Dynamo said; it passes once a Dynamo release scores the node as above."""
+def test_dynamo_reads_a_nodes_events_under_the_default_profile(clusters, dynamo):
+    """The node's stream under the default profile. Dynamo 1.6.1 indexes none of it
+    (16-byte block hashes, ``ownership: "kvstore"``): an expected failure, which names
+    what Dynamo said; it passes once a Dynamo release scores such a stream."""
     pub, rep = free_port(), free_port()
     cluster = clusters(
         capacity="4MiB",
@@ -353,5 +288,42 @@ def test_dynamo_reads_a_nodes_events_as_published(clusters, dynamo):
         )
         pytest.xfail(
             f"ai-dynamo-runtime {DYNAMO[1]} does not index the node's events as published "
-            f"(16-byte block hashes, ownership 'kvstore'); it said: {said or 'nothing (events dropped)'}"
+            f"(16-byte block hashes, ownership 'kvstore'); it said: {said or 'nothing (events dropped)'}; "
+            "--kv-events-profile dynamo is what it reads"
         )
+
+
+def test_dynamo_scores_the_connectors_saves_under_the_dynamo_profile(clusters, dynamo, tmp_path):
+    """The connector's events, published by vLLM's own publisher from an in-process
+    scheduler and worker (tests/connector_harness.py), under ``kv_events_profile:
+    dynamo``: Dynamo credits the engine's worker with each saved prompt on its host tier."""
+    pytest.importorskip("vllm")
+    from tests.connector_harness import BLOCK, ConnectorHarness, write_config
+
+    cluster = clusters()
+    pub = free_port()
+    model = "connector-events"
+    with ConnectorHarness(
+        write_config(tmp_path),
+        cluster.redis_url,
+        extra={"kv_events_profile": "dynamo"},
+        events_endpoint=f"tcp://*:{pub}",
+    ) as engine:
+        dynamo.register(f"tcp://127.0.0.1:{pub}", model, BLOCK)
+        for k in range(50):  # ZMQ's slow joiner: save one-block prompts until one is scored
+            warm = list(range(700_000 + k * BLOCK, 700_000 + (k + 1) * BLOCK + 1))
+            engine.generate({f"warm-{k}": warm}, max_tokens=1)
+            try:
+                wait_for(lambda w=warm: dynamo.host_tokens(model, w) == BLOCK, 1, "")
+                break
+            except AssertionError:
+                continue
+        else:
+            raise AssertionError(f"Dynamo indexed no event of the engine: {dynamo.warnings()}")
+        prompt = list(range(10, 10 + 4 * BLOCK + 5))
+        engine.generate({"four-blocks": prompt}, max_tokens=2)
+        wait_for(
+            lambda: dynamo.host_tokens(model, prompt) == 4 * BLOCK, 10, "the saved prompt's blocks"
+        )
+        assert dynamo.host_tokens(model, prompt[: 2 * BLOCK] + [9] * BLOCK) == 2 * BLOCK
+    assert not [w for w in dynamo.warnings() if "decode" in w.lower()], dynamo.warnings()

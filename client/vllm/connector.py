@@ -70,6 +70,7 @@ from client.vllm.scheduler import ConnectorScheduler
 from client.vllm.stats import KVStoreConnectorStats, KVStorePromMetrics, StatsRecorder
 from client.vllm.support import hybrid_groups, unsupported, vllm_ranks
 from client.vllm.worker import ConnectorWorker
+from kvstore.events.profiles import PROFILES
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -217,6 +218,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                     vllm_config.parallel_config.world_size,
                     kv_cache_config=kv_cache_config,
                     stats=self._stats,
+                    profile=PROFILES[conf.kv_events_profile],
                 )
             self._scheduler = ConnectorScheduler(
                 conf,

@@ -31,7 +31,9 @@ prefix order, ``parent_block_hash`` None, ``token_ids`` the blocks' tokens,
 as vLLM sets them, ``group_idx`` 0, ``medium`` "CPU" (a save lands in a storage
 node's memory; the node itself announces a later move to disk), ``locality``
 "REMOTE" (the memory is a storage node's, not this engine's), ``ownership``
-"kvstore". The whole chain is announced each time, so a router that missed or
+"kvstore". Under the ``dynamo`` profile (``kv_events_profile``,
+kvstore.events.profiles) the hashes are ints and neither mark is set, so Dynamo's
+indexer keeps the events. The whole chain is announced each time, so a router that missed or
 forgot an earlier save's event still sees every parent first.
 
 No ``BlockRemoved`` comes from here: a storage node evicts or demotes pages on its
@@ -53,14 +55,13 @@ from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored, KVCacheEvent, KV
 
 from client.vllm.metadata import SaveSpec
 from client.vllm.stats import StatsRecorder
+from kvstore.events.profiles import PROFILES, EventProfile
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
-LOCALITY = "REMOTE"
-OWNERSHIP = "kvstore"
 # A save whose workers have not all answered after this long announces nothing (a
 # save is bounded by the client's timeout; this only keeps a lost answer from
 # holding the event, and the engine awake, forever).
@@ -155,8 +156,10 @@ class StoredEvents:
         *,
         kv_cache_config: KVCacheConfig | None,
         stats: StatsRecorder,
+        profile: EventProfile = PROFILES["vllm"],
     ) -> None:
         self._block_size = block_size
+        self._profile = profile
         # Read when a save is announced: the engine core resolves the config's
         # hash_block_size after it creates the connector.
         self._kv_cache_config = kv_cache_config
@@ -165,7 +168,7 @@ class StoredEvents:
         # change under a running engine. The conversion is vLLM's (tests compare).
         from vllm import envs
 
-        self._int_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+        self._int_hashes = profile.int_hashes or bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
         self._reporters = reporters
         self._stats = stats
         self._ids = itertools.count()
@@ -198,8 +201,8 @@ class StoredEvents:
             lora_name=lora.name if lora else None,
             extra_keys=_extra_keys(request, blocks, self._block_size),
             group_idx=0,
-            locality=LOCALITY,
-            ownership=OWNERSHIP,
+            locality=self._profile.remote,
+            ownership=self._profile.ownership,
             session_id=getattr(request, "session_id", None),
         )
         event_id = next(self._ids)

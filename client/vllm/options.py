@@ -21,6 +21,7 @@ from kvstore.errors import InvalidInputError
 from kvstore.pages.namespace import Namespace, Tenant
 from kvstore.settings.client import ClientOptions, client_options, client_options_from_env
 from kvstore.settings.config import ByteSize, first_error
+from kvstore.settings.events import EventProfileName
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig, ParallelConfig, VllmConfig
@@ -104,6 +105,14 @@ class ConnectorOptions(BaseModel):
         description=(
             "announce saved blocks as BlockStored through the engine's KV events"
             " (only when the engine publishes them: kv_events_config)"
+        ),
+    )
+    kv_events_profile: EventProfileName = Field(
+        "vllm",
+        description=(
+            "the routers those events are shaped for: vllm (locality REMOTE, ownership"
+            " kvstore: a consumer tells the store's blocks apart) or dynamo (integer block"
+            " hashes and neither mark, which NVIDIA Dynamo's KV indexer needs to keep them)"
         ),
     )
     layer_groups: int = Field(

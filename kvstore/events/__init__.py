@@ -23,6 +23,7 @@ from kvstore.events.format import (
     tenant_prefix,
 )
 from kvstore.events.options import PublisherOptions, PublisherStats
+from kvstore.events.profiles import PROFILES, EventProfile, u64_hash
 from kvstore.events.publisher import EventPublisher
 from kvstore.events.replay import END_SEQ
 
@@ -34,11 +35,13 @@ __all__ = [
     "MEDIUM_GPU",
     "MEDIUM_STORAGE",
     "OWNERSHIP",
+    "PROFILES",
     "REMOTE",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
     "EventBatch",
+    "EventProfile",
     "EventPublisher",
     "KVCacheEvent",
     "KVEventBatch",
@@ -49,4 +52,5 @@ __all__ = [
     "decoder",
     "pool_topic",
     "tenant_prefix",
+    "u64_hash",
 ]

@@ -7,11 +7,15 @@ own validator, so ``kvstore server --help`` lists them with the rest."""
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
 from kvstore.errors import InvalidInputError
 from kvstore.security.credentials import parse_tenants
+
+# the routers a node's or the connector's events can be shaped for (kvstore.events.profiles)
+EventProfileName = Literal["vllm", "dynamo"]
 
 
 class EventSettings(BaseModel):
@@ -58,6 +62,14 @@ class EventSettings(BaseModel):
         description=(
             "this node's CURVE secret key (a ZeroMQ certificate, kvstore events-key node); "
             "needed with --kv-events-routers-file"
+        ),
+    )
+    kv_events_profile: EventProfileName = Field(
+        "vllm",
+        description=(
+            "the routers the events are shaped for: vllm (16-byte block hashes, ownership "
+            "kvstore; vLLM's decoder, llm-d) or dynamo (64-bit integer block hashes, no "
+            "ownership: what NVIDIA Dynamo's KV indexer takes; llm-d reads it too)"
         ),
     )
     kv_events_token_ids: str | None = Field(
