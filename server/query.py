@@ -25,14 +25,11 @@ that moves meanwhile is counted in the tier it was in when read)."""
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import threading
 import time
 from dataclasses import dataclass
 from itertools import repeat
-from urllib.parse import parse_qsl
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -45,58 +42,12 @@ from kvstore.pages.heads import rank_units, unit_hashes
 from kvstore.pages.identity import NO_EXTRAS, RequestIdentity
 from kvstore.pages.namespace import TENANT_PATTERN, Namespace
 from kvstore.security.credentials import CredentialFile
+from server.query_body import QueryParams, binary_query, json_query
 from server.store import PageStore
 
 REGISTRY_TTL = 2.0  # seconds the namespace registry read is reused (new models appear this late)
 MAX_QUERY_BYTES = 16 << 20  # a request body past this is refused before it is read
 MAX_TOKENS = 1 << 22
-
-
-class QueryParams(BaseModel):
-    """What a prefix query names besides its tokens. ``lora_name`` and ``cache_salt``
-    key blocks as ``RequestIdentity``'s ``adapter`` and ``cache_salt`` do (the vLLM
-    connector's adapter identity is the name, a NUL and a fingerprint of the adapter's
-    files: pass that string). Alone, it is the query string of the binary form: the
-    body then holds the token ids as little-endian u32 (``Content-Type:
-    application/octet-stream``), nothing to parse."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    model: str = Field(min_length=1)
-    lora_name: str | None = Field(None, min_length=1)
-    cache_salt: str | None = Field(None, min_length=1)
-    block_size: int | None = Field(None, gt=0, description="only namespaces of this block size")
-    tenant: str = Field("default", pattern=TENANT_PATTERN)
-
-
-class QueryRequest(QueryParams):
-    """``POST /v1/kv/query`` as JSON: token ids as a list, or (faster to parse: 131,072
-    ids cost 10 ms as a list here) ``token_ids_b64``, their little-endian u32 bytes in
-    base64."""
-
-    token_ids: list[int] | None = None
-    token_ids_b64: str | None = None
-
-    @model_validator(mode="after")
-    def _one_token_field(self) -> QueryRequest:
-        if (self.token_ids is None) == (self.token_ids_b64 is None):
-            raise ValueError("give token_ids or token_ids_b64 (one of them)")
-        return self
-
-    def tokens(self) -> np.ndarray:
-        """The token ids as a u32 array; ValueError when they are not valid ids."""
-        if self.token_ids_b64 is not None:
-            try:
-                raw = base64.b64decode(self.token_ids_b64, validate=True)
-            except binascii.Error as exc:
-                raise ValueError(f"token_ids_b64 is not base64: {exc}") from None
-            if len(raw) % 4:
-                raise ValueError(f"token_ids_b64 holds {len(raw)} bytes, not whole u32 ids")
-            return np.frombuffer(raw, dtype="<u4")
-        arr = np.asarray(self.token_ids, dtype=np.int64)
-        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= 2**32):
-            raise ValueError("token ids must lie in [0, 2**32)")
-        return arr.astype("<u4")
 
 
 class HashQueryRequest(BaseModel):
@@ -195,18 +146,14 @@ class PrefixQuery:
         """(HTTP status, JSON body) for a POST to ``target`` (path and query string)."""
         path, _, query_string = target.partition("?")
         try:
-            if path == "/v1/kv/query" and content_type.startswith("application/octet-stream"):
-                params = QueryParams.model_validate(
-                    dict(parse_qsl(query_string, strict_parsing=True))
+            if path == "/v1/kv/query":
+                params, tokens = (
+                    binary_query(query_string, body)
+                    if content_type.startswith("application/octet-stream")
+                    else json_query(body)
                 )
-                if len(body) % 4:
-                    raise ValueError(f"the body holds {len(body)} bytes, not whole u32 token ids")
                 self._authorize(authorization, params.tenant)
-                answer = self.query(params, np.frombuffer(body, dtype="<u4"))
-            elif path == "/v1/kv/query":
-                req = QueryRequest.model_validate_json(body)
-                self._authorize(authorization, req.tenant)
-                answer = self.query(req, req.tokens())
+                answer = self.query(params, tokens)
             elif path == "/v1/kv/query_by_hash":
                 hreq = HashQueryRequest.model_validate_json(body)
                 self._authorize(authorization, hreq.tenant)

@@ -29,12 +29,14 @@ def metrics_address(cluster, node_id: str = "node-0") -> str:
 
 
 def post(address: str, path: str, body: dict, token: str | None = None) -> tuple[int, dict]:
+    return post_raw(address, path, json.dumps(body).encode(), token)
+
+
+def post_raw(address: str, path: str, body: bytes, token: str | None = None) -> tuple[int, dict]:
     headers = {"Content-Type": "application/json"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
-    req = urllib.request.Request(
-        f"http://{address}{path}", json.dumps(body).encode(), headers, method="POST"
-    )
+    req = urllib.request.Request(f"http://{address}{path}", body, headers, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
             return resp.status, json.loads(resp.read())
@@ -192,10 +194,17 @@ def test_bad_queries_get_a_clear_error(clusters):
         ({"model": "m", "token_ids_b64": "AAA"}, "base64"),
         ({"model": "m", "token_ids": [1], "tenant": "bad tenant!"}, "tenant"),
         ({"model": "m", "token_ids": [1], "colour": "red"}, "colour"),
+        ({"model": "m", "token_ids": [[1], [2]]}, "list of integers"),
+        ({"model": "m", "token_ids": [1, 2.5]}, "list of integers"),
+        ({"model": "m", "token_ids": [1, 2**32]}, "[0, 2**32)"),
+        ({"model": "m", "token_ids": "1,2"}, "list of integers"),
+        ({"model": "m", "token_ids": [1], "token_ids_b64": "AQAAAA=="}, "one of them"),
     ]
     for body, words in cases:
         status, got = post(addr, "/v1/kv/query", body)
         assert status == 400 and words in got["error"], (body, got)
+    status, got = post_raw(addr, "/v1/kv/query", b'{"model": "m", "token_ids": [1, 2')
+    assert status == 400 and "not JSON" in got["error"]
     status, got = post(addr, "/v1/kv/query_by_hash", {"block_hashes": ["00" * 16]})
     assert status == 400 and "namespace" in got["error"]
     status, got = post(addr, "/v1/kv/query_by_hash", {"model": "m", "block_hashes": ["abc"]})
