@@ -58,13 +58,17 @@ def events_args(pub: int, replay: int) -> list[str]:
     ]
 
 
-def replay(port: int, start: int = 0, timeout: float = 10.0) -> list[tuple[str, int, object]]:
+def replay(
+    port: int, start: int = 0, timeout: float = 10.0, keys: RouterKeys | None = KEYS
+) -> list[tuple[str, int, object]]:
     """Every batch the node still holds from ``start`` on, as (topic, sequence, vLLM
-    KVEventBatch), through vLLM's replay protocol."""
+    KVEventBatch), through vLLM's replay protocol (as the router ``keys``; None: a
+    node that publishes unauthenticated)."""
     decoder = msgspec.msgpack.Decoder(type=kv_events.KVEventBatch)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
-    KEYS.client(sock)
+    if keys is not None:
+        keys.client(sock)
     sock.connect(f"tcp://127.0.0.1:{port}")
     out = []
     try:
