@@ -193,7 +193,8 @@ def test_a_device_get_refuses_a_plan_no_node_would_send(tmp_path, plan):
     """A plan whose pages are out of request order, named twice, at an offset past any
     slab or at a position never asked for fails the get on that node before anything is
     copied (the node is then suspected by the caller): its pages are misses."""
-    from client.memory.device_pages import HostCopier, device_spans
+    from client.memory.device_pages import HostCopier
+    from client.memory.device_rows import device_spans
     from client.nodes.shm_connection import ShmConnection
     from client.stats import ClientStats
     from kvstore.errors import TransportError

@@ -18,7 +18,8 @@ import torch
 from client import KVCacheClient
 from client.memory.buffers import Span
 from client.memory.device_landing import POLL_AFTER, POLL_BEFORE, BusPace, settled
-from client.memory.device_pages import CudaCopier, DeviceSpan, HostCopier
+from client.memory.device_pages import CudaCopier, HostCopier
+from client.memory.device_rows import DeviceSpan
 from client.paging.loader import PageLoader
 from client.paging.paged_cache import PagedCache
 from client.paging.staging_pool import StagingPool

@@ -11,7 +11,7 @@ from collections import defaultdict
 import numpy as np
 
 from client.memory.buffers import Span
-from client.memory.device_pages import DeviceRows
+from client.memory.device_rows import DeviceRows
 from client.nodes.calls import Expected, NodeRefusedError
 from client.nodes.credentials import CallRefusals
 from client.nodes.directory import NodeDirectory

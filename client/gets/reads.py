@@ -12,7 +12,8 @@ from client.gets.fetch import ReplicaFetcher, leading, unit_requests, whole_bloc
 from client.gets.landing import Landing, TransferMode, choose_landing, lands_in_place
 from client.lookups.prefix import Identity, PrefixLookup, StoredPrefix
 from client.memory.buffers import Span, host_bytes, page_spans
-from client.memory.device_pages import DeviceCopier, DeviceRows, device_spans
+from client.memory.device_pages import DeviceCopier
+from client.memory.device_rows import DeviceRows, device_spans
 from client.memory.layer_feed import LayerFeed
 from client.memory.staging import HostBuffers
 from client.stats import ClientStats

@@ -17,7 +17,7 @@ import torch
 from client.memory.buffers import Span
 
 if TYPE_CHECKING:
-    from client.memory.device_pages import DeviceSpan
+    from client.memory.device_rows import DeviceSpan
     from client.memory.layer_feed import LayerFeed
 
 # Bytes of pages whose checks are queued together behind their copies: the device

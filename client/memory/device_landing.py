@@ -18,7 +18,7 @@ import collections
 import time
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -28,7 +28,27 @@ from kvstore.pages import device_checksum
 from kvstore.pages.checksum import page_checksum
 
 if TYPE_CHECKING:
-    from client.memory.device_pages import CudaCopier, DeviceRows
+    from client.memory.device_rows import DeviceRows
+    from client.memory.layer_feed import LayerFeed
+
+
+class StreamCopier(Protocol):
+    """What a ``CudaLanding`` asks of its copier (``CudaCopier``,
+    client/memory/device_pages.py): its device and streams, queued copies (each call
+    returns an event the part's checks wait on), and the pace of earlier landings."""
+
+    device: torch.device
+    pace: BusPace
+
+    @property
+    def copy_stream(self) -> Any: ...
+
+    @property
+    def checks(self) -> Any: ...
+
+    def queue_copies(self, copies: PageCopies, start: int = 0, end: int | None = None) -> Any: ...
+
+    def queue_layers(self, copies: PageCopies, feed: LayerFeed) -> Any: ...
 
 
 class Landing:
@@ -76,7 +96,7 @@ class CudaLanding(Landing):
     behind them (in batches of about ``CHECK_BATCH`` within a large part), into one
     tensor of accumulators by row; one download at the end."""
 
-    def __init__(self, copier: CudaCopier, rows: DeviceRows) -> None:
+    def __init__(self, copier: StreamCopier, rows: DeviceRows) -> None:
         super().__init__(rows)
         self._copier = copier
         self._words: torch.Tensor | None = None  # the rows' offsets, in 8-byte words

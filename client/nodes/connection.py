@@ -23,7 +23,8 @@ import numpy as np
 
 from client.memory.buffers import Span, adjacent, joined, split_spans
 from client.memory.copy_plans import PageCopies
-from client.memory.device_pages import DeviceCopier, DeviceRows
+from client.memory.device_pages import DeviceCopier
+from client.memory.device_rows import DeviceRows
 from client.memory.staging import host_buffers
 from client.nodes.calls import (
     Checksums,

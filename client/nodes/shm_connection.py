@@ -15,7 +15,8 @@ import numpy as np
 from client.memory.buffers import Span
 from client.memory.copy_plans import PageCopies
 from client.memory.device_landing import Landing
-from client.memory.device_pages import DeviceCopier, DeviceRows
+from client.memory.device_pages import DeviceCopier
+from client.memory.device_rows import DeviceRows
 from client.nodes.calls import (
     Checksums,
     Expected,
