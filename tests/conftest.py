@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -95,12 +96,25 @@ _PROCESS_FIXTURES = {"clusters", "cluster", "single_index_cluster"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks engine and process tests, and runs the files with engines first, then the
+    files with other processes, then the rest: README's whole-suite command hands
+    files to two workers (pytest-xdist, ``--dist loadfile``) in this order, so the
+    longest start first and the short ones fill in at the end. The whole suite on the
+    2-core VM: 19:50 on one process; 14:07 on two with the files in name order (the
+    engine files came last and one worker ran them alone); 13:21 in this order."""
     for item in items:
         engine = item.path.name.startswith("test_vllm")
         if engine and not item.get_closest_marker("vllm"):
             item.add_marker(pytest.mark.vllm)
         if engine or _PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.process)
+    rank: dict[Path, int] = {}
+    for item in items:
+        mine = (
+            0 if item.get_closest_marker("vllm") else 1 if item.get_closest_marker("process") else 2
+        )
+        rank[item.path] = min(rank.get(item.path, 2), mine)
+    items.sort(key=lambda item: rank[item.path])  # stable: each file's tests keep their order
 
 
 def _python(args) -> bool:
