@@ -60,7 +60,7 @@ def json_query(body: bytes) -> tuple[QueryParams, np.ndarray]:
     """The JSON form: its fields, and its token ids as u32 (exactly one of the two
     token fields must be given)."""
     try:
-        doc = _parser().parse(body)
+        doc = _parse(body)
     except (ValueError, RuntimeError) as exc:
         raise ValueError(f"the body is not JSON: {exc}") from None
     try:
@@ -76,11 +76,20 @@ def json_query(body: bytes) -> tuple[QueryParams, np.ndarray]:
     return QueryParams.model_validate(fields), tokens
 
 
-def _parser() -> simdjson.Parser:
+def _parse(body: bytes) -> object:
+    """``body`` parsed by this thread's parser; by a new one when an element of the
+    last parse is still alive (a kept exception's frames can hold one), which the old
+    parser refuses."""
     parser = getattr(_parsers, "parser", None)
     if parser is None:
         parser = _parsers.parser = simdjson.Parser()
-    return parser
+    try:
+        return parser.parse(body)
+    except RuntimeError as exc:
+        if "re-use a parser" not in str(exc):
+            raise
+    parser = _parsers.parser = simdjson.Parser()
+    return parser.parse(body)
 
 
 def _token_list(value: object, body: bytes) -> np.ndarray:

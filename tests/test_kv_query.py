@@ -316,3 +316,14 @@ def test_tiers_split_blocks_between_memory_and_disk(clusters, tmp_path):
         t["CPU"] + t["DISK"] == 4 for t in seen
     )  # every block held, in one tier or the other
     assert sum(t["DISK"] for t in seen) > 0 and sum(t["CPU"] for t in seen) > 0
+
+
+def test_a_json_query_after_a_refused_one_whose_error_is_kept_still_parses():
+    """The parser kept per HTTP thread refuses to parse while an element of its last
+    document lives, which a kept exception's frames can hold: the next query parses."""
+    from server.query_body import json_query
+
+    with pytest.raises(ValueError, match="list of integers") as kept:
+        json_query(json.dumps({"model": "m", "token_ids": [1, "x"]}).encode())
+    params, tokens = json_query(json.dumps({"model": "m", "token_ids": [6, 7]}).encode())
+    assert params.model == "m" and tokens.tolist() == [6, 7] and kept.value is not None
