@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.tools.procutil import free_port, stop_process
 from tests.helpers import run_worker, spec, wait_for
 
 PAGE = 256 << 10  # 64-token blocks; a 4 MiB pool holds 12 pages past its watermarks
@@ -44,12 +44,6 @@ skip_without_dynamo = pytest.mark.skipif(
     DYNAMO is None,
     reason="NVIDIA Dynamo (ai-dynamo-runtime) is not importable; set KVSTORE_DYNAMO_PYTHON",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class DynamoIndexer:
@@ -110,12 +104,7 @@ class DynamoIndexer:
         return [line for line in text.splitlines() if " WARN " in line or " ERROR " in line]
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, 10)
         self._out.close()
 
 

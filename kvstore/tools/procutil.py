@@ -6,6 +6,7 @@ import ctypes
 import os
 import signal
 import socket
+import subprocess
 
 _PR_SET_PDEATHSIG = 1
 
@@ -33,3 +34,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def stop_process(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM ``proc``, then SIGKILL it if it has not exited within ``grace`` seconds;
+    returns once it is reaped."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -18,7 +18,7 @@ import redis
 
 from kvstore.errors import KVStoreError
 from kvstore.index.topology import SLOTS
-from kvstore.tools.procutil import die_with_parent, free_port, pid_alive
+from kvstore.tools.procutil import die_with_parent, free_port, pid_alive, stop_process
 
 
 def valkey_binary() -> str:
@@ -177,13 +177,8 @@ class EmbeddedValkey:
             self._tmp = None
 
     def _stop_process(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process:
+            stop_process(self.process, 5)
         self.pidfile.unlink(missing_ok=True)
 
     def save(self) -> None:
