@@ -238,6 +238,7 @@ class ConnectorHarness:
         connector_output = KVConnectorOutput(
             finished_sending=results.finished_sending,
             finished_recving=results.finished_recving,
+            failed_recving=results.failed_recving,
             invalid_block_ids=worker.get_block_ids_with_load_errors(),
             kv_cache_events=worker.get_kv_connector_kv_cache_events(),
         )

@@ -18,14 +18,17 @@ What vLLM 0.32 does with them:
 
 from __future__ import annotations
 
+import mmap
 import os
 import random
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
+from kvstore.index import PageIndex  # noqa: E402
 from kvstore.tools.launcher import LocalCluster  # noqa: E402
 from tests import engines  # noqa: E402
 from tests.test_vllm import run_engine_full  # noqa: E402
@@ -126,6 +129,37 @@ def test_a_request_that_loaded_a_prefix_saves_the_blocks_it_computed(gemma_runs)
     (again,) = gemma_runs["later"]["results"]
     assert again["num_cached_tokens"] == (len(NEXT) - 1) // BLOCK * BLOCK == 6 * BLOCK
     assert again["tokens"] == following
+
+
+def test_a_hybrid_engines_failed_load_is_recomputed_not_fatal(gemma_dir, gemma_runs):
+    """Every page in the store corrupted after the producer saved PROMPT: the consumer's
+    load fails its checks. With two KV-cache groups vLLM refuses failures by block id
+    (it stopped the engine: "block-level load failures ... not supported for models with
+    multiple KV cache groups"), so they go by request (``failed_recving``): the whole
+    prompt is recomputed and the tokens are the baseline's."""
+    plain = gemma_runs["baseline"]["results"][0]["tokens"]
+    with LocalCluster(servers=1, capacity="64MiB", slab_size="16MiB") as cluster:
+        run_engine_full(
+            gemma_dir, [PROMPT], cluster.redis_url, "kv_producer", spec={"max_tokens": 32}
+        )
+        index = PageIndex(cluster.redis_url)
+        (node,) = index.live_nodes()
+        index.close()
+        fds = Path(f"/proc/{node.extra['pid']}/fd")
+        slabs = [fd for fd in fds.iterdir() if os.readlink(fd).startswith("/memfd:kvstore-slab-")]
+        for slab in slabs:  # overwritten as a memory fault would: the checksums stay
+            fd = os.open(slab, os.O_RDWR)
+            try:
+                with mmap.mmap(fd, 16 << 20) as mem:
+                    mem[:] = random.Random(7).randbytes(16 << 20)
+            finally:
+                os.close(fd)
+        out = run_engine_full(
+            gemma_dir, [PROMPT], cluster.redis_url, "kv_consumer", spec={"max_tokens": 32}
+        )
+    (result,) = out["results"]
+    assert slabs and out["metrics"]["load_failed_blocks"] > 0
+    assert result["num_cached_tokens"] == 0 and result["tokens"] == plain
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two TP workers need two cores")

@@ -50,6 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -343,6 +344,13 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side.get_block_ids_with_load_errors()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """vLLM's, with the requests whose loads failed on a cache of several KV-cache
+        groups (``client.vllm.load_errors``: vLLM takes those by request only)."""
+        results = super().get_transfer_results(finished_req_ids)
+        results.failed_recving = self._worker_side.take_failed_loads()
+        return results
 
     def get_kv_connector_kv_cache_events(self) -> SaveOutcomes | None:
         return self._worker.take_save_outcomes() if self._worker is not None else None

@@ -252,10 +252,15 @@ class ConnectorScheduler:
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Blocks that failed to load are recomputed, so they must be saved again; the
-        workers' save outcomes count towards their events."""
+        """Blocks that failed to load (by block id, or a hybrid cache's by request) are
+        recomputed, so they must be saved again; the workers' save outcomes count
+        towards their events."""
         if self._events is not None and connector_output.kv_cache_events is not None:
             self._events.reported(connector_output.kv_cache_events)
+        for req_id in connector_output.failed_recving:  # a hybrid cache's failed loads
+            if req_id in self._loaded_blocks:  # vLLM recomputes the whole request
+                self._loaded_blocks[req_id] = []
+                self._load_failed.add(req_id)
         invalid = connector_output.invalid_block_ids
         if not invalid:
             return

@@ -10,7 +10,8 @@ on threads of their own, so nothing blocks the engine step for a transfer.
   pages land in device memory straight from a same-host node's memory and are checked
   there (``KVCacheClient.get_found_device``), then scattered on a side stream.
   ``get_finished`` reports finished loads; blocks that did not arrive are reported
-  through ``get_block_ids_with_load_errors`` no later than that, and vLLM recomputes
+  through ``get_block_ids_with_load_errors`` no later than that (by request on a
+  hybrid cache: ``client.vllm.load_errors``), and vLLM recomputes
   them. Every worker reports every load it was given, so with several TP workers
   vLLM's ``KVOutputAggregator`` sees a request finished only once all have. Layer-wise
   loads (``LoadSpec.layerwise``) run in the step's forward instead
@@ -25,7 +26,6 @@ on threads of their own, so nothing blocks the engine step for a transfer.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
@@ -45,6 +45,7 @@ from client.sync_client import KVCacheClient
 from client.vllm.cache_checks import layer_groups_of, stage_layout
 from client.vllm.drafts import DraftFacts, DraftPages, draft_layout, rank_draft_client
 from client.vllm.events import SaveOutcomes
+from client.vllm.load_errors import LoadErrors
 from client.vllm.metadata import GatherSpec, KVStoreConnectorMetadata, LoadSpec
 from client.vllm.options import (
     ConnectorOptions,
@@ -99,9 +100,7 @@ class ConnectorWorker:
         self._conf = conf
         self._options = options
         self._stats = stats
-        # guards the load errors, which the engine thread and the loader threads share
-        # (taken before the stats recorder's lock, never after it)
-        self._lock = threading.Lock()
+        self._load_errors = LoadErrors(stats)  # by block, or by request on a hybrid cache
         self._refusals = RefusalLog(stats)
         self._block_size = vllm_config.cache_config.block_size
         self._client: KVCacheClient | None = None
@@ -109,7 +108,6 @@ class ConnectorWorker:
         self._loader: ThreadPoolExecutor | None = None
         self._loading: dict[str, Future] = {}
         self._unloadable: set[str] = set()  # loads given to a worker that cannot load
-        self._load_errors: set[int] = set()
         # saves copied out and not yet published, and their outcomes for the scheduler's
         # KV events (client.vllm.events)
         self._saves = SaveQueue(conf.max_pending_save_bytes, stats, self._refusals.refused)
@@ -132,6 +130,7 @@ class ConnectorWorker:
             layout = stage_layout(self._vllm_config, names, layers, self._block_size, pp_rank)
             self._cache = PagedCache(layers, layout)
             self._layer_groups = layer_groups_of(self._kv_cache_config, names)
+            self._load_errors.by_request = bool(self._layer_groups)
             missing = [n for n in draft_names if n not in kv_caches]
             if missing:  # the scheduler looks the draft's pages up: this worker must load them
                 raise KVStoreError(f"the draft's KV caches {missing[:2]} are not on this worker")
@@ -206,8 +205,7 @@ class ConnectorWorker:
             after.record()
         for spec in meta.loads:
             if self._page_loader is None or self._loader is None:
-                with self._lock:
-                    self._load_errors.update(ids_from(spec, spec.start_block))
+                self._load_errors.fail(spec.req_id, ids_from(spec, spec.start_block))
                 self._unloadable.add(spec.req_id)
                 continue
             if spec.layerwise and self._layerwise is not None:
@@ -277,26 +275,22 @@ class ConnectorWorker:
             if not future.done():
                 continue
             del self._loading[req_id]
-            self._record(future.result())
+            self._load_errors.record(future.result(), req_id)
             done.add(req_id)
         draft = self._draft.client if self._draft is not None else None
         self._devices.report([c.stats for c in (self._client, draft) if c is not None])
         return None, done or None
 
-    def _record(self, outcome: LoadOutcome) -> None:
-        """A finished load's failed blocks (reported to vLLM) and counts."""
-        with self._lock:
-            self._load_errors.update(outcome.failed)
-            self._stats.count(load_bytes=outcome.nbytes, load_failed_blocks=len(outcome.failed))
-            self._stats.stats.observe("load_seconds", outcome.seconds)
-
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Engine thread, after the forward: this step's layer-wise loads end here."""
         for _, outcome in self._layerwise.finish() if self._layerwise is not None else []:
-            self._record(outcome)
-        with self._lock:
-            errors, self._load_errors = self._load_errors, set()
-        return errors
+            self._load_errors.record(outcome, None)
+        return self._load_errors.take_blocks()
+
+    def take_failed_loads(self) -> set[str]:
+        """Engine thread: requests whose loads failed, on a cache of several KV-cache
+        groups (``client.vllm.load_errors``), reported as vLLM's ``failed_recving``."""
+        return self._load_errors.take_requests()
 
     # ---- saves ---------------------------------------------------------------------
 
