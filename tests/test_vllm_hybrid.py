@@ -238,3 +238,17 @@ def test_a_mamba_hybrid_is_refused_in_one_line_and_runs_without_lookups(nemotron
     refusals = [line for line in out["log"].splitlines() if "cannot use the store" in line]
     assert len(refusals) == 1 and "Mamba" in refusals[0], refusals
     assert not out["metrics"].get("lookups") and not out["metrics"].get("save_bytes")
+
+
+def test_a_hybrid_engine_never_loads_layer_by_layer():
+    """A layer-wise load fails within its step, and vLLM takes a hybrid engine's failed
+    loads only by request, for loads the request waits on: so none, even when asked."""
+    from client.vllm.options import connector_options, layerwise_loads
+
+    for setting in ("auto", "on", "off"):
+        conf, _ = connector_options(
+            {"redis_url": "redis://127.0.0.1:1/0", "layerwise_loads": setting}
+        )
+        assert not layerwise_loads(conf, hybrid=True, draft=False)
+    conf, _ = connector_options({"redis_url": "redis://127.0.0.1:1/0", "layerwise_loads": "on"})
+    assert layerwise_loads(conf, hybrid=False, draft=False)

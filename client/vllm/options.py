@@ -77,7 +77,8 @@ class ConnectorOptions(BaseModel):
         "auto",
         description=(
             "load a hit during the forward pass, layer by layer, instead of before the request"
-            " is scheduled (auto: on CUDA engines without hybrid groups or a draft)"
+            " is scheduled (auto: on CUDA engines without hybrid groups or a draft; never on"
+            " a hybrid engine)"
         ),
     )
     staging_bytes: ByteSize = Field(
@@ -189,7 +190,12 @@ def unknown_key(extra: dict[str, Any]) -> None:
 def layerwise_loads(conf: ConnectorOptions, *, hybrid: bool, draft: bool) -> bool:
     """Whether hits load during the forward pass, layer by layer (``layerwise_loads``;
     auto: on CUDA engines, where loads land straight in device memory, without hybrid
-    groups or a draft, whose pages land whole)."""
+    groups or a draft, whose pages land whole). Never on a hybrid engine, ``on`` or
+    not: vLLM takes its failed loads only by request, for loads the request waits on
+    before it is scheduled (``client.vllm.load_errors``), and a layer-wise load's
+    failure would stop the engine."""
+    if hybrid:
+        return False
     if conf.layerwise_loads != "auto":
         return conf.layerwise_loads == "on"
     from vllm.platforms import current_platform
