@@ -108,33 +108,15 @@ def test_a_lookup_is_one_round_trip_per_shard_and_one_read_per_segment(
     )  # loads the script where needed and leases every segment: none renews below
     nodes = index.live_nodes()
     servers = valkey.shards if isinstance(valkey, EmbeddedValkeyCluster) else [valkey]
-    seen: list[list[dict]] = [[] for _ in servers]
-    readers = []
-    for server, out in zip(servers, seen):
-        monitor = redis.Redis.from_url(server.url).monitor().__enter__()
-        readers.append((threading.Thread(target=_collect, args=(monitor, out)), monitor))
-    for reader, _ in readers:
-        reader.start()
-    time.sleep(0.1)
-    result = index.lookup(namespace, hashes).resolve(nodes)
-    for server in servers:
-        redis.Redis.from_url(server.url).echo("monitor-done")
-    for reader, monitor in readers:
-        reader.join(10)
-        monitor.__exit__(None, None, None)
-    assert result.matched == count
+    found = []
+    seen = _monitored(servers, lambda: found.append(index.lookup(namespace, hashes).resolve(nodes)))
+    assert found[0].matched == count
     per_shard = [0] * len(servers)
     for s, _ in keys.segments(count):
         per_shard[
             index._router.topology.shard_of(keys.segment_key(namespace.key.prefix, hashes[s]))
         ] += 1
-    for segments, out in zip(per_shard, seen):
-        sent = [
-            c["command"].split()[0]
-            for c in out
-            if c["client_type"] != "lua"
-            and c["command"].split()[0] in ("GET", "PTTL", "SET", "PEXPIRE", "EVALSHA")
-        ]
+    for segments, sent in zip(per_shard, map(_data_commands, seen)):
         # a shard with one segment gets GET and PTTL (the lease is fresh: no renewal),
         # one with more a single script call, one with none nothing
         assert sent == (
@@ -145,9 +127,9 @@ def test_a_lookup_is_one_round_trip_per_shard_and_one_read_per_segment(
     assert reads == len(keys.segments(count))
 
 
-def _sent(servers, action) -> list[str]:
-    """The data commands clients sent to ``servers`` (not a script's own) while
-    ``action`` ran, in order."""
+def _monitored(servers, action) -> list[list[dict]]:
+    """Per server of ``servers``, what MONITOR saw while ``action`` ran (scripts' own
+    commands included)."""
     seen: list[list[dict]] = [[] for _ in servers]
     readers = []
     for server, out in zip(servers, seen):
@@ -162,13 +144,22 @@ def _sent(servers, action) -> list[str]:
     for reader, monitor in readers:
         reader.join(10)
         monitor.__exit__(None, None, None)
+    return seen
+
+
+def _data_commands(out: list[dict]) -> list[str]:
+    """The data commands clients sent (not a script's own), in order."""
     return [
         c["command"].split()[0]
-        for out in seen
         for c in out
         if c["client_type"] != "lua"
         and c["command"].split()[0] in ("GET", "PTTL", "SET", "PEXPIRE", "EVALSHA")
     ]
+
+
+def _sent(servers, action) -> list[str]:
+    """The data commands clients sent to ``servers`` while ``action`` ran, in order."""
+    return [command for out in _monitored(servers, action) for command in _data_commands(out)]
 
 
 def test_a_due_lease_is_renewed_in_the_lookups_one_round_trip(index, namespace, valkey):
