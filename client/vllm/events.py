@@ -55,7 +55,7 @@ from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored, KVCacheEvent, KV
 
 from client.vllm.metadata import SaveSpec
 from client.vllm.stats import StatsRecorder
-from kvstore.events.profiles import PROFILES, EventProfile
+from kvstore.events.profiles import PROFILES, EventProfile, u64_hash
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -68,7 +68,6 @@ log = logging.getLogger(__name__)
 OUTCOME_WAIT_S = 60.0
 # Events waiting for their workers' answers, at most (past it the oldest is given up).
 MAX_PENDING = 10_000
-_U64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -190,8 +189,7 @@ class StoredEvents:
         lora = request.lora_request
         event = BlockStored(
             block_hashes=[
-                int.from_bytes(hashes[i], "big") & _U64 if self._int_hashes else hashes[i]
-                for i in range(blocks)
+                u64_hash(hashes[i]) if self._int_hashes else hashes[i] for i in range(blocks)
             ],
             parent_block_hash=None,
             token_ids=token_ids,
