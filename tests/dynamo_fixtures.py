@@ -5,6 +5,7 @@ puts and prompts the tests feed a node."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -24,18 +25,26 @@ INSTANCE = 7  # the worker id the node is registered under in Dynamo's indexer
 
 
 def _dynamo_python() -> tuple[str, str] | None:
-    """(interpreter, ai-dynamo-runtime version) of the first interpreter that imports
-    ``dynamo.indexer``: ``KVSTORE_DYNAMO_PYTHON``, then this one."""
-    probe = "import dynamo.indexer, importlib.metadata as m; print(m.version('ai-dynamo-runtime'))"
-    for python in (os.environ.get("KVSTORE_DYNAMO_PYTHON"), sys.executable):
-        if not python or (python == sys.executable and importlib.util.find_spec("dynamo") is None):
-            continue
+    """(interpreter, ai-dynamo-runtime version) of the first interpreter whose packages
+    hold ``dynamo.indexer``: ``KVSTORE_DYNAMO_PYTHON``'s virtualenv, then this one.
+
+    Read from the virtualenv's files, not by starting the interpreter: this runs when the
+    test files are collected, and the fast tier refuses a Python process there
+    (tests/conftest.py). A broken install then fails the tests instead of skipping them."""
+    external = os.environ.get("KVSTORE_DYNAMO_PYTHON")
+    if external:
+        root = Path(external).parent.parent
+        for site in sorted(root.glob("lib/python3*/site-packages")):
+            if (site / "dynamo" / "indexer").is_dir():
+                for dist in importlib.metadata.distributions(path=[str(site)]):
+                    if dist.metadata["Name"] == "ai-dynamo-runtime":
+                        return external, dist.version
+    if importlib.util.find_spec("dynamo") is not None:
         try:
-            out = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60)
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        if out.returncode == 0:
-            return python, out.stdout.strip()
+            if importlib.util.find_spec("dynamo.indexer") is not None:
+                return sys.executable, importlib.metadata.version("ai-dynamo-runtime")
+        except (ImportError, importlib.metadata.PackageNotFoundError):
+            pass
     return None
 
 
