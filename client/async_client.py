@@ -240,11 +240,14 @@ class AsyncKVCacheClient:
         found = await self.find(token_ids, identity=identity)
         return None if found is None else found.tokens
 
-    async def find(self, token_ids: Any, *, identity: Identity = None) -> StoredPrefix | None:
+    async def find(
+        self, token_ids: Any, *, identity: Identity = None, last: bool = False
+    ) -> StoredPrefix | None:
         """``lookup_checked``, keeping what the lookup found so that ``get_found`` (in
         this client or another process's) can fetch it without a second index round
-        trip. None when the index could not answer at all."""
-        return await self.lookups.find(token_ids, identity)
+        trip. None when the index could not answer at all. ``last``: a chain stored at
+        some blocks only, found up to the last (``PrefixLookup.find``)."""
+        return await self.lookups.find(token_ids, identity, last=last)
 
     def stored_prefix(self, joined: bytes, result: Any) -> StoredPrefix:
         """What ``find`` returns for the lookup of ``joined`` that gave ``result``."""

@@ -167,7 +167,12 @@ class KVCacheClient:
         return None if found is None else found.tokens
 
     def find(
-        self, token_ids: Any, timeout: float | None = None, *, identity: Identity = None
+        self,
+        token_ids: Any,
+        timeout: float | None = None,
+        *,
+        identity: Identity = None,
+        last: bool = False,
     ) -> StoredPrefix | None:
         """``AsyncKVCacheClient.find`` within ``timeout`` seconds (the client's index
         timeout when None); past it the lookup gives None.
@@ -180,13 +185,14 @@ class KVCacheClient:
         no longer reads it in its own round trip (paused lookups in bench/lookup.py).
         Until the namespace is registered, or when the list went stale while the client
         was idle (``client.nodes.directory.KEEP_FRESH_S``), the call goes through the loop, which
-        registers the namespace and reads the list first."""
+        registers the namespace and reads the list first. ``last``: a chain stored at
+        some blocks only (``PrefixLookup.find``)."""
         inner = self._async
         nodes = inner.nodes.fresh() if inner.namespace_registered else None
         if nodes is None:
-            return self._read(inner.find(token_ids, identity=identity), None, timeout)
+            return self._read(inner.find(token_ids, identity=identity, last=last), None, timeout)
         index = self._index(timeout)
-        return inner.lookups.find_blocking(index, token_ids, nodes, identity)
+        return inner.lookups.find_blocking(index, token_ids, nodes, identity, last=last)
 
     def _index(self, timeout: float | None) -> PageIndex:
         """The caller's index connection whose reads wait at most ``timeout`` (the

@@ -20,6 +20,7 @@ DOCUMENTED = {
     "vllm_cpu": (LAYERS, HEADS, BLOCK, 2 * HEAD),
     "vllm_flash": (LAYERS, 2, BLOCK, HEADS, HEAD),
     "vllm_mla": (LAYERS, HEADS, BLOCK, HEAD),
+    "vllm_mamba_state": (LAYERS, HEADS, HEAD),  # a state's bytes do not grow with the block
 }
 
 

@@ -44,7 +44,9 @@ class StoredPrefix:
     object per block would cost the scheduler's lookup 0.35 ms at 8,192 blocks and its
     pickling more; only workers split them); ``result``: their live replicas, every head
     group in ``units`` (first, count); ``taken``: the wall-clock time of the lookup,
-    whose read lease (``lease_ms``) runs from then."""
+    whose read lease (``lease_ms``) runs from then. ``last``: only the last block's page
+    is stored and fetched (a hybrid model's boundary state, ``PrefixLookup.find`` with
+    ``last``)."""
 
     storage: str  # digest of the storage namespace
     block_size: int
@@ -53,6 +55,7 @@ class StoredPrefix:
     result: LookupResult
     taken: float
     lease_ms: int
+    last: bool = False
 
     @property
     def blocks(self) -> int:
@@ -107,41 +110,57 @@ class PrefixLookup:
             self._storage, token_ids, resolve(identity, self._storage.block_size, len(token_ids))
         )
 
-    async def find(self, token_ids: Any, identity: Identity = None) -> StoredPrefix | None:
+    async def find(
+        self, token_ids: Any, identity: Identity = None, *, last: bool = False
+    ) -> StoredPrefix | None:
         """The stored prefix of ``token_ids`` (None on an index fault), registering the
-        namespace first while that has not succeeded."""
+        namespace first while that has not succeeded. ``last``: the chain's pages are
+        stored at some blocks only (a hybrid model's boundary states): the prefix up to
+        the last block stored, whose page alone it holds (``IndexLookup.resolve``). Its
+        blocks must lie within the chain's first run of 64-block segments that each hold
+        one (``kvstore.pages.keys``): a lookup stops at the first segment with none."""
         joined = self.chain_hashes(token_ids, identity)
-        return self._prefix(joined, await self.lookup(joined) if joined else LookupResult.empty())
+        result = await self.lookup(joined, last=last) if joined else LookupResult.empty()
+        return self._prefix(joined, result, last)
 
     def find_blocking(
-        self, index: PageIndex, token_ids: Any, nodes: list[NodeInfo], identity: Identity = None
+        self,
+        index: PageIndex,
+        token_ids: Any,
+        nodes: list[NodeInfo],
+        identity: Identity = None,
+        *,
+        last: bool = False,
     ) -> StoredPrefix | None:
         """``find`` in the caller's thread over ``index`` (its reads bound its wait),
         against ``nodes`` (``NodeDirectory.fresh``), for a registered namespace."""
         joined = self.chain_hashes(token_ids, identity)
         if not joined:
-            return self._prefix(joined, LookupResult.empty())
+            return self._prefix(joined, LookupResult.empty(), last)
         try:
             found = self._ask(index, joined, ())
         except (RemoteFault, IndexScriptError) as exc:
             self._failed(exc)
             return None
-        return self._prefix(joined, self._resolve(found, nodes))
+        return self._prefix(joined, self._resolve(found, nodes, last), last)
 
     async def lookup(
-        self, hashes: list[bytes] | bytes, breaks: Sequence[int] = ()
+        self, hashes: list[bytes] | bytes, breaks: Sequence[int] = (), *, last: bool = False
     ) -> LookupResult | None:
         """The index's answer for ``hashes`` (chains start at 0 and at each of
-        ``breaks``) with replicas of stale incarnations dropped; None on an index fault."""
+        ``breaks``) with replicas of stale incarnations dropped; None on an index fault.
+        ``last``: as ``find``'s."""
         await self._registration.ensure()
         try:
             found = await self._ask(self._index, hashes, breaks)
         except (RemoteFault, IndexScriptError) as exc:
             self._failed(exc)
             return None
-        return self._resolve(found, await self._nodes.current())
+        return self._resolve(found, await self._nodes.current(), last)
 
-    def stored_prefix(self, joined: bytes, result: LookupResult) -> StoredPrefix:
+    def stored_prefix(
+        self, joined: bytes, result: LookupResult, last: bool = False
+    ) -> StoredPrefix:
         """What ``find`` returns for the lookup of ``joined`` that gave ``result``."""
         units = self._units
         return StoredPrefix(
@@ -152,6 +171,7 @@ class PrefixLookup:
             result,
             time.time(),
             self._index.lease_ms,
+            last,
         )
 
     def check_found(self, found: StoredPrefix) -> None:
@@ -178,7 +198,7 @@ class PrefixLookup:
         if 0 <= age < found.lease_ms / 2000:
             return found.result.narrow(self._heads.first - found.units[0], self._heads.count)
         self._stats.stale_finds += 1
-        return await self.lookup(found.joined)
+        return await self.lookup(found.joined, last=found.last)
 
     def _ask(
         self, index: PageIndex | AsyncPageIndex, hashes: list[bytes] | bytes, breaks: Sequence[int]
@@ -187,10 +207,14 @@ class PrefixLookup:
         self._stats.lookups += 1
         return index.lookup(self._storage, hashes, breaks=breaks, units=self._units)
 
-    def _prefix(self, joined: bytes, result: LookupResult | None) -> StoredPrefix | None:
-        return None if result is None else self.stored_prefix(joined, result)
+    def _prefix(
+        self, joined: bytes, result: LookupResult | None, last: bool = False
+    ) -> StoredPrefix | None:
+        return None if result is None else self.stored_prefix(joined, result, last)
 
-    def _resolve(self, found: IndexLookup, nodes: list[NodeInfo]) -> LookupResult | None:
+    def _resolve(
+        self, found: IndexLookup, nodes: list[NodeInfo], last: bool = False
+    ) -> LookupResult | None:
         """The index's answer with replicas of stale incarnations dropped (an entry
         counts only while the registry names the same incarnation of its node). A shard
         that failed after the first segment shortens the prefix; one that failed on the
@@ -207,7 +231,7 @@ class PrefixLookup:
                 "an index shard failed, the prefix ends before its segments: %s",
                 found.unavailable,
             )
-        return found.resolve(nodes)
+        return found.resolve(nodes, last=last)
 
     def _failed(self, exc: KVStoreError) -> None:
         """A lookup the index could not answer: counted and logged, a miss (None)."""

@@ -249,10 +249,13 @@ class IndexLookup:
     need: np.ndarray  # units asked per position (1 for whole pages), ``covered`` long
     unavailable: KVStoreError | None = None
 
-    def resolve(self, nodes: Sequence[NodeInfo]) -> LookupResult:
+    def resolve(self, nodes: Sequence[NodeInfo], *, last: bool = False) -> LookupResult:
         """Keep the records of the registry's current incarnations; the prefix ends at the
         first position lacking a live record of some unit asked there. Vectorised: 8,192
-        pages take well under a millisecond."""
+        pages take well under a millisecond. ``last``: a chain whose pages are stored at
+        some positions only (a hybrid model's boundary states, client.vllm.states): the
+        prefix ends after the last position with a live record of every unit, and only
+        that position's records are kept."""
         live = {n.number: n for n in nodes}
         size = max(live, default=0) + 1
         tags = np.zeros(size, dtype="<u8")
@@ -272,8 +275,13 @@ class IndexLookup:
             has[: self.covered] = (
                 np.bincount(distinct // width, minlength=self.covered)[: self.covered] == self.need
             )
-        matched = int(np.argmin(has))
-        keep = ok & (self.positions < matched)
+        if last:
+            stored = np.flatnonzero(has)
+            matched = int(stored[-1]) + 1 if len(stored) else 0
+            keep = ok & (self.positions == matched - 1)
+        else:
+            matched = int(np.argmin(has))
+            keep = ok & (self.positions < matched)
         return LookupResult(
             matched,
             select_records(self.records, keep),

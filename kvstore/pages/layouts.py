@@ -28,13 +28,17 @@ class PageLayout:
     engine's per-layer cache tensor whose blocks have this layout, or () where no
     engine's cache does (``kv_lbhd``, the insert/select API's own). ``latent``: an MLA
     layout, whose "head" is one latent row per token (``head_size`` is the latent
-    width, and there is one head on every TP rank)."""
+    width, and there is one head on every TP rank). ``sparse``: a chain of this layout
+    holds pages at some blocks only, each standing for the prefix up to it (a hybrid
+    model's boundary states, found up to the last one stored); a prefix of the same
+    model's attention pages is usable up to such a page only."""
 
     name: str
     page_dims: tuple[str, ...]
     cache_dims: tuple[str, ...] = ()
     latent: bool = False
     description: str = ""
+    sparse: bool = False
 
     def sizes(self, *, layers: int, block_size: int, heads: int, head_size: int) -> dict[str, int]:
         return {
@@ -100,6 +104,15 @@ LAYOUTS: dict[str, PageLayout] = {
             latent=True,
             description="[layers, 1, block_size, latent]: vLLM MLA, one latent row of "
             "kv_lora_rank + rope dims per token, the same on every TP rank",
+        ),
+        PageLayout(
+            "vllm_mamba_state",
+            ("L", "H", "D"),
+            description="[state layers, TP shares, state bytes]: the state of a hybrid "
+            "model's Mamba or linear-attention layers after a block boundary (int8, each "
+            "layer's state tensors back to back as vLLM keeps them in a block), stored as "
+            "the last block of that prefix only (client.vllm.states)",
+            sparse=True,
         ),
     )
 }
