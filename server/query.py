@@ -11,7 +11,10 @@ the one ``KVCacheClient.lookup`` makes (``PageIndex.lookup``, with the live node
 the same round trip). The answer per namespace: the longest stored prefix in tokens
 and blocks, the blocks each live node holds of it, and, for the answering node, how
 many of them are in its memory ("CPU") and only on its disk ("DISK"); the best
-namespace's figures on top.
+namespace's figures on top. A hybrid state-space model's attention pages count up to
+its last boundary state stored (``PageLayout.sparse``, client.vllm.states: what an
+engine can load), asked in one more round trip; the states' own namespaces are not
+listed. ``query_by_hash`` answers the namespace its hashes are of, unpaired.
 
 Authorized like the data plane: the bearer token (``Authorization: Bearer <token>``)
 must name a credential of the node's credentials file that may read the tenant asked
@@ -40,6 +43,7 @@ from kvstore.index import IndexLookup, NodeInfo, PageIndex
 from kvstore.pages.hashing import HASH_BYTES, block_hash_bytes
 from kvstore.pages.heads import rank_units, unit_hashes
 from kvstore.pages.identity import NO_EXTRAS, RequestIdentity
+from kvstore.pages.layouts import LAYOUTS
 from kvstore.pages.namespace import TENANT_PATTERN, Namespace
 from kvstore.security.credentials import CredentialFile
 from server.query_body import QueryParams, binary_query, json_query
@@ -194,15 +198,43 @@ class PrefixQuery:
         if len(tokens) > MAX_TOKENS:
             raise ValueError(f"at most {MAX_TOKENS} token ids, got {len(tokens)}")
         identity = RequestIdentity(adapter=req.lora_name, cache_salt=req.cache_salt)
+
+        def hashed(ns: Namespace, count: int) -> bytes:
+            extras = NO_EXTRAS if identity.empty else identity.block_extras(ns.block_size, count)
+            return block_hash_bytes(ns, tokens[:count], extras)
+
+        spaces = [
+            ns
+            for ns in self._namespaces(req.model, req.tenant)
+            if req.block_size is None or ns.block_size == req.block_size
+        ]
+        states = [ns for ns in spaces if LAYOUTS[ns.layout].sparse]
         answers = []
-        for ns in self._namespaces(req.model, req.tenant):
-            if req.block_size is not None and ns.block_size != req.block_size:
+        for ns in spaces:
+            if ns in states:  # answered through the pages they complete
                 continue
-            extras = (
-                NO_EXTRAS if identity.empty else identity.block_extras(ns.block_size, len(tokens))
-            )
-            answers.append(self._lookup(ns, block_hash_bytes(ns, tokens, extras)))
+            joined = hashed(ns, len(tokens))
+            answer = self._lookup(ns, joined)
+            partners = [s for s in states if _completes(s, ns)]
+            if partners and answer.blocks:
+                # a hybrid state-space model's prefix ends at its last boundary state
+                last = max(self._last(s, hashed(s, answer.tokens)) for s in partners)
+                if last < answer.blocks:
+                    answer = self._lookup(ns, joined[: HASH_BYTES * last])
+            answers.append(answer)
         return _best(req.model, self.node_id, answers)
+
+    def _last(self, ns: Namespace, joined: bytes) -> int:
+        """Blocks up to the last page stored of a sparse chain (``PageLayout.sparse``)
+        whose every unit a live node holds: one more index round trip."""
+        units = rank_units(ns)
+        with self._lock:
+            found, nodes = self.index.lookup(
+                ns, joined, units=(units.first, units.count), with_nodes=True
+            )
+        if isinstance(nodes, Exception):
+            raise nodes
+        return found.resolve(nodes, last=True).matched
 
     def query_by_hash(self, req: HashQueryRequest) -> QueryAnswer:
         joined = req.joined()
@@ -316,6 +348,13 @@ def _blocks_per_node(
             blocks = int((np.bincount(distinct // count) == count).sum())
         out[live[number].node_id] = blocks
     return out
+
+
+def _completes(state: Namespace, pages: Namespace) -> bool:
+    """Whether the sparse namespace ``state`` holds the boundary states of the same
+    engines as ``pages`` (the attention pages of one hybrid model): the same block
+    size and weights (model and tenant are asked alike)."""
+    return (state.block_size, state.weights) == (pages.block_size, pages.weights)
 
 
 def _best(model: str | None, node_id: str, answers: list[NamespaceAnswer]) -> QueryAnswer:

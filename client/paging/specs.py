@@ -29,6 +29,10 @@ class LoadSpec:
     # Loaded during this step's forward, layer by layer (client.paging.layerwise), not
     # before the request is scheduled again.
     layerwise: bool = False
+    # A hybrid state-space model's state at the hit's last boundary (found with
+    # ``last``), loaded into ``state_block_ids`` (one block per state group).
+    state_found: StoredPrefix | None = None
+    state_block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -68,6 +68,12 @@ from client.vllm.options import (
 )
 from client.vllm.preflight import check_config_being_built
 from client.vllm.scheduler import ConnectorScheduler
+from client.vllm.states import (
+    page_namespace_layers,
+    rank_state_client,
+    state_facts,
+    state_refusal,
+)
 from client.vllm.stats import KVStoreConnectorStats, KVStorePromMetrics, StatsRecorder
 from client.vllm.support import hybrid_groups, unsupported, vllm_ranks
 from client.vllm.worker import ConnectorWorker
@@ -124,10 +130,10 @@ def adopt_vllm_logging() -> None:
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM builds one per role (see the module docstring). ``SupportsHMA``: vLLM keeps
     its hybrid KV-cache manager on for engines that name this connector. Sliding-window
-    models are then served with their groups' own block ids (``client.vllm.support``);
-    Mamba and linear-attention hybrids are refused in one line and run without the store
-    (without the claim vLLM could not even start them: it would try to fold their
-    state-space layers into one attention group)."""
+    models are then served with their groups' own block ids (``client.vllm.support``),
+    Mamba and linear-attention hybrids with their states at block boundaries beside the
+    attention pages (``client.vllm.states``; without the claim vLLM could not even
+    start them: it would try to fold their state-space layers into one attention group)."""
 
     def __init__(
         self,
@@ -164,8 +170,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: ConnectorWorker | None = None
         # An engine the store cannot serve says so in one line and runs without it.
         drafts = draft_facts(vllm_config, kv_cache_config)
+        states = state_facts(kv_cache_config)
         refusal = (
             unsupported(vllm_config, kv_cache_config)
+            or state_refusal(vllm_config, states)
             or (
                 draft_refusal(vllm_config, kv_cache_config, drafts)
                 if drafts is not None and kv_cache_config is not None
@@ -196,8 +204,14 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                     tp_rank=0,
                     pp_rank=0,
                     all_heads=True,
+                    page_layers=page_namespace_layers(states),
                 )
                 if loads
+                else None
+            )
+            state_client = (
+                rank_state_client(vllm_config, conf, options, states, "SCHEDULER", all_heads=True)
+                if loads and states is not None
                 else None
             )
             draft_client = (
@@ -234,6 +248,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 layerwise=layerwise_loads(
                     conf, hybrid=hybrid_groups(kv_cache_config), draft=drafts is not None
                 ),
+                states=states,
+                state_client=state_client,
             )
         else:
             self._worker = ConnectorWorker(
@@ -244,6 +260,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 enabled=refusal is None,
                 kv_cache_config=kv_cache_config,
                 drafts=drafts,
+                states=states,
                 ranks=ranks,
                 device=device,
             )

@@ -162,6 +162,11 @@ class StoredEvents:
         # Read when a save is announced: the engine core resolves the config's
         # hash_block_size after it creates the connector.
         self._kv_cache_config = kv_cache_config
+        # the KV-cache group the pages are of: the first attention group (a state-space
+        # hybrid's group 0 may hold its states)
+        groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+        kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+        self._group = next((g for g, kind in enumerate(kinds) if kind != "MambaSpec"), 0)
         # vLLM's maybe_convert_block_hash reads this variable for every block (3 µs each:
         # 0.4 ms of the scheduler's step for an 8,192-token prompt); read once, it cannot
         # change under a running engine. The conversion is vLLM's (tests compare).
@@ -198,7 +203,7 @@ class StoredEvents:
             medium=MEDIUM_CPU,
             lora_name=lora.name if lora else None,
             extra_keys=_extra_keys(request, blocks, self._block_size),
-            group_idx=0,
+            group_idx=self._group,
             locality=self._profile.remote,
             ownership=self._profile.ownership,
             session_id=getattr(request, "session_id", None),

@@ -11,8 +11,9 @@ except ImportError:  # the load path without vLLM (bench/gpu_check.py on a GPU h
     KVConnectorMetadata = object  # type: ignore[misc,assignment]
 
 from client.paging.specs import GatherSpec, LoadSpec, SaveSpec
+from client.vllm.states import StateSpec
 
-__all__ = ["GatherSpec", "KVStoreConnectorMetadata", "LoadSpec", "SaveSpec"]
+__all__ = ["GatherSpec", "KVStoreConnectorMetadata", "LoadSpec", "SaveSpec", "StateSpec"]
 
 
 @dataclass
@@ -20,6 +21,7 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     gathers: list[GatherSpec] = field(default_factory=list)
+    states: list[StateSpec] = field(default_factory=list)  # boundary states to save
     # requests whose gathered pages will not be saved
     dropped: list[str] = field(default_factory=list)
     idle: bool = False  # the step computes nothing: the engine only waits for transfers

@@ -235,10 +235,13 @@ def engine_namespace(
     tp_rank: int,
     pp_rank: int,
     weights: str = "",
+    page_layers: int | None = None,
 ) -> Namespace:
     """The namespace of this engine's pages for one TP/PP rank; ``weights``: its
     ``engine_weights``. With layer groups (pipeline parallelism, or ``layer_groups``) it
-    names the stage's layers among the model's, so every PP split shares the storage."""
+    names the stage's layers among the model's, so every PP split shares the storage.
+    ``page_layers``: the layers a page holds when not every layer of the stage
+    (a state-space hybrid's attention layers, ``client.vllm.states``)."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     groups = layer_groups(vllm_config, conf)
@@ -258,7 +261,7 @@ def engine_namespace(
         model,
         parallel,
         name=str(conf.model or model.model),
-        num_layers=end - start,
+        num_layers=page_layers or end - start,
         layout=layout,
         tp_rank=tp_rank,
         weights=weights,
@@ -336,9 +339,11 @@ def rank_client(
     pp_rank: int,
     all_heads: bool = False,
     device: Callable[[ClientStats], DeviceCopier | None] = default_copier,
+    page_layers: int | None = None,
 ) -> KVCacheClient:
     """A client for one rank's pages; with ``all_heads`` (the scheduler) for every head
-    group, so a lookup counts a block only when every worker can load it."""
+    group, so a lookup counts a block only when every worker can load it.
+    ``page_layers``: as ``engine_namespace``'s."""
     ns = engine_namespace(
         vllm_config,
         conf,
@@ -346,6 +351,7 @@ def rank_client(
         tp_rank=tp_rank,
         pp_rank=pp_rank,
         weights=engine_weights(vllm_config, options),
+        page_layers=page_layers,
     )
     if all_heads:  # the storage namespace is the TP=1 view of every head group
         ns = ns.storage

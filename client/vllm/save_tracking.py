@@ -7,7 +7,7 @@ once per step in ``build_connector_meta``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -50,11 +50,32 @@ class SaveTracker:
     """The requests the connector may save, from their first scheduling to their save
     (or their end). ``events``: the engine's KV events of saves, or None."""
 
-    def __init__(self, block_size: int, *, hybrid: bool, events: StoredEvents | None) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        *,
+        hybrid: bool,
+        events: StoredEvents | None,
+        groups: list[int] | None = None,
+    ) -> None:
+        """``groups``: the KV-cache groups whose blocks make pages (None: every group; a
+        state-space hybrid's state groups are saved apart, ``client.vllm.states``)."""
         self._block_size = block_size
         self._hybrid = hybrid
         self._events = events
+        self._groups = groups
         self._tracked: dict[str, Tracked] = {}
+
+    def _pages(self, block_ids: Sequence[Sequence[int]]) -> list[list[int]]:
+        """The block ids of the groups whose blocks make pages."""
+        if self._groups is None:
+            return [list(group) for group in block_ids]
+        return [list(block_ids[g]) for g in self._groups]
+
+    def prompt_of(self, req_id: str) -> tuple[list[int], BlockExtras] | None:
+        """A tracked request's prompt and identity (None: the connector does not save it)."""
+        tracked = self._tracked.get(req_id)
+        return None if tracked is None else (tracked.prompt, tracked.extras)
 
     def track(
         self,
@@ -75,7 +96,7 @@ class SaveTracker:
             ):
                 continue  # never tracked: nothing gathered or published
             self._tracked[new.req_id] = Tracked(
-                prompt.tokens, prompt.extras, [list(group) for group in new.block_ids], stored
+                prompt.tokens, prompt.extras, self._pages(new.block_ids), stored
             )
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -84,9 +105,9 @@ class SaveTracker:
             if tracked is None or new_blocks is None:
                 continue
             if req_id in cached.resumed_req_ids:  # preempted and resumed: a fresh block list
-                tracked.block_ids = [list(group) for group in new_blocks]
+                tracked.block_ids = self._pages(new_blocks)
             else:
-                for group, more in zip(tracked.block_ids, new_blocks):
+                for group, more in zip(tracked.block_ids, self._pages(new_blocks), strict=True):
                     group.extend(more)
 
     def gathers(self, scheduler_output: SchedulerOutput) -> list[GatherSpec]:
@@ -119,11 +140,14 @@ class SaveTracker:
         scheduler_output: SchedulerOutput,
         dropped: list[str],
         request_of: Callable[[str], Request | None],
+        announce: Callable[[str, int], int] | None = None,
     ) -> list[SaveSpec]:
         """The saves of tracked requests whose prefill (possibly over several chunks)
         completes with this step, each once. Hybrid: only of requests whose every page
         was gathered; the others' gathered pages are ``dropped``. ``request_of``: the
-        request vLLM asked about (for its save's KV event), given once."""
+        request vLLM asked about (for its save's KV event), given once; ``announce``:
+        how many of a request's ``full`` blocks its event may name (a state-space
+        hybrid's: up to its last boundary state stored), all of them when None."""
         computed_after = _computed_after_step(scheduler_output)
         saves = []
         for req_id, tracked in self._tracked.items():
@@ -140,9 +164,10 @@ class SaveTracker:
             if full > tracked.stored_blocks:
                 tokens = tracked.prompt[: full * self._block_size]
                 request = request_of(req_id)
+                named = full if announce is None else announce(req_id, full)
                 event_id = (
-                    self._events.expect(request, tokens, full)
-                    if self._events is not None and request is not None
+                    self._events.expect(request, tokens[: named * self._block_size], named)
+                    if self._events is not None and request is not None and named > 0
                     else None
                 )
                 if self._hybrid:

@@ -78,7 +78,7 @@ class SaveQueue:
     def submit(
         self,
         client: KVCacheClient,
-        staging: StagingPool,
+        staging: StagingPool | None,
         spec: SaveSpec,
         gathered: GatherResult,
         nbytes: int,
@@ -86,7 +86,8 @@ class SaveQueue:
         answers_event: bool = True,
     ) -> None:
         """Engine thread: hand one request's reserved pages to the saver thread
-        (``publish``), tracked in ``in_flight`` until published."""
+        (``publish``), tracked in ``in_flight`` until published. ``staging``: the pool
+        the pages go back to (None: pages of their own, a boundary state's)."""
         assert self._saver is not None, "submit before start"
         future = self._saver.submit(
             self.publish, client, staging, spec, gathered, nbytes, answers_event
@@ -97,7 +98,7 @@ class SaveQueue:
     def publish(
         self,
         client: KVCacheClient,
-        staging: StagingPool,
+        staging: StagingPool | None,
         spec: SaveSpec,
         gathered: GatherResult,
         nbytes: int,
@@ -136,7 +137,8 @@ class SaveQueue:
                 "failed", "save of %s failed (a future miss, not an error): %s", spec.req_id, exc
             )
         finally:
-            staging.give_pages(gathered.pages)
+            if staging is not None:
+                staging.give_pages(gathered.pages)
             self._stats.observe("save_seconds", time.perf_counter() - started)
             self.release(nbytes)
             if answers_event:

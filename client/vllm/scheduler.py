@@ -27,6 +27,7 @@ from client.vllm.identity import IdentityReader, KeyedPrompt, Unkeyable
 from client.vllm.metadata import KVStoreConnectorMetadata, LoadSpec
 from client.vllm.options import ConnectorOptions, lookup_breaker, request_switch
 from client.vllm.save_tracking import SaveTracker
+from client.vllm.states import StateFacts, boundary_saves
 from client.vllm.stats import StatsRecorder
 from kvstore.pages.identity import BlockExtras
 
@@ -61,8 +62,20 @@ class ConnectorScheduler:
         draft: KVCacheClient | None = None,
         draft_drop: int = 0,
         layerwise: bool = False,
+        states: StateFacts | None = None,
+        state_client: KVCacheClient | None = None,
     ) -> None:
+        """``states``: a hybrid state-space engine's groups (``client.vllm.states``),
+        ``state_client`` the states' lookups (None: a producer only)."""
         self._conf = conf
+        self._states = states
+        self._state_client = state_client
+        # the KV-cache groups whose blocks make pages: attention's (every group but a
+        # state-space hybrid's state groups)
+        self._page_groups = list(states.page_groups) if states is not None else None
+        # each request's last boundary (in blocks) whose state is stored or being saved:
+        # its KV event names no block past it, as no engine could load one
+        self._state_blocks: dict[str, int] = {}
         # hits are loaded in the step that computes the rest of their prompt, layer by
         # layer (client.paging.layerwise), not while the request waits
         self._layerwise = layerwise
@@ -80,7 +93,9 @@ class ConnectorScheduler:
         self._pending_loads: dict[str, LoadSpec] = {}
         # req id -> the blocks a load fills: each position's block id in every group
         self._loaded_blocks: dict[str, list[tuple[int, ...]]] = {}
-        self._saves = SaveTracker(block_size, hybrid=hybrid, events=events if saves else None)
+        self._saves = SaveTracker(
+            block_size, hybrid=hybrid, events=events if saves else None, groups=self._page_groups
+        )
         # Each request's prompt and identity, read once when vLLM first asks about it
         # (``get_num_new_matched_tokens``, before the request is first scheduled): its
         # lookups and its save key pages by both. A request vLLM never asked about, or
@@ -99,12 +114,13 @@ class ConnectorScheduler:
 
     def _find(
         self, client: KVCacheClient, tokens: list[int], extras: BlockExtras
-    ) -> tuple[StoredPrefix, StoredPrefix | None] | None:
+    ) -> tuple[StoredPrefix, StoredPrefix | None, StoredPrefix | None] | None:
         """The stored prefix of ``tokens`` in ``client`` (the scheduler's own, passed by
-        ``get_num_new_matched_tokens`` once it knows this side loads), and the draft's
-        of the same length when the engine stores a draft's pages; None (a miss) past
+        ``get_num_new_matched_tokens`` once it knows this side loads), the draft's of
+        the same length when the engine stores a draft's pages, and a state-space
+        hybrid's last state within it (the prefix then ends there); None (a miss) past
         the budget, on a fault or while the breaker is open. Never waits longer than the
-        budget (plus the cancellation's unwinding), both lookups together."""
+        budget (plus the cancellation's unwinding), all lookups together."""
         if not self._breaker.allow():
             self._stats.count(lookups_skipped=1)
             return None
@@ -114,6 +130,11 @@ class ConnectorScheduler:
         draft_found = None
         if found is not None and self._draft is not None:
             draft_found, found = self._draft_prefix(
+                found, tokens, extras, budget - (time.perf_counter() - started)
+            )
+        state_found = None
+        if found is not None and self._state_client is not None:
+            state_found, found = self._state_prefix(
                 found, tokens, extras, budget - (time.perf_counter() - started)
             )
         seconds = time.perf_counter() - started
@@ -132,7 +153,24 @@ class ConnectorScheduler:
                 "index lookups keep failing: every request is a miss for the next %.1f s",
                 self._breaker.current_cooldown,
             )
-        return None if found is None else (found, draft_found)
+        return None if found is None else (found, draft_found, state_found)
+
+    def _state_prefix(
+        self, found: StoredPrefix, tokens: list[int], extras: BlockExtras, budget: float
+    ) -> tuple[StoredPrefix | None, StoredPrefix | None]:
+        """The last state stored at a boundary within ``found`` and ``found`` cut there
+        (no state: no blocks); (None, None) when the states' lookup could not answer."""
+        assert self._state_client is not None
+        if not found.blocks:
+            return None, found
+        if budget <= 0:
+            return None, None
+        state = self._state_client.find(
+            tokens[: found.tokens], timeout=budget, identity=extras or None, last=True
+        )
+        if state is None:
+            return None, None
+        return (state if state.blocks else None), found.head(state.blocks)
 
     def _draft_prefix(
         self, found: StoredPrefix, tokens: list[int], extras: BlockExtras, budget: float
@@ -189,9 +227,10 @@ class ConnectorScheduler:
         pending = self._pending_loads.get(request.request_id)
         if pending is not None and pending.start_block * self._block_size == num_computed_tokens:
             # asked again while waiting for blocks: reuse
-            answer: tuple[StoredPrefix, StoredPrefix | None] | None = (
+            answer: tuple[StoredPrefix, StoredPrefix | None, StoredPrefix | None] | None = (
                 pending.found,
                 pending.draft_found,
+                pending.state_found,
             )
         else:
             answer = self._find(self._client, prompt[:usable], keyed.extras)
@@ -206,6 +245,7 @@ class ConnectorScheduler:
             num_computed_tokens // self._block_size,
             draft_found=answer[1],
             layerwise=self._layerwise,
+            state_found=answer[2],
         )
         return new, not self._layerwise
 
@@ -218,18 +258,24 @@ class ConnectorScheduler:
         if num_external_tokens == 0:
             del self._pending_loads[request.request_id]
             return
-        groups = [
-            list(ids)[: spec.found.tokens // self._block_size] for ids in blocks.get_block_ids()
-        ]
+        hit = spec.found.blocks
+        every = [list(ids)[:hit] for ids in blocks.get_block_ids()]
+        groups = [every[g] for g in self._page_groups] if self._page_groups else every
         spec.block_ids = groups[0]
         if self._hybrid:
             spec.group_block_ids = groups
+        if self._states is not None:  # each state group's block of the hit's last position
+            spec.state_block_ids = [
+                every[g][hit - 1] if len(every[g]) >= hit else 0 for g in self._states.state_groups
+            ]
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
         meta = KVStoreConnectorMetadata(idle=scheduler_output.total_num_scheduled_tokens == 0)
         for req_id, spec in list(self._pending_loads.items()):
             if spec.block_ids:
                 meta.loads.append(spec)
+                if spec.state_found is not None:
+                    self._state_blocks[req_id] = spec.found.blocks
                 self._loaded_blocks[req_id] = list(zip(*(spec.group_block_ids or [spec.block_ids])))
                 del self._pending_loads[req_id]
         if self._saves_enabled:
@@ -240,9 +286,20 @@ class ConnectorScheduler:
             )
             if self._hybrid:
                 meta.gathers.extend(self._saves.gathers(scheduler_output))
+            if self._states is not None:
+                states = boundary_saves(scheduler_output, self._states, self._saves.prompt_of)
+                for state in states:
+                    blocks = len(state.token_ids) // self._block_size
+                    self._state_blocks[state.req_id] = max(
+                        blocks, self._state_blocks.get(state.req_id, 0)
+                    )
+                meta.states.extend(states)
             meta.saves.extend(
                 self._saves.finished_prefills(
-                    scheduler_output, meta.dropped, lambda req_id: self._requests.pop(req_id, None)
+                    scheduler_output,
+                    meta.dropped,
+                    lambda req_id: self._requests.pop(req_id, None),
+                    self._announced if self._states is not None else None,
                 )
             )
         for req_id in scheduler_output.finished_req_ids:
@@ -270,7 +327,13 @@ class ConnectorScheduler:
                 self._loaded_blocks[req_id] = blocks[: bad[0]]
                 self._load_failed.add(req_id)
 
+    def _announced(self, req_id: str, full: int) -> int:
+        """A state-space hybrid's blocks its save's KV event names: up to its last
+        boundary state (``client.vllm.states``)."""
+        return min(full, self._state_blocks.get(req_id, 0))
+
     def _forget(self, req_id: str) -> None:
+        self._state_blocks.pop(req_id, None)
         self._saves.finish(req_id)
         self._pending_loads.pop(req_id, None)
         self._loaded_blocks.pop(req_id, None)
@@ -299,6 +362,7 @@ class ConnectorScheduler:
         return self._events is not None and self._events.waiting
 
     def shutdown(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        for client in (self._client, self._state_client, self._draft):
+            if client is not None:
+                client.close()
+        self._client = self._state_client = self._draft = None

@@ -100,11 +100,14 @@ def _groups_refusal(
     MLA, as ever; or, with vLLM's hybrid KV-cache manager on, groups of full attention
     and sliding-window attention of one page shape (``hybrid_groups``): every block is
     still stored as one page over all layers."""
-    groups = kv_cache_config.kv_cache_groups
+    every = kv_cache_config.kv_cache_groups
+    # a state-space hybrid's state groups are stored apart (client.vllm.states, which
+    # says which cannot be); its attention groups are checked here as any engine's
+    groups = [g for g in every if type(g.kv_cache_spec).__name__ != "MambaSpec"]
     kinds = [type(g.kv_cache_spec).__name__ for g in groups]
     listed = f"{len(groups)} KV-cache groups ({', '.join(kinds)})"
-    if "MambaSpec" in kinds:
-        return f"{listed}: state-space layers (MambaSpec): their states are not stored"
+    if not groups:
+        return None
     if len(groups) == 1:
         layer_kinds = _layer_kinds(groups[0]) if drafted else kinds
         other = [k for k in layer_kinds if k not in SUPPORTED_SPECS]
@@ -135,9 +138,9 @@ def _groups_refusal(
 
 def hybrid_groups(kv_cache_config: KVCacheConfig | None) -> bool:
     """Whether the engine runs several KV-cache groups (vLLM's hybrid KV-cache manager
-    with sliding-window layers): then each group has its own block ids per position and a
-    sliding group's blocks below the window are the null block 0 (``unsupported`` refuses
-    every other kind of several groups)."""
+    with sliding-window or state-space layers): then each group has its own block ids
+    per position and a sliding group's blocks below the window are the null block 0
+    (``unsupported`` refuses every other kind of several groups)."""
     return kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1
 
 

@@ -46,12 +46,13 @@ from client.vllm.cache_checks import layer_groups_of, stage_layout
 from client.vllm.drafts import DraftFacts, DraftPages, draft_layout, rank_draft_client
 from client.vllm.events import SaveOutcomes
 from client.vllm.load_errors import LoadErrors
-from client.vllm.metadata import GatherSpec, KVStoreConnectorMetadata, LoadSpec
+from client.vllm.metadata import GatherSpec, KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from client.vllm.options import (
     ConnectorOptions,
     rank_client,
 )
 from client.vllm.saver import SaveQueue
+from client.vllm.states import StateFacts, StatePages, StateSpec, rank_state_client
 from client.vllm.stats import DeviceCounts, RefusalLog, StatsRecorder
 from client.vllm.support import vllm_ranks
 from kvstore.errors import KVStoreError
@@ -83,10 +84,15 @@ class ConnectorWorker:
         enabled: bool = True,
         kv_cache_config: KVCacheConfig | None = None,
         drafts: DraftFacts | None = None,
+        states: StateFacts | None = None,
         ranks: Callable[[], tuple[int, int]] = vllm_ranks,
         device: Callable[[ClientStats], DeviceCopier | None] = default_copier,
     ) -> None:
         self._device = device  # builds the client's device copier (KVStoreConnector)
+        # A state-space hybrid's groups (client.vllm.states) and, once registered, its
+        # state layers' caches and client.
+        self._state_facts = states
+        self._states: StatePages | None = None
         self._vllm_config = vllm_config
         self._ranks = ranks  # (PP rank, TP rank), asked in register_kv_caches
         self._drafts = drafts  # the draft's layers, stored apart (client.vllm.drafts)
@@ -122,14 +128,33 @@ class ConnectorWorker:
             return
         from vllm.model_executor.models.utils import extract_layer_index
 
+        facts = self._state_facts
         draft_names = self._drafts.layers if self._drafts is not None else []
-        names = sorted((n for n in kv_caches if n not in draft_names), key=extract_layer_index)
+        state_names = list(facts.state_layers) if facts is not None else []
+        names = sorted(
+            (n for n in kv_caches if n not in draft_names and n not in state_names),
+            key=extract_layer_index,
+        )
         layers = [kv_caches[n] for n in names]
         pp_rank, tp_rank = self._ranks()
         try:
-            layout = stage_layout(self._vllm_config, names, layers, self._block_size, pp_rank)
+            layout = stage_layout(
+                self._vllm_config,
+                names,
+                layers,
+                self._block_size,
+                pp_rank,
+                list(facts.page_layers) if facts is not None else None,
+            )
             self._cache = PagedCache(layers, layout)
-            self._layer_groups = layer_groups_of(self._kv_cache_config, names)
+            self._layer_groups = layer_groups_of(
+                self._kv_cache_config, names, list(facts.page_groups) if facts else None
+            )
+            missing_states = [n for n in state_names if n not in kv_caches]
+            if missing_states:
+                raise KVStoreError(
+                    f"the state layers' caches {missing_states[:2]} are not on this worker"
+                )
             self._load_errors.by_request = bool(self._layer_groups)
             missing = [n for n in draft_names if n not in kv_caches]
             if missing:  # the scheduler looks the draft's pages up: this worker must load them
@@ -150,7 +175,27 @@ class ConnectorWorker:
             tp_rank=tp_rank,
             pp_rank=pp_rank,
             device=self._device,
+            page_layers=len(names) if facts is not None else None,
         )
+        if facts is not None and self._kv_cache_config is not None:
+            try:
+                self._states = StatePages(
+                    rank_state_client(
+                        self._vllm_config,
+                        self._conf,
+                        self._options,
+                        facts,
+                        "WORKER",
+                        tp_rank=tp_rank,
+                    ),
+                    [kv_caches[n] for n in state_names],
+                    [facts.state_group_of(n, self._kv_cache_config) for n in state_names],
+                    facts.state_bytes,
+                )
+            except KVStoreError as exc:
+                log.error("KVStoreConnector disabled on this worker: %s", exc)
+                self._cache = None
+                return
         buffers = self._conf.load_threads + 1  # every load at once, and one save
         pages = self._conf.staging_bytes // buffers // self._client.namespace.page_nbytes
         self._staging = StagingPool(self._cache, buffers, pages)
@@ -224,6 +269,8 @@ class ConnectorWorker:
         engine stores a draft's; a block either failed is recomputed for both."""
         assert self._page_loader is not None  # start_load_kv submits only once registered
         outcome = self._page_loader.load(spec, after)
+        if self._states is not None:
+            return self._load_state(spec, outcome)
         if self._draft is None:
             return outcome
         if spec.draft_found is None:  # the scheduler found no draft pages: load none of it
@@ -235,6 +282,24 @@ class ConnectorWorker:
             outcome.nbytes + drafted.nbytes,
             outcome.seconds + drafted.seconds,
         )
+
+    def _load_state(self, spec: LoadSpec, outcome: LoadOutcome) -> LoadOutcome:
+        """Loader thread, a state-space hybrid: after its attention pages, the hit's state
+        at its last boundary; a load without it fails whole (vLLM recomputes the
+        request: its attention pages alone would not resume the state layers)."""
+        assert self._states is not None
+        started = time.perf_counter()
+        hit = spec.found.blocks
+        arrived = (
+            not outcome.failed
+            and spec.state_found is not None
+            and spec.state_found.blocks == hit
+            and self._states.load(spec.state_found, spec.state_block_ids, hit - 1)
+        )
+        seconds = outcome.seconds + time.perf_counter() - started
+        if not arrived:
+            return LoadOutcome(ids_from(spec, spec.start_block), outcome.nbytes, seconds)
+        return LoadOutcome([], outcome.nbytes + self._states.nbytes, seconds)
 
     def _registered(self) -> tuple[KVCacheClient, PagedCache, StagingPool]:
         """The client, paged cache and staging pool of a worker whose
@@ -320,6 +385,8 @@ class ConnectorWorker:
                 held = self._gathered.pop(gather.req_id, None)
                 if held is not None:
                     self._release(held)
+        for state in meta.states:
+            self._save_state(state)
         page_nbytes = client.namespace.page_nbytes
         for spec in meta.saves:
             if spec.gathered:
@@ -350,6 +417,29 @@ class ConnectorWorker:
                 self._saves.submit(
                     draft.client, draft.staging, spec, drafted, draft_nbytes, answers_event=False
                 )
+
+    def _save_state(self, state: StateSpec) -> None:
+        """Engine thread: copy a boundary state out now (its blocks may be reused after
+        this step) and publish it on the saver thread, as the prefix's last block alone;
+        its bytes count against ``max_pending_save_bytes`` as pages do."""
+        if self._states is None or not self._states.client.namespace.stores_heads:
+            return
+        nbytes = self._states.nbytes
+        if not self._saves.reserve(state.req_id, nbytes):
+            return
+        try:
+            page = self._states.gather(state.block_ids)
+        except Exception as exc:  # a state not copied is a future miss, never an engine error
+            self._saves.release(nbytes)
+            log.warning("state of %s not copied out, so it is not saved: %s", state.req_id, exc)
+            return
+        blocks = len(state.token_ids) // self._block_size
+        spec = SaveSpec(
+            state.req_id, state.token_ids, [], state.extras, gathered=True, start_block=blocks - 1
+        )
+        self._saves.submit(
+            self._states.client, None, spec, GatherResult(page), nbytes, answers_event=False
+        )
 
     def _gather(self, spec: GatherSpec) -> None:
         """Engine thread, hybrid groups: copy the request's blocks that became full this
@@ -387,8 +477,14 @@ class ConnectorWorker:
         if self._loader is not None:
             self._loader.shutdown(wait=True)
         self._loader = None
-        for client in (self._client, self._draft.client if self._draft is not None else None):
+        states = self._states.client if self._states is not None else None
+        for client in (
+            self._client,
+            self._draft.client if self._draft is not None else None,
+            states,
+        ):
             if client is not None:
                 client.close()
         self._client = None
         self._draft = None
+        self._states = None

@@ -1,0 +1,129 @@
+"""Chains stored at some blocks only: a hybrid state-space model's boundary states
+(client.vllm.states). ``find(last=True)`` finds the last block stored and the fetch
+brings that one page, against real nodes and Valkey (a single index and a 3-shard
+cluster); ``boundary_saves`` picks the states the connector's scheduler saves."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from client import KVCacheClient
+from client.memory.buffers import Span, host_bytes
+from client.vllm.states import StateFacts, boundary_saves
+from kvstore.pages.identity import RequestIdentity
+from kvstore.pages.namespace import Namespace
+from tests.client_fixtures import BLOCK, cluster, same  # noqa: F401 (the cluster fixture)
+from tests.helpers import tenant_for
+
+
+def state_namespace(tenant: str) -> Namespace:
+    return Namespace(
+        model="states-test",
+        dtype="int8",
+        num_layers=2,
+        num_kv_heads=1,
+        head_size=96,
+        block_size=BLOCK,
+        layout="vllm_mamba_state",
+        tenant=tenant,
+    )
+
+
+def fetched(client: KVCacheClient, found, block: int) -> torch.Tensor | None:
+    """The one page of ``found`` at ``block``, None when it did not arrive."""
+    page = torch.zeros((1, *client.namespace.page_shape), dtype=torch.int8)
+    got = client.get_found_into(found, [Span(host_bytes(page), 0, page.numel())], block)
+    return page if got == (block + 1) * BLOCK else None
+
+
+@pytest.mark.parametrize("lease_ms", [5000, 0], ids=["leased", "no-lease"])
+def test_the_last_stored_block_of_a_sparse_chain_is_found_and_fetched_bit_exact(
+    cluster, request, lease_ms
+):
+    """States at blocks 2, 5 and 70 (past the first 64-block segment) of one prompt:
+    each lookup ends at the last one within it, a lookup before the first finds none,
+    and the page fetched is the one stored there (with no lease the fetch asks the
+    index again, the same way). The chain read as an ordinary prefix has nothing: block
+    0 holds no page."""
+    ns = state_namespace(tenant_for(request.node.name))
+    client = KVCacheClient(cluster.redis_url, ns, timeout=5, lease_ms=lease_ms)
+    try:
+        tokens = [(13 * i + 1) % 30000 for i in range(80 * BLOCK)]
+        gen = torch.Generator().manual_seed(3)
+        pages = {
+            n: torch.randint(-128, 127, (1, *ns.page_shape), dtype=torch.int8, generator=gen)
+            for n in (2, 5, 70)
+        }
+        for n, page in pages.items():
+            report = client.put_pages(tokens[: n * BLOCK], page, start_block=n - 1)
+            assert report.refused == 0 and report.stored == 1
+        for upto, last in [(1, 0), (2, 2), (4, 2), (5, 5), (64, 5), (80, 70)]:
+            found = client.find(tokens[: upto * BLOCK], last=True)
+            assert found is not None and found.blocks == last, (upto, found)
+            if last:
+                page = fetched(client, found, last - 1)
+                assert page is not None and same(page, pages[last])
+        plain = client.find(tokens[: 10 * BLOCK])
+        assert plain is not None and plain.blocks == 0
+        other = client.find(
+            tokens[: 10 * BLOCK], last=True, identity=RequestIdentity(cache_salt="tenant-b")
+        )
+        assert other is not None and other.blocks == 0  # the request's identity keys states too
+    finally:
+        client.close()
+
+
+FACTS = StateFacts(
+    page_groups=(1,),
+    state_groups=(0, 2),
+    state_layers=("model.layers.0.mixer", "model.layers.2.mixer"),
+    page_layers=("model.layers.1.mixer",),
+    state_bytes=96,
+    replicated=False,
+    mode="align",
+    block_size=4,
+)
+
+
+def scheduled(offloads: dict) -> SimpleNamespace:
+    """A scheduler output's part ``boundary_saves`` reads: vLLM's boundary hand-offs."""
+    return SimpleNamespace(
+        kv_connector_block_state=SimpleNamespace(boundary_state_offloads=offloads)
+    )
+
+
+def test_the_scheduler_saves_whole_block_boundaries_of_the_prompt_each_state_group_handed_over():
+    """Saved: a boundary every state group handed over, at a whole block within the
+    prompt. Not saved: a boundary one group lacks, a partial tail (inside a block), one
+    past the prompt (generated tokens are not keyed), one in the null block, and a
+    request the connector does not save."""
+    prompt = list(range(14))
+    extras = ((), (), (), ())
+    prompts = {"a": (prompt, extras)}
+    out = boundary_saves(
+        scheduled(
+            {
+                "a": [
+                    (0, 7, 4),
+                    (2, 9, 4),  # both groups: saved
+                    (0, 8, 8),  # group 2 lacks boundary 8
+                    (0, 3, 10),
+                    (2, 5, 10),  # inside block 2
+                    (0, 4, 16),
+                    (2, 6, 16),  # past the prompt's 14 tokens
+                    (0, 0, 12),
+                    (2, 11, 12),  # the null block
+                    (1, 12, 12),  # an attention group's block
+                ],
+                "b": [(0, 1, 4), (2, 2, 4)],  # not saved by the connector
+            }
+        ),
+        FACTS,
+        prompts.get,
+    )
+    assert [(s.req_id, s.token_ids, s.block_ids) for s in out] == [("a", prompt[:4], [7, 9])]
+    assert out[0].extras == extras
+    assert boundary_saves(SimpleNamespace(), FACTS, prompts.get) == []  # no hand-offs this step
