@@ -172,31 +172,37 @@ def write_tiny_eagle(path: str) -> None:
     save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
 
 
-def write_tiny_nemotron_h(path: str) -> None:
+def write_tiny_nemotron_h(path: str, overrides: dict | None = None) -> None:
     """A tiny random Nemotron-H: Mamba-2, attention, Mamba-2 and MLP layers, float32 (the
-    CPU Mamba-2 kernels run it; Jamba's Mamba-1 scan and Qwen3-Next's float32 GDN do not)."""
+    CPU Mamba-2 kernels run it; Jamba's Mamba-1 scan and Qwen3-Next's float32 GDN do not).
+    ``overrides``: other config values (bench/vllm_ttft_hybrid.py's larger model)."""
     import torch
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
     torch.manual_seed(0)
     NemotronHForCausalLM(
         NemotronHConfig(
-            hidden_size=128,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            intermediate_size=256,
-            mamba_num_heads=4,
-            mamba_head_dim=32,
-            ssm_state_size=16,
-            n_groups=1,
-            conv_kernel=4,
-            chunk_size=64,
-            layers_block_type=["mamba", "attention", "mamba", "mlp"],
-            vocab_size=512,
-            max_position_embeddings=512,
-            initializer_range=0.2,
-            tie_word_embeddings=False,
+            **{
+                **dict(
+                    hidden_size=128,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    head_dim=32,
+                    intermediate_size=256,
+                    mamba_num_heads=4,
+                    mamba_head_dim=32,
+                    ssm_state_size=16,
+                    n_groups=1,
+                    conv_kernel=4,
+                    chunk_size=64,
+                    layers_block_type=["mamba", "attention", "mamba", "mlp"],
+                    vocab_size=512,
+                    max_position_embeddings=512,
+                    initializer_range=0.2,
+                    tie_word_embeddings=False,
+                ),
+                **(overrides or {}),
+            }
         )
     ).to(torch.float32).save_pretrained(path)
 

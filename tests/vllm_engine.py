@@ -49,7 +49,7 @@ key, default 0, seeds the random weights instead: the same config, other weights
 ``write-gemma3-model DIR`` a tiny Gemma-3 text model (sliding-window layers of 64 tokens
 between full-attention ones); ``write-eagle-model DIR`` an EAGLE-1 head for the tiny
 Llama (``speculative_config`` ``{"method": "eagle", "model": DIR}``);
-``write-nemotron-h-model DIR`` a tiny Nemotron-H (Mamba-2 and attention layers);
+``write-nemotron-h-model DIR [CONFIG]`` a tiny Nemotron-H (Mamba-2 and attention layers);
 ``write-gpt-oss-model DIR`` a tiny gpt-oss (sliding and full layers with attention
 sinks, mixture of experts);
 ``write-tokenizer DIR`` adds a word-level tokenizer (``t0`` ... ``t511``)."""
@@ -332,6 +332,8 @@ def dispatch(argv: list[str]) -> int:
     }
     if argv[0] == "write-model":
         write_tiny_llama(argv[1], json.loads(argv[2]) if len(argv) > 2 else None)
+    elif argv[0] == "write-nemotron-h-model":
+        write_tiny_nemotron_h(argv[1], json.loads(argv[2]) if len(argv) > 2 else None)
     elif argv[0] in writers:
         writers[argv[0]](argv[1])
     else:
