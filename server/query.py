@@ -230,7 +230,7 @@ class PrefixQuery:
         units = rank_units(ns)
         with self._lock:
             found, nodes = self.index.lookup(
-                ns, joined, units=(units.first, units.count), with_nodes=True
+                ns, joined, units=(units.first, units.count), with_nodes=True, sparse=True
             )
         if isinstance(nodes, Exception):
             raise nodes

@@ -12,7 +12,7 @@ import torch
 
 from client import KVCacheClient
 from client.memory.buffers import Span, host_bytes
-from client.vllm.states import StateFacts, boundary_saves
+from client.vllm.states import StateFacts, boundary_saves, state_facts, state_refusal
 from kvstore.pages.identity import RequestIdentity
 from kvstore.pages.namespace import Namespace
 from tests.client_fixtures import BLOCK, cluster, same  # noqa: F401 (the cluster fixture)
@@ -47,7 +47,7 @@ def test_the_last_stored_block_of_a_sparse_chain_is_found_and_fetched_bit_exact(
     each lookup ends at the last one within it, a lookup before the first finds none,
     and the page fetched is the one stored there (with no lease the fetch asks the
     index again, the same way). The chain read as an ordinary prefix has nothing: block
-    0 holds no page."""
+    0 holds no page. A prompt with a state at block 70 only is found too."""
     ns = state_namespace(tenant_for(request.node.name))
     client = KVCacheClient(cluster.redis_url, ns, timeout=5, lease_ms=lease_ms)
     try:
@@ -72,6 +72,15 @@ def test_the_last_stored_block_of_a_sparse_chain_is_found_and_fetched_bit_exact(
             tokens[: 10 * BLOCK], last=True, identity=RequestIdentity(cache_salt="tenant-b")
         )
         assert other is not None and other.blocks == 0  # the request's identity keys states too
+        # a prompt whose one state lies past a 64-block run without any (vLLM's default
+        # retention keeps a prompt's last boundary only): every segment is read
+        lone = [t + 1 for t in tokens]
+        page = pages[70]
+        assert client.put_pages(lone[: 70 * BLOCK], page, start_block=69).stored == 1
+        found = client.find(lone, last=True)
+        assert found is not None and found.blocks == 70
+        got = fetched(client, found, 69)
+        assert got is not None and same(got, page)
     finally:
         client.close()
 
@@ -127,3 +136,49 @@ def test_the_scheduler_saves_whole_block_boundaries_of_the_prompt_each_state_gro
     assert [(s.req_id, s.token_ids, s.block_ids) for s in out] == [("a", prompt[:4], [7, 9])]
     assert out[0].extras == extras
     assert boundary_saves(SimpleNamespace(), FACTS, prompts.get) == []  # no hand-offs this step
+
+
+def test_states_of_other_formats_live_in_other_namespaces():
+    """Two engines whose states have the same size but other dtypes (float16 and
+    bfloat16), or whose states TP ranks split rather than replicate, read the bytes
+    differently: their state formats, and so their namespaces, differ. A model with
+    two kinds of state layers is refused in one line."""
+    vllm_specs = pytest.importorskip("vllm.v1.kv_cache_interface")
+
+    def config(*dtypes: torch.dtype, replicated: bool = False):
+        states = [
+            vllm_specs.KVCacheGroupSpec(
+                [f"model.layers.{2 * i}.mixer"],
+                vllm_specs.MambaSpec(
+                    block_size=16,
+                    shapes=((3, 8), (2, 4, 4)),
+                    dtypes=(dtype, dtype),
+                    mamba_cache_mode="align",
+                    tp_replicated=replicated,
+                ),
+            )
+            for i, dtype in enumerate(dtypes)
+        ]
+        attention = vllm_specs.FullAttentionSpec(
+            block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16
+        )
+        groups = [*states, vllm_specs.KVCacheGroupSpec(["model.layers.1.self_attn"], attention)]
+        return vllm_specs.KVCacheConfig(num_blocks=10, kv_cache_tensors=[], kv_cache_groups=groups)
+
+    half, brain, shared = (
+        state_facts(config(torch.float16)),
+        state_facts(config(torch.bfloat16)),
+        state_facts(config(torch.float16, replicated=True)),
+    )
+    assert half is not None and brain is not None and shared is not None
+    assert half.state_bytes == brain.state_bytes == 112
+    formats = {half.state_format, brain.state_format, shared.state_format}
+    assert len(formats) == 3
+    digests = {
+        state_namespace("states-format").model_copy(update={"state": f}).digest for f in formats
+    }
+    assert len(digests) == 3
+    mixed = state_facts(config(torch.float16, torch.bfloat16))
+    assert mixed is not None and not mixed.uniform
+    refusal = state_refusal(SimpleNamespace(), mixed)  # refused before the config is read
+    assert refusal is not None and "different state formats" in refusal

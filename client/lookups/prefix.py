@@ -116,9 +116,8 @@ class PrefixLookup:
         """The stored prefix of ``token_ids`` (None on an index fault), registering the
         namespace first while that has not succeeded. ``last``: the chain's pages are
         stored at some blocks only (a hybrid model's boundary states): the prefix up to
-        the last block stored, whose page alone it holds (``IndexLookup.resolve``). Its
-        blocks must lie within the chain's first run of 64-block segments that each hold
-        one (``kvstore.pages.keys``): a lookup stops at the first segment with none."""
+        the last block stored, whose page alone it holds (``IndexLookup.resolve``); every
+        64-block segment of the chain is read (``kvstore.pages.keys``), gaps or not."""
         joined = self.chain_hashes(token_ids, identity)
         result = await self.lookup(joined, last=last) if joined else LookupResult.empty()
         return self._prefix(joined, result, last)
@@ -138,7 +137,7 @@ class PrefixLookup:
         if not joined:
             return self._prefix(joined, LookupResult.empty(), last)
         try:
-            found = self._ask(index, joined, ())
+            found = self._ask(index, joined, (), last)
         except (RemoteFault, IndexScriptError) as exc:
             self._failed(exc)
             return None
@@ -152,7 +151,7 @@ class PrefixLookup:
         ``last``: as ``find``'s."""
         await self._registration.ensure()
         try:
-            found = await self._ask(self._index, hashes, breaks)
+            found = await self._ask(self._index, hashes, breaks, last)
         except (RemoteFault, IndexScriptError) as exc:
             self._failed(exc)
             return None
@@ -201,11 +200,16 @@ class PrefixLookup:
         return await self.lookup(found.joined, last=found.last)
 
     def _ask(
-        self, index: PageIndex | AsyncPageIndex, hashes: list[bytes] | bytes, breaks: Sequence[int]
+        self,
+        index: PageIndex | AsyncPageIndex,
+        hashes: list[bytes] | bytes,
+        breaks: Sequence[int],
+        sparse: bool = False,
     ) -> Any:
-        """The index call of a lookup: its answer, or an awaitable of it for the async index."""
+        """The index call of a lookup: its answer, or an awaitable of it for the async
+        index. ``sparse``: every segment read (a ``last`` lookup's chain has gaps)."""
         self._stats.lookups += 1
-        return index.lookup(self._storage, hashes, breaks=breaks, units=self._units)
+        return index.lookup(self._storage, hashes, breaks=breaks, units=self._units, sparse=sparse)
 
     def _prefix(
         self, joined: bytes, result: LookupResult | None, last: bool = False

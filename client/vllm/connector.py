@@ -173,7 +173,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         states = state_facts(kv_cache_config)
         refusal = (
             unsupported(vllm_config, kv_cache_config)
-            or state_refusal(vllm_config, states)
+            or state_refusal(vllm_config, states, conf.layer_groups)
             or (
                 draft_refusal(vllm_config, kv_cache_config, drafts)
                 if drafts is not None and kv_cache_config is not None

@@ -22,17 +22,17 @@ from client.vllm.stats import StatsRecorder
 class LoadErrors:
     """Failed loads until the engine step takes them. ``record`` is called by the loader
     threads' results on the engine thread, and ``fail`` by ``start_load_kv``; the
-    ``take_*`` calls by the engine thread. ``by_request`` is set once the worker knows
-    its cache has several KV-cache groups (``register_kv_caches``)."""
+    ``take_*`` calls by the engine thread. ``by_request``: the cache has several
+    KV-cache groups (known from vLLM's config when the worker is built)."""
 
-    def __init__(self, stats: StatsRecorder) -> None:
+    def __init__(self, stats: StatsRecorder, by_request: bool = False) -> None:
         self._stats = stats
         # the engine thread and the layer-wise loads' threads share these (taken before
         # the stats recorder's lock, never after it)
         self._lock = threading.Lock()
         self._blocks: set[int] = set()
         self._requests: set[str] = set()
-        self.by_request = False
+        self.by_request = by_request
 
     def fail(self, req_id: str, block_ids: list[int]) -> None:
         """``req_id``'s load could not start: ``block_ids`` (every group's, from its

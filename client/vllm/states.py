@@ -29,6 +29,7 @@ Used by ``client.vllm.scheduler`` (``boundary_saves``, the lookup's second half)
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -70,6 +71,10 @@ class StateFacts:
     replicated: bool
     mode: str
     block_size: int
+    # what the state's bytes mean: its kind, each tensor's dtype and shape, the conv
+    # layout (part of the states' namespace: engines that read the bytes alike share)
+    state_format: str = ""
+    uniform: bool = True  # every state group's spec alike (one page shape per state)
 
     def state_group_of(self, layer: str, kv_cache_config: KVCacheConfig) -> int:
         """The index in ``state_groups`` of ``layer``'s group."""
@@ -93,6 +98,7 @@ def state_facts(kv_cache_config: KVCacheConfig | None) -> StateFacts | None:
         return None
     spec = groups[states[0]].kv_cache_spec
     pages = [g for g in range(len(groups)) if g not in states]
+    formats = {_state_format(groups[g].kv_cache_spec) for g in states}
 
     def layers(ids: list[int]) -> tuple[str, ...]:
         names = [n for g in ids for n in groups[g].layer_names]
@@ -107,15 +113,39 @@ def state_facts(kv_cache_config: KVCacheConfig | None) -> StateFacts | None:
         replicated=bool(getattr(spec, "tp_replicated", False)),
         mode=str(getattr(spec, "mamba_cache_mode", "none")),
         block_size=int(spec.block_size),
+        state_format=_state_format(spec),
+        uniform=len(formats) == 1,
     )
 
 
-def state_refusal(vllm_config: VllmConfig, facts: StateFacts | None) -> str | None:
+def _state_format(spec: object) -> str:
+    """A state spec's format: kind, each tensor's dtype and shape, whether TP ranks
+    replicate it, and vLLM's conv-state layout where one is set (how the bytes read)."""
+    kind = getattr(spec, "mamba_type", "")
+    tensors = ";".join(
+        f"{str(dtype).removeprefix('torch.')}{tuple(shape)}"
+        for shape, dtype in zip(
+            getattr(spec, "shapes", ()), getattr(spec, "dtypes", ()), strict=True
+        )
+    )
+    layout = os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT", "")
+    replicated = "replicated" if getattr(spec, "tp_replicated", False) else "split"
+    return f"{getattr(kind, 'name', kind)}:{tensors}:{replicated}:{layout}"
+
+
+def state_refusal(
+    vllm_config: VllmConfig, facts: StateFacts | None, layer_groups: int = 0
+) -> str | None:
     """Why this hybrid state-space engine's states cannot be stored (one line at start,
-    as ``client.vllm.support``'s refusals); None when they can, or it has none."""
+    as ``client.vllm.support``'s refusals); None when they can, or it has none.
+    ``layer_groups``: the connector's option of that name."""
     if facts is None:
         return None
     what = f"state-space layers ({len(facts.state_layers)} in {len(facts.state_groups)} groups)"
+    if not facts.uniform:
+        return f"{what} of different state formats (kinds, sizes or TP splits)"
+    if layer_groups > 1:
+        return f"{what} with layer_groups {layer_groups}: a hybrid's pages are one layer group"
     if facts.mode != "align":
         return (
             f"{what} in mamba_cache_mode {facts.mode!r}: kvstore stores the block-boundary "
@@ -170,6 +200,7 @@ def state_namespace(
             "total_layers": 0,
             "first_layer": 0,
             "layer_groups": 0,
+            "state": facts.state_format,
         }
     )
 

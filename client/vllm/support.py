@@ -106,8 +106,8 @@ def _groups_refusal(
     groups = [g for g in every if type(g.kv_cache_spec).__name__ != "MambaSpec"]
     kinds = [type(g.kv_cache_spec).__name__ for g in groups]
     listed = f"{len(groups)} KV-cache groups ({', '.join(kinds)})"
-    if not groups:
-        return None
+    if not groups:  # a state-space model without attention is refused by client.vllm.states
+        return None if every else "no KV-cache groups"
     if len(groups) == 1:
         layer_kinds = _layer_kinds(groups[0]) if drafted else kinds
         other = [k for k in layer_kinds if k not in SUPPORTED_SPECS]

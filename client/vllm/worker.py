@@ -54,8 +54,8 @@ from client.vllm.options import (
 from client.vllm.saver import SaveQueue
 from client.vllm.states import StateFacts, StatePages, StateSpec, rank_state_client
 from client.vllm.stats import DeviceCounts, RefusalLog, StatsRecorder
-from client.vllm.support import vllm_ranks
-from kvstore.errors import KVStoreError
+from client.vllm.support import hybrid_groups, vllm_ranks
+from kvstore.errors import CredentialError, KVStoreError
 from kvstore.settings.client import ClientOptions
 
 if TYPE_CHECKING:
@@ -106,7 +106,9 @@ class ConnectorWorker:
         self._conf = conf
         self._options = options
         self._stats = stats
-        self._load_errors = LoadErrors(stats)  # by block, or by request on a hybrid cache
+        # by block, or by request on a cache of several groups (vLLM stops the engine on a
+        # block-level report there), set now: loads fail even when registration does not
+        self._load_errors = LoadErrors(stats, by_request=hybrid_groups(kv_cache_config))
         self._refusals = RefusalLog(stats)
         self._block_size = vllm_config.cache_config.block_size
         self._client: KVCacheClient | None = None
@@ -155,7 +157,6 @@ class ConnectorWorker:
                 raise KVStoreError(
                     f"the state layers' caches {missing_states[:2]} are not on this worker"
                 )
-            self._load_errors.by_request = bool(self._layer_groups)
             missing = [n for n in draft_names if n not in kv_caches]
             if missing:  # the scheduler looks the draft's pages up: this worker must load them
                 raise KVStoreError(f"the draft's KV caches {missing[:2]} are not on this worker")
@@ -290,12 +291,19 @@ class ConnectorWorker:
         assert self._states is not None
         started = time.perf_counter()
         hit = spec.found.blocks
-        arrived = (
-            not outcome.failed
-            and spec.state_found is not None
-            and spec.state_found.blocks == hit
-            and self._states.load(spec.state_found, spec.state_block_ids, hit - 1)
-        )
+        try:
+            arrived = (
+                not outcome.failed
+                and spec.state_found is not None
+                and spec.state_found.blocks == hit
+                and self._states.load(spec.state_found, spec.state_block_ids, hit - 1)
+            )
+        except CredentialError as exc:  # a load that fails is recomputed, never an engine error
+            self._refusals.refused(exc)
+            arrived = False
+        except Exception as exc:
+            log.warning("state of %s not loaded, its prompt is recomputed: %s", spec.req_id, exc)
+            arrived = False
         seconds = outcome.seconds + time.perf_counter() - started
         if not arrived:
             return LoadOutcome(ids_from(spec, spec.start_block), outcome.nbytes, seconds)
@@ -372,6 +380,10 @@ class ConnectorWorker:
             self._saves.outcomes.report(meta.saves, ok=False)
             return
         client, cache, staging = self._registered()  # saves start once registered
+        # a rank may hold a state share of its own while another rank writes the
+        # attention heads it holds (TP above the KV heads): states first
+        for state in meta.states:
+            self._save_state(state)
         if not client.namespace.stores_heads:
             self._saves.outcomes.report(meta.saves, ok=True)
             return
@@ -385,8 +397,6 @@ class ConnectorWorker:
                 held = self._gathered.pop(gather.req_id, None)
                 if held is not None:
                     self._release(held)
-        for state in meta.states:
-            self._save_state(state)
         page_nbytes = client.namespace.page_nbytes
         for spec in meta.saves:
             if spec.gathered:

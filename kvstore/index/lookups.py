@@ -222,6 +222,7 @@ class LookupMethods(IndexDriver):
         lease_ms: int | None = None,
         units: tuple[int, int] = (0, 1),
         with_nodes: bool = False,
+        sparse: bool = False,
     ) -> Any:
         """Entries for the longest stored prefix of ``hashes`` (chains start at 0 and at
         each of ``breaks``), with a read lease: an ``IndexLookup`` to ``resolve`` against
@@ -234,7 +235,10 @@ class LookupMethods(IndexDriver):
         (``block_hash_bytes``), which spares an object per block. ``with_nodes``: the
         registry's live nodes are read in the same round trip, and the answer is
         ``(IndexLookup, nodes)``, nodes being ``live_nodes``' list or the error that
-        read met (a lookup that found its node list stale pays no second round trip)."""
+        read met (a lookup that found its node list stale pays no second round trip).
+        ``sparse``: a chain stored at some blocks only (``PageLayout.sparse``): every
+        segment is read on its own, none ends the lookup (a 64-block run with no page
+        is a gap, not the end), as plain commands or one-segment script calls."""
         prefix = checks.namespace_key(namespace).prefix
         blob = checks.joined_hashes(hashes, "lookup", joined_ok=True)
         n = len(blob) // HASH_BYTES
@@ -248,6 +252,8 @@ class LookupMethods(IndexDriver):
 
         def steps() -> Generator[list[Cmd], list[Any], Any]:
             by_shard, ttl_ms = self._anchors_by_shard(prefix, anchors), self.entry_ttl_ms
+            if sparse:  # each segment alone (keys route by command, not by this dict)
+                by_shard = {j: [j] for js in by_shard.values() for j in js}
             plain = {
                 js[0]
                 for js in by_shard.values()
@@ -266,9 +272,8 @@ class LookupMethods(IndexDriver):
             below = renew_below(lease)
             for j, left in found.ttls.items():
                 self.leases.seen(prefix, anchors[j], left, below)
-            result = _pick(
-                blob, segs, found.parts, int(np.argmin(found.read)), found.unavailable, first, need
-            )
+            read = len(segs) if sparse else int(np.argmin(found.read))
+            result = _pick(blob, segs, found.parts, read, found.unavailable, first, need)
             return (result, nodes) if with_nodes else result
 
         return self._drive(steps())

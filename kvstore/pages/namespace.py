@@ -118,6 +118,14 @@ class Namespace(BaseModel):
             "hold whole groups (0: one group)"
         ),
     )
+    state: str = Field(
+        default="",
+        max_length=512,
+        description=(
+            "a state-space layer's state format (its kind, tensor dtypes and shapes, conv "
+            "layout): the bytes of a boundary-state page mean this (empty: not such a page)"
+        ),
+    )
     weights: str = Field(
         default="",
         max_length=256,
@@ -198,6 +206,7 @@ class Namespace(BaseModel):
             "total_kv_heads",
             "head_groups",
             "weights",
+            "state",
             "total_layers",
             "first_layer",
             "layer_groups",
