@@ -246,7 +246,8 @@ class IndexLookup:
     records: np.ndarray
     positions: np.ndarray
     units: np.ndarray  # each record's unit, counted from the first unit asked at its position
-    need: np.ndarray  # units asked per position (1 for whole pages), ``covered`` long
+    # units asked per position (1 for whole pages), ``covered`` long, or one number for all
+    need: np.ndarray | int
     unavailable: KVStoreError | None = None
 
     def resolve(self, nodes: Sequence[NodeInfo], *, last: bool = False) -> LookupResult:
@@ -267,7 +268,8 @@ class IndexLookup:
         slot = np.where(inside, node, 0)
         ok = inside & known[slot] & (tags[slot] == self.records["tag"])
         has = np.zeros(self.covered + 1, dtype=bool)  # a False sentinel after the last
-        width = int(self.need.max(initial=1))
+        need = self.need
+        width = need if isinstance(need, int) else int(need.max(initial=1))
         if width == 1:
             has[self.positions[ok]] = True
         else:  # every unit asked at a position needs a live record: count distinct ones

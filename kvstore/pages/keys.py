@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 REGISTRY_PREFIX = "kvs:{registry}:"
 NODES_ZSET = REGISTRY_PREFIX + "nodes"
@@ -37,7 +38,7 @@ class NamespaceKey:
     tenant: str
     digest: str
 
-    @property
+    @cached_property
     def prefix(self) -> str:
         """What the namespace's segment and lease keys start with."""
         return f"kvs:t:{self.tenant}:{self.digest}:"
@@ -82,6 +83,8 @@ def incarnation_key(node_id: str) -> str:
 def segments(count: int, breaks: Sequence[int] = ()) -> list[tuple[int, int]]:
     """``(start, end)`` of every segment of ``count`` hashes made of chains that begin at
     position 0 and at each of ``breaks`` (a select's tail parts form a second chain)."""
+    if not breaks and 0 < count <= SEGMENT_PAGES:  # every lookup of up to 64 blocks
+        return [(0, count)]
     starts = sorted({0, *(b for b in breaks if 0 < b < count)})
     out: list[tuple[int, int]] = []
     for first, stop in zip(starts, starts[1:] + [count]):

@@ -320,9 +320,9 @@ class Namespace(BaseModel):
     def digest_hex(self) -> str:
         return self.digest.hex()
 
-    @property
+    @cached_property
     def key(self) -> NamespaceKey:
-        """Where this namespace's keys live in the index."""
+        """Where this namespace's keys live in the index (built once: every lookup asks)."""
         return NamespaceKey(self.tenant, self.digest_hex)
 
     @property
