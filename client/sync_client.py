@@ -210,6 +210,7 @@ class KVCacheClient:
                         timeout=seconds,
                         lease_ms=opts.lease_ms,
                         password=opts.redis_password.get_secret_value() or None,
+                        held_connections=True,  # asked after pauses: no pool on the way
                     )
                     self._indexes[seconds] = index
         return index
