@@ -1,5 +1,5 @@
 """An index that holds its connections between calls (``PageIndex(...,
-held_connections=True)``, kvstore.index.routing.HeldConnections: what
+held_connections=True)``, kvstore.index.held.HeldConnections: what
 ``KVCacheClient.find`` asks through), against a real Valkey and a 3-shard cluster: the
 same answers as the pooled index, a connection the server dropped is replaced within the
 call, calls one after another share one connection, and closing the index closes it."""

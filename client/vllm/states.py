@@ -24,7 +24,8 @@ The store keeps them apart:
 The scheduler finds the attention prefix, then the last state stored within it
 (``KVCacheClient.find(last=True)``: one more index round trip); the hit ends there.
 Used by ``client.vllm.scheduler`` (``boundary_saves``, the lookup's second half),
-``client.vllm.worker`` (``StatePages``) and ``KVStoreConnector`` (``state_refusal``)."""
+``client.vllm.state_pages`` (the worker's side) and ``KVStoreConnector``
+(``state_refusal``)."""
 
 from __future__ import annotations
 
@@ -34,10 +35,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
-from client.async_client import StoredPrefix
-from client.memory.buffers import Span, host_bytes
 from client.sync_client import KVCacheClient
 from client.vllm.options import ConnectorOptions, engine_layout, engine_namespace
 from client.vllm.weights import engine_weights
@@ -272,59 +269,3 @@ def boundary_saves(
                 ids = [blocks[g] for g in facts.state_groups]
                 saves.append(StateSpec(req_id, tokens[:boundary], ids, extras))
     return saves
-
-
-class StatePages:
-    """Worker side: the state layers' caches (vLLM's int8 view of each,
-    ``[num_blocks, 1, 1, padded bytes]``), copied out of and into one block per state
-    group as one page ``[layers, 1, state bytes]``, and the rank's state client."""
-
-    def __init__(
-        self,
-        client: KVCacheClient,
-        layers: list[torch.Tensor],
-        groups: list[int],
-        state_bytes: int,
-    ) -> None:
-        """``groups``: each layer's index among the state groups (whose block it uses)."""
-        for layer in layers:
-            if layer.dim() < 2 or layer[0].numel() * layer.element_size() < state_bytes:
-                raise KVStoreError(
-                    f"a state layer's cache {tuple(layer.shape)} ({layer.dtype}) does not hold "
-                    f"{state_bytes} bytes per block"
-                )
-        self.client = client
-        self._layers = [layer.view(layer.shape[0], -1).view(torch.int8) for layer in layers]
-        self._groups = groups
-        self._bytes = state_bytes
-
-    @property
-    def nbytes(self) -> int:
-        return len(self._layers) * self._bytes
-
-    def gather(self, block_ids: list[int]) -> torch.Tensor:
-        """One page ``[1, layers, 1, bytes]`` in host memory: the state in ``block_ids``
-        (one block per state group), copied now (engine thread, before vLLM may reuse
-        the blocks)."""
-        rows = [
-            layer[block_ids[g], : self._bytes]
-            for layer, g in zip(self._layers, self._groups, strict=True)
-        ]
-        return torch.stack(rows).to("cpu").view(1, len(rows), 1, self._bytes)
-
-    def load(self, found: StoredPrefix, block_ids: list[int], boundary_block: int) -> bool:
-        """Loader thread: fetch the state ``found`` (``KVCacheClient.find(last=True)``,
-        block ``boundary_block``) and write it into ``block_ids`` (one per state group);
-        False when it did not arrive (nothing written then)."""
-        if not block_ids or 0 in block_ids:
-            return False
-        page = torch.empty((1, len(self._layers), 1, self._bytes), dtype=torch.int8)
-        # one sink for the one page: a tensor of every block up to it would be needed otherwise
-        got = self.client.get_found_into(
-            found, [Span(host_bytes(page), 0, self.nbytes)], boundary_block
-        )
-        if got <= boundary_block * self.client.namespace.block_size:
-            return False
-        for i, (layer, g) in enumerate(zip(self._layers, self._groups, strict=True)):
-            layer[block_ids[g], : self._bytes].copy_(page[0, i, 0])
-        return True

@@ -46,16 +46,17 @@ from client.vllm.cache_checks import layer_groups_of, stage_layout
 from client.vllm.drafts import DraftFacts, DraftPages, draft_layout, rank_draft_client
 from client.vllm.events import SaveOutcomes
 from client.vllm.load_errors import LoadErrors
-from client.vllm.metadata import GatherSpec, KVStoreConnectorMetadata, LoadSpec, SaveSpec
+from client.vllm.metadata import GatherSpec, KVStoreConnectorMetadata, LoadSpec
 from client.vllm.options import (
     ConnectorOptions,
     rank_client,
 )
 from client.vllm.saver import SaveQueue
-from client.vllm.states import StateFacts, StatePages, StateSpec, rank_state_client
+from client.vllm.state_pages import StatePages
+from client.vllm.states import StateFacts
 from client.vllm.stats import DeviceCounts, RefusalLog, StatsRecorder
 from client.vllm.support import hybrid_groups, vllm_ranks
-from kvstore.errors import CredentialError, KVStoreError
+from kvstore.errors import KVStoreError
 from kvstore.settings.client import ClientOptions
 
 if TYPE_CHECKING:
@@ -152,11 +153,6 @@ class ConnectorWorker:
             self._layer_groups = layer_groups_of(
                 self._kv_cache_config, names, list(facts.page_groups) if facts else None
             )
-            missing_states = [n for n in state_names if n not in kv_caches]
-            if missing_states:
-                raise KVStoreError(
-                    f"the state layers' caches {missing_states[:2]} are not on this worker"
-                )
             missing = [n for n in draft_names if n not in kv_caches]
             if missing:  # the scheduler looks the draft's pages up: this worker must load them
                 raise KVStoreError(f"the draft's KV caches {missing[:2]} are not on this worker")
@@ -180,18 +176,14 @@ class ConnectorWorker:
         )
         if facts is not None and self._kv_cache_config is not None:
             try:
-                self._states = StatePages(
-                    rank_state_client(
-                        self._vllm_config,
-                        self._conf,
-                        self._options,
-                        facts,
-                        "WORKER",
-                        tp_rank=tp_rank,
-                    ),
-                    [kv_caches[n] for n in state_names],
-                    [facts.state_group_of(n, self._kv_cache_config) for n in state_names],
-                    facts.state_bytes,
+                self._states = StatePages.for_worker(
+                    self._vllm_config,
+                    self._conf,
+                    self._options,
+                    facts,
+                    self._kv_cache_config,
+                    kv_caches,
+                    tp_rank,
                 )
             except KVStoreError as exc:
                 log.error("KVStoreConnector disabled on this worker: %s", exc)
@@ -271,7 +263,7 @@ class ConnectorWorker:
         assert self._page_loader is not None  # start_load_kv submits only once registered
         outcome = self._page_loader.load(spec, after)
         if self._states is not None:
-            return self._load_state(spec, outcome)
+            return self._states.load_after(spec, outcome, self._refusals.refused)
         if self._draft is None:
             return outcome
         if spec.draft_found is None:  # the scheduler found no draft pages: load none of it
@@ -283,31 +275,6 @@ class ConnectorWorker:
             outcome.nbytes + drafted.nbytes,
             outcome.seconds + drafted.seconds,
         )
-
-    def _load_state(self, spec: LoadSpec, outcome: LoadOutcome) -> LoadOutcome:
-        """Loader thread, a state-space hybrid: after its attention pages, the hit's state
-        at its last boundary; a load without it fails whole (vLLM recomputes the
-        request: its attention pages alone would not resume the state layers)."""
-        assert self._states is not None
-        started = time.perf_counter()
-        hit = spec.found.blocks
-        try:
-            arrived = (
-                not outcome.failed
-                and spec.state_found is not None
-                and spec.state_found.blocks == hit
-                and self._states.load(spec.state_found, spec.state_block_ids, hit - 1)
-            )
-        except CredentialError as exc:  # a load that fails is recomputed, never an engine error
-            self._refusals.refused(exc)
-            arrived = False
-        except Exception as exc:
-            log.warning("state of %s not loaded, its prompt is recomputed: %s", spec.req_id, exc)
-            arrived = False
-        seconds = outcome.seconds + time.perf_counter() - started
-        if not arrived:
-            return LoadOutcome(ids_from(spec, spec.start_block), outcome.nbytes, seconds)
-        return LoadOutcome([], outcome.nbytes + self._states.nbytes, seconds)
 
     def _registered(self) -> tuple[KVCacheClient, PagedCache, StagingPool]:
         """The client, paged cache and staging pool of a worker whose
@@ -383,7 +350,8 @@ class ConnectorWorker:
         # a rank may hold a state share of its own while another rank writes the
         # attention heads it holds (TP above the KV heads): states first
         for state in meta.states:
-            self._save_state(state)
+            if self._states is not None:
+                self._states.save(state, self._saves, self._block_size)
         if not client.namespace.stores_heads:
             self._saves.outcomes.report(meta.saves, ok=True)
             return
@@ -427,29 +395,6 @@ class ConnectorWorker:
                 self._saves.submit(
                     draft.client, draft.staging, spec, drafted, draft_nbytes, answers_event=False
                 )
-
-    def _save_state(self, state: StateSpec) -> None:
-        """Engine thread: copy a boundary state out now (its blocks may be reused after
-        this step) and publish it on the saver thread, as the prefix's last block alone;
-        its bytes count against ``max_pending_save_bytes`` as pages do."""
-        if self._states is None or not self._states.client.namespace.stores_heads:
-            return
-        nbytes = self._states.nbytes
-        if not self._saves.reserve(state.req_id, nbytes):
-            return
-        try:
-            page = self._states.gather(state.block_ids)
-        except Exception as exc:  # a state not copied is a future miss, never an engine error
-            self._saves.release(nbytes)
-            log.warning("state of %s not copied out, so it is not saved: %s", state.req_id, exc)
-            return
-        blocks = len(state.token_ids) // self._block_size
-        spec = SaveSpec(
-            state.req_id, state.token_ids, [], state.extras, gathered=True, start_block=blocks - 1
-        )
-        self._saves.submit(
-            self._states.client, None, spec, GatherResult(page), nbytes, answers_event=False
-        )
 
     def _gather(self, spec: GatherSpec) -> None:
         """Engine thread, hybrid groups: copy the request's blocks that became full this

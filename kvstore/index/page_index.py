@@ -21,10 +21,11 @@ from typing import Any
 
 from kvstore.index import scripts
 from kvstore.index.driver import DEFAULT_ENTRY_TTL_MS, DEFAULT_LEASE_MS, Steps
+from kvstore.index.held import HeldConnections
 from kvstore.index.lookups import LookupMethods
 from kvstore.index.publish import MAX_PAGES_PER_KEY, PublishMethods
 from kvstore.index.registry import RegistryMethods
-from kvstore.index.routing import INDEX_TIMEOUT, AsyncRouter, HeldConnections, SyncRouter
+from kvstore.index.routing import INDEX_TIMEOUT, AsyncRouter, SyncRouter
 
 # The settings read the lease's default here (kvstore.settings.config).
 __all__ = [

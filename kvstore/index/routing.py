@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections import deque
 from collections.abc import Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -28,6 +27,7 @@ from redis.retry import Retry
 
 from kvstore.errors import IndexScriptError, IndexUnavailableError, KVStoreError
 from kvstore.index.commands import Cmd
+from kvstore.index.held import HeldConnections
 from kvstore.index.topology import SLOTS, Topology, topology_from_slots
 from kvstore.index.urls import (
     CLUSTER_SCHEMES,
@@ -104,65 +104,6 @@ def _send(client: Any, wire: list[tuple[Any, ...]]) -> list[Any]:
         for args in wire:
             pipe.execute_command(*args)
         return pipe.execute(raise_on_error=False)
-
-
-def _exchange(client: Any, conn: Any, wire: list[tuple[Any, ...]]) -> list[Any]:
-    """``wire`` over ``conn``, one of ``client``'s server's connections held by the
-    caller: written at once, each reply read and parsed as redis-py parses it (its
-    response callbacks); a command's error comes back as its reply."""
-    conn.send_packed_command(conn.pack_commands(wire))
-    out: list[Any] = []
-    for args in wire:
-        try:
-            out.append(client.parse_response(conn, args[0]))
-        except redis.ResponseError as exc:
-            out.append(exc)
-    return out
-
-
-class HeldConnections:
-    """Connections kept open between calls, one per call in flight to each server: for a
-    router whose caller asks after pauses (the vLLM scheduler's lookups,
-    ``KVCacheClient.find``). redis-py's pool and pipeline cost the first call after 1 s
-    of quiet 0.17 ms more than writing the commands on a held connection and reading the
-    replies (GET and PTTL, medians of 20 calls on Valkey 9: 0.47 ms against 0.30). A
-    call takes an idle connection (or opens one) and gives it back, so there are never
-    more than the calls that ran at once. A connection that fails is closed and the
-    batch sent once more on a new one, as redis-py's one retry does."""
-
-    def __init__(self) -> None:
-        self._idle: dict[int, deque[Any]] = {}  # per server's client: connections not in use
-        self._opened: list[Any] = []
-        self._lock = threading.Lock()
-
-    def send(self, client: Any, wire: list[tuple[Any, ...]]) -> list[Any]:
-        idle = self._idle.get(id(client))
-        if idle is None:
-            with self._lock:
-                idle = self._idle.setdefault(id(client), deque())
-        try:
-            conn = idle.pop()
-        except IndexError:
-            conn = client.connection_pool.make_connection()
-            with self._lock:
-                self._opened.append(conn)
-        try:
-            try:
-                return _exchange(client, conn, wire)
-            except (redis.ConnectionError, redis.TimeoutError, OSError):
-                conn.disconnect()  # no reply of this batch may be read by a later call
-                return _exchange(client, conn, wire)
-        except BaseException:
-            conn.disconnect()
-            raise
-        finally:
-            idle.append(conn)
-
-    def close(self) -> None:
-        with self._lock:
-            opened, self._opened = self._opened, []
-        for conn in opened:
-            conn.disconnect()
 
 
 async def _send_async(client: Any, wire: list[tuple[Any, ...]]) -> list[Any]:
