@@ -27,13 +27,14 @@ loaded: ``DraftFacts.drop_blocks``."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from client.paging.loader import PageLoader
+from client.paging.loader import LoadOutcome, PageLoader, ids_from
 from client.paging.paged_cache import PagedCache
+from client.paging.specs import LoadSpec
 from client.paging.staging_pool import StagingPool
 from client.sync_client import KVCacheClient
 from client.vllm.options import ConnectorOptions, engine_layout, model_namespace
@@ -169,6 +170,19 @@ class DraftPages:
         cache.warm()
         loader = target.beside(client, cache, staging)
         return cls(client, cache, staging, loader)
+
+    def load_after(self, spec: LoadSpec, outcome: LoadOutcome, after: Any) -> LoadOutcome:
+        """Loader thread, after the target's blocks of a load (``outcome``): the draft's
+        of the same blocks; a block either failed is recomputed for both, and all of
+        them when the scheduler found no draft pages."""
+        if spec.draft_found is None:
+            return LoadOutcome(ids_from(spec, spec.start_block), outcome.nbytes, outcome.seconds)
+        drafted = self.loader.load(replace(spec, found=spec.draft_found), after)
+        return LoadOutcome(
+            sorted({*outcome.failed, *drafted.failed}),
+            outcome.nbytes + drafted.nbytes,
+            outcome.seconds + drafted.seconds,
+        )
 
 
 def draft_layout(vllm_config: VllmConfig, layers: list[torch.Tensor]) -> str:

@@ -30,23 +30,23 @@ import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from client.memory.device_pages import DeviceCopier, default_copier
 from client.paging.layerwise import LayerwiseLoads
-from client.paging.loader import LoadOutcome, PageLoader, ids_from, layer_rows
-from client.paging.paged_cache import GatherResult, PagedCache
+from client.paging.loader import LoadOutcome, PageLoader, ids_from
+from client.paging.paged_cache import PagedCache
 from client.paging.staging_pool import StagingPool
 from client.stats import ClientStats
 from client.sync_client import KVCacheClient
 from client.vllm.cache_checks import layer_groups_of, stage_layout
 from client.vllm.drafts import DraftFacts, DraftPages, draft_layout, rank_draft_client
 from client.vllm.events import SaveOutcomes
+from client.vllm.gathered import GatheredPages
 from client.vllm.load_errors import LoadErrors
-from client.vllm.metadata import GatherSpec, KVStoreConnectorMetadata, LoadSpec
+from client.vllm.metadata import KVStoreConnectorMetadata, LoadSpec
 from client.vllm.options import (
     ConnectorOptions,
     rank_client,
@@ -102,7 +102,7 @@ class ConnectorWorker:
         # Hybrid KV-cache groups (client.vllm.support.hybrid_groups): the group of each
         # layer of the cache, in its order; empty for one group.
         self._layer_groups: list[int] = []
-        self._gathered: dict[str, GatherResult] = {}  # hybrid: each request's pages gathered so far
+        self._gathered: GatheredPages | None = None  # hybrid: pages gathered step by step
         self._enabled = enabled  # False: the engine cannot use the store (client.vllm.support); never loads or saves
         self._conf = conf
         self._options = options
@@ -192,6 +192,14 @@ class ConnectorWorker:
         buffers = self._conf.load_threads + 1  # every load at once, and one save
         pages = self._conf.staging_bytes // buffers // self._client.namespace.page_nbytes
         self._staging = StagingPool(self._cache, buffers, pages)
+        self._gathered = GatheredPages(
+            self._cache,
+            self._staging,
+            self._client.namespace.page_nbytes,
+            self._layer_groups,
+            self._saves,
+            self._stats,
+        )
         self._cache.warm()  # a GPU's save kernel compiles here, not in the first save's step
         self._loader = ThreadPoolExecutor(
             self._conf.load_threads, thread_name_prefix="kvstore-load"
@@ -266,15 +274,7 @@ class ConnectorWorker:
             return self._states.load_after(spec, outcome, self._refusals.refused)
         if self._draft is None:
             return outcome
-        if spec.draft_found is None:  # the scheduler found no draft pages: load none of it
-            failed = ids_from(spec, spec.start_block)
-            return LoadOutcome(failed, outcome.nbytes, outcome.seconds)
-        drafted = self._draft.loader.load(replace(spec, found=spec.draft_found), after)
-        return LoadOutcome(
-            sorted({*outcome.failed, *drafted.failed}),
-            outcome.nbytes + drafted.nbytes,
-            outcome.seconds + drafted.seconds,
-        )
+        return self._draft.load_after(spec, outcome, after)
 
     def _registered(self) -> tuple[KVCacheClient, PagedCache, StagingPool]:
         """The client, paged cache and staging pool of a worker whose
@@ -283,14 +283,6 @@ class ConnectorWorker:
         if self._client is None or self._cache is None or self._staging is None:
             raise KVStoreError("this worker has no registered KV cache")
         return self._client, self._cache, self._staging
-
-    def _release(self, held: GatherResult) -> None:
-        """Give back a request's gathered pages that will not be published, and their
-        bytes from the pending saves' count."""
-        client, _, staging = self._registered()
-        pages = held.wait()  # no copy may still land in pages given back
-        staging.give_pages(pages)
-        self._saves.release(len(pages) * client.namespace.page_nbytes)
 
     def get_finished(self, meta: Any) -> tuple[set[str] | None, set[str] | None]:
         """Loads finished since the last call (``meta``: this step's metadata, None
@@ -338,9 +330,8 @@ class ConnectorWorker:
         if not isinstance(meta, KVStoreConnectorMetadata):
             return
         for req_id in meta.dropped:
-            dropped = self._gathered.pop(req_id, None)
-            if dropped is not None:
-                self._release(dropped)
+            if self._gathered is not None:
+                self._gathered.drop(req_id)
         # Nothing to save here when this worker cannot (its saves' events are withheld),
         # or another rank holds the same replicated heads (MLA's latent) and saves them.
         if not self._saves.started:
@@ -355,20 +346,14 @@ class ConnectorWorker:
         if not client.namespace.stores_heads:
             self._saves.outcomes.report(meta.saves, ok=True)
             return
-        for gather in meta.gathers:
-            try:
-                self._gather(gather)
-            except Exception as exc:  # a page not copied is a future miss, never an engine error
-                log.warning(
-                    "pages of %s not copied out, so it is not saved: %s", gather.req_id, exc
-                )
-                held = self._gathered.pop(gather.req_id, None)
-                if held is not None:
-                    self._release(held)
+        hybrid_pages = self._gathered
+        if hybrid_pages is not None:
+            for gather in meta.gathers:
+                hybrid_pages.gather(gather)
         page_nbytes = client.namespace.page_nbytes
         for spec in meta.saves:
             if spec.gathered:
-                held = self._gathered.pop(spec.req_id, None)
+                held = hybrid_pages.take(spec.req_id) if hybrid_pages is not None else None
                 if held is None:  # a gather was dropped (pending bytes): nothing to publish
                     self._saves.outcomes.report([spec], ok=False)
                     continue
@@ -395,31 +380,6 @@ class ConnectorWorker:
                 self._saves.submit(
                     draft.client, draft.staging, spec, drafted, draft_nbytes, answers_event=False
                 )
-
-    def _gather(self, spec: GatherSpec) -> None:
-        """Engine thread, hybrid groups: copy the request's blocks that became full this
-        step into its pages (host memory held until its save is published or dropped).
-        Its bytes count against ``max_pending_save_bytes`` from the first gather on; past
-        it the request is not saved."""
-        client, cache, staging = self._registered()
-        held = self._gathered.get(spec.req_id)
-        pages = spec.blocks - spec.base  # the save's pages: blocks base to blocks - 1
-        if held is None:
-            if spec.first > spec.base:  # an earlier gather was dropped: the pages would have a hole
-                return
-            if not self._saves.reserve(spec.req_id, pages * client.namespace.page_nbytes):
-                return
-            held = GatherResult(staging.take_pages(pages))
-            self._gathered[spec.req_id] = held
-        started = time.perf_counter()
-        count = len(spec.group_block_ids[0])
-        rows = [
-            ([spec.first - spec.base + r for r in positions], blocks)
-            for positions, blocks in layer_rows(self._layer_groups, spec.group_block_ids, 0, count)
-        ]
-        ready = cache.gather_layers(rows, held.pages[:pages]).ready
-        self._gathered[spec.req_id] = GatherResult(held.pages[:pages], ready or held.ready)
-        self._stats.observe("save_gather_seconds", time.perf_counter() - started)
 
     def take_save_outcomes(self) -> SaveOutcomes | None:
         """Outcomes of saves finished since the engine step last asked (its KV events)."""
