@@ -227,14 +227,22 @@ class PrefixQuery:
     def _last(self, ns: Namespace, joined: bytes) -> int:
         """Blocks up to the last page stored of a sparse chain (``PageLayout.sparse``)
         whose every unit a live node holds: one more index round trip."""
+        found, nodes = self._ask(ns, joined, sparse=True)
+        return found.resolve(nodes, last=True).matched
+
+    def _ask(
+        self, ns: Namespace, joined: bytes, sparse: bool = False
+    ) -> tuple[IndexLookup, list[NodeInfo]]:
+        """The index's answer for ``joined`` with every unit of each block, and the live
+        nodes, in one round trip (the node's one index connection, under its lock)."""
         units = rank_units(ns)
         with self._lock:
             found, nodes = self.index.lookup(
-                ns, joined, units=(units.first, units.count), with_nodes=True, sparse=True
+                ns, joined, units=(units.first, units.count), with_nodes=True, sparse=sparse
             )
         if isinstance(nodes, Exception):
             raise nodes
-        return found.resolve(nodes, last=True).matched
+        return found, nodes
 
     def query_by_hash(self, req: HashQueryRequest) -> QueryAnswer:
         joined = req.joined()
@@ -246,15 +254,11 @@ class PrefixQuery:
     def _lookup(self, ns: Namespace, joined: bytes) -> NamespaceAnswer:
         """One index round trip: the stored prefix of ``joined`` with every unit of each
         block, and the live nodes; then the answering node's tiers from its table."""
-        units = rank_units(ns)
-        first, count = units.first, units.count
+        count = rank_units(ns).count
         matched = 0
         per_node: dict[str, int] = {}
         if joined:
-            with self._lock:
-                found, nodes = self.index.lookup(ns, joined, units=(first, count), with_nodes=True)
-            if isinstance(nodes, Exception):
-                raise nodes
+            found, nodes = self._ask(ns, joined)
             matched = found.resolve(nodes).matched
             per_node = _blocks_per_node(found, nodes, matched, count)
         answer_nodes = [
