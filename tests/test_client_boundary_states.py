@@ -182,3 +182,53 @@ def test_states_of_other_formats_live_in_other_namespaces():
     assert mixed is not None and not mixed.uniform
     refusal = state_refusal(SimpleNamespace(), mixed)  # refused before the config is read
     assert refusal is not None and "different state formats" in refusal
+
+
+def test_a_workers_state_is_saved_from_its_blocks_and_loaded_into_another_block(cluster, request):
+    """The worker's side (client.vllm.state_pages) against real nodes: a state copied out
+    of two layers' blocks (one per state group) is published through the save queue as
+    the prefix's last block; a load writes it bit-exact into other blocks and counts its
+    bytes. When a state group's block is vLLM's null block, the load fails whole
+    (recomputed) and writes nothing."""
+    from client.paging.loader import LoadOutcome
+    from client.paging.specs import LoadSpec
+    from client.vllm.saver import SaveQueue
+    from client.vllm.state_pages import StatePages
+    from client.vllm.states import StateSpec
+    from client.vllm.stats import StatsRecorder
+
+    ns = state_namespace(tenant_for(request.node.name))
+    client = KVCacheClient(cluster.redis_url, ns, timeout=5)
+    saves = SaveQueue(1 << 20, StatsRecorder(), lambda exc: None)
+    saves.start()
+    try:
+        gen = torch.Generator().manual_seed(5)
+        layers = [
+            torch.randint(-128, 127, (6, 1, 1, 128), dtype=torch.int8, generator=gen)
+            for _ in range(2)
+        ]  # vLLM's int8 view of a state layer, padded past its 96 bytes
+        pages = StatePages(client, [layer.clone() for layer in layers], [0, 1], 96)
+        tokens = [(7 * i + 2) % 30000 for i in range(3 * BLOCK)]
+        pages.save(StateSpec("r", tokens, [4, 2]), saves, BLOCK)
+        saves.shutdown()
+        found = client.find(tokens, last=True)
+        assert found is not None and found.blocks == 3
+        target = [torch.zeros_like(layer) for layer in layers]
+        loading = StatePages(client, target, [0, 1], 96)
+        spec = LoadSpec("r", found, [11, 12, 13], 0, state_found=found, state_block_ids=[1, 5])
+        done = loading.load_after(spec, LoadOutcome([], 100, 0.0), lambda exc: None)
+        assert done.failed == [] and done.nbytes == 100 + 2 * 96
+        assert torch.equal(target[0][1].flatten()[:96], layers[0][4].flatten()[:96])
+        assert torch.equal(target[1][5].flatten()[:96], layers[1][2].flatten()[:96])
+        assert not target[0][4].any() and not target[1][1].any()  # only the allocated blocks
+        empty = [torch.zeros_like(layer) for layer in layers]
+        stale = StatePages(client, empty, [0, 1], 96)
+        missing = LoadSpec(
+            "s", found, [11, 12, 13], 0, state_found=found.head(3), state_block_ids=[0, 5]
+        )  # block 0: vLLM's null block, no state to write
+        failed = stale.load_after(missing, LoadOutcome([], 100, 0.0), lambda exc: None)
+        assert failed.failed == [11, 12, 13] and failed.nbytes == 100
+        assert not any(t.any() for t in empty)
+    finally:
+        saves.shutdown()
+        client.close()
