@@ -284,6 +284,21 @@ class AsyncKVCacheClient:
         units = blocks * (len(out.hashes) // max(count, 1))  # unit by unit, as out's pages
         return await self._publisher.publish(dataclasses.replace(out, tokens=units))
 
+    async def find_keys(self, page_keys: list[str]) -> StoredPrefix | None:
+        """``find`` for a keyed layout (``Namespace.keyed``): the stored prefix of an
+        engine's own page keys (SGLang's HiCache keys, each chained over its prefix by
+        the engine), in one index round trip; None on an index fault. ``get_found_into``
+        fetches it."""
+        return await self.lookups.find_joined(self.lookups.keyed_hashes(page_keys))
+
+    async def put_keyed(self, page_keys: list[str], spans: list[Span]) -> PublishReport:
+        """Store page ``spans[i]`` (this rank's page, in host memory: a span of an
+        array, or its pieces, ``client.memory.buffers``) under ``page_keys[i]``, for a
+        keyed layout. Pages a node holds already are not sent again; no token ids go
+        with them (the nodes' KV events name such pages by hash alone)."""
+        hashes = split_hashes(self.lookups.keyed_hashes(page_keys))
+        return await self._publisher.publish(self._publisher.keyed(hashes, spans))
+
     async def get_pages(
         self, token_ids: Any, out: torch.Tensor, start_block: int = 0, *, identity: Identity = None
     ) -> int:

@@ -194,6 +194,19 @@ class KVCacheClient:
         index = self._index(timeout)
         return inner.lookups.find_blocking(index, token_ids, nodes, identity, last=last)
 
+    def find_keys(self, page_keys: list[str], timeout: float | None = None) -> StoredPrefix | None:
+        """``AsyncKVCacheClient.find_keys`` in the caller's thread, as ``find``."""
+        inner = self._async
+        joined = inner.lookups.keyed_hashes(page_keys)
+        nodes = inner.nodes.fresh() if inner.namespace_registered else None
+        if nodes is None:
+            return self._read(inner.lookups.find_joined(joined), None, timeout)
+        return inner.lookups.find_joined_blocking(self._index(timeout), joined, nodes)
+
+    def put_keyed(self, page_keys: list[str], spans: list[Span]) -> PublishReport:
+        """``AsyncKVCacheClient.put_keyed``."""
+        return self._run(self._async.put_keyed(page_keys, spans), self._bound())
+
     def _index(self, timeout: float | None) -> PageIndex:
         """The caller's index connection whose reads wait at most ``timeout`` (the
         client's index timeout when None): one per distinct timeout (the vLLM

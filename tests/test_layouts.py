@@ -21,6 +21,13 @@ DOCUMENTED = {
     "vllm_flash": (LAYERS, 2, BLOCK, HEADS, HEAD),
     "vllm_mla": (LAYERS, HEADS, BLOCK, HEAD),
     "vllm_mamba_state": (LAYERS, HEADS, HEAD),  # a state's bytes do not grow with the block
+    # SGLang's host pools, a page as get_page_buffer_meta names its buffers
+    "sglang_2blhd": (2, BLOCK, LAYERS, HEADS, HEAD),
+    "sglang_2lbhd": (2, LAYERS, BLOCK, HEADS, HEAD),
+    "sglang_l2bhd": (LAYERS, 2, BLOCK, HEADS, HEAD),
+    "sglang_2hbld": (2, HEADS, BLOCK, LAYERS, HEAD),
+    "sglang_mla_blhd": (BLOCK, LAYERS, HEADS, HEAD),
+    "sglang_mla_lbhd": (LAYERS, BLOCK, HEADS, HEAD),
 }
 
 

@@ -22,7 +22,7 @@ from client.nodes.directory import NodeDirectory
 from client.stats import ClientStats
 from kvstore.errors import IndexScriptError, InvalidInputError, KVStoreError, RemoteFault
 from kvstore.index import AsyncPageIndex, IndexLookup, LookupResult, NodeInfo, PageIndex
-from kvstore.pages.hashing import HASH_BYTES, block_hash_bytes
+from kvstore.pages.hashing import HASH_BYTES, block_hash_bytes, keyed_hash_bytes
 from kvstore.pages.heads import RankUnits
 from kvstore.pages.identity import BlockExtras, RequestIdentity, resolve
 from kvstore.pages.namespace import Namespace
@@ -106,9 +106,19 @@ class PrefixLookup:
     def chain_hashes(self, token_ids: Any, identity: Identity = None) -> bytes:
         """The storage chain hashes of ``token_ids``' full blocks, joined, under
         ``identity`` (``kvstore.pages.identity``)."""
+        if self._storage.keyed:
+            raise InvalidInputError(
+                f"layout {self._storage.layout!r} keys pages by the engine's page keys, "
+                "not token ids: use the keyed calls (find_keys, put_keyed)"
+            )
         return block_hash_bytes(
             self._storage, token_ids, resolve(identity, self._storage.block_size, len(token_ids))
         )
+
+    def keyed_hashes(self, page_keys: list[str]) -> bytes:
+        """The storage hashes of an engine's own page keys, joined (a keyed layout's
+        pages: ``kvstore.pages.hashing.keyed_hash_bytes``)."""
+        return keyed_hash_bytes(self._storage, page_keys)
 
     async def find(
         self, token_ids: Any, identity: Identity = None, *, last: bool = False
@@ -118,7 +128,11 @@ class PrefixLookup:
         stored at some blocks only (a hybrid model's boundary states): the prefix up to
         the last block stored, whose page alone it holds (``IndexLookup.resolve``); every
         64-block segment of the chain is read (``kvstore.pages.keys``), gaps or not."""
-        joined = self.chain_hashes(token_ids, identity)
+        return await self.find_joined(self.chain_hashes(token_ids, identity), last=last)
+
+    async def find_joined(self, joined: bytes, *, last: bool = False) -> StoredPrefix | None:
+        """``find`` of a chain's storage hashes, joined (``chain_hashes``, or
+        ``keyed_hashes`` for a keyed layout)."""
         result = await self.lookup(joined, last=last) if joined else LookupResult.empty()
         return self._prefix(joined, result, last)
 
@@ -133,7 +147,14 @@ class PrefixLookup:
     ) -> StoredPrefix | None:
         """``find`` in the caller's thread over ``index`` (its reads bound its wait),
         against ``nodes`` (``NodeDirectory.fresh``), for a registered namespace."""
-        joined = self.chain_hashes(token_ids, identity)
+        return self.find_joined_blocking(
+            index, self.chain_hashes(token_ids, identity), nodes, last=last
+        )
+
+    def find_joined_blocking(
+        self, index: PageIndex, joined: bytes, nodes: list[NodeInfo], *, last: bool = False
+    ) -> StoredPrefix | None:
+        """``find_joined`` in the caller's thread, as ``find_blocking``."""
         if not joined:
             return self._prefix(joined, LookupResult.empty(), last)
         try:
@@ -209,7 +230,14 @@ class PrefixLookup:
         """The index call of a lookup: its answer, or an awaitable of it for the async
         index. ``sparse``: every segment read (a ``last`` lookup's chain has gaps)."""
         self._stats.lookups += 1
-        return index.lookup(self._storage, hashes, breaks=breaks, units=self._units, sparse=sparse)
+        return index.lookup(
+            self._storage,
+            hashes,
+            breaks=breaks,
+            units=self._units,
+            sparse=sparse,
+            segment_pages=self._storage.segment_pages,
+        )
 
     def _prefix(
         self, joined: bytes, result: LookupResult | None, last: bool = False

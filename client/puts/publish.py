@@ -110,7 +110,7 @@ class Publisher:
                 f"for tp_size {ns.tp_size}): "
                 f"it can read pages but not {verb} them; use head_groups of at least tp_size"
             )
-        anchors, positions = keys.placement(hashes)
+        anchors, positions = keys.placement(hashes, span=self._namespace.segment_pages)
         hashes, anchors, positions = hashes[start:], anchors[start:], positions[start:]
         return Outgoing(
             heads.unit_hashes(hashes, rank.first, rank.count),
@@ -132,6 +132,25 @@ class Publisher:
         spans = page_spans(
             host_bytes(units), len(hashes) * self._rank.count, self._namespace.unit_nbytes
         )
+        return Outgoing(out.hashes, spans, out.anchors, out.positions)
+
+    def keyed(self, hashes: list[bytes], spans: list[Span]) -> Outgoing:
+        """What ``put_keyed`` publishes: page ``spans[i]`` (this rank's whole page, one
+        unit) under storage hash ``hashes[i]`` (a keyed layout's, each page a segment
+        of its own)."""
+        out = self.unit_keys(hashes, "store")
+        if not self._rank.identity:
+            raise InvalidInputError(
+                f"put_keyed needs a rank whose page is one unit; this rank holds {self._rank.count}"
+            )
+        if len(spans) != len(hashes):
+            raise InvalidInputError(f"{len(spans)} pages for {len(hashes)} keys")
+        size = self._namespace.unit_nbytes
+        bad = next((i for i, span in enumerate(spans) if span.nbytes != size), None)
+        if bad is not None:
+            raise InvalidInputError(
+                f"page {bad} holds {spans[bad].nbytes} bytes; a page of this namespace is {size}"
+            )
         return Outgoing(out.hashes, spans, out.anchors, out.positions)
 
     async def publish(self, out: Outgoing) -> PublishReport:

@@ -257,6 +257,7 @@ class LookupMethods(IndexDriver):
         units: tuple[int, int] = (0, 1),
         with_nodes: bool = False,
         sparse: bool = False,
+        segment_pages: int = keys.SEGMENT_PAGES,
     ) -> Any:
         """Entries for the longest stored prefix of ``hashes`` (chains start at 0 and at
         each of ``breaks``), with a read lease: an ``IndexLookup`` to ``resolve`` against
@@ -272,7 +273,9 @@ class LookupMethods(IndexDriver):
         read met (a lookup that found its node list stale pays no second round trip).
         ``sparse``: a chain stored at some blocks only (``PageLayout.sparse``): every
         segment is read on its own, none ends the lookup (a 64-block run with no page
-        is a gap, not the end), as plain commands or one-segment script calls."""
+        is a gap, not the end), as plain commands or one-segment script calls.
+        ``segment_pages``: the namespace's (``Namespace.segment_pages``; 1 for keyed
+        pages, each its own segment)."""
         prefix = checks.namespace_key(namespace).prefix
         blob = checks.joined_hashes(hashes, "lookup", joined_ok=True)
         n = len(blob) // HASH_BYTES
@@ -286,7 +289,7 @@ class LookupMethods(IndexDriver):
             need = np.ones(n, dtype=np.int64)
             first[:head_chain], need[:head_chain] = units
         lease = self.lease_ms if lease_ms is None else lease_ms
-        segs = keys.segments(n, breaks)
+        segs = keys.segments(n, breaks, segment_pages)
         anchors = [blob[HASH_BYTES * start : HASH_BYTES * start + HASH_BYTES] for start, _ in segs]
 
         def steps() -> Generator[list[Cmd], list[Any], Any]:

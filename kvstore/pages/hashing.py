@@ -195,3 +195,28 @@ def part_hashes(seq_hash: bytes, count: int) -> list[bytes]:
         ).digest()
         for i in range(count)
     ]
+
+
+KEY_PERSON = b"kvs-key-v1"
+
+
+def keyed_hash_bytes(namespace: Namespace, page_keys: list[str]) -> bytes:
+    """The storage hashes of an engine's own page keys (a keyed layout's pages:
+    SGLang's HiCache keys, each chained over its prefix by the engine), joined, 16 bytes
+    per key in order: blake2b-128(person="kvs-key-v1", ns_digest || key as UTF-8). The
+    digest makes a key name different pages in different namespaces (models, ranks,
+    tenants), as it does for token chains. Callers: ``PrefixLookup.keyed_hashes``."""
+    if not namespace.keyed:
+        raise InvalidInputError(
+            f"layout {namespace.layout!r} keys pages by token ids; page keys need a keyed layout"
+        )
+    base = hashlib.blake2b(digest_size=HASH_BYTES, person=KEY_PERSON)
+    base.update(namespace.digest)
+    out = bytearray()
+    for key in page_keys:
+        if not isinstance(key, str) or not key:
+            raise InvalidInputError(f"a page key must be a non-empty string, got {key!r}")
+        h = base.copy()  # the digest's state once, not per key (3.3 against 4.0 ms at 8,192)
+        h.update(key.encode())
+        out += h.digest()
+    return bytes(out)

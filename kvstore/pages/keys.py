@@ -80,23 +80,33 @@ def incarnation_key(node_id: str) -> str:
     return REGISTRY_PREFIX + "inc:" + node_id
 
 
-def segments(count: int, breaks: Sequence[int] = ()) -> list[tuple[int, int]]:
+def segments(
+    count: int, breaks: Sequence[int] = (), span: int = SEGMENT_PAGES
+) -> list[tuple[int, int]]:
     """``(start, end)`` of every segment of ``count`` hashes made of chains that begin at
-    position 0 and at each of ``breaks`` (a select's tail parts form a second chain)."""
-    if not breaks and 0 < count <= SEGMENT_PAGES:  # every lookup of up to 64 blocks
+    position 0 and at each of ``breaks`` (a select's tail parts form a second chain).
+    ``span``: pages per segment (``Namespace.segment_pages``: 1 for a keyed layout, whose
+    pages carry no position in a chain)."""
+    if not breaks and 0 < count <= span:  # every lookup of up to 64 blocks
         return [(0, count)]
+    if span == 1 and not breaks:
+        return [(i, i + 1) for i in range(count)]
     starts = sorted({0, *(b for b in breaks if 0 < b < count)})
     out: list[tuple[int, int]] = []
     for first, stop in zip(starts, starts[1:] + [count]):
-        out.extend((s, min(s + SEGMENT_PAGES, stop)) for s in range(first, stop, SEGMENT_PAGES))
+        out.extend((s, min(s + span, stop)) for s in range(first, stop, span))
     return out
 
 
-def placement(hashes: Sequence[bytes], breaks: Sequence[int] = ()) -> tuple[list[bytes], list[int]]:
+def placement(
+    hashes: Sequence[bytes], breaks: Sequence[int] = (), span: int = SEGMENT_PAGES
+) -> tuple[list[bytes], list[int]]:
     """Every hash's segment anchor and position within its segment (see ``segments``)."""
+    if span == 1 and not breaks:
+        return list(hashes), [0] * len(hashes)
     anchors: list[bytes] = []
     positions: list[int] = []
-    for start, end in segments(len(hashes), breaks):
+    for start, end in segments(len(hashes), breaks, span):
         anchors.extend([hashes[start]] * (end - start))
         positions.extend(range(end - start))
     return anchors, positions

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvstore.errors import KVStoreError
+from kvstore.pages.keys import SEGMENT_PAGES
 
 # The letters of a layout's dimensions: 2 (K and V), L (layers), B (the block's tokens),
 # H (KV heads), D (head size), KV (2 * head size as one dimension) and, in an engine's
@@ -31,7 +32,10 @@ class PageLayout:
     width, and there is one head on every TP rank). ``sparse``: a chain of this layout
     holds pages at some blocks only, each standing for the prefix up to it (a hybrid
     model's boundary states, found up to the last one stored); a prefix of the same
-    model's attention pages is usable up to such a page only."""
+    model's attention pages is usable up to such a page only. ``keyed``: the pages
+    are keyed by an engine's own page keys (SGLang's HiCache: each key chained over the
+    prefix already), not by token ids, and come with no position in their chain: each
+    is a segment of its own in the index (``segment_pages``)."""
 
     name: str
     page_dims: tuple[str, ...]
@@ -39,6 +43,13 @@ class PageLayout:
     latent: bool = False
     description: str = ""
     sparse: bool = False
+    keyed: bool = False
+
+    @property
+    def segment_pages(self) -> int:
+        """Pages per index segment (``kvstore.pages.keys``): one for a keyed layout,
+        whose keys carry no chain position to anchor wider segments at."""
+        return 1 if self.keyed else SEGMENT_PAGES
 
     def sizes(self, *, layers: int, block_size: int, heads: int, head_size: int) -> dict[str, int]:
         return {
@@ -113,6 +124,52 @@ LAYOUTS: dict[str, PageLayout] = {
             "layer's state tensors back to back as vLLM keeps them in a block), stored as "
             "the last block of that prefix only (client.vllm.states)",
             sparse=True,
+        ),
+        # SGLang HiCache host pools (client.sglang): a page is what the pool's
+        # get_page_buffer_meta names for it, its buffers back to back.
+        PageLayout(
+            "sglang_2blhd",
+            ("2", "B", "L", "H", "D"),
+            description="[2, page_size, layers, kv_heads, head_dim]: SGLang's MHA host pool, "
+            "layout page_first (K of the page, then V)",
+            keyed=True,
+        ),
+        PageLayout(
+            "sglang_2lbhd",
+            ("2", "L", "B", "H", "D"),
+            description="[2, layers, page_size, kv_heads, head_dim]: SGLang's MHA host pool, "
+            "layout page_first_direct",
+            keyed=True,
+        ),
+        PageLayout(
+            "sglang_l2bhd",
+            ("L", "2", "B", "H", "D"),
+            description="[layers, 2, page_size, kv_heads, head_dim]: SGLang's MHA host pool, "
+            "layout layer_first (each layer's K, then its V)",
+            keyed=True,
+        ),
+        PageLayout(
+            "sglang_2hbld",
+            ("2", "H", "B", "L", "D"),
+            description="[2, kv_heads, page_size, layers, head_dim]: SGLang's MHA host pool, "
+            "layout page_head",
+            keyed=True,
+        ),
+        PageLayout(
+            "sglang_mla_blhd",
+            ("B", "L", "H", "D"),
+            latent=True,
+            description="[page_size, layers, 1, kv_cache_dim]: SGLang's MLA host pool, layout "
+            "page_first",
+            keyed=True,
+        ),
+        PageLayout(
+            "sglang_mla_lbhd",
+            ("L", "B", "H", "D"),
+            latent=True,
+            description="[layers, page_size, 1, kv_cache_dim]: SGLang's MLA host pool, layouts "
+            "page_first_direct and layer_first",
+            keyed=True,
         ),
     )
 }

@@ -1,0 +1,79 @@
+"""The client's keyed calls (``find_keys``, ``put_keyed``): pages named by an engine's
+own chained page keys, stored from and landed into that engine's memory as spans, on
+both data paths, against a real node. What an engine (SGLang's HiCache backend) builds
+on; its own test is tests/test_sglang_hicache.py."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from client import KVCacheClient
+from client.memory.buffers import host_bytes, scattered_span
+from kvstore.errors import InvalidInputError
+from kvstore.pages.namespace import Namespace
+from tests.helpers import tenant_for
+
+pytestmark = pytest.mark.process
+
+
+def keyed_ns(name: str) -> Namespace:
+    return Namespace(
+        model="m", dtype="float16", num_layers=2, num_kv_heads=2, head_size=8, block_size=4,
+        layout="sglang_2blhd", tenant=tenant_for(name),
+    )  # fmt: skip
+
+
+def pool_spans(pool: torch.Tensor) -> list:
+    """A page per span over a ``[2, tokens, L, H, D]`` pool, its K and V apart (the
+    way SGLang's page_first host pool holds a page)."""
+    flat, half = host_bytes(pool), pool[0].nbytes
+    size = pool[0, :4].nbytes
+    count = pool.shape[1] // 4
+    return [
+        scattered_span(
+            (flat[i * size : (i + 1) * size], flat[half + i * size : half + (i + 1) * size])
+        )
+        for i in range(count)
+    ]
+
+
+@pytest.mark.parametrize("same_host", [True, False], ids=["shared-memory", "ucx"])
+def test_keyed_pages_are_found_from_any_key_of_a_chain(clusters, same_host):
+    cluster = clusters(1)
+    ns = keyed_ns(f"keyed-{same_host}")
+    keys = [hashlib.sha256(f"{same_host}-{i}".encode()).hexdigest() for i in range(10)]
+    pool = torch.randn(2, 40, 2, 2, 8).half()
+    with KVCacheClient(cluster.redis_url, ns, same_host=same_host) as client:
+        report = client.put_keyed(keys[:7], pool_spans(pool)[:7])
+        assert (report.stored, report.sent) == (7, 7)
+        assert client.put_keyed(keys[:7], pool_spans(pool)[:7]).sent == 0  # held already
+        assert client.find_keys(keys).blocks == 7
+        assert client.find_keys(keys[3:]).blocks == 4  # a chain asked from its middle
+        assert client.find_keys(keys[7:]).blocks == 0
+        out = torch.zeros_like(pool)
+        assert client.get_found_into(client.find_keys(keys), pool_spans(out)) == 28
+        assert torch.equal(out[:, :28].view(torch.int16), pool[:, :28].view(torch.int16))
+        assert not out[:, 28:].any()
+
+
+def test_keyed_and_token_calls_do_not_mix(clusters):
+    """A keyed namespace's pages have no token chain, and a token namespace's no keys:
+    each call on the other kind is refused, naming it; so is a page of the wrong size."""
+    cluster = clusters(1)
+    ns = keyed_ns("keyed-mix")
+    with KVCacheClient(cluster.redis_url, ns) as client:
+        with pytest.raises(InvalidInputError, match="not token ids"):
+            client.find(list(range(8)))
+        spans = pool_spans(torch.zeros(2, 8, 2, 2, 8).half())
+        with pytest.raises(InvalidInputError, match="2 pages for 1 keys"):
+            client.put_keyed(["k"], spans)
+        small = pool_spans(torch.zeros(2, 8, 2, 1, 8).half())
+        with pytest.raises(InvalidInputError, match="page 0 holds 256 bytes"):
+            client.put_keyed(["k", "l"], small)
+    tokens_ns = ns.model_copy(update={"layout": "vllm_cpu"})
+    with KVCacheClient(cluster.redis_url, tokens_ns) as client:
+        with pytest.raises(InvalidInputError, match="keys pages by token ids"):
+            client.find_keys(["k"])

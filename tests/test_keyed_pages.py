@@ -1,0 +1,80 @@
+"""Keyed pages: pages named by an engine's own chained page keys (SGLang's HiCache)
+rather than token ids. Their hash format (golden vector), their one-page index
+segments, the layouts that carry them, and the SGLang backend's options. The
+backend's work against real nodes is tests/test_sglang_hicache.py."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from client.sglang.options import hicache_options
+from kvstore.errors import InvalidInputError
+from kvstore.pages import keys
+from kvstore.pages.hashing import keyed_hash_bytes
+from kvstore.pages.layouts import LAYOUTS, detect_layout
+from kvstore.pages.namespace import Namespace
+
+NS = Namespace(
+    model="m", dtype="bfloat16", num_layers=2, num_kv_heads=2, head_size=8, block_size=4,
+    layout="sglang_2blhd",
+)  # fmt: skip
+
+
+def test_golden_keyed_hashes():
+    """The bytes of a keyed page's hash never change: stored pages stay found."""
+    assert NS.digest_hex == "a8995fb8071913ce89fb1132b5341962"
+    assert keyed_hash_bytes(NS, ["a" * 64, "page-key"]).hex() == (
+        "38a94b5ccb6cdc0ef5f85ffd991470259b810543fa9fcc830ed8305c85f8bb97"
+    )
+    want = hashlib.blake2b(NS.digest + b"page-key", digest_size=16, person=b"kvs-key-v1")
+    assert keyed_hash_bytes(NS, ["page-key"]) == want.digest()
+
+
+def test_a_key_names_different_pages_in_different_namespaces():
+    other = NS.model_copy(update={"tp_rank": 1, "tp_size": 2})
+    mla = NS.model_copy(update={"layout": "sglang_mla_blhd", "num_kv_heads": 1})
+    hashes = {keyed_hash_bytes(ns, ["k"]) for ns in (NS, other, mla, NS.storage)}
+    assert len(hashes) == 3  # NS is its own storage namespace
+
+
+def test_keyed_hashes_refuse_token_layouts_and_empty_keys():
+    with pytest.raises(InvalidInputError, match="keys pages by token ids"):
+        keyed_hash_bytes(NS.model_copy(update={"layout": "vllm_cpu"}), ["k"])
+    with pytest.raises(InvalidInputError, match="non-empty string"):
+        keyed_hash_bytes(NS, ["k", ""])
+
+
+def test_keyed_layouts_index_each_page_as_its_own_segment():
+    """A keyed page carries no position in its chain, so it anchors its own segment:
+    a lookup from any key of a stored chain reads the same segments its put wrote."""
+    assert NS.keyed and NS.segment_pages == 1
+    assert not NS.model_copy(update={"layout": "vllm_cpu"}).keyed
+    assert keys.segments(3, span=1) == [(0, 1), (1, 2), (2, 3)]
+    assert keys.segments(3) == [(0, 3)]
+    hashes = [bytes([i]) * 16 for i in range(130)]
+    assert keys.placement(hashes, span=1) == (hashes, [0] * 130)
+    anchors, positions = keys.placement(hashes)
+    assert anchors[63] == hashes[0] and anchors[64] == hashes[64] and positions[65] == 1
+
+
+def test_sglang_layouts_are_never_detected_from_an_engines_cache():
+    """They describe SGLang's host pool pages, not any engine's paged cache tensor."""
+    keyed = [name for name, layout in LAYOUTS.items() if layout.keyed]
+    assert len(keyed) == 6 and all(not LAYOUTS[n].cache_dims for n in keyed)
+    assert detect_layout((10, 2, 4, 16), 4, 2, 8) == "vllm_cpu"
+
+
+def test_hicache_options_skip_sglangs_keys_and_name_a_typo(monkeypatch):
+    monkeypatch.setenv("KVSTORE_REDIS_URL", "redis://127.0.0.1:7000")
+    monkeypatch.setenv("KVSTORE_TIMEOUT", "3")
+    sglang = {"backend_name": "kvstore", "module_path": "client.sglang", "interface_v1": 1}
+    ours, client = hicache_options({**sglang, "tenant": "team-a", "timeout": 1.5})
+    assert ours.tenant == "team-a" and ours.model is None
+    assert client.timeout == 1.5  # the extra config wins over the environment
+    assert client.redis_url == "redis://127.0.0.1:7000"  # unset ones come from KVSTORE_*
+    with pytest.raises(InvalidInputError, match="unknown key 'replica' .*'replicas'"):
+        hicache_options({**sglang, "replica": 2})
+    with pytest.raises(InvalidInputError, match="tenant='a/b'"):
+        hicache_options({"tenant": "a/b"})
