@@ -1,0 +1,293 @@
+"""Child process of tests/test_sglang_hicache.py: SGLang's own classes (its backend
+factory, storage config, host pools, key hash and failure injector) driving
+``client.sglang.KVStoreHiCache`` against real storage nodes. Prints one JSON line per
+check; the test asserts on them.
+
+    python tests/sglang_checks.py layouts REDIS_URL SAME_HOST
+    python tests/sglang_checks.py ranks REDIS_URL
+    python tests/sglang_checks.py faults REDIS_URL       (reads a line on stdin mid-way)
+    python tests/sglang_checks.py config REDIS_URL"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from typing import Any
+
+from tests.sglang_site import define_torchvision_ops, make_host_pool
+
+define_torchvision_ops()
+
+import torch  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
+    HiCacheStorageConfig,
+    HiCacheStorageFailureInjector,
+)
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
+
+PAGE = 4  # tokens per page of every pool here
+
+
+def config(redis_url: str, *, mla: bool = False, rank: int = 0, size: int = 1, **extra: Any) -> Any:
+    """SGLang's storage config of one rank, with the extra config README gives."""
+    extra_config = {
+        "backend_name": "kvstore",
+        "module_path": "client.sglang",
+        "class_name": "KVStoreHiCache",
+        "interface_v1": 1,
+        "redis_url": redis_url,
+        **extra,
+    }
+    return HiCacheStorageConfig(
+        tp_rank=rank,
+        tp_size=size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=extra_config.pop("attn_cp_size", 1),
+        is_mla_model=mla,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name=extra_config.pop("model_name", "tiny/llama"),
+        extra_config=extra_config,
+    )
+
+
+def backend(cfg: Any, pool: Any) -> Any:
+    """The backend as SGLang attaches it: built by its factory (``dynamic``), then
+    handed the host pool."""
+    made = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    made.register_mem_pool_host(pool)
+    made.on_host_pools_registered()
+    return made
+
+
+def page_keys(seed: int, pages: int, salt: str | None = None) -> list[str]:
+    """SGLang's storage keys of a random prompt of ``pages`` pages (its own hash)."""
+    rng = random.Random(seed)
+    tokens = [rng.randrange(32000) for _ in range(pages * PAGE)]
+    prior = get_storage_hash_str([], None) if salt is None else None
+    keys = get_storage_hash_str(tokens, prior, page_size=PAGE)
+    return keys if salt is None else [f"{salt}-{k}" for k in keys]
+
+
+def fill(pool: Any, pages: int, seed: int) -> torch.Tensor:
+    """``pages`` pages' slots of ``pool``, filled with random bytes."""
+    slots = pool.alloc(pages * PAGE)
+    gen = torch.Generator().manual_seed(seed)
+    for i in range(pages):
+        page = pool.get_data_page(int(slots[i * PAGE]), flat=False)
+        page.view(torch.int16).copy_(torch.randint(-(2**15), 2**15, page.shape, generator=gen))
+    return slots
+
+
+def page_bytes(pool: Any, slots: torch.Tensor, i: int) -> bytes:
+    return pool.get_data_page(int(slots[i * PAGE])).view(torch.uint8).numpy().tobytes()
+
+
+def same_pages(pool: Any, a: torch.Tensor, b: torch.Tensor, count: int, other: Any = None) -> bool:
+    return all(page_bytes(pool, a, i) == page_bytes(other or pool, b, i) for i in range(count))
+
+
+def layouts(redis_url: str, same_host: bool) -> None:
+    """Every host layout served, MHA and MLA: 6 of 8 pages stored through ``batch_set_v1``
+    and found and read back bit for bit; then the copying path (no interface_v1)."""
+    kinds = [
+        (False, lay) for lay in ("page_first", "page_first_direct", "layer_first", "page_head")
+    ]
+    kinds += [(True, lay) for lay in ("page_first", "page_first_direct", "layer_first")]
+    for n, (mla, layout) in enumerate(kinds):
+        pool = make_host_pool(layout, mla=mla)
+        store = backend(config(redis_url, mla=mla, same_host=same_host), pool)
+        keys = page_keys(n, 8)
+        src = fill(pool, 8, n)
+        stored = store.batch_set_v1(keys[:6], src[: 6 * PAGE])
+        again = store.batch_set_v1(keys[:6], src[: 6 * PAGE])  # held already: nothing sent
+        dst = pool.alloc(8 * PAGE)
+        got = store.batch_get_v1(keys, dst)
+        # the copying path: flat pages as SGLang's generic get/set hands them
+        flat_src = [pool.get_data_page(int(src[(6 + i) * PAGE])).clone() for i in range(2)]
+        flat_set = store.batch_set(keys[6:], flat_src)
+        flat_dst = [pool.get_dummy_flat_data_page() for _ in range(2)]
+        flat_got = store.batch_get(keys[6:], flat_dst)
+        flat_same = [
+            got_page is not None and got_page.view(torch.uint8).equal(want.view(torch.uint8))
+            for got_page, want in zip(flat_got, flat_src, strict=True)
+        ]
+        # pages stored through v1 read through the copying path, and the other way
+        cross = store.batch_get(keys[:2], [pool.get_dummy_flat_data_page() for _ in range(2)])
+        cross_same = [
+            got_page is not None
+            and got_page.view(torch.uint8).equal(
+                pool.get_data_page(int(src[i * PAGE])).view(torch.uint8)
+            )
+            for i, got_page in enumerate(cross)
+        ]
+        back = pool.alloc(2 * PAGE)
+        back_got = store.batch_get_v1(keys[6:], back)
+        back_same = all(
+            pool.get_data_page(int(back[i * PAGE]))
+            .view(torch.uint8)
+            .equal(flat_src[i].view(torch.uint8))
+            for i in range(2)
+        )
+        out = {
+            "layout": layout,
+            "mla": mla,
+            "page_layout": store.pages.namespace.layout,
+            "stored": stored,
+            "again": again,
+            "exists": store.batch_exists(keys),
+            "exists_from_2": store.batch_exists(keys[2:]),
+            "exists_one": store.exists(keys[0]),
+            "got": got,
+            "same": same_pages(pool, src, dst, 6),
+            "flat_set": flat_set,
+            "flat_same": flat_same,
+            "cross_same": cross_same,
+            "back": back_got,
+            "back_same": back_same,
+            "failures": dict(store.failures),
+        }
+        print(json.dumps(out), flush=True)
+        store.close()
+
+
+def ranks(redis_url: str) -> None:
+    """TP ranks: each MHA rank reads its own heads' pages; an engine of another TP size,
+    model or tenant misses; MLA's rank 1 writes nothing and reads rank 0's pages."""
+    keys = page_keys(100, 4)
+    pools = [make_host_pool("page_first") for _ in range(2)]
+    stores = [backend(config(redis_url, rank=r, size=2), pools[r]) for r in range(2)]
+    srcs = [fill(pools[r], 4, 200 + r) for r in range(2)]
+    set_ok = [stores[r].batch_set_v1(keys, srcs[r]) for r in range(2)]
+    dsts = [pools[r].alloc(4 * PAGE) for r in range(2)]
+    got = [stores[r].batch_get_v1(keys, dsts[r]) for r in range(2)]
+    own = [same_pages(pools[r], srcs[r], dsts[r], 4) for r in range(2)]
+    crossed = same_pages(pools[0], srcs[0], dsts[1], 4, pools[1])
+    tp1 = backend(config(redis_url), make_host_pool("page_first"))
+    other_model = backend(config(redis_url, model_name="other/model"), make_host_pool("page_first"))
+    other_tenant = backend(config(redis_url, tenant="someone-else"), make_host_pool("page_first"))
+    wider = backend(config(redis_url), make_host_pool("page_first", head_dim=16))
+    print(
+        json.dumps(
+            {
+                "set": set_ok,
+                "got": got,
+                "own": own,
+                "crossed": crossed,
+                "tp1": tp1.batch_exists(keys),
+                "other_model": other_model.batch_exists(keys),
+                "other_tenant": other_tenant.batch_exists(keys),
+                "other_geometry": wider.batch_exists(keys),
+            }
+        ),
+        flush=True,
+    )
+    mla_keys = page_keys(300, 4)
+    mla_pools = [make_host_pool("page_first", mla=True) for _ in range(2)]
+    mla = [backend(config(redis_url, mla=True, rank=r, size=2), mla_pools[r]) for r in range(2)]
+    mla_src = [fill(mla_pools[r], 4, 400 + r) for r in range(2)]
+    reader_set = mla[1].batch_set_v1(mla_keys, mla_src[1])
+    after_reader = mla[1].batch_exists(mla_keys)
+    writer_set = mla[0].batch_set_v1(mla_keys, mla_src[0])
+    mla_dst = mla_pools[1].alloc(4 * PAGE)
+    mla_got = mla[1].batch_get_v1(mla_keys, mla_dst)
+    print(
+        json.dumps(
+            {
+                "reader_set": reader_set,
+                "after_reader": after_reader,
+                "writer_set": writer_set,
+                "reader_got": mla_got,
+                "reader_has_writers": same_pages(
+                    mla_pools[0], mla_src[0], mla_dst, 4, mla_pools[1]
+                ),
+            }
+        ),
+        flush=True,
+    )
+
+
+def faults(redis_url: str) -> None:
+    """Faults are misses and Falses, never exceptions or wrong bytes: SGLang's failure
+    injector around the backend; the node killed (the parent does it when this prints
+    ``stored`` and answers with a line); an index that cannot be reached."""
+    pool = make_host_pool("page_first")
+    store = backend(config(redis_url, timeout=2.0), pool)
+    keys = page_keys(500, 8)
+    src = fill(pool, 8, 500)
+    store.batch_set_v1(keys, src)
+    injected = HiCacheStorageFailureInjector(store, 0.0, 0.5)
+    seen = {"exists": set(), "got_ok": True, "calls": 0}
+    for _ in range(40):
+        dst = pool.alloc(8 * PAGE)
+        res = injected.batch_get_v1(keys, dst)
+        n = res.index(False) if False in res else len(res)
+        seen["got_ok"] &= res == [True] * n + [False] * (8 - n) and same_pages(pool, src, dst, n)
+        seen["exists"].add(injected.batch_exists(keys))
+        seen["calls"] += 1
+        pool.free(dst)
+    print(json.dumps({"injected_exists": sorted(seen["exists"]), "injected_ok": seen["got_ok"]}))
+    print("stored", flush=True)
+    sys.stdin.readline()  # the parent killed the node
+    t = time.monotonic()
+    dst = pool.alloc(8 * PAGE)
+    dead = {
+        "got": store.batch_get_v1(keys, dst),
+        "set": store.batch_set_v1(page_keys(501, 2), fill(pool, 2, 501)),
+        "seconds": 0.0,
+    }
+    dead["seconds"] = time.monotonic() - t
+    dead["failures"] = dict(store.failures)
+    print(json.dumps(dead), flush=True)
+    gone = backend(config("redis://127.0.0.1:1", timeout=1.0), make_host_pool("page_first"))
+    t = time.monotonic()
+    lost = {
+        "exists": gone.batch_exists(keys),
+        "got": gone.batch_get_v1(keys[:2], gone.pages.pool.alloc(2 * PAGE)),
+        "set": gone.batch_set_v1(keys[:2], fill(gone.pages.pool, 2, 502)),
+    }
+    lost["seconds"] = time.monotonic() - t
+    lost["failures"] = dict(gone.failures)
+    print(json.dumps(lost), flush=True)
+
+
+def refused(make: Any) -> str:
+    try:
+        make()
+    except Exception as exc:  # the message is what is checked
+        return f"{type(exc).__name__}: {exc}"
+    return "accepted"
+
+
+def config_checks(redis_url: str) -> None:
+    """What SGLang's attach meets for a configuration the backend does not serve: one
+    line naming what is wrong."""
+    pool = make_host_pool("page_first")
+    out = {
+        "typo": refused(lambda: backend(config(redis_url, tennant="a"), pool)),
+        "bad_tenant": refused(lambda: backend(config(redis_url, tenant="a b"), pool)),
+        "bad_option": refused(lambda: backend(config(redis_url, timeout=-1), pool)),
+        "context_parallel": refused(lambda: backend(config(redis_url, attn_cp_size=2), pool)),
+        "no_model": refused(lambda: backend(config(redis_url, model_name=None), pool)),
+        "unified": refused(lambda: backend(config(redis_url), make_host_pool("page_unified"))),
+    }
+    store = backend(config(redis_url), pool)
+    out["hybrid"] = refused(lambda: store.register_mem_host_pool_v2(pool, "mamba"))
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    what, url = sys.argv[1], sys.argv[2]
+    if what == "layouts":
+        layouts(url, sys.argv[3] == "1")
+    elif what == "ranks":
+        ranks(url)
+    elif what == "faults":
+        faults(url)
+    else:
+        config_checks(url)
