@@ -284,20 +284,36 @@ class AsyncKVCacheClient:
         units = blocks * (len(out.hashes) // max(count, 1))  # unit by unit, as out's pages
         return await self._publisher.publish(dataclasses.replace(out, tokens=units))
 
-    async def find_keys(self, page_keys: list[str]) -> StoredPrefix | None:
+    async def find_keys(
+        self, page_keys: list[str], *, position: int | None = None, anchor_key: str | None = None
+    ) -> StoredPrefix | None:
         """``find`` for a keyed layout (``Namespace.keyed``): the stored prefix of an
         engine's own page keys (SGLang's HiCache keys, each chained over its prefix by
         the engine), in one index round trip; None on an index fault. ``get_found_into``
-        fetches it."""
-        return await self.lookups.find_joined(self.lookups.keyed_hashes(page_keys))
+        fetches it. ``position``: the chain position of the first key, when the engine
+        knows it (then ``anchor_key``, the key at ``position`` rounded down to 64, where
+        that differs); pages stored with positions are found with them, pages stored
+        without, without (``PrefixLookup.keyed_place``)."""
+        lookups = self.lookups
+        place = lookups.keyed_place(position, anchor_key)
+        return await lookups.find_joined(lookups.keyed_hashes(page_keys), place=place)
 
-    async def put_keyed(self, page_keys: list[str], spans: list[Span]) -> PublishReport:
+    async def put_keyed(
+        self,
+        page_keys: list[str],
+        spans: list[Span],
+        *,
+        position: int | None = None,
+        anchor_key: str | None = None,
+    ) -> PublishReport:
         """Store page ``spans[i]`` (this rank's page, in host memory: a span of an
         array, or its pieces, ``client.memory.buffers``) under ``page_keys[i]``, for a
-        keyed layout. Pages a node holds already are not sent again; no token ids go
-        with them (the nodes' KV events name such pages by hash alone)."""
+        keyed layout; ``position`` and ``anchor_key`` as for ``find_keys``. Pages a node
+        holds already are not sent again; no token ids go with them (the nodes' KV
+        events name such pages by hash alone)."""
         hashes = split_hashes(self.lookups.keyed_hashes(page_keys))
-        return await self._publisher.publish(self._publisher.keyed(hashes, spans))
+        place = self.lookups.keyed_place(position, anchor_key)
+        return await self._publisher.publish(self._publisher.keyed(hashes, spans, place))
 
     async def get_pages(
         self, token_ids: Any, out: torch.Tensor, start_block: int = 0, *, identity: Identity = None

@@ -194,18 +194,34 @@ class KVCacheClient:
         index = self._index(timeout)
         return inner.lookups.find_blocking(index, token_ids, nodes, identity, last=last)
 
-    def find_keys(self, page_keys: list[str], timeout: float | None = None) -> StoredPrefix | None:
+    def find_keys(
+        self,
+        page_keys: list[str],
+        timeout: float | None = None,
+        *,
+        position: int | None = None,
+        anchor_key: str | None = None,
+    ) -> StoredPrefix | None:
         """``AsyncKVCacheClient.find_keys`` in the caller's thread, as ``find``."""
+        lookups = self._async.lookups
+        joined, place = lookups.keyed_hashes(page_keys), lookups.keyed_place(position, anchor_key)
         inner = self._async
-        joined = inner.lookups.keyed_hashes(page_keys)
         nodes = inner.nodes.fresh() if inner.namespace_registered else None
         if nodes is None:
-            return self._read(inner.lookups.find_joined(joined), None, timeout)
-        return inner.lookups.find_joined_blocking(self._index(timeout), joined, nodes)
+            return self._read(lookups.find_joined(joined, place=place), None, timeout)
+        return lookups.find_joined_blocking(self._index(timeout), joined, nodes, place=place)
 
-    def put_keyed(self, page_keys: list[str], spans: list[Span]) -> PublishReport:
+    def put_keyed(
+        self,
+        page_keys: list[str],
+        spans: list[Span],
+        *,
+        position: int | None = None,
+        anchor_key: str | None = None,
+    ) -> PublishReport:
         """``AsyncKVCacheClient.put_keyed``."""
-        return self._run(self._async.put_keyed(page_keys, spans), self._bound())
+        coro = self._async.put_keyed(page_keys, spans, position=position, anchor_key=anchor_key)
+        return self._run(coro, self._bound())
 
     def _index(self, timeout: float | None) -> PageIndex:
         """The caller's index connection whose reads wait at most ``timeout`` (the

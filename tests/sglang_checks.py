@@ -5,6 +5,7 @@ check; the test asserts on them.
 
     python tests/sglang_checks.py layouts REDIS_URL SAME_HOST
     python tests/sglang_checks.py ranks REDIS_URL
+    python tests/sglang_checks.py prefix REDIS_URL
     python tests/sglang_checks.py faults REDIS_URL       (reads a line on stdin mid-way)
     python tests/sglang_checks.py config REDIS_URL"""
 
@@ -23,6 +24,7 @@ define_torchvision_ops()
 import torch  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
     HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
     HiCacheStorageFailureInjector,
 )
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
@@ -156,6 +158,46 @@ def layouts(redis_url: str, same_host: bool) -> None:
         store.close()
 
 
+def prefix_keys(redis_url: str) -> None:
+    """SGLang with hicache_storage_pass_prefix_keys: every call gets the keys before
+    its batch. A 300-page prompt backed up in batches of 128 (as its backup thread
+    does) is found and read from page 100 on (where a host-cache hit would end), batch
+    by batch as its prefetch asks; a backend asked without prefix keys finds only the
+    pages that anchor a segment of 64, never another page's bytes."""
+    pool = make_host_pool("page_first", pages=700)
+    store = backend(config(redis_url), pool)
+    keys = page_keys(700, 300)
+    src = fill(pool, 300, 700)
+    stored = []
+    for at in range(0, 300, 128):
+        info = HiCacheStorageExtraInfo(prefix_keys=keys[:at])
+        part = keys[at : at + 128]
+        stored += store.batch_set_v1(part, src[at * PAGE : (at + len(part)) * PAGE], info)
+    hits, got = [], []
+    dst = pool.alloc(200 * PAGE)
+    for at in range(100, 300, 128):
+        info = HiCacheStorageExtraInfo(prefix_keys=keys[:at])
+        part = keys[at : at + 128]
+        hits.append(store.batch_exists(part, info))
+        slots = dst[(at - 100) * PAGE : (at - 100 + len(part)) * PAGE]
+        got += store.batch_get_v1(part, slots, info)
+    same = all(page_bytes(pool, src, 100 + i) == page_bytes(pool, dst, i) for i in range(200))
+    print(
+        json.dumps(
+            {
+                "stored": stored == [True] * 300,
+                "hits": hits,
+                "got": got == [True] * 200,
+                "same": same,
+                "unplaced_from_64": store.batch_exists(keys[64:70]),
+                "unplaced_from_65": store.batch_exists(keys[65:70]),
+                "failures": dict(store.failures),
+            }
+        ),
+        flush=True,
+    )
+
+
 def ranks(redis_url: str) -> None:
     """TP ranks: each MHA rank reads its own heads' pages; an engine of another TP size,
     model or tenant misses; MLA's rank 1 writes nothing and reads rank 0's pages."""
@@ -287,6 +329,8 @@ if __name__ == "__main__":
         layouts(url, sys.argv[3] == "1")
     elif what == "ranks":
         ranks(url)
+    elif what == "prefix":
+        prefix_keys(url)
     elif what == "faults":
         faults(url)
     else:

@@ -61,12 +61,13 @@ def make_host_pool(
     page_size: int = 4,
     pages: int = 32,
     dtype: Any = None,
+    device_pages: int | None = None,
 ) -> Any:
     """SGLang's own host pool (``MHATokenToKVPoolHost`` or ``MLATokenToKVPoolHost``) in
     host ``layout``, on the CPU, unpinned (pinning needs CUDA), sized for ``pages``
     pages, built from SGLang's device pool of the same geometry on the CPU as SGLang
-    builds it. For MLA, ``heads`` is ignored and the latent is ``head_dim`` * 2 wide
-    plus 8 rope dimensions."""
+    builds it (``device_pages`` pages of it: ``pages`` when None). For MLA, ``heads``
+    is ignored and the latent is ``head_dim`` * 2 wide plus 8 rope dimensions."""
     import torch
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
     from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
@@ -75,15 +76,16 @@ def make_host_pool(
 
     dtype = dtype or torch.bfloat16
     tokens = pages * page_size
+    on_device = (device_pages or pages) * page_size
     last = layers - 1
     if mla:
         device = MLATokenToKVPool(
-            tokens, page_size, dtype, 2 * head_dim, 8, layers, "cpu", False,
+            on_device, page_size, dtype, 2 * head_dim, 8, layers, "cpu", False,
             start_layer=0, end_layer=last,
         )  # fmt: skip
     else:
         device = MHATokenToKVPool(
-            tokens, page_size, dtype, heads, head_dim, layers, "cpu", False,
+            on_device, page_size, dtype, heads, head_dim, layers, "cpu", False,
             start_layer=0, end_layer=last,
         )  # fmt: skip
     info = device.get_device_pool_infos()[0].buffer_info

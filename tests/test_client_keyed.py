@@ -59,6 +59,33 @@ def test_keyed_pages_are_found_from_any_key_of_a_chain(clusters, same_host):
         assert not out[:, 28:].any()
 
 
+def test_keyed_pages_with_positions_share_64_page_segments(clusters):
+    """An engine that knows its keys' chain positions (SGLang with
+    hicache_storage_pass_prefix_keys) stores a chain in batches placed from their
+    positions, and finds it from any position given the key its segment is anchored
+    at: the index reads one key per 64 pages. Asked without positions, only the pages
+    that anchor a segment are found; never another page's bytes."""
+    cluster = clusters(1)
+    ns = keyed_ns("keyed-placed")
+    keys = [hashlib.sha256(f"placed-{i}".encode()).hexdigest() for i in range(200)]
+    pool = torch.randn(2, 800, 2, 2, 8).half()
+    spans = pool_spans(pool)
+    with KVCacheClient(cluster.redis_url, ns) as client:
+        for at in range(0, 200, 128):  # SGLang's batches of 128
+            part = slice(at, at + 128)
+            placed = {"position": at, "anchor_key": keys[at - at % 64] if at % 64 else None}
+            assert client.put_keyed(keys[part], spans[part], **placed).stored == len(keys[part])
+        found = client.find_keys(keys[100:], position=100, anchor_key=keys[64])
+        assert found.blocks == 100
+        out = torch.zeros_like(pool)
+        assert client.get_found_into(found, pool_spans(out)[100:200]) == 400
+        assert torch.equal(out[:, 400:800].view(torch.int16), pool[:, 400:800].view(torch.int16))
+        assert client.find_keys(keys[:150], position=0).blocks == 150
+        assert client.find_keys(keys[64:66]).blocks == 1  # unplaced: 64 anchors its segment
+        with pytest.raises(InvalidInputError, match="need the key at 64"):
+            client.find_keys(keys[100:], position=100)
+
+
 def test_keyed_and_token_calls_do_not_mix(clusters):
     """A keyed namespace's pages have no token chain, and a token namespace's no keys:
     each call on the other kind is refused, naming it; so is a page of the wrong size."""

@@ -28,8 +28,9 @@ def test_golden_keyed_hashes():
     assert keyed_hash_bytes(NS, ["a" * 64, "page-key"]).hex() == (
         "38a94b5ccb6cdc0ef5f85ffd991470259b810543fa9fcc830ed8305c85f8bb97"
     )
-    want = hashlib.blake2b(NS.digest + b"page-key", digest_size=16, person=b"kvs-key-v1")
-    assert keyed_hash_bytes(NS, ["page-key"]) == want.digest()
+    for key in ("page-key", "k" * 300, "ключ"):  # one BLAKE2b block, three, not ASCII
+        want = hashlib.blake2b(NS.digest + key.encode(), digest_size=16, person=b"kvs-key-v1")
+        assert keyed_hash_bytes(NS, [key]) == want.digest()
 
 
 def test_a_key_names_different_pages_in_different_namespaces():
@@ -40,23 +41,36 @@ def test_a_key_names_different_pages_in_different_namespaces():
 
 
 def test_keyed_hashes_refuse_token_layouts_and_empty_keys():
+    assert NS.keyed and not NS.model_copy(update={"layout": "vllm_cpu"}).keyed
     with pytest.raises(InvalidInputError, match="keys pages by token ids"):
         keyed_hash_bytes(NS.model_copy(update={"layout": "vllm_cpu"}), ["k"])
-    with pytest.raises(InvalidInputError, match="non-empty string"):
+    with pytest.raises(InvalidInputError, match="non-empty string, got ''"):
         keyed_hash_bytes(NS, ["k", ""])
+    with pytest.raises(InvalidInputError, match="got 3"):
+        keyed_hash_bytes(NS, ["k", 3])
 
 
-def test_keyed_layouts_index_each_page_as_its_own_segment():
-    """A keyed page carries no position in its chain, so it anchors its own segment:
-    a lookup from any key of a stored chain reads the same segments its put wrote."""
-    assert NS.keyed and NS.segment_pages == 1
-    assert not NS.model_copy(update={"layout": "vllm_cpu"}).keyed
+def test_keyed_pages_without_a_position_are_each_their_own_segment():
+    """A keyed page asked with no chain position anchors its own segment: a lookup from
+    any key of a stored chain reads the same segments its put wrote."""
     assert keys.segments(3, span=1) == [(0, 1), (1, 2), (2, 3)]
     assert keys.segments(3) == [(0, 3)]
     hashes = [bytes([i]) * 16 for i in range(130)]
     assert keys.placement(hashes, span=1) == (hashes, [0] * 130)
     anchors, positions = keys.placement(hashes)
     assert anchors[63] == hashes[0] and anchors[64] == hashes[64] and positions[65] == 1
+
+
+def test_a_chain_placed_from_its_middle_lies_where_the_whole_chain_does():
+    """Keys asked from chain position 100 (SGLang's prefix_keys give it) lie in the
+    same segments, at the same positions, as when the chain is placed from 0."""
+    hashes = [bytes([i]) * 16 for i in range(200)]
+    whole = keys.placement(hashes)
+    tail = keys.placement(hashes[100:], offset=100 % 64, head_anchor=hashes[64])
+    assert tail == (whole[0][100:], whole[1][100:])
+    assert keys.segments(100, offset=36) == [(0, 28), (28, 92), (92, 100)]
+    with pytest.raises(ValueError, match="head_anchor"):
+        keys.placement(hashes, offset=3)
 
 
 def test_sglang_layouts_are_never_detected_from_an_engines_cache():

@@ -63,6 +63,24 @@ def test_every_host_layout_round_trips_bit_exact(clusters, same_host):
         assert r["failures"] == {}, r
 
 
+def test_prefix_keys_place_a_chain_in_64_page_segments(clusters):
+    """With SGLang's hicache_storage_pass_prefix_keys, a prompt backed up in batches
+    of 128 is found and read bit for bit from its 100th page on, batch by batch, each
+    lookup reading a key per 64 pages; without prefix keys only the segments' anchor
+    pages are found (64 is one: 1 page; 65 is not: none)."""
+    cluster = clusters(1)
+    (out,) = run_checks("prefix", cluster.redis_url)
+    assert out == {
+        "stored": True,
+        "hits": [128, 72],
+        "got": True,
+        "same": True,
+        "unplaced_from_64": 1,
+        "unplaced_from_65": 0,
+        "failures": {},
+    }
+
+
 def test_ranks_read_their_own_pages_and_others_miss(clusters):
     """TP=2 MHA ranks store and read their own heads' pages; an engine of another TP
     size, model, tenant or head size finds none of them. MLA's rank 1 stores nothing

@@ -25,6 +25,7 @@ from kvstore.index import AsyncPageIndex, IndexLookup, LookupResult, NodeInfo, P
 from kvstore.pages.hashing import HASH_BYTES, block_hash_bytes, keyed_hash_bytes
 from kvstore.pages.heads import RankUnits
 from kvstore.pages.identity import BlockExtras, RequestIdentity, resolve
+from kvstore.pages.keys import SEGMENT_PAGES, TOKEN_CHAIN, UNPLACED, ChainPlace
 from kvstore.pages.namespace import Namespace
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,8 @@ class StoredPrefix:
     group in ``units`` (first, count); ``taken``: the wall-clock time of the lookup,
     whose read lease (``lease_ms``) runs from then. ``last``: only the last block's page
     is stored and fetched (a hybrid model's boundary state, ``PrefixLookup.find`` with
-    ``last``)."""
+    ``last``). ``place``: where the chain lies in the index's segments (keyed pages,
+    ``PrefixLookup.keyed_place``)."""
 
     storage: str  # digest of the storage namespace
     block_size: int
@@ -56,6 +58,7 @@ class StoredPrefix:
     taken: float
     lease_ms: int
     last: bool = False
+    place: ChainPlace = TOKEN_CHAIN
 
     @property
     def blocks(self) -> int:
@@ -120,6 +123,26 @@ class PrefixLookup:
         pages: ``kvstore.pages.hashing.keyed_hash_bytes``)."""
         return keyed_hash_bytes(self._storage, page_keys)
 
+    def keyed_place(self, position: int | None, anchor_key: str | None) -> ChainPlace:
+        """Where keyed pages from chain ``position`` lie in the index: 64-page segments
+        from the chain's start, the first anchored at ``anchor_key`` (the page key at
+        ``position`` rounded down to 64, needed when that is not ``position``); with no
+        position, one-page segments (``UNPLACED``: found from any key, one index key a
+        page)."""
+        if position is None:
+            return UNPLACED
+        if position < 0:
+            raise InvalidInputError(f"a chain position must be at least 0, got {position}")
+        offset = position % SEGMENT_PAGES
+        if not offset:
+            return TOKEN_CHAIN
+        if anchor_key is None:
+            raise InvalidInputError(
+                f"keys from chain position {position} need the key at "
+                f"{position - offset} (anchor_key): their segment is anchored there"
+            )
+        return ChainPlace(offset=offset, head_anchor=self.keyed_hashes([anchor_key]))
+
     async def find(
         self, token_ids: Any, identity: Identity = None, *, last: bool = False
     ) -> StoredPrefix | None:
@@ -130,11 +153,15 @@ class PrefixLookup:
         64-block segment of the chain is read (``kvstore.pages.keys``), gaps or not."""
         return await self.find_joined(self.chain_hashes(token_ids, identity), last=last)
 
-    async def find_joined(self, joined: bytes, *, last: bool = False) -> StoredPrefix | None:
+    async def find_joined(
+        self, joined: bytes, *, last: bool = False, place: ChainPlace | None = None
+    ) -> StoredPrefix | None:
         """``find`` of a chain's storage hashes, joined (``chain_hashes``, or
-        ``keyed_hashes`` for a keyed layout)."""
-        result = await self.lookup(joined, last=last) if joined else LookupResult.empty()
-        return self._prefix(joined, result, last)
+        ``keyed_hashes`` for a keyed layout, placed as ``place`` says)."""
+        place = place or TOKEN_CHAIN
+        if not joined:
+            return self._prefix(joined, LookupResult.empty(), last, place)
+        return self._prefix(joined, await self.lookup(joined, last=last, place=place), last, place)
 
     def find_blocking(
         self,
@@ -152,34 +179,50 @@ class PrefixLookup:
         )
 
     def find_joined_blocking(
-        self, index: PageIndex, joined: bytes, nodes: list[NodeInfo], *, last: bool = False
+        self,
+        index: PageIndex,
+        joined: bytes,
+        nodes: list[NodeInfo],
+        *,
+        last: bool = False,
+        place: ChainPlace | None = None,
     ) -> StoredPrefix | None:
         """``find_joined`` in the caller's thread, as ``find_blocking``."""
+        place = place or TOKEN_CHAIN
         if not joined:
-            return self._prefix(joined, LookupResult.empty(), last)
+            return self._prefix(joined, LookupResult.empty(), last, place)
         try:
-            found = self._ask(index, joined, (), last)
+            found = self._ask(index, joined, (), last, place)
         except (RemoteFault, IndexScriptError) as exc:
             self._failed(exc)
             return None
-        return self._prefix(joined, self._resolve(found, nodes, last), last)
+        return self._prefix(joined, self._resolve(found, nodes, last), last, place)
 
     async def lookup(
-        self, hashes: list[bytes] | bytes, breaks: Sequence[int] = (), *, last: bool = False
+        self,
+        hashes: list[bytes] | bytes,
+        breaks: Sequence[int] = (),
+        *,
+        last: bool = False,
+        place: ChainPlace | None = None,
     ) -> LookupResult | None:
         """The index's answer for ``hashes`` (chains start at 0 and at each of
-        ``breaks``) with replicas of stale incarnations dropped; None on an index fault.
-        ``last``: as ``find``'s."""
+        ``breaks``, placed as ``place`` says) with replicas of stale incarnations
+        dropped; None on an index fault. ``last``: as ``find``'s."""
         await self._registration.ensure()
         try:
-            found = await self._ask(self._index, hashes, breaks, last)
+            found = await self._ask(self._index, hashes, breaks, last, place or TOKEN_CHAIN)
         except (RemoteFault, IndexScriptError) as exc:
             self._failed(exc)
             return None
         return self._resolve(found, await self._nodes.current(), last)
 
     def stored_prefix(
-        self, joined: bytes, result: LookupResult, last: bool = False
+        self,
+        joined: bytes,
+        result: LookupResult,
+        last: bool = False,
+        place: ChainPlace | None = None,
     ) -> StoredPrefix:
         """What ``find`` returns for the lookup of ``joined`` that gave ``result``."""
         units = self._units
@@ -192,6 +235,7 @@ class PrefixLookup:
             time.time(),
             self._index.lease_ms,
             last,
+            place or TOKEN_CHAIN,
         )
 
     def check_found(self, found: StoredPrefix) -> None:
@@ -218,7 +262,7 @@ class PrefixLookup:
         if 0 <= age < found.lease_ms / 2000:
             return found.result.narrow(self._heads.first - found.units[0], self._heads.count)
         self._stats.stale_finds += 1
-        return await self.lookup(found.joined, last=found.last)
+        return await self.lookup(found.joined, last=found.last, place=found.place)
 
     def _ask(
         self,
@@ -226,6 +270,7 @@ class PrefixLookup:
         hashes: list[bytes] | bytes,
         breaks: Sequence[int],
         sparse: bool = False,
+        place: ChainPlace | None = None,
     ) -> Any:
         """The index call of a lookup: its answer, or an awaitable of it for the async
         index. ``sparse``: every segment read (a ``last`` lookup's chain has gaps)."""
@@ -236,13 +281,19 @@ class PrefixLookup:
             breaks=breaks,
             units=self._units,
             sparse=sparse,
-            segment_pages=self._storage.segment_pages,
+            segment_pages=place.span if place else SEGMENT_PAGES,
+            offset=place.offset if place else 0,
+            head_anchor=place.head_anchor if place else None,
         )
 
     def _prefix(
-        self, joined: bytes, result: LookupResult | None, last: bool = False
+        self,
+        joined: bytes,
+        result: LookupResult | None,
+        last: bool = False,
+        place: ChainPlace | None = None,
     ) -> StoredPrefix | None:
-        return None if result is None else self.stored_prefix(joined, result, last)
+        return None if result is None else self.stored_prefix(joined, result, last, place)
 
     def _resolve(
         self, found: IndexLookup, nodes: list[NodeInfo], last: bool = False

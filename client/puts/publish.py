@@ -96,10 +96,17 @@ class Publisher:
         self._replicas = replicas
         self._timeout = timeout
 
-    def unit_keys(self, hashes: list[bytes], verb: str, start: int = 0) -> Outgoing:
+    def unit_keys(
+        self,
+        hashes: list[bytes],
+        verb: str,
+        start: int = 0,
+        chain: keys.ChainPlace | None = None,
+    ) -> Outgoing:
         """The keys of this rank's units of blocks ``hashes[start:]`` (``hashes``: the
         chain from block 0, which places every block in its segment), unit by unit, and
-        each unit's segment anchor and position (its block's); no bytes yet. Raises unless
+        each unit's segment anchor and position (its block's; ``chain``: where the chain
+        lies in its segments, ``keys.ChainPlace``); no bytes yet. Raises unless
         the rank holds whole head groups: only those can be stored (``put_pages``,
         ``insert``)."""
         rank = self._rank
@@ -110,7 +117,10 @@ class Publisher:
                 f"for tp_size {ns.tp_size}): "
                 f"it can read pages but not {verb} them; use head_groups of at least tp_size"
             )
-        anchors, positions = keys.placement(hashes, span=self._namespace.segment_pages)
+        chain = chain or keys.ChainPlace()
+        anchors, positions = keys.placement(
+            hashes, span=chain.span, offset=chain.offset, head_anchor=chain.head_anchor
+        )
         hashes, anchors, positions = hashes[start:], anchors[start:], positions[start:]
         return Outgoing(
             heads.unit_hashes(hashes, rank.first, rank.count),
@@ -134,11 +144,11 @@ class Publisher:
         )
         return Outgoing(out.hashes, spans, out.anchors, out.positions)
 
-    def keyed(self, hashes: list[bytes], spans: list[Span]) -> Outgoing:
+    def keyed(self, hashes: list[bytes], spans: list[Span], chain: keys.ChainPlace) -> Outgoing:
         """What ``put_keyed`` publishes: page ``spans[i]`` (this rank's whole page, one
-        unit) under storage hash ``hashes[i]`` (a keyed layout's, each page a segment
-        of its own)."""
-        out = self.unit_keys(hashes, "store")
+        unit) under storage hash ``hashes[i]`` (a keyed layout's), placed as ``chain``
+        says."""
+        out = self.unit_keys(hashes, "store", chain=chain)
         if not self._rank.identity:
             raise InvalidInputError(
                 f"put_keyed needs a rank whose page is one unit; this rank holds {self._rank.count}"

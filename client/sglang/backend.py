@@ -39,8 +39,24 @@ from client.sglang.options import hicache_options
 from client.sglang.pool_pages import PoolPages
 from client.sync_client import KVCacheClient
 from kvstore.errors import InvalidInputError
+from kvstore.pages.keys import SEGMENT_PAGES
 
 log = logging.getLogger(__name__)
+
+
+def chain_place(extra_info: Any) -> dict[str, Any]:
+    """Where a call's keys lie in their chain, from SGLang's ``prefix_keys`` (the keys
+    before them, from the sequence start: SGLang passes them with
+    ``hicache_storage_pass_prefix_keys``): ``position`` and ``anchor_key`` for the
+    client's keyed calls, which then index 64 pages under one key; without them (None),
+    a page a key (``PrefixLookup.keyed_place``). Pages stored one way are found the
+    same way, so a deployment keeps the setting."""
+    prefix = getattr(extra_info, "prefix_keys", None)
+    if prefix is None:
+        return {}
+    position = len(prefix)
+    offset = position % SEGMENT_PAGES
+    return {"position": position, "anchor_key": prefix[position - offset] if offset else None}
 
 
 class KVStoreHiCache(HiCacheStorage):
@@ -120,7 +136,7 @@ class KVStoreHiCache(HiCacheStorage):
     ) -> int:
         """Pages of ``keys`` stored from the first on, in one index round trip; 0 on a
         fault."""
-        found = self._find(keys)
+        found = self._find(keys, extra_info)
         return found.blocks if found is not None else 0
 
     def batch_get_v1(
@@ -134,7 +150,7 @@ class KVStoreHiCache(HiCacheStorage):
         first on; False from the first that did not (a fault: all False)."""
         if not keys:
             return []
-        found = self._find(keys)
+        found = self._find(keys, extra_info)
         got = 0
         if found is not None and found.blocks:
             try:
@@ -158,7 +174,8 @@ class KVStoreHiCache(HiCacheStorage):
         if not keys or not self._writes:
             return [True] * len(keys)
         try:
-            report = self.client.put_keyed(keys, self.pages.spans(host_indices))
+            spans = self.pages.spans(host_indices)
+            report = self.client.put_keyed(keys, spans, **chain_place(extra_info))
         except Exception as exc:
             self._failed("set", exc)
             return [False] * len(keys)
@@ -286,12 +303,12 @@ class KVStoreHiCache(HiCacheStorage):
 
     # ---- faults --------------------------------------------------------------------
 
-    def _find(self, keys: list[str]) -> Any:
+    def _find(self, keys: list[str], extra_info: Any = None) -> Any:
         """The client's ``find_keys``, or None on any fault (counted, logged)."""
         if not keys:
             return None
         try:
-            found = self.client.find_keys(keys)
+            found = self.client.find_keys(keys, **chain_place(extra_info))
         except Exception as exc:
             self._failed("lookup", exc)
             return None

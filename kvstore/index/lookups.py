@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.errors import IndexUnavailableError, KVStoreError
+from kvstore.errors import IndexUnavailableError, InvalidInputError, KVStoreError
 from kvstore.index import checks, scripts
 from kvstore.index.commands import Cmd
 from kvstore.index.driver import IndexDriver
@@ -183,6 +183,7 @@ def _pick(
     unavailable: KVStoreError | None,
     first: np.ndarray | int,
     need: np.ndarray | int,
+    offset: int = 0,
 ) -> IndexLookup:
     """The entries of the asked pages out of the segments read (``parts``: per reply,
     the segments it read, their entry counts and the entries), vectorised. Only the first
@@ -190,7 +191,8 @@ def _pick(
     entry counts when it is a unit in ``[first, first + need)`` (per position) of the
     hash asked at its position (kvstore.pages.heads; whole pages are unit 0 of themselves):
     other chains that share the segment's anchor hold the rest. ``first`` and ``need``:
-    per position, or one number for every position (a lookup of one chain).
+    per position, or one number for every position (a lookup of one chain). ``offset``:
+    the first segment's records of the asked hashes start at that position.
 
     Each numpy call costs 5-30 us in the first lookup after a pause (cold caches; the
     scheduler asks after pauses), so a lookup of one chain passes ``first`` and ``need``
@@ -208,6 +210,15 @@ def _pick(
         else parts[0][2]
     )
     pos = recs["pos"].astype(np.int64)
+    if offset:  # the first segment's records lie ``offset`` positions on
+        at = 0
+        for done, counts, _ in parts:
+            if 0 in done:
+                j = done.index(0)
+                begin = at + sum(counts[:j])
+                pos[begin : begin + counts[j]] -= offset
+            at += sum(counts)
+        pos[pos < 0] = keys.SEGMENT_PAGES  # the chain's pages before those asked: outside
     if len(segs) == 1:  # the segment read: its records' positions are the chain's
         inside = pos < segs[0][1]
         position = np.where(inside, pos, 0)
@@ -258,6 +269,8 @@ class LookupMethods(IndexDriver):
         with_nodes: bool = False,
         sparse: bool = False,
         segment_pages: int = keys.SEGMENT_PAGES,
+        offset: int = 0,
+        head_anchor: bytes | None = None,
     ) -> Any:
         """Entries for the longest stored prefix of ``hashes`` (chains start at 0 and at
         each of ``breaks``), with a read lease: an ``IndexLookup`` to ``resolve`` against
@@ -274,8 +287,10 @@ class LookupMethods(IndexDriver):
         ``sparse``: a chain stored at some blocks only (``PageLayout.sparse``): every
         segment is read on its own, none ends the lookup (a 64-block run with no page
         is a gap, not the end), as plain commands or one-segment script calls.
-        ``segment_pages``: the namespace's (``Namespace.segment_pages``; 1 for keyed
-        pages, each its own segment)."""
+        ``segment_pages``: pages per segment (1: keyed pages asked with no chain
+        position, each its own segment). ``offset``, ``head_anchor``: the chain is asked
+        from position ``offset`` of a segment anchored at ``head_anchor`` (a keyed chain
+        asked from its middle, ``keys.placement``)."""
         prefix = checks.namespace_key(namespace).prefix
         blob = checks.joined_hashes(hashes, "lookup", joined_ok=True)
         n = len(blob) // HASH_BYTES
@@ -289,8 +304,14 @@ class LookupMethods(IndexDriver):
             need = np.ones(n, dtype=np.int64)
             first[:head_chain], need[:head_chain] = units
         lease = self.lease_ms if lease_ms is None else lease_ms
-        segs = keys.segments(n, breaks, segment_pages)
+        segs = keys.segments(n, breaks, segment_pages, offset)
         anchors = [blob[HASH_BYTES * start : HASH_BYTES * start + HASH_BYTES] for start, _ in segs]
+        if offset:
+            if head_anchor is None or len(head_anchor) != HASH_BYTES:
+                raise InvalidInputError(
+                    f"a lookup from position {offset} of a segment needs its {HASH_BYTES}-byte head_anchor"
+                )
+            anchors[0] = head_anchor
 
         def steps() -> Generator[list[Cmd], list[Any], Any]:
             by_shard, ttl_ms = self._anchors_by_shard(prefix, anchors), self.entry_ttl_ms
@@ -315,7 +336,7 @@ class LookupMethods(IndexDriver):
             for j, left in found.ttls.items():
                 self.leases.seen(prefix, anchors[j], left, below)
             read = len(segs) if sparse else int(np.argmin(found.read))
-            result = _pick(blob, segs, found.parts, read, found.unavailable, first, need)
+            result = _pick(blob, segs, found.parts, read, found.unavailable, first, need, offset)
             return (result, nodes) if with_nodes else result
 
         return self._drive(steps())

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.errors import InvalidInputError
-from kvstore.pages._chainhash import chain, split_hashes, uint32_le
+from kvstore.pages._chainhash import chain, each, split_hashes, uint32_le
 from kvstore.pages.identity import NO_EXTRAS, BlockExtras
 from kvstore.pages.namespace import Namespace
 
@@ -210,13 +210,10 @@ def keyed_hash_bytes(namespace: Namespace, page_keys: list[str]) -> bytes:
         raise InvalidInputError(
             f"layout {namespace.layout!r} keys pages by token ids; page keys need a keyed layout"
         )
-    base = hashlib.blake2b(digest_size=HASH_BYTES, person=KEY_PERSON)
-    base.update(namespace.digest)
-    out = bytearray()
-    for key in page_keys:
-        if not isinstance(key, str) or not key:
-            raise InvalidInputError(f"a page key must be a non-empty string, got {key!r}")
-        h = base.copy()  # the digest's state once, not per key (3.3 against 4.0 ms at 8,192)
-        h.update(key.encode())
-        out += h.digest()
-    return bytes(out)
+    try:
+        return each(namespace.digest, page_keys, KEY_PERSON)
+    except (ValueError, TypeError):  # the C loop names no key in words: find it
+        if not isinstance(page_keys, (list, tuple)):
+            raise InvalidInputError("page keys must come as a list or tuple of str") from None
+        bad = next(k for k in page_keys if not isinstance(k, str) or not k.encode(errors="ignore"))
+        raise InvalidInputError(f"a page key must be a non-empty string, got {bad!r:.80}") from None

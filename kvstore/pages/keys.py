@@ -80,33 +80,65 @@ def incarnation_key(node_id: str) -> str:
     return REGISTRY_PREFIX + "inc:" + node_id
 
 
+@dataclass(frozen=True, slots=True)
+class ChainPlace:
+    """Where a chain's hashes lie in the index's segments: ``span`` pages a segment, the
+    first hash at position ``offset`` of a segment anchored at ``head_anchor``. Token
+    chains start at 0 of 64-page segments (the default); keyed pages (an engine's own
+    page keys) are asked with their chain position when the engine gives it, and else
+    as one-page segments (``UNPLACED``)."""
+
+    span: int = SEGMENT_PAGES
+    offset: int = 0
+    head_anchor: bytes | None = None
+
+
+TOKEN_CHAIN = ChainPlace()  # a chain from position 0 (every token chain)
+UNPLACED = ChainPlace(span=1)
+
+
 def segments(
-    count: int, breaks: Sequence[int] = (), span: int = SEGMENT_PAGES
+    count: int, breaks: Sequence[int] = (), span: int = SEGMENT_PAGES, offset: int = 0
 ) -> list[tuple[int, int]]:
     """``(start, end)`` of every segment of ``count`` hashes made of chains that begin at
     position 0 and at each of ``breaks`` (a select's tail parts form a second chain).
-    ``span``: pages per segment (``Namespace.segment_pages``: 1 for a keyed layout, whose
-    pages carry no position in a chain)."""
-    if not breaks and 0 < count <= span:  # every lookup of up to 64 blocks
+    ``span``: pages per segment (1: keyed pages asked with no chain position, each its
+    own segment). ``offset``: the first hash lies at that position of its segment (a
+    keyed chain asked from its middle, ``placement``); its segment ends ``span -
+    offset`` hashes on."""
+    if not breaks and not offset and 0 < count <= span:  # every lookup of up to 64 blocks
         return [(0, count)]
     if span == 1 and not breaks:
         return [(i, i + 1) for i in range(count)]
     starts = sorted({0, *(b for b in breaks if 0 < b < count)})
     out: list[tuple[int, int]] = []
     for first, stop in zip(starts, starts[1:] + [count]):
-        out.extend((s, min(s + span, stop)) for s in range(first, stop, span))
+        lead = offset if first == 0 else 0
+        for s in range(first - lead, stop, span):
+            out.append((max(s, first), min(s + span, stop)))
     return out
 
 
 def placement(
-    hashes: Sequence[bytes], breaks: Sequence[int] = (), span: int = SEGMENT_PAGES
+    hashes: Sequence[bytes],
+    breaks: Sequence[int] = (),
+    span: int = SEGMENT_PAGES,
+    offset: int = 0,
+    head_anchor: bytes | None = None,
 ) -> tuple[list[bytes], list[int]]:
-    """Every hash's segment anchor and position within its segment (see ``segments``)."""
+    """Every hash's segment anchor and position within its segment (see ``segments``).
+    With ``offset``, the first segment is anchored at ``head_anchor`` (the hash ``offset``
+    positions before the first, which the caller has) and its hashes lie from position
+    ``offset`` on."""
     if span == 1 and not breaks:
         return list(hashes), [0] * len(hashes)
+    if offset and head_anchor is None:
+        raise ValueError("a chain placed from the middle of a segment needs its head_anchor")
     anchors: list[bytes] = []
     positions: list[int] = []
-    for start, end in segments(len(hashes), breaks, span):
-        anchors.extend([hashes[start]] * (end - start))
-        positions.extend(range(end - start))
+    for start, end in segments(len(hashes), breaks, span, offset):
+        lead = offset if start == 0 else 0
+        anchor = head_anchor if lead and head_anchor is not None else hashes[start]
+        anchors.extend([anchor] * (end - start))
+        positions.extend(range(lead, lead + end - start))
     return anchors, positions

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvstore.errors import KVStoreError
-from kvstore.pages.keys import SEGMENT_PAGES
 
 # The letters of a layout's dimensions: 2 (K and V), L (layers), B (the block's tokens),
 # H (KV heads), D (head size), KV (2 * head size as one dimension) and, in an engine's
@@ -34,8 +33,7 @@ class PageLayout:
     model's boundary states, found up to the last one stored); a prefix of the same
     model's attention pages is usable up to such a page only. ``keyed``: the pages
     are keyed by an engine's own page keys (SGLang's HiCache: each key chained over the
-    prefix already), not by token ids, and come with no position in their chain: each
-    is a segment of its own in the index (``segment_pages``)."""
+    prefix already), not by token ids (``kvstore.pages.hashing.keyed_hash_bytes``)."""
 
     name: str
     page_dims: tuple[str, ...]
@@ -44,12 +42,6 @@ class PageLayout:
     description: str = ""
     sparse: bool = False
     keyed: bool = False
-
-    @property
-    def segment_pages(self) -> int:
-        """Pages per index segment (``kvstore.pages.keys``): one for a keyed layout,
-        whose keys carry no chain position to anchor wider segments at."""
-        return 1 if self.keyed else SEGMENT_PAGES
 
     def sizes(self, *, layers: int, block_size: int, heads: int, head_size: int) -> dict[str, int]:
         return {

@@ -273,11 +273,6 @@ class Namespace(BaseModel):
         return self.tp_size <= total or self.tp_rank % (self.tp_size // total) == 0
 
     @property
-    def segment_pages(self) -> int:
-        """Pages per index segment (``PageLayout.segment_pages``)."""
-        return LAYOUTS[self.layout].segment_pages
-
-    @property
     def keyed(self) -> bool:
         """Whether pages are keyed by an engine's own page keys (``PageLayout.keyed``)."""
         return LAYOUTS[self.layout].keyed
