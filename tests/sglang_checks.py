@@ -6,6 +6,7 @@ check; the test asserts on them.
     python tests/sglang_checks.py layouts REDIS_URL SAME_HOST
     python tests/sglang_checks.py ranks REDIS_URL
     python tests/sglang_checks.py prefix REDIS_URL
+    python tests/sglang_checks.py readme REDIS_URL "README's SGLang arguments"
     python tests/sglang_checks.py faults REDIS_URL       (reads a line on stdin mid-way)
     python tests/sglang_checks.py config REDIS_URL"""
 
@@ -198,6 +199,55 @@ def prefix_keys(redis_url: str) -> None:
     )
 
 
+def readme(redis_url: str, args: str) -> None:
+    """README's SGLang line as SGLang reads it: its own argument parser, then its own
+    parsing of the extra config (which takes out the prefix-keys switch); the backend
+    that config builds stores and reads a prompt the way the switch says."""
+    import argparse
+    import shlex
+
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
+        HybridCacheController,
+    )
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    parsed = parser.parse_args(shlex.split(args))
+    extra, *_, pass_prefix_keys = HybridCacheController.parse_storage_backend_extra_config(
+        parsed.hicache_storage_backend_extra_config
+    )
+    cfg = config(redis_url)
+    cfg.extra_config = {**extra, "redis_url": redis_url}
+    pool = make_host_pool(parsed.hicache_mem_layout, pages=300, page_size=PAGE)
+    store = StorageBackendFactory.create_backend(parsed.hicache_storage_backend, cfg, pool)
+    store.register_mem_pool_host(pool)
+    keys = page_keys(900, 130)
+    src = fill(pool, 130, 900)
+    for at in range(0, 130, 128):
+        info = HiCacheStorageExtraInfo(prefix_keys=keys[:at] if pass_prefix_keys else None)
+        store.batch_set_v1(keys[at : at + 128], src[at * PAGE : (at + 128) * PAGE], info)
+    info = HiCacheStorageExtraInfo(prefix_keys=keys[:70] if pass_prefix_keys else None)
+    dst = pool.alloc(60 * PAGE)
+    got = store.batch_get_v1(keys[70:], dst, info)
+    print(
+        json.dumps(
+            {
+                "backend": type(store).__name__,
+                "interface_v1": cfg.extra_config.get("interface_v1"),
+                "pass_prefix_keys": pass_prefix_keys,
+                "enable_hierarchical_cache": parsed.enable_hierarchical_cache,
+                "got": got == [True] * 60,
+                "same": all(
+                    page_bytes(pool, src, 70 + i) == page_bytes(pool, dst, i) for i in range(60)
+                ),
+                "failures": dict(store.failures),
+            }
+        ),
+        flush=True,
+    )
+
+
 def ranks(redis_url: str) -> None:
     """TP ranks: each MHA rank reads its own heads' pages; an engine of another TP size,
     model or tenant misses; MLA's rank 1 writes nothing and reads rank 0's pages."""
@@ -331,6 +381,8 @@ if __name__ == "__main__":
         ranks(url)
     elif what == "prefix":
         prefix_keys(url)
+    elif what == "readme":
+        readme(url, sys.argv[3])
     elif what == "faults":
         faults(url)
     else:

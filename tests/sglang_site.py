@@ -97,8 +97,9 @@ def make_host_pool(
         "end_layer": device.end_layer,
         "host_token_capacity": tokens,
     }
-    # a budget of our own: SGLang otherwise checks the machine's free memory
-    with host_memory_budget_scope(1 << 30):
+    # a budget of our own (the machine's memory): SGLang otherwise samples free memory
+    # and keeps 10 GiB of it back, more than a test machine may have free
+    with host_memory_budget_scope(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")):
         if mla:
             pool = MLATokenToKVPoolHost(
                 info, 1.0, 0, page_size, layout,

@@ -63,6 +63,28 @@ def test_every_host_layout_round_trips_bit_exact(clusters, same_host):
         assert r["failures"] == {}, r
 
 
+def test_the_readmes_sglang_line_builds_a_working_backend(clusters):
+    """README's SGLang line, taken from README.md, parsed by SGLang's own argument
+    parser and extra-config parsing: the backend it names is built by SGLang's factory
+    and serves a prompt from its 70th page, with prefix keys as the line asks."""
+    import shlex
+
+    readme = (ROOT / "README.md").read_text()
+    (line,) = [x for x in readme.splitlines() if x.startswith("python -m sglang.launch_server")]
+    args = shlex.join(shlex.split(line)[3:])
+    cluster = clusters(1)
+    (out,) = run_checks("readme", cluster.redis_url, args)
+    assert out == {
+        "backend": "KVStoreHiCache",
+        "interface_v1": 1,
+        "pass_prefix_keys": True,
+        "enable_hierarchical_cache": True,
+        "got": True,
+        "same": True,
+        "failures": {},
+    }
+
+
 def test_prefix_keys_place_a_chain_in_64_page_segments(clusters):
     """With SGLang's hicache_storage_pass_prefix_keys, a prompt backed up in batches
     of 128 is found and read bit for bit from its 100th page on, batch by batch, each

@@ -13,10 +13,21 @@ from kvstore.pages.namespace import Tenant
 from kvstore.settings.client import ClientOptions, client_options, client_options_from_env
 from kvstore.settings.config import first_error
 
-# Keys SGLang reads from the same JSON for itself (its dynamic loader, the v1 switch and
-# the knobs of other backends it leaves in the dict): never an option of ours.
+# Keys SGLang reads from the same JSON for itself (its dynamic loader, the v1 switch, its
+# prefetch knobs, which 0.5.23 takes out before the backend sees the dict, and a tag its
+# other backends read): never an option of ours.
 SGLANG_KEYS = frozenset(
-    {"backend_name", "module_path", "class_name", "interface_v1", "extra_backend_tag"}
+    {
+        "backend_name",
+        "module_path",
+        "class_name",
+        "interface_v1",
+        "extra_backend_tag",
+        "prefetch_threshold",
+        "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token",
+        "hicache_storage_pass_prefix_keys",
+    }
 )
 
 
