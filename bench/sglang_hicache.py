@@ -18,9 +18,8 @@ Each round, for each size and backend in turn (A B A B), after SETTLE_S of quiet
 ``batch_set_v1`` of fresh pages in batches of 128 (SGLang's backup thread), then
 ``batch_exists`` of their keys in batches of 128 as SGLang's prefetch asks (stopping
 at the first short batch), then ``batch_get_v1`` into other slots, checked byte for
-byte. Calls carry SGLang's prefix keys (``hicache_storage_pass_prefix_keys``, as
-docs/sglang.md deploys kvstore; Mooncake ignores them); a second kvstore run goes
-without them at 128 pages and for the long lookups. Lookups of 8,192 pages use a
+byte. Calls carry no prefix keys, as README deploys SGLang (both backends ignore
+them). Lookups of 8,192 pages use a
 second pool of 1-token pages (128 KiB: the lookup's work does not grow with the
 page). Each store has room for about a round (below, at ``big_room``). Printed:
 medians and min-max, in GB/s for sets and gets and in ms for lookups, each as a ratio
@@ -114,9 +113,8 @@ def main() -> int:
     # page, so the lookups' pages are stored again (outside the timings) before them.
     big_room = sum(sizes) * page_bytes * 5 // 4
     small_room = args.lookup_pages * small_page * 5 // 4
-    # kvstore's node: two rounds of both kvstore runs (the second at 128 pages only) and
-    # both runs' lookup pages
-    node_room = 2 * (big_room + min(sizes) * page_bytes * 5 // 4) + 2 * small_room
+    # kvstore's node: two rounds and the lookups' pages
+    node_room = 2 * big_room + small_room
 
     mc_package = Path(os.environ["KVSTORE_BENCH_MOONCAKE_SITE"]) / "mooncake"
     rpc, http = free_port(), free_port()
@@ -196,9 +194,8 @@ def main() -> int:
 
     times: dict[tuple[str, str, int], list[float]] = {}
     failed: list[str] = []
-    # kvstore as deployed with SGLang's prefix keys (docs/sglang.md), and without them
-    names = ("mooncake", "kvstore", "kvstore, no prefix keys")
-    placed = {n: n == "kvstore" for n in names}
+    names = ("mooncake", "kvstore")
+    placed = {n: False for n in names}  # as README deploys SGLang: no prefix keys
     try:
         with LocalCluster(1, f"{-(-node_room // 2**30)}GiB", slab_size="64MiB") as cluster:
             kinds = {n: n.split(",")[0] for n in names}
@@ -223,8 +220,6 @@ def main() -> int:
             for r in range(-1, args.rounds):  # round -1 warms up, unrecorded
                 for size in sizes:
                     for k, n in enumerate(names):
-                        if n != "kvstore" and n != "mooncake" and size != min(sizes):
-                            continue  # without prefix keys: lookups only differ, sizes alike
                         b = backends[n]
                         keys = keys_for(1000 * (r + 2) + 10 * size + k, size, page)
                         s_slots, d_slots = src[: size * page], dst[: size * page]

@@ -201,15 +201,20 @@ class KVCacheClient:
         *,
         position: int | None = None,
         anchor_key: str | None = None,
+        lease: bool = True,
     ) -> StoredPrefix | None:
-        """``AsyncKVCacheClient.find_keys`` in the caller's thread, as ``find``."""
+        """``AsyncKVCacheClient.find_keys`` in the caller's thread, as ``find``.
+        ``lease`` False: how many are stored, with no read lease taken (SGLang's
+        ``batch_exists``, whose answer is not fetched from:
+        ``PrefixLookup.find_joined_blocking``)."""
         lookups = self._async.lookups
         joined, place = lookups.keyed_hashes(page_keys), lookups.keyed_place(position, anchor_key)
         inner = self._async
         nodes = inner.nodes.fresh() if inner.namespace_registered else None
         if nodes is None:
             return self._read(lookups.find_joined(joined, place=place), None, timeout)
-        return lookups.find_joined_blocking(self._index(timeout), joined, nodes, place=place)
+        index = self._index(timeout)
+        return lookups.find_joined_blocking(index, joined, nodes, place=place, lease=lease)
 
     def put_keyed(
         self,

@@ -160,11 +160,10 @@ def layouts(redis_url: str, same_host: bool) -> None:
 
 
 def prefix_keys(redis_url: str) -> None:
-    """SGLang with hicache_storage_pass_prefix_keys: every call gets the keys before
-    its batch. A 300-page prompt backed up in batches of 128 (as its backup thread
-    does) is found and read from page 100 on (where a host-cache hit would end), batch
-    by batch as its prefetch asks; a backend asked without prefix keys finds only the
-    pages that anchor a segment of 64, never another page's bytes."""
+    """SGLang with hicache_storage_pass_prefix_keys: calls carry prefix keys. A
+    300-page prompt backed up in batches of 128 (as its backup thread does) is found
+    and read from page 100 on (where a host-cache hit would end), batch by batch as its
+    prefetch asks, and found from other keys asked without prefix keys."""
     pool = make_host_pool("page_first", pages=700)
     store = backend(config(redis_url), pool)
     keys = page_keys(700, 300)
@@ -370,6 +369,12 @@ def config_checks(redis_url: str) -> None:
     }
     store = backend(config(redis_url), pool)
     out["hybrid"] = refused(lambda: store.register_mem_host_pool_v2(pool, "mamba"))
+    fp8 = make_host_pool("page_first", dtype=torch.uint8)  # how SGLang holds fp8 KV
+    out["fp8"] = refused(lambda: backend(config(redis_url), fp8))
+    out["fp8_dtypes"] = [
+        backend(config(redis_url, kv_cache_dtype=kind), fp8).pages.namespace.dtype
+        for kind in ("float8_e4m3fn", "float8_e5m2")
+    ]
     print(json.dumps(out), flush=True)
 
 

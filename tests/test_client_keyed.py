@@ -59,14 +59,17 @@ def test_keyed_pages_are_found_from_any_key_of_a_chain(clusters, same_host):
         assert not out[:, 28:].any()
 
 
-def test_keyed_pages_with_positions_share_64_page_segments(clusters):
+@pytest.mark.parametrize("index_shards", [1, 3], ids=["one-index", "cluster-of-3"])
+def test_keyed_pages_with_positions_share_64_page_segments(clusters, index_shards):
     """An engine that knows its keys' chain positions (SGLang with
     hicache_storage_pass_prefix_keys) stores a chain in batches placed from their
     positions, and finds it from any position given the key its segment is anchored
     at: the index reads one key per 64 pages. Asked without positions, only the pages
-    that anchor a segment are found; never another page's bytes."""
+    that anchor a segment are found; never another page's bytes. On a Valkey cluster a
+    lookup's segments come back a reply per shard, the first one's records shifted by
+    its offset wherever it lies."""
     cluster = clusters(1)
-    ns = keyed_ns("keyed-placed")
+    ns = keyed_ns(f"keyed-placed-{index_shards}")
     keys = [hashlib.sha256(f"placed-{i}".encode()).hexdigest() for i in range(200)]
     pool = torch.randn(2, 800, 2, 2, 8).half()
     spans = pool_spans(pool)

@@ -34,20 +34,24 @@ def test_golden_keyed_hashes():
 
 
 def test_a_key_names_different_pages_in_different_namespaces():
-    other = NS.model_copy(update={"tp_rank": 1, "tp_size": 2})
+    tenant = NS.model_copy(update={"tenant": "someone-else"})
+    model = NS.model_copy(update={"model": "other"})
     mla = NS.model_copy(update={"layout": "sglang_mla_blhd", "num_kv_heads": 1})
-    hashes = {keyed_hash_bytes(ns, ["k"]) for ns in (NS, other, mla, NS.storage)}
-    assert len(hashes) == 3  # NS is its own storage namespace
+    tp2 = NS.model_copy(update={"tp_rank": 1, "tp_size": 2}).storage  # what a TP=2 rank hashes with
+    spaces = (NS, tenant, model, mla, tp2)
+    assert len({keyed_hash_bytes(ns, ["k"]) for ns in spaces}) == len(spaces)
 
 
 def test_keyed_hashes_refuse_token_layouts_and_empty_keys():
     assert NS.keyed and not NS.model_copy(update={"layout": "vllm_cpu"}).keyed
     with pytest.raises(InvalidInputError, match="keys pages by token ids"):
         keyed_hash_bytes(NS.model_copy(update={"layout": "vllm_cpu"}), ["k"])
-    with pytest.raises(InvalidInputError, match="non-empty string, got ''"):
+    with pytest.raises(InvalidInputError, match="non-empty string that UTF-8 can hold, got ''"):
         keyed_hash_bytes(NS, ["k", ""])
     with pytest.raises(InvalidInputError, match="got 3"):
         keyed_hash_bytes(NS, ["k", 3])
+    with pytest.raises(InvalidInputError, match="UTF-8"):
+        keyed_hash_bytes(NS, ["k", "a\ud800"])
 
 
 def test_keyed_pages_without_a_position_are_each_their_own_segment():

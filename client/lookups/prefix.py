@@ -186,17 +186,23 @@ class PrefixLookup:
         *,
         last: bool = False,
         place: ChainPlace | None = None,
+        lease: bool = True,
     ) -> StoredPrefix | None:
-        """``find_joined`` in the caller's thread, as ``find_blocking``."""
+        """``find_joined`` in the caller's thread, as ``find_blocking``. ``lease``
+        False: no read lease is taken (a question of existence, whose answer nobody
+        fetches from: the prefix it returns holds a lease of 0, so a fetch from it asks
+        the index again)."""
         place = place or TOKEN_CHAIN
         if not joined:
             return self._prefix(joined, LookupResult.empty(), last, place)
         try:
-            found = self._ask(index, joined, (), last, place)
+            found = self._ask(index, joined, (), last, place, None if lease else 0)
         except (RemoteFault, IndexScriptError) as exc:
             self._failed(exc)
             return None
-        return self._prefix(joined, self._resolve(found, nodes, last), last, place)
+        result = self._resolve(found, nodes, last)
+        prefix = self._prefix(joined, result, last, place)
+        return prefix if lease or prefix is None else replace(prefix, lease_ms=0)
 
     async def lookup(
         self,
@@ -271,6 +277,7 @@ class PrefixLookup:
         breaks: Sequence[int],
         sparse: bool = False,
         place: ChainPlace | None = None,
+        lease_ms: int | None = None,
     ) -> Any:
         """The index call of a lookup: its answer, or an awaitable of it for the async
         index. ``sparse``: every segment read (a ``last`` lookup's chain has gaps)."""
@@ -284,6 +291,7 @@ class PrefixLookup:
             segment_pages=place.span if place else SEGMENT_PAGES,
             offset=place.offset if place else 0,
             head_anchor=place.head_anchor if place else None,
+            lease_ms=lease_ms,
         )
 
     def _prefix(

@@ -5,10 +5,12 @@
       '{"backend_name": "kvstore", "module_path": "client.sglang", "class_name": "KVStoreHiCache", "interface_v1": 1}'
 
 SGLang's scheduler threads call it: its prefetch thread asks ``batch_exists`` and
-``batch_get_v1``, its backup thread ``batch_set_v1``, with batches of up to 128 page
-keys (SGLang's chained SHA-256 page hashes). A key maps to a kvstore page hash inside
-a namespace built from the model, the rank and the host layout (``PoolPages``); a
-lookup is the index's one round trip; a get lands each page straight in the host
+``batch_get_v1``, its backup thread ``batch_set_v1``, with SGLang's chained SHA-256
+page hashes as keys (batches of 128 from its cache controller; a hybrid controller asks
+``batch_exists`` for a whole prompt at once). A key maps to a kvstore page hash inside
+a namespace built from the model, the rank and the host layout (``PoolPages``), each
+key a one-page index segment of its own (``_find`` says why); a lookup is the index's
+one round trip; a get lands each page straight in the host
 pool's slots (copied from the node's memory on the same host, over UCX otherwise); a
 put sends from them.
 
@@ -39,24 +41,8 @@ from client.sglang.options import hicache_options
 from client.sglang.pool_pages import PoolPages
 from client.sync_client import KVCacheClient
 from kvstore.errors import InvalidInputError
-from kvstore.pages.keys import SEGMENT_PAGES
 
 log = logging.getLogger(__name__)
-
-
-def chain_place(extra_info: Any) -> dict[str, Any]:
-    """Where a call's keys lie in their chain, from SGLang's ``prefix_keys`` (the keys
-    before them, from the sequence start: SGLang passes them with
-    ``hicache_storage_pass_prefix_keys``): ``position`` and ``anchor_key`` for the
-    client's keyed calls, which then index 64 pages under one key; without them (None),
-    a page a key (``PrefixLookup.keyed_place``). Pages stored one way are found the
-    same way, so a deployment keeps the setting."""
-    prefix = getattr(extra_info, "prefix_keys", None)
-    if prefix is None:
-        return {}
-    position = len(prefix)
-    offset = position % SEGMENT_PAGES
-    return {"position": position, "anchor_key": prefix[position - offset] if offset else None}
 
 
 class KVStoreHiCache(HiCacheStorage):
@@ -136,7 +122,7 @@ class KVStoreHiCache(HiCacheStorage):
     ) -> int:
         """Pages of ``keys`` stored from the first on, in one index round trip; 0 on a
         fault."""
-        found = self._find(keys, extra_info)
+        found = self._find(keys, lease=False)  # nothing is fetched from this answer
         return found.blocks if found is not None else 0
 
     def batch_get_v1(
@@ -150,7 +136,7 @@ class KVStoreHiCache(HiCacheStorage):
         first on; False from the first that did not (a fault: all False)."""
         if not keys:
             return []
-        found = self._find(keys, extra_info)
+        found = self._find(keys)
         got = 0
         if found is not None and found.blocks:
             try:
@@ -175,7 +161,7 @@ class KVStoreHiCache(HiCacheStorage):
             return [True] * len(keys)
         try:
             spans = self.pages.spans(host_indices)
-            report = self.client.put_keyed(keys, spans, **chain_place(extra_info))
+            report = self.client.put_keyed(keys, spans)
         except Exception as exc:
             self._failed("set", exc)
             return [False] * len(keys)
@@ -303,12 +289,16 @@ class KVStoreHiCache(HiCacheStorage):
 
     # ---- faults --------------------------------------------------------------------
 
-    def _find(self, keys: list[str], extra_info: Any = None) -> Any:
-        """The client's ``find_keys``, or None on any fault (counted, logged)."""
+    def _find(self, keys: list[str], *, lease: bool = True) -> Any:
+        """The client's ``find_keys``, or None on any fault (counted, logged). Keys go
+        without chain positions: SGLang 0.5.23's ``prefix_keys`` are not the keys
+        before a prefetch's batch (its scheduler passes the ancestors of the node the
+        host cache ended in, without that node's own keys), so positions read from them
+        would place a prefetch's lookups where its backups never put the pages."""
         if not keys:
             return None
         try:
-            found = self.client.find_keys(keys, **chain_place(extra_info))
+            found = self.client.find_keys(keys, lease=lease)
         except Exception as exc:
             self._failed("lookup", exc)
             return None

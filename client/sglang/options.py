@@ -4,7 +4,7 @@ SGLang builds the backend (``KVStoreHiCache``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -46,6 +46,11 @@ class HiCacheOptions(BaseModel):
         None,
         description="model name shared by servers that load the same weights from different paths "
         "(default: SGLang's model name)",
+    )
+    kv_cache_dtype: Literal["float8_e4m3fn", "float8_e5m2"] | None = Field(
+        None,
+        description="the fp8 format of an fp8 KV cache (SGLang's --kv-cache-dtype), whose "
+        "host pool holds bytes (uint8) of either: required there, so the two never mix",
     )
 
 

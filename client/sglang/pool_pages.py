@@ -64,9 +64,17 @@ def pool_namespace(pool: Any, config: Any, options: HiCacheOptions) -> Namespace
         raise _refuse(f"the {kind} host layout {layout!r}; it serves {sorted(table)}")
     if getattr(pool, "kv_buffer", None) is None:
         raise _refuse(f"a host pool without one KV buffer ({type(pool).__name__})")
+    dtype = str(pool.dtype).removeprefix("torch.")
+    if dtype == "uint8":  # fp8 KV as SGLang stores it: bytes of either format
+        if options.kv_cache_dtype is None:
+            raise InvalidInputError(
+                'an fp8 KV cache (a host pool of uint8) needs "kv_cache_dtype" in the kvstore '
+                "extra config: float8_e4m3fn or float8_e5m2, as SGLang's --kv-cache-dtype"
+            )
+        dtype = options.kv_cache_dtype
     common = {
         "model": model,
-        "dtype": str(pool.dtype),
+        "dtype": dtype,
         "num_layers": pool.layer_num,
         "block_size": pool.page_size,
         "layout": table[layout],

@@ -200,6 +200,14 @@ def part_hashes(seq_hash: bytes, count: int) -> list[bytes]:
 KEY_PERSON = b"kvs-key-v1"
 
 
+def _utf8(key: str) -> bool:
+    try:
+        key.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def keyed_hash_bytes(namespace: Namespace, page_keys: list[str]) -> bytes:
     """The storage hashes of an engine's own page keys (a keyed layout's pages:
     SGLang's HiCache keys, each chained over its prefix by the engine), joined, 16 bytes
@@ -215,5 +223,7 @@ def keyed_hash_bytes(namespace: Namespace, page_keys: list[str]) -> bytes:
     except (ValueError, TypeError):  # the C loop names no key in words: find it
         if not isinstance(page_keys, (list, tuple)):
             raise InvalidInputError("page keys must come as a list or tuple of str") from None
-        bad = next(k for k in page_keys if not isinstance(k, str) or not k.encode(errors="ignore"))
-        raise InvalidInputError(f"a page key must be a non-empty string, got {bad!r:.80}") from None
+        bad = next((k for k in page_keys if not isinstance(k, str) or not k or not _utf8(k)), None)
+        raise InvalidInputError(
+            f"a page key must be a non-empty string that UTF-8 can hold, got {bad!r:.80}"
+        ) from None
