@@ -144,6 +144,7 @@ def test_faults_are_misses_never_exceptions(clusters):
     assert injected == {"injected_exists": [0, 8], "injected_ok": True}
     assert dead["got"] == [False] * 8 and dead["set"] == [False, False]
     assert dead["seconds"] < 10 and dead["failures"].get("set") == 1
+    assert dead["failures"].get("get", 0) + dead["failures"].get("lookup", 0) >= 1
     assert lost["exists"] == 0 and lost["got"] == [False] * 2 and lost["set"] == [False] * 2
     assert lost["seconds"] < 10
     assert lost["failures"] == {"lookup": 2, "set": 1}

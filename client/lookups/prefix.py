@@ -154,11 +154,10 @@ class PrefixLookup:
         return await self.find_joined(self.chain_hashes(token_ids, identity), last=last)
 
     async def find_joined(
-        self, joined: bytes, *, last: bool = False, place: ChainPlace | None = None
+        self, joined: bytes, *, last: bool = False, place: ChainPlace = TOKEN_CHAIN
     ) -> StoredPrefix | None:
         """``find`` of a chain's storage hashes, joined (``chain_hashes``, or
         ``keyed_hashes`` for a keyed layout, placed as ``place`` says)."""
-        place = place or TOKEN_CHAIN
         if not joined:
             return self._prefix(joined, LookupResult.empty(), last, place)
         return self._prefix(joined, await self.lookup(joined, last=last, place=place), last, place)
@@ -185,14 +184,13 @@ class PrefixLookup:
         nodes: list[NodeInfo],
         *,
         last: bool = False,
-        place: ChainPlace | None = None,
+        place: ChainPlace = TOKEN_CHAIN,
         lease: bool = True,
     ) -> StoredPrefix | None:
         """``find_joined`` in the caller's thread, as ``find_blocking``. ``lease``
         False: no read lease is taken (a question of existence, whose answer nobody
         fetches from: the prefix it returns holds a lease of 0, so a fetch from it asks
         the index again)."""
-        place = place or TOKEN_CHAIN
         if not joined:
             return self._prefix(joined, LookupResult.empty(), last, place)
         try:
@@ -210,14 +208,14 @@ class PrefixLookup:
         breaks: Sequence[int] = (),
         *,
         last: bool = False,
-        place: ChainPlace | None = None,
+        place: ChainPlace = TOKEN_CHAIN,
     ) -> LookupResult | None:
         """The index's answer for ``hashes`` (chains start at 0 and at each of
         ``breaks``, placed as ``place`` says) with replicas of stale incarnations
         dropped; None on an index fault. ``last``: as ``find``'s."""
         await self._registration.ensure()
         try:
-            found = await self._ask(self._index, hashes, breaks, last, place or TOKEN_CHAIN)
+            found = await self._ask(self._index, hashes, breaks, last, place)
         except (RemoteFault, IndexScriptError) as exc:
             self._failed(exc)
             return None
@@ -228,7 +226,7 @@ class PrefixLookup:
         joined: bytes,
         result: LookupResult,
         last: bool = False,
-        place: ChainPlace | None = None,
+        place: ChainPlace = TOKEN_CHAIN,
     ) -> StoredPrefix:
         """What ``find`` returns for the lookup of ``joined`` that gave ``result``."""
         units = self._units
@@ -241,7 +239,7 @@ class PrefixLookup:
             time.time(),
             self._index.lease_ms,
             last,
-            place or TOKEN_CHAIN,
+            place,
         )
 
     def check_found(self, found: StoredPrefix) -> None:
@@ -276,7 +274,7 @@ class PrefixLookup:
         hashes: list[bytes] | bytes,
         breaks: Sequence[int],
         sparse: bool = False,
-        place: ChainPlace | None = None,
+        place: ChainPlace = TOKEN_CHAIN,
         lease_ms: int | None = None,
     ) -> Any:
         """The index call of a lookup: its answer, or an awaitable of it for the async
@@ -288,9 +286,9 @@ class PrefixLookup:
             breaks=breaks,
             units=self._units,
             sparse=sparse,
-            segment_pages=place.span if place else SEGMENT_PAGES,
-            offset=place.offset if place else 0,
-            head_anchor=place.head_anchor if place else None,
+            segment_pages=place.span,
+            offset=place.offset,
+            head_anchor=place.head_anchor,
             lease_ms=lease_ms,
         )
 
@@ -299,7 +297,7 @@ class PrefixLookup:
         joined: bytes,
         result: LookupResult | None,
         last: bool = False,
-        place: ChainPlace | None = None,
+        place: ChainPlace = TOKEN_CHAIN,
     ) -> StoredPrefix | None:
         return None if result is None else self.stored_prefix(joined, result, last, place)
 

@@ -101,7 +101,7 @@ class Publisher:
         hashes: list[bytes],
         verb: str,
         start: int = 0,
-        chain: keys.ChainPlace | None = None,
+        chain: keys.ChainPlace = keys.TOKEN_CHAIN,
     ) -> Outgoing:
         """The keys of this rank's units of blocks ``hashes[start:]`` (``hashes``: the
         chain from block 0, which places every block in its segment), unit by unit, and
@@ -117,7 +117,6 @@ class Publisher:
                 f"for tp_size {ns.tp_size}): "
                 f"it can read pages but not {verb} them; use head_groups of at least tp_size"
             )
-        chain = chain or keys.ChainPlace()
         anchors, positions = keys.placement(
             hashes, span=chain.span, offset=chain.offset, head_anchor=chain.head_anchor
         )

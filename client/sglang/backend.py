@@ -139,12 +139,8 @@ class KVStoreHiCache(HiCacheStorage):
         found = self._find(keys)
         got = 0
         if found is not None and found.blocks:
-            try:
-                size = self.pages.pool.page_size
-                sinks = self.pages.spans(host_indices[: found.blocks * size])
-                got = self.client.get_found_into(found, sinks) // self.pages.namespace.block_size
-            except Exception as exc:  # a fault is a miss, never SGLang's exception
-                self._failed("get", exc)
+            size = self.pages.pool.page_size
+            got = self._land(found, lambda: self.pages.spans(host_indices[: found.blocks * size]))
         return [i < got for i in range(len(keys))]
 
     def batch_set_v1(
@@ -288,6 +284,21 @@ class KVStoreHiCache(HiCacheStorage):
         return Span(flat, 0, flat.nbytes)
 
     # ---- faults --------------------------------------------------------------------
+
+    def _land(self, found: Any, sinks: Any) -> int:
+        """Pages of ``found`` landed in the spans ``sinks()`` makes, from the first on;
+        one that was found but did not arrive (a node gone, a page evicted or failing
+        its check) is counted and logged, as any fault on the way (0 then)."""
+        try:
+            got = self.client.get_found_into(found, sinks()) // self.pages.namespace.block_size
+        except Exception as exc:  # a fault is a miss, never SGLang's exception
+            self._failed("get", exc)
+            return 0
+        if got < found.blocks:
+            self._failed(
+                "get", f"{found.blocks - got} of {found.blocks} pages found did not arrive"
+            )
+        return got
 
     def _find(self, keys: list[str], *, lease: bool = True) -> Any:
         """The client's ``find_keys``, or None on any fault (counted, logged). Keys go
