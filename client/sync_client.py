@@ -216,6 +216,21 @@ class KVCacheClient:
         index = self._index(timeout)
         return lookups.find_joined_blocking(index, joined, nodes, place=place, lease=lease)
 
+    def stored_keys(self, page_keys: list[str], timeout: float | None = None) -> list[bool] | None:
+        """Per key of ``page_keys`` (a keyed layout's own page keys), whether its page is
+        stored (a live replica of this rank's share), each on its own: one index round
+        trip, no read lease (SGLang's side pools, whose pages some positions of a prompt
+        hold: ``PrefixLookup.stored_each``). None on an index fault."""
+        lookups = self._async.lookups
+        joined = lookups.keyed_hashes(page_keys)
+        inner = self._async
+        nodes = inner.nodes.fresh() if inner.namespace_registered else None
+        if nodes is None:
+            present = self._read(lookups.stored_each(joined), None, timeout)
+        else:
+            present = lookups.stored_each_blocking(self._index(timeout), joined, nodes)
+        return None if present is None else present.tolist()
+
     def put_keyed(
         self,
         page_keys: list[str],

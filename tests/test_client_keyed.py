@@ -6,6 +6,8 @@ on; its own test is tests/test_sglang_hicache.py."""
 from __future__ import annotations
 
 import hashlib
+import signal
+import time
 
 import pytest
 import torch
@@ -87,6 +89,43 @@ def test_keyed_pages_with_positions_share_64_page_segments(clusters, index_shard
         assert client.find_keys(keys[64:66]).blocks == 1  # unplaced: 64 anchors its segment
         with pytest.raises(InvalidInputError, match="need the key at 64"):
             client.find_keys(keys[100:], position=100)
+
+
+@pytest.mark.parametrize("index_shards", [1, 3], ids=["one-index", "cluster-of-3"])
+def test_keyed_pages_asked_without_a_lease_or_each_on_their_own(clusters, index_shards):
+    """Lookups with no read lease (SGLang's ``batch_exists``: one MGET on one index
+    server, the lookup script on a cluster) find what leased lookups find; asked each on
+    its own (``stored_keys``: SGLang's side pools), pages stored at some positions are
+    found there and only there, past a missing one too. A page whose node stopped is
+    neither found nor present."""
+    cluster = clusters(2)
+    ns = keyed_ns(f"keyed-each-{index_shards}")
+    keys = [hashlib.sha256(f"each-{index_shards}-{i}".encode()).hexdigest() for i in range(9)]
+    pool = torch.randn(2, 36, 2, 2, 8).half()
+    spans = pool_spans(pool)
+    at = [0, 1, 2, 5, 8]
+    with KVCacheClient(cluster.redis_url, ns) as client:
+        assert client.put_keyed([keys[i] for i in at], [spans[i] for i in at]).stored == 5
+        assert client.find_keys(keys, lease=False).blocks == 3
+        assert client.find_keys(keys).blocks == 3
+        assert client.find_keys(keys[5:], lease=False).blocks == 1
+        assert client.stored_keys(keys) == [i in at for i in range(9)]
+        assert client.stored_keys(keys[3:5]) == [False, False]
+        assert client.stored_keys([]) == []
+        assert client.find_keys(keys[3:], lease=False).blocks == 0
+        others = KVCacheClient(cluster.redis_url, keyed_ns("keyed-each-other"))
+        with others:
+            assert others.stored_keys(keys) == [False] * 9  # another namespace's
+            assert others.find_keys(keys, lease=False).blocks == 0
+        for node in cluster.nodes:  # stopped: each deregisters as it goes
+            node.kill(signal.SIGTERM)
+            node.process.wait()
+        with KVCacheClient(cluster.redis_url, ns) as fresh:  # its nodes read anew
+            deadline = time.monotonic() + 30
+            while fresh.stored_keys(keys) != [False] * 9 and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert fresh.stored_keys(keys) == [False] * 9
+            assert fresh.find_keys(keys, lease=False).blocks == 0
 
 
 def test_keyed_and_token_calls_do_not_mix(clusters):

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from client.log_limit import LogLimit
 from client.lookups.registration import NamespaceRegistration
 from client.nodes.directory import NodeDirectory
@@ -199,8 +201,42 @@ class PrefixLookup:
             self._failed(exc)
             return None
         result = self._resolve(found, nodes, last)
-        prefix = self._prefix(joined, result, last, place)
-        return prefix if lease or prefix is None else replace(prefix, lease_ms=0)
+        if result is None:
+            return None
+        return self.stored_prefix(joined, result, last, place, None if lease else 0)
+
+    async def stored_each(self, joined: bytes) -> np.ndarray | None:
+        """Per keyed page of ``joined`` (``keyed_hashes``), whether a live replica of this
+        rank's share is stored, each on its own (no prefix: a page missing before it does
+        not hide it), with no read lease; None on an index fault. Registers the
+        namespace first while that has not succeeded."""
+        await self._registration.ensure()
+        try:
+            found = await self._ask(self._index, joined, (), True, UNPLACED, 0)
+        except (RemoteFault, IndexScriptError) as exc:
+            self._failed(exc)
+            return None
+        return self._present(found, await self._nodes.current())
+
+    def stored_each_blocking(
+        self, index: PageIndex, joined: bytes, nodes: list[NodeInfo]
+    ) -> np.ndarray | None:
+        """``stored_each`` in the caller's thread, as ``find_blocking``."""
+        if not joined:
+            return np.zeros(0, dtype=bool)
+        try:
+            found = self._ask(index, joined, (), True, UNPLACED, 0)
+        except (RemoteFault, IndexScriptError) as exc:
+            self._failed(exc)
+            return None
+        return self._present(found, nodes)
+
+    def _present(self, found: IndexLookup, nodes: list[NodeInfo]) -> np.ndarray | None:
+        """``found.present``, or None when the index could not answer (``_resolve``)."""
+        if found.unavailable is not None and found.covered == 0:
+            self._failed(found.unavailable)
+            return None
+        return found.present(nodes)
 
     async def lookup(
         self,
@@ -227,8 +263,10 @@ class PrefixLookup:
         result: LookupResult,
         last: bool = False,
         place: ChainPlace = TOKEN_CHAIN,
+        lease_ms: int | None = None,
     ) -> StoredPrefix:
-        """What ``find`` returns for the lookup of ``joined`` that gave ``result``."""
+        """What ``find`` returns for the lookup of ``joined`` that gave ``result``
+        (``lease_ms``: the read lease it holds, the index's when None)."""
         units = self._units
         return StoredPrefix(
             self._storage.digest_hex,
@@ -237,7 +275,7 @@ class PrefixLookup:
             units,
             result,
             time.time(),
-            self._index.lease_ms,
+            self._index.lease_ms if lease_ms is None else lease_ms,
             last,
             place,
         )

@@ -13,9 +13,14 @@ import redis
 
 def _exchange(client: Any, conn: Any, wire: list[tuple[Any, ...]]) -> list[Any]:
     """``wire`` over ``conn``, one of ``client``'s server's connections held by the
-    caller: written at once, each reply read and parsed as redis-py parses it (its
-    response callbacks); a command's error comes back as its reply."""
-    conn.send_packed_command(conn.pack_commands(wire))
+    caller: written at once (a command packed already, ``PackedArgs``, as it is), each
+    reply read and parsed as redis-py parses it (its response callbacks); a command's
+    error comes back as its reply."""
+    chunks: list[bytes] = []
+    for args in wire:
+        packed = getattr(args, "packed", None)
+        chunks += [packed] if packed is not None else conn.pack_commands([args])
+    conn.send_packed_command(chunks)
     out: list[Any] = []
     for args in wire:
         try:

@@ -16,7 +16,7 @@ threshold, sent to both scripts."""
 from __future__ import annotations
 
 from collections.abc import Generator, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -28,6 +28,7 @@ from kvstore.index.driver import IndexDriver
 from kvstore.index.records import ENTRY, HASH_PAIR, RAW_ENTRY, IndexLookup, select_records
 from kvstore.index.registry import live_nodes_cmd
 from kvstore.pages import heads, keys
+from kvstore.pages._chainhash import hex_names, mget_command
 from kvstore.pages.hashing import HASH_BYTES
 from kvstore.pages.namespace import Namespace
 
@@ -254,6 +255,41 @@ def _pick(
     )
 
 
+def _pick_pages(
+    blob: bytes, values: list[Any], first: int, need: int, sparse: bool = False
+) -> IndexLookup:
+    """``_pick`` for hashes that are each a one-page segment (``values``: the segments'
+    values in order, None where there is none): the prefix ends at the first missing
+    segment (``sparse``: none ends it, every position is covered), and an entry counts
+    when it is the page at its segment's head (position 0) and a unit in ``[first,
+    first + need)`` of the hash asked there (``_pick``)."""
+    if sparse:
+        covered = len(values)
+        at = np.array([i for i, value in enumerate(values) if value], dtype=np.int64)
+        read = [values[i] for i in at]
+    else:
+        covered = next((i for i, value in enumerate(values) if value is None), len(values))
+        at = np.arange(covered)
+        read = values[:covered]
+    if not read:
+        return replace(_pick(blob, [], [], 0, None, first, need), covered=covered)
+    recs = np.frombuffer(b"".join(read), dtype=ENTRY)
+    if len(recs) == len(read) and b"" not in read:  # one replica each
+        position = at
+    else:
+        sizes = np.fromiter(map(len, read), dtype=np.int64, count=len(read)) // ENTRY.itemsize
+        position = np.repeat(at, sizes)
+    head = recs["pos"] == 0
+    if (first, need) == (0, 1):  # whole pages: the hash asked there, byte for byte
+        ok = head & (np.frombuffer(blob, dtype=_KEY)[position] == recs.view(_KEYED)["key"])
+        kept = position[ok]
+        units = np.zeros(len(kept), dtype=np.int64)
+        return IndexLookup(covered, select_records(recs, ok), kept, units, 1)
+    unit = heads.unit_of(np.frombuffer(blob, dtype=HASH_PAIR)[position], recs) - first
+    ok = head & (unit >= 0) & (unit < need)
+    return IndexLookup(covered, select_records(recs, ok), position[ok], unit[ok], need)
+
+
 class LookupMethods(IndexDriver):
     """Reads the longest stored prefix of a chain of page hashes under a read lease
     (its one job), for clients: ``lookup``."""
@@ -304,6 +340,17 @@ class LookupMethods(IndexDriver):
             need = np.ones(n, dtype=np.int64)
             first[:head_chain], need[:head_chain] = units
         lease = self.lease_ms if lease_ms is None else lease_ms
+
+        if (  # pages each a segment of one chain, no lease, one server: one MGET
+            segment_pages == 1
+            and lease <= 0
+            and n
+            and isinstance(first, int)
+            and isinstance(need, int)
+            and not (offset or self.cluster)
+        ):
+            return self._drive(self._each_page(prefix, blob, first, need, sparse, with_nodes))
+
         segs = keys.segments(n, breaks, segment_pages, offset)
         anchors = [blob[HASH_BYTES * start : HASH_BYTES * start + HASH_BYTES] for start, _ in segs]
         if offset:
@@ -340,3 +387,27 @@ class LookupMethods(IndexDriver):
             return (result, nodes) if with_nodes else result
 
         return self._drive(steps())
+
+    def _each_page(
+        self, prefix: str, blob: bytes, first: int, need: int, sparse: bool, with_nodes: bool
+    ) -> Generator[list[Cmd], list[Any], Any]:
+        """``lookup`` of pages that are each a one-page segment, with no lease (SGLang's
+        ``batch_exists``), from an index of one server: one MGET, no script (a cluster
+        refuses MGET across slots), its RESP bytes made in C (``mget_command``: redis-py
+        packed it in 57 us). Measured on Valkey 9 over 128 pages: the script cost the
+        server 188 us (INFO commandstats), MGET 15 us; ``find_keys`` without a lease,
+        interleaved on the 2-core VM, medians 0.30-0.37 ms against 0.59-0.77 through the
+        script (2.0-2.1x)."""
+        head = f"{prefix}s:{{".encode()
+        command = Cmd(
+            ("MGET", *hex_names(head, blob, b"}")), shard=0, packed=mget_command(head, blob, b"}")
+        )
+        replies = yield [command] + ([live_nodes_cmd()] if with_nodes else [])
+        values = replies[0]
+        if isinstance(values, KVStoreError):
+            if not isinstance(values, IndexUnavailableError):
+                raise values
+            result = replace(_pick(blob, [], [], 0, None, first, need), unavailable=values)
+        else:
+            result = _pick_pages(blob, values, first, need, sparse)
+        return (result, replies[1]) if with_nodes else result

@@ -258,6 +258,31 @@ class IndexLookup:
         prefix ends after the last position with a live record of every unit, and only
         that position's records are kept."""
         live = {n.number: n for n in nodes}
+        ok, has = self._live(live)
+        if last:
+            stored = np.flatnonzero(has)
+            matched = int(stored[-1]) + 1 if len(stored) else 0
+            keep = ok & (self.positions == matched - 1)
+        else:
+            matched = int(np.argmin(has))
+            keep = ok & (self.positions < matched)
+        return LookupResult(
+            matched,
+            select_records(self.records, keep),
+            self.positions[keep],
+            self.units[keep],
+            live,
+        )
+
+    def present(self, nodes: Sequence[NodeInfo]) -> np.ndarray:
+        """Per position covered, whether every unit asked there has a live record
+        (the registry's current incarnation of its node): a sparse lookup's answer
+        position by position (SGLang's side pools, whose pages some positions hold)."""
+        return self._live({n.number: n for n in nodes})[1][: self.covered]
+
+    def _live(self, live: dict[int, NodeInfo]) -> tuple[np.ndarray, np.ndarray]:
+        """Which records are of live incarnations, and per position (with a False
+        sentinel after the last covered) whether every unit asked there has one."""
         size = max(live, default=0) + 1
         tags = np.zeros(size, dtype="<u8")
         known = np.zeros(size, dtype=bool)
@@ -277,20 +302,7 @@ class IndexLookup:
             has[: self.covered] = (
                 np.bincount(distinct // width, minlength=self.covered)[: self.covered] == self.need
             )
-        if last:
-            stored = np.flatnonzero(has)
-            matched = int(stored[-1]) + 1 if len(stored) else 0
-            keep = ok & (self.positions == matched - 1)
-        else:
-            matched = int(np.argmin(has))
-            keep = ok & (self.positions < matched)
-        return LookupResult(
-            matched,
-            select_records(self.records, keep),
-            self.positions[keep],
-            self.units[keep],
-            live,
-        )
+        return ok, has
 
 
 @dataclass(frozen=True, slots=True)

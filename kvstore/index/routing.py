@@ -26,7 +26,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvstore.errors import IndexScriptError, IndexUnavailableError, KVStoreError
-from kvstore.index.commands import Cmd
+from kvstore.index.commands import Cmd, PackedArgs
 from kvstore.index.held import HeldConnections
 from kvstore.index.topology import SLOTS, Topology, topology_from_slots
 from kvstore.index.urls import (
@@ -190,6 +190,8 @@ class _Router:
         return groups
 
     def _wire(self, cmd: Cmd) -> tuple[Any, ...]:
+        if cmd.packed is not None:
+            return PackedArgs(cmd.args, cmd.packed)
         if cmd.script is None:
             return cmd.args
         return ("EVALSHA_RO" if cmd.readonly else "EVALSHA", cmd.script.sha, cmd.nkeys, *cmd.args)

@@ -366,6 +366,90 @@ done:
     return out;
 }
 
+/* head || hex(h) || tail for every 16-byte h of joined, as a list of bytes: the index
+   keys of hashes that are each a segment of their own (kvstore.index.lookups, one MGET of
+   a keyed batch). 128 names took 40 us as Python f-strings, most of such a lookup's own
+   work beside its round trip (measured on the 2-core VM). */
+static PyObject *hex_names(PyObject *self, PyObject *args) {
+    Py_buffer head, joined, tail;
+    PyObject *out = NULL;
+    static const char HEX[] = "0123456789abcdef";
+    if (!PyArg_ParseTuple(args, "y*y*y*", &head, &joined, &tail)) return NULL;
+    if (joined.len % HASH_BYTES) {
+        PyErr_Format(PyExc_ValueError, "hex_names: %zd bytes is not a whole number of %d-byte hashes", joined.len, HASH_BYTES);
+        goto done;
+    }
+    Py_ssize_t n = joined.len / HASH_BYTES, size = head.len + 2 * HASH_BYTES + tail.len;
+    out = PyList_New(n);
+    if (!out) goto done;
+    const uint8_t *h = (const uint8_t *)joined.buf;
+    for (Py_ssize_t i = 0; i < n; i++, h += HASH_BYTES) {
+        PyObject *name = PyBytes_FromStringAndSize(NULL, size);
+        if (!name) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        char *at = PyBytes_AS_STRING(name);
+        memcpy(at, head.buf, head.len);
+        at += head.len;
+        for (int b = 0; b < HASH_BYTES; b++) {
+            *at++ = HEX[h[b] >> 4];
+            *at++ = HEX[h[b] & 15];
+        }
+        memcpy(at, tail.buf, tail.len);
+        PyList_SET_ITEM(out, i, name);
+    }
+done:
+    PyBuffer_Release(&head);
+    PyBuffer_Release(&joined);
+    PyBuffer_Release(&tail);
+    return out;
+}
+
+/* The RESP bytes of "MGET" and the names hex_names(head, joined, tail) gives: what
+   redis-py's packing makes of them, for the held connections that send it as it is
+   (kvstore.index.held). redis-py packed a 128-key MGET in 57 us (hiredis alone 32),
+   this in a few. */
+static PyObject *mget_command(PyObject *self, PyObject *args) {
+    Py_buffer head, joined, tail;
+    PyObject *out = NULL;
+    static const char HEX[] = "0123456789abcdef";
+    if (!PyArg_ParseTuple(args, "y*y*y*", &head, &joined, &tail)) return NULL;
+    if (joined.len % HASH_BYTES) {
+        PyErr_Format(PyExc_ValueError, "mget_command: %zd bytes is not a whole number of %d-byte hashes", joined.len, HASH_BYTES);
+        goto done;
+    }
+    Py_ssize_t n = joined.len / HASH_BYTES, size = head.len + 2 * HASH_BYTES + tail.len;
+    char lead[48], each[32];
+    int lead_len = snprintf(lead, sizeof lead, "*%zd\r\n$4\r\nMGET\r\n", n + 1);
+    int each_len = snprintf(each, sizeof each, "$%zd\r\n", size);
+    out = PyBytes_FromStringAndSize(NULL, lead_len + n * (each_len + size + 2));
+    if (!out) goto done;
+    char *at = PyBytes_AS_STRING(out);
+    memcpy(at, lead, lead_len);
+    at += lead_len;
+    const uint8_t *h = (const uint8_t *)joined.buf;
+    for (Py_ssize_t i = 0; i < n; i++, h += HASH_BYTES) {
+        memcpy(at, each, each_len);
+        at += each_len;
+        memcpy(at, head.buf, head.len);
+        at += head.len;
+        for (int b = 0; b < HASH_BYTES; b++) {
+            *at++ = HEX[h[b] >> 4];
+            *at++ = HEX[h[b] & 15];
+        }
+        memcpy(at, tail.buf, tail.len);
+        at += tail.len;
+        *at++ = '\r';
+        *at++ = '\n';
+    }
+done:
+    PyBuffer_Release(&head);
+    PyBuffer_Release(&joined);
+    PyBuffer_Release(&tail);
+    return out;
+}
+
 static PyMethodDef METHODS[] = {
     {"uint32_le", uint32_le, METH_O,
      "uint32_le(list or tuple of ints) -> bytes: each as little-endian uint32 (OverflowError\n"
@@ -375,6 +459,11 @@ static PyMethodDef METHODS[] = {
      "is exactly 16 bytes; else the index (int) of the first that is not."},
     {"split_hashes", split_hashes, METH_O,
      "split_hashes(bytes of n * 16) -> list of the n 16-byte pieces (join_hashes undone)."},
+    {"hex_names", hex_names, METH_VARARGS,
+     "hex_names(head, joined, tail) -> [head || hex(h) || tail for every 16-byte h of joined],\n"
+     "as bytes (ValueError when joined is not whole hashes)."},
+    {"mget_command", mget_command, METH_VARARGS,
+     "mget_command(head, joined, tail) -> the RESP bytes of MGET of hex_names(head, joined, tail)."},
     {"chain", chain, METH_VARARGS,
      "chain(prefix, data, step, person, start) -> the 16-byte digests joined, in order.\n"
      "data: uint32-le token ids (a buffer) or a list or tuple of ints (OverflowError, TypeError\n"
