@@ -8,6 +8,7 @@ check; the test asserts on them.
     python tests/sglang_checks.py prefix REDIS_URL
     python tests/sglang_checks.py readme REDIS_URL "README's SGLang arguments"
     python tests/sglang_checks.py faults REDIS_URL       (reads a line on stdin mid-way)
+    python tests/sglang_checks.py hybrid REDIS_URL SAME_HOST
     python tests/sglang_checks.py config REDIS_URL"""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from tests.sglang_site import define_torchvision_ops, make_host_pool
+from tests.sglang_site import define_torchvision_ops, make_host_pool, make_mamba_pool
 
 define_torchvision_ops()
 
@@ -27,6 +28,9 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
     HiCacheStorageFailureInjector,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
 )
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
@@ -347,6 +351,91 @@ def faults(redis_url: str) -> None:
     print(json.dumps(lost), flush=True)
 
 
+def state_bytes(pool: Any, slot: int) -> bytes:
+    """A Mamba pool slot's state, as SGLang's flat page of it (SSM state, then each conv)."""
+    return pool.get_data_page(slot).view(torch.uint8).numpy().tobytes()
+
+
+def hybrid(redis_url: str, same_host: bool) -> None:
+    """A hybrid model's pools as SGLang's hybrid cache controller hands them over: the
+    KV pool, a Mamba state pool and a sliding-window KV pool, registered through v2 (the
+    names as SGLang's enums). A prompt of 8 pages: KV stored for every page (v1, as the
+    base backup does), Mamba states at pages 3 and 7 (node ends, one key each), the
+    window's 2 pages of sliding-window KV at pages 6 and 7 (v2). ``batch_exists_v2``
+    applies each pool's hit policy; ``batch_get_v2`` lands each pool's pages in its own
+    slots bit for bit; a state asked under another prompt's key is False."""
+    extra = {} if same_host else {"same_host": False}
+    kv, swa = make_host_pool("page_first", pages=40), make_host_pool("page_first", pages=40)
+    mamba = make_mamba_pool(slots=16)
+    store = backend(config(redis_url, model_name="tiny/hybrid", **extra), kv)
+    for pool, name in ((kv, PoolName.KV), (mamba, PoolName.MAMBA), (swa, PoolName.SWA)):
+        store.register_mem_host_pool_v2(pool, name)
+    store.on_host_pools_registered()
+    keys = page_keys(800 + same_host, 8)
+    kv_slots, swa_slots = fill(kv, 8, 801), fill(swa, 2, 802)
+    states = mamba.alloc(2)
+    gen = torch.Generator().manual_seed(803)
+    for buffer in (mamba.temporal_buffer, *mamba.conv_buffer):
+        buffer.copy_(torch.randn(buffer.shape, generator=gen).to(buffer.dtype))
+    stored = store.batch_set_v1(keys, kv_slots)
+    sets = store.batch_set_v2(
+        [
+            PoolTransfer(PoolName.MAMBA, host_indices=states[:1], keys=[keys[3]]),
+            PoolTransfer(PoolName.SWA, host_indices=swa_slots, keys=keys[6:8]),
+        ]
+    )
+    sets2 = store.batch_set_v2(
+        [PoolTransfer(PoolName.MAMBA, host_indices=states[1:], keys=[keys[7]])]
+    )
+
+    def exists(ask: list[str], *pools: tuple[Any, int]) -> dict:
+        transfers = [
+            PoolTransfer(name, keys=ask[-window:], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+            for name, window in pools
+        ]
+        found = store.batch_exists_v2(ask, transfers)
+        return {
+            "kv": found.kv_hit_pages,
+            "pools": {
+                str(getattr(k, "value", k)): v for k, v in found.extra_pool_hit_pages.items()
+            },
+            "ends": found.restorable_prefix_pages,
+        }
+
+    all_pages = PoolTransfer(PoolName.SWA, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)
+    new_states, new_swa = mamba.alloc(2), swa.alloc(2 * PAGE)
+    got = store.batch_get_v2(
+        [
+            PoolTransfer(PoolName.MAMBA, host_indices=new_states[:1], keys=[keys[7]]),
+            PoolTransfer(PoolName.SWA, host_indices=new_swa, keys=keys[6:8]),
+        ]
+    )
+    other = page_keys(900, 1)
+    print(
+        json.dumps(
+            {
+                "stored": stored,
+                "sets": sets,
+                "sets2": sets2,
+                "mamba_and_swa": exists(keys, (PoolName.MAMBA, 1), (PoolName.SWA, 2)),
+                "mamba": exists(keys, (PoolName.MAMBA, 1)),
+                "mamba_6": exists(keys[:6], (PoolName.MAMBA, 1)),
+                "swa_all": store.batch_exists_v2(keys, [all_pages]).kv_hit_pages,
+                "got": got,
+                "same_state": state_bytes(mamba, int(new_states[0]))
+                == state_bytes(mamba, int(states[1])),
+                "same_swa": same_pages(swa, swa_slots, new_swa, 2),
+                "other": store.batch_get_v2(
+                    [PoolTransfer(PoolName.MAMBA, host_indices=new_states[1:], keys=other)]
+                ),
+                "namespaces": len({p.pages.namespace.digest_hex for p in store._pools.values()}),
+                "failures": dict(store.failures),
+            }
+        ),
+        flush=True,
+    )
+
+
 def refused(make: Any) -> str:
     try:
         make()
@@ -368,7 +457,8 @@ def config_checks(redis_url: str) -> None:
         "unified": refused(lambda: backend(config(redis_url), make_host_pool("page_unified"))),
     }
     store = backend(config(redis_url), pool)
-    out["hybrid"] = refused(lambda: store.register_mem_host_pool_v2(pool, "mamba"))
+    side = make_mamba_pool(side_state=True)  # slot side states: SGLang's zero-copy refuses
+    out["hybrid"] = refused(lambda: store.register_mem_host_pool_v2(side, PoolName.MAMBA))
     fp8 = make_host_pool("page_first", dtype=torch.uint8)  # how SGLang holds fp8 KV
     out["fp8"] = refused(lambda: backend(config(redis_url), fp8))
     out["fp8_dtypes"] = [
@@ -390,5 +480,7 @@ if __name__ == "__main__":
         readme(url, sys.argv[3])
     elif what == "faults":
         faults(url)
+    elif what == "hybrid":
+        hybrid(url, sys.argv[3] == "1")
     else:
         config_checks(url)

@@ -113,3 +113,29 @@ def make_host_pool(
             )  # fmt: skip
     pool.device_pool_for_test = device  # the device tensors the pool's info points at
     return pool
+
+
+def make_mamba_pool(*, layers: int = 2, slots: int = 16, side_state: bool = False) -> Any:
+    """SGLang's own Mamba host pool (``MambaPoolHost``, layout page_first, unpinned) on
+    the CPU for a hybrid model of ``layers`` Mamba layers: a float32 SSM state and two
+    bfloat16 conv states per layer and slot, ``slots`` slots of device pool behind
+    ``slots`` host slots. ``side_state``: the slots carry a side state of their own
+    (SGLang's ``extra_checkpoint_buffers``), whose pages its zero-copy path refuses."""
+    import torch
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(layers, slots, 2, 4, 8, dtype=torch.float32),
+        conv=(
+            torch.zeros(layers, slots, 6, 3, dtype=torch.bfloat16),
+            torch.zeros(layers, slots, 4, 3, dtype=torch.bfloat16),
+        ),
+        extra_checkpoint_buffers=(torch.zeros(slots, 5),) if side_state else (),
+    )
+    with host_memory_budget_scope(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")):
+        return MambaPoolHost(
+            info, 1.0, 0, device_capacity=slots, pin_memory=False, device="cpu",
+            layout="page_first",
+        )  # fmt: skip

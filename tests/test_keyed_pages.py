@@ -1,15 +1,20 @@
 """Keyed pages: pages named by an engine's own chained page keys (SGLang's HiCache)
 rather than token ids. Their hash format (golden vector), their one-page index
-segments, the layouts that carry them, and the SGLang backend's options. The
+segments, the layouts that carry them, the SGLang backend's options and its side pools'
+hit policies. The
 backend's work against real nodes is tests/test_sglang_hicache.py."""
 
 from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from client.sglang.options import hicache_options
+from client.sglang.restorable import ALL_PAGES, TRAILING_PAGES, restorable_ends
 from kvstore.errors import InvalidInputError
 from kvstore.pages import keys
 from kvstore.pages.hashing import keyed_hash_bytes
@@ -80,7 +85,7 @@ def test_a_chain_placed_from_its_middle_lies_where_the_whole_chain_does():
 def test_sglang_layouts_are_never_detected_from_an_engines_cache():
     """They describe SGLang's host pool pages, not any engine's paged cache tensor."""
     keyed = [name for name, layout in LAYOUTS.items() if layout.keyed]
-    assert len(keyed) == 6 and all(not LAYOUTS[n].cache_dims for n in keyed)
+    assert len(keyed) == 7 and all(not LAYOUTS[n].cache_dims for n in keyed)
     assert detect_layout((10, 2, 4, 16), 4, 2, 8) == "vllm_cpu"
 
 
@@ -96,3 +101,77 @@ def test_hicache_options_skip_sglangs_keys_and_name_a_typo(monkeypatch):
         hicache_options({**sglang, "replica": 2})
     with pytest.raises(InvalidInputError, match="tenant='a/b'"):
         hicache_options({"tenant": "a/b"})
+
+
+@given(st.lists(st.booleans(), max_size=40), st.integers(1, 6))
+def test_side_pool_restorable_lengths_follow_sglangs_hit_policies(present, window):
+    """A prefix length is restorable under trailing_pages when the pool holds the
+    ``window`` pages before it (fewer for a shorter prefix), under all_pages when it
+    holds every page up to it, as SGLang's own backends read the policies."""
+    n = len(present)
+    trailing = [p for p in range(1, n + 1) if all(present[max(0, p - window) : p])]
+    assert restorable_ends(present, TRAILING_PAGES, window) == trailing
+    every = [p for p in range(1, n + 1) if all(present[:p])]
+    assert restorable_ends(present, ALL_PAGES, window) == every
+    assert restorable_ends(present, "block_groups", window) == []
+
+
+def test_a_mamba_states_restorable_lengths_are_where_states_lie():
+    """States after pages 3 and 7 of 8 (SGLang backs one up where a node ends): lengths 4
+    and 8 are restorable, 6 is not; a 2-page window needs both pages before it."""
+    present = [i in (3, 7) for i in range(8)]
+    assert restorable_ends(present, TRAILING_PAGES, 1) == [4, 8]
+    assert restorable_ends([i in (6, 7) for i in range(8)], TRAILING_PAGES, 2) == [8]
+
+
+@st.composite
+def _one_page_segments(draw):
+    """The values of one-page segments as an index holds them (None: no segment),
+    their entries' hashes the one asked there, another page's, or a unit of it."""
+    from kvstore.index.records import ENTRY
+
+    n = draw(st.integers(1, 12))
+    asked = np.frombuffer(draw(st.binary(min_size=16 * n, max_size=16 * n)), dtype="<u8")
+    values = []
+    for i in range(n):
+        if draw(st.booleans()) and draw(st.booleans()):
+            values.append(None)
+            continue
+        recs = np.zeros(draw(st.integers(0, 3)), dtype=ENTRY)
+        for r in recs:
+            kind = draw(st.sampled_from(["same", "unit", "other"]))
+            r["h0"] = asked[2 * i] if kind != "other" else asked[2 * i] ^ 1
+            r["h1"] = asked[2 * i + 1] ^ (draw(st.integers(1, 3)) if kind == "unit" else 0)
+            r["pos"] = draw(st.sampled_from([0, 0, 5]))
+            r["node"] = draw(st.integers(0, 3))
+        values.append(recs.tobytes())
+    return asked.tobytes(), values
+
+
+@given(_one_page_segments(), st.sampled_from([(0, 1), (1, 2)]), st.booleans())
+def test_one_page_segments_read_by_mget_pick_what_the_script_picks(case, units, sparse):
+    """The MGET path's picking (``_pick_pages``: every value, None where a segment is
+    missing) keeps exactly the entries the lookup script's path keeps (``_pick`` over
+    the segments the script returns: up to the first missing one, or each on its own
+    when sparse)."""
+    from kvstore.index.lookups import _pick, _pick_pages
+    from kvstore.index.records import ENTRY
+
+    blob, values = case
+    n = len(values)
+    segs = [(i, i + 1) for i in range(n)]
+    # the script path's replies: per segment read, its number, entry count and entries
+    # (sparse: a GET each, a missing one an empty reply; else up to the first missing)
+    contiguous = n if sparse else next((i for i, v in enumerate(values) if v is None), n)
+    parts = [
+        ([i], [len(v) // ENTRY.itemsize], np.frombuffer(v, dtype=ENTRY))
+        if v is not None
+        else ([], [], np.zeros(0, dtype=ENTRY))
+        for i, v in enumerate(values[:contiguous])
+    ]
+    want = _pick(blob, segs, parts, contiguous, None, *units)
+    got = _pick_pages(blob, values, *units, sparse)
+    assert got.covered == want.covered
+    assert got.records.tobytes() == want.records.tobytes()
+    assert got.positions.tolist() == want.positions.tolist()
+    assert got.units.tolist() == want.units.tolist()

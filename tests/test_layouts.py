@@ -28,6 +28,7 @@ DOCUMENTED = {
     "sglang_2hbld": (2, HEADS, BLOCK, LAYERS, HEAD),
     "sglang_mla_blhd": (BLOCK, LAYERS, HEADS, HEAD),
     "sglang_mla_lbhd": (LAYERS, BLOCK, HEADS, HEAD),
+    "sglang_pool_bytes": (LAYERS, HEADS, HEAD),  # a side pool's page bytes, one "layer"
 }
 
 

@@ -150,9 +150,34 @@ def test_faults_are_misses_never_exceptions(clusters):
     assert lost["failures"] == {"lookup": 2, "set": 1}
 
 
+@pytest.mark.parametrize("same_host", [True, False], ids=["shared-memory", "ucx"])
+def test_a_hybrid_models_side_pools_go_through_v2(clusters, same_host):
+    """A hybrid model (KV, Mamba states, sliding-window KV) as SGLang's hybrid
+    controller drives it, on both data paths: each side pool's pages are a namespace of
+    their own; ``batch_exists_v2`` serves the prefix lengths every pool can restore by
+    its hit policy (Mamba: the page before the length holds a state; the window: its 2
+    pages; all pages: every one), each pool's own boundary and every such length;
+    ``batch_get_v2`` lands states and window pages bit for bit; a state under another
+    prompt's key is not found."""
+    cluster = clusters(1)
+    (r,) = run_checks("hybrid", cluster.redis_url, "1" if same_host else "0")
+    assert r["stored"] == [True] * 8 and r["sets"] == {"mamba": [True], "swa": [True, True]}
+    assert r["sets2"] == {"mamba": [True]}
+    assert r["mamba_and_swa"] == {"kv": 8, "pools": {"kv": 8, "mamba": 8, "swa": 8}, "ends": [8]}
+    assert r["mamba"] == {"kv": 8, "pools": {"kv": 8, "mamba": 8}, "ends": [4, 8]}
+    assert r["mamba_6"] == {"kv": 4, "pools": {"kv": 6, "mamba": 4}, "ends": [4]}
+    assert r["swa_all"] == 0  # the window's pages only: none from the first page
+    assert r["got"] == {"mamba": [True], "swa": [True, True]}
+    assert r["same_state"] and r["same_swa"]
+    assert r["other"] == {"mamba": [False]}
+    assert r["namespaces"] == 3
+    assert r["failures"] == {}, r["failures"]
+
+
 def test_configurations_it_does_not_serve_fail_the_attach_with_one_line(clusters):
     """A typo, a bad tenant or option, context parallelism, no model name, an unserved
-    host layout, a hybrid model's pool and fp8 KV of an unnamed format each fail
+    host layout, a Mamba pool whose slots carry side states (SGLang's zero-copy path
+    refuses their pages) and fp8 KV of an unnamed format each fail
     SGLang's attach naming what is wrong, instead of a cache that silently misses (or
     mixes e4m3 and e5m2 bytes: named, each is a namespace of its own)."""
     cluster = clusters(1)
@@ -163,6 +188,6 @@ def test_configurations_it_does_not_serve_fail_the_attach_with_one_line(clusters
     assert "context parallelism" in out["context_parallel"]
     assert "no model name" in out["no_model"]
     assert "host layout 'page_unified'" in out["unified"]
-    assert "not SGLang's mamba pool" in out["hybrid"]
+    assert "SGLang's mamba pool (MambaPoolHost)" in out["hybrid"] and "side states" in out["hybrid"]
     assert 'needs "kv_cache_dtype"' in out["fp8"]
     assert out["fp8_dtypes"] == ["float8_e4m3fn", "float8_e5m2"]  # two namespaces

@@ -12,7 +12,10 @@ a namespace built from the model, the rank and the host layout (``PoolPages``), 
 key a one-page index segment of its own (``_find`` says why); a lookup is the index's
 one round trip; a get lands each page straight in the host
 pool's slots (copied from the node's memory on the same host, over UCX otherwise); a
-put sends from them.
+put sends from them. A hybrid model's side pools (Mamba states, sliding-window KV),
+registered with ``register_mem_host_pool_v2``, are pages of namespaces of their own,
+moved the same way by SGLang's v2 calls; ``batch_exists_v2`` applies each pool's hit
+policy (``restorable_ends``) to which of its pages are stored.
 
 Nothing raises into SGLang's data path: a fault (an index or node that cannot be
 reached, a timeout, a refused credential) is a miss, a False or a shorter prefix,
@@ -24,6 +27,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,10 +44,30 @@ from client.log_limit import LogLimit
 from client.memory.buffers import Span, host_bytes
 from client.sglang.options import hicache_options
 from client.sglang.pool_pages import PoolPages
+from client.sglang.restorable import SERVED_POLICIES, restorable_ends
 from client.sync_client import KVCacheClient
 from kvstore.errors import InvalidInputError
 
 log = logging.getLogger(__name__)
+
+
+KV = PoolName.KV.value
+
+
+@dataclass
+class _Pool:
+    """One registered host pool: its pages, the client of their namespace, and whether
+    this rank writes them (MLA's latent KV: rank 0 only; a side pool: every rank)."""
+
+    pages: PoolPages
+    client: KVCacheClient
+    writes: bool
+
+
+def _pool_name(value: Any) -> str:
+    """A pool name or hit policy as its string, whether SGLang passed its enum or a str
+    (``str()`` of its enums gives ``PoolName.KV``, not ``kv``)."""
+    return str(getattr(value, "value", value))
 
 
 class KVStoreHiCache(HiCacheStorage):
@@ -53,9 +78,7 @@ class KVStoreHiCache(HiCacheStorage):
     def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
         self.storage_config = storage_config
         self._options, self._client_options = hicache_options(storage_config.extra_config)
-        self._pages: PoolPages | None = None
-        self._client: KVCacheClient | None = None
-        self._writes = True
+        self._pools: dict[str, _Pool] = {}  # by SGLang's pool name; "kv" once registered
         self.failures: Counter[str] = Counter()
         self._limit = LogLimit(log)
         pool = kwargs if kwargs is not None and hasattr(kwargs, "kv_buffer") else None
@@ -69,11 +92,7 @@ class KVStoreHiCache(HiCacheStorage):
         ``InvalidInputError`` for a pool or rank it does not serve, failing the attach)."""
         super().register_mem_pool_host(mem_pool_host)
         pages = PoolPages.of(mem_pool_host, self.storage_config, self._options)
-        if self._client is not None:
-            self._client.close()
-        self._client = KVCacheClient(None, pages.namespace, options=self._client_options)
-        self._pages = pages
-        self._writes = pages.namespace.stores_heads
+        self._attach(KV, pages, pages.namespace.stores_heads)
         log.info(
             "kvstore HiCache backend: %s pages of %d bytes (%s), tenant %s, rank %d of %d%s",
             pages.namespace.layout,
@@ -82,38 +101,62 @@ class KVStoreHiCache(HiCacheStorage):
             pages.namespace.tenant,
             pages.namespace.tp_rank,
             pages.namespace.tp_size,
-            "" if self._writes else " (reads only: rank 0 writes the shared latent pages)",
+            ""
+            if self._pools[KV].writes
+            else " (reads only: rank 0 writes the shared latent pages)",
         )
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """SGLang's further pools: the KV pool again (already registered), or a hybrid
-        model's (Mamba, sliding-window, indexer, draft), which this backend does not
-        store: refused, so the attach fails with that line instead of a cache that
-        misses."""
-        if str(host_pool_name) != PoolName.KV.value:
-            raise InvalidInputError(
-                f"the kvstore HiCache backend stores KV pools only, not SGLang's "
-                f"{host_pool_name!s} pool (hybrid models: docs/sglang.md)"
-            )
+        """SGLang's further pools: the KV pool again (registered already), or a hybrid
+        model's side pool (Mamba states, sliding-window KV), whose pages become a
+        namespace of their own (``PoolPages.side``); a pool whose pages cannot be named
+        as spans over its host memory is refused, failing the attach with that line
+        instead of a cache that misses."""
+        name = _pool_name(host_pool_name)
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if name == KV:
+            return
+        if KV not in self._pools:
+            raise InvalidInputError(
+                f"SGLang registered its {name} pool before the KV pool (register_mem_pool_host)"
+            )
+        pages = PoolPages.side(host_pool, name, self.pages.namespace)
+        self._attach(name, pages, True)
+        log.info(
+            "kvstore HiCache backend: side pool %s, pages of %d bytes per %d tokens",
+            name,
+            pages.namespace.page_nbytes,
+            host_pool.page_size,
+        )
+
+    def _attach(self, name: str, pages: PoolPages, writes: bool) -> None:
+        old = self._pools.pop(name, None)
+        if old is not None:
+            old.client.close()
+        client = KVCacheClient(None, pages.namespace, options=self._client_options)
+        self._pools[name] = _Pool(pages, client, writes)
 
     @property
     def client(self) -> KVCacheClient:
-        """The client (raises until SGLang registered the host pool)."""
-        if self._client is None:
-            raise InvalidInputError("SGLang has not registered its host pool with the backend")
-        return self._client
+        """The KV pool's client (raises until SGLang registered the host pool)."""
+        return self._kv.client
 
     @property
     def pages(self) -> PoolPages:
-        if self._pages is None:
+        """The KV pool's pages (raises until SGLang registered the host pool)."""
+        return self._kv.pages
+
+    @property
+    def _kv(self) -> _Pool:
+        pool = self._pools.get(KV)
+        if pool is None:
             raise InvalidInputError("SGLang has not registered its host pool with the backend")
-        return self._pages
+        return pool
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        pools, self._pools = self._pools, {}
+        for pool in pools.values():
+            pool.client.close()
 
     # ---- the zero-copy path (interface_v1) ---------------------------------------
 
@@ -122,7 +165,7 @@ class KVStoreHiCache(HiCacheStorage):
     ) -> int:
         """Pages of ``keys`` stored from the first on, in one index round trip; 0 on a
         fault."""
-        found = self._find(keys, lease=False)  # nothing is fetched from this answer
+        found = self._find(self._kv, keys, lease=False)  # nothing is fetched from it
         return found.blocks if found is not None else 0
 
     def batch_get_v1(
@@ -134,14 +177,7 @@ class KVStoreHiCache(HiCacheStorage):
         """The stored prefix of ``keys`` into the host pool's slots ``host_indices``
         (a page's worth per key): True for each page that arrived, checked, from the
         first on; False from the first that did not (a fault: all False)."""
-        if not keys:
-            return []
-        found = self._find(keys)
-        got = 0
-        if found is not None and found.blocks:
-            size = self.pages.pool.page_size
-            got = self._land(found, lambda: self.pages.spans(host_indices[: found.blocks * size]))
-        return [i < got for i in range(len(keys))]
+        return self._get(self._kv, keys, host_indices)
 
     def batch_set_v1(
         self,
@@ -153,11 +189,26 @@ class KVStoreHiCache(HiCacheStorage):
         holds already are not sent again): all True when every page is stored, all False
         otherwise. A rank that does not write (MLA's latent, written by rank 0) stores
         nothing and says True."""
-        if not keys or not self._writes:
+        return self._set(self._kv, keys, host_indices)
+
+    def _get(self, pool: _Pool, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        if not keys:
+            return []
+        found = self._find(pool, keys)
+        got = 0
+        if found is not None and found.blocks:
+            size = pool.pages.pool.page_size
+            got = self._land(
+                pool, found, lambda: pool.pages.spans(host_indices[: found.blocks * size])
+            )
+        return [i < got for i in range(len(keys))]
+
+    def _set(self, pool: _Pool, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        if not keys or not pool.writes:
             return [True] * len(keys)
         try:
-            spans = self.pages.spans(host_indices)
-            report = self.client.put_keyed(keys, spans)
+            spans = pool.pages.spans(host_indices[: len(keys) * pool.pages.pool.page_size])
+            report = pool.client.put_keyed(keys, spans)
         except Exception as exc:
             self._failed("set", exc)
             return [False] * len(keys)
@@ -166,7 +217,7 @@ class KVStoreHiCache(HiCacheStorage):
             return [False] * len(keys)
         return [True] * len(keys)
 
-    # ---- v2 (SGLang's per-pool calls): the KV pool through the v1 path ------------
+    # ---- v2 (SGLang's per-pool calls: hybrid models' side pools) -------------------
 
     def batch_exists_v2(
         self,
@@ -174,35 +225,86 @@ class KVStoreHiCache(HiCacheStorage):
         pool_transfers: list[PoolTransfer] | None = None,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> PoolTransferResult:
-        """``batch_exists``; a transfer of a pool other than KV is a miss (never
-        registered: ``register_mem_host_pool_v2``)."""
-        if any(str(t.name) != PoolName.KV.value for t in pool_transfers or ()):
-            return PoolTransferResult(0, {})
-        return PoolTransferResult(self.batch_exists(keys, extra_info), {})
+        """The KV pages of ``keys`` stored from the first on (``batch_exists``), cut
+        to what every side pool of ``pool_transfers`` can restore: each pool's pages
+        are asked position by position in one index round trip (``stored_keys``), and
+        its hit policy says which prefix lengths they serve (``restorable_ends``). The
+        answer holds the longest length every pool serves, each pool's own boundary,
+        and every such length (SGLang intersects them over TP ranks). A pool not
+        registered, or a fault, serves none."""
+        kv_pages = self.batch_exists(keys, extra_info)
+        hits: dict[Any, int] = {PoolName.KV: kv_pages} if kv_pages else {}
+        restorable = set(range(1, kv_pages + 1))
+        for transfer in pool_transfers or ():
+            name = _pool_name(transfer.name)
+            if name == KV or not restorable:
+                continue
+            present = self._stored(name, keys[:kv_pages])
+            policy = _pool_name(transfer.hit_policy)
+            served = restorable_ends(present, policy, max(1, len(transfer.keys or ())))
+            if policy not in SERVED_POLICIES:
+                self._failed("lookup", f"the {name} pool's hit policy {policy} is not served")
+            if served:
+                hits[transfer.name] = max(served)
+            restorable &= set(served)
+        ends = sorted(restorable)
+        return PoolTransferResult(ends[-1] if ends else 0, hits, ends)
 
     def batch_get_v2(
         self,
         transfers: list[PoolTransfer],
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> dict[str, list[bool]]:
-        return self._each_v2(transfers, self.batch_get_v1, extra_info)
+        """Each transfer's pages (``keys``) into its pool's slots ``host_indices``, as
+        ``batch_get_v1``: per pool name, True for each page that arrived."""
+        return self._each_v2(transfers, self._get, "get")
 
     def batch_set_v2(
         self,
         transfers: list[PoolTransfer],
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> dict[str, list[bool]]:
-        return self._each_v2(transfers, self.batch_set_v1, extra_info)
+        """Each transfer's pages from its pool's slots under its keys, as
+        ``batch_set_v1``: per pool name, all True when every page is stored."""
+        return self._each_v2(transfers, self._set, "set")
 
     def _each_v2(
-        self, transfers: list[PoolTransfer], call: Any, extra_info: Any
+        self,
+        transfers: list[PoolTransfer],
+        call: Callable[[_Pool, list[str], Any], list[bool]],
+        kind: str,
     ) -> dict[str, list[bool]]:
+        """``call`` for each transfer's pool, keys and slots; all False for a pool
+        never registered or a transfer without slots (counted as ``kind``)."""
         out: dict[str, list[bool]] = {}
         for t in transfers:
-            keys = t.keys or []
-            kv = str(t.name) == PoolName.KV.value and t.host_indices is not None
-            out[str(t.name)] = call(keys, t.host_indices, extra_info) if kv else [False] * len(keys)
+            name, keys = _pool_name(t.name), list(t.keys or ())
+            pool = self._pools.get(name)
+            if pool is None or t.host_indices is None:
+                if keys:
+                    self._failed(kind, f"a transfer of the {name} pool without a pool or slots")
+                out[name] = [False] * len(keys)
+            else:
+                out[name] = call(pool, keys, t.host_indices)
         return out
+
+    def _stored(self, name: str, keys: list[str]) -> list[bool]:
+        """Which of ``keys``' pages the side pool ``name`` holds, each on its own; all
+        False for a pool never registered or on a fault (counted, logged)."""
+        pool = self._pools.get(name)
+        if pool is None or not keys:
+            if keys:
+                self._failed("lookup", f"the {name} pool was never registered")
+            return [False] * len(keys)
+        try:
+            present = pool.client.stored_keys(keys)
+        except Exception as exc:
+            self._failed("lookup", exc)
+            return [False] * len(keys)
+        if present is None:
+            self._failed("lookup", "the index did not answer")
+            return [False] * len(keys)
+        return present
 
     # ---- the copying path (SGLang without interface_v1) ----------------------------
 
@@ -222,7 +324,7 @@ class KVStoreHiCache(HiCacheStorage):
         None from the first page that did not arrive."""
         if not keys:
             return []
-        found = self._find(keys)
+        found = self._find(self._kv, keys)
         got = 0
         if found is not None and found.blocks:
             try:
@@ -250,7 +352,7 @@ class KVStoreHiCache(HiCacheStorage):
         target_sizes: Any = None,
     ) -> bool:
         """Store each flat page tensor (SGLang's ``get_data_page``) under its key."""
-        if not keys or not self._writes:
+        if not keys or not self._kv.writes:
             return True
         try:
             spans = [self._flat_span(self._page_order(v)) for v in values]
@@ -285,12 +387,12 @@ class KVStoreHiCache(HiCacheStorage):
 
     # ---- faults --------------------------------------------------------------------
 
-    def _land(self, found: Any, sinks: Any) -> int:
+    def _land(self, pool: _Pool, found: Any, sinks: Any) -> int:
         """Pages of ``found`` landed in the spans ``sinks()`` makes, from the first on;
         one that was found but did not arrive (a node gone, a page evicted or failing
         its check) is counted and logged, as any fault on the way (0 then)."""
         try:
-            got = self.client.get_found_into(found, sinks()) // self.pages.namespace.block_size
+            got = pool.client.get_found_into(found, sinks()) // pool.pages.namespace.block_size
         except Exception as exc:  # a fault is a miss, never SGLang's exception
             self._failed("get", exc)
             return 0
@@ -300,7 +402,7 @@ class KVStoreHiCache(HiCacheStorage):
             )
         return got
 
-    def _find(self, keys: list[str], *, lease: bool = True) -> Any:
+    def _find(self, pool: _Pool, keys: list[str], *, lease: bool = True) -> Any:
         """The client's ``find_keys``, or None on any fault (counted, logged). Keys go
         without chain positions: SGLang 0.5.23's ``prefix_keys`` are not the keys
         before a prefetch's batch (its scheduler passes the ancestors of the node the
@@ -309,7 +411,7 @@ class KVStoreHiCache(HiCacheStorage):
         if not keys:
             return None
         try:
-            found = self.client.find_keys(keys, lease=lease)
+            found = pool.client.find_keys(keys, lease=lease)
         except Exception as exc:
             self._failed("lookup", exc)
             return None

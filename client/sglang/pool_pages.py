@@ -6,11 +6,16 @@ A page is what the pool's ``get_page_buffer_meta`` names for it (SGLang's zero-c
 contract: the K and V buffers of a page, or one per layer and K/V, or one latent
 buffer for MLA), those buffers back to back. Their order depends on the pool's layout,
 so each layout is a page layout of its own (``kvstore.pages.layouts``, ``sglang_*``);
-pages of two layouts never match. Reads SGLang's pool and config by their attributes
-and imports nothing of SGLang."""
+pages of two layouts never match. A hybrid model's side pools (Mamba states,
+sliding-window KV: ``side_namespace``) are pages of their own namespaces, their bytes
+as uint8 (layout ``sglang_pool_bytes``), the pool and its format named in the
+namespace's ``state``. Reads SGLang's pools and config by their attributes and imports
+nothing of SGLang."""
 
 from __future__ import annotations
 
+import hashlib
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +97,63 @@ def pool_namespace(pool: Any, config: Any, options: HiCacheOptions) -> Namespace
     return Namespace(num_kv_heads=pool.head_num, head_size=pool.head_dim, **common)
 
 
+# A side pool's attributes that make its page bytes mean one thing (a Mamba pool's state
+# dtypes and shapes, a KV-like pool's geometry), named in its namespace's ``state``.
+_FORMAT_FIELDS = (
+    "dtype", "layer_num", "head_num", "head_dim", "v_head_dim", "kv_cache_dim",
+    "num_mamba_layers", "conv_dtype", "temporal_dtype", "conv_state_shapes",
+    "temporal_state_shape",
+)  # fmt: skip
+
+
+def side_namespace(pool: Any, name: str, kv: Namespace, page_nbytes: int) -> Namespace:
+    """The namespace of a hybrid model's side pool ``name`` (``pool``, registered
+    beside the KV pool whose namespace is ``kv``): the KV namespace's model, ranks,
+    tenant and weights, a page of ``page_nbytes`` bytes (uint8, layout
+    ``sglang_pool_bytes``) per ``pool.page_size`` tokens, each TP rank its own share
+    (a Mamba state is split by TP rank even beside MLA's replicated latent, and every
+    rank writes it), and the pool's name, class, layout and format in ``state``."""
+    parts = [f"sglang {name}", type(pool).__name__, f"layout {getattr(pool, 'layout', None)}"]
+    parts += [f"{f} {getattr(pool, f)}" for f in _FORMAT_FIELDS if hasattr(pool, f)]
+    state = "; ".join(parts)
+    if len(state) > 200:  # the field holds 512: a long format by its digest
+        state = f"sglang {name}; {hashlib.blake2b(state.encode(), digest_size=16).hexdigest()}"
+    return Namespace.model_validate(
+        {
+            **kv.model_dump(),
+            "dtype": "uint8",
+            "layout": "sglang_pool_bytes",
+            "num_layers": 1,
+            "num_kv_heads": 1,
+            "head_size": page_nbytes,
+            "block_size": pool.page_size,
+            "total_kv_heads": kv.tp_size,
+            "head_groups": 0,
+            "total_layers": 0,
+            "first_layer": 0,
+            "layer_groups": 0,
+            "state": state,
+        }
+    )
+
+
+def _host_buffers(pool: Any) -> list[tuple[int, np.ndarray]]:
+    """The host memory a pool's pages lie in: the storage under every CPU tensor the pool
+    holds (as an attribute, or in a list or tuple of them), as bytes, by address. A
+    KV pool's is its one KV buffer; a Mamba pool's, its temporal and conv buffers."""
+    storages: dict[int, Any] = {}
+    for value in vars(pool).values():
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, torch.Tensor) and item.device.type == "cpu" and item.numel():
+                storage = item.untyped_storage()
+                storages.setdefault(storage.data_ptr(), storage)
+    out = []
+    for address, storage in sorted(storages.items()):
+        whole = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+        out.append((address, host_bytes(whole)))
+    return out
+
+
 @dataclass
 class PoolPages:
     """One host pool's pages as spans (``spans``), for one namespace (``namespace``).
@@ -99,20 +161,19 @@ class PoolPages:
 
     pool: Any
     namespace: Namespace
-    flat: np.ndarray  # the pool's KV buffer as bytes
-    base: int  # its address
+    buffers: list[tuple[int, np.ndarray]]  # the pool's host memory, by address
 
     @classmethod
     def of(cls, pool: Any, config: Any, options: HiCacheOptions) -> PoolPages:
-        """``pool``'s pages; raises ``InvalidInputError`` (``pool_namespace``), or when a
-        page of the pool is not the namespace's page size."""
+        """``pool``'s pages (SGLang's KV host pool); raises ``InvalidInputError``
+        (``pool_namespace``), or when a page of the pool is not the namespace's page
+        size."""
         ns = pool_namespace(pool, config, options)
         buffer: torch.Tensor = pool.kv_buffer
         if buffer.device.type != "cpu" or not buffer.is_contiguous():
             raise _refuse(f"a KV buffer in {buffer.device} memory or not contiguous")
-        pages = cls(pool, ns, host_bytes(buffer), buffer.data_ptr())
-        first = torch.arange(pool.page_size, dtype=torch.int64)
-        size = sum(span.nbytes for span in pages.spans(first))
+        pages = cls(pool, ns, _host_buffers(pool))
+        size = pages.page_nbytes()
         if size != ns.page_nbytes:
             raise InvalidInputError(
                 f"a page of this {pool.layout} pool holds {size} bytes; its namespace's page "
@@ -120,9 +181,28 @@ class PoolPages:
             )
         return pages
 
+    @classmethod
+    def side(cls, pool: Any, name: str, kv: Namespace) -> PoolPages:
+        """A hybrid model's side pool ``name`` (``side_namespace``); raises
+        ``InvalidInputError`` for a pool whose pages cannot be named as spans over its
+        host memory (SGLang's ``get_page_buffer_meta`` refuses: a Mamba pool in
+        ``layer_first``, or with side states of its slots)."""
+        pages = cls(pool, kv, _host_buffers(pool))
+        try:
+            size = pages.page_nbytes()
+        except (NotImplementedError, ValueError, AttributeError, AssertionError) as exc:
+            raise _refuse(f"SGLang's {name} pool ({type(pool).__name__}): {exc}") from None
+        pages.namespace = side_namespace(pool, name, kv, size)
+        return pages
+
+    def page_nbytes(self) -> int:
+        """The bytes of the pool's first page, as its ``get_page_buffer_meta`` names them."""
+        first = torch.arange(self.pool.page_size, dtype=torch.int64)
+        return sum(span.nbytes for span in self.spans(first))
+
     def spans(self, host_indices: torch.Tensor) -> list[Span]:
-        """A span per page of ``host_indices`` (token slots of the pool, a page's worth
-        per page, as SGLang hands them to a v1 call), over the pool's memory."""
+        """A span per page of ``host_indices`` (slots of the pool, a page's worth per
+        page, as SGLang hands them to a v1 or v2 call), over the pool's memory."""
         page = self.pool.page_size
         if len(host_indices) % page:
             raise InvalidInputError(
@@ -133,17 +213,19 @@ class PoolPages:
         if not count:
             return []
         per = len(ptrs) // count
-        flat, base, end = self.flat, self.base, self.flat.nbytes
+        bases = [address for address, _ in self.buffers]
         out: list[Span] = []
         for i in range(0, len(ptrs), per):
             pieces = []
             for ptr, size in zip(ptrs[i : i + per], sizes[i : i + per], strict=True):
-                at = ptr - base
-                if at < 0 or at + size > end:
+                k = bisect_right(bases, ptr) - 1
+                flat = self.buffers[k][1] if k >= 0 else None
+                at = ptr - bases[k] if k >= 0 else -1
+                if flat is None or at + size > flat.nbytes:
                     raise InvalidInputError(f"a page buffer at {ptr:#x} lies outside the pool")
-                pieces.append((at, size))
+                pieces.append((flat, at, size))
             if per == 1:
-                out.append(Span(flat, *pieces[0]))
+                out.append(Span(*pieces[0]))
             else:
-                out.append(scattered_span(tuple(flat[at : at + size] for at, size in pieces)))
+                out.append(scattered_span(tuple(f[at : at + size] for f, at, size in pieces)))
         return out

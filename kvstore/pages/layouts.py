@@ -163,6 +163,15 @@ LAYOUTS: dict[str, PageLayout] = {
             "page_first_direct and layer_first",
             keyed=True,
         ),
+        PageLayout(
+            "sglang_pool_bytes",
+            ("L", "H", "D"),
+            description="[1, TP shares, page bytes] of uint8: a page of a hybrid model's side "
+            "host pool in SGLang (Mamba states, sliding-window KV), the buffers its "
+            "get_page_buffer_meta names back to back; the namespace's state names the pool "
+            "and its format (client.sglang.pool_pages.side_namespace)",
+            keyed=True,
+        ),
     )
 }
 
