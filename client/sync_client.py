@@ -221,6 +221,8 @@ class KVCacheClient:
         stored (a live replica of this rank's share), each on its own: one index round
         trip, no read lease (SGLang's side pools, whose pages some positions of a prompt
         hold: ``PrefixLookup.stored_each``). None on an index fault."""
+        if not page_keys:
+            return []
         lookups = self._async.lookups
         joined = lookups.keyed_hashes(page_keys)
         inner = self._async

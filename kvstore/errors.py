@@ -96,6 +96,11 @@ class IndexScriptError(Fault):
     """The index answered a script call with an error: a bug, not a fault to hide."""
 
 
+class IndexPermissionError(IndexScriptError):
+    """The index refused a command the caller's ACL user may not run (NOPERM): its
+    rules are older or narrower than its role's (docs/security.md)."""
+
+
 def first_problem(exc: Any) -> tuple[str, Any, str]:
     """Pydantic's first error of ``exc`` (a ``ValidationError``) as the dotted name of
     the field ('' for the model as a whole), the input as given, and the message

@@ -9,6 +9,7 @@ check; the test asserts on them.
     python tests/sglang_checks.py readme REDIS_URL "README's SGLang arguments"
     python tests/sglang_checks.py faults REDIS_URL       (reads a line on stdin mid-way)
     python tests/sglang_checks.py hybrid REDIS_URL SAME_HOST
+    python tests/sglang_checks.py hybrid_vs_file REDIS_URL
     python tests/sglang_checks.py config REDIS_URL"""
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ define_torchvision_ops()
 
 import torch  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
+    HiCacheFile,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
     HiCacheStorageFailureInjector,
@@ -291,6 +293,41 @@ def ranks(redis_url: str) -> None:
     writer_set = mla[0].batch_set_v1(mla_keys, mla_src[0])
     mla_dst = mla_pools[1].alloc(4 * PAGE)
     mla_got = mla[1].batch_get_v1(mla_keys, mla_dst)
+    # side pools beside MLA, as SGLang backs them up: a window pool written by rank 0
+    # only (its storage writer) and read by both; Mamba states TP splits, every rank
+    # writing and reading its own
+    windows, states = [make_host_pool("page_first") for _ in range(2)], []
+    for r in range(2):
+        states.append(make_mamba_pool(slots=8))
+        mla[r].register_mem_host_pool_v2(windows[r], PoolName.SWA)
+        mla[r].register_mem_host_pool_v2(states[r], PoolName.MAMBA)
+    window_src = [fill(windows[r], 1, 500 + r) for r in range(2)]
+    state_slot = [states[r].alloc(1) for r in range(2)]
+    for r in range(2):
+        for buffer in (states[r].temporal_buffer, *states[r].conv_buffer):
+            buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(r)))
+
+    def side_set(r: int) -> dict:
+        return mla[r].batch_set_v2(
+            [
+                PoolTransfer(PoolName.SWA, host_indices=window_src[r], keys=mla_keys[3:]),
+                PoolTransfer(PoolName.MAMBA, host_indices=state_slot[r], keys=mla_keys[3:]),
+            ]
+        )
+
+    side_sets = [side_set(1), side_set(0)]  # the reader first: it writes no window page
+    trailing = [
+        PoolTransfer(name, keys=mla_keys[3:], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+        for name in (PoolName.SWA, PoolName.MAMBA)
+    ]
+    side_exists = [mla[r].batch_exists_v2(mla_keys, trailing).kv_hit_pages for r in range(2)]
+    window_dst, state_dst = windows[1].alloc(PAGE), states[1].alloc(1)
+    side_got = mla[1].batch_get_v2(
+        [
+            PoolTransfer(PoolName.SWA, host_indices=window_dst, keys=mla_keys[3:]),
+            PoolTransfer(PoolName.MAMBA, host_indices=state_dst, keys=mla_keys[3:]),
+        ]
+    )
     print(
         json.dumps(
             {
@@ -301,6 +338,15 @@ def ranks(redis_url: str) -> None:
                 "reader_has_writers": same_pages(
                     mla_pools[0], mla_src[0], mla_dst, 4, mla_pools[1]
                 ),
+                "side_sets": side_sets,
+                "side_exists": side_exists,
+                "side_got": side_got,
+                "window_is_writers": same_pages(
+                    windows[0], window_src[0], window_dst, 1, windows[1]
+                ),
+                "state_is_own": state_bytes(states[1], int(state_dst[0]))
+                == state_bytes(states[1], int(state_slot[1][0])),
+                "writes": {n: [m._pools[n].writes for m in mla] for n in ("swa", "mamba")},
             }
         ),
         flush=True,
@@ -436,6 +482,93 @@ def hybrid(redis_url: str, same_host: bool) -> None:
     )
 
 
+def hybrid_vs_file(redis_url: str) -> None:
+    """kvstore's ``batch_exists_v2`` against SGLang's own file backend (``HiCacheFile``)
+    as the reference: both attached to the same KV, Mamba and sliding-window pools,
+    both given the same pages through ``batch_set_v2`` (KV for a random number of a
+    prompt's first pages, Mamba states and window pages at random ones), both asked the
+    same random pool transfers (Mamba trailing, window trailing over 1-3 pages, window
+    all pages, none, several). Prints how many of the answers (the usable prefix, each
+    pool's boundary, every restorable length) differ, and the first that does."""
+    import tempfile
+
+    kv, swa = make_host_pool("page_first", pages=40), make_host_pool("page_first", pages=40)
+    mamba = make_mamba_pool(slots=40)
+    ours = backend(config(redis_url, model_name="tiny/hybrid-vs-file"), kv)
+    plain = config(redis_url)
+    plain.extra_config = None
+    reference = HiCacheFile(plain, file_path=tempfile.mkdtemp(prefix="hicache-file-"))
+    reference.register_mem_pool_host(kv)
+    for store in (ours, reference):
+        for pool, name in ((kv, PoolName.KV), (mamba, PoolName.MAMBA), (swa, PoolName.SWA)):
+            store.register_mem_host_pool_v2(pool, name)
+        store.on_host_pools_registered()
+    kv_slots, swa_slots, states = fill(kv, 10, 901), fill(swa, 10, 902), mamba.alloc(10)
+    rng = random.Random(903)
+    asked = differ = hits = gaps = 0  # hits, gaps: answers with a prefix, with holes
+    first: dict = {}
+    for case in range(24):
+        keys = page_keys(1000 + case, 10)
+        stored = rng.randrange(11)
+        with_state = [p for p in range(10) if rng.random() < 0.4]
+        with_window = [p for p in range(10) if rng.random() < 0.6]
+        transfers = [
+            PoolTransfer(PoolName.KV, host_indices=kv_slots[: stored * PAGE], keys=keys[:stored])
+        ]
+        transfers += [
+            PoolTransfer(PoolName.MAMBA, host_indices=states[p : p + 1], keys=[keys[p]])
+            for p in with_state
+        ]
+        transfers += [
+            PoolTransfer(
+                PoolName.SWA, host_indices=swa_slots[p * PAGE : (p + 1) * PAGE], keys=[keys[p]]
+            )
+            for p in with_window
+        ]
+        for store in (ours, reference):
+            for transfer in transfers:
+                store.batch_set_v2([transfer])
+        for _ in range(4):
+            window = rng.randint(1, 3)
+            choices = [
+                PoolTransfer(
+                    PoolName.MAMBA, keys=keys[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES
+                ),
+                PoolTransfer(
+                    PoolName.SWA, keys=keys[-window:], hit_policy=PoolHitPolicy.TRAILING_PAGES
+                ),
+                PoolTransfer(PoolName.SWA, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES),
+            ]
+            ask = rng.sample(choices, rng.randint(0, 2))
+            answers = []
+            for store in (ours, reference):
+                got = store.batch_exists_v2(keys, ask)
+                pools = {
+                    str(getattr(k, "value", k)): v for k, v in got.extra_pool_hit_pages.items()
+                }
+                answers.append((got.kv_hit_pages, pools, list(got.restorable_prefix_pages or [])))
+            asked += 1
+            hits += answers[0][0] > 0
+            ends = answers[0][2]
+            gaps += ends != list(range(1, len(ends) + 1))
+            if answers[0] != answers[1]:
+                differ += 1
+                first = first or {"case": case, "ours": answers[0], "file": answers[1]}
+    print(
+        json.dumps(
+            {
+                "asked": asked,
+                "differ": differ,
+                "first": first,
+                "hits": hits,
+                "gaps": gaps,
+                "failures": dict(ours.failures),
+            }
+        ),
+        flush=True,
+    )
+
+
 def refused(make: Any) -> str:
     try:
         make()
@@ -459,12 +592,21 @@ def config_checks(redis_url: str) -> None:
     store = backend(config(redis_url), pool)
     side = make_mamba_pool(side_state=True)  # slot side states: SGLang's zero-copy refuses
     out["hybrid"] = refused(lambda: store.register_mem_host_pool_v2(side, PoolName.MAMBA))
+    window = make_host_pool("page_first")
+    out["compressed"] = refused(
+        lambda: store.register_mem_host_pool_v2(window, PoolName.DEEPSEEK_V4_C4)
+    )
     fp8 = make_host_pool("page_first", dtype=torch.uint8)  # how SGLang holds fp8 KV
     out["fp8"] = refused(lambda: backend(config(redis_url), fp8))
-    out["fp8_dtypes"] = [
-        backend(config(redis_url, kv_cache_dtype=kind), fp8).pages.namespace.dtype
+    fp8_stores = [
+        backend(config(redis_url, kv_cache_dtype=kind), fp8)
         for kind in ("float8_e4m3fn", "float8_e5m2")
     ]
+    out["fp8_dtypes"] = [s.pages.namespace.dtype for s in fp8_stores]
+    fp8_window = make_host_pool("page_first", dtype=torch.uint8)
+    for fp8_store in fp8_stores:
+        fp8_store.register_mem_host_pool_v2(fp8_window, PoolName.SWA)
+    out["fp8_side_namespaces"] = len({s._pools["swa"].pages.namespace.digest for s in fp8_stores})
     print(json.dumps(out), flush=True)
 
 
@@ -482,5 +624,7 @@ if __name__ == "__main__":
         faults(url)
     elif what == "hybrid":
         hybrid(url, sys.argv[3] == "1")
+    elif what == "hybrid_vs_file":
+        hybrid_vs_file(url)
     else:
         config_checks(url)

@@ -15,6 +15,7 @@ import redis
 import torch
 
 from client import KVCacheClient
+from client.memory.buffers import Span, host_bytes
 from kvstore.index import PageIndex
 from kvstore.tools.valkey import EmbeddedValkey
 from tests.helpers import KVSTORE_CLI as KVSTORE
@@ -231,11 +232,11 @@ def test_index_roles_confine_tenants_and_keep_clients_from_registering_nodes():
             "alice": ("client", "team-a"),
             "bob": ("client", "team-b"),
             "ops": ("operator", None),
+            "carol": ("client", "team-a"),  # made before the client role ran MGET
         }
         for user, (role, tenant) in users.items():
-            admin.execute_command(
-                "ACL", "SETUSER", user, "on", f">pw-{user}", *acl_rules(role, tenant)
-            )
+            rules = [r for r in acl_rules(role, tenant) if user != "carol" or r != "+mget"]
+            admin.execute_command("ACL", "SETUSER", user, "on", f">pw-{user}", *rules)
         admin.execute_command("ACL", "SETUSER", "default", "off")
         where = valkey.url.split("//", 1)[1]
         url = {user: f"redis://{user}:pw-{user}@{where}" for user in users}
@@ -248,12 +249,27 @@ def test_index_roles_confine_tenants_and_keep_clients_from_registering_nodes():
                         as_bytes(out), as_bytes(pages_for(ns, tokens))
                     )
                     assert client.stats.index_errors == 0 and client.stats.index_script_errors == 0
+            # keyed pages (SGLang's) asked without a lease are one MGET, which the role
+            # allows; a user of the older rules is answered through the script instead
+            keyed = ns_a.model_copy(update={"layout": "sglang_2blhd", "block_size": 4})
+            page_keys = [f"key-{i}" for i in range(3)]
+            flat = host_bytes(torch.arange(3 * keyed.page_nbytes // 2, dtype=torch.int16))
+            spans = [Span(flat, i * keyed.page_nbytes, keyed.page_nbytes) for i in range(3)]
+            for user in ("alice", "carol"):
+                with KVCacheClient(url[user], keyed) as client:
+                    client.put_keyed(page_keys[:2], spans[:2])
+                    assert client.find_keys(page_keys, lease=False).blocks == 2, user
+                    assert client.stored_keys(page_keys) == [True, True, False], user
+                    assert client.stats.index_script_errors == 0, user
+                    mget_refused = client._index(None).mget_refused
+                    assert mget_refused == (user == "carol"), user
 
             alice = redis.Redis.from_url(url["alice"])
             listed = {m.decode() for m in admin.smembers("kvs:{registry}:namespaces")}
             assert listed == {
                 ns_a.key.member,
                 ns_b.key.member,
+                keyed.key.member,
             }  # by the node, which may write the registry
             for attack in (
                 lambda: alice.scan(0),
@@ -296,8 +312,9 @@ def test_index_roles_confine_tenants_and_keep_clients_from_registering_nodes():
         denied = {str(entry["username"]) for entry in admin.acl_log(100)}
         assert denied == {
             "alice",
+            "carol",
             "ops",
-        }  # Valkey logged the refusals; the node and bob were never refused
+        }  # Valkey logged the refusals (carol's MGET once); the node and bob were never refused
 
 
 # ---- limits ----------------------------------------------------------------------------

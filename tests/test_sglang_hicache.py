@@ -115,6 +115,11 @@ def test_ranks_read_their_own_pages_and_others_miss(clusters):
     assert mla["reader_set"] == [True] * 4 and mla["after_reader"] == 0
     assert mla["writer_set"] == mla["reader_got"] == [True] * 4
     assert mla["reader_has_writers"]
+    # beside MLA: the window pool is rank 0's (one namespace), Mamba states each rank's
+    assert mla["side_sets"] == [{"swa": [True], "mamba": [True]}] * 2
+    assert mla["side_exists"] == [4, 4] and mla["side_got"] == {"swa": [True], "mamba": [True]}
+    assert mla["window_is_writers"] and mla["state_is_own"]
+    assert mla["writes"] == {"swa": [True, False], "mamba": [True, True]}
 
 
 def test_faults_are_misses_never_exceptions(clusters):
@@ -174,10 +179,24 @@ def test_a_hybrid_models_side_pools_go_through_v2(clusters, same_host):
     assert r["failures"] == {}, r["failures"]
 
 
+def test_hybrid_lookups_answer_as_sglangs_own_file_backend(clusters):
+    """SGLang's own file backend (``HiCacheFile``) as the reference for
+    ``batch_exists_v2``: given the same KV, Mamba and sliding-window pages, asked the
+    same random pool transfers under each hit policy, kvstore gives the same usable
+    prefix, pool boundaries and restorable lengths every time (random cases with
+    hits, and with holes between restorable lengths, among them)."""
+    cluster = clusters(1)
+    (r,) = run_checks("hybrid_vs_file", cluster.redis_url)
+    assert r["asked"] == 96 and r["differ"] == 0, r["first"]
+    assert r["hits"] >= 24 and r["gaps"] >= 4, r
+    assert r["failures"] == {}, r["failures"]
+
+
 def test_configurations_it_does_not_serve_fail_the_attach_with_one_line(clusters):
     """A typo, a bad tenant or option, context parallelism, no model name, an unserved
     host layout, a Mamba pool whose slots carry side states (SGLang's zero-copy path
-    refuses their pages) and fp8 KV of an unnamed format each fail
+    refuses their pages), DeepSeek V4's compressed pools and fp8 KV of an unnamed format
+    each fail
     SGLang's attach naming what is wrong, instead of a cache that silently misses (or
     mixes e4m3 and e5m2 bytes: named, each is a namespace of its own)."""
     cluster = clusters(1)
@@ -191,3 +210,5 @@ def test_configurations_it_does_not_serve_fail_the_attach_with_one_line(clusters
     assert "SGLang's mamba pool (MambaPoolHost)" in out["hybrid"] and "side states" in out["hybrid"]
     assert 'needs "kv_cache_dtype"' in out["fp8"]
     assert out["fp8_dtypes"] == ["float8_e4m3fn", "float8_e5m2"]  # two namespaces
+    assert out["fp8_side_namespaces"] == 2  # a side pool's bytes are the KV's format too
+    assert "deepseek_v4_c4 pool" in out["compressed"] and "block_groups" in out["compressed"]

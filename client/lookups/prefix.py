@@ -232,11 +232,8 @@ class PrefixLookup:
         return self._present(found, nodes)
 
     def _present(self, found: IndexLookup, nodes: list[NodeInfo]) -> np.ndarray | None:
-        """``found.present``, or None when the index could not answer (``_resolve``)."""
-        if found.unavailable is not None and found.covered == 0:
-            self._failed(found.unavailable)
-            return None
-        return found.present(nodes)
+        """``found.present``, or None when the index could not answer (``_answered``)."""
+        return found.present(nodes) if self._answered(found) else None
 
     async def lookup(
         self,
@@ -348,17 +345,23 @@ class PrefixLookup:
         first (a single index that cannot be reached: nothing was answered) is a fault,
         None, as an index that raised: the vLLM scheduler counts it and its circuit
         breaker opens on it."""
+        return found.resolve(nodes, last=last) if self._answered(found) else None
+
+    def _answered(self, found: IndexLookup) -> bool:
+        """Whether the index answered ``found``: False (a fault, counted and logged) when
+        a single index or the first segment's shard could not; a shard that failed
+        after it is counted and logged, and its segments count as absent."""
         if found.unavailable is not None:
             if found.covered == 0:
                 self._failed(found.unavailable)
-                return None
+                return False
             self._stats.index_errors += 1
             _LIMIT.warning(
                 "shard failed",
                 "an index shard failed, the prefix ends before its segments: %s",
                 found.unavailable,
             )
-        return found.resolve(nodes, last=last)
+        return True
 
     def _failed(self, exc: KVStoreError) -> None:
         """A lookup the index could not answer: counted and logged, a miss (None)."""

@@ -66,8 +66,14 @@ class _Pool:
 
 def _pool_name(value: Any) -> str:
     """A pool name or hit policy as its string, whether SGLang passed its enum or a str
-    (``str()`` of its enums gives ``PoolName.KV``, not ``kv``)."""
+    (``str()`` gives ``PoolHitPolicy.ALL_PAGES`` for its hit policies; its pool names'
+    ``str()`` is their value)."""
     return str(getattr(value, "value", value))
+
+
+# SGLang's pools whose transfers use the block_groups hit policy (DeepSeek V4's
+# compressed blocks), which this backend does not serve: refused at registration.
+UNSERVED_POOLS = "deepseek_v4_"
 
 
 class KVStoreHiCache(HiCacheStorage):
@@ -113,6 +119,11 @@ class KVStoreHiCache(HiCacheStorage):
         as spans over its host memory is refused, failing the attach with that line
         instead of a cache that misses."""
         name = _pool_name(host_pool_name)
+        if name.startswith(UNSERVED_POOLS):
+            raise InvalidInputError(
+                f"the kvstore HiCache backend does not serve SGLang's {name} pool "
+                "(DeepSeek V4's compressed blocks: the block_groups hit policy)"
+            )
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         if name == KV:
             return
@@ -121,7 +132,7 @@ class KVStoreHiCache(HiCacheStorage):
                 f"SGLang registered its {name} pool before the KV pool (register_mem_pool_host)"
             )
         pages = PoolPages.side(host_pool, name, self.pages.namespace)
-        self._attach(name, pages, True)
+        self._attach(name, pages, pages.namespace.stores_heads)
         log.info(
             "kvstore HiCache backend: side pool %s, pages of %d bytes per %d tokens",
             name,
@@ -165,7 +176,7 @@ class KVStoreHiCache(HiCacheStorage):
     ) -> int:
         """Pages of ``keys`` stored from the first on, in one index round trip; 0 on a
         fault."""
-        found = self._find(self._kv, keys, lease=False)  # nothing is fetched from it
+        found = self._find(self._pools.get(KV), keys, lease=False)  # nothing is fetched
         return found.blocks if found is not None else 0
 
     def batch_get_v1(
@@ -177,7 +188,7 @@ class KVStoreHiCache(HiCacheStorage):
         """The stored prefix of ``keys`` into the host pool's slots ``host_indices``
         (a page's worth per key): True for each page that arrived, checked, from the
         first on; False from the first that did not (a fault: all False)."""
-        return self._get(self._kv, keys, host_indices)
+        return self._get(self._pools.get(KV), keys, host_indices)
 
     def batch_set_v1(
         self,
@@ -189,21 +200,24 @@ class KVStoreHiCache(HiCacheStorage):
         holds already are not sent again): all True when every page is stored, all False
         otherwise. A rank that does not write (MLA's latent, written by rank 0) stores
         nothing and says True."""
-        return self._set(self._kv, keys, host_indices)
+        return self._set(self._pools.get(KV), keys, host_indices)
 
-    def _get(self, pool: _Pool, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+    def _get(self, pool: _Pool | None, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
         if not keys:
             return []
         found = self._find(pool, keys)
         got = 0
-        if found is not None and found.blocks:
+        if pool is not None and found is not None and found.blocks:
             size = pool.pages.pool.page_size
             got = self._land(
                 pool, found, lambda: pool.pages.spans(host_indices[: found.blocks * size])
             )
         return [i < got for i in range(len(keys))]
 
-    def _set(self, pool: _Pool, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+    def _set(self, pool: _Pool | None, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        if pool is None:
+            self._failed("set", "SGLang has not registered its host pool with the backend")
+            return [False] * len(keys)
         if not keys or not pool.writes:
             return [True] * len(keys)
         try:
@@ -239,11 +253,11 @@ class KVStoreHiCache(HiCacheStorage):
             name = _pool_name(transfer.name)
             if name == KV or not restorable:
                 continue
-            present = self._stored(name, keys[:kv_pages])
             policy = _pool_name(transfer.hit_policy)
-            served = restorable_ends(present, policy, max(1, len(transfer.keys or ())))
-            if policy not in SERVED_POLICIES:
+            if policy not in SERVED_POLICIES:  # it restores no length: no prefix is usable
                 self._failed("lookup", f"the {name} pool's hit policy {policy} is not served")
+            present = self._stored(name, keys[:kv_pages]) if policy in SERVED_POLICIES else []
+            served = restorable_ends(present, policy, max(1, len(transfer.keys or ())))
             if served:
                 hits[transfer.name] = max(served)
             restorable &= set(served)
@@ -324,7 +338,7 @@ class KVStoreHiCache(HiCacheStorage):
         None from the first page that did not arrive."""
         if not keys:
             return []
-        found = self._find(self._kv, keys)
+        found = self._find(self._pools.get(KV), keys)
         got = 0
         if found is not None and found.blocks:
             try:
@@ -352,7 +366,11 @@ class KVStoreHiCache(HiCacheStorage):
         target_sizes: Any = None,
     ) -> bool:
         """Store each flat page tensor (SGLang's ``get_data_page``) under its key."""
-        if not keys or not self._kv.writes:
+        pool = self._pools.get(KV)
+        if pool is None:
+            self._failed("set", "SGLang has not registered its host pool with the backend")
+            return False
+        if not keys or not pool.writes:
             return True
         try:
             spans = [self._flat_span(self._page_order(v)) for v in values]
@@ -402,13 +420,16 @@ class KVStoreHiCache(HiCacheStorage):
             )
         return got
 
-    def _find(self, pool: _Pool, keys: list[str], *, lease: bool = True) -> Any:
+    def _find(self, pool: _Pool | None, keys: list[str], *, lease: bool = True) -> Any:
         """The client's ``find_keys``, or None on any fault (counted, logged). Keys go
         without chain positions: SGLang 0.5.23's ``prefix_keys`` are not the keys
         before a prefetch's batch (its scheduler passes the ancestors of the node the
         host cache ended in, without that node's own keys), so positions read from them
         would place a prefetch's lookups where its backups never put the pages."""
         if not keys:
+            return None
+        if pool is None:
+            self._failed("lookup", "SGLang has not registered its host pool with the backend")
             return None
         try:
             found = pool.client.find_keys(keys, lease=lease)

@@ -25,6 +25,7 @@ import torch
 from client.memory.buffers import Span, host_bytes, scattered_span
 from client.sglang.options import HiCacheOptions
 from kvstore.errors import InvalidInputError
+from kvstore.pages.layouts import LAYOUTS
 from kvstore.pages.namespace import Namespace
 
 # SGLang's host layouts, per kind of pool, and the page layout of each (the byte order of
@@ -110,11 +111,16 @@ def side_namespace(pool: Any, name: str, kv: Namespace, page_nbytes: int) -> Nam
     """The namespace of a hybrid model's side pool ``name`` (``pool``, registered
     beside the KV pool whose namespace is ``kv``): the KV namespace's model, ranks,
     tenant and weights, a page of ``page_nbytes`` bytes (uint8, layout
-    ``sglang_pool_bytes``) per ``pool.page_size`` tokens, each TP rank its own share
-    (a Mamba state is split by TP rank even beside MLA's replicated latent, and every
-    rank writes it), and the pool's name, class, layout and format in ``state``."""
+    ``sglang_pool_bytes``) per ``pool.page_size`` tokens, and the pool's name, class,
+    layout and format in ``state``, with the KV's dtype (an fp8 pool's bytes are e4m3
+    or e5m2 as the KV's are). Ranks share its pages as SGLang backs them up: beside
+    MLA's replicated latent, one copy written by rank 0 (SGLang's storage writer), but
+    a Mamba state, which TP splits, a share per rank, every rank writing its own;
+    beside MHA KV, a share per rank."""
     parts = [f"sglang {name}", type(pool).__name__, f"layout {getattr(pool, 'layout', None)}"]
     parts += [f"{f} {getattr(pool, f)}" for f in _FORMAT_FIELDS if hasattr(pool, f)]
+    parts.append(f"kv {kv.dtype}")
+    replicated = LAYOUTS[kv.layout].latent and name != "mamba"
     state = "; ".join(parts)
     if len(state) > 200:  # the field holds 512: a long format by its digest
         state = f"sglang {name}; {hashlib.blake2b(state.encode(), digest_size=16).hexdigest()}"
@@ -127,7 +133,7 @@ def side_namespace(pool: Any, name: str, kv: Namespace, page_nbytes: int) -> Nam
             "num_kv_heads": 1,
             "head_size": page_nbytes,
             "block_size": pool.page_size,
-            "total_kv_heads": kv.tp_size,
+            "total_kv_heads": 1 if replicated else kv.tp_size,
             "head_groups": 0,
             "total_layers": 0,
             "first_layer": 0,
@@ -138,19 +144,24 @@ def side_namespace(pool: Any, name: str, kv: Namespace, page_nbytes: int) -> Nam
 
 
 def _host_buffers(pool: Any) -> list[tuple[int, np.ndarray]]:
-    """The host memory a pool's pages lie in: the storage under every CPU tensor the pool
-    holds (as an attribute, or in a list or tuple of them), as bytes, by address. A
-    KV pool's is its one KV buffer; a Mamba pool's, its temporal and conv buffers."""
+    """The host memory a pool's pages lie in, by address, as bytes: the storage under
+    each CPU tensor the pool holds (as an attribute, or in a list or tuple of them) that
+    holds a piece of its first page as its ``get_page_buffer_meta`` names it (a KV
+    pool's one KV buffer; a Mamba pool's temporal and conv buffers). Only those: the
+    pool's other tensors (its free-slot lists) are replaced as it runs, and a view kept
+    here would keep the old ones' memory."""
     storages: dict[int, Any] = {}
     for value in vars(pool).values():
         for item in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(item, torch.Tensor) and item.device.type == "cpu" and item.numel():
                 storage = item.untyped_storage()
                 storages.setdefault(storage.data_ptr(), storage)
+    ptrs, _ = pool.get_page_buffer_meta(torch.arange(pool.page_size, dtype=torch.int64))
     out = []
     for address, storage in sorted(storages.items()):
-        whole = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
-        out.append((address, host_bytes(whole)))
+        if any(address <= ptr < address + storage.nbytes() for ptr in ptrs):
+            whole = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+            out.append((address, host_bytes(whole)))
     return out
 
 
@@ -185,10 +196,10 @@ class PoolPages:
     def side(cls, pool: Any, name: str, kv: Namespace) -> PoolPages:
         """A hybrid model's side pool ``name`` (``side_namespace``); raises
         ``InvalidInputError`` for a pool whose pages cannot be named as spans over its
-        host memory (SGLang's ``get_page_buffer_meta`` refuses: a Mamba pool in
-        ``layer_first``, or with side states of its slots)."""
-        pages = cls(pool, kv, _host_buffers(pool))
+        host memory (SGLang's ``get_page_buffer_meta`` refuses: a Mamba pool whose
+        slots carry side states)."""
         try:
+            pages = cls(pool, kv, _host_buffers(pool))
             size = pages.page_nbytes()
         except (NotImplementedError, ValueError, AttributeError, AssertionError) as exc:
             raise _refuse(f"SGLang's {name} pool ({type(pool).__name__}): {exc}") from None

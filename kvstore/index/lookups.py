@@ -15,13 +15,19 @@ threshold, sent to both scripts."""
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator, Sequence
+import logging
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from kvstore.errors import IndexUnavailableError, InvalidInputError, KVStoreError
+from kvstore.errors import (
+    IndexPermissionError,
+    IndexUnavailableError,
+    InvalidInputError,
+    KVStoreError,
+)
 from kvstore.index import checks, scripts
 from kvstore.index.commands import Cmd
 from kvstore.index.driver import IndexDriver
@@ -31,6 +37,8 @@ from kvstore.pages import heads, keys
 from kvstore.pages._chainhash import hex_names, mget_command
 from kvstore.pages.hashing import HASH_BYTES
 from kvstore.pages.namespace import Namespace
+
+log = logging.getLogger(__name__)
 
 
 def renew_below(lease_ms: int) -> int:
@@ -294,6 +302,8 @@ class LookupMethods(IndexDriver):
     """Reads the longest stored prefix of a chain of page hashes under a read lease
     (its one job), for clients: ``lookup``."""
 
+    mget_refused = False  # set once the index refused MGET (an ACL role without it)
+
     def lookup(
         self,
         namespace: Namespace | keys.NamespaceKey,
@@ -341,26 +351,16 @@ class LookupMethods(IndexDriver):
             first[:head_chain], need[:head_chain] = units
         lease = self.lease_ms if lease_ms is None else lease_ms
 
-        if (  # pages each a segment of one chain, no lease, one server: one MGET
-            segment_pages == 1
-            and lease <= 0
-            and n
-            and isinstance(first, int)
-            and isinstance(need, int)
-            and not (offset or self.cluster)
-        ):
-            return self._drive(self._each_page(prefix, blob, first, need, sparse, with_nodes))
-
-        segs = keys.segments(n, breaks, segment_pages, offset)
-        anchors = [blob[HASH_BYTES * start : HASH_BYTES * start + HASH_BYTES] for start, _ in segs]
-        if offset:
-            if head_anchor is None or len(head_anchor) != HASH_BYTES:
-                raise InvalidInputError(
-                    f"a lookup from position {offset} of a segment needs its {HASH_BYTES}-byte head_anchor"
-                )
-            anchors[0] = head_anchor
+        if offset and (head_anchor is None or len(head_anchor) != HASH_BYTES):
+            raise InvalidInputError(
+                f"a lookup from position {offset} of a segment needs its {HASH_BYTES}-byte head_anchor"
+            )
 
         def steps() -> Generator[list[Cmd], list[Any], Any]:
+            segs = keys.segments(n, breaks, segment_pages, offset)
+            anchors = [blob[HASH_BYTES * a : HASH_BYTES * a + HASH_BYTES] for a, _ in segs]
+            if offset and head_anchor is not None:
+                anchors[0] = head_anchor
             by_shard, ttl_ms = self._anchors_by_shard(prefix, anchors), self.entry_ttl_ms
             if sparse:  # each segment alone (keys route by command, not by this dict)
                 by_shard = {j: [j] for js in by_shard.values() for j in js}
@@ -386,10 +386,27 @@ class LookupMethods(IndexDriver):
             result = _pick(blob, segs, found.parts, read, found.unavailable, first, need, offset)
             return (result, nodes) if with_nodes else result
 
+        if (  # pages each a segment of one chain, no lease, one server: one MGET
+            segment_pages == 1
+            and lease <= 0
+            and n
+            and isinstance(first, int)
+            and isinstance(need, int)
+            and not (offset or self.cluster or self.mget_refused)
+        ):
+            each = self._each_page(prefix, blob, first, need, sparse, with_nodes, steps)
+            return self._drive(each)
         return self._drive(steps())
 
     def _each_page(
-        self, prefix: str, blob: bytes, first: int, need: int, sparse: bool, with_nodes: bool
+        self,
+        prefix: str,
+        blob: bytes,
+        first: int,
+        need: int,
+        sparse: bool,
+        with_nodes: bool,
+        script: Callable[[], Generator[list[Cmd], list[Any], Any]],
     ) -> Generator[list[Cmd], list[Any], Any]:
         """``lookup`` of pages that are each a one-page segment, with no lease (SGLang's
         ``batch_exists``), from an index of one server: one MGET, no script (a cluster
@@ -404,6 +421,12 @@ class LookupMethods(IndexDriver):
         )
         replies = yield [command] + ([live_nodes_cmd()] if with_nodes else [])
         values = replies[0]
+        if isinstance(values, IndexPermissionError):
+            # an ACL user made before its role ran MGET (kvstore acl, the chart): the
+            # script path from now on, which its rules allow, and one line to say so
+            self.mget_refused = True
+            log.warning("the index refused MGET (%s): lookups use the script; add +mget", values)
+            return (yield from script())
         if isinstance(values, KVStoreError):
             if not isinstance(values, IndexUnavailableError):
                 raise values

@@ -25,7 +25,12 @@ import redis.asyncio as aioredis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvstore.errors import IndexScriptError, IndexUnavailableError, KVStoreError
+from kvstore.errors import (
+    IndexPermissionError,
+    IndexScriptError,
+    IndexUnavailableError,
+    KVStoreError,
+)
 from kvstore.index.commands import Cmd, PackedArgs
 from kvstore.index.held import HeldConnections
 from kvstore.index.topology import SLOTS, Topology, topology_from_slots
@@ -89,6 +94,8 @@ def _failure(exc: Exception, url: str) -> KVStoreError:
         return IndexUnavailableError(
             f"Redis at {redact_url(url)} cannot serve this now ({type(exc).__name__}: {exc})"
         )  # failover or resharding
+    if isinstance(exc, redis.exceptions.NoPermissionError) or text.startswith("NOPERM"):
+        return IndexPermissionError(f"Redis at {redact_url(url)} refused the command: {exc}")
     return IndexScriptError(f"Redis at {redact_url(url)} rejected the request: {exc}")
 
 

@@ -42,7 +42,9 @@ _COMMON = [
 ]
 # What the scripts call (kvstore/index/lua): live_nodes reads; lookup and lease renew leases.
 _READ_SCRIPTS = ["+zrangebyscore", "+hgetall"]
-_LOOKUP = ["+evalsha", "+get", "+set", "+pttl", "+pexpire"]
+# Lookups: the scripts, and plain reads (GET and PTTL of one segment; MGET of one-page
+# segments asked with no lease, kvstore/index/lookups.py).
+_LOOKUP = ["+evalsha", "+get", "+mget", "+set", "+pttl", "+pexpire"]
 _REGISTRY = keys.REGISTRY_PREFIX + "*"
 
 

@@ -42,7 +42,7 @@ redis://kvstore-node@{{ include "kvstore.fullname" . }}-valkey:{{ .Values.index.
      Mirrors kvstore/security/acl.py `rules` (tests/test_helm.py holds them equal). */}}
 {{- define "kvstore.aclRules" -}}
 {{- $common := "resetchannels -@all +ping +time +client|setinfo +cluster|slots +script|load +evalsha_ro +zrangebyscore +hgetall" -}}
-{{- $lookup := "+evalsha +get +set +pttl +pexpire" -}}
+{{- $lookup := "+evalsha +get +mget +set +pttl +pexpire" -}}
 {{- if eq .role "node" -}}
 resetkeys ~kvs:* {{ $common }} {{ $lookup }} +hsetnx +hget +hset +sadd +smembers +del +incr +zadd +zrem +zremrangebyscore +info
 {{- else if eq .role "client" -}}
