@@ -175,3 +175,24 @@ def test_one_page_segments_read_by_mget_pick_what_the_script_picks(case, units, 
     assert got.records.tobytes() == want.records.tobytes()
     assert got.positions.tolist() == want.positions.tolist()
     assert got.units.tolist() == want.units.tolist()
+
+
+def test_one_page_segment_names_and_their_mget_are_what_the_index_reads():
+    """The C helpers of the MGET path: each name is the segment key the lookup script
+    builds for that anchor (``keys.segment_key``), and the command's bytes are what
+    redis-py packs for MGET of those names; a blob of no whole hashes is refused."""
+    import os
+
+    import redis
+
+    from kvstore.pages._chainhash import hex_names, mget_command
+
+    prefix, blob = "kvs:t:team:ab12:", os.urandom(16 * 5)
+    head = f"{prefix}s:{{".encode()
+    names = hex_names(head, blob, b"}")
+    assert names == [keys.segment_key(prefix, blob[i : i + 16]).encode() for i in range(0, 80, 16)]
+    packed = redis.Redis().connection_pool.make_connection().pack_commands([("MGET", *names)])
+    assert mget_command(head, blob, b"}") == b"".join(packed)
+    for helper in (hex_names, mget_command):
+        with pytest.raises(ValueError, match="17 bytes is not a whole number"):
+            helper(head, blob[:17], b"}")
