@@ -18,8 +18,9 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -30,11 +31,13 @@ from client.memory.layer_feed import LayerFeed
 from client.puts.publish import PublishReport
 from client.stats import ClientStats
 from kvstore.errors import TransportError
-from kvstore.index import PageIndex
+from kvstore.index import NodeInfo, PageIndex
 from kvstore.index.routing import INDEX_TIMEOUT
 from kvstore.pages.heads import RankUnits
 from kvstore.pages.namespace import Namespace
 from kvstore.settings.client import client_options_from_env
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 _MARGIN = 10.0
@@ -188,11 +191,13 @@ class KVCacheClient:
         registers the namespace and reads the list first. ``last``: a chain stored at
         some blocks only (``PrefixLookup.find``)."""
         inner = self._async
-        nodes = inner.nodes.fresh() if inner.namespace_registered else None
-        if nodes is None:
-            return self._read(inner.find(token_ids, identity=identity, last=last), None, timeout)
-        index = self._index(timeout)
-        return inner.lookups.find_blocking(index, token_ids, nodes, identity, last=last)
+        return self._in_caller(
+            timeout,
+            lambda: inner.find(token_ids, identity=identity, last=last),
+            lambda index, nodes: inner.lookups.find_blocking(
+                index, token_ids, nodes, identity, last=last
+            ),
+        )
 
     def find_keys(
         self,
@@ -209,12 +214,13 @@ class KVCacheClient:
         ``PrefixLookup.find_joined_blocking``)."""
         lookups = self._async.lookups
         joined, place = lookups.keyed_hashes(page_keys), lookups.keyed_place(position, anchor_key)
-        inner = self._async
-        nodes = inner.nodes.fresh() if inner.namespace_registered else None
-        if nodes is None:
-            return self._read(lookups.find_joined(joined, place=place), None, timeout)
-        index = self._index(timeout)
-        return lookups.find_joined_blocking(index, joined, nodes, place=place, lease=lease)
+        return self._in_caller(
+            timeout,
+            lambda: lookups.find_joined(joined, place=place),
+            lambda index, nodes: lookups.find_joined_blocking(
+                index, joined, nodes, place=place, lease=lease
+            ),
+        )
 
     def stored_keys(self, page_keys: list[str], timeout: float | None = None) -> list[bool] | None:
         """Per key of ``page_keys`` (a keyed layout's own page keys), whether its page is
@@ -225,12 +231,11 @@ class KVCacheClient:
             return []
         lookups = self._async.lookups
         joined = lookups.keyed_hashes(page_keys)
-        inner = self._async
-        nodes = inner.nodes.fresh() if inner.namespace_registered else None
-        if nodes is None:
-            present = self._read(lookups.stored_each(joined), None, timeout)
-        else:
-            present = lookups.stored_each_blocking(self._index(timeout), joined, nodes)
+        present = self._in_caller(
+            timeout,
+            lambda: lookups.stored_each(joined),
+            lambda index, nodes: lookups.stored_each_blocking(index, joined, nodes),
+        )
         return None if present is None else present.tolist()
 
     def put_keyed(
@@ -244,6 +249,22 @@ class KVCacheClient:
         """``AsyncKVCacheClient.put_keyed``."""
         coro = self._async.put_keyed(page_keys, spans, position=position, anchor_key=anchor_key)
         return self._run(coro, self._bound())
+
+    def _in_caller(
+        self,
+        timeout: float | None,
+        on_loop: Callable[[], Coroutine[Any, Any, T]],
+        blocking: Callable[[PageIndex, list[NodeInfo]], T],
+    ) -> T | None:
+        """A lookup in the caller's thread (``blocking``, over the caller's index
+        connection and the directory's fresh node list: ``find`` says why), or through
+        the client's loop (``on_loop``, within ``timeout``: a miss past it) until the
+        namespace is registered and while the node list is stale."""
+        inner = self._async
+        nodes = inner.nodes.fresh() if inner.namespace_registered else None
+        if nodes is None:
+            return cast("T | None", self._read(on_loop(), None, timeout))
+        return blocking(self._index(timeout), nodes)
 
     def _index(self, timeout: float | None) -> PageIndex:
         """The caller's index connection whose reads wait at most ``timeout`` (the

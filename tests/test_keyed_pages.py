@@ -177,22 +177,29 @@ def test_one_page_segments_read_by_mget_pick_what_the_script_picks(case, units, 
     assert got.units.tolist() == want.units.tolist()
 
 
-def test_one_page_segment_names_and_their_mget_are_what_the_index_reads():
+def test_one_page_segment_names_and_commands_are_what_the_index_reads():
     """The C helpers of the MGET path: each name is the segment key the lookup script
-    builds for that anchor (``keys.segment_key``), and the command's bytes are what
-    redis-py packs for MGET of those names; a blob of no whole hashes is refused."""
+    builds for that anchor (``keys.segment_key``), a blob of no whole hashes is refused;
+    a held connection's commands (``_resp.pack``) are the bytes redis-py packs, and an
+    argument of another type is left to redis-py."""
     import os
 
     import redis
 
-    from kvstore.pages._chainhash import hex_names, mget_command
+    from kvstore.index._resp import pack
+    from kvstore.pages._chainhash import hex_names
 
     prefix, blob = "kvs:t:team:ab12:", os.urandom(16 * 5)
-    head = f"{prefix}s:{{".encode()
-    names = hex_names(head, blob, b"}")
+    names = hex_names(f"{prefix}s:{{".encode(), blob, b"}")
     assert names == [keys.segment_key(prefix, blob[i : i + 16]).encode() for i in range(0, 80, 16)]
-    packed = redis.Redis().connection_pool.make_connection().pack_commands([("MGET", *names)])
-    assert mget_command(head, blob, b"}") == b"".join(packed)
-    for helper in (hex_names, mget_command):
-        with pytest.raises(ValueError, match="17 bytes is not a whole number"):
-            helper(head, blob[:17], b"}")
+    with pytest.raises(ValueError, match="17 bytes is not a whole number"):
+        hex_names(b"p", blob[:17], b"}")
+    conn = redis.Redis().connection_pool.make_connection()
+    for command in [
+        ("MGET", *names),
+        ("PING",),
+        ("EVALSHA", "ab" * 20, 1, "kvs:k", 5000, -1, 0, "é", b"\x00\r\n"),
+        ("SET", "x" * 12345, 10**20),
+    ]:
+        assert pack(command) == b"".join(conn.pack_commands([command])), command[:2]
+    assert pack(("SET", "k", 1.5)) is None and pack(("SET", "k", True)) is None

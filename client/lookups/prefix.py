@@ -195,12 +195,8 @@ class PrefixLookup:
         the index again)."""
         if not joined:
             return self._prefix(joined, LookupResult.empty(), last, place)
-        try:
-            found = self._ask(index, joined, (), last, place, None if lease else 0)
-        except (RemoteFault, IndexScriptError) as exc:
-            self._failed(exc)
-            return None
-        result = self._resolve(found, nodes, last)
+        found = self._ask_blocking(index, joined, last, place, None if lease else 0)
+        result = None if found is None else self._resolve(found, nodes, last)
         if result is None:
             return None
         return self.stored_prefix(joined, result, last, place, None if lease else 0)
@@ -210,13 +206,8 @@ class PrefixLookup:
         rank's share is stored, each on its own (no prefix: a page missing before it does
         not hide it), with no read lease; None on an index fault. Registers the
         namespace first while that has not succeeded."""
-        await self._registration.ensure()
-        try:
-            found = await self._ask(self._index, joined, (), True, UNPLACED, 0)
-        except (RemoteFault, IndexScriptError) as exc:
-            self._failed(exc)
-            return None
-        return self._present(found, await self._nodes.current())
+        found = await self._ask_loop(joined, (), True, UNPLACED, 0)
+        return None if found is None else self._present(found, await self._nodes.current())
 
     def stored_each_blocking(
         self, index: PageIndex, joined: bytes, nodes: list[NodeInfo]
@@ -224,12 +215,8 @@ class PrefixLookup:
         """``stored_each`` in the caller's thread, as ``find_blocking``."""
         if not joined:
             return np.zeros(0, dtype=bool)
-        try:
-            found = self._ask(index, joined, (), True, UNPLACED, 0)
-        except (RemoteFault, IndexScriptError) as exc:
-            self._failed(exc)
-            return None
-        return self._present(found, nodes)
+        found = self._ask_blocking(index, joined, True, UNPLACED, 0)
+        return None if found is None else self._present(found, nodes)
 
     def _present(self, found: IndexLookup, nodes: list[NodeInfo]) -> np.ndarray | None:
         """``found.present``, or None when the index could not answer (``_answered``)."""
@@ -246,13 +233,8 @@ class PrefixLookup:
         """The index's answer for ``hashes`` (chains start at 0 and at each of
         ``breaks``, placed as ``place`` says) with replicas of stale incarnations
         dropped; None on an index fault. ``last``: as ``find``'s."""
-        await self._registration.ensure()
-        try:
-            found = await self._ask(self._index, hashes, breaks, last, place)
-        except (RemoteFault, IndexScriptError) as exc:
-            self._failed(exc)
-            return None
-        return self._resolve(found, await self._nodes.current(), last)
+        found = await self._ask_loop(hashes, breaks, last, place)
+        return None if found is None else self._resolve(found, await self._nodes.current(), last)
 
     def stored_prefix(
         self,
@@ -326,6 +308,43 @@ class PrefixLookup:
             head_anchor=place.head_anchor,
             lease_ms=lease_ms,
         )
+
+    async def _ask_loop(
+        self,
+        hashes: list[bytes] | bytes,
+        breaks: Sequence[int],
+        sparse: bool,
+        place: ChainPlace,
+        lease_ms: int | None = None,
+    ) -> IndexLookup | None:
+        """``_ask`` of the client's own index on its loop, registering the namespace
+        first while that has not succeeded; None on an index fault (``_failed``)."""
+        await self._registration.ensure()
+        try:
+            found: IndexLookup = await self._ask(
+                self._index, hashes, breaks, sparse, place, lease_ms
+            )
+        except (RemoteFault, IndexScriptError) as exc:
+            self._failed(exc)
+            return None
+        return found
+
+    def _ask_blocking(
+        self,
+        index: PageIndex,
+        joined: bytes,
+        sparse: bool,
+        place: ChainPlace,
+        lease_ms: int | None,
+    ) -> IndexLookup | None:
+        """``_ask`` of ``index`` in the caller's thread (a registered namespace); None
+        on an index fault (``_failed``)."""
+        try:
+            found: IndexLookup = self._ask(index, joined, (), sparse, place, lease_ms)
+        except (RemoteFault, IndexScriptError) as exc:
+            self._failed(exc)
+            return None
+        return found
 
     def _prefix(
         self,

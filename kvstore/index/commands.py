@@ -24,10 +24,6 @@ class Cmd:
     nkeys: int = 0
     parse: Callable[[Any], Any] = lambda raw: raw
     readonly: bool = False
-    # the command as RESP bytes, made by the caller where redis-py's packing costs more
-    # than the rest of the call (a 128-key MGET: 57 us), sent as they are on held
-    # connections (kvstore.index.held); other paths pack ``args``
-    packed: bytes | None = None
 
     @staticmethod
     def run_script(
@@ -46,16 +42,3 @@ class Cmd:
             parse=parse,
             readonly=readonly,
         )
-
-
-class PackedArgs(tuple[Any, ...]):
-    """A command's arguments that carry its RESP bytes (``Cmd.packed``) to the
-    connection that sends them: a held connection writes ``packed`` as it is, redis-py
-    packs the arguments as for any command."""
-
-    packed: bytes
-
-    def __new__(cls, args: tuple[Any, ...], packed: bytes) -> PackedArgs:
-        wire = super().__new__(cls, args)
-        wire.packed = packed
-        return wire

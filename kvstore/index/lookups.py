@@ -34,7 +34,7 @@ from kvstore.index.driver import IndexDriver
 from kvstore.index.records import ENTRY, HASH_PAIR, RAW_ENTRY, IndexLookup, select_records
 from kvstore.index.registry import live_nodes_cmd
 from kvstore.pages import heads, keys
-from kvstore.pages._chainhash import hex_names, mget_command
+from kvstore.pages._chainhash import hex_names
 from kvstore.pages.hashing import HASH_BYTES
 from kvstore.pages.namespace import Namespace
 
@@ -410,16 +410,15 @@ class LookupMethods(IndexDriver):
     ) -> Generator[list[Cmd], list[Any], Any]:
         """``lookup`` of pages that are each a one-page segment, with no lease (SGLang's
         ``batch_exists``), from an index of one server: one MGET, no script (a cluster
-        refuses MGET across slots), its RESP bytes made in C (``mget_command``: redis-py
-        packed it in 57 us). Measured on Valkey 9 over 128 pages: the script cost the
-        server 188 us (INFO commandstats), MGET 15 us; ``find_keys`` without a lease,
-        interleaved on the 2-core VM, medians 0.30-0.37 ms against 0.59-0.77 through the
-        script (2.0-2.1x)."""
-        head = f"{prefix}s:{{".encode()
-        command = Cmd(
-            ("MGET", *hex_names(head, blob, b"}")), shard=0, packed=mget_command(head, blob, b"}")
+        refuses MGET across slots), its key names made in C (``hex_names``) and its RESP
+        bytes too (``kvstore.index.held``: redis-py packed it in 32-57 us). Measured on
+        Valkey 9 over 128 pages: the script cost the server 188 us (INFO commandstats),
+        MGET 15 us; ``find_keys`` without a lease, interleaved on the 2-core VM, medians
+        0.30-0.37 ms against 0.59-0.77 through the script (2.0-2.1x)."""
+        names = hex_names(f"{prefix}s:{{".encode(), blob, b"}")
+        replies = yield [Cmd(("MGET", *names), shard=0)] + (
+            [live_nodes_cmd()] if with_nodes else []
         )
-        replies = yield [command] + ([live_nodes_cmd()] if with_nodes else [])
         values = replies[0]
         if isinstance(values, IndexPermissionError):
             # an ACL user made before its role ran MGET (kvstore acl, the chart): the

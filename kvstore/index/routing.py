@@ -31,7 +31,7 @@ from kvstore.errors import (
     IndexUnavailableError,
     KVStoreError,
 )
-from kvstore.index.commands import Cmd, PackedArgs
+from kvstore.index.commands import Cmd
 from kvstore.index.held import HeldConnections
 from kvstore.index.topology import SLOTS, Topology, topology_from_slots
 from kvstore.index.urls import (
@@ -197,8 +197,6 @@ class _Router:
         return groups
 
     def _wire(self, cmd: Cmd) -> tuple[Any, ...]:
-        if cmd.packed is not None:
-            return PackedArgs(cmd.args, cmd.packed)
         if cmd.script is None:
             return cmd.args
         return ("EVALSHA_RO" if cmd.readonly else "EVALSHA", cmd.script.sha, cmd.nkeys, *cmd.args)

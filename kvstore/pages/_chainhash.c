@@ -367,7 +367,7 @@ done:
 }
 
 /* head || hex(h) || tail written at `at` (one index key of a 16-byte hash h); returns
-   the end. hex_names and mget_command write their names with it. */
+   the end. */
 static char *put_name(char *at, const Py_buffer *head, const uint8_t *h, const Py_buffer *tail) {
     static const char HEX[] = "0123456789abcdef";
     memcpy(at, head->buf, head->len);
@@ -380,7 +380,7 @@ static char *put_name(char *at, const Py_buffer *head, const uint8_t *h, const P
     return at + tail->len;
 }
 
-/* The (head, joined, tail) arguments of hex_names and mget_command: the buffers, how
+/* The (head, joined, tail) arguments of hex_names: the buffers, how
    many hashes joined holds and how long each name is; 0 (buffers released, ValueError
    set) when joined is not whole hashes. */
 static int names_args(PyObject *args, const char *fn, Py_buffer *head, Py_buffer *joined,
@@ -426,37 +426,6 @@ done:
     return out;
 }
 
-/* The RESP bytes of "MGET" and the names hex_names(head, joined, tail) gives: what
-   redis-py's packing makes of them, for the held connections that send it as it is
-   (kvstore.index.held). redis-py packed a 128-key MGET in 57 us (hiredis alone 32),
-   this in 5.3 (timeit, the 2-core VM). */
-static PyObject *mget_command(PyObject *self, PyObject *args) {
-    Py_buffer head, joined, tail;
-    PyObject *out = NULL;
-    Py_ssize_t n, size;
-    if (!names_args(args, "mget_command", &head, &joined, &tail, &n, &size)) return NULL;
-    char lead[48], each[32];
-    int lead_len = snprintf(lead, sizeof lead, "*%zd\r\n$4\r\nMGET\r\n", n + 1);
-    int each_len = snprintf(each, sizeof each, "$%zd\r\n", size);
-    out = PyBytes_FromStringAndSize(NULL, lead_len + n * (each_len + size + 2));
-    if (!out) goto done;
-    char *at = PyBytes_AS_STRING(out);
-    memcpy(at, lead, lead_len);
-    at += lead_len;
-    const uint8_t *h = (const uint8_t *)joined.buf;
-    for (Py_ssize_t i = 0; i < n; i++, h += HASH_BYTES) {
-        memcpy(at, each, each_len);
-        at = put_name(at + each_len, &head, h, &tail);
-        *at++ = '\r';
-        *at++ = '\n';
-    }
-done:
-    PyBuffer_Release(&head);
-    PyBuffer_Release(&joined);
-    PyBuffer_Release(&tail);
-    return out;
-}
-
 static PyMethodDef METHODS[] = {
     {"uint32_le", uint32_le, METH_O,
      "uint32_le(list or tuple of ints) -> bytes: each as little-endian uint32 (OverflowError\n"
@@ -469,8 +438,6 @@ static PyMethodDef METHODS[] = {
     {"hex_names", hex_names, METH_VARARGS,
      "hex_names(head, joined, tail) -> [head || hex(h) || tail for every 16-byte h of joined],\n"
      "as bytes (ValueError when joined is not whole hashes)."},
-    {"mget_command", mget_command, METH_VARARGS,
-     "mget_command(head, joined, tail) -> the RESP bytes of MGET of hex_names(head, joined, tail)."},
     {"chain", chain, METH_VARARGS,
      "chain(prefix, data, step, person, start) -> the 16-byte digests joined, in order.\n"
      "data: uint32-le token ids (a buffer) or a list or tuple of ints (OverflowError, TypeError\n"
