@@ -97,7 +97,7 @@ def test_keyed_pages_asked_without_a_lease_or_each_on_their_own(clusters, index_
     server, the lookup script on a cluster) find what leased lookups find; asked each on
     its own (``stored_keys``: SGLang's side pools), pages stored at some positions are
     found there and only there, past a missing one too. A page whose node stopped is
-    neither found nor present."""
+    neither found nor present; with the index gone, both say None and count it."""
     cluster = clusters(2)
     ns = keyed_ns(f"keyed-each-{index_shards}")
     keys = [hashlib.sha256(f"each-{index_shards}-{i}".encode()).hexdigest() for i in range(9)]
@@ -126,6 +126,13 @@ def test_keyed_pages_asked_without_a_lease_or_each_on_their_own(clusters, index_
                 time.sleep(0.5)
             assert fresh.stored_keys(keys) == [False] * 9
             assert fresh.find_keys(keys, lease=False).blocks == 0
+            assert cluster.valkey is not None
+            cluster.valkey.stop()  # the index gone: a fault is a miss (None), counted
+            cluster.valkey = None
+            errors = fresh.stats.index_errors
+            assert fresh.find_keys(keys, timeout=1.0, lease=False) is None
+            assert fresh.stored_keys(keys, timeout=1.0) is None
+            assert fresh.stats.index_errors >= errors + 2  # (its node list reads count too)
 
 
 def test_keyed_and_token_calls_do_not_mix(clusters):
