@@ -12,8 +12,9 @@ ARG WITH_RDMA=false
 ARG UCX_VERSION=1.19.0
 
 FROM ${PYTHON_IMAGE} AS wheels
-# gcc builds kvstore.pages._chainhash and _copyhash and kvstore.index._resp (the block-hash,
-# the same-host copy and an index command's bytes in C); the runtime needs no compiler.
+# gcc builds kvstore.pages._chainhash and _copyhash and kvstore.index._resp and _match (the
+# block-hash, the same-host copy, an index command's bytes and a lookup's pick of entries in
+# C); the runtime needs no compiler.
 # hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \

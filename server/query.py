@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from kvstore.errors import KVStoreError
 from kvstore.events import MEDIUM_CPU, MEDIUM_DISK
 from kvstore.index import IndexLookup, NodeInfo, PageIndex
+from kvstore.index.records import live_records
 from kvstore.pages.hashing import HASH_BYTES, block_hash_bytes
 from kvstore.pages.heads import rank_units, unit_hashes
 from kvstore.pages.identity import NO_EXTRAS, RequestIdentity
@@ -333,15 +334,8 @@ def _blocks_per_node(
     result's locations took 45 ms here). A record counts while the registry names its
     node's incarnation, as ``IndexLookup.resolve`` counts it."""
     live = {n.number: n for n in nodes}
-    size = max(live, default=0) + 1
-    tags = np.zeros(size, dtype="<u8")
-    known = np.zeros(size, dtype=bool)
-    for number, info in live.items():
-        tags[number], known[number] = info.tag, True
     node = found.records["node"].astype(np.int64)
-    inside = node < size
-    slot = np.where(inside, node, 0)
-    ok = inside & known[slot] & (tags[slot] == found.records["tag"]) & (found.positions < matched)
+    ok = live_records(found.records, live) & (found.positions < matched)
     out: dict[str, int] = {}
     for number in np.unique(node[ok]).tolist():
         mine = ok & (node == number)

@@ -164,9 +164,7 @@ def test_one_page_segments_read_by_mget_pick_what_the_script_picks(case, units, 
     # (sparse: a GET each, a missing one an empty reply; else up to the first missing)
     contiguous = n if sparse else next((i for i, v in enumerate(values) if v is None), n)
     parts = [
-        ([i], [len(v) // ENTRY.itemsize], np.frombuffer(v, dtype=ENTRY))
-        if v is not None
-        else ([], [], np.zeros(0, dtype=ENTRY))
+        ([i], [len(v) // ENTRY.itemsize], v) if v is not None else ([], [], b"")
         for i, v in enumerate(values[:contiguous])
     ]
     want = _pick(blob, segs, parts, contiguous, None, *units)

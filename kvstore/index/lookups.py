@@ -16,8 +16,9 @@ threshold, sent to both scripts."""
 from __future__ import annotations
 
 import logging
+from array import array
 from collections.abc import Callable, Generator, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,12 +29,12 @@ from kvstore.errors import (
     InvalidInputError,
     KVStoreError,
 )
-from kvstore.index import checks, scripts
+from kvstore.index import _match, checks, scripts
 from kvstore.index.commands import Cmd
 from kvstore.index.driver import IndexDriver
-from kvstore.index.records import ENTRY, HASH_PAIR, RAW_ENTRY, IndexLookup, select_records
+from kvstore.index.records import ENTRY, IndexLookup
 from kvstore.index.registry import live_nodes_cmd
-from kvstore.pages import heads, keys
+from kvstore.pages import keys
 from kvstore.pages._chainhash import hex_names
 from kvstore.pages.hashing import HASH_BYTES
 from kvstore.pages.namespace import Namespace
@@ -112,15 +113,15 @@ def _lookup_batch(
 
 @dataclass
 class _SegmentsRead:
-    """What a lookup's replies say: which segments exist (``read``, with a False
-    sentinel after the last), their entries (``parts``: per reply, the segments read,
-    their entry counts and the entries), the error of a shard that could not answer
-    (its segments count as absent), and the one-segment shards whose lease is due and
-    must be renewed."""
+    """What a lookup's replies say: which segments exist (``read``, 1 or 0 per segment,
+    with a 0 sentinel after the last), their entries (``parts``: per reply, the segments
+    read, their entry counts and the entries), the error of a shard that could not
+    answer (its segments count as absent), and the one-segment shards whose lease is due
+    and must be renewed."""
 
-    read: np.ndarray
+    read: bytearray
     # per reply: the segments it read, each one's entry count, and the entries
-    parts: list[tuple[list[int], list[int], np.ndarray]] = field(default_factory=list)
+    parts: list[tuple[list[int], list[int], bytes]] = field(default_factory=list)
     unavailable: KVStoreError | None = None
     renew: list[int] = field(default_factory=list)
     ttls: dict[int, int] = field(default_factory=dict)  # one-segment shards' lease PTTLs
@@ -134,7 +135,7 @@ class _SegmentsRead:
         lease_ms: int,
         plain: set[int],
     ) -> _SegmentsRead:
-        out = cls(np.zeros(segments + 1, dtype=bool))
+        out = cls(bytearray(segments + 1))
         for js in by_shard.values():
             if len(js) == 1 and js[0] in plain:
                 reply = out._plain_reply(replies, js[0], lease_ms)
@@ -148,11 +149,16 @@ class _SegmentsRead:
                 out._shard_failed(reply)
                 continue
             done = js[: len(reply)]
-            out.read[done] = True
+            for j in done:
+                out.read[j] = 1
             counts = [len(value) // ENTRY.itemsize for value in reply]
-            joined = reply[0] if len(reply) == 1 else b"".join(reply)
-            out.parts.append((done, counts, np.frombuffer(joined, dtype=ENTRY)))
+            out.parts.append((done, counts, reply[0] if len(reply) == 1 else b"".join(reply)))
         return out
+
+    @property
+    def contiguous(self) -> int:
+        """Segments read before the first missing one (the prefix ends there)."""
+        return self.read.index(0)
 
     def _plain_reply(self, replies: Iterator[Any], segment: int, lease_ms: int) -> Any:
         """A one-segment shard's GET (and PTTL) replies as the script's would read."""
@@ -176,18 +182,17 @@ class _SegmentsRead:
             reply = next(replies)
             if isinstance(reply, KVStoreError):
                 self._shard_failed(reply)
-                self.read[j] = False
+                self.read[j] = 0
 
 
-# An entry's page hash as one 16-byte item (its first two fields), to compare whole.
-_KEY = np.dtype("V16")
-_KEYED = np.dtype([("key", _KEY), ("rest", np.dtype((np.void, ENTRY.itemsize - 16)))])
+_NO_RECORDS = np.zeros(0, dtype=ENTRY)
+_NO_NUMBERS = np.zeros(0, dtype=np.int64)
 
 
 def _pick(
     blob: bytes,
     segs: list[tuple[int, int]],
-    parts: list[tuple[list[int], list[int], np.ndarray]],
+    parts: list[tuple[list[int], list[int], bytes]],
     contiguous: int,
     unavailable: KVStoreError | None,
     first: np.ndarray | int,
@@ -195,72 +200,22 @@ def _pick(
     offset: int = 0,
 ) -> IndexLookup:
     """The entries of the asked pages out of the segments read (``parts``: per reply,
-    the segments it read, their entry counts and the entries), vectorised. Only the first
+    the segments it read, their entry counts and the entries). Only the first
     ``contiguous`` segments count (the prefix ends at the first missing one), and an
     entry counts when it is a unit in ``[first, first + need)`` (per position) of the
     hash asked at its position (kvstore.pages.heads; whole pages are unit 0 of themselves):
     other chains that share the segment's anchor hold the rest. ``first`` and ``need``:
     per position, or one number for every position (a lookup of one chain). ``offset``:
-    the first segment's records of the asked hashes start at that position.
-
-    Each numpy call costs 5-30 us in the first lookup after a pause (cold caches; the
-    scheduler asks after pauses), so a lookup of one chain passes ``first`` and ``need``
-    as numbers and one of one segment (every lookup of up to 64 blocks) skips the
-    segment arrays. Measured on 16 blocks, medians of 20 first lookups after 1 s of
-    quiet: ``lookup`` up to its batch 0.171 -> 0.092 ms, the whole index call 0.97 ->
-    0.90 ms (bench/lookup.py --paused-only; redis-py's EXISTS pipeline 0.55 ms)."""
+    the first segment's records of the asked hashes start at that position."""
     if contiguous == 0 or not parts:
-        empty = np.zeros(0, dtype=np.int64)
-        none = need if isinstance(need, int) else need[:0]
-        return IndexLookup(0, np.zeros(0, dtype=ENTRY), empty, empty, none, unavailable)
-    recs = (
-        np.concatenate([p[2].view(RAW_ENTRY) for p in parts]).view(ENTRY)
-        if len(parts) > 1
-        else parts[0][2]
-    )
-    pos = recs["pos"].astype(np.int64)
-    if offset:  # the first segment's records lie ``offset`` positions on
-        at = 0
-        for done, counts, _ in parts:
-            if 0 in done:
-                j = done.index(0)
-                begin = at + sum(counts[:j])
-                pos[begin : begin + counts[j]] -= offset
-            at += sum(counts)
-        pos[pos < 0] = keys.SEGMENT_PAGES  # the chain's pages before those asked: outside
-    if len(segs) == 1:  # the segment read: its records' positions are the chain's
-        inside = pos < segs[0][1]
-        position = np.where(inside, pos, 0)
-    else:
-        seg = np.concatenate(
-            [np.repeat(np.array(done, dtype=np.int64), counts) for done, counts, _ in parts]
-        )
-        starts = np.array([start for start, _ in segs])
-        lengths = np.array([end - start for start, end in segs])
-        inside = (seg < contiguous) & (pos < lengths[seg])
-        position = np.where(inside, starts[seg] + pos, 0)
-    covered = segs[contiguous - 1][1]
-    if isinstance(first, int) and isinstance(need, int) and (first, need) == (0, 1):
-        # whole pages: an entry counts when its hash is the one asked at its position,
-        # byte for byte (unit 0), in 3 numpy calls instead of unit_of's 10
-        asked_keys = np.frombuffer(blob, dtype=_KEY)
-        ok = inside & (asked_keys[position] == recs.view(_KEYED)["key"])
-        kept = position[ok]
-        units = np.zeros(len(kept), dtype=np.int64)
-        return IndexLookup(covered, select_records(recs, ok), kept, units, 1, unavailable)
-    unit = heads.unit_of(np.frombuffer(blob, dtype=HASH_PAIR)[position], recs)
-    kept_need: np.ndarray | int
-    if isinstance(first, int) and isinstance(need, int):
-        ok = inside & (unit >= first) & (unit < first + need)
-        unit -= first
-        kept_need = need
-    else:
-        unit -= np.asarray(first)[position]
-        ok = inside & (unit >= 0) & (unit < np.asarray(need)[position])
-        kept_need = np.asarray(need)[:covered]
-    return IndexLookup(
-        covered, select_records(recs, ok), position[ok], unit[ok], kept_need, unavailable
-    )
+        return _picked(blob, b"", [], 0, first, need, unavailable)
+    runs: list[int] = []
+    for done, counts, _ in parts:
+        for j, count in zip(done, counts):
+            start, end = segs[j]
+            runs += (count, start if j < contiguous else -1, end - start, offset if j == 0 else 0)
+    recs = parts[0][2] if len(parts) == 1 else b"".join(part[2] for part in parts)
+    return _picked(blob, recs, runs, segs[contiguous - 1][1], first, need, unavailable)
 
 
 def _pick_pages(
@@ -273,29 +228,49 @@ def _pick_pages(
     first + need)`` of the hash asked there (``_pick``)."""
     if sparse:
         covered = len(values)
-        at = np.array([i for i, value in enumerate(values) if value], dtype=np.int64)
-        read = [values[i] for i in at]
     else:
         covered = next((i for i, value in enumerate(values) if value is None), len(values))
-        at = np.arange(covered)
-        read = values[:covered]
-    if not read:
-        return replace(_pick(blob, [], [], 0, None, first, need), covered=covered)
-    recs = np.frombuffer(b"".join(read), dtype=ENTRY)
-    if len(recs) == len(read) and b"" not in read:  # one replica each
-        position = at
+    runs: list[int] = []
+    read: list[bytes] = []
+    for i in range(covered):
+        if value := values[i]:
+            runs += (len(value) // ENTRY.itemsize, i, 1, 0)
+            read.append(value)
+    return _picked(blob, b"".join(read), runs, covered, first, need)
+
+
+def _picked(
+    blob: bytes,
+    recs: bytes,
+    runs: list[int],
+    covered: int,
+    first: np.ndarray | int,
+    need: np.ndarray | int,
+    unavailable: KVStoreError | None = None,
+) -> IndexLookup:
+    """The ``IndexLookup`` of entries ``recs`` read in ``runs`` (``_match.pick``: per
+    segment read, its entry count, first position, length and shift): one pass in C,
+    where about 30 numpy calls took 0.11 ms of a first lookup after 1 s of quiet (cold
+    caches: the scheduler asks after pauses), against 0.03 warm (docs/benchmarks.md)."""
+    if not runs:
+        none = need if isinstance(need, int) else need[:0]
+        return IndexLookup(covered, _NO_RECORDS, _NO_NUMBERS, _NO_NUMBERS, none, unavailable)
+    if isinstance(first, int) and isinstance(need, int):
+        kept, positions, units = _match.pick(blob, recs, array("q", runs), first, need, None, None)
+        kept_need: np.ndarray | int = need
     else:
-        sizes = np.fromiter(map(len, read), dtype=np.int64, count=len(read)) // ENTRY.itemsize
-        position = np.repeat(at, sizes)
-    head = recs["pos"] == 0
-    if (first, need) == (0, 1):  # whole pages: the hash asked there, byte for byte
-        ok = head & (np.frombuffer(blob, dtype=_KEY)[position] == recs.view(_KEYED)["key"])
-        kept = position[ok]
-        units = np.zeros(len(kept), dtype=np.int64)
-        return IndexLookup(covered, select_records(recs, ok), kept, units, 1)
-    unit = heads.unit_of(np.frombuffer(blob, dtype=HASH_PAIR)[position], recs) - first
-    ok = head & (unit >= 0) & (unit < need)
-    return IndexLookup(covered, select_records(recs, ok), position[ok], unit[ok], need)
+        firsts = np.ascontiguousarray(first, dtype=np.int64)
+        needs = np.ascontiguousarray(need, dtype=np.int64)
+        kept, positions, units = _match.pick(blob, recs, array("q", runs), 0, 0, firsts, needs)
+        kept_need = needs[:covered]
+    return IndexLookup(
+        covered,
+        np.frombuffer(kept, dtype=ENTRY),
+        np.frombuffer(positions, dtype=np.int64),
+        np.frombuffer(units, dtype=np.int64),
+        kept_need,
+        unavailable,
+    )
 
 
 class LookupMethods(IndexDriver):
@@ -382,7 +357,7 @@ class LookupMethods(IndexDriver):
             below = renew_below(lease)
             for j, left in found.ttls.items():
                 self.leases.seen(prefix, anchors[j], left, below)
-            read = len(segs) if sparse else int(np.argmin(found.read))
+            read = len(segs) if sparse else found.contiguous
             result = _pick(blob, segs, found.parts, read, found.unavailable, first, need, offset)
             return (result, nodes) if with_nodes else result
 
@@ -429,7 +404,7 @@ class LookupMethods(IndexDriver):
         if isinstance(values, KVStoreError):
             if not isinstance(values, IndexUnavailableError):
                 raise values
-            result = replace(_pick(blob, [], [], 0, None, first, need), unavailable=values)
+            result = _picked(blob, b"", [], 0, first, need, values)
         else:
             result = _pick_pages(blob, values, first, need, sparse)
         return (result, replies[1]) if with_nodes else result

@@ -18,8 +18,8 @@ A tensor-parallel rank holds a range of heads (``Namespace.head_range``) and nee
 units that cover it (``RankUnits``); a pipeline stage, the layer groups of its layers.
 Client code calls ``rank_units``, ``unit_hashes``, ``split`` (a rank's pages into its
 units, for a put) and ``merge`` (received units into the rank's pages, for a get) or
-``rank_parts`` (the same as views, for a caller that places them itself); the index
-matches units by ``unit_of``."""
+``rank_parts`` (the same as views, for a caller that places them itself); lookups
+match an index entry to a unit by its hash (``kvstore/index/_match.c``, ``UNIT_MASK``)."""
 
 from __future__ import annotations
 
@@ -99,8 +99,8 @@ def unit_hashes(chain: list[bytes], first: int, count: int) -> list[bytes]:
     order in which units are stored and fetched (``split``). Measured for 8,192 blocks:
     2.6 ms for one unit each (a TP=2 rank's), 4.5 ms for two, 16 ms for eight; cutting
     the result into 16-byte objects is most of it (the XOR is vectorised). Unit 0 alone
-    is the chain itself, free. Lookups never call it: they match units by ``unit_of``;
-    only transfers name units."""
+    is the chain itself, free. Lookups never call it (they match an entry's hash to the
+    chain's, ``kvstore/index/_match.c``); only transfers name units."""
     if first == 0 and count == 1:
         return chain
     pairs = np.frombuffer(b"".join(chain), dtype="<u8").reshape(-1, 2)
@@ -108,15 +108,6 @@ def unit_hashes(chain: list[bytes], first: int, count: int) -> list[bytes]:
     out[:, :, 1] ^= np.arange(first, first + count, dtype="<u8")[:, None]
     raw = out.tobytes()
     return [raw[i : i + 16] for i in range(0, len(raw), 16)]
-
-
-def unit_of(asked: np.ndarray, found: np.ndarray) -> np.ndarray:
-    """For index entries ``found`` (h0, h1) at positions asked as ``asked`` (h0, h1 of
-    the block's chain hash): the unit each entry is, or -1 when it belongs to another
-    block."""
-    delta = asked["h1"] ^ found["h1"]
-    same = (asked["h0"] == found["h0"]) & (delta <= UNIT_MASK)
-    return np.where(same, delta.astype(np.int64), -1)
 
 
 def split(ns: Namespace, pages: torch.Tensor, p: RankUnits) -> torch.Tensor:
