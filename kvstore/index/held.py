@@ -18,14 +18,16 @@ def _exchange(client: Any, conn: Any, wire: list[tuple[Any, ...]]) -> list[Any]:
     caller: written at once, each reply read and parsed as redis-py parses it (its
     response callbacks); a command's error comes back as its reply. Commands of bytes,
     str and int arguments are packed in C (``_resp.pack``: a 128-key MGET in 1.0 us,
-    where redis-py took 32-57); others as redis-py packs them."""
+    where redis-py took 32-57); others as redis-py packs them. The batch goes out in one
+    write: a write per command (a lookup's GET and PTTL) cost a second system call, and
+    the server could wake for the first before the second arrived."""
     chunks: list[bytes] = []
     for args in wire:
         # a name of two words ("CLIENT SETINFO") redis-py splits, as any name not a str
         plain = isinstance(args[0], str) and " " not in args[0]
         packed = pack(tuple(args)) if plain else None
         chunks += [packed] if packed is not None else conn.pack_commands([args])
-    conn.send_packed_command(chunks)
+    conn.send_packed_command([chunks[0] if len(chunks) == 1 else b"".join(chunks)])
     out: list[Any] = []
     for args in wire:
         try:
