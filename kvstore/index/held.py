@@ -28,12 +28,18 @@ def _exchange(client: Any, conn: Any, wire: list[tuple[Any, ...]]) -> list[Any]:
         packed = pack(tuple(args)) if plain else None
         chunks += [packed] if packed is not None else conn.pack_commands([args])
     conn.send_packed_command([chunks[0] if len(chunks) == 1 else b"".join(chunks)])
+    # each reply as redis-py's parse_response reads it (its callback by command name),
+    # without that call's handling of options no command here takes
+    callbacks = client.response_callbacks
     out: list[Any] = []
     for args in wire:
         try:
-            out.append(client.parse_response(conn, args[0]))
+            reply = conn.read_response()
         except redis.ResponseError as exc:
             out.append(exc)
+            continue
+        callback = callbacks.get(args[0])
+        out.append(reply if callback is None else callback(reply))
     return out
 
 
