@@ -38,7 +38,13 @@ plain keys (the floor a plain Redis client sets, issue 53) and a ``PING`` (one r
 trip, nothing else: what a pause costs this machine). Systems take turns round by round; per system the median and min-max
 of every call, the p99, the first call of a round, and p99 and the first call's median
 as ratios of the median (p50). On a machine whose cores sleep between rounds, PING's
-ratios are the floor: the pause costs every round trip after it."""
+ratios are the floor: the pause costs every round trip after it.
+
+Last, the same paused lookups beside a worker (``busy_paused_lookups``): a thread of the
+same process saves and loads 16 pages of 2 MiB through a client of its own, as the vLLM
+connector's worker does beside its scheduler in one engine process, same host or over
+UCX, with 50 ms of quiet after each batch or none; the client and redis-py's EXISTS
+pipeline take turns under the same worker, on one storage node and its Valkey."""
 
 from __future__ import annotations
 
@@ -291,6 +297,111 @@ def paused_lookups(
         plain.close()
 
 
+# The worker's rhythm beside paused lookups: 16 pages of 2 MiB saved then loaded, then
+# WORKER_IDLE_S of quiet (an engine step's transfers, then its compute), or none at all.
+WORKER_PAGES = 16
+WORKER_IDLE_S = 0.05
+
+
+def busy_paused_lookups(rounds: int) -> None:
+    """The paused lookups with a worker in the same process loading and saving meanwhile,
+    as the vLLM connector's scheduler asks while its worker moves pages (one engine
+    process): a thread that saves 16 pages of 2 MiB and loads them back through a client
+    of its own, same host or over UCX, with 50 ms of quiet after each or none. The
+    client's lookups and redis-py's EXISTS pipeline take turns round by round under the
+    same worker; one storage node and its Valkey."""
+    import threading
+
+    import torch
+
+    from kvstore.tools.launcher import LocalCluster
+
+    ns = Namespace(
+        model="busy", layout="vllm_cpu", num_kv_heads=8, head_size=128, dtype="bfloat16",
+        num_layers=32, block_size=16,
+    )  # fmt: skip
+    tokens = list(range(16 * ns.block_size))
+    print(
+        f"\npaused lookups beside a worker, 16 blocks: rounds of {ROUND_CALLS} calls after "
+        f"{PAUSE_S:.0f} s of quiet, {rounds} rounds per system taking turns, while a thread "
+        f"saves and loads {WORKER_PAGES} pages of {ns.page_nbytes >> 20} MiB; ms"
+    )
+    print(
+        f"{'worker':<34} {'system':<26} {'all calls: median (min-max)':>28} {'p99':>7} "
+        f"{'first of a round':>22} {'moved':>9}"
+    )
+    # room for every page saved within a read lease (5 s) of being loaded: a full node
+    # refuses saves while all its pages are leased (docs/design.md)
+    with LocalCluster(1, "8GiB", slab_size="32MiB") as cluster:
+        url = cluster.redis_url
+        plain = redis.Redis.from_url(url)
+        publish_plain(plain, block_hashes(ns, tokens))
+        pages = torch.randn((WORKER_PAGES, *ns.page_shape)).to(torch.bfloat16)
+        with KVCacheClient(url, ns) as client:
+            client.put_pages(tokens, pages)
+            for same_host, idle in ((True, WORKER_IDLE_S), (False, WORKER_IDLE_S), (False, 0.0)):
+                worker = KVCacheClient(url, ns, timeout=60, same_host=same_host)
+                stop, moved = threading.Event(), [0]
+
+                def work(worker: KVCacheClient = worker, idle: float = idle) -> None:
+                    out = torch.empty_like(pages)
+                    k = 0
+                    while not stop.is_set():
+                        k += 1  # a new prompt each time: its pages are stored, not skipped
+                        start = 10**8 * (1 + same_host) + k * 4096 + int(idle * 1e6)
+                        batch = list(range(start, start + WORKER_PAGES * ns.block_size))
+                        stored = worker.put_pages(batch, pages).stored
+                        loaded = worker.get_pages(batch, out) // ns.block_size
+                        moved[0] += (stored + loaded) * ns.page_nbytes  # only what moved
+                        if idle:
+                            time.sleep(idle)
+
+                systems: list[tuple[str, Callable[[], object]]] = [
+                    ("kvstore client", lambda: client.lookup(tokens)),
+                    ("redis-py EXISTS pipeline", lambda: plain_lookup(plain, ns, tokens, "EXISTS")),
+                ]
+                for _, fn in systems:
+                    fn()
+                thread = threading.Thread(target=work, daemon=True)
+                thread.start()
+                calls: dict[str, list[float]] = {name: [] for name, _ in systems}
+                first: dict[str, list[float]] = {name: [] for name, _ in systems}
+                began = time.monotonic()
+                try:
+                    for r in range(rounds * len(systems)):
+                        name, fn = systems[r % len(systems)]
+                        time.sleep(PAUSE_S)
+                        for k in range(ROUND_CALLS):
+                            t = time.perf_counter()
+                            fn()
+                            calls[name].append((time.perf_counter() - t) * 1e3)
+                            if k == 0:
+                                first[name].append(calls[name][-1])
+                finally:
+                    stop.set()
+                    thread.join()
+                    worker.close()
+                rate = moved[0] / (time.monotonic() - began) / 1e9
+                label = f"{'same host' if same_host else 'UCX'}, " + (
+                    f"{idle * 1e3:.0f} ms quiet after each" if idle else "no quiet"
+                )
+                for name, _ in systems:
+                    p99 = statistics.quantiles(calls[name], n=100)[98]
+                    print(
+                        f"{label:<34} {name:<26} {fmt(calls[name]):>28} {p99:>7.2f} "
+                        f"{fmt(first[name]):>22} {rate:>6.2f} GB/s",
+                        flush=True,
+                    )
+                p50s = [statistics.median(calls[name]) for name, _ in systems]
+                p99s = [statistics.quantiles(calls[name], n=100)[98] for name, _ in systems]
+                print(
+                    f"{'':<34} kvstore client / redis-py EXISTS pipeline: p50 "
+                    f"{p50s[0] / p50s[1]:.2f}x, p99 {p99s[0] / p99s[1]:.2f}x",
+                    flush=True,
+                )
+        plain.close()
+
+
 def plain_lookup(r: redis.Redis, ns: Namespace, tokens: list[int], command: str) -> int:
     hashes = block_hashes(ns, tokens)
     pipe = r.pipeline(transaction=False)
@@ -352,6 +463,7 @@ def main() -> int:
             paused_lookups(single.url, index, ns, stored, args.paused_rounds)
         finally:
             single.stop()
+        busy_paused_lookups(args.paused_rounds)
         return 0
 
     # hashing, interleaved; each result is dropped inside its timing, as a lookup's is
@@ -498,6 +610,7 @@ def main() -> int:
         single.stop()
         if cluster is not None:
             cluster.stop()
+    busy_paused_lookups(args.paused_rounds)
     return 0
 
 
