@@ -237,6 +237,18 @@ static void release_found(Found *f) {
     PyBuffer_Release(&f->recs);
 }
 
+/* An IndexLookup's parts and the live tags, both read or neither (an exception set). */
+static int read_found_live(PyObject *recs_o, PyObject *pos_o, PyObject *units_o, PyObject *tags_o,
+                           Py_ssize_t covered, Py_ssize_t need, PyObject *needs_o, Found *f,
+                           Live *live) {
+    if (read_found(recs_o, pos_o, units_o, covered, need, needs_o, f) < 0) return -1;
+    if (read_live(tags_o, live) < 0) {
+        release_found(f);
+        return -1;
+    }
+    return 0;
+}
+
 /* ok[i]: entry i is of a live incarnation; has[p] (covered + 1 bytes, the last a 0
    sentinel): every unit asked at position p has a live entry. Returns -1 with an
    exception set on failure. */
@@ -296,11 +308,8 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
         return NULL;
     Found f;
     Live live;
-    if (read_found(recs_o, pos_o, units_o, covered, need, needs_o, &f) < 0) return NULL;
-    if (read_live(tags_o, &live) < 0) {
-        release_found(&f);
+    if (read_found_live(recs_o, pos_o, units_o, tags_o, covered, need, needs_o, &f, &live) < 0)
         return NULL;
-    }
     PyObject *result = NULL, *out_recs = NULL, *out_pos = NULL, *out_units = NULL;
     char *ok = PyMem_Malloc(f.m + f.covered + 2);
     if (!ok) {
@@ -357,11 +366,8 @@ static PyObject *present(PyObject *self, PyObject *args) {
         return NULL;
     Found f;
     Live live;
-    if (read_found(recs_o, pos_o, units_o, covered, need, needs_o, &f) < 0) return NULL;
-    if (read_live(tags_o, &live) < 0) {
-        release_found(&f);
+    if (read_found_live(recs_o, pos_o, units_o, tags_o, covered, need, needs_o, &f, &live) < 0)
         return NULL;
-    }
     PyObject *has = NULL;
     char *ok = PyMem_Malloc(f.m + 1);
     if (!ok) {
