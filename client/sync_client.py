@@ -186,10 +186,11 @@ class KVCacheClient:
         the index then waits at most ``timeout``. The node list comes from the client's
         directory, which reads the registry in the background: a lookup after a pause
         no longer reads it in its own round trip (paused lookups in bench/lookup.py).
-        Until the namespace is registered, or when the list went stale while the client
-        was idle (``client.nodes.directory.KEEP_FRESH_S``), the call goes through the loop, which
-        registers the namespace and reads the list first. ``last``: a chain stored at
-        some blocks only (``PrefixLookup.find``)."""
+        When the list went stale while the client was idle
+        (``client.nodes.directory.KEEP_FRESH_S``), the lookup reads the registry in its
+        one round trip; until the namespace is registered, the call goes through the
+        loop, which registers it first. ``last``: a chain stored at some blocks only
+        (``PrefixLookup.find``)."""
         inner = self._async
         return self._in_caller(
             timeout,
@@ -254,17 +255,16 @@ class KVCacheClient:
         self,
         timeout: float | None,
         on_loop: Callable[[], Coroutine[Any, Any, T]],
-        blocking: Callable[[PageIndex, list[NodeInfo]], T],
+        blocking: Callable[[PageIndex, list[NodeInfo] | None], T],
     ) -> T | None:
         """A lookup in the caller's thread (``blocking``, over the caller's index
-        connection and the directory's fresh node list: ``find`` says why), or through
-        the client's loop (``on_loop``, within ``timeout``: a miss past it) until the
-        namespace is registered and while the node list is stale."""
+        connection and the directory's node list, None when it is stale: ``find`` says
+        why), or through the client's loop (``on_loop``, within ``timeout``: a miss past
+        it) until the namespace is registered."""
         inner = self._async
-        nodes = inner.nodes.fresh() if inner.namespace_registered else None
-        if nodes is None:
+        if not inner.namespace_registered:
             return cast("T | None", self._read(on_loop(), None, timeout))
-        return blocking(self._index(timeout), nodes)
+        return blocking(self._index(timeout), inner.nodes.fresh())
 
     def _index(self, timeout: float | None) -> PageIndex:
         """The caller's index connection whose reads wait at most ``timeout`` (the

@@ -74,6 +74,51 @@ def test_a_lookup_uses_the_node_list_read_in_the_background():
 
 
 @pytest.mark.process
+def test_a_lookup_after_the_client_was_idle_reads_the_registry_in_its_own_round_trip(
+    monkeypatch,
+):
+    """Idle longer than ``KEEP_FRESH_S``, a client stops reading the registry and its
+    list goes stale; the next lookup in the caller's thread reads the registry in the
+    same round trip as its segments (not through the client's loop and a read of its
+    own: 2-4 ms after a pause, bench/lookup.py), so a node that joined meanwhile counts
+    at once, and the client keeps the list it read."""
+    import client.nodes.directory as directory_module
+
+    monkeypatch.setattr(directory_module, "KEEP_FRESH_S", 0.5)
+    ns = make_ns("idle-list")
+    tokens = list(range(40 * BLOCK))
+    with LocalCluster(servers=1, capacity="128MiB", slab_size="16MiB") as c:
+        with KVCacheClient(c.redis_url, ns, node_refresh=0.2) as reader:
+            assert reader.lookup(tokens) == 0  # registers the namespace; in use
+            directory = reader._async.nodes
+            deadline = time.monotonic() + 10
+            while not directory._dormant:
+                assert time.monotonic() < deadline, "the idle client kept reading the registry"
+                time.sleep(0.05)
+            c.add_node("node-late")
+            c.wait_registered()
+            with KVCacheClient(c.redis_url, ns) as writer:
+                assert writer.put_pages(tokens, pages_for(ns, tokens)).stored == 40
+            index = PageIndex(c.redis_url)
+            result = index.lookup(ns, block_hashes(ns, tokens), lease_ms=0).resolve(
+                index.live_nodes()
+            )
+            assert "node-late" in {loc.node_id for locs in result.locations for loc in locs}
+            deadline = time.monotonic() + 10
+            while directory.cached() is not None:  # older than two refreshes now
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            through_loop = []
+            on_loop = reader._async.find
+            monkeypatch.setattr(
+                reader._async, "find", lambda *a, **k: through_loop.append(a) or on_loop(*a, **k)
+            )
+            assert reader.find(tokens).tokens == 40 * BLOCK  # node-late's pages count
+            assert through_loop == []
+            assert {n.node_id for n in directory.cached() or []} == {"node-0", "node-late"}
+
+
+@pytest.mark.process
 def test_a_stale_node_list_whose_registry_read_fails_keeps_the_last_list():
     """When the registry's shard is down but the lookup's segment is elsewhere, a lookup
     after the background read failed still answers, from the last list it had, and

@@ -168,13 +168,14 @@ class PrefixLookup:
         self,
         index: PageIndex,
         token_ids: Any,
-        nodes: list[NodeInfo],
+        nodes: list[NodeInfo] | None,
         identity: Identity = None,
         *,
         last: bool = False,
     ) -> StoredPrefix | None:
         """``find`` in the caller's thread over ``index`` (its reads bound its wait),
-        against ``nodes`` (``NodeDirectory.fresh``), for a registered namespace."""
+        against ``nodes`` (``NodeDirectory.fresh``; None when that list is stale: the
+        registry is read in the lookup's round trip), for a registered namespace."""
         return self.find_joined_blocking(
             index, self.chain_hashes(token_ids, identity), nodes, last=last
         )
@@ -183,7 +184,7 @@ class PrefixLookup:
         self,
         index: PageIndex,
         joined: bytes,
-        nodes: list[NodeInfo],
+        nodes: list[NodeInfo] | None,
         *,
         last: bool = False,
         place: ChainPlace = TOKEN_CHAIN,
@@ -195,8 +196,8 @@ class PrefixLookup:
         the index again)."""
         if not joined:
             return self._prefix(joined, LookupResult.empty(), last, place)
-        found = self._ask_blocking(index, joined, last, place, None if lease else 0)
-        result = None if found is None else self._resolve(found, nodes, last)
+        asked = self._ask_blocking(index, joined, nodes, last, place, None if lease else 0)
+        result = None if asked is None else self._resolve(*asked, last)
         if result is None:
             return None
         return self.stored_prefix(joined, result, last, place, None if lease else 0)
@@ -206,17 +207,17 @@ class PrefixLookup:
         rank's share is stored, each on its own (no prefix: a page missing before it does
         not hide it), with no read lease; None on an index fault. Registers the
         namespace first while that has not succeeded."""
-        found = await self._ask_loop(joined, (), True, UNPLACED, 0)
-        return None if found is None else self._present(found, await self._nodes.current())
+        asked = await self._ask_loop(joined, (), True, UNPLACED, 0)
+        return None if asked is None else self._present(*asked)
 
     def stored_each_blocking(
-        self, index: PageIndex, joined: bytes, nodes: list[NodeInfo]
+        self, index: PageIndex, joined: bytes, nodes: list[NodeInfo] | None
     ) -> np.ndarray | None:
         """``stored_each`` in the caller's thread, as ``find_blocking``."""
         if not joined:
             return np.zeros(0, dtype=bool)
-        found = self._ask_blocking(index, joined, True, UNPLACED, 0)
-        return None if found is None else self._present(found, nodes)
+        asked = self._ask_blocking(index, joined, nodes, True, UNPLACED, 0)
+        return None if asked is None else self._present(*asked)
 
     def _present(self, found: IndexLookup, nodes: list[NodeInfo]) -> np.ndarray | None:
         """``found.present``, or None when the index could not answer (``_answered``)."""
@@ -233,8 +234,8 @@ class PrefixLookup:
         """The index's answer for ``hashes`` (chains start at 0 and at each of
         ``breaks``, placed as ``place`` says) with replicas of stale incarnations
         dropped; None on an index fault. ``last``: as ``find``'s."""
-        found = await self._ask_loop(hashes, breaks, last, place)
-        return None if found is None else self._resolve(found, await self._nodes.current(), last)
+        asked = await self._ask_loop(hashes, breaks, last, place)
+        return None if asked is None else self._resolve(*asked, last)
 
     def stored_prefix(
         self,
@@ -293,9 +294,11 @@ class PrefixLookup:
         sparse: bool = False,
         place: ChainPlace = TOKEN_CHAIN,
         lease_ms: int | None = None,
+        with_nodes: bool = False,
     ) -> Any:
         """The index call of a lookup: its answer, or an awaitable of it for the async
-        index. ``sparse``: every segment read (a ``last`` lookup's chain has gaps)."""
+        index. ``sparse``: every segment read (a ``last`` lookup's chain has gaps).
+        ``with_nodes``: the registry is read in the same round trip (``_asked``)."""
         self._stats.lookups += 1
         return index.lookup(
             self._storage,
@@ -307,6 +310,7 @@ class PrefixLookup:
             offset=place.offset,
             head_anchor=place.head_anchor,
             lease_ms=lease_ms,
+            with_nodes=with_nodes,
         )
 
     async def _ask_loop(
@@ -316,35 +320,54 @@ class PrefixLookup:
         sparse: bool,
         place: ChainPlace,
         lease_ms: int | None = None,
-    ) -> IndexLookup | None:
+    ) -> tuple[IndexLookup, list[NodeInfo]] | None:
         """``_ask`` of the client's own index on its loop, registering the namespace
-        first while that has not succeeded; None on an index fault (``_failed``)."""
+        first while that has not succeeded: the index's answer and the nodes to check
+        it against (``_asked``); None on an index fault (``_failed``)."""
         await self._registration.ensure()
+        nodes, at = self._nodes.fresh(), time.monotonic()
         try:
-            found: IndexLookup = await self._ask(
-                self._index, hashes, breaks, sparse, place, lease_ms
+            found = await self._ask(
+                self._index, hashes, breaks, sparse, place, lease_ms, nodes is None
             )
         except (RemoteFault, IndexScriptError) as exc:
             self._failed(exc)
             return None
-        return found
+        return self._asked(found, nodes, at)
 
     def _ask_blocking(
         self,
         index: PageIndex,
         joined: bytes,
+        nodes: list[NodeInfo] | None,
         sparse: bool,
         place: ChainPlace,
         lease_ms: int | None,
-    ) -> IndexLookup | None:
-        """``_ask`` of ``index`` in the caller's thread (a registered namespace); None
-        on an index fault (``_failed``)."""
+    ) -> tuple[IndexLookup, list[NodeInfo]] | None:
+        """``_ask`` of ``index`` in the caller's thread (a registered namespace), against
+        ``nodes`` (``NodeDirectory.fresh``: None when stale, ``_asked``); None on an
+        index fault (``_failed``)."""
+        at = time.monotonic()
         try:
-            found: IndexLookup = self._ask(index, joined, (), sparse, place, lease_ms)
+            found = self._ask(index, joined, (), sparse, place, lease_ms, nodes is None)
         except (RemoteFault, IndexScriptError) as exc:
             self._failed(exc)
             return None
-        return found
+        return self._asked(found, nodes, at)
+
+    def _asked(
+        self, found: Any, nodes: list[NodeInfo] | None, at: float
+    ) -> tuple[IndexLookup, list[NodeInfo]]:
+        """A lookup's answer and the nodes to check it against: ``nodes``, or when the
+        directory's list was stale (None: the client was idle, ``KEEP_FRESH_S``) the
+        registry read in the lookup's own round trip, sent at ``at``
+        (``NodeDirectory.offered``). Through the client's loop and a round trip of its
+        own, that read made the first lookup after more than 5 s of quiet 2-4 ms
+        (bench/lookup.py, paused lookups)."""
+        if nodes is not None:
+            return found, nodes
+        found, read = found
+        return found, self._nodes.offered(read, at)
 
     def _prefix(
         self,

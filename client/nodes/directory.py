@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from typing import Any
 
@@ -42,14 +43,17 @@ SUSPECT_MAX = 8.0
 # its round trip: bench/lookup.py, paused lookups). Idle longer, the client reads nothing
 # (it costs no CPU); its next call reads the registry first when the list is then older
 # than two refreshes, so no call decides on a list older than that while the registry
-# answers. Nodes rarely change, and a node that died meanwhile costs a miss, not bytes.
+# answers: a lookup in the same round trip as its segments (``offered``), other calls
+# before theirs. Nodes rarely change, and a node that died meanwhile costs a miss, not
+# bytes.
 KEEP_FRESH_S = 5.0
 
 
 class NodeDirectory:
     """One job: the client's view of the nodes (registry, suspects, connections).
-    Called on the client's event loop, except ``fresh``, ``last`` and ``touch``, which
-    any thread may call (the blocking client's lookups, in the caller's thread).
+    Called on the client's event loop, except ``fresh``, ``offered``, ``cached`` and
+    ``last``, which any thread may call (the blocking client's lookups, in the caller's
+    thread).
     ``start`` (the client's start, on its loop) begins the background reads; ``ucxx``
     is set by the client's start too."""
 
@@ -78,6 +82,7 @@ class NodeDirectory:
         self._nodes: list[NodeInfo] = []
         # monotonic time of the read that gave _nodes; None before the first
         self._nodes_at: float | None = None
+        self._keep_lock = threading.Lock()  # a newer list is never replaced by an older one
         self._read_failed = False  # the last background read of the registry failed
         self._used_at = time.monotonic()
         self._dormant = False  # the background reads wait for a call (the client was idle)
@@ -114,6 +119,7 @@ class NodeDirectory:
         nodes = self.fresh()
         if nodes is None:
             await self._read()
+            self._resume()
             nodes = self._nodes
             if self._read_failed:
                 self.stats.index_errors += 1  # the call decides on the last list, however old
@@ -122,15 +128,20 @@ class NodeDirectory:
     def fresh(self) -> list[NodeInfo] | None:
         """Any thread: the registered nodes for one call without reading the registry,
         or None when the call must read it first (never read, empty, or stale after an
-        idle spell). Marks the client as in use. A call given the list while the last
-        read failed counts an index fault: it decides on the last list it has."""
-        self.touch()
+        idle spell). Marks the client as in use: the background reads resume, after the
+        call's own read when it must read (``_resume``), not beside it. A call given the
+        list while the last read failed counts an index fault: it decides on the last
+        list it has."""
+        # _dormant is read after _used_at is written, and _keep_fresh writes _dormant
+        # before it reads _used_at: one of the two sees the other (no lost wake-up)
+        self._used_at = time.monotonic()
         nodes, at = self._nodes, self._nodes_at
         idle = self._dormant or self._reader is None  # no background reads: this call must read
         # no node at all: the registry may have lost them (an index restart) and be
         # filled again by now, so the call reads it rather than miss for a refresh
         if not nodes or at is None or (idle and time.monotonic() - at > self._stale_after):
             return None
+        self._resume()
         if self._read_failed:
             self.stats.index_errors += 1
         return nodes
@@ -145,11 +156,11 @@ class NodeDirectory:
         """The registered nodes as last read, however old (any thread)."""
         return self._nodes
 
-    def touch(self) -> None:
-        """Any thread: the client is in use; background reads resume if they had stopped."""
-        self._used_at = time.monotonic()
-        # _dormant is read after _used_at is written, and _keep_fresh writes _dormant
-        # before it reads _used_at: one of the two sees the other (no lost wake-up)
+    def _resume(self) -> None:
+        """Any thread, for a call that marked the client in use (``fresh``): background
+        reads resume if they had stopped. A call that read the registry itself resumes
+        them after its read: woken at its start, the reader read the registry beside it
+        (a lookup after 8 s of quiet, bench/lookup.py)."""
         if self._dormant:
             self._wake_reader()
 
@@ -168,11 +179,17 @@ class NodeDirectory:
                 await asyncio.wait_for(self._wake.wait(), self._refresh)
             self._wake.clear()
             if time.monotonic() - self._used_at > KEEP_FRESH_S:
-                self._dormant = True  # written before _used_at is read again: see touch
+                self._dormant = True  # written before _used_at is read again: see fresh
                 if time.monotonic() - self._used_at > KEEP_FRESH_S:
                     await self._wake.wait()
-                    self._wake.clear()
+                # dormant until the list is fresh again: calls meanwhile read the registry
+                # themselves (fresh), none takes the stale list as the reader's
+                at = self._nodes_at
+                if at is None or time.monotonic() - at >= self._refresh:
+                    await self._read()  # else the call that woke it read the list (offered)
                 self._dormant = False
+                self._wake.clear()  # the calls of that spell woke it: one read for all
+                continue
             await self._read()
 
     async def _read(self) -> None:
@@ -181,16 +198,37 @@ class NodeDirectory:
         sent before the registry answered again."""
         at = time.monotonic()
         try:
-            nodes = await self.index.live_nodes()
+            self._keep(await self.index.live_nodes(), at)
         except RemoteFault as exc:
+            self._keep(exc, at)
+
+    def offered(self, read: list[NodeInfo] | Exception, at: float) -> list[NodeInfo]:
+        """Any thread: the nodes for a call that found the list stale (``fresh`` gave
+        None) and read the registry in its own round trip (a lookup ``with_nodes``),
+        sent at ``at`` (monotonic): the list it read, which the client keeps unless a
+        newer one is there; after a failed read the last list, however old, and an
+        index fault counted, as ``current`` does."""
+        self._keep(read, at)
+        self._resume()
+        if isinstance(read, Exception):
+            self.stats.index_errors += 1
+            return self._nodes
+        return read
+
+    def _keep(self, read: list[NodeInfo] | Exception, at: float) -> None:
+        """A read of the registry sent at ``at``: its list replaces an older one; a
+        failure leaves the last list (its nodes still serve) and is logged once until a
+        read succeeds. Any thread (the background reads, and calls that read)."""
+        if isinstance(read, Exception):
             if not self._read_failed:
                 log.warning(
-                    "cannot list nodes (using the last list until the registry answers): %s", exc
+                    "cannot list nodes (using the last list until the registry answers): %s", read
                 )
             self._read_failed = True
             return
-        if self._nodes_at is None or at > self._nodes_at:
-            self._nodes, self._nodes_at = nodes, at
+        with self._keep_lock:
+            if self._nodes_at is None or at > self._nodes_at:
+                self._nodes, self._nodes_at = read, at
         self._read_failed = False
 
     async def connect(self, timeout: float, namespace: NamespaceKey) -> None:

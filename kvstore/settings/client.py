@@ -41,7 +41,8 @@ class ClientOptions(IndexAccess):
         allow_inf_nan=False,
         description=(
             "seconds between background reads of the node registry while the client is in use "
-            "(none while it is idle; a call after an idle spell reads it first)"
+            "(none while it is idle; a call after an idle spell reads it first, a lookup in "
+            "its own round trip)"
         ),
     )
     lease_ms: int = Field(
