@@ -39,6 +39,17 @@ def test_nodes_joining_are_picked_up_without_restarting_clients():
         assert holders == {"node-0", "node-late"}
 
 
+def _written_to(c: LocalCluster, ns, tokens: list[int]) -> set[str]:
+    """Store ``tokens``' pages through a new client; the nodes that hold them, as a
+    fresh index read shows."""
+    with KVCacheClient(c.redis_url, ns) as writer:
+        assert writer.put_pages(tokens, pages_for(ns, tokens)).stored == len(tokens) // BLOCK
+    index = PageIndex(c.redis_url)
+    result = index.lookup(ns, block_hashes(ns, tokens), lease_ms=0).resolve(index.live_nodes())
+    index.close()
+    return {loc.node_id for locs in result.locations for loc in locs}
+
+
 @pytest.mark.process
 def test_a_lookup_uses_the_node_list_read_in_the_background():
     """A client in use reads the registry in the background every ``node_refresh``
@@ -51,16 +62,7 @@ def test_a_lookup_uses_the_node_list_read_in_the_background():
         with KVCacheClient(c.redis_url, ns, node_refresh=0.3) as reader:
             c.add_node("node-late")
             c.wait_registered()
-            with KVCacheClient(c.redis_url, ns) as writer:
-                assert writer.put_pages(tokens, pages_for(ns, tokens)).stored == 40
-            index = PageIndex(c.redis_url)
-            result = index.lookup(ns, block_hashes(ns, tokens), lease_ms=0).resolve(
-                index.live_nodes()
-            )
-            assert {loc.node_id for locs in result.locations for loc in locs} == {
-                "node-0",
-                "node-late",
-            }
+            assert _written_to(c, ns, tokens) == {"node-0", "node-late"}
             directory = reader._async.nodes
             deadline = time.monotonic() + 5
             while {n.node_id for n in directory.cached() or []} != {"node-0", "node-late"}:
@@ -97,13 +99,7 @@ def test_a_lookup_after_the_client_was_idle_reads_the_registry_in_its_own_round_
                 time.sleep(0.05)
             c.add_node("node-late")
             c.wait_registered()
-            with KVCacheClient(c.redis_url, ns) as writer:
-                assert writer.put_pages(tokens, pages_for(ns, tokens)).stored == 40
-            index = PageIndex(c.redis_url)
-            result = index.lookup(ns, block_hashes(ns, tokens), lease_ms=0).resolve(
-                index.live_nodes()
-            )
-            assert "node-late" in {loc.node_id for locs in result.locations for loc in locs}
+            assert "node-late" in _written_to(c, ns, tokens)
             deadline = time.monotonic() + 10
             while directory.cached() is not None:  # older than two refreshes now
                 assert time.monotonic() < deadline

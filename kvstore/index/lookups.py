@@ -32,7 +32,7 @@ from kvstore.errors import (
 from kvstore.index import _match, checks, scripts
 from kvstore.index.commands import Cmd
 from kvstore.index.driver import IndexDriver
-from kvstore.index.records import ENTRY, IndexLookup
+from kvstore.index.records import ENTRY, IndexLookup, entry_arrays
 from kvstore.index.registry import live_nodes_cmd
 from kvstore.pages import keys
 from kvstore.pages._chainhash import hex_names
@@ -263,14 +263,7 @@ def _picked(
         needs = np.ascontiguousarray(need, dtype=np.int64)
         kept, positions, units = _match.pick(blob, recs, array("q", runs), 0, 0, firsts, needs)
         kept_need = needs[:covered]
-    return IndexLookup(
-        covered,
-        np.frombuffer(kept, dtype=ENTRY),
-        np.frombuffer(positions, dtype=np.int64),
-        np.frombuffer(units, dtype=np.int64),
-        kept_need,
-        unavailable,
-    )
+    return IndexLookup(covered, *entry_arrays(kept, positions, units), kept_need, unavailable)
 
 
 class LookupMethods(IndexDriver):

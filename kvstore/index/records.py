@@ -269,13 +269,7 @@ class IndexLookup:
             *self._need(),
             last,
         )
-        return LookupResult(
-            matched,
-            np.frombuffer(recs, dtype=ENTRY),
-            np.frombuffer(positions, dtype=np.int64),
-            np.frombuffer(units, dtype=np.int64),
-            live,
-        )
+        return LookupResult(matched, *entry_arrays(recs, positions, units), live)
 
     def present(self, nodes: Sequence[NodeInfo]) -> np.ndarray:
         """Per position covered, whether every unit asked there has a live record
@@ -293,6 +287,18 @@ class IndexLookup:
         if isinstance(need, int):
             return need, None
         return 1, np.ascontiguousarray(need, dtype=np.int64)
+
+
+def entry_arrays(
+    recs: bytearray, positions: bytearray, units: bytearray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What ``_match`` hands back as arrays, without a copy: ENTRY records, and their
+    positions and units (int64)."""
+    return (
+        np.frombuffer(recs, dtype=ENTRY),
+        np.frombuffer(positions, dtype=np.int64),
+        np.frombuffer(units, dtype=np.int64),
+    )
 
 
 def live_records(records: np.ndarray, live: dict[int, NodeInfo]) -> np.ndarray:
