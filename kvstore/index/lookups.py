@@ -308,7 +308,7 @@ class LookupMethods(IndexDriver):
         prefix = checks.namespace_key(namespace).prefix
         blob = checks.joined_hashes(hashes, "lookup", joined_ok=True)
         n = len(blob) // HASH_BYTES
-        head_chain = min((b for b in breaks if b > 0), default=n) if breaks else n
+        head_chain = min((b for b in breaks if b > 0), default=n)
         first: np.ndarray | int
         need: np.ndarray | int
         if head_chain >= n:  # one chain, the same units at every position: no arrays
