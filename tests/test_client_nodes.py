@@ -114,44 +114,97 @@ def test_a_lookup_after_the_client_was_idle_reads_the_registry_in_its_own_round_
             assert {n.node_id for n in directory.cached() or []} == {"node-0", "node-late"}
 
 
+def _tokens_off_registry(c: LocalCluster, ns) -> tuple[list[int], int]:
+    """A prompt of 8 blocks (one segment) whose segment lies on another shard than the
+    node registry, and the registry's shard number."""
+    index = PageIndex(c.redis_url)
+    index.ping()
+    topology = index._router.topology
+    index.close()
+    registry = topology.shard_of(keys.NODES_ZSET)
+    tokens = next(
+        t
+        for t in (list(range(k, k + 8 * BLOCK)) for k in range(10_000))
+        if topology.shard_of(keys.segment_key(ns.storage.key.prefix, block_hashes(ns, t)[0]))
+        != registry
+    )
+    return tokens, registry
+
+
 @pytest.mark.process
-def test_a_stale_node_list_whose_registry_read_fails_keeps_the_last_list():
+@pytest.mark.parametrize("idle", [False, True], ids=["in-use", "idle"])
+def test_a_stale_node_list_whose_registry_read_fails_keeps_the_last_list(idle, monkeypatch):
     """When the registry's shard is down but the lookup's segment is elsewhere, a lookup
-    after the background read failed still answers, from the last list it had, and
-    counts the fault; nothing is raised."""
-    ns = make_ns("stale-list-fault")
-    tokens = list(range(8 * BLOCK))
+    after the registry read failed still answers, from the last list it had, and counts
+    the fault; nothing is raised. In use, the background read failed; idle (past
+    ``KEEP_FRESH_S``), the lookup's own read in its round trip failed
+    (``NodeDirectory.offered``), in the caller's thread."""
+    import client.nodes.directory as directory_module
+
+    monkeypatch.setattr(directory_module, "KEEP_FRESH_S", 0.5)
+    ns = make_ns(f"stale-list-fault-{idle}")
     with LocalCluster(servers=1, capacity="128MiB", slab_size="16MiB", index_shards=3) as c:
-        index = PageIndex(c.redis_url)
-        index.ping()
-        topology = index._router.topology
-        registry = topology.shard_of(keys.NODES_ZSET)
-        segment = topology.shard_of(
-            keys.segment_key(ns.storage.key.prefix, block_hashes(ns, tokens)[0])
-        )
-        if segment == registry:  # one segment, 8 blocks: move the prompt until it lies elsewhere
-            tokens = next(
-                t
-                for t in (list(range(k, k + 8 * BLOCK)) for k in range(1, 10_000))
-                if topology.shard_of(
-                    keys.segment_key(ns.storage.key.prefix, block_hashes(ns, t)[0])
-                )
-                != registry
-            )
-        index.close()
-        with KVCacheClient(c.redis_url, ns, node_refresh=0.3, timeout=1.0) as client:
+        tokens, registry = _tokens_off_registry(c, ns)
+        with KVCacheClient(c.redis_url, ns, node_refresh=0.2, timeout=1.0) as client:
             assert client.put_pages(tokens, pages_for(ns, tokens)).stored == 8
             assert client.find(tokens).tokens == 8 * BLOCK
-            c.valkey.shards[registry].stop()
             directory = client._async.nodes
             deadline = time.monotonic() + 10
-            while not directory._read_failed:  # the background read found the registry down
-                assert time.monotonic() < deadline, "the background read never failed"
-                client.find(tokens)  # keeps the client in use, so the reads go on
-                time.sleep(0.05)
+            if idle:
+                while directory.cached() is not None:  # dormant, and its list stale
+                    assert time.monotonic() < deadline, "the idle client's list stayed fresh"
+                    time.sleep(0.05)
+                c.valkey.shards[registry].stop()
+                through_loop = []
+                on_loop = client._async.find
+                monkeypatch.setattr(
+                    client._async,
+                    "find",
+                    lambda *a, **k: through_loop.append(a) or on_loop(*a, **k),
+                )
+            else:
+                c.valkey.shards[registry].stop()
+                while not directory._read_failed:  # the background read found the registry down
+                    assert time.monotonic() < deadline, "the background read never failed"
+                    client.find(tokens)  # keeps the client in use, so the reads go on
+                    time.sleep(0.05)
             faults = client.stats.index_errors
             assert client.find(tokens).tokens == 8 * BLOCK  # the last list names the node
             assert client.stats.index_errors > faults  # deciding on the last list is counted
+            assert directory._read_failed
+            if idle:
+                assert through_loop == []
+
+
+@pytest.mark.process
+def test_an_idle_async_client_reads_the_registry_in_its_lookup(monkeypatch):
+    """``AsyncKVCacheClient.find`` after an idle spell (past ``KEEP_FRESH_S``) reads the
+    registry in the lookup's round trip, so a node that joined meanwhile counts."""
+    import asyncio
+
+    import client.nodes.directory as directory_module
+    from client import AsyncKVCacheClient
+
+    monkeypatch.setattr(directory_module, "KEEP_FRESH_S", 0.5)
+    ns = make_ns("idle-async")
+    tokens = list(range(40 * BLOCK))
+
+    async def scenario(c: LocalCluster) -> tuple[int, set[str]]:
+        async with AsyncKVCacheClient(c.redis_url, ns, node_refresh=0.2) as reader:
+            assert (await reader.find(tokens)).tokens == 0
+            directory = reader.nodes
+            while directory.cached() is not None:  # dormant, and its list stale
+                await asyncio.sleep(0.05)
+            await asyncio.to_thread(c.add_node, "node-late")
+            await asyncio.to_thread(c.wait_registered)
+            assert "node-late" in await asyncio.to_thread(_written_to, c, ns, tokens)
+            found = await reader.find(tokens)
+            return found.tokens, {n.node_id for n in directory.cached() or []}
+
+    with LocalCluster(servers=1, capacity="128MiB", slab_size="16MiB") as c:
+        matched, listed = asyncio.run(scenario(c))
+    assert matched == 40 * BLOCK
+    assert listed == {"node-0", "node-late"}
 
 
 @pytest.mark.process
