@@ -38,6 +38,7 @@ from client.lookups.prefix import Identity, PrefixLookup, StoredPrefix
 from client.lookups.registration import NamespaceRegistration
 from client.memory.buffers import Span
 from client.memory.device_pages import DeviceCopier, default_copier
+from client.memory.device_rows import DeviceRows
 from client.memory.layer_feed import LayerFeed
 from client.memory.staging import host_buffers
 from client.nodes.directory import NodeDirectory
@@ -337,21 +338,25 @@ class AsyncKVCacheClient:
     async def get_found_device(
         self,
         found: StoredPrefix,
-        rows: torch.Tensor,
+        rows: torch.Tensor | DeviceRows,
         start_block: int = 0,
         feed: LayerFeed | None = None,
+        after: Any = None,
     ) -> int:
         """``get_found`` straight into device memory: the pages of blocks ``start_block``
         on land back to back in ``rows`` (a contiguous tensor on the device, of at least
-        ``(found.blocks - start_block) * page_nbytes`` bytes), copied from the node's
-        memory by DMA on the same host (from pinned host memory over UCX) and checked on
-        the device against their checksums. Returns the tokens of the prefix that
-        arrived, as ``get_found``; rows past it are unspecified. For a rank whose head
-        groups are its whole pages; ``lands_on_device`` says whether it can run. With
-        ``feed`` (``client.memory.layer_feed``: one per call), the pages land layer by
-        layer and ``feed`` tells a reader when each layer is in place
-        (``lands_layers``)."""
-        return await self._reader.get_found_device(found, rows, start_block, feed)
+        ``(found.blocks - start_block) * page_nbytes`` bytes), or each at its own offset
+        of a ``DeviceRows`` (``PagedCache.device_rows``: a block-major cache's own
+        blocks, so no copy follows), copied from the node's memory by DMA on the same
+        host (from pinned host memory over UCX) and checked on the device against their
+        checksums. Returns the tokens of the prefix that arrived, as ``get_found``; rows
+        past it are unspecified. For a rank whose head groups are its whole pages;
+        ``lands_on_device`` says whether it can run. With ``feed``
+        (``client.memory.layer_feed``: one per call), the pages land layer by layer, back
+        to back, and ``feed`` tells a reader when each layer is in place
+        (``lands_layers``). With ``after`` (a CUDA event), no copy starts before it has
+        passed on the device: memory that earlier device work may still read."""
+        return await self._reader.get_found_device(found, rows, start_block, feed, after)
 
     def lands_on_device(self, memory: torch.device) -> bool:
         """Whether ``get_found_device`` (and ``get_pages`` into a tensor there) lands

@@ -27,6 +27,7 @@ import torch
 from client.async_client import AsyncKVCacheClient
 from client.lookups.prefix import Identity, StoredPrefix
 from client.memory.buffers import Span
+from client.memory.device_rows import DeviceRows
 from client.memory.layer_feed import LayerFeed
 from client.puts.publish import PublishReport
 from client.stats import ClientStats
@@ -315,12 +316,13 @@ class KVCacheClient:
     def get_found_device(
         self,
         found: StoredPrefix,
-        rows: torch.Tensor,
+        rows: torch.Tensor | DeviceRows,
         start_block: int = 0,
         feed: LayerFeed | None = None,
+        after: Any = None,
     ) -> int:
         """``AsyncKVCacheClient.get_found_device``; a fault or the deadline gives 0."""
-        return self._read(self._async.get_found_device(found, rows, start_block, feed), 0)
+        return self._read(self._async.get_found_device(found, rows, start_block, feed, after), 0)
 
     def lands_on_device(self, memory: torch.device) -> bool:
         """``AsyncKVCacheClient.lands_on_device`` (any thread)."""

@@ -19,8 +19,8 @@ from client import KVCacheClient
 from client.memory.buffers import Span
 from client.memory.device_landing import POLL_AFTER, POLL_BEFORE, BusPace, settled
 from client.memory.device_pages import CudaCopier, HostCopier
-from client.memory.device_rows import DeviceSpan
-from client.paging.loader import PageLoader
+from client.memory.device_rows import DeviceRows, DeviceSpan
+from client.paging.loader import PageLoader, copies_pay
 from client.paging.paged_cache import PagedCache
 from client.paging.staging_pool import StagingPool
 from client.stats import ClientStats
@@ -83,28 +83,47 @@ def test_a_page_overwritten_during_a_load_is_a_miss(cluster, copier, request):
         assert reader.stats.checksum_failures == 1
 
 
-def test_the_connector_recomputes_blocks_overwritten_during_a_load(cluster, copier, request):
+def _cache_layers(layout: str, ns, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """20 blocks of every layer of ``ns``, viewed per layer ``[blocks, heads, block, 2*hd]``
+    as vLLM 0.32 hands them over, in the byte order ``layout`` names: ``LBNHC``
+    (FlashAttention's default, a tensor per layer ``[blocks, block, heads, 2*hd]``) or
+    ``BLHNC`` (one tensor, a block of every layer back to back: one page)."""
+    L, H, C = ns.num_layers, ns.num_kv_heads, 2 * ns.head_size
+    if layout == "BLHNC":
+        storage = torch.zeros((20, L, H, BLOCK, C), dtype=dtype, device=device)
+        return [storage[:, layer] for layer in range(L)]
+    return [
+        torch.zeros((20, BLOCK, H, C), dtype=dtype, device=device).permute(0, 2, 1, 3)
+        for _ in range(L)
+    ]
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "BLHNC"])
+def test_the_connector_recomputes_blocks_overwritten_during_a_load(
+    cluster, copier, layout, request
+):
     """The vLLM worker's load path (``PageLoader``) into a paged cache on the copier's
-    device: a clean load scatters every block bit-exact into the cache's (strided)
-    layers; a load during which a page is overwritten in the node's memory reports that
-    block and every later one as failed (vLLM recomputes them) and leaves those blocks
-    of the cache untouched."""
-    ns = make_ns(request.node.name, layout="vllm_cpu", num_layers=3)
+    device: a clean load writes every block bit-exact into the cache's (strided) layers;
+    a load during which a page is overwritten in the node's memory reports that block
+    and every later one as failed (vLLM recomputes them). Into FlashAttention's default
+    byte order the pages go through device rows and a scatter, so the failed blocks are
+    left untouched; into a block-major cache (BLHNC) each page lands in its own block,
+    no scatter, so the page that failed its check is found in its block, which vLLM
+    recomputes before anything reads it."""
+    # pages of 768 KiB: the blocks loaded (10-11, 3-4, 17) average over 1 MiB a run, so
+    # a block-major cache takes them in place (loader.copies_pay)
+    ns = make_ns(request.node.name, layout="vllm_cpu", num_layers=3, num_kv_heads=8, head_size=512)
     tokens = list(range(6 * BLOCK))
     pages = pages_for(ns, tokens)  # [n, L, H, B, 2*hd]
     with KVCacheClient(cluster.redis_url, ns, timeout=10) as writer:
         assert writer.put_pages(tokens, pages).stored == 6
     device = device_of(copier)
     block_ids = [9, 10, 11, 3, 4, 17]
+    assert copies_pay(block_ids[1:], PagedCache(_cache_layers(layout, ns, pages.dtype, device)))
     for scribbled in (None, 4):
-        # FlashAttention's default byte order: per layer [blocks, block, heads, 2*hd], viewed [blocks, heads, block, 2*hd]
-        layers = [
-            torch.zeros(
-                (20, BLOCK, ns.num_kv_heads, 2 * ns.head_size), dtype=pages.dtype, device=device
-            ).permute(0, 2, 1, 3)
-            for _ in range(ns.num_layers)
-        ]
+        layers = _cache_layers(layout, ns, pages.dtype, device)
         cache = PagedCache(layers)
+        assert (cache.device_rows(block_ids) is not None) == (layout == "BLHNC")
         make = COPIERS[copier] if scribbled is None else scribbling(COPIERS[copier], scribbled - 1)
         with KVCacheClient(cluster.redis_url, ns, timeout=10, device=make) as client:
             loader = PageLoader(
@@ -116,23 +135,86 @@ def test_the_connector_recomputes_blocks_overwritten_during_a_load(cluster, copi
                 load_stream=torch.cuda.Stream() if device.type == "cuda" else None,
                 credential_refused=lambda exc: None,
             )
+            after = torch.cuda.Event() if device.type == "cuda" else None
+            if after is not None:
+                after.record()
             outcome = loader.load(
-                LoadSpec("req", client.find(tokens), block_ids, start_block=1), None
+                LoadSpec("req", client.find(tokens), block_ids, start_block=1), after
             )
             assert client.stats.device_transfers == 1
         good = 6 if scribbled is None else scribbled
         assert outcome.failed == block_ids[good:]
+
+        def holds(block: int, page: torch.Tensor) -> bool:
+            return all(same(layers[layer][block], page[layer]) for layer in range(ns.num_layers))
+
         for i, block in enumerate(block_ids):
+            if layout == "BLHNC" and i >= good:
+                continue  # in place: recomputed by vLLM, whatever landed
             want = pages[i] if 1 <= i < good else torch.zeros_like(pages[i])
-            assert all(same(layers[layer][block], want[layer]) for layer in range(ns.num_layers)), (
-                i,
-                block,
-            )
+            assert holds(block, want), (i, block)
+        if layout == "BLHNC" and scribbled is not None:
+            failed = block_ids[scribbled]
+            assert not holds(failed, pages[scribbled])
+            assert not holds(failed, torch.zeros_like(pages[scribbled]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="orders CUDA streams")
+def test_pages_landing_in_a_cache_wait_for_the_event_they_are_given(cluster, request):
+    """A get into a block-major cache's own blocks starts its copies only once the event
+    it is given has passed on the device: work the engine queued before it that still
+    writes those blocks (here a fill behind a 0.2 s sleep, standing for a step whose
+    request freed them) is over before the pages land, so they are not overwritten."""
+    ns = make_ns(request.node.name, layout="vllm_cpu", num_layers=3)
+    tokens = list(range(4 * BLOCK))
+    pages = pages_for(ns, tokens)
+    device = torch.device("cuda")
+    layers = _cache_layers("BLHNC", ns, pages.dtype, device)
+    cache = PagedCache(layers)
+    block_ids = [5, 6, 7, 8]
+    with KVCacheClient(cluster.redis_url, ns, timeout=10, device=COPIERS["cuda"]) as client:
+        assert client.put_pages(tokens, pages).stored == 4
+        found = client.find(tokens)
+        # a first get maps and registers the node's slabs, so the second queues at once
+        assert client.get_found_device(found, cache.device_rows([1, 2, 3, 4])) == len(tokens)
+        torch.cuda._sleep(400_000_000)  # about 0.2 s of the device's cycles
+        for kv in layers:
+            kv.fill_(7)
+        after = torch.cuda.Event()
+        after.record()
+        got = client.get_found_device(found, cache.device_rows(block_ids), after=after)
+        torch.cuda.synchronize()
+    assert got == len(tokens)
+    for i, block in enumerate(block_ids):
+        assert all(same(layers[layer][block], pages[i][layer]) for layer in range(ns.num_layers))
+
+
+def test_pages_land_in_a_cache_s_blocks_only_where_copies_average_a_mib():
+    """A block-major cache takes a load's pages in place only where a copy per run of
+    consecutive blocks averages at least 1 MiB (``IN_PLACE_COPY_BYTES``): scattered
+    blocks of 2 MiB pages do, scattered 64 KiB pages do not (they land in rows and are
+    scattered after), and 64 KiB pages in one run of 16 blocks do."""
+    from client.paging.loader import IN_PLACE_COPY_BYTES
+
+    assert IN_PLACE_COPY_BYTES == 1 << 20
+
+    def cache(page_kib: int) -> PagedCache:
+        # one layer, one head, a block of 16 rows of page_kib * 64 bytes: page_kib KiB
+        return PagedCache([torch.zeros((64, 1, BLOCK, page_kib * 64), dtype=torch.uint8)])
+
+    scattered, run = list(range(1, 40, 3)), list(range(20, 36))
+    assert cache(64).page_nbytes == 64 << 10
+    assert copies_pay(scattered, cache(2048))
+    assert not copies_pay(scattered, cache(64))
+    assert copies_pay(run, cache(64))
+    assert not copies_pay(run[:15], cache(64))
 
 
 def test_device_gets_refuse_what_they_cannot_do(cluster, request):
     """Misuse names the problem: rows too small, not contiguous, or memory the client's
-    copier does not reach (a client without one, or asked to stage)."""
+    copier does not reach (a client without one, or asked to stage); rows placed by the
+    caller (``DeviceRows``) of the wrong page size, too few, misaligned, past their
+    tensor's end, or over a tensor that is not flat bytes. Nothing lands."""
     ns = make_ns(request.node.name)
     tokens = list(range(3 * BLOCK))
     with KVCacheClient(cluster.redis_url, ns, timeout=10, device=HostCopier) as client:
@@ -144,6 +226,19 @@ def test_device_gets_refuse_what_they_cannot_do(cluster, request):
             client.get_found_device(
                 found, torch.zeros((3, *ns.page_shape), dtype=torch.float16).transpose(1, 2)
             )
+        page = ns.page_nbytes
+        flat = torch.zeros(4 * page, dtype=torch.uint8)
+        placed = {
+            "a page has": DeviceRows(flat, np.arange(3) * page, page // 2),
+            "2 rows for 3 pages": DeviceRows(flat, np.arange(2) * page, page),
+            "8-byte aligned": DeviceRows(flat, np.arange(3) * page + 4, page),
+            "inside the": DeviceRows(flat, np.arange(3) * page + 2 * page, page),
+            "flat contiguous uint8": DeviceRows(flat.view(4, page), np.arange(3) * page, page),
+        }
+        for problem, rows in placed.items():
+            with pytest.raises(InvalidInputError, match=problem):
+                client.get_found_device(found, rows)
+        assert client.stats.device_transfers == 0 and not flat.any()
     with KVCacheClient(cluster.redis_url, ns, timeout=10, device=lambda stats: None) as client:
         assert not client.lands_on_device(torch.device("cpu"))
         with pytest.raises(InvalidInputError, match="cannot land"):

@@ -120,6 +120,30 @@ def test_block_spans_are_the_pages_in_place_for_every_layout(order):
     assert torch.equal(after[:, untouched], before[:, untouched])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("order", PERMUTATIONS, ids=lambda o: "".join("LBHNC"[i] for i in o))
+def test_device_rows_exist_only_where_a_page_is_one_range_of_the_cache(order, device):
+    """``device_rows`` (where a device get lands pages in place) is given only for a
+    block-major cache, blocks outermost and layers next (vLLM's BLHNC, the byte order
+    of a page): each row is then exactly the bytes ``gather`` copies out of its block.
+    Every other order gives None, so its loads go through rows and a scatter."""
+    blocks = BLOCK_LISTS["scattered"]
+    source = strided_cache(order, device, seed=1)
+    cache = PagedCache(list(source.unbind(0)))
+    rows = cache.device_rows(blocks)
+    if order != (1, 0, 2, 3, 4):  # BLHNC
+        assert rows is None
+        return
+    assert rows is not None and rows.nbytes == cache.page_nbytes
+    gathered = cache.gather(blocks).wait()
+    for i in range(len(blocks)):
+        assert torch.equal(
+            rows[i].view().cpu(), gathered[i].contiguous().view(torch.uint8).reshape(-1)
+        ), i
+    with pytest.raises(InvalidInputError, match="outside"):
+        cache.device_rows([B])
+
+
 def test_a_cache_without_a_contiguous_last_dimension_has_no_block_spans():
     layers = [torch.zeros(C, B, H, N).permute(1, 2, 3, 0) for _ in range(L)]  # content outermost
     assert PagedCache(layers).block_spans([0, 1]) is None

@@ -227,6 +227,43 @@ def test_connector_options_are_validated_with_the_key_named():
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two TP workers need two cores")
+def test_block_major_asks_vllm_for_blhnc_and_vllm_keeps_its_own_where_a_backend_cannot():
+    """``cache_layout=block_major`` makes vLLM lay the KV cache out BLHNC (a block of
+    every layer is one stored page) where the attention backend can read it
+    (FlashAttention); the CPU backend reads only LBHNC, so vLLM keeps that. Resolved by
+    vLLM's own engine-core code; ``engine`` (the default) leaves vLLM's choice alone,
+    and a bad value is named."""
+    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts,
+        resolve_kv_cache_layout,
+    )
+
+    from client.vllm.options import required_cache_layout
+    from kvstore.errors import InvalidInputError
+
+    def resolved(extra: dict, backend: type) -> str:
+        config = VllmConfig(
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="KVStoreConnector",
+                kv_connector_module_path="client.vllm_connector",
+                kv_role="kv_both",
+                kv_connector_extra_config={"redis_url": "redis://127.0.0.1:1/0", **extra},
+            )
+        )
+        supported = [layout.name for layout in get_supported_kv_cache_layouts([backend])]
+        return resolve_kv_cache_layout(config, [supported]).name
+
+    assert resolved({}, FlashAttentionBackend) == "LBNHC"
+    assert resolved({"cache_layout": "engine"}, FlashAttentionBackend) == "LBNHC"
+    assert resolved({"cache_layout": "block_major"}, FlashAttentionBackend) == "BLHNC"
+    assert resolved({"cache_layout": "block_major"}, CPUAttentionBackend) == "LBHNC"
+    with pytest.raises(InvalidInputError, match="cache_layout"):
+        required_cache_layout({"cache_layout": "BLHNC"})
+
+
 def test_a_tp2_engine_loads_what_a_tp1_engine_saved(model_dir, baseline):
     """Engines of different TP sizes share pages (head_groups=2 on both). A TP=1 engine
     saves A; a TP=2 engine (its engine core in the engine's process, as in every test

@@ -144,29 +144,34 @@ class PageReader:
     async def get_found_device(
         self,
         found: StoredPrefix,
-        rows: torch.Tensor,
+        rows: torch.Tensor | DeviceRows,
         start_block: int,
         feed: LayerFeed | None = None,
+        after: Any = None,
     ) -> int:
         """``AsyncKVCacheClient.get_found_device``: ``found``'s pages from ``start_block``
-        on into ``rows``, back to back, straight from the nodes' memory."""
+        on into ``rows`` (back to back in a tensor, or at a ``DeviceRows``' offsets),
+        straight from the nodes' memory, once ``after`` has passed on the device."""
         self._lookups.check_found(found)
         _check_start(start_block)
-        if not self.lands_on_device(rows.device):
+        memory = rows.base.device if isinstance(rows, DeviceRows) else rows.device
+        if not self.lands_on_device(memory):
             raise InvalidInputError(
-                f"pages cannot land in {rows.device} memory here (no device copier for it, a "
+                f"pages cannot land in {memory} memory here (no device copier for it, a "
                 "rank of head groups, or transfer_mode='staged'): use get_found"
             )
-        if not rows.is_contiguous():
-            raise InvalidInputError("rows must be contiguous: pages land back to back in it")
         m = found.blocks - start_block
-        if m <= 0:
-            return 0
-        if rows.numel() * rows.element_size() < m * self._ns.page_nbytes:
+        if isinstance(rows, DeviceRows):
+            self._check_rows(rows, m, feed)
+        elif not rows.is_contiguous():
+            raise InvalidInputError("rows must be contiguous: pages land back to back in it")
+        elif m > 0 and rows.numel() * rows.element_size() < m * self._ns.page_nbytes:
             raise InvalidInputError(
                 f"rows hold {rows.numel() * rows.element_size()} bytes; {m} pages need "
                 f"{m * self._ns.page_nbytes}"
             )
+        if m <= 0:
+            return 0
         result = await self._lookups.found_result(found)
         if not result or result.matched <= start_block:
             return 0
@@ -176,8 +181,34 @@ class PageReader:
                 f"a feed of {feed.layers} layers for pages of shape {self._ns.page_shape} "
                 f"({self._ns.layout}: layers on axis {self._ns.layer_dim})"
             )
-        spans = device_spans(rows, result.matched - start_block, self._ns.page_nbytes, feed)
+        count = result.matched - start_block
+        spans = (
+            rows[:count]
+            if isinstance(rows, DeviceRows)
+            else device_spans(rows, count, self._ns.page_nbytes, feed)
+        )
+        if after is not None and self._device is not None:
+            self._device.wait_for(after)
         return await self._fetch_into(split_hashes(found.joined), result, start_block, spans)
+
+    def _check_rows(self, rows: DeviceRows, count: int, feed: LayerFeed | None) -> None:
+        """Rows a caller placed (``PagedCache.device_rows``: a block-major cache's own
+        blocks) must each hold one page inside their tensor, checkable there."""
+        page, base = self._ns.page_nbytes, rows.base
+        if feed is not None or rows.feed is not None:
+            raise InvalidInputError("pages land layer by layer only into rows back to back")
+        if rows.nbytes != page:
+            raise InvalidInputError(f"rows of {rows.nbytes} bytes; a page has {page}")
+        if len(rows) < count:
+            raise InvalidInputError(f"{len(rows)} rows for {count} pages")
+        if base.dtype != torch.uint8 or base.dim() != 1 or not base.is_contiguous():
+            raise InvalidInputError("rows must lie in a flat contiguous uint8 tensor")
+        at = rows.offsets[:count]
+        if count and (int(at.min()) < 0 or int(at.max()) + page > base.numel() or (at % 8).any()):
+            raise InvalidInputError(
+                f"row offsets must be 8-byte aligned and leave a page inside the "
+                f"{base.numel()}-byte tensor"
+            )
 
     async def fetch_units(
         self,

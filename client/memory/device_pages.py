@@ -83,6 +83,12 @@ class DeviceCopier:
     def unregister(self, token: Any) -> None:
         """Undo ``register`` before the mapping goes away."""
 
+    def wait_for(self, event: Any) -> None:
+        """Copies queued from now on start once ``event`` (a device event) has passed:
+        a get into memory that earlier device work may still read (a paged cache's
+        blocks freed by the step before). The host's copies are made at once: nothing
+        to wait for."""
+
     def landing(self, rows: DeviceRows) -> Landing:
         """A get's landing in ``rows``, checked page by page (``client.memory.device_landing``)."""
         raise NotImplementedError
@@ -188,6 +194,10 @@ class CudaCopier(DeviceCopier):
     def unregister(self, token: Any) -> None:
         if token is not None and int(self._cudart.cudaHostUnregister(token)):
             clear_last_error(self._cudart)  # else torch's next launch check raises it
+
+    def wait_for(self, event: Any) -> None:
+        self.prepare()
+        self._stream.wait_event(event)
 
     @property
     def copy_stream(self) -> Any:

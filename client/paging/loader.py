@@ -17,6 +17,7 @@ import torch
 
 from client.gets.landing import Landing, choose_landing
 from client.log_limit import LogLimit
+from client.memory.buffers import block_runs
 from client.memory.layer_feed import LayerFeed
 from client.paging.paged_cache import PagedCache
 from client.paging.specs import LoadSpec
@@ -67,6 +68,21 @@ def load_outcome(
     if nbytes is None:
         nbytes = (good - spec.start_block) * page_nbytes
     return LoadOutcome(failed, nbytes, time.perf_counter() - started)
+
+
+# Bytes a copy into a block-major cache's blocks must average (a copy per run of
+# consecutive blocks) for pages to land there rather than in rows scattered after: on
+# an H200 128 separate copies of 2 MiB ran at 0.93x of one (shared/reference/gpu-h200.md),
+# which landing in place repays by skipping the scatter and its wait; copies of 64 KiB
+# are issued slower than the bus carries them, so small scattered pages keep the rows.
+IN_PLACE_COPY_BYTES = 1 << 20
+
+
+def copies_pay(block_ids: list[int], cache: PagedCache) -> bool:
+    """Whether pages landing in ``block_ids`` of ``cache`` in place, a copy per run of
+    consecutive blocks, average at least ``IN_PLACE_COPY_BYTES`` a copy."""
+    runs = len(block_runs(block_ids)) or 1
+    return len(block_ids) * cache.page_nbytes >= runs * IN_PLACE_COPY_BYTES
 
 
 def layer_rows(
@@ -147,22 +163,35 @@ class PageLoader:
                 client.heads, lambda: cache.block_spans(wanted), self._on_device
             )
             if landing is Landing.DEVICE:
-                # Device memory: straight from the nodes' memory into device rows (DMA
-                # from registered mappings on the same host), checked there, then
-                # scattered into the blocks on the device: bytes that failed their check
-                # never reach the cache, and any byte order of the cache works.
-                # Measured on an H200 (shared/reference/gpu-h200.md, probe2): one H2D
-                # plus a per-layer device reorder into FlashAttention's default LBNHC
-                # 48.4 GB/s; one copy per page into a BLHNC cache 50.9 GB/s, but the
-                # checks need the pages whole before they enter the cache.
-                rows = torch.empty(
-                    (len(wanted), *cache.page_shape), dtype=cache.dtype, device=cache.device
-                )
-                got = (
-                    client.get_found_device(spec.found, rows, start_block=spec.start_block)
-                    // self._block_size
-                )
-                parts = [(rows[: max(got - spec.start_block, 0)], 0, 0)]
+                # Device memory: straight from the nodes' memory (DMA from registered
+                # mappings on the same host), checked on the device. Into a block-major
+                # cache (BLHNC) each page lands in its own block: no scratch, no
+                # scatter; a block whose page failed its check is reported failed, with
+                # every block after it, so vLLM recomputes over its bytes before any
+                # layer reads them. Into any other byte order the pages land in device
+                # rows and are scattered into the blocks once checked, so bytes that
+                # failed never reach the cache. Measured on an H200
+                # (shared/reference/gpu-h200.md, probe2): one H2D plus a per-layer
+                # device reorder into FlashAttention's default LBNHC 48.4 GB/s; one
+                # copy per page into a BLHNC cache 50.9 GB/s.
+                in_place = cache.device_rows(wanted) if copies_pay(wanted, cache) else None
+                if in_place is not None:
+                    got = (
+                        client.get_found_device(
+                            spec.found, in_place, start_block=spec.start_block, after=after
+                        )
+                        // self._block_size
+                    )
+                    parts = []
+                else:
+                    rows = torch.empty(
+                        (len(wanted), *cache.page_shape), dtype=cache.dtype, device=cache.device
+                    )
+                    got = (
+                        client.get_found_device(spec.found, rows, start_block=spec.start_block)
+                        // self._block_size
+                    )
+                    parts = [(rows[: max(got - spec.start_block, 0)], 0, 0)]
             elif landing is Landing.IN_PLACE:
                 # Straight into the cache's blocks: from the node's mapped slots with one
                 # copy on the same host (no host page buffer, no scatter); over UCX in

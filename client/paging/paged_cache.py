@@ -32,33 +32,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from client.memory.buffers import Span, block_runs
-from client.paging.cache_spans import CacheSpans
-from client.paging.gather_pages import LayerGather, one_launch
+from client.memory.device_rows import DeviceRows
+from client.paging.cache_spans import BlockMajor, CacheSpans
+from client.paging.gather_pages import GatherResult, LayerGather, one_launch
 from kvstore.errors import InvalidInputError
 from kvstore.pages.layouts import LAYOUTS
 
 _MAX_RUNS = 64
-
-
-@dataclass
-class GatherResult:
-    """Host pages ``[n, *page_shape]``; ``ready`` (a CUDA event, or None on CPU) must be
-    synchronized before the bytes are read."""
-
-    pages: torch.Tensor
-    ready: Any = None
-
-    def wait(self) -> torch.Tensor:
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.pages
 
 
 class PagedCache:
@@ -98,6 +84,7 @@ class PagedCache:
         self._on_gpu = first.device.type == "cuda"
         # the cache's blocks as byte spans (``block_spans``), False where they cannot be
         self._spans: CacheSpans | Literal[False] | None = None
+        self._block_major = BlockMajor.of(layers)  # None: no page is one range (``device_rows``)
         self._save_stream: Any = None  # GPU: device-to-host copies of saves (``gather``)
         # GPU: the one-launch copy of a save's blocks (client.paging.gather_pages), None
         # where it cannot serve these layers; asked once (``_layer_gather``)
@@ -161,6 +148,14 @@ class PagedCache:
         if self._spans is None:
             self._spans = (None if self._on_gpu else CacheSpans.over(self.layers)) or False
         return self._spans.of(block_ids) if self._spans else None
+
+    def device_rows(self, block_ids: list[int]) -> DeviceRows | None:
+        """Each block's page as a row of the cache itself, for a get that lands pages
+        straight in their blocks (``KVCacheClient.get_found_device``); None unless the
+        cache is block-major (``BlockMajor``), where a page is one contiguous range."""
+        self._check(block_ids)
+        major = self._block_major
+        return None if major is None else major.rows(block_ids, self.page_nbytes)
 
     @property
     def page_nbytes(self) -> int:

@@ -65,6 +65,7 @@ from client.vllm.options import (
     layerwise_loads,
     namespace_refusal,
     rank_client,
+    required_cache_layout,
 )
 from client.vllm.preflight import check_config_being_built
 from client.vllm.scheduler import ConnectorScheduler
@@ -301,6 +302,15 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVStorePromMetrics:
         return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """vLLM's engine core, once, before the KV cache is laid out: the byte order
+        ``cache_layout`` asks for (``BLHNC`` for block_major), None for the backend's."""
+        transfer = vllm_config.kv_transfer_config
+        return required_cache_layout(
+            dict(transfer.kv_connector_extra_config or {}) if transfer else {}
+        )
 
     def shutdown(self) -> None:
         for side in (self._scheduler, self._worker):

@@ -81,6 +81,14 @@ class ConnectorOptions(BaseModel):
             " a hybrid engine)"
         ),
     )
+    cache_layout: Literal["engine", "block_major"] = Field(
+        "engine",
+        description=(
+            "the KV cache byte order asked of vLLM: engine (the backend's) or block_major"
+            " (BLHNC: a block of every layer is one page, so whole loads on a GPU land in"
+            " its blocks, unscattered; vLLM warns and keeps its own where it cannot)"
+        ),
+    )
     staging_bytes: ByteSize = Field(
         512 << 20,
         description=(
@@ -147,14 +155,7 @@ def connector_options(extra: dict[str, Any]) -> tuple[ConnectorOptions, ClientOp
             "KVStoreConnector has no index URL: put redis_url in kv_connector_extra_config or export KVSTORE_REDIS_URL"
         )
     unknown_key(extra)
-    own = {k: v for k, v in extra.items() if k in ConnectorOptions.model_fields}
-    try:
-        options = ConnectorOptions.model_validate(own)
-    except ValidationError as exc:
-        name, shown, message = first_error(exc)
-        raise InvalidInputError(
-            f"invalid kv_connector_extra_config {name}={shown}: {message}"
-        ) from None
+    options = own_options(extra)
     # The client's share of the process's one pool holds UCX scratch (a load into the
     # layer-major cache lands each message there first) and packing; staging_bytes is
     # the connector's share on top (client.memory.staging). Measured in
@@ -164,7 +165,7 @@ def connector_options(extra: dict[str, Any]) -> tuple[ConnectorOptions, ClientOp
     client = {
         "host_buffer_bytes": CONNECTOR_HOST_BUFFER_BYTES,
         **from_env,
-        **{k: v for k, v in extra.items() if k not in own},
+        **{k: v for k, v in extra.items() if k not in ConnectorOptions.model_fields},
     }
     return options, client_options(**client)
 
@@ -201,6 +202,24 @@ def layerwise_loads(conf: ConnectorOptions, *, hybrid: bool, draft: bool) -> boo
     from vllm.platforms import current_platform
 
     return current_platform.is_cuda() and not hybrid and not draft
+
+
+def own_options(extra: dict[str, Any]) -> ConnectorOptions:
+    """The connector's keys of ``extra``, validated (``InvalidInputError`` names a bad one)."""
+    own = {k: v for k, v in extra.items() if k in ConnectorOptions.model_fields}
+    try:
+        return ConnectorOptions.model_validate(own)
+    except ValidationError as exc:
+        name, shown, message = first_error(exc)
+        raise InvalidInputError(
+            f"invalid kv_connector_extra_config {name}={shown}: {message}"
+        ) from None
+
+
+def required_cache_layout(extra: dict[str, Any]) -> str | None:
+    """The KV cache layout asked of vLLM (``cache_layout``): ``BLHNC`` for block_major,
+    else None (the backend's). The engine core asks before any connector is built."""
+    return "BLHNC" if own_options(extra).cache_layout == "block_major" else None
 
 
 def lookup_breaker(conf: ConnectorOptions) -> CircuitBreaker:
