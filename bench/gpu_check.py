@@ -449,9 +449,11 @@ def caches(ns: Any, blocks: int, dev: Dev) -> dict[str, Any]:
         for _ in range(L)
     ]
     blhnc = torch.zeros((blocks, L, H, B, C), dtype=dt, device=dev.device)
+    run = torch.zeros((blocks, L, H, B, C), dtype=dt, device=dev.device)
     return {
         "LBNHC": PagedCache(lbnhc),
         "BLHNC": PagedCache([blhnc[:, layer] for layer in range(L)]),
+        "BLHNC, one run": PagedCache([run[:, layer] for layer in range(L)]),
     }
 
 
@@ -470,6 +472,9 @@ def section_h2d(report: Report, dev: Dev, cluster: Any, args: argparse.Namespace
         ref = src.to(dev.device)
         dst, out, out_staged = torch.empty_like(ref), torch.empty_like(ref), torch.empty_like(ref)
         ids = list(range(3, 3 + 2 * n, 2))  # scattered blocks, as a running engine's
+        # blocks in one run (a fresh engine's): a block-major cache lands them in place
+        # in copies that merge (client.paging.loader.copies_pay)
+        blocks_of = {"BLHNC, one run": list(range(3, 3 + n))}
         paged = caches(ns, 2 * n + 4, dev)
         stream = dev.stream()
         loaders = {
@@ -494,7 +499,8 @@ def section_h2d(report: Report, dev: Dev, cluster: Any, args: argparse.Namespace
 
         def load(name: str) -> Callable[[], None]:
             def run() -> None:
-                outcome = loaders[name].load(LoadSpec("r", found[0], ids, 0), None)
+                spec = LoadSpec("r", found[0], blocks_of.get(name, ids), 0)
+                outcome = loaders[name].load(spec, None)
                 if outcome.failed:
                     raise RuntimeError(f"{len(outcome.failed)} blocks failed")
 
@@ -509,6 +515,7 @@ def section_h2d(report: Report, dev: Dev, cluster: Any, args: argparse.Namespace
                 ),
                 "connector load into LBNHC (FlashAttention)": load("LBNHC"),
                 "connector load into BLHNC": load("BLHNC"),
+                "connector load into BLHNC, blocks in one run": load("BLHNC, one run"),
                 "before: staged get_pages (CPU copy+hash, H2D)": lambda: whole(
                     staged.get_pages(tokens, out_staged), src, ns.block_size
                 ),
@@ -523,7 +530,10 @@ def section_h2d(report: Report, dev: Dev, cluster: Any, args: argparse.Namespace
             "get_pages": same(out, ref),
             "staged": same(out_staged, ref),
         }
-        exact |= {name: same(cache.gather(ids).wait(), src) for name, cache in paged.items()}
+        exact |= {
+            name: same(cache.gather(blocks_of.get(name, ids)).wait(), src)
+            for name, cache in paged.items()
+        }
         report(
             f"  {label} pages, {n} of them ({nbytes / MiB:.0f} MiB); bit-exact: {', '.join(f'{k} {v}' for k, v in exact.items())}"
         )
@@ -1009,6 +1019,7 @@ def get_marks(
     wrap(ReplicaFetcher, "fetch", "fetch starts (loop)", "fetch done")
     wrap(ShmConnection, "_get_device", "connection's get starts", "connection's get done")
     wrap(CudaCopier, "queue_copies", after="first copies queued", first=True)
+    wrap(CudaCopier, "queue_segment", after="first copies queued", first=True)
     wrap(ShmConnection, "_ask", after="first frame sent", first=True)
     wrap(ShmConnection, "_plan_part", after="first part in", first=True)
     wrap(ShmConnection, "_plan_part", after="last part in")
@@ -1203,7 +1214,7 @@ def loop_costs(report: Report, client: Any, tokens: list[int], ns: Any) -> None:
 
 
 def section_breakdown(report: Report, dev: Dev, cluster: Any, args: argparse.Namespace) -> None:
-    """Where a same-host device load spends its time, for 64 KiB and 2 MiB pages
+    """Where a same-host device load spends its time, for 64 KiB, 16 MiB and 2 MiB pages
     (``get_marks``); and for 2 MiB pages the copy engine's rate from the node's
     registered slabs alone, and the checks alone in one launch and in batches, against
     the pinned copy."""
@@ -1211,6 +1222,7 @@ def section_breakdown(report: Report, dev: Dev, cluster: Any, args: argparse.Nam
     from kvstore.pages import device_checksum
 
     get_marks(report, dev, cluster, args, "64 KiB")[0].close()
+    get_marks(report, dev, cluster, args, "16 MiB")[0].close()  # checked in 2 MiB segments
     client, src, tokens, ns, rows_ = get_marks(report, dev, cluster, args, "2 MiB")
     loop_costs(report, client, tokens, ns)
     n = src.shape[0]

@@ -65,11 +65,16 @@ def test_get_pages_lands_in_device_memory_bit_exact(cluster, copier, same_host, 
         assert same(rows, pages[2:])
 
 
-def test_a_page_overwritten_during_a_load_is_a_miss(cluster, copier, request):
+@pytest.mark.parametrize("big", [False, True], ids=["small", "3MiB"])
+def test_a_page_overwritten_during_a_load_is_a_miss(cluster, copier, big, request):
     """A page overwritten in the node's memory after the node pinned it and before its
     copy landed fails its check on the device: the prefix ends before it, the pages
-    before it are exact, and the failure is counted."""
-    ns = make_ns(request.node.name)
+    before it are exact, and the failure is counted. Pages of 3 MiB land and are
+    checked in segments on a GPU (``device_landing.SEGMENT_BYTES``), a whole 2 MiB and
+    the last 1 MiB."""
+    big_page = dict(num_layers=12, num_kv_heads=8, head_size=512) if big else {}
+    ns = make_ns(request.node.name, **big_page)
+    assert not big or ns.page_nbytes == 3 << 20
     tokens = list(range(6 * BLOCK))
     pages = pages_for(ns, tokens)
     with KVCacheClient(cluster.redis_url, ns, timeout=10) as writer:

@@ -237,6 +237,25 @@ class CudaCopier(DeviceCopier):
         event.record(stream)
         return event
 
+    @property
+    def segments(self) -> bool:
+        """Whether pages can land in segments (``queue_segment``: 2-D copies)."""
+        return self._memcpy_2d is not None
+
+    def queue_segment(self, copies: PageCopies, at: int, width: int) -> Any:
+        """Queue bytes ``at`` to ``at + width`` of every page of ``copies`` on the copy
+        stream, one 2-D copy per run of pages (``client.memory.device_landing.segments``);
+        the event after them."""
+        page, stream = copies.nbytes, self._stream
+        base = copies.dst.data_ptr()
+        with torch.cuda.device(self.device):  # the runtime call acts on the current device
+            for si, so, do, n in copies.runs():
+                src = copies.sources[si].ctypes.data + so
+                self._memcpy_2d(base + do + at, page, src + at, page, width, n, stream.cuda_stream)
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
     def queue_layers(self, copies: PageCopies, feed: LayerFeed) -> Any:
         """Queue a layer-wise landing: per layer, one 2-D copy per run of pages (that
         layer's slice of each page), then an event handed to ``feed``; the last one."""

@@ -20,8 +20,10 @@ def mix(d, key):
 
 # Sizes are not specialised on: one compiled kernel serves every page size (the client
 # compiles them once, in its self-test, not in its first load).
-@triton.jit(do_not_specialize=["nb"])
-def block_sums(words, offsets, keys, sums, nb, BPP: tl.constexpr):
+@triton.jit(do_not_specialize=["nb", "first"])
+def block_sums(words, offsets, keys, sums, nb, first, BPP: tl.constexpr):
+    # blocks first to first + nb of each page (a segment of it: all of its full blocks
+    # unless its check is queued in parts as it lands), their sums from row 0 of the page's
     page = tl.program_id(0)
     chunk = tl.program_id(1)
     stripe = tl.arange(0, 16)[:, None]
@@ -32,7 +34,7 @@ def block_sums(words, offsets, keys, sums, nb, BPP: tl.constexpr):
         b = chunk * BPP + k
         # masks the shape of what they guard (the interpreter takes no scalar mask)
         valid = (b + stripe * 0 + lane * 0) < nb
-        at = words + base + b.to(tl.int64) * 128 + stripe * 8
+        at = words + base + (first + b).to(tl.int64) * 128 + stripe * 8
         d = tl.load(at + lane, mask=valid, other=0).to(tl.uint64, bitcast=True)
         swapped = tl.load(at + (lane ^ 1), mask=valid, other=0).to(tl.uint64, bitcast=True)
         add = tl.sum(swapped, axis=0) + tl.sum(mix(d, key), axis=0)
@@ -48,16 +50,38 @@ def step(acc, add, scramble, prime, inside):
     return tl.where(inside, nxt, acc)
 
 
-@triton.jit(do_not_specialize=["n", "nb", "nstripes", "nwords"])
-def chain(words, offsets, keys, consts, sums, accs, n, nb, nstripes, nwords, PAGES: tl.constexpr):
+@triton.jit(do_not_specialize=["n", "nb", "tail", "nstripes", "nwords"])
+def chain(
+    words,
+    offsets,
+    keys,
+    consts,
+    sums,
+    accs,
+    n,
+    nb,
+    tail,
+    nstripes,
+    nwords,
+    PAGES: tl.constexpr,
+    RESUME: tl.constexpr,
+    FINISH: tl.constexpr,
+):
     # One thread per (page, lane): xxh3's scramble keeps its 8 lanes apart, so each runs
     # its own chain over the blocks' sums, in registers, with no reduction across threads.
+    # A page checked in segments runs its chain a segment a launch: RESUME takes the
+    # accumulators the last launch left in accs, FINISH adds the partial block (block
+    # ``tail``) and the final stripe.
     col = tl.arange(0, PAGES * 8)
     page = tl.program_id(0) * PAGES + col // 8
     lane = col % 8
     live = page < n
     # consts: 8 initial accumulators, 8 scramble keys, 8 final-stripe keys, the prime
-    acc = tl.load(consts + lane).to(tl.uint64, bitcast=True)
+    if RESUME:
+        acc = tl.load(accs + page.to(tl.int64) * 8 + lane, mask=live, other=0)
+        acc = acc.to(tl.uint64, bitcast=True)
+    else:
+        acc = tl.load(consts + lane).to(tl.uint64, bitcast=True)
     scramble = tl.load(consts + 8 + lane).to(tl.uint64, bitcast=True)
     last_key = tl.load(consts + 16 + lane).to(tl.uint64, bitcast=True)
     prime = tl.load(consts + 24 + lane * 0).to(tl.uint64, bitcast=True)
@@ -119,18 +143,20 @@ def chain(words, offsets, keys, consts, sums, accs, n, nb, nstripes, nwords, PAG
         acc = step(acc, q7, scramble, prime, lane * 0 + at + 15 < nb)
         p0, p1, p2, p3, p4, p5, p6, p7 = r0, r1, r2, r3, r4, r5, r6, r7
         q0, q1, q2, q3, q4, q5, q6, q7 = s0, s1, s2, s3, s4, s5, s6, s7
-    # the last, partial block: its first nstripes stripes, no scramble after them
-    base = tl.load(offsets + page, mask=live, other=0)
-    at = words + base + nb * 128
-    for s in tl.static_range(16):
-        m = live & ((lane * 0 + s) < nstripes)
-        d = tl.load(at + s * 8 + lane, mask=m, other=0).to(tl.uint64, bitcast=True)
-        swapped = tl.load(at + s * 8 + (lane ^ 1), mask=m, other=0).to(tl.uint64, bitcast=True)
-        key = tl.load(keys + s + lane).to(tl.uint64, bitcast=True)
-        acc = tl.where(m, acc + swapped + mix(d, key), acc)
-    # the final stripe: the page's last 64 bytes (they may overlap the stripes before)
-    end = words + base + nwords - 8
-    d = tl.load(end + lane, mask=live, other=0).to(tl.uint64, bitcast=True)
-    swapped = tl.load(end + (lane ^ 1), mask=live, other=0).to(tl.uint64, bitcast=True)
-    acc += swapped + mix(d, last_key)
+    if FINISH:
+        # the last, partial block: its first nstripes stripes, no scramble after them
+        base = tl.load(offsets + page, mask=live, other=0)
+        at = words + base + tail.to(tl.int64) * 128
+        for s in tl.static_range(16):
+            m = live & ((lane * 0 + s) < nstripes)
+            d = tl.load(at + s * 8 + lane, mask=m, other=0).to(tl.uint64, bitcast=True)
+            swapped = tl.load(at + s * 8 + (lane ^ 1), mask=m, other=0)
+            swapped = swapped.to(tl.uint64, bitcast=True)
+            key = tl.load(keys + s + lane).to(tl.uint64, bitcast=True)
+            acc = tl.where(m, acc + swapped + mix(d, key), acc)
+        # the final stripe: the page's last 64 bytes (they may overlap the stripes before)
+        end = words + base + nwords - 8
+        d = tl.load(end + lane, mask=live, other=0).to(tl.uint64, bitcast=True)
+        swapped = tl.load(end + (lane ^ 1), mask=live, other=0).to(tl.uint64, bitcast=True)
+        acc += swapped + mix(d, last_key)
     tl.store(accs + page.to(tl.int64) * 8 + lane, acc.to(tl.int64, bitcast=True), mask=live)

@@ -171,13 +171,24 @@ def word_offsets(offsets: Sequence[int] | np.ndarray, nbytes: int, device: Any) 
     return words.to(device, non_blocking=True)
 
 
-def launch(base: Any, offsets: Any, nbytes: int, out: Any = None) -> Any:
+def full_blocks(nbytes: int) -> int:
+    """The 1 KiB blocks of a page of ``nbytes`` that xxh3 scrambles after: every one but
+    the last, which is partial or whole (the final stripe's)."""
+    return (nbytes - 1) // BLOCK
+
+
+def launch(
+    base: Any, offsets: Any, nbytes: int, out: Any = None, blocks: tuple[int, int] | None = None
+) -> Any:
     """Queue, on the current stream, the xxh3 of each page of ``nbytes`` bytes that starts
     ``offsets[i]`` bytes into ``base`` (a contiguous uint8 tensor on the device: every
     offset and ``nbytes`` multiples of 8, ``supports(nbytes)``); ``offsets`` as a list,
     or as ``word_offsets`` gave them. Returns the pages' accumulators ``[pages, 8]``
     (int64, on the device; ``out`` when given) for ``finish``. The caller keeps
-    ``base``'s bytes in place until then."""
+    ``base``'s bytes in place until then. With ``blocks`` (``(first, end)``, of
+    ``full_blocks(nbytes)``), only that segment of each page, read from bytes ``first *
+    BLOCK`` on (and, at the end, the rest of the page): a caller checking pages part by
+    part as they land queues the segments in order into the same ``out``."""
     import torch
 
     device = base.device
@@ -185,18 +196,22 @@ def launch(base: Any, offsets: Any, nbytes: int, out: Any = None) -> Any:
         offsets = word_offsets(offsets, nbytes, device)
     elif not supports(nbytes):
         raise ValueError(f"device checksums need pages of at least {MIN_BYTES} bytes")
+    tail = full_blocks(nbytes)
+    first, end = (0, tail) if blocks is None else blocks
+    if not 0 <= first <= end <= tail or (first and out is None):
+        raise ValueError(f"blocks {first} to {end} of {tail}, or a later segment without out")
     block_sums, chain = _kernels()
     words = base.view(torch.int64)
     n = len(offsets)
-    nb = (nbytes - 1) // BLOCK
-    nstripes = ((nbytes - 1) - BLOCK * nb) // 64
+    nb = end - first
+    nstripes = ((nbytes - 1) - BLOCK * tail) // 64
     keys, consts = _tables(device)
     sums = torch.empty((max(n * nb, 1), 8), dtype=torch.int64, device=device)
     accs = torch.empty((max(n, 1), 8), dtype=torch.int64, device=device) if out is None else out
     if n:
         per = max(BLOCKS_PER_PROGRAM, -(-nb // 65535))
         if nb:
-            block_sums[(n, -(-nb // per))](words, offsets, keys, sums, nb, BPP=per)
+            block_sums[(n, -(-nb // per))](words, offsets, keys, sums, nb, first, BPP=per)
         chain[(-(-n // CHAIN_PAGES),)](
             words,
             offsets,
@@ -206,9 +221,12 @@ def launch(base: Any, offsets: Any, nbytes: int, out: Any = None) -> Any:
             accs,
             n,
             nb,
+            tail,
             nstripes,
             nbytes // 8,
             PAGES=CHAIN_PAGES,
+            RESUME=first > 0,
+            FINISH=end == tail,
             num_warps=1,
         )
     return accs[:n]
@@ -246,6 +264,15 @@ def self_test(device: Any) -> str | None:
             want = [page_checksum(p) for p in pages]
             if got != want:
                 return f"device xxh3 of {nbytes}-byte pages differs from xxhash's"
+        # in segments, as a landing checks large pages (its kernels' other variants)
+        nbytes, tail = 65536 + 72, full_blocks(65536 + 72)
+        pages = rng.integers(0, 256, (2, nbytes), dtype=np.uint8)
+        base = torch.from_numpy(pages.reshape(-1).copy()).to(device)
+        accs = torch.empty((2, 8), dtype=torch.int64, device=device)
+        for blocks in ((0, 21), (21, 40), (40, tail)):
+            launch(base, [0, nbytes], nbytes, accs, blocks)
+        if finish(accs, nbytes) != [page_checksum(p) for p in pages]:
+            return "device xxh3 in segments differs from xxhash's"
     except Exception as exc:  # a kernel that fails to build or run is a reason
         return f"device xxh3 failed: {type(exc).__name__}: {exc}"
     return None
