@@ -124,7 +124,8 @@ def test_the_connector_recomputes_blocks_overwritten_during_a_load(
         assert writer.put_pages(tokens, pages).stored == 6
     device = device_of(copier)
     block_ids = [9, 10, 11, 3, 4, 17]
-    assert copies_pay(block_ids[1:], PagedCache(_cache_layers(layout, ns, pages.dtype, device)))
+    blhnc = PagedCache(_cache_layers("BLHNC", ns, pages.dtype, device)).device_rows(block_ids[1:])
+    assert blhnc is not None and copies_pay(blhnc)
     for scribbled in (None, 4):
         layers = _cache_layers(layout, ns, pages.dtype, device)
         cache = PagedCache(layers)
@@ -198,21 +199,24 @@ def test_pages_land_in_a_cache_s_blocks_only_where_copies_average_a_mib():
     """A block-major cache takes a load's pages in place only where a copy per run of
     consecutive blocks averages at least 1 MiB (``IN_PLACE_COPY_BYTES``): scattered
     blocks of 2 MiB pages do, scattered 64 KiB pages do not (they land in rows and are
-    scattered after), and 64 KiB pages in one run of 16 blocks do."""
+    scattered after), and 64 KiB pages in one run of 16 blocks do, unless the blocks lie
+    further apart than a page."""
     from client.paging.loader import IN_PLACE_COPY_BYTES
 
     assert IN_PLACE_COPY_BYTES == 1 << 20
 
-    def cache(page_kib: int) -> PagedCache:
-        # one layer, one head, a block of 16 rows of page_kib * 64 bytes: page_kib KiB
-        return PagedCache([torch.zeros((64, 1, BLOCK, page_kib * 64), dtype=torch.uint8)])
+    def rows(page_kib: int, block_ids: list[int], stride_kib: int | None = None) -> DeviceRows:
+        # a block-major cache's rows: a page of page_kib KiB every stride_kib KiB
+        page, stride = page_kib << 10, (stride_kib or page_kib) << 10
+        return DeviceRows(torch.zeros(0, dtype=torch.uint8), np.array(block_ids) * stride, page)
 
     scattered, run = list(range(1, 40, 3)), list(range(20, 36))
-    assert cache(64).page_nbytes == 64 << 10
-    assert copies_pay(scattered, cache(2048))
-    assert not copies_pay(scattered, cache(64))
-    assert copies_pay(run, cache(64))
-    assert not copies_pay(run[:15], cache(64))
+    assert copies_pay(rows(2048, scattered))
+    assert not copies_pay(rows(64, scattered))
+    assert copies_pay(rows(64, run))
+    assert not copies_pay(rows(64, run[:15]))
+    # blocks with more than a page between them (another cache's layers beside) never touch
+    assert not copies_pay(rows(64, run, stride_kib=80))
 
 
 def test_device_gets_refuse_what_they_cannot_do(cluster, request):

@@ -144,6 +144,23 @@ def test_device_rows_exist_only_where_a_page_is_one_range_of_the_cache(order, de
         cache.device_rows([B])
 
 
+def test_a_layer_of_another_inner_order_makes_a_cache_not_block_major():
+    """Layers sharing one block-major storage whose inner orders differ (one
+    token-major among head-major ones) are not a page per block: no device rows, and
+    block spans still give each block's page in the page's byte order."""
+    storage = strided_cache((1, 0, 2, 3, 4), "cpu", seed=4)  # BLHNC, as [L, B, H, N, C]
+    flat = storage.permute(1, 0, 2, 3, 4)  # [B, L, H, N, C], contiguous
+    odd = flat[:, 1].reshape(B, N, H, C).permute(0, 2, 1, 3)  # layer 1 read token-major
+    layers = [flat[:, 0], odd, flat[:, 2]]
+    cache = PagedCache(layers)
+    assert cache.device_rows([1, 2]) is None
+    spans = cache.block_spans([5])
+    page = np.empty(spans[0].nbytes, dtype=np.uint8)
+    copy_checksummed([(page, spans[0].bytes())])
+    want = torch.stack([kv[5] for kv in layers]).contiguous().view(torch.uint8).reshape(-1)
+    assert np.array_equal(page, want.numpy())
+
+
 def test_a_cache_without_a_contiguous_last_dimension_has_no_block_spans():
     layers = [torch.zeros(C, B, H, N).permute(1, 2, 3, 0) for _ in range(L)]  # content outermost
     assert PagedCache(layers).block_spans([0, 1]) is None

@@ -162,7 +162,7 @@ class PageReader:
             )
         m = found.blocks - start_block
         if isinstance(rows, DeviceRows):
-            self._check_rows(rows, m, feed)
+            self._check_rows(rows, max(m, 0), feed)
         elif not rows.is_contiguous():
             raise InvalidInputError("rows must be contiguous: pages land back to back in it")
         elif m > 0 and rows.numel() * rows.element_size() < m * self._ns.page_nbytes:

@@ -49,10 +49,12 @@ class BlockMajor:
         block_nbytes = first[0].numel() * item
         if not first[0].is_contiguous():
             return None
+        if first.stride(0) * item < block_nbytes * len(layers):  # blocks would overlap
+            return None
         for layer, kv in enumerate(layers):
             if (
                 kv.untyped_storage().data_ptr() != storage.data_ptr()
-                or kv.stride(0) != first.stride(0)
+                or kv.stride() != first.stride()
                 or (kv.storage_offset() - first.storage_offset()) * item != layer * block_nbytes
             ):
                 return None

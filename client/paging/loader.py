@@ -13,11 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from client.gets.landing import Landing, choose_landing
 from client.log_limit import LogLimit
-from client.memory.buffers import block_runs
+from client.memory.device_rows import DeviceRows
 from client.memory.layer_feed import LayerFeed
 from client.paging.paged_cache import PagedCache
 from client.paging.specs import LoadSpec
@@ -78,11 +79,11 @@ def load_outcome(
 IN_PLACE_COPY_BYTES = 1 << 20
 
 
-def copies_pay(block_ids: list[int], cache: PagedCache) -> bool:
-    """Whether pages landing in ``block_ids`` of ``cache`` in place, a copy per run of
-    consecutive blocks, average at least ``IN_PLACE_COPY_BYTES`` a copy."""
-    runs = len(block_runs(block_ids)) or 1
-    return len(block_ids) * cache.page_nbytes >= runs * IN_PLACE_COPY_BYTES
+def copies_pay(rows: DeviceRows) -> bool:
+    """Whether pages landing in ``rows`` (a cache's blocks), a copy per run of rows
+    that lie back to back, average at least ``IN_PLACE_COPY_BYTES`` a copy."""
+    runs = 1 + int(np.count_nonzero(np.diff(rows.offsets) != rows.nbytes))
+    return len(rows) * rows.nbytes >= runs * IN_PLACE_COPY_BYTES
 
 
 def layer_rows(
@@ -174,8 +175,8 @@ class PageLoader:
                 # (shared/reference/gpu-h200.md, probe2): one H2D plus a per-layer
                 # device reorder into FlashAttention's default LBNHC 48.4 GB/s; one
                 # copy per page into a BLHNC cache 50.9 GB/s.
-                in_place = cache.device_rows(wanted) if copies_pay(wanted, cache) else None
-                if in_place is not None:
+                in_place = cache.device_rows(wanted)
+                if in_place is not None and copies_pay(in_place):
                     got = (
                         client.get_found_device(
                             spec.found, in_place, start_block=spec.start_block, after=after
