@@ -211,12 +211,13 @@ def segments(page: int) -> list[tuple[int, int, tuple[int, int]]]:
     """A page of ``page`` bytes as ``SEGMENT_BYTES`` segments: per segment, its first
     byte, its width, and the xxh3 blocks (``device_checksum.launch``'s ``blocks``) its
     check covers, the last segment's up to the end of the page."""
-    tail = device_checksum.full_blocks(page)
+    tail, block = device_checksum.full_blocks(page), device_checksum.BLOCK
     out = []
     for at in range(0, page, SEGMENT_BYTES):
         width = min(SEGMENT_BYTES, page - at)
-        end = tail if at + width == page else min((at + width) // device_checksum.BLOCK, tail)
-        out.append((at, width, (min(at // device_checksum.BLOCK, tail), end)))
+        out.append(
+            (at, width, (at // block, tail if at + width == page else (at + width) // block))
+        )
     return out
 
 

@@ -76,18 +76,18 @@ class BlockMajor:
 class CacheSpans:
     """Byte views of a host cache's layers (blocks first), made once."""
 
-    def __init__(self, layers: list[torch.Tensor]) -> None:
+    def __init__(self, layers: list[torch.Tensor], block_major: BlockMajor | None) -> None:
         self._layers = layers
         self._byte_layers = [_block_rows(kv.view(torch.uint8).numpy()) for kv in layers]
-        self._block_major = BlockMajor.of(layers)
+        self._block_major = block_major
 
     @classmethod
-    def over(cls, layers: list[torch.Tensor]) -> CacheSpans | None:
-        """The spans of host ``layers``, or None when a layer's last dimension is not
-        contiguous (its bytes cannot be viewed)."""
+    def over(cls, layers: list[torch.Tensor], block_major: BlockMajor | None) -> CacheSpans | None:
+        """The spans of host ``layers`` (``block_major``: ``BlockMajor.of(layers)``), or
+        None when a layer's last dimension is not contiguous (its bytes cannot be viewed)."""
         if any(kv.stride(-1) != 1 for kv in layers):
             return None
-        return cls(layers)
+        return cls(layers, block_major)
 
     def of(self, block_ids: list[int]) -> list[Span]:
         """Each block's page as a span: the block's slice of every layer, in layer order

@@ -175,24 +175,27 @@ class PageLoader:
                 # (shared/reference/gpu-h200.md, probe2): one H2D plus a per-layer
                 # device reorder into FlashAttention's default LBNHC 48.4 GB/s; one
                 # copy per page into a BLHNC cache 50.9 GB/s.
-                in_place = cache.device_rows(wanted)
-                if in_place is not None and copies_pay(in_place):
-                    got = (
-                        client.get_found_device(
-                            spec.found, in_place, start_block=spec.start_block, after=after
-                        )
-                        // self._block_size
-                    )
-                    parts = []
+                placed = cache.device_rows(wanted)
+                rows: torch.Tensor | DeviceRows
+                scratch = None
+                if placed is not None and copies_pay(placed):
+                    rows = placed
                 else:
-                    rows = torch.empty(
+                    rows = scratch = torch.empty(
                         (len(wanted), *cache.page_shape), dtype=cache.dtype, device=cache.device
                     )
-                    got = (
-                        client.get_found_device(spec.found, rows, start_block=spec.start_block)
-                        // self._block_size
+                got = (
+                    client.get_found_device(
+                        spec.found,
+                        rows,
+                        start_block=spec.start_block,
+                        after=after if scratch is None else None,  # else the scatter waits
                     )
-                    parts = [(rows[: max(got - spec.start_block, 0)], 0, 0)]
+                    // self._block_size
+                )
+                parts = (
+                    [] if scratch is None else [(scratch[: max(got - spec.start_block, 0)], 0, 0)]
+                )
             elif landing is Landing.IN_PLACE:
                 # Straight into the cache's blocks: from the node's mapped slots with one
                 # copy on the same host (no host page buffer, no scatter); over UCX in

@@ -146,7 +146,9 @@ class PagedCache:
         for a cache in device memory or whose bytes cannot be viewed."""
         self._check(block_ids)
         if self._spans is None:
-            self._spans = (None if self._on_gpu else CacheSpans.over(self.layers)) or False
+            self._spans = (
+                None if self._on_gpu else CacheSpans.over(self.layers, self._block_major)
+            ) or False
         return self._spans.of(block_ids) if self._spans else None
 
     def device_rows(self, block_ids: list[int]) -> DeviceRows | None:
