@@ -221,3 +221,39 @@ def test_a_lost_node_leaves_no_raw_ucxx_lines_in_the_clients_output(tmp_path):
     assert proc.returncode == 0 and out.strip().endswith("done"), out[-2000:]
     assert "node node-0 failed" in out and out.count("node node-0 failed") == 1, out[-2000:]
     assert not [line for line in out.splitlines() if "UCXX ERROR" in line], out[-2000:]
+
+
+STARTING_CLIENT = """
+import asyncio, sys, torch
+from client import AsyncKVCacheClient, KVCacheClient
+from kvstore import Namespace
+ns = Namespace(model="warnings", dtype="float16", num_layers=2, num_kv_heads=2, head_size=32, block_size=16)
+tokens, pages = list(range(64)), torch.ones((4, *ns.page_shape), dtype=torch.float16)
+with KVCacheClient(sys.argv[1], ns, timeout=2) as c:
+    c.put_pages(tokens, pages)
+    assert c.lookup(tokens) == 64 and c.get_pages(tokens, torch.zeros_like(pages)) == 64
+async def main():
+    async with AsyncKVCacheClient(sys.argv[1], ns, timeout=2) as a:
+        assert await a.lookup(tokens) == 64
+asyncio.run(main())
+print("done", flush=True)
+"""
+
+
+@pytest.mark.process
+def test_a_client_start_raises_no_userwarning(tmp_path):
+    """A client's start, put, lookup and get, sync and asyncio, with UserWarnings made
+    errors: redis-py 8.2 warned at every asyncio client built with a synchronous Retry
+    (kvstore.index.routing), in every node log and twice per vLLM start."""
+    script = tmp_path / "starting_client.py"
+    script.write_text(STARTING_CLIENT)
+    with LocalCluster(servers=1, capacity="64MiB", slab_size="16MiB") as cluster:
+        out = subprocess.run(
+            [sys.executable, "-W", "error::UserWarning", str(script), cluster.redis_url],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+    assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr[-3000:]
+    assert "Warning" not in out.stderr, out.stderr[-3000:]

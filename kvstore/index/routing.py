@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -150,9 +151,12 @@ class _Router:
         self._seeds = seed_urls(url)
         self._scripts = scripts  # loaded again on NOSCRIPT
         # One bounded retry keeps every call within about 2 x timeout when a server is
-        # gone. A separate password (from a Secret) overrides one in the URL.
+        # gone. Each flavour takes its own Retry: redis-py 8.2 converts a synchronous one
+        # given to an asyncio client with a UserWarning at every client start. A separate
+        # password (from a Secret) overrides one in the URL.
+        retry = (AsyncRetry if module is aioredis else Retry)(NoBackoff(), 1)
         self._client_kwargs: dict[str, Any] = dict(
-            socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 1)
+            socket_timeout=timeout, socket_connect_timeout=timeout, retry=retry
         )
         if password:
             self._client_kwargs["password"] = password
