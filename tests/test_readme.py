@@ -188,8 +188,8 @@ def test_ci_installs_vllm_with_the_readmes_line_and_it_leaves_a_working_vllm():
         line for b in blocks("") for line in b.splitlines() if "install -e '.[vllm]'" in line
     ]
     words = shlex.split(line)
-    assert words[:4] == [".venv/bin/pip", "install", "-e", ".[vllm]"]
-    assert words[4:7] == ["&&", ".venv/bin/pip", "uninstall"] and "torchvision" in words
+    assert words[:6] == [".venv/bin/pip", "install", "-c", "constraints.txt", "-e", ".[vllm]"]
+    assert words[6:9] == ["&&", ".venv/bin/pip", "uninstall"] and "torchvision" in words
     ci = (ROOT / ".ci" / "run").read_text()
     pattern = re.search(r'grep -m1 -E "(.+)" README\.md', ci)
     assert pattern is not None and 'eval "$vllm_install"' in ci
