@@ -55,6 +55,12 @@ def test_the_programs_kvstore_starts_are_modules_of_this_project():
         assert program.argv("--x") == [sys.executable, "-m", program.module, "--x"]
 
 
+def _name(requirement: str) -> str:
+    """A requirement's project name, normalised as pip does ("redis[hiredis]>=5" -> redis)."""
+    bare = re.split(r"[\[<>=!~; ]", requirement.strip('"'), maxsplit=1)[0]
+    return re.sub(r"[-_.]+", "-", bare).lower()
+
+
 def _constrained(path: Path) -> dict[str, str]:
     """Name (normalised as pip does) -> pinned version of a constraints file."""
     pins = {}
@@ -63,7 +69,7 @@ def _constrained(path: Path) -> dict[str, str]:
         if line:
             name, sep, version = line.partition("==")
             assert sep and version, f"{path.name}: {line!r} is not an exact pin"
-            pins[re.sub(r"[-_.]+", "-", name).lower()] = version
+            pins[_name(name)] = version
     return pins
 
 
@@ -76,7 +82,7 @@ def test_every_dependency_is_pinned_by_the_constraints_the_installs_use():
         d for extra in ("dev", "vllm") for d in config["optional-dependencies"][extra]
     ]
     pins = _constrained(ROOT / "constraints.txt")
-    names = {re.sub(r"[-_.]+", "-", re.split(r"[\[<>=!~; ]", d, 1)[0]).lower() for d in wanted}
+    names = {_name(d) for d in wanted}
     assert names - set(pins) == set(), "not pinned in constraints.txt"
     assert pins["torch"] == "2.13.0" and "+" not in pins["torch"]
     readme = (ROOT / "README.md").read_text()
@@ -85,7 +91,9 @@ def test_every_dependency_is_pinned_by_the_constraints_the_installs_use():
     ci = (ROOT / ".ci" / "run").read_text()
     ci_installs = [line for line in ci.splitlines() if re.match(r"\.venv\S*/bin/pip install", line)]
     assert ci_installs and all(
-        "-c constraints.txt" in line or "-c .ci/constraints-dynamo.txt" in line or "--no-deps" in line
+        "-c constraints.txt" in line
+        or "-c .ci/constraints-dynamo.txt" in line
+        or "--no-deps" in line
         for line in ci_installs
     ), ci_installs
     assert _constrained(ROOT / ".ci" / "constraints-dynamo.txt")["ai-dynamo-runtime"] == "1.6.1"
@@ -96,9 +104,13 @@ def test_the_node_image_installs_every_dependency_but_torch_from_the_constraints
     client's, and gigabytes), so its own pip line must name the rest: it lacked pyzmq,
     msgspec, pysimdjson and pybase64, which the node imports."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    needed = {re.sub(r"[-_.]+", "-", re.split(r"[\[<>=!~; ]", d, 1)[0]).lower() for d in config["dependencies"]}
+    needed = {_name(d) for d in config["dependencies"]}
     docker = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
-    (line,) = [ln for ln in docker.splitlines() if "pip install --no-cache-dir -c /wheels/constraints.txt" in ln]
+    (line,) = [
+        ln
+        for ln in docker.splitlines()
+        if "pip install --no-cache-dir -c /wheels/constraints.txt" in ln
+    ]
     named = line.split("-c /wheels/constraints.txt", 1)[1].split("&&", 1)[0].split()
-    named = {re.sub(r"[-_.]+", "-", re.split(r"[\[<>=!~; ]", n.strip('"'), 1)[0]).lower() for n in named}
+    named = {_name(n) for n in named}
     assert needed - named == {"torch"}, needed - named
