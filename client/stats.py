@@ -21,6 +21,9 @@ class ClientStats:
     # requests a node refused for this client's token (CredentialError when every node asked did)
     credential_refusals: int = 0
     index_errors: int = 0
+    # of those, calls the index did not answer within their time limit (a lookup's
+    # budget, say): slow or loaded, not known to be down
+    index_timeouts: int = 0
     index_script_errors: int = 0
     direct_transfers: int = 0
     staged_transfers: int = 0

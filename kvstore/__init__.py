@@ -5,6 +5,7 @@ launcher and the ``kvstore`` command line."""
 from kvstore.errors import (
     FencedError,
     IndexScriptError,
+    IndexTimeoutError,
     IndexUnavailableError,
     InvalidInputError,
     KVStoreError,
@@ -21,6 +22,7 @@ __all__ = [
     "BlockExtras",
     "FencedError",
     "IndexScriptError",
+    "IndexTimeoutError",
     "IndexUnavailableError",
     "InvalidInputError",
     "KVStoreError",

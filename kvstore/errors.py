@@ -14,6 +14,8 @@
         ├── RemoteFault                         a remote component failed; never the
         │   │                                   caller's fault
         │   ├── IndexUnavailableError (also a ConnectionError)
+        │   │   └── IndexTimeoutError           it did not answer in time: slow or
+        │   │                                   unreachable, not known to be down
         │   ├── FencedError                     the index no longer accepts a node's
         │   │                                   incarnation
         │   ├── TransportError                  a node unreachable, timed out or refusing
@@ -77,6 +79,12 @@ class RemoteFault(Fault):
 
 class IndexUnavailableError(RemoteFault, ConnectionError):
     """Redis/Valkey could not be reached or answered with a transport error."""
+
+
+class IndexTimeoutError(IndexUnavailableError):
+    """Redis/Valkey did not answer within the caller's timeout (a lookup's budget, say):
+    the index may be alive and slow, or this machine loaded, so it is not called
+    unreachable."""
 
 
 class FencedError(RemoteFault):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -257,3 +258,65 @@ def test_a_client_start_raises_no_userwarning(tmp_path):
         )
     assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr[-3000:]
     assert "Warning" not in out.stderr, out.stderr[-3000:]
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.process
+def test_a_save_after_the_store_restarted_logs_no_refusal_and_counts_no_failure(caplog):
+    """`kvstore down` and `up`: an empty index and fresh nodes under an engine that stayed
+    up. Its next save is refused for an unknown namespace, registers it again and is
+    stored: said at INFO, with no WARNING and no page counted refused (it logged "put
+    refused ... not registered" at WARNING although nothing was lost)."""
+    ns = namespace_for_page_size(64 << 10, tenant="store-restart")
+    with LocalCluster(servers=1, capacity="64MiB", slab_size="16MiB") as cluster:
+        client = KVCacheClient(cluster.redis_url, ns, timeout=2, same_host=False)
+        try:
+            first = list(range(4 * ns.block_size))
+            assert client.put_pages(first, pages_for(ns, first)).stored == 4
+            node = cluster.nodes[0]
+            node.kill()
+            node.process.wait(10)
+            cluster.valkey.restart(keep_data=False)
+            cluster.add_node(node.node_id)
+            cluster.wait_registered()
+            time.sleep(2.5)  # the client's directory reads the registry (node_refresh)
+            caplog.clear()
+            with caplog.at_level(logging.INFO):
+                later = list(range(10_000, 10_000 + 4 * ns.block_size))
+                report = client.put_pages(later, pages_for(ns, later))
+            assert report.stored == 4 and client.stats.pages_refused == 0, report
+            assert _warnings(caplog) == []
+            assert any("registering it again" in r.getMessage() for r in caplog.records)
+            assert client.lookup(later) == len(later)
+        finally:
+            client.close()
+
+
+@pytest.mark.process
+def test_a_lookup_past_its_time_limit_is_not_called_unreachable(caplog):
+    """An index that is alive but slow (stopped for 0.4 s here; a loaded machine in the
+    field) answers a lookup after its 50 ms budget: a miss, counted as a timeout, logged
+    as such, never as "unreachable"."""
+    ns = namespace_for_page_size(64 << 10, tenant="slow-index")
+    with LocalCluster(servers=1, capacity="64MiB", slab_size="16MiB") as cluster:
+        with KVCacheClient(cluster.redis_url, ns, timeout=2, same_host=False) as client:
+            tokens = list(range(4 * ns.block_size))
+            client.put_pages(tokens, pages_for(ns, tokens))
+            assert client.find(tokens, timeout=0.05) is not None
+            valkey = cluster.valkey.process
+            valkey.send_signal(signal.SIGSTOP)
+            try:
+                with caplog.at_level(logging.INFO):
+                    started = time.monotonic()
+                    assert client.find(tokens, timeout=0.05) is None
+                    took = time.monotonic() - started
+            finally:
+                valkey.send_signal(signal.SIGCONT)
+            assert took < 0.5  # one retry of the budget, not the client's 2 s timeout
+            assert client.stats.index_timeouts == 1 and client.stats.index_errors == 1
+            said = " ".join(_warnings(caplog))
+            assert "past its time limit" in said and "unreachable" not in said, said
+            assert client.find(tokens, timeout=0.5) is not None

@@ -22,7 +22,13 @@ from client.log_limit import LogLimit
 from client.lookups.registration import NamespaceRegistration
 from client.nodes.directory import NodeDirectory
 from client.stats import ClientStats
-from kvstore.errors import IndexScriptError, InvalidInputError, KVStoreError, RemoteFault
+from kvstore.errors import (
+    IndexScriptError,
+    IndexTimeoutError,
+    InvalidInputError,
+    KVStoreError,
+    RemoteFault,
+)
 from kvstore.index import AsyncPageIndex, IndexLookup, LookupResult, NodeInfo, PageIndex
 from kvstore.pages.hashing import HASH_BYTES, block_hash_bytes, keyed_hash_bytes
 from kvstore.pages.heads import RankUnits
@@ -411,6 +417,15 @@ class PrefixLookup:
             self._stats.index_script_errors += 1
             log.error(
                 "the index rejected a lookup (a bug, not a fault), counting as a miss: %s", exc
+            )
+        elif isinstance(exc, IndexTimeoutError):
+            self._stats.index_errors += 1
+            self._stats.index_timeouts += 1
+            _LIMIT.warning(
+                "lookup slow",
+                "a lookup ran past its time limit, counting as a miss (the prompt is "
+                "computed; nothing stored is lost): %s",
+                exc,
             )
         else:
             self._stats.index_errors += 1

@@ -219,12 +219,28 @@ class Publisher:
             if exc.code is not P.RefusalCode.UNKNOWN_NAMESPACE:
                 self._nodes.failed(node.node_id, exc)
                 return None
-            # the index lost the namespace: register it again, and put once more
-            self._nodes.log_limit.warning("put refused", "put refused: %s", exc)
-            await self._registration.again()
-            if retried or not self._registration.registered:
-                return None
-            return await self._put_on(node, pages, checksum, refusals, retried=True)
+            # The index lost the namespace (it restarted empty): register it again and
+            # put once more. That is routine after a store's restart and loses nothing,
+            # so it is said at INFO; only a put that still fails is a WARNING.
+            if not retried:
+                log.info(
+                    "%s does not know this client's namespace (the index restarted?): "
+                    "registering it again and repeating the put of %d page(s)",
+                    node.node_id,
+                    len(pages),
+                )
+                await self._registration.again()
+                if self._registration.registered:
+                    return await self._put_on(node, pages, checksum, refusals, retried=True)
+            self._nodes.log_limit.warning(
+                "put unregistered",
+                "%d page(s) were not stored on %s: the namespace is not registered "
+                "in the index (%s)",
+                len(pages),
+                node.node_id,
+                self._registration.error or exc,
+            )
+            return None
         except RemoteFault as exc:
             self._nodes.failed(node.node_id, exc)
             return None

@@ -29,6 +29,7 @@ from redis.retry import Retry
 from kvstore.errors import (
     IndexPermissionError,
     IndexScriptError,
+    IndexTimeoutError,
     IndexUnavailableError,
     KVStoreError,
 )
@@ -81,7 +82,10 @@ _TRANSIENT = (
 def _failure(exc: Exception, url: str) -> KVStoreError:
     """What a caller sees for a failed command or shard."""
     text = str(exc)
-    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError, OSError)):
+    if isinstance(exc, (redis.TimeoutError, TimeoutError)):
+        # a lookup past a 50 ms budget on a loaded machine reads so too: not "unreachable"
+        return IndexTimeoutError(f"Redis at {redact_url(url)} did not answer in time: {exc}")
+    if isinstance(exc, (redis.ConnectionError, OSError)):
         return IndexUnavailableError(f"Redis at {redact_url(url)} is unreachable: {exc}")
     # redis-py turns these replies into their own classes and strips the prefix from
     # the text (a MOVED reply reads "2089 127.0.0.1:43967"): match both
