@@ -19,7 +19,6 @@ pytest.importorskip("vllm")
 
 from kvstore.tools.launcher import LocalCluster
 from kvstore.tools.procutil import free_port
-from tests import engines
 from tests.helpers import ROOT
 from tests.openai_server import OpenAIServer
 from tests.test_readme import blocks
@@ -54,9 +53,24 @@ def serve_command() -> tuple[dict[str, str], list[str]]:
 
 @pytest.fixture(scope="module")
 def served_model(tmp_path_factory) -> str:
-    """The tiny Llama with a word-level tokenizer (t0 ... t511), which the server needs."""
-    path = engines.write_model("write-model", tmp_path_factory.mktemp("tiny-llama-served"))
-    return engines.write_model("write-tokenizer", path)
+    """README's recipe, run verbatim: the tiny Llama with a word-level tokenizer (t0 ...
+    t511), written to ./tiny-llama."""
+    (recipe,) = [b for b in blocks("python") if '"tiny-llama"' in b]
+    where = tmp_path_factory.mktemp("readme-recipe")
+    out = subprocess.run(
+        [sys.executable, "-c", recipe], cwd=where, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return str(where / "tiny-llama")
+
+
+def run_readme_requests(model: str, port: int) -> str:
+    """README's request block, verbatim but for the model and the port, in bash."""
+    (block,) = [b for b in blocks("") if b.startswith("prompt=$(seq")]
+    script = block.replace("MODEL_DIR", model).replace("localhost:8000", f"127.0.0.1:{port}")
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
 
 
 class Server(OpenAIServer):
@@ -117,6 +131,8 @@ def test_the_openai_server_stores_and_after_a_restart_loads_with_the_same_output
             text = first.complete(PROMPT)
             private = first.complete(PRIVATE, kv_transfer_params={"kvstore_save": False})
             assert text.strip() and first.metric("lookup_hit_tokens_total") == 0
+            said = run_readme_requests(served_model, first.port)
+            assert '"choices"' in said and "kvstore_lookup_hit_tokens_total" in said
         finally:
             first.stop()
         log = (tmp_path / "first.log").read_text()
@@ -138,6 +154,12 @@ def test_the_openai_server_stores_and_after_a_restart_loads_with_the_same_output
                 second.complete(PRIVATE) == private
                 and second.metric("lookup_hit_tokens_total") == 96
             )  # never saved
+            # README's requests again: its 200 words are 6 full blocks of this test's 32
+            said = run_readme_requests(served_model, second.port)
+            (hits,) = [
+                line for line in said.splitlines() if line.startswith("vllm:kvstore_lookup_hit")
+            ]
+            assert float(hits.split()[-1]) == 96 + 192, said
         finally:
             second.stop()
 
