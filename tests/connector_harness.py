@@ -79,6 +79,8 @@ class Finished:
 
     tokens: list[int]
     num_cached_tokens: int
+    # what the connector's request_finished returned (a P/D prefill's announcement)
+    kv_transfer_params: dict | None = None
 
 
 @dataclass
@@ -264,7 +266,9 @@ class ConnectorHarness:
                 if request_output.finish_reason is not None:
                     del self._running[request_output.request_id]
                     self.finished[request_output.request_id] = Finished(
-                        running.tokens[running.prompt_len :], running.cached
+                        running.tokens[running.prompt_len :],
+                        running.cached,
+                        request_output.kv_transfer_params,
                     )
         self.steps.append(counts)
 

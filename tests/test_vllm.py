@@ -200,7 +200,7 @@ def test_the_comparison_is_sensitive_to_the_loaded_kv(model_dir, baseline):
 
 
 def test_per_request_switches_are_on_unless_false_and_a_bad_value_is_named(caplog):
-    from client.vllm.options import request_switch
+    from client.vllm.transfer_params import request_switch
 
     assert request_switch(None, "kvstore_save", "r1") and request_switch({}, "kvstore_save", "r1")
     assert request_switch({"kvstore_load": False}, "kvstore_save", "r1")

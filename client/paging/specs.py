@@ -36,6 +36,26 @@ class LoadSpec:
 
 
 @dataclass
+class AwaitedLoad:
+    """Fill ``block_ids[start_block:]`` with the first ``len(block_ids)`` full blocks of
+    ``tokens`` under ``extras``, which another engine announced it is saving (a P/D
+    handoff: ``client.vllm.transfer_params``): the pages may not be stored yet. A worker
+    waits for them at most ``wait_s`` (``client.paging.awaiting``), then loads what is
+    stored; the rest is recomputed."""
+
+    req_id: str
+    tokens: list[int]
+    extras: BlockExtras
+    block_ids: list[int]
+    start_block: int
+    wait_s: float
+
+    def load(self, found: StoredPrefix) -> LoadSpec:
+        """The load of what ``found`` holds of it: its first ``found.blocks`` blocks."""
+        return LoadSpec(self.req_id, found, self.block_ids[: found.blocks], self.start_block)
+
+
+@dataclass
 class SaveSpec:
     """Publish the full blocks ``block_ids`` of ``token_ids`` under the request's
     identity ``extras`` (pages the store already holds are skipped by the storage

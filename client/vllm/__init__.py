@@ -3,7 +3,9 @@ facade vLLM loads (configs name it as ``client.vllm_connector``, which re-export
 it builds the side its role needs and delegates every method.
 
 - ``options``: the connector's keys of ``kv_connector_extra_config``, the engine's
-  namespace, per-request switches;
+  namespace;
+- ``transfer_params``: what a request's ``kv_transfer_params`` say: per-request switches
+  and the P/D handoff's announcement (``remote_prefill``: the decode worker's wait);
 - ``metadata``: what the scheduler hands the workers each step (``client.paging.specs``
   in vLLM's metadata);
 - ``scheduler``: lookups, pending loads, the blocks of requests to save, the breaker;

@@ -10,15 +10,24 @@ try:
 except ImportError:  # the load path without vLLM (bench/gpu_check.py on a GPU host)
     KVConnectorMetadata = object  # type: ignore[misc,assignment]
 
-from client.paging.specs import GatherSpec, LoadSpec, SaveSpec
+from client.paging.specs import AwaitedLoad, GatherSpec, LoadSpec, SaveSpec
 from client.vllm.states import StateSpec
 
-__all__ = ["GatherSpec", "KVStoreConnectorMetadata", "LoadSpec", "SaveSpec", "StateSpec"]
+__all__ = [
+    "AwaitedLoad",
+    "GatherSpec",
+    "KVStoreConnectorMetadata",
+    "LoadSpec",
+    "SaveSpec",
+    "StateSpec",
+]
 
 
 @dataclass
 class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
+    # loads of prefixes a prefill engine announced (P/D), waited for before loading
+    awaited: list[AwaitedLoad] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     gathers: list[GatherSpec] = field(default_factory=list)
     states: list[StateSpec] = field(default_factory=list)  # boundary states to save

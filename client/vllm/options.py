@@ -62,6 +62,16 @@ class ConnectorOptions(BaseModel):
         allow_inf_nan=False,
         description="longest the scheduler waits for an index lookup; past it the request is a miss",
     )
+    remote_prefill_wait_ms: float = Field(
+        5000.0,
+        gt=0,
+        le=600_000,
+        allow_inf_nan=False,
+        description=(
+            "longest a decode waits for the pages its prefill engine announced (P/D:"
+            " kv_transfer_params); past it the blocks not yet stored are recomputed"
+        ),
+    )
     breaker_failures: int = Field(
         3, ge=1, le=1000, description="consecutive lookup faults that open the circuit breaker"
     )
@@ -378,23 +388,3 @@ def rank_client(
     line, well = start_line(client, options)
     (log.info if well else log.warning)("KVStoreConnector (%s): %s", side, line)
     return client
-
-
-def request_switch(params: dict[str, Any] | None, name: str, req_id: str) -> bool:
-    """A per-request switch (``kvstore_load``, ``kvstore_save``) from the request's
-    ``kv_transfer_params`` (``SamplingParams(extra_args={"kv_transfer_params": {...}})``):
-    on unless set to False. A value that is not a boolean is logged as an error naming
-    the request and the key, and the switch stays on: raising here would stop the
-    scheduler, and so every other request."""
-    if not isinstance(params, dict) or name not in params:
-        return True
-    value = params[name]
-    if isinstance(value, bool):
-        return value
-    log.error(
-        "request %s: kv_transfer_params[%r] must be true or false, got %r; left on",
-        req_id,
-        name,
-        value,
-    )
-    return True

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from client.vllm.events import StoredEvents
 from client.vllm.identity import KeyedPrompt
 from client.vllm.metadata import GatherSpec, SaveSpec
-from client.vllm.options import request_switch
+from client.vllm.transfer_params import request_switch
 from kvstore.pages.identity import BlockExtras
 
 if TYPE_CHECKING:
@@ -191,6 +191,18 @@ class SaveTracker:
             elif tracked.holding:
                 dropped.append(req_id)
         return saves
+
+    def published_blocks(self, req_id: str) -> int:
+        """The full prompt blocks a tracked request's save stores (handed to a worker, or
+        stored already: loaded), 0 when it has none (not tracked, prefill unfinished,
+        or a hybrid request whose pages could not all be gathered)."""
+        tracked = self._tracked.get(req_id)
+        if tracked is None or not tracked.saved or tracked.broken:
+            return 0
+        full = len(tracked.prompt) // self._block_size
+        if self._hybrid and tracked.gathered < full and tracked.stored_blocks < full:
+            return 0
+        return full
 
     def finish(self, req_id: str) -> bool:
         """Stop tracking a finished request; True when a worker holds pages gathered for

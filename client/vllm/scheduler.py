@@ -24,11 +24,17 @@ from client.log_limit import LogLimit
 from client.sync_client import KVCacheClient
 from client.vllm.events import StoredEvents
 from client.vllm.identity import IdentityReader, KeyedPrompt, Unkeyable
-from client.vllm.metadata import KVStoreConnectorMetadata, LoadSpec
-from client.vllm.options import ConnectorOptions, lookup_breaker, request_switch
+from client.vllm.metadata import AwaitedLoad, KVStoreConnectorMetadata, LoadSpec
+from client.vllm.options import ConnectorOptions, lookup_breaker
 from client.vllm.save_tracking import SaveTracker
 from client.vllm.states import StateFacts, boundary_saves
 from client.vllm.stats import StatsRecorder
+from client.vllm.transfer_params import (
+    announced,
+    announcement,
+    request_switch,
+    wants_remote_decode,
+)
 from kvstore.pages.identity import BlockExtras
 
 if TYPE_CHECKING:
@@ -91,6 +97,10 @@ class ConnectorScheduler:
         self._saves_enabled = saves
         self._stats = stats
         self._pending_loads: dict[str, LoadSpec] = {}
+        # P/D: claims of prefixes a prefill engine announced, until handed to the workers;
+        # and requests whose announcement this engine could not use (counted once)
+        self._awaited: dict[str, AwaitedLoad] = {}
+        self._unawaited: set[str] = set()
         # req id -> the blocks a load fills: each position's block id in every group
         self._loaded_blocks: dict[str, list[tuple[int, ...]]] = {}
         self._saves = SaveTracker(
@@ -224,6 +234,9 @@ class ConnectorScheduler:
         usable = (len(prompt) - 1) // self._block_size * self._block_size
         if usable <= num_computed_tokens:
             return 0, False
+        claimed = self._claim_announced(request, keyed, usable, num_computed_tokens)
+        if claimed is not None:
+            return claimed
         pending = self._pending_loads.get(request.request_id)
         if pending is not None and pending.start_block * self._block_size == num_computed_tokens:
             # asked again while waiting for blocks: reuse
@@ -249,9 +262,59 @@ class ConnectorScheduler:
         )
         return new, not self._layerwise
 
+    def _claim_announced(
+        self, request: Request, keyed: KeyedPrompt, usable: int, computed: int
+    ) -> tuple[int, bool] | None:
+        """A decode's claim of the prefix its prefill engine announced
+        (``client.vllm.transfer_params``): its blocks at once, loaded asynchronously once
+        the workers find them stored, with no lookup here; None when the request
+        announces nothing this engine can wait for (it is looked up as any other).
+        Hybrid, state-space and draft engines look up: their hits need more than the
+        attention pages the announcement names."""
+        if self._hybrid or self._draft is not None or self._state_client is not None:
+            return None
+        req_id = request.request_id
+        waiting = self._awaited.get(req_id)
+        if waiting is None:
+            if req_id in self._unawaited:
+                return None
+            said = announced(
+                request.kv_transfer_params, self._block_size, keyed.tokens, keyed.extras, req_id
+            )
+            if said is None:
+                return None
+            if not said.usable:
+                self._unawaited.add(req_id)
+                self._stats.count(remote_prefill_mismatches=1)
+                return None
+            blocks = min(said.blocks, usable // self._block_size)
+            waiting = AwaitedLoad(
+                req_id,
+                keyed.tokens[: blocks * self._block_size],
+                keyed.extras,
+                [],
+                0,
+                self._conf.remote_prefill_wait_ms / 1000,
+            )
+            self._awaited[req_id] = waiting
+            self._stats.count(remote_prefills_announced=1)
+        new = len(waiting.tokens) - computed
+        if new <= 0:
+            return 0, False
+        waiting.start_block = computed // self._block_size
+        return new, True
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
+        waiting = self._awaited.get(request.request_id)
+        if waiting is not None:
+            if num_external_tokens == 0:
+                del self._awaited[request.request_id]
+            else:
+                count = len(waiting.tokens) // self._block_size
+                waiting.block_ids = list(blocks.get_block_ids()[0])[:count]
+            return
         spec = self._pending_loads.get(request.request_id)
         if spec is None:
             return
@@ -271,6 +334,11 @@ class ConnectorScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
         meta = KVStoreConnectorMetadata(idle=scheduler_output.total_num_scheduled_tokens == 0)
+        for req_id, waiting in list(self._awaited.items()):
+            if waiting.block_ids:
+                meta.awaited.append(waiting)
+                self._loaded_blocks[req_id] = [(b,) for b in waiting.block_ids]
+                del self._awaited[req_id]
         for req_id, spec in list(self._pending_loads.items()):
             if spec.block_ids:
                 meta.loads.append(spec)
@@ -336,6 +404,8 @@ class ConnectorScheduler:
         self._state_blocks.pop(req_id, None)
         self._saves.finish(req_id)
         self._pending_loads.pop(req_id, None)
+        self._awaited.pop(req_id, None)
+        self._unawaited.discard(req_id)
         self._loaded_blocks.pop(req_id, None)
         self._load_failed.discard(req_id)
         self._keyed.pop(req_id, None)
@@ -346,9 +416,17 @@ class ConnectorScheduler:
     ) -> tuple[bool, dict[str, Any] | None]:
         # Saves copy their blocks out before the step ends, so blocks never outlive the
         # request; an in-flight load of an aborted request is waited for by vLLM itself
-        # (it frees the blocks once get_finished reports the load).
+        # (it frees the blocks once get_finished reports the load). A prefill a proxy
+        # asked to hand over (``do_remote_decode``) names what its save stores, for the
+        # decode to wait for (``client.vllm.transfer_params``).
+        params = None
+        keyed = self._keyed.get(request.request_id)
+        if wants_remote_decode(request.kv_transfer_params) and keyed is not None:
+            blocks = self._saves.published_blocks(request.request_id)
+            if blocks:
+                params = announcement(self._block_size, keyed.tokens, keyed.extras, blocks)
         self._forget(request.request_id)
-        return False, None
+        return False, params
 
     def take_events(self) -> list[KVCacheEvent]:
         """The ``BlockStored`` events of saves every worker finished since the last call

@@ -61,6 +61,21 @@ COUNTERS = {
         "pages a GPU load read straight from the slots the index named that failed their"
         " check (moved or evicted since), and came again through the node's plan"
     ),
+    "remote_prefills_announced": (
+        "decode requests whose prefill engine announced its KV (P/D kv_transfer_params):"
+        " claimed at once and waited for, not looked up"
+    ),
+    "remote_prefills_in_time": "announced prefixes wholly stored within remote_prefill_wait_ms",
+    "remote_prefill_deadline_misses": (
+        "announced prefixes not wholly stored within remote_prefill_wait_ms: what had"
+        " arrived was loaded, the rest recomputed"
+    ),
+    "remote_prefill_recomputed_tokens": "tokens of announced prefixes recomputed (not stored in time)",
+    "remote_prefill_mismatches": (
+        "announcements a decode could not wait for (another block size, prompt or identity,"
+        " or malformed): looked up as any request"
+    ),
+    "remote_prefill_lookups": "index lookups made while waiting for announced prefixes",
     "event_blocks": "blocks announced in BlockStored KV events (engines publishing KV events only)",
     "events_withheld": "saves announced in no KV event because some rank's pages were not all stored",
 }
@@ -77,6 +92,11 @@ HISTOGRAMS = {
     "save_seconds": (
         "one request's publish, on the saver thread",
         [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0],
+    ),
+    "remote_prefill_wait_seconds": (
+        "one announced prefix's wait: from the decode's worker getting the load to the"
+        " pages stored (or the deadline)",
+        [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0],
     ),
     "save_gather_seconds": (
         "the engine step's copy of one request's blocks out of the cache",

@@ -51,6 +51,7 @@ from client.vllm.options import (
     ConnectorOptions,
     rank_client,
 )
+from client.vllm.remote_prefill import RemotePrefills
 from client.vllm.saver import SaveQueue
 from client.vllm.state_pages import StatePages
 from client.vllm.states import StateFacts
@@ -123,6 +124,7 @@ class ConnectorWorker:
         self._load_stream: Any = None
         self._staging: StagingPool | None = None
         self._page_loader: PageLoader | None = None  # set once register_kv_caches succeeds
+        self._remote: RemotePrefills | None = None  # likewise: P/D loads waited for
         self._layerwise: LayerwiseLoads | None = None  # likewise
         self._devices = DeviceCounts(stats)
 
@@ -216,6 +218,14 @@ class ConnectorWorker:
             load_stream=self._load_stream,
             credential_refused=self._refusals.refused,
         )
+        self._remote = RemotePrefills(
+            self._client,
+            self._loader,
+            self._page_loader,
+            self._stats,
+            block_size=self._block_size,
+            counts=(pp_rank, tp_rank) == (0, 0),
+        )
         self._layerwise = LayerwiseLoads(
             self._page_loader,
             self._cache,
@@ -243,12 +253,19 @@ class ConnectorWorker:
     # ---- loads ---------------------------------------------------------------------
 
     def start_load_kv(self, meta: Any) -> None:
-        if not isinstance(meta, KVStoreConnectorMetadata) or not meta.loads:
+        if not isinstance(meta, KVStoreConnectorMetadata) or not (meta.loads or meta.awaited):
             return
         after = None
         if self._load_stream is not None:  # blocks were freed by earlier work on the compute stream
             after = torch.cuda.Event()
             after.record()
+        for awaited in meta.awaited:
+            if self._remote is None:
+                ids = awaited.block_ids[awaited.start_block :]
+                self._load_errors.fail(awaited.req_id, [b for b in ids if b])
+                self._unloadable.add(awaited.req_id)
+            else:
+                self._loading[awaited.req_id] = self._remote.add(awaited, after)
         for spec in meta.loads:
             if self._page_loader is None or self._loader is None:
                 self._load_errors.fail(spec.req_id, ids_from(spec, spec.start_block))
@@ -389,6 +406,9 @@ class ConnectorWorker:
         """Finish the saves in flight (each is bounded by the client's timeout), then stop."""
         log.info("shutting down: %d save(s) in flight finish first", len(self._saves.in_flight))
         self._saves.shutdown()
+        if self._remote is not None:  # waits end now: their loads fail, recomputed
+            self._remote.close()
+            self._remote = None
         if self._loader is not None:
             self._loader.shutdown(wait=True)
         self._loader = None

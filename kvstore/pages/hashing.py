@@ -26,6 +26,7 @@ EXTRA_BLOCK_PERSON = b"kvs-blockx-v1"
 SEQUENCE_PERSON = b"kvs-seq-v1"
 EXTRA_SEQUENCE_PERSON = b"kvs-seqx-v1"
 PART_PERSON = b"kvs-part-v1"
+PREFIX_PERSON = b"kvs-prefix-v1"
 MAX_TOKEN_ID = 2**32 - 1
 TOKEN_RANGE = f"token ids must lie in [0, {MAX_TOKEN_ID}]"
 
@@ -227,3 +228,24 @@ def keyed_hash_bytes(namespace: Namespace, page_keys: list[str]) -> bytes:
         raise InvalidInputError(
             f"a page key must be a non-empty string that UTF-8 can hold, got {bad!r:.80}"
         ) from None
+
+
+def prefix_fingerprint(block_size: int, tokens: Any, extras: BlockExtras = NO_EXTRAS) -> bytes:
+    """What names a prefix across engines without a namespace: blake2b-128(person
+    "kvs-prefix-v1", uint32-le block size || the tokens as uint32-le || for each block
+    ``extras`` names below the prefix's full blocks, uint32-le block index || its digest).
+
+    A prefill engine announces the prefix it is saving with it (a P/D handoff's
+    ``kv_transfer_params``); the decode engine computes it from its own prompt and
+    identity, and waits for the announced pages only when both agree. Engines whose
+    pages the store keeps apart (another model, dtype or geometry) may agree here: their
+    wait then ends at its deadline, never in foreign KV, since the pages are found under
+    the decode's own namespace."""
+    arr = token_array(tokens)
+    h = hashlib.blake2b(digest_size=HASH_BYTES, person=PREFIX_PERSON)
+    h.update(struct.pack("<I", block_size))
+    h.update(arr.tobytes())
+    for block, digest in extras.upto(len(arr) // block_size):
+        h.update(struct.pack("<I", block))
+        h.update(digest)
+    return h.digest()
