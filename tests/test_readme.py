@@ -204,6 +204,9 @@ def test_ci_installs_vllm_with_the_readmes_line_and_it_leaves_a_working_vllm():
         )
         assert out.returncode == 0, out.stderr[-2000:]
     (serve,) = [
-        line for b in blocks("") for line in b.splitlines() if "vllm.entrypoints.openai" in line
+        line
+        for b in blocks("")
+        for line in b.splitlines()
+        if "vllm.entrypoints.openai" in line and "kv_both" in line
     ]
     assert shlex.split(serve)[0].startswith("VLLM_CPU_KVCACHE_SPACE=")

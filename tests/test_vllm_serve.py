@@ -40,7 +40,10 @@ TINY = [
 def serve_command() -> tuple[dict[str, str], list[str]]:
     """README's serve line: the variables it sets before the command, and the command."""
     (line,) = [
-        line for b in blocks("") for line in b.splitlines() if "vllm.entrypoints.openai" in line
+        line
+        for b in blocks("")
+        for line in b.splitlines()
+        if "vllm.entrypoints.openai" in line and "kv_both" in line
     ]
     words = shlex.split(line)
     env = {}

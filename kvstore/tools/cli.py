@@ -1,5 +1,5 @@
 """The ``kvstore`` command: ``server``, ``up``, ``demo``, ``stats``, ``credential``,
-``events-key`` and ``acl``.
+``events-key``, ``acl`` and ``pd-proxy``.
 
 This module parses the command line and runs one command: ``kvstore server`` execs
 the storage node's program (``kvstore.tools.programs``: by module name, so this core
@@ -215,7 +215,27 @@ def _main(argv: list[str]) -> int:
     acl.add_argument(
         "--password-file", default=None, help="file holding the user's password (with --user)"
     )
+    proxy = sub.add_parser(
+        "pd-proxy",
+        help="an OpenAI-compatible front for disaggregated prefill and decode servers (vLLM)",
+        description=(
+            "Sends each completion to a prefill server (kv_transfer_params do_remote_decode,"
+            " one token), then to a decode server with the prefill's kv_transfer_params."
+            " See docs/vllm-connector.md, 'Disaggregated prefill/decode'."
+        ),
+    )
+    proxy.add_argument("--prefill", required=True, help="prefill servers' URLs, comma-separated")
+    proxy.add_argument("--decode", required=True, help="decode servers' URLs, comma-separated")
+    proxy.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    proxy.add_argument("--port", type=int, default=8000, help="port to listen on")
+    proxy.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds one upstream request may take"
+    )
     args = parser.parse_args(argv)
+    if args.command == "pd-proxy":
+        from kvstore.tools.pd_proxy import run_pd_proxy
+
+        return run_pd_proxy(args.prefill, args.decode, args.host, args.port, args.timeout)
     if args.command == "acl":
         return run_acl(args)
     if args.command == "credential":
