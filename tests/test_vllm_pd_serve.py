@@ -2,13 +2,16 @@
 loop: two prefill servers (kv_producer) and one decode server (kv_consumer) behind
 ``kvstore pd-proxy`` (2P1D), and the same pair driven with the exact request fields of
 vLLM's own P/D proxies and no kvstore code. Every decode loads every full block its
-prefill computed, recomputes none, and answers as an engine that computed the prompt."""
+prefill computed, recomputes none, and answers as an engine that computed the prompt;
+a prefill whose save cannot land (its node stopped) costs the decode its deadline, then
+it computes the prompt, counted."""
 
 from __future__ import annotations
 
 import json
 import random
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -139,8 +142,19 @@ def test_two_prefills_and_a_decode_behind_the_proxy_hand_over_every_block(model,
                 assert params["do_remote_prefill"] is True and params["kvstore_blocks"] == 7
                 by_hand = completion(decode.port, extra, kv_transfer_params=params)
                 metrics = _decode_counts(decode)
+                # a prefill whose save cannot land (its node stopped): the decode ends its
+                # wait at the deadline (5 s) and computes the prompt itself, counted
+                stalled = " ".join(f"t{rng.randrange(3, 512)}" for _ in range(WORDS))
+                node = cluster.nodes[0].process
+                node.send_signal(signal.SIGSTOP)
+                try:
+                    stalled_answer = completion(proxy_port, stalled)["choices"][0]["text"]
+                finally:
+                    node.send_signal(signal.SIGCONT)
+                after = _decode_counts(decode)
                 # what engines that computed the prompts themselves answer
                 computed = [completion(prefill_1.port, p)["choices"][0]["text"] for p in prompts]
+                assert stalled_answer == completion(prefill_1.port, stalled)["choices"][0]["text"]
                 assert (
                     by_hand["choices"][0]["text"]
                     == completion(prefill_1.port, extra)["choices"][0]["text"]
@@ -162,6 +176,10 @@ def test_two_prefills_and_a_decode_behind_the_proxy_hand_over_every_block(model,
     assert metrics["load_bytes"] > 0 and metrics["lookups"] == 0  # waited for, not looked up
     # every prompt's full blocks came from the store, none computed by the decode
     assert metrics["remote_prefill_wait_seconds_count"] == REQUESTS + 1 and full == 7
+    assert after["remote_prefill_deadline_misses"] == 1
+    assert after["remote_prefill_recomputed_tokens"] == full * 128
+    waited = after["remote_prefill_wait_seconds_sum"] - metrics["remote_prefill_wait_seconds_sum"]
+    assert 5.0 <= waited < 6.0, waited  # the deadline, and within a second of it
 
 
 def post_get(url: str) -> dict:
@@ -192,6 +210,7 @@ def _decode_counts(decode: OpenAIServer) -> dict[str, float]:
         "load_bytes_total",
         "lookups_total",
         "remote_prefill_wait_seconds_count",
+        "remote_prefill_wait_seconds_sum",
     ]
     completion(decode.port, "t5 t6", max_tokens=2)  # a step that carries the counts
     return {n.removesuffix("_total"): decode.kvstore_metric(n) for n in names}
