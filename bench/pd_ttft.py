@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -180,7 +181,12 @@ def main() -> int:
         work = Path(tmp)
         model = str(work / "model")
         for command in (["write-model", model, json.dumps(MODEL)], ["write-tokenizer", model]):
-            subprocess.run([sys.executable, str(ENGINE), *command], check=True, cwd=ROOT)
+            subprocess.run(
+                [sys.executable, str(ENGINE), *command],
+                check=True,
+                cwd=ROOT,
+                env={**os.environ, "PYTHONPATH": str(ROOT)},
+            )
         lines = [f"# bench/pd_ttft.py --rounds {args.rounds} --words {args.words}"]
         for seed, hogs in ((1, 0), (2, args.hogs)):
             lines += phase(model, hogs, args.rounds, args.words, seed, work)

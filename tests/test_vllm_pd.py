@@ -156,3 +156,26 @@ def test_params_for_another_prompt_are_not_waited_for(model_dir, baseline, clust
     assert finished.tokens == baseline["p"] and finished.num_cached_tokens == 0
     assert metrics["remote_prefill_mismatches"] == 1 and metrics["lookups"] == 1
     assert metrics.get("remote_prefills_announced", 0) == 0 and took < 3
+
+
+def test_a_chunked_prefill_publishes_its_first_chunks_before_its_last(model_dir, baseline, cluster):
+    """64 tokens a step: the blocks of the prompt's first chunks are stored while later
+    chunks are still being computed, so a decode waits for the last chunk's save only;
+    the decode then loads all six blocks."""
+    with (
+        ConnectorHarness(
+            model_dir, cluster.redis_url, role="kv_producer", max_batched=64
+        ) as prefill,
+        decode_engine(model_dir, cluster) as engine,
+    ):
+        prefill.add("p", PROMPT, max_tokens=1, do_remote_decode=True)
+        prefill.step()
+        prefill.step()  # 128 of 200 tokens computed: four blocks full
+        wait_for(lambda: stored(cluster) >= 4, 5, "the first chunks' blocks to be stored")
+        assert stored(cluster) == 4 and prefill.scheduler.has_requests()
+        params = prefill.run()["p"].kv_transfer_params
+        assert params["kvstore_blocks"] == FULL
+        decode(engine, params)
+        finished, metrics = engine.finished["d"], engine.metrics()
+    assert finished.tokens == baseline["p"] and finished.num_cached_tokens == FULL * BLOCK
+    assert metrics["remote_prefills_in_time"] == 1 and metrics.get("load_failed_blocks", 0) == 0

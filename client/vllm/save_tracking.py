@@ -39,6 +39,9 @@ class Tracked:
     gathered: int = 0
     broken: bool = False
     base: int | None = None
+    # One KV-cache group, no KV events: the blocks a chunked prefill's earlier steps
+    # saved already, from the first on (``SaveTracker.finished_prefills``).
+    chunks_saved: int = 0
 
     @property
     def holding(self) -> bool:
@@ -152,7 +155,12 @@ class SaveTracker:
         saves = []
         for req_id, tracked in self._tracked.items():
             computed = computed_after.get(req_id)
-            if tracked.saved or computed is None or computed < len(tracked.prompt):
+            if tracked.saved or computed is None:
+                continue
+            if computed < len(tracked.prompt):
+                chunk = self._chunk(req_id, tracked, computed)
+                if chunk is not None:
+                    saves.append(chunk)
                 continue
             tracked.saved = True
             full = len(tracked.prompt) // self._block_size
@@ -161,7 +169,7 @@ class SaveTracker:
                 if tracked.holding:
                     dropped.append(req_id)
                 continue
-            if full > tracked.stored_blocks:
+            if full > max(tracked.stored_blocks, tracked.chunks_saved):
                 tokens = tracked.prompt[: full * self._block_size]
                 request = request_of(req_id)
                 named = full if announce is None else announce(req_id, full)
@@ -183,14 +191,40 @@ class SaveTracker:
                         )
                     )
                 else:
+                    start = tracked.chunks_saved  # the earlier chunks' blocks are stored
                     saves.append(
                         SaveSpec(
-                            req_id, tokens, tracked.block_ids[0][:full], tracked.extras, event_id
+                            req_id,
+                            tokens,
+                            tracked.block_ids[0][start:full],
+                            tracked.extras,
+                            event_id,
+                            start_block=start,
                         )
                     )
             elif tracked.holding:
                 dropped.append(req_id)
         return saves
+
+    def _chunk(self, req_id: str, tracked: Tracked, computed: int) -> SaveSpec | None:
+        """A chunked prefill's blocks that became full with this step, saved now rather
+        than after its last chunk: a decode waiting for the prompt (P/D) then waits
+        for the last chunk's save only. One KV-cache group and no KV events only (a
+        hybrid's pages are gathered and published whole; an event names a whole save)."""
+        if self._hybrid or self._events is not None:
+            return None
+        full = computed // self._block_size
+        start = max(tracked.chunks_saved, tracked.stored_blocks)
+        if full <= start:
+            return None
+        tracked.chunks_saved = full
+        return SaveSpec(
+            req_id,
+            tracked.prompt[: full * self._block_size],
+            tracked.block_ids[0][start:full],
+            tracked.extras,
+            start_block=start,
+        )
 
     def published_blocks(self, req_id: str) -> int:
         """The full prompt blocks a tracked request's save stores (handed to a worker, or
