@@ -22,19 +22,15 @@ from typing import TYPE_CHECKING, Any
 from client.async_client import StoredPrefix
 from client.log_limit import LogLimit
 from client.sync_client import KVCacheClient
+from client.vllm.claims import AnnouncedClaims
 from client.vllm.events import StoredEvents
 from client.vllm.identity import IdentityReader, KeyedPrompt, Unkeyable
-from client.vllm.metadata import AwaitedLoad, KVStoreConnectorMetadata, LoadSpec
+from client.vllm.metadata import KVStoreConnectorMetadata, LoadSpec
 from client.vllm.options import ConnectorOptions, lookup_breaker
 from client.vllm.save_tracking import SaveTracker
 from client.vllm.states import StateFacts, boundary_saves
 from client.vllm.stats import StatsRecorder
-from client.vllm.transfer_params import (
-    announced,
-    announcement,
-    request_switch,
-    wants_remote_decode,
-)
+from client.vllm.transfer_params import announcement, request_switch, wants_remote_decode
 from kvstore.pages.identity import BlockExtras
 
 if TYPE_CHECKING:
@@ -97,10 +93,8 @@ class ConnectorScheduler:
         self._saves_enabled = saves
         self._stats = stats
         self._pending_loads: dict[str, LoadSpec] = {}
-        # P/D: claims of prefixes a prefill engine announced, until handed to the workers;
-        # and requests whose announcement this engine could not use (counted once)
-        self._awaited: dict[str, AwaitedLoad] = {}
-        self._unawaited: set[str] = set()
+        # P/D: prefixes prefill engines announced, claimed until the workers get them
+        self._claims = AnnouncedClaims(block_size, conf.remote_prefill_wait_ms / 1000, stats)
         # req id -> the blocks a load fills: each position's block id in every group
         self._loaded_blocks: dict[str, list[tuple[int, ...]]] = {}
         self._saves = SaveTracker(
@@ -234,9 +228,13 @@ class ConnectorScheduler:
         usable = (len(prompt) - 1) // self._block_size * self._block_size
         if usable <= num_computed_tokens:
             return 0, False
-        claimed = self._claim_announced(request, keyed, usable, num_computed_tokens)
-        if claimed is not None:
-            return claimed
+        # a P/D decode's prefix its prefill announced: claimed and waited for, not looked
+        # up; hybrid, state-space and draft engines look up (their hits need more than
+        # the attention pages an announcement names)
+        if not (self._hybrid or self._draft is not None or self._state_client is not None):
+            claimed = self._claims.claim(request, keyed, usable, num_computed_tokens)
+            if claimed is not None:
+                return claimed
         pending = self._pending_loads.get(request.request_id)
         if pending is not None and pending.start_block * self._block_size == num_computed_tokens:
             # asked again while waiting for blocks: reuse
@@ -262,58 +260,10 @@ class ConnectorScheduler:
         )
         return new, not self._layerwise
 
-    def _claim_announced(
-        self, request: Request, keyed: KeyedPrompt, usable: int, computed: int
-    ) -> tuple[int, bool] | None:
-        """A decode's claim of the prefix its prefill engine announced
-        (``client.vllm.transfer_params``): its blocks at once, loaded asynchronously once
-        the workers find them stored, with no lookup here; None when the request
-        announces nothing this engine can wait for (it is looked up as any other).
-        Hybrid, state-space and draft engines look up: their hits need more than the
-        attention pages the announcement names."""
-        if self._hybrid or self._draft is not None or self._state_client is not None:
-            return None
-        req_id = request.request_id
-        waiting = self._awaited.get(req_id)
-        if waiting is None:
-            if req_id in self._unawaited:
-                return None
-            said = announced(
-                request.kv_transfer_params, self._block_size, keyed.tokens, keyed.extras, req_id
-            )
-            if said is None:
-                return None
-            if not said.usable:
-                self._unawaited.add(req_id)
-                self._stats.count(remote_prefill_mismatches=1)
-                return None
-            blocks = min(said.blocks, usable // self._block_size)
-            waiting = AwaitedLoad(
-                req_id,
-                keyed.tokens[: blocks * self._block_size],
-                keyed.extras,
-                [],
-                0,
-                self._conf.remote_prefill_wait_ms / 1000,
-            )
-            self._awaited[req_id] = waiting
-            self._stats.count(remote_prefills_announced=1)
-        new = len(waiting.tokens) - computed
-        if new <= 0:
-            return 0, False
-        waiting.start_block = computed // self._block_size
-        return new, True
-
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        waiting = self._awaited.get(request.request_id)
-        if waiting is not None:
-            if num_external_tokens == 0:
-                del self._awaited[request.request_id]
-            else:
-                count = len(waiting.tokens) // self._block_size
-                waiting.block_ids = list(blocks.get_block_ids()[0])[:count]
+        if self._claims.allocated(request, blocks, num_external_tokens):
             return
         spec = self._pending_loads.get(request.request_id)
         if spec is None:
@@ -334,11 +284,9 @@ class ConnectorScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
         meta = KVStoreConnectorMetadata(idle=scheduler_output.total_num_scheduled_tokens == 0)
-        for req_id, waiting in list(self._awaited.items()):
-            if waiting.block_ids:
-                meta.awaited.append(waiting)
-                self._loaded_blocks[req_id] = [(b,) for b in waiting.block_ids]
-                del self._awaited[req_id]
+        for claimed in self._claims.take_allocated():
+            meta.awaited.append(claimed)
+            self._loaded_blocks[claimed.req_id] = [(b,) for b in claimed.block_ids]
         for req_id, spec in list(self._pending_loads.items()):
             if spec.block_ids:
                 meta.loads.append(spec)
@@ -404,8 +352,7 @@ class ConnectorScheduler:
         self._state_blocks.pop(req_id, None)
         self._saves.finish(req_id)
         self._pending_loads.pop(req_id, None)
-        self._awaited.pop(req_id, None)
-        self._unawaited.discard(req_id)
+        self._claims.forget(req_id)
         self._loaded_blocks.pop(req_id, None)
         self._load_failed.discard(req_id)
         self._keyed.pop(req_id, None)
