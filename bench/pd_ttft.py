@@ -41,18 +41,11 @@ from kvstore.tools.pd_proxy import PREFILL_PARAMS  # noqa: E402
 from kvstore.tools.procutil import free_port  # noqa: E402
 from tests.openai_server import OpenAIServer  # noqa: E402
 
-ENGINE = ROOT / "tests" / "vllm_engine.py"
+sys.path.insert(0, str(ROOT / "bench"))
 # bench/serve.py's model: large enough that a prefill costs what a load saves
-MODEL = dict(
-    hidden_size=1024,
-    num_hidden_layers=10,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=64,
-    intermediate_size=2048,
-    vocab_size=512,
-    max_position_embeddings=4096,
-)
+from serve import MODEL  # noqa: E402
+
+ENGINE = ROOT / "tests" / "vllm_engine.py"
 FLAGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "4096"]
 FLAGS += ["--served-model-name", "m", "--host", "127.0.0.1"]
 

@@ -1,10 +1,12 @@
-"""vLLM's OpenAI-compatible server in a process of its own, for tests/test_vllm_serve.py
-and bench/serve.py: started on a free loopback port, waited for (``/health``), asked
-for the connector's metrics, stopped."""
+"""vLLM's OpenAI-compatible server in a process of its own, for tests/test_vllm_serve.py,
+tests/test_vllm_pd_serve.py and the benches: started on a free loopback port, waited for
+(``/health``), asked for the connector's metrics, stopped; and README's server lines
+read as a user's shell reads them (``server_line``)."""
 
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import time
 import urllib.request
@@ -52,3 +54,15 @@ class OpenAIServer:
         self.proc.terminate()
         self.proc.wait(60)
         self.log.close()
+
+
+def server_line(line: str) -> tuple[dict[str, str], list[str]]:
+    """A README server line (``VAR=value ... .venv/bin/python -m vllm...``): the variables
+    it sets before the command, and the command's words."""
+    words = shlex.split(line)
+    env = {}
+    while "=" in words[0] and not words[0].startswith("-"):
+        name, value = words.pop(0).split("=", 1)
+        env[name] = value
+    assert words[:3] == [".venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"], words
+    return env, words

@@ -27,7 +27,7 @@ from kvstore.tools.pd_proxy import PREFILL_PARAMS
 from kvstore.tools.procutil import free_port
 from tests import engines
 from tests.helpers import ROOT
-from tests.openai_server import OpenAIServer
+from tests.openai_server import OpenAIServer, server_line
 from tests.test_readme import README, blocks
 
 WORDS = 1000  # tokens per prompt: 7 full blocks of vLLM-CPU's 128
@@ -60,12 +60,7 @@ def readme_lines() -> list[str]:
 def serve(model: str, role: str, redis_url: str, log: str) -> OpenAIServer:
     """README's server line of ``role`` on a free port, with the exports' index URL."""
     (line,) = [line for line in readme_lines() if f'"kv_role":"{role}"' in line]
-    words = shlex.split(line)
-    env = {}
-    while "=" in words[0] and not words[0].startswith("-"):
-        name, value = words.pop(0).split("=", 1)
-        env[name] = value
-    assert words[:3] == [".venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"], words
+    env, words = server_line(line)
     port = free_port()
     words[words.index("--port") + 1] = str(port)
     argv = [sys.executable, *[model if w == "MODEL_DIR" else w for w in words[1:]], *TEST_FLAGS]

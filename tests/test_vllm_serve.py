@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import subprocess
 import sys
 import urllib.request
@@ -20,7 +19,7 @@ pytest.importorskip("vllm")
 from kvstore.tools.launcher import LocalCluster
 from kvstore.tools.procutil import free_port
 from tests.helpers import ROOT
-from tests.openai_server import OpenAIServer
+from tests.openai_server import OpenAIServer, server_line
 from tests.test_readme import blocks
 
 PROMPT = list(range(3, 103))  # 3 full blocks of 32 + 4 tokens
@@ -45,13 +44,7 @@ def serve_command() -> tuple[dict[str, str], list[str]]:
         for line in b.splitlines()
         if "vllm.entrypoints.openai" in line and "kv_both" in line
     ]
-    words = shlex.split(line)
-    env = {}
-    while "=" in words[0] and not words[0].startswith("-"):
-        name, value = words.pop(0).split("=", 1)
-        env[name] = value
-    assert words[:3] == [".venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"], words
-    return env, words
+    return server_line(line)
 
 
 @pytest.fixture(scope="module")
