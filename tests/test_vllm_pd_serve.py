@@ -136,6 +136,11 @@ def test_two_prefills_and_a_decode_behind_the_proxy_hand_over_every_block(model,
                 )["kv_transfer_params"]
                 assert params["do_remote_prefill"] is True and params["kvstore_blocks"] == 7
                 by_hand = completion(decode.port, extra, kv_transfer_params=params)
+                # a streamed chat completion through the proxy: its chunks pass as they come
+                chunks = streamed_chat(
+                    proxy_port, " ".join(f"t{rng.randrange(3, 512)}" for _ in range(WORDS))
+                )
+                assert len(chunks) >= 2 and "".join(chunks).strip()  # several events, not one
                 metrics = _decode_counts(decode)
                 # a prefill whose save cannot land (its node stopped): the decode ends its
                 # wait at the deadline (5 s) and computes the prompt itself, counted
@@ -164,17 +169,48 @@ def test_two_prefills_and_a_decode_behind_the_proxy_hand_over_every_block(model,
         hog.wait()
     assert answers == computed
     full = WORDS // 128
-    assert metrics["remote_prefills_announced"] == REQUESTS + 1, metrics
-    assert metrics["remote_prefills_in_time"] == REQUESTS + 1, metrics
+    handed = REQUESTS + 2  # the 16, the one by hand and the streamed chat
+    assert metrics["remote_prefills_announced"] == handed, metrics
+    assert metrics["remote_prefills_in_time"] == handed, metrics
     assert metrics["remote_prefill_deadline_misses"] == 0
     assert metrics["remote_prefill_recomputed_tokens"] == 0 and metrics["load_failed_blocks"] == 0
     assert metrics["load_bytes"] > 0 and metrics["lookups"] == 0  # waited for, not looked up
     # every prompt's full blocks came from the store, none computed by the decode
-    assert metrics["remote_prefill_wait_seconds_count"] == REQUESTS + 1 and full == 7
+    assert metrics["remote_prefill_wait_seconds_count"] == handed and full == 7
     assert after["remote_prefill_deadline_misses"] == 1
     assert after["remote_prefill_recomputed_tokens"] == full * 128
     waited = after["remote_prefill_wait_seconds_sum"] - metrics["remote_prefill_wait_seconds_sum"]
     assert 5.0 <= waited < 6.0, waited  # the deadline, and within a second of it
+
+
+# the word tokenizer has no chat template: the request brings one (vLLM's chat_template)
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def streamed_chat(port: int, text: str) -> list[str]:
+    """A streamed chat completion's content pieces, one per server-sent event."""
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": True,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    pieces = []
+    with urllib.request.urlopen(request, timeout=300) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                if delta.get("content"):
+                    pieces.append(delta["content"])
+    return pieces
 
 
 def post_get(url: str) -> dict:
