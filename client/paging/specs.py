@@ -50,6 +50,10 @@ class AwaitedLoad:
     start_block: int
     wait_s: float
 
+    def ids_from(self, position: int) -> list[int]:
+        """The block ids it fills from ``position`` on (never the null block 0)."""
+        return [b for b in self.block_ids[max(position, self.start_block) :] if b]
+
     def load(self, found: StoredPrefix) -> LoadSpec:
         """The load of what ``found`` holds of it: its first ``found.blocks`` blocks."""
         return LoadSpec(self.req_id, found, self.block_ids[: found.blocks], self.start_block)

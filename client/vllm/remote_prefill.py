@@ -61,16 +61,16 @@ class RemotePrefills:
         after = self._after.pop(load.req_id, None)
         self._stats.count(remote_prefill_lookups=waited.lookups)
         self._stats.observe("remote_prefill_wait_seconds", waited.seconds)
+        # waited.found: the blocks of it stored (0 when the index never answered)
+        rest = load.ids_from(waited.found)
         if self._counts:
             missing = len(load.block_ids) - max(waited.found, load.start_block)
             self._stats.count(
                 remote_prefills_in_time=int(waited.in_time),
                 remote_prefill_deadline_misses=int(not waited.in_time),
-                remote_prefill_recomputed_tokens=max(missing, 0) * self._block_size,
+                remote_prefill_recomputed_tokens=missing * self._block_size,
             )
-        good = max(min(found.blocks, len(load.block_ids)) if found is not None else 0, 0)
-        rest = [b for b in load.block_ids[max(good, load.start_block) :] if b]
-        if found is None or good <= load.start_block:
+        if found is None or waited.found <= load.start_block:
             done: Future[LoadOutcome] = Future()
             done.set_result(LoadOutcome(rest, 0, waited.seconds))
             return done

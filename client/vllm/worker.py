@@ -261,8 +261,7 @@ class ConnectorWorker:
             after.record()
         for awaited in meta.awaited:
             if self._remote is None:
-                ids = awaited.block_ids[awaited.start_block :]
-                self._load_errors.fail(awaited.req_id, [b for b in ids if b])
+                self._load_errors.fail(awaited.req_id, awaited.ids_from(awaited.start_block))
                 self._unloadable.add(awaited.req_id)
             else:
                 self._loading[awaited.req_id] = self._remote.add(awaited, after)
