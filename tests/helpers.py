@@ -234,10 +234,19 @@ def worker_result(proc: WorkerProcess, timeout: float = 120) -> dict:
 
 
 def metrics(cluster, node_id: str) -> dict[str, float]:
-    """A node's Prometheus metrics, found through its registry entry."""
+    """A node's Prometheus metrics, found through its registry entry.
+
+    Waits up to 15 s for the entry: after the index was unreachable for longer than the
+    node TTL the entry has expired, and the node writes it again at its next heartbeat
+    (a CI run once read the registry in between)."""
     index = PageIndex(cluster.redis_url)
     try:
-        node = next(n for n in index.live_nodes() if n.node_id == node_id)
+
+        def entry():
+            return next((n for n in index.live_nodes() if n.node_id == node_id), None)
+
+        wait_for(lambda: entry() is not None, 15, f"{node_id}'s registry entry", 0.1)
+        node = entry()
     finally:
         index.close()
     text = (
