@@ -122,6 +122,15 @@ def _main(argv: list[str]) -> int:
         "(default $XDG_STATE_HOME/kvstore/up, or ~/.local/state/kvstore/up)"
     )
     up.add_argument("--state-dir", default=None, help=state_help)
+    up.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help=(
+            "restarts of a node that died, within 10 minutes, before it is given up on "
+            "(default 5; 0: report a death, restart nothing)"
+        ),
+    )
     down = sub.add_parser("down", help="stop the kvstore up running on a state directory")
     down.add_argument("--state-dir", default=None, help=state_help)
     demo = sub.add_parser(
@@ -148,6 +157,14 @@ def _main(argv: list[str]) -> int:
         "--json",
         action="store_true",
         help="print one JSON document (nodes with used bytes and read counters, namespaces)",
+    )
+    stats.add_argument(
+        "--state-dir",
+        default=None,
+        help=(
+            "a kvstore up's state directory: its nodes' deaths and restarts are shown "
+            "when it serves this index (default: kvstore up's)"
+        ),
     )
     cred = sub.add_parser(
         "credential",

@@ -1,4 +1,6 @@
-"""``kvstore stats``: the nodes and namespaces an index holds, as lines or JSON."""
+"""``kvstore stats``: the nodes and namespaces an index holds, as lines or JSON; and,
+when a ``kvstore up`` serves that index from the state directory, which of its nodes
+died and were restarted (``kvstore.tools.supervise``)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ from typing import TYPE_CHECKING
 
 from kvstore.settings.sizes import format_size
 from kvstore.tools.cli_access import index_from_env
+from kvstore.tools.supervise import summary_lines
+from kvstore.tools.up_state import UpState
 
 if TYPE_CHECKING:
     from kvstore.pages.namespace import Namespace
@@ -21,6 +25,7 @@ def run_stats(args: argparse.Namespace) -> int:
     url, password = index_from_env()
     index = PageIndex(args.redis_url or url, password=password)
     stats = index.stats()
+    up = _up_supervision(args.redis_url or url or "", getattr(args, "state_dir", None))
     if args.json:
         nodes = [
             {
@@ -41,7 +46,8 @@ def run_stats(args: argparse.Namespace) -> int:
             }
             for s in stats.namespaces
         ]
-        print(json.dumps({"shards": index.shards, "nodes": nodes, "namespaces": spaces}, indent=2))
+        doc = {"shards": index.shards, "nodes": nodes, "namespaces": spaces, "up": up}
+        print(json.dumps(doc, indent=2))
         return 0
     if index.cluster:
         print(f"index: a cluster of {index.shards} shard(s)")
@@ -65,7 +71,19 @@ def run_stats(args: argparse.Namespace) -> int:
     for s in stats.namespaces:
         name = _namespace_line(s.namespace) if s.namespace else "?"
         print(f"  {s.digest} {s.pages:>8} pages  {name}")
+    if up is not None:
+        for line in summary_lines(up) or ["no storage node died"]:
+            print(f"kvstore up (pid {up['pid']}): {line}")
     return 0
+
+
+def _up_supervision(url: str, state_dir: str | None) -> dict | None:
+    """The supervision document of the ``kvstore up`` running on ``state_dir`` when it
+    serves the index at ``url`` (the URL it printed); None otherwise."""
+    from kvstore.index.urls import redact_url
+
+    doc = UpState(state_dir).supervision()
+    return doc if doc is not None and doc.get("index_url") == redact_url(url) else None
 
 
 def _namespace_line(ns: Namespace) -> str:

@@ -1,6 +1,7 @@
 """``kvstore up``: embedded Valkey and storage nodes on loopback, served until Ctrl-C or
 ``kvstore down``; a restart on the same state directory (``kvstore.tools.up_state``)
-keeps the index URL and the token, so engines recover by themselves.
+keeps the index URL and the token, so engines recover by themselves. While it serves,
+a node that dies is reported and restarted (``kvstore.tools.supervise``).
 
 The nodes are started through ``LocalCluster``, imported when the command runs so the
 other commands start without it."""
@@ -19,6 +20,13 @@ from kvstore.errors import InvalidInputError
 from kvstore.settings.events import local
 from kvstore.tools.cli_access import index_from_env
 from kvstore.tools.cli_errors import EXIT_FAILED
+from kvstore.tools.supervise import (
+    RestartPolicy,
+    Supervisor,
+    check_memory,
+    memory_available,
+    summary_lines,
+)
 from kvstore.tools.up_state import UpState
 
 if TYPE_CHECKING:
@@ -39,6 +47,12 @@ def run_up(args: argparse.Namespace) -> int:
         raise InvalidInputError(
             "--index-shards starts an embedded index; it cannot be used with --redis-url"
         )
+    if args.max_restarts < 0:
+        raise InvalidInputError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    # before anything starts: a store that cannot fit would be half started, or OOM-killed
+    warning = check_memory(args.servers, args.capacity, memory_available())
+    if warning:
+        print(f"kvstore up: {warning}", file=sys.stderr, flush=True)
     password = index_from_env()[1] if args.redis_url else None
     if args.redis_url:
         PageIndex(args.redis_url, password=password).ping()  # fail now, not after 30 s
@@ -119,6 +133,10 @@ def run_down(args: argparse.Namespace) -> int:
         print(f"kvstore down: no kvstore up runs with state directory {state.path}")
     else:
         print(f"kvstore down: stopped kvstore up (pid {pid}, state directory {state.path})")
+        doc = state.supervision(pid)
+        if doc is not None:
+            for line in summary_lines(doc) or ["no storage node died"]:
+                print(f"kvstore down: while it ran, {line}")
     return 0
 
 
@@ -151,19 +169,34 @@ def _serve(args: argparse.Namespace, cluster: LocalCluster, token_note: str, sta
         print(token_note, flush=True)
         for line in _node_lines(cluster):
             print(line, flush=True)
+        supervisor = Supervisor(
+            cluster,
+            policy=RestartPolicy(max_restarts=args.max_restarts),
+            report=lambda line: print(f"kvstore up: {line}", flush=True),
+            persist=state.write_supervision,
+            stopping=stop.is_set,
+            index_url=redact_url(cluster.redis_url),
+        )
         print(
             f"press Ctrl-C to stop, or run `kvstore down` (state directory {state.path}: a "
             "restart there keeps the index URL and the token)",
             flush=True,
         )
-        while not stop.wait(0.5):
-            if all(n.process.poll() is not None for n in cluster.nodes):
-                reasons = "; ".join(
-                    f"{n.node_id} (exit {n.process.returncode}): {n.exit_reason()}"
-                    for n in cluster.nodes
-                )
-                print(f"kvstore up: all storage nodes exited: {reasons}", file=sys.stderr)
-                return EXIT_FAILED
+        try:
+            # every half second: a dead node is reported within that
+            while not stop.wait(0.5):
+                if not supervisor.poll():  # every node given up on
+                    reasons = "; ".join(
+                        f"{node_id}: {rec.last_cause}"
+                        for node_id, rec in supervisor.records.items()
+                    )
+                    print(f"kvstore up: all storage nodes exited: {reasons}", file=sys.stderr)
+                    return EXIT_FAILED
+        finally:
+            supervisor.close()
+        died = summary_lines(supervisor.document())
+    for line in died:
+        print(f"kvstore up: while it ran, {line}")
     print(
         "stopped"
         + (f"; node logs kept in {cluster.log_dir}" if cluster.log_dir is not None else "")

@@ -168,6 +168,19 @@ class LocalCluster:
         self.nodes.append(node)
         return node
 
+    def restart_node(self, node_id: str) -> NodeProcess:
+        """Start ``node_id`` again in place of its exited process (``kvstore up``'s
+        supervisor): the same id, options and disk directory, so it warm-restarts with
+        the pages its disk tier kept; its log file is appended to. Returns the new
+        process without waiting for it to register."""
+        at = next(i for i, n in enumerate(self.nodes) if n.node_id == node_id)
+        if self.nodes[at].process.poll() is None:
+            raise KVStoreError(f"{node_id} still runs: it is not restarted over itself")
+        new = self.add_node(node_id)
+        self.nodes.pop()  # add_node appended it: it takes the old one's place instead
+        self.nodes[at] = new
+        return new
+
     def disk_args(self, node_id: str) -> list[str]:
         """A node's disk tier options: a subdirectory of ``disk_path`` of its own, so a
         node restarted under the same id finds its pages again."""

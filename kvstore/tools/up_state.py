@@ -1,6 +1,8 @@
 """What ``kvstore up`` keeps across restarts, in a directory only its user can read
-(``UpState``): the data-plane token it made, the embedded index's port, and the pid of
-the ``kvstore up`` running on it (what ``kvstore down`` stops).
+(``UpState``): the data-plane token it made, the embedded index's port, the pid of
+the ``kvstore up`` running on it (what ``kvstore down`` stops), and what its node
+supervisor saw (``supervision``: which node died how often and why, read by
+``kvstore stats`` and ``kvstore down``).
 
 Engines are configured once with what ``up`` printed (``KVSTORE_REDIS_URL``,
 ``KVSTORE_AUTH_TOKEN_FILE``): a restarted store on the same state directory comes back
@@ -11,11 +13,13 @@ picks another directory, and deleting one forgets its store's token."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 from kvstore.errors import InvalidInputError
 from kvstore.security.credentials import new_token
@@ -95,6 +99,27 @@ class UpState:
 
     def keep_index_port(self, port: int) -> None:
         (self.path / "index-port").write_text(f"{port}\n")
+
+    def write_supervision(self, doc: dict[str, Any]) -> None:
+        """Keep the supervisor's document (``kvstore.tools.supervise``), stamped with this
+        process's pid; replaced whole (rename), so a reader never sees half of one."""
+        path = self.path / "supervision.json"
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**doc, "pid": os.getpid()}, indent=1))
+        os.replace(tmp, path)
+
+    def supervision(self, pid: int | None = None) -> dict[str, Any] | None:
+        """The supervisor's document of the ``kvstore up`` with ``pid`` (by default the
+        one running now; None when none runs, or its file is missing or another's).
+        It outlives that ``up``: ``kvstore down`` reads it after the stop."""
+        pid = self.running_pid() if pid is None else pid
+        if pid is None:
+            return None
+        try:
+            doc = json.loads((self.path / "supervision.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return doc if isinstance(doc, dict) and doc.get("pid") == pid else None
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """``kvstore down``: SIGTERM the store running on this directory and wait until
