@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import redis
+from redis.crc import key_slot
 
 from kvstore.errors import KVStoreError
 from kvstore.index.topology import SLOTS
@@ -210,53 +211,86 @@ class EmbeddedValkey:
 
 class EmbeddedValkeyCluster:
     """``shards`` Valkey primaries on 127.0.0.1 forming a Redis Cluster, the slots split
-    evenly. ``url`` is a ``redis+cluster://`` URL (kvstore.index.urls) naming every shard.
+    evenly, each with ``replicas`` replicas. ``url`` is a ``redis+cluster://`` URL
+    (kvstore.index.urls) naming every server as a seed.
 
     A shard that stops does not take the others down: the cluster runs with
     ``cluster-require-full-coverage no``, so keys on live shards stay readable and
-    writable (what kvstore relies on to turn a lost shard into shorter prefixes)."""
+    writable (what kvstore relies on to turn a lost shard into shorter prefixes). A
+    primary unreachable for ``node_timeout_ms`` is failed over to its replica (fault
+    tests pass a short one); ``primary_for`` and ``wait_promoted`` tell a test which
+    process to kill and when a replica took over."""
 
-    def __init__(self, shards: int = 3) -> None:
-        if shards < 1:
-            raise KVStoreError(f"a cluster needs at least one shard, got {shards}")
+    def __init__(self, shards: int = 3, *, replicas: int = 0, node_timeout_ms: int = 2000) -> None:
+        if shards < 1 or replicas < 0:
+            raise KVStoreError(f"a cluster needs at least one shard, got {shards} ({replicas=})")
         self._tmp = tempfile.TemporaryDirectory(prefix="kvstore-valkey-cluster-")
-        self.shards: list[EmbeddedValkey] = []
-        for i in range(shards):
-            workdir = Path(self._tmp.name) / f"shard-{i}"
-            args = [
-                "--cluster-enabled",
-                "yes",
-                "--cluster-config-file",
-                str(workdir / "nodes.conf"),
-                "--cluster-port",
-                str(free_port()),
-                "--cluster-node-timeout",
-                "2000",
-                "--cluster-require-full-coverage",
-                "no",
-                "--cluster-allow-reads-when-down",
-                "yes",
-            ]
-            self.shards.append(EmbeddedValkey(workdir=str(workdir), extra_args=args))
+        self.node_timeout_ms = node_timeout_ms
+        # shards[i] is the i-th primary as started, replicas[i * replicas + r] its r-th
+        # replica; after a failover the roles swap (``primary_for`` says who serves now)
+        self.shards = [self._server(f"shard-{i}") for i in range(shards)]
+        self.replicas = [
+            self._server(f"shard-{i}-replica-{r}") for i in range(shards) for r in range(replicas)
+        ]
+        self.replicas_per_shard = replicas
+
+    def _server(self, name: str) -> EmbeddedValkey:
+        workdir = Path(self._tmp.name) / name
+        args = [
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            str(workdir / "nodes.conf"),
+            "--cluster-port",
+            str(free_port()),
+            "--cluster-node-timeout",
+            str(self.node_timeout_ms),
+            "--cluster-require-full-coverage",
+            "no",
+            "--cluster-allow-reads-when-down",
+            "yes",
+            # a replica takes over however long its link was down: for a cache, older
+            # entries are misses or rejected by the node, better than a shard left down
+            "--cluster-replica-validity-factor",
+            "0",
+            # a replica's first sync starts at once, not after the default 5 s wait for
+            # more replicas to share it
+            "--repl-diskless-sync-delay",
+            "0",
+        ]
+        return EmbeddedValkey(workdir=str(workdir), extra_args=args)
+
+    @property
+    def servers(self) -> list[EmbeddedValkey]:
+        """Every process: the primaries as started, then their replicas."""
+        return self.shards + self.replicas
 
     @property
     def url(self) -> str:
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in self.shards)
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
 
     def start(self, timeout: float = 30.0) -> EmbeddedValkeyCluster:
         try:
-            for shard in self.shards:
-                shard.start()
-            clients = [redis.Redis.from_url(s.url, socket_timeout=5) for s in self.shards]
+            for server in self.servers:
+                server.start()
+            clients = [redis.Redis.from_url(s.url, socket_timeout=5) for s in self.servers]
             per = SLOTS // len(self.shards)
-            for i, client in enumerate(clients):
-                last = SLOTS - 1 if i == len(clients) - 1 else (i + 1) * per - 1
+            for i, client in enumerate(clients[: len(self.shards)]):
+                last = SLOTS - 1 if i == len(self.shards) - 1 else (i + 1) * per - 1
                 client.execute_command("CLUSTER", "ADDSLOTSRANGE", i * per, last)
-            for shard in self.shards[1:]:
+            for server in self.servers[1:]:
                 clients[0].execute_command(
-                    "CLUSTER", "MEET", "127.0.0.1", shard.port, _cluster_port(shard)
+                    "CLUSTER", "MEET", "127.0.0.1", server.port, _cluster_port(server)
                 )
-            self._wait_converged(clients, timeout)
+            deadline = time.monotonic() + timeout
+            self._wait_converged(clients, deadline)
+            if self.replicas:
+                for k, client in enumerate(clients[len(self.shards) :]):
+                    primary = clients[k // self.replicas_per_shard]
+                    client.execute_command(
+                        "CLUSTER", "REPLICATE", _text(primary.execute_command("CLUSTER", "MYID"))
+                    )
+                self._wait_replicating(clients, deadline)
             for client in clients:
                 client.close()
         except BaseException:
@@ -264,14 +298,13 @@ class EmbeddedValkeyCluster:
             raise
         return self
 
-    def _wait_converged(self, clients: list[redis.Redis], timeout: float) -> None:
-        """Until every shard knows every other and serves the whole slot map.
+    def _wait_converged(self, clients: list[redis.Redis], deadline: float) -> None:
+        """Until every server knows every other and the whole slot map is served.
 
         A MEET whose handshake does not finish within the node timeout is dropped by
         Valkey and never retried (only gossip about known nodes is), so on a loaded
-        machine a shard could stay alone for good: a shard that still knows only
-        itself is met again each second (a MEET already under way is a no-op)."""
-        deadline = time.monotonic() + timeout
+        machine a server could stay alone for good: one that still knows only itself is
+        met again each second (a MEET already under way is a no-op)."""
         next_meet = time.monotonic() + 1.0
         while True:
             states = [self._cluster_state(client) for client in clients]
@@ -280,32 +313,73 @@ class EmbeddedValkeyCluster:
             if time.monotonic() > deadline:
                 shown = ", ".join(
                     f"127.0.0.1:{s.port} {st[0]}, knows {st[1]}, serves {st[2]} slots"
-                    for s, st in zip(self.shards, states)
+                    for s, st in zip(self.servers, states)
                 )
-                raise KVStoreError(
-                    f"the embedded Valkey cluster did not converge within {timeout:.0f} s ({shown})"
-                )
+                raise KVStoreError(f"the embedded Valkey cluster did not converge ({shown})")
             if time.monotonic() > next_meet:
-                for shard, state in zip(self.shards[1:], states[1:]):
+                for server, state in zip(self.servers[1:], states[1:]):
                     if state[1] == 1:
                         clients[0].execute_command(
-                            "CLUSTER", "MEET", "127.0.0.1", shard.port, _cluster_port(shard)
+                            "CLUSTER", "MEET", "127.0.0.1", server.port, _cluster_port(server)
                         )
                 next_meet = time.monotonic() + 1.0
             time.sleep(0.05)
 
+    def _wait_replicating(self, clients: list[redis.Redis], deadline: float) -> None:
+        """Until every replica's link to its primary is up and every server lists each
+        shard with all its replicas (the primaries that vote in a failover know them)."""
+        want = 3 + self.replicas_per_shard  # slot range, primary, replicas
+        while True:
+            links = [c.info("replication").get("master_link_status") for c in clients]
+            views = [c.execute_command("CLUSTER", "SLOTS") for c in clients]
+            if all(link == "up" for link in links[len(self.shards) :]) and all(
+                len(entry) >= want for view in views for entry in view
+            ):
+                return
+            if time.monotonic() > deadline:
+                raise KVStoreError(
+                    f"the embedded Valkey cluster's replicas did not sync (links: {links})"
+                )
+            time.sleep(0.05)
+
     @staticmethod
     def _cluster_state(client: redis.Redis) -> tuple[str, int, int]:
-        """(cluster_state, known nodes, slots served) as one shard sees them."""
-        info = client.execute_command("CLUSTER", "INFO")
-        text = info.decode() if isinstance(info, bytes) else str(info)
-        fields = dict(line.split(":", 1) for line in text.split() if ":" in line)
+        """(cluster_state, known nodes, slots served) as one server sees them."""
+        fields = dict(
+            line.split(":", 1)
+            for line in _text(client.execute_command("CLUSTER", "INFO")).split()
+            if ":" in line
+        )
         covered = sum(int(e[1]) - int(e[0]) + 1 for e in client.execute_command("CLUSTER", "SLOTS"))
         return fields.get("cluster_state", "?"), int(fields.get("cluster_known_nodes", 0)), covered
 
+    def primary_for(self, key: str | int) -> EmbeddedValkey:
+        """The server that serves ``key`` (or slot ``key``) as primary, as the first live
+        server's slot map says now (a failed primary stays there until a replica won)."""
+        slot = key if isinstance(key, int) else key_slot(key.encode())
+        for server in self.servers:
+            if server.process is None or server.process.poll() is not None:
+                continue
+            with redis.Redis.from_url(server.url, socket_timeout=5) as client:
+                for entry in client.execute_command("CLUSTER", "SLOTS"):
+                    if int(entry[0]) <= slot <= int(entry[1]):
+                        port = int(entry[2][1])
+                        return next(s for s in self.servers if s.port == port)
+        raise KVStoreError(f"no live server of the cluster serves slot {slot}")
+
+    def wait_promoted(self, key: str | int, dead: EmbeddedValkey, timeout: float) -> EmbeddedValkey:
+        """Until a server other than ``dead`` (killed by the caller) serves ``key`` as
+        primary; returns it. Raises ``KVStoreError`` after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while (serving := self.primary_for(key)) is dead:
+            if time.monotonic() > deadline:
+                raise KVStoreError(f"no replica took over from 127.0.0.1:{dead.port} in time")
+            time.sleep(0.02)
+        return serving
+
     def stop(self) -> None:
-        for shard in self.shards:
-            shard.stop()
+        for server in self.servers:
+            server.stop()
         self._tmp.cleanup()
 
     def __enter__(self) -> EmbeddedValkeyCluster:
@@ -313,6 +387,10 @@ class EmbeddedValkeyCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _text(reply: object) -> str:
+    return reply.decode() if isinstance(reply, bytes) else str(reply)
 
 
 def _cluster_port(shard: EmbeddedValkey) -> int:
