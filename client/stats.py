@@ -18,6 +18,9 @@ class ClientStats:
     bytes_received: int = 0
     checksum_failures: int = 0
     node_errors: int = 0
+    # of those, calls a node did not answer within their time limit: slow, stalled or
+    # cut off by the network, not known to be down (the rest: refused, closed, gone)
+    node_timeouts: int = 0
     # requests a node refused for this client's token (CredentialError when every node asked did)
     credential_refusals: int = 0
     index_errors: int = 0

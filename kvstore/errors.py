@@ -96,6 +96,11 @@ class TransportError(RemoteFault):
     """A storage node could not be reached, timed out or refused the request."""
 
 
+class TransportTimeoutError(TransportError):
+    """A storage node did not answer within the caller's time limit: slow, stalled or
+    cut off by the network, not known to be down (``ClientStats.node_timeouts``)."""
+
+
 class ProtocolError(RemoteFault):
     """A frame on the data plane is malformed, truncated or too large."""
 

@@ -212,11 +212,14 @@ def _worker_main(spec_path: str, env: dict[str, str], out_path: str, err_path: s
     os._exit(code)
 
 
-def run_worker(spec: dict, timeout: float = 120, background: bool = False):
-    """Run tests/worker.py with ``spec`` in its own process (``WorkerProcess``); returns
-    its JSON result (or the process when ``background``)."""
+def run_worker(
+    spec: dict, timeout: float = 120, background: bool = False, env: dict | None = None
+):
+    """Run tests/worker.py with ``spec`` in its own process (``WorkerProcess``), in
+    ``env`` (this one's, on loopback, by default); returns its JSON result (or the
+    process when ``background``)."""
     # no interpreter starts (the worker is forked), so only what the worker reads counts
-    env = {**os.environ, "UCX_NET_DEVICES": "lo"}
+    env = env or {**os.environ, "UCX_NET_DEVICES": "lo"}
     # the spec goes through a file: token lists can be long
     with tempfile.NamedTemporaryFile(
         "w", suffix=".json", prefix="kvstore-worker-", delete=False

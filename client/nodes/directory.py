@@ -26,7 +26,7 @@ from client.nodes.connection import NodeConnection
 from client.nodes.placement import rank_nodes
 from client.nodes.shm_connection import ShmConnection
 from client.stats import ClientStats
-from kvstore.errors import RemoteFault
+from kvstore.errors import RemoteFault, TransportTimeoutError
 from kvstore.index import AsyncPageIndex, NodeInfo, PageLocation
 from kvstore.pages.keys import NamespaceKey
 from kvstore.wire.shm import host_id
@@ -319,6 +319,7 @@ class NodeDirectory:
     def failed(self, node_id: str, exc: Exception) -> None:
         """``node_id`` failed a call: skip it for a while, read the registry again."""
         self.stats.node_errors += 1
+        self.stats.node_timeouts += isinstance(exc, TransportTimeoutError)
         strikes = self._strikes.get(node_id, 0) + 1
         self._strikes[node_id] = strikes
         self._suspect[node_id] = time.monotonic() + min(
@@ -326,8 +327,15 @@ class NodeDirectory:
         )
         if self._wake is not None:
             self._wake.set()  # read the registry now: the node may have gone
+        # the line names which it was: silent (slow, stalled, cut off) or failed (gone)
+        what = "did not answer in time" if isinstance(exc, TransportTimeoutError) else "failed"
         self.log_limit.warning(
-            f"failed {node_id}", "node %s failed, its pages count as missing: %s", node_id, exc
+            f"failed {node_id}",
+            "node %s %s, its pages count as missing for %.1f s: %s",
+            node_id,
+            what,
+            min(SUSPECT_FIRST * 2 ** (strikes - 1), SUSPECT_MAX),
+            exc,
         )
 
     def ok(self, node_id: str) -> None:

@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.errors import PortInUseError, ProtocolError, TransportError
+from kvstore.errors import PortInUseError, ProtocolError, TransportError, TransportTimeoutError
 from kvstore.wire import loop_progress, ucxx_progress
 from kvstore.wire import protocol as P
 
@@ -181,11 +181,11 @@ def cuda_capable() -> bool:
 
 
 async def with_timeout(awaitable: Any, seconds: float, what: str) -> Any:
-    """Await with a deadline; a timeout becomes ``TransportError`` naming the step."""
+    """Await with a deadline; a timeout becomes ``TransportTimeoutError`` naming the step."""
     try:
         return await asyncio.wait_for(awaitable, seconds)
     except TimeoutError:
-        raise TransportError(f"{what} timed out after {seconds:.1f} s") from None
+        raise TransportTimeoutError(f"{what} timed out after {seconds:.1f} s") from None
 
 
 class Channel:
@@ -377,7 +377,7 @@ async def connect(ucxx: Any, host: str, port: int, seconds: float, what: str) ->
     except BaseException as exc:
         task.add_done_callback(_abort_late_endpoint)
         if isinstance(exc, asyncio.TimeoutError):
-            raise TransportError(f"{what} timed out after {seconds:.1f} s") from None
+            raise TransportTimeoutError(f"{what} timed out after {seconds:.1f} s") from None
         raise
 
 
