@@ -212,9 +212,7 @@ def _worker_main(spec_path: str, env: dict[str, str], out_path: str, err_path: s
     os._exit(code)
 
 
-def run_worker(
-    spec: dict, timeout: float = 120, background: bool = False, env: dict | None = None
-):
+def run_worker(spec: dict, timeout: float = 120, background: bool = False, env: dict | None = None):
     """Run tests/worker.py with ``spec`` in its own process (``WorkerProcess``), in
     ``env`` (this one's, on loopback, by default); returns its JSON result (or the
     process when ``background``)."""
