@@ -15,7 +15,7 @@ import pytest
 
 from kvstore.index import PageIndex
 from tests.helpers import namespace_for_page_size, run_worker, spec, worker_result
-from tests.netns_fixtures import net_store, network  # noqa: F401 (fixtures)
+from tests.netns_fixtures import net_store, netem_available, network  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.faults, pytest.mark.process]
 
@@ -29,11 +29,13 @@ def client_spec(store, ns, op: str, **kw) -> dict:
     }
 
 
-def put(store, ns, token_lists: list[list[int]]) -> None:
+def put(store, ns, token_lists: list[list[int]], options: dict | None = None) -> dict:
     out = run_worker(
-        client_spec(store, ns, "put_pages", token_lists=token_lists), env=store.client_env
+        client_spec(store, ns, "put_pages", token_lists=token_lists, options=options or {}),
+        env=store.client_env,
     )
     assert all(r["stored"] == len(t) // ns.block_size for r, t in zip(out["reports"], token_lists))
+    return out
 
 
 def gets_for(store, ns, token_lists, seconds: float):
@@ -155,3 +157,88 @@ def test_a_node_cut_off_from_the_index_stops_being_offered_and_returns_after_the
     print(
         f"node cut from the index: unlisted {gone_after:.2f} s after the cut; hits {back_after:.2f} s after the heal"
     )
+
+
+def test_a_node_cut_off_from_clients_but_not_the_index_leaves_its_replicas_to_serve(
+    network, net_store
+):
+    """node-0 keeps beating (the index lists it) but no client packet reaches it. A
+    client with replicas=2 counts it as silent after one timeout, reads its pages'
+    replicas from node-1 meanwhile, and never waits on it more than its bound."""
+    cut_node = net_store.start_node("node-0")
+    net_store.start_node("node-1")
+    ns = namespace_for_page_size(1 << 16, tenant="cut-from-clients")
+    token_lists = prefixes(ns, 6, 8)
+    out = run_worker(
+        client_spec(net_store, ns, "put_pages", token_lists=token_lists, options={"replicas": 2}),
+        env=net_store.client_env,
+    )
+    assert all(r["stored"] == 8 for r in out["reports"])
+    network.partition(net_store.client, cut_node)
+    try:
+        out = run_worker(
+            client_spec(
+                net_store, ns, "get_pages", token_lists=token_lists, loop_seconds=6, timestamps=True
+            ),
+            env=net_store.client_env,
+        )
+        index = PageIndex(net_store.redis_url)
+        assert net_store.live_nodes(index) == {"node-0", "node-1"}  # the index still lists it
+        index.close()
+    finally:
+        network.heal(net_store.client, cut_node)
+    results = out["results"]
+    assert all(r["exact"] for r in results)
+    assert max(r["took"] for r in results) < 3 * TIMEOUT + 2
+    full = sum(r["matched"] == r["blocks"] for r in results)
+    print(
+        f"cut from clients only: {full} of {len(results)} gets full from the replica,"
+        f" {out['stats']['node_timeouts']} node timeouts"
+    )
+    assert out["stats"]["node_timeouts"] > 0
+    assert full >= 0.9 * len(results)
+
+
+def test_gets_and_puts_over_a_lossy_link_are_bit_exact(network, net_store):
+    """0.5 % of the packets between client and node are dropped, both ways: puts and
+    gets of 1 MiB pages still complete, bit-exact (TCP resends what UCX sent). Prints
+    the throughput against a clean link, measured in turns."""
+    node = net_store.start_node("node-0", "512MiB")
+    ns = namespace_for_page_size(1 << 20, tenant="lossy")
+    options = {"timeout": 20.0}
+    figures: dict[str, list[float]] = {"clean": [], "lossy": []}
+    for turn in range(6):
+        kind = "lossy" if turn % 2 else "clean"
+        token_lists = prefixes(ns, 2, 32, start=turn * 1_000_000)
+        if kind == "lossy":
+            network.lossy(net_store.client, node, 0.005)
+        try:
+            put_seconds = put(net_store, ns, token_lists, options)["seconds"]
+            out = run_worker(
+                client_spec(net_store, ns, "get_pages", token_lists=token_lists, options=options),
+                env=net_store.client_env,
+            )
+            seconds = put_seconds + out["seconds"]  # inside the workers: no process starts
+        finally:
+            if kind == "lossy":
+                network.clean(net_store.client, node, 0.005)
+        assert all(r["exact"] and r["matched"] == r["blocks"] for r in out["results"])
+        figures[kind].append(2 * 64 / seconds)  # MiB put and got per second
+    clean, lossy = (sorted(figures[k])[len(figures[k]) // 2] for k in ("clean", "lossy"))
+    print(f"lossy link (0.5 %): {lossy:.0f} MiB/s vs {clean:.0f} clean ({lossy / clean:.2f}x)")
+
+
+def test_gets_over_a_slow_link_are_bit_exact(network, net_store):
+    """2 ms +- 1 ms of delay each way, where the kernel has tc's netem."""
+    if not netem_available():
+        pytest.skip("this kernel has no sch_netem (tc qdisc ... netem): no delay can be added")
+    node = net_store.start_node("node-0")
+    network.netem(node, "delay", "2ms", "1ms")
+    ns = namespace_for_page_size(1 << 20, tenant="slow-link")
+    token_lists = prefixes(ns, 2, 16)
+    put(net_store, ns, token_lists, {"timeout": 20.0})
+    out = run_worker(
+        client_spec(net_store, ns, "get_pages", token_lists=token_lists, options={"timeout": 20.0}),
+        env=net_store.client_env,
+    )
+    assert all(r["exact"] and r["matched"] == r["blocks"] for r in out["results"])
