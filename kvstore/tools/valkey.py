@@ -15,11 +15,11 @@ import time
 from pathlib import Path
 
 import redis
-from redis.crc import key_slot
 
 from kvstore.errors import KVStoreError
 from kvstore.index.topology import SLOTS
 from kvstore.tools.procutil import die_with_parent, free_port, pid_alive, stop_process
+from kvstore.tools.valkey_state import ClusterView, cluster_port, text
 
 
 def valkey_binary() -> str:
@@ -209,7 +209,7 @@ class EmbeddedValkey:
         self.stop()
 
 
-class EmbeddedValkeyCluster:
+class EmbeddedValkeyCluster(ClusterView):
     """``shards`` Valkey primaries on 127.0.0.1 forming a Redis Cluster, the slots split
     evenly, each with ``replicas`` replicas. ``url`` is a ``redis+cluster://`` URL
     (kvstore.index.urls) naming every server as a seed.
@@ -233,6 +233,7 @@ class EmbeddedValkeyCluster:
             self._server(f"shard-{i}-replica-{r}") for i in range(shards) for r in range(replicas)
         ]
         self.replicas_per_shard = replicas
+        self.servers = self.shards + self.replicas
 
     def _server(self, name: str) -> EmbeddedValkey:
         workdir = Path(self._tmp.name) / name
@@ -261,11 +262,6 @@ class EmbeddedValkeyCluster:
         return EmbeddedValkey(workdir=str(workdir), extra_args=args)
 
     @property
-    def servers(self) -> list[EmbeddedValkey]:
-        """Every process: the primaries as started, then their replicas."""
-        return self.shards + self.replicas
-
-    @property
     def url(self) -> str:
         return "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
 
@@ -280,7 +276,7 @@ class EmbeddedValkeyCluster:
                 client.execute_command("CLUSTER", "ADDSLOTSRANGE", i * per, last)
             for server in self.servers[1:]:
                 clients[0].execute_command(
-                    "CLUSTER", "MEET", "127.0.0.1", server.port, _cluster_port(server)
+                    "CLUSTER", "MEET", "127.0.0.1", server.port, cluster_port(server)
                 )
             deadline = time.monotonic() + timeout
             self._wait_converged(clients, deadline)
@@ -288,7 +284,7 @@ class EmbeddedValkeyCluster:
                 for k, client in enumerate(clients[len(self.shards) :]):
                     primary = clients[k // self.replicas_per_shard]
                     client.execute_command(
-                        "CLUSTER", "REPLICATE", _text(primary.execute_command("CLUSTER", "MYID"))
+                        "CLUSTER", "REPLICATE", text(primary.execute_command("CLUSTER", "MYID"))
                     )
                 self._wait_replicating(clients, deadline)
             for client in clients:
@@ -297,85 +293,6 @@ class EmbeddedValkeyCluster:
             self.stop()
             raise
         return self
-
-    def _wait_converged(self, clients: list[redis.Redis], deadline: float) -> None:
-        """Until every server knows every other and the whole slot map is served.
-
-        A MEET whose handshake does not finish within the node timeout is dropped by
-        Valkey and never retried (only gossip about known nodes is), so on a loaded
-        machine a server could stay alone for good: one that still knows only itself is
-        met again each second (a MEET already under way is a no-op)."""
-        next_meet = time.monotonic() + 1.0
-        while True:
-            states = [self._cluster_state(client) for client in clients]
-            if all(state == ("ok", len(clients), SLOTS) for state in states):
-                return
-            if time.monotonic() > deadline:
-                shown = ", ".join(
-                    f"127.0.0.1:{s.port} {st[0]}, knows {st[1]}, serves {st[2]} slots"
-                    for s, st in zip(self.servers, states)
-                )
-                raise KVStoreError(f"the embedded Valkey cluster did not converge ({shown})")
-            if time.monotonic() > next_meet:
-                for server, state in zip(self.servers[1:], states[1:]):
-                    if state[1] == 1:
-                        clients[0].execute_command(
-                            "CLUSTER", "MEET", "127.0.0.1", server.port, _cluster_port(server)
-                        )
-                next_meet = time.monotonic() + 1.0
-            time.sleep(0.05)
-
-    def _wait_replicating(self, clients: list[redis.Redis], deadline: float) -> None:
-        """Until every replica's link to its primary is up and every server lists each
-        shard with all its replicas (the primaries that vote in a failover know them)."""
-        want = 3 + self.replicas_per_shard  # slot range, primary, replicas
-        while True:
-            links = [c.info("replication").get("master_link_status") for c in clients]
-            views = [c.execute_command("CLUSTER", "SLOTS") for c in clients]
-            if all(link == "up" for link in links[len(self.shards) :]) and all(
-                len(entry) >= want for view in views for entry in view
-            ):
-                return
-            if time.monotonic() > deadline:
-                raise KVStoreError(
-                    f"the embedded Valkey cluster's replicas did not sync (links: {links})"
-                )
-            time.sleep(0.05)
-
-    @staticmethod
-    def _cluster_state(client: redis.Redis) -> tuple[str, int, int]:
-        """(cluster_state, known nodes, slots served) as one server sees them."""
-        fields = dict(
-            line.split(":", 1)
-            for line in _text(client.execute_command("CLUSTER", "INFO")).split()
-            if ":" in line
-        )
-        covered = sum(int(e[1]) - int(e[0]) + 1 for e in client.execute_command("CLUSTER", "SLOTS"))
-        return fields.get("cluster_state", "?"), int(fields.get("cluster_known_nodes", 0)), covered
-
-    def primary_for(self, key: str | int) -> EmbeddedValkey:
-        """The server that serves ``key`` (or slot ``key``) as primary, as the first live
-        server's slot map says now (a failed primary stays there until a replica won)."""
-        slot = key if isinstance(key, int) else key_slot(key.encode())
-        for server in self.servers:
-            if server.process is None or server.process.poll() is not None:
-                continue
-            with redis.Redis.from_url(server.url, socket_timeout=5) as client:
-                for entry in client.execute_command("CLUSTER", "SLOTS"):
-                    if int(entry[0]) <= slot <= int(entry[1]):
-                        port = int(entry[2][1])
-                        return next(s for s in self.servers if s.port == port)
-        raise KVStoreError(f"no live server of the cluster serves slot {slot}")
-
-    def wait_promoted(self, key: str | int, dead: EmbeddedValkey, timeout: float) -> EmbeddedValkey:
-        """Until a server other than ``dead`` (killed by the caller) serves ``key`` as
-        primary; returns it. Raises ``KVStoreError`` after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        while (serving := self.primary_for(key)) is dead:
-            if time.monotonic() > deadline:
-                raise KVStoreError(f"no replica took over from 127.0.0.1:{dead.port} in time")
-            time.sleep(0.02)
-        return serving
 
     def stop(self) -> None:
         for server in self.servers:
@@ -387,12 +304,3 @@ class EmbeddedValkeyCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _text(reply: object) -> str:
-    return reply.decode() if isinstance(reply, bytes) else str(reply)
-
-
-def _cluster_port(shard: EmbeddedValkey) -> int:
-    args = shard.extra_args
-    return int(args[args.index("--cluster-port") + 1])
