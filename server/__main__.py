@@ -35,6 +35,7 @@ _METAVARS = {
     "shm_dir": "DIR",
     "ucx_net_devices": "DEVICES",
     "ucx_tls": "TRANSPORTS",
+    "oom_score_adj": "SCORE",
     "high_watermark": "FRACTION",
     "low_watermark": "FRACTION",
     "heartbeat_interval": "SECONDS",
@@ -103,6 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     from kvstore.errors import NodeIdInUseError
     from server.node import StorageNode  # after logging is configured
+    from server.oom import set_oom_score_adj
+
+    if settings.oom_score_adj is not None:
+        # before the page memory is faulted in: the kernel weighs the node from then on
+        set_oom_score_adj(settings.oom_score_adj)
 
     try:
         asyncio.run(StorageNode(settings).run())

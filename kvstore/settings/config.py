@@ -325,6 +325,16 @@ class ServerSettings(IndexAccess, EventSettings, BaseSettings):
         default_factory=tempfile.gettempdir,
         description="directory of the Unix socket same-host clients use (shared memory path); empty disables it",
     )
+    oom_score_adj: int | None = Field(
+        None,
+        ge=-1000,
+        le=1000,
+        description=(
+            "the node's /proc/self/oom_score_adj: below 0 the kernel's OOM killer picks other "
+            "processes of the host or pod first (lowering it needs root or CAP_SYS_RESOURCE; "
+            "refused: a warning, the node runs on); none: left as inherited"
+        ),
+    )
     log_level: LogLevel = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
 
     @model_validator(mode="after")
