@@ -232,11 +232,11 @@ class Supervisor:
             f"{node.node_id} (pid {node.process.pid}) died: {cause}; its last log line: "
             f"{last}; {then}"
         )
-        self._report(line)
         if node.log_path is not None:  # beside what the node wrote, for whoever reads it later
             with contextlib.suppress(OSError), open(node.log_path, "a") as log:
                 log.write(f"kvstore up: {line}\n")
         self.save()
+        self._report(line)  # last: whoever reads it finds the log and the state already saying so
 
     def _announce_registered(self) -> None:
         awaiting = {
