@@ -21,6 +21,9 @@ class ClientStats:
     # of those, calls a node did not answer within their time limit: slow, stalled or
     # cut off by the network, not known to be down (the rest: refused, closed, gone)
     node_timeouts: int = 0
+    # nodes that left the registry while this client used them: their heartbeats
+    # stopped reaching the index (dead, or cut off from it)
+    nodes_left: int = 0
     # requests a node refused for this client's token (CredentialError when every node asked did)
     credential_refusals: int = 0
     index_errors: int = 0

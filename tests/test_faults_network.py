@@ -123,6 +123,7 @@ def test_a_node_cut_off_from_the_index_stops_being_offered_and_returns_after_the
     put(net_store, ns, token_lists)
     metrics = metrics_address(net_store, "node-0")
     index = PageIndex(net_store.redis_url)
+    watcher = gets_for(net_store, ns, token_lists[:1], seconds=20)  # one client throughout
     try:
         assert net_store.live_nodes(index) == {"node-0"}
         network.partition(node, net_store.index_host)
@@ -154,6 +155,10 @@ def test_a_node_cut_off_from_the_index_stops_being_offered_and_returns_after_the
     finally:
         index.close()
     assert "heartbeat failed" in net_store.node_log("node-0")
+    watched = worker_result(watcher, timeout=60)
+    assert all(r["exact"] for r in watched["results"])
+    assert watched["stats"]["nodes_left"] == 1  # the counter that names it: the node left
+    assert watched["results"][-1]["matched"] == watched["results"][-1]["blocks"]
     print(
         f"node cut from the index: unlisted {gone_after:.2f} s after the cut; hits {back_after:.2f} s after the heal"
     )

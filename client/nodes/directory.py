@@ -228,8 +228,25 @@ class NodeDirectory:
             return
         with self._keep_lock:
             if self._nodes_at is None or at > self._nodes_at:
+                self._note_changes(self._nodes if self._nodes_at is not None else read, read)
                 self._nodes, self._nodes_at = read, at
         self._read_failed = False
+
+    def _note_changes(self, before: list[NodeInfo], after: list[NodeInfo]) -> None:
+        """Name a node that left the registry (its heartbeats stopped reaching the
+        index: it died or is cut off from it, apart from one that is only slow, which
+        stays listed) and one that came back, so a log says which it was."""
+        gone = {n.node_id for n in before} - {n.node_id for n in after}
+        back = {n.node_id for n in after} - {n.node_id for n in before}
+        self.stats.nodes_left += len(gone)
+        for node_id in sorted(gone):
+            log.warning(
+                "node %s left the registry (dead, or cut off from the index): its pages "
+                "count as missing until it registers again",
+                node_id,
+            )
+        for node_id in sorted(back):
+            log.info("node %s is in the registry", node_id)
 
     async def connect(self, timeout: float, namespace: NamespaceKey) -> None:
         """Open a connection to every live node now (client start) and ask each for one
