@@ -28,6 +28,8 @@ from tests.helpers import (
     worker_result,
 )
 
+pytestmark = pytest.mark.faults  # kills, stalls, corrupt frames: part of `pytest -m faults`
+
 
 def index_pages(cluster, ns) -> dict[str, int]:
     """Pages per node that ``kvstore stats`` reports for ``ns``."""

@@ -30,6 +30,8 @@ from tests.helpers import (
     worker_result,
 )
 
+pytestmark = pytest.mark.faults  # kills, stalls, corrupt frames: part of `pytest -m faults`
+
 
 def _put_in_progress(cluster) -> bool:
     try:
