@@ -16,6 +16,9 @@ import pytest
 import torch
 
 from client import KVCacheClient
+from kvstore.errors import KVStoreError
+from kvstore.tools.launcher import LocalCluster
+from kvstore.tools.programs import Program
 from tests.helpers import namespace_for_page_size, pages_for
 from tests.worker import same_bytes
 
@@ -54,3 +57,22 @@ def test_a_starved_node_still_serves_every_page_just_stored(clusters, hogs):
         assert stats.index_timeouts == 1
         assert stats.node_errors == stats.node_timeouts == stats.nodes_left == 0
         assert cluster.nodes[0].process.poll() is None
+
+
+class NeverRegisters(Program):
+    """A node that is alive but never registers: one too slow to start."""
+
+    def argv(self, *args: str) -> list[str]:
+        return ["sh", "-c", "echo faulting in page memory; exec sleep 60"]
+
+
+def test_a_node_too_slow_to_start_is_named_as_slow_not_dead():
+    """`kvstore up` under saturation once said only "did not register within 30 s": the
+    message now says which node, that it is still running, its last line and the load."""
+    cluster = LocalCluster(1, "64MiB", node_program=NeverRegisters("-", "a slow node"))
+    with pytest.raises(KVStoreError) as err:
+        cluster.start(timeout=2)
+    cluster.stop()
+    message = str(err.value)
+    assert "node-0 still starting, its last log line: faulting in page memory" in message
+    assert "load average" in message

@@ -220,10 +220,29 @@ class LocalCluster:
                     )
                     raise KVStoreError(f"storage nodes exited during start ({reasons})")
                 if time.monotonic() > deadline:
-                    raise KVStoreError(f"storage nodes did not register within {timeout:.0f} s")
+                    raise KVStoreError(
+                        f"storage nodes did not register within {timeout:.0f} s: "
+                        + self._late_reasons(live)
+                    )
                 time.sleep(0.05)
         finally:
             index.close()
+
+    def _late_reasons(self, live: set[str]) -> str:
+        """Why nodes are late, slow told from dead: each unregistered node's state (exited
+        and how, or still running) and last log line, and the host's load, since a node
+        that is still starting on a saturated host is slow, not broken."""
+        parts = []
+        for node in self.nodes:
+            if node.node_id in live:
+                continue
+            code = node.process.poll()
+            state = "still starting" if code is None else f"exited ({code})"
+            parts.append(f"{node.node_id} {state}, its last log line: {node.exit_reason()}")
+        load = os.getloadavg()[0]
+        cores = os.cpu_count() or 1
+        busy = "; the host is saturated" if load > cores else ""
+        return "; ".join(parts) + f" (load average {load:.1f} on {cores} cores{busy})"
 
     def restart_nodes(self, sig: int = signal.SIGKILL, timeout: float = 30.0) -> float:
         """Kill every node (kill -9 by default) and start each again under its id (and its
