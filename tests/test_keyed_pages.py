@@ -154,7 +154,8 @@ def test_one_page_segments_read_by_mget_pick_what_the_script_picks(case, units, 
     missing) keeps exactly the entries the lookup script's path keeps (``_pick`` over
     the segments the script returns: up to the first missing one, or each on its own
     when sparse)."""
-    from kvstore.index.lookups import _pick, _pick_pages
+    from kvstore.index.entry_picks import pick as _pick
+    from kvstore.index.entry_picks import pick_pages as _pick_pages
     from kvstore.index.records import ENTRY
 
     blob, values = case

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.index.lookups import _pick
+from kvstore.index.entry_picks import pick as _pick
 from kvstore.index.records import ENTRY, IndexLookup, NodeInfo, live_records
 from kvstore.pages import keys
 from kvstore.pages.heads import unit_hashes

@@ -16,7 +16,6 @@ threshold, sent to both scripts."""
 from __future__ import annotations
 
 import logging
-from array import array
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,10 +28,11 @@ from kvstore.errors import (
     InvalidInputError,
     KVStoreError,
 )
-from kvstore.index import _match, checks, scripts
+from kvstore.index import checks, scripts
 from kvstore.index.commands import Cmd
 from kvstore.index.driver import IndexDriver
-from kvstore.index.records import ENTRY, IndexLookup, entry_arrays
+from kvstore.index.entry_picks import pick, pick_pages, picked
+from kvstore.index.records import ENTRY
 from kvstore.index.registry import live_nodes_cmd
 from kvstore.pages import keys
 from kvstore.pages._chainhash import hex_names
@@ -185,87 +185,6 @@ class _SegmentsRead:
                 self.read[j] = 0
 
 
-_NO_RECORDS = np.zeros(0, dtype=ENTRY)
-_NO_NUMBERS = np.zeros(0, dtype=np.int64)
-
-
-def _pick(
-    blob: bytes,
-    segs: list[tuple[int, int]],
-    parts: list[tuple[list[int], list[int], bytes]],
-    contiguous: int,
-    unavailable: KVStoreError | None,
-    first: np.ndarray | int,
-    need: np.ndarray | int,
-    offset: int = 0,
-) -> IndexLookup:
-    """The entries of the asked pages out of the segments read (``parts``: per reply,
-    the segments it read, their entry counts and the entries). Only the first
-    ``contiguous`` segments count (the prefix ends at the first missing one), and an
-    entry counts when it is a unit in ``[first, first + need)`` (per position) of the
-    hash asked at its position (kvstore.pages.heads; whole pages are unit 0 of themselves):
-    other chains that share the segment's anchor hold the rest. ``first`` and ``need``:
-    per position, or one number for every position (a lookup of one chain). ``offset``:
-    the first segment's records of the asked hashes start at that position."""
-    if contiguous == 0 or not parts:
-        return _picked(blob, b"", [], 0, first, need, unavailable)
-    runs: list[int] = []
-    for done, counts, _ in parts:
-        for j, count in zip(done, counts):
-            start, end = segs[j]
-            runs += (count, start if j < contiguous else -1, end - start, offset if j == 0 else 0)
-    recs = parts[0][2] if len(parts) == 1 else b"".join(part[2] for part in parts)
-    return _picked(blob, recs, runs, segs[contiguous - 1][1], first, need, unavailable)
-
-
-def _pick_pages(
-    blob: bytes, values: list[Any], first: int, need: int, sparse: bool = False
-) -> IndexLookup:
-    """``_pick`` for hashes that are each a one-page segment (``values``: the segments'
-    values in order, None where there is none): the prefix ends at the first missing
-    segment (``sparse``: none ends it, every position is covered), and an entry counts
-    when it is the page at its segment's head (position 0) and a unit in ``[first,
-    first + need)`` of the hash asked there (``_pick``)."""
-    if sparse:
-        covered = len(values)
-    else:
-        covered = next((i for i, value in enumerate(values) if value is None), len(values))
-    runs: list[int] = []
-    read: list[bytes] = []
-    for i in range(covered):
-        if value := values[i]:
-            runs += (len(value) // ENTRY.itemsize, i, 1, 0)
-            read.append(value)
-    return _picked(blob, b"".join(read), runs, covered, first, need)
-
-
-def _picked(
-    blob: bytes,
-    recs: bytes,
-    runs: list[int],
-    covered: int,
-    first: np.ndarray | int,
-    need: np.ndarray | int,
-    unavailable: KVStoreError | None = None,
-) -> IndexLookup:
-    """The ``IndexLookup`` of entries ``recs`` read in ``runs`` (``_match.pick``: per
-    segment read, its entry count, first position, length and shift): one pass in C,
-    where about 30 numpy calls took 0.11 ms of a first lookup after 1 s of quiet (cold
-    caches: the scheduler asks after pauses), against 0.03 warm (docs/benchmarks.md)."""
-    if not runs:
-        none = need if isinstance(need, int) else need[:0]
-        return IndexLookup(covered, _NO_RECORDS, _NO_NUMBERS, _NO_NUMBERS, none, unavailable)
-    if isinstance(first, int) and isinstance(need, int):
-        kept, positions, units = _match.pick(blob, recs, array("q", runs), first, need, None, None)
-        kept_need: np.ndarray | int = need
-    else:
-        firsts = np.ascontiguousarray(first, dtype=np.int64)
-        needs = np.ascontiguousarray(need, dtype=np.int64)
-        kept, positions, units = _match.pick(blob, recs, array("q", runs), 0, 0, firsts, needs)
-        kept_need = needs[:covered]
-    return IndexLookup(covered, *entry_arrays(kept, positions, units), kept_need, unavailable)
-
-
 class LookupMethods(IndexDriver):
     """Reads the longest stored prefix of a chain of page hashes under a read lease
     (its one job), for clients: ``lookup``."""
@@ -351,7 +270,7 @@ class LookupMethods(IndexDriver):
             for j, left in found.ttls.items():
                 self.leases.seen(prefix, anchors[j], left, below)
             read = len(segs) if sparse else found.contiguous
-            result = _pick(blob, segs, found.parts, read, found.unavailable, first, need, offset)
+            result = pick(blob, segs, found.parts, read, found.unavailable, first, need, offset)
             return (result, nodes) if with_nodes else result
 
         if (  # pages each a segment of one chain, no lease, one server: one MGET
@@ -397,7 +316,7 @@ class LookupMethods(IndexDriver):
         if isinstance(values, KVStoreError):
             if not isinstance(values, IndexUnavailableError):
                 raise values
-            result = _picked(blob, b"", [], 0, first, need, values)
+            result = picked(blob, b"", [], 0, first, need, values)
         else:
-            result = _pick_pages(blob, values, first, need, sparse)
+            result = pick_pages(blob, values, first, need, sparse)
         return (result, replies[1]) if with_nodes else result
