@@ -3,7 +3,7 @@
 (``client.vllm_connector`` for vLLM configs)."""
 
 from client.async_client import AsyncKVCacheClient
-from client.lookups.prefix import StoredPrefix
+from client.lookups.stored_prefix import StoredPrefix
 from client.puts.publish import PublishReport
 from client.sync_client import KVCacheClient
 

@@ -34,8 +34,9 @@ from client.codec import check_pages
 from client.gets.fetch import ReplicaFetcher
 from client.gets.landing import TransferMode, lands_in_place
 from client.gets.reads import PageReader
-from client.lookups.prefix import Identity, PrefixLookup, StoredPrefix
+from client.lookups.prefix import Identity, PrefixLookup
 from client.lookups.registration import NamespaceRegistration
+from client.lookups.stored_prefix import StoredPrefix
 from client.memory.buffers import Span
 from client.memory.device_pages import DeviceCopier, default_copier
 from client.memory.device_rows import DeviceRows

@@ -25,7 +25,8 @@ from typing import Any, TypeVar, cast
 import torch
 
 from client.async_client import AsyncKVCacheClient
-from client.lookups.prefix import Identity, StoredPrefix
+from client.lookups.prefix import Identity
+from client.lookups.stored_prefix import StoredPrefix
 from client.memory.buffers import Span
 from client.memory.device_rows import DeviceRows
 from client.memory.layer_feed import LayerFeed

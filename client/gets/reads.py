@@ -10,7 +10,8 @@ import torch
 from client.codec import check_pages
 from client.gets.fetch import ReplicaFetcher, leading, unit_requests, whole_blocks
 from client.gets.landing import Landing, TransferMode, choose_landing, lands_in_place
-from client.lookups.prefix import Identity, PrefixLookup, StoredPrefix
+from client.lookups.prefix import Identity, PrefixLookup
+from client.lookups.stored_prefix import StoredPrefix
 from client.memory.buffers import Span, host_bytes, page_spans
 from client.memory.device_pages import DeviceCopier
 from client.memory.device_rows import DeviceRows, device_spans

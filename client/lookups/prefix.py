@@ -1,5 +1,5 @@
-"""Prefix lookups: how much of a prompt is stored, and where (``PrefixLookup``), and
-what a lookup found, for fetching it later (``StoredPrefix``).
+"""Prefix lookups: how much of a prompt is stored, and where (``PrefixLookup``); what a
+lookup found, for fetching it later, is a ``StoredPrefix`` (``client.lookups.stored_prefix``).
 
 One path for both clients: ``AsyncKVCacheClient`` awaits ``find`` on its event loop;
 ``KVCacheClient`` calls ``find_blocking`` in its caller's thread over an index
@@ -13,13 +13,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from client.log_limit import LogLimit
 from client.lookups.registration import NamespaceRegistration
+from client.lookups.stored_prefix import StoredPrefix
 from client.nodes.directory import NodeDirectory
 from client.stats import ClientStats
 from kvstore.errors import (
@@ -42,51 +42,6 @@ _LIMIT = LogLimit(log)
 # What a call's ``identity`` may be: a request identity, one already resolved to blocks
 # (the vLLM connector's workers get those), or None for a plain request.
 Identity = RequestIdentity | BlockExtras | None
-
-
-@dataclass(frozen=True, slots=True)
-class StoredPrefix:
-    """What ``find`` learnt about a prompt's stored prefix, for ``get_found``: another
-    client of the same storage namespace (a TP worker of the engine whose scheduler
-    looked up, in another process) fetches from it without asking the index again.
-    Picklable. ``joined``: the storage chain hashes of the matched blocks, joined (an
-    object per block would cost the scheduler's lookup 0.35 ms at 8,192 blocks and its
-    pickling more; only workers split them); ``result``: their live replicas, every head
-    group in ``units`` (first, count); ``taken``: the wall-clock time of the lookup,
-    whose read lease (``lease_ms``) runs from then. ``last``: only the last block's page
-    is stored and fetched (a hybrid model's boundary state, ``PrefixLookup.find`` with
-    ``last``). ``place``: where the chain lies in the index's segments (keyed pages,
-    ``PrefixLookup.keyed_place``)."""
-
-    storage: str  # digest of the storage namespace
-    block_size: int
-    joined: bytes
-    units: tuple[int, int]
-    result: LookupResult
-    taken: float
-    lease_ms: int
-    last: bool = False
-    place: ChainPlace = TOKEN_CHAIN
-
-    @property
-    def blocks(self) -> int:
-        """Blocks of the stored prefix."""
-        return len(self.joined) // HASH_BYTES
-
-    @property
-    def tokens(self) -> int:
-        """Tokens of the stored prefix (a multiple of block_size)."""
-        return self.blocks * self.block_size
-
-    def head(self, blocks: int) -> StoredPrefix:
-        """The first ``blocks`` blocks of this prefix (all of it when it is shorter),
-        under the same lease: the vLLM connector loads no further than every namespace
-        it loads from holds."""
-        if blocks >= self.blocks:
-            return self
-        return replace(
-            self, joined=self.joined[: max(blocks, 0) * HASH_BYTES], result=self.result.head(blocks)
-        )
 
 
 class PrefixLookup:

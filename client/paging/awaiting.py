@@ -25,7 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from client.async_client import StoredPrefix
+from client.lookups.stored_prefix import StoredPrefix
 from client.paging.loader import LoadOutcome
 from client.paging.specs import AwaitedLoad
 from kvstore.pages.identity import BlockExtras

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from client.async_client import StoredPrefix
+from client.lookups.stored_prefix import StoredPrefix
 from kvstore.pages.identity import NO_EXTRAS, BlockExtras
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from concurrent.futures import Executor, Future
 from typing import Any
 
-from client.async_client import StoredPrefix
+from client.lookups.stored_prefix import StoredPrefix
 from client.paging.awaiting import PrefixWaiter, Waited
 from client.paging.loader import LoadOutcome, PageLoader
 from client.paging.specs import AwaitedLoad

@@ -19,8 +19,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from client.async_client import StoredPrefix
 from client.log_limit import LogLimit
+from client.lookups.stored_prefix import StoredPrefix
 from client.sync_client import KVCacheClient
 from client.vllm.claims import AnnouncedClaims
 from client.vllm.events import StoredEvents

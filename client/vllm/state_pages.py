@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from client.async_client import StoredPrefix
+from client.lookups.stored_prefix import StoredPrefix
 from client.memory.buffers import Span, host_bytes
 from client.paging.loader import LoadOutcome, ids_from
 from client.paging.paged_cache import GatherResult
