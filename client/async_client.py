@@ -5,13 +5,10 @@ Two APIs over one mechanism (publish pages, fetch a prefix of pages):
   (and ``find`` / ``get_found``);
 - the lookup-buffer contract of vLLM's SimpleConnector: ``insert`` / ``select``.
 
-The client is the front of parts with one job each, built here and handed to one
-another at construction: ``NodeDirectory`` (``client.nodes.directory``: registry, suspects,
-connections), ``NamespaceRegistration`` (``client.lookups.registration``), ``PrefixLookup``
-(``client.lookups.prefix``), ``Publisher`` (``client.puts.publish``), ``ReplicaFetcher``
-(``client.gets.fetch``), ``PageReader`` (``client.gets.reads``: the get variants, landing as
-``client.gets.landing`` chooses) and ``LookupBuffer`` (``client.sequences``: insert/select).
-Host buffers are ``client.memory.staging.HostBuffers`` (one pool per process).
+The client is the front of parts with one job each (``NodeDirectory``,
+``NamespaceRegistration``, ``PrefixLookup``, ``Publisher``, ``ReplicaFetcher``,
+``PageReader``, ``LookupBuffer``), built and handed to one another by ``client.parts``,
+which names the module of each.
 
 Remote faults (``RemoteFault``: a node that errors or times out, Redis gone, a wrong
 checksum) make the affected pages count as missing, so reads return a shorter prefix
@@ -31,24 +28,17 @@ from typing import Any
 import torch
 
 from client.codec import check_pages
-from client.gets.fetch import ReplicaFetcher
 from client.gets.landing import TransferMode, lands_in_place
-from client.gets.reads import PageReader
-from client.lookups.prefix import Identity, PrefixLookup
-from client.lookups.registration import NamespaceRegistration
+from client.lookups.prefix import Identity
 from client.lookups.stored_prefix import StoredPrefix
 from client.memory.buffers import Span
 from client.memory.device_pages import DeviceCopier, default_copier
 from client.memory.device_rows import DeviceRows
 from client.memory.layer_feed import LayerFeed
-from client.memory.staging import host_buffers
-from client.nodes.directory import NodeDirectory
-from client.puts.publish import Publisher, PublishReport
-from client.sequences import LookupBuffer
+from client.parts import client_parts
+from client.puts.publish import PublishReport
 from client.stats import ClientStats
 from kvstore.errors import InvalidInputError
-from kvstore.index import AsyncPageIndex
-from kvstore.index.routing import INDEX_TIMEOUT
 from kvstore.pages import heads
 from kvstore.pages.checksum import start_helper
 from kvstore.pages.hashing import split_hashes, token_array
@@ -108,59 +98,15 @@ class AsyncKVCacheClient:
         self.heads = heads.rank_units(self.namespace)
         self.replicas = opts.replicas
         self.timeout = opts.timeout
-        self.stats = ClientStats()
+        parts = client_parts(opts, self.namespace, self.heads, device)
+        self.stats = parts.stats
         # lands gets into device memory (client.memory.device_pages): CUDA's copier where a GPU
         # is, else none; ``device`` builds it (a test passes HostCopier)
-        self.device = device(self.stats)
-        self.index = AsyncPageIndex(
-            opts.redis_url,
-            timeout=min(opts.timeout, INDEX_TIMEOUT),
-            lease_ms=opts.lease_ms,
-            password=opts.redis_password.get_secret_value() or None,
-        )
-        self.nodes = NodeDirectory(
-            self.index,
-            self.stats,
-            token=opts.auth_token.get_secret_value(),
-            same_host=opts.same_host,
-            refresh=opts.node_refresh,
-            device=self.device,
-        )
-        self.registration = NamespaceRegistration(self.index, self.storage)
-        self.lookups = PrefixLookup(
-            self.index, self.storage, self.heads, self.nodes, self.registration, self.stats
-        )
-        fetcher = ReplicaFetcher(self.nodes, self.stats, self.storage.key, opts.timeout)
-        publisher = Publisher(
-            self.nodes,
-            self.registration,
-            self.stats,
-            self.namespace,
-            self.heads,
-            replicas=opts.replicas,
-            timeout=opts.timeout,
-        )
-        self._buffers = host_buffers()
-        self._publisher = publisher
-        self._reader = PageReader(
-            self.lookups,
-            fetcher,
-            self.namespace,
-            self.heads,
-            self.stats,
-            self._buffers,
-            opts.transfer_mode,
-            self.device,
-        )
-        self._sequences = LookupBuffer(
-            self.namespace,
-            self.heads,
-            self.lookups,
-            publisher,
-            fetcher,
-            self._reader,
-            self._buffers,
-        )
+        self.device = parts.device
+        self.index, self.nodes = parts.index, parts.nodes
+        self.registration, self.lookups = parts.registration, parts.lookups
+        self._buffers, self._publisher = parts.buffers, parts.publisher
+        self._reader, self._sequences = parts.reader, parts.sequences
         # start's connections and probes (``NodeDirectory.connect``)
         self._connecting: asyncio.Future[None] | None = None
 
