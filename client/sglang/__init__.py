@@ -1,7 +1,8 @@
 """kvstore as SGLang's HiCache L3 storage backend: ``KVStoreHiCache``, which SGLang
 loads with ``--hicache-storage-backend dynamic`` (docs/sglang.md). The class is
-imported on first use, since it subclasses SGLang's own; the options and page mapping
-(``client.sglang.options``, ``client.sglang.pool_pages``) import nothing of SGLang."""
+imported on first use, since it subclasses SGLang's own; the options, page mapping
+and pool calls (``client.sglang.options``, ``client.sglang.pool_pages``,
+``client.sglang.pool_calls``) import nothing of SGLang."""
 
 from __future__ import annotations
 

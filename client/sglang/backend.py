@@ -9,26 +9,24 @@ SGLang's scheduler threads call it: its prefetch thread asks ``batch_exists`` an
 page hashes as keys (batches of 128 from its cache controller; a hybrid controller asks
 ``batch_exists`` for a whole prompt at once). A key maps to a kvstore page hash inside
 a namespace built from the model, the rank and the host layout (``PoolPages``), each
-key a one-page index segment of its own (``_find`` says why); a lookup is the index's
-one round trip; a get lands each page straight in the host
-pool's slots (copied from the node's memory on the same host, over UCX otherwise); a
-put sends from them. A hybrid model's side pools (Mamba states, sliding-window KV),
+key a one-page index segment of its own (``client.sglang.pool_calls.PoolCalls.find``
+says why); a lookup is the index's one round trip; a get lands each page straight in
+the host pool's slots (copied from the node's memory on the same host, over UCX
+otherwise); a put sends from them. A hybrid model's side pools (Mamba states, sliding-window KV),
 registered with ``register_mem_host_pool_v2``, are pages of namespaces of their own,
 moved the same way by SGLang's v2 calls; ``batch_exists_v2`` applies each pool's hit
 policy (``restorable_ends``) to which of its pages are stored.
 
 Nothing raises into SGLang's data path: a fault (an index or node that cannot be
 reached, a timeout, a refused credential) is a miss, a False or a shorter prefix,
-counted in ``failures`` by kind and logged at most once a minute. Bad configuration
-raises when SGLang builds the backend or registers its pool: the attach fails, with a
-line naming what was wrong."""
+counted in ``failures`` by kind and logged at most once a minute (``PoolCalls``).
+Bad configuration raises when SGLang builds the backend or registers its pool: the
+attach fails, with a line naming what was wrong."""
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,6 +41,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from client.log_limit import LogLimit
 from client.memory.buffers import Span, host_bytes
 from client.sglang.options import hicache_options
+from client.sglang.pool_calls import NOT_REGISTERED, Pool, PoolCalls
 from client.sglang.pool_pages import PoolPages
 from client.sglang.restorable import SERVED_POLICIES, restorable_ends
 from client.sync_client import KVCacheClient
@@ -52,16 +51,6 @@ log = logging.getLogger(__name__)
 
 
 KV = PoolName.KV.value
-
-
-@dataclass
-class _Pool:
-    """One registered host pool: its pages, the client of their namespace, and whether
-    this rank writes them (MLA's latent KV: rank 0 only; a side pool: every rank)."""
-
-    pages: PoolPages
-    client: KVCacheClient
-    writes: bool
 
 
 def _pool_name(value: Any) -> str:
@@ -84,9 +73,10 @@ class KVStoreHiCache(HiCacheStorage):
     def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
         self.storage_config = storage_config
         self._options, self._client_options = hicache_options(storage_config.extra_config)
-        self._pools: dict[str, _Pool] = {}  # by SGLang's pool name; "kv" once registered
-        self.failures: Counter[str] = Counter()
+        self._pools: dict[str, Pool] = {}  # by SGLang's pool name; "kv" once registered
         self._limit = LogLimit(log)
+        self._calls = PoolCalls(self._limit)  # index and node calls: a fault is a miss
+        self.failures = self._calls.failures  # by kind: "lookup", "get", "set"
         pool = kwargs if kwargs is not None and hasattr(kwargs, "kv_buffer") else None
         if pool is not None:  # built the way SGLang builds its own backends: (config, pool)
             self.register_mem_pool_host(pool)
@@ -145,7 +135,7 @@ class KVStoreHiCache(HiCacheStorage):
         if old is not None:
             old.client.close()
         client = KVCacheClient(None, pages.namespace, options=self._client_options)
-        self._pools[name] = _Pool(pages, client, writes)
+        self._pools[name] = Pool(pages, client, writes)
 
     @property
     def client(self) -> KVCacheClient:
@@ -158,10 +148,10 @@ class KVStoreHiCache(HiCacheStorage):
         return self._kv.pages
 
     @property
-    def _kv(self) -> _Pool:
+    def _kv(self) -> Pool:
         pool = self._pools.get(KV)
         if pool is None:
-            raise InvalidInputError("SGLang has not registered its host pool with the backend")
+            raise InvalidInputError(NOT_REGISTERED)
         return pool
 
     def close(self) -> None:
@@ -176,7 +166,7 @@ class KVStoreHiCache(HiCacheStorage):
     ) -> int:
         """Pages of ``keys`` stored from the first on, in one index round trip; 0 on a
         fault."""
-        found = self._find(self._pools.get(KV), keys, lease=False)  # nothing is fetched
+        found = self._calls.find(self._pools.get(KV), keys, lease=False)  # nothing is fetched
         return found.blocks if found is not None else 0
 
     def batch_get_v1(
@@ -202,21 +192,21 @@ class KVStoreHiCache(HiCacheStorage):
         nothing and says True."""
         return self._set(self._pools.get(KV), keys, host_indices)
 
-    def _get(self, pool: _Pool | None, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+    def _get(self, pool: Pool | None, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
         if not keys:
             return []
-        found = self._find(pool, keys)
+        found = self._calls.find(pool, keys)
         got = 0
         if pool is not None and found is not None and found.blocks:
             size = pool.pages.pool.page_size
-            got = self._land(
+            got = self._calls.land(
                 pool, found, lambda: pool.pages.spans(host_indices[: found.blocks * size])
             )
         return [i < got for i in range(len(keys))]
 
-    def _set(self, pool: _Pool | None, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+    def _set(self, pool: Pool | None, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
         if pool is None:
-            self._failed("set", "SGLang has not registered its host pool with the backend")
+            self._calls.failed("set", NOT_REGISTERED)
             return [False] * len(keys)
         if not keys or not pool.writes:
             return [True] * len(keys)
@@ -224,10 +214,12 @@ class KVStoreHiCache(HiCacheStorage):
             spans = pool.pages.spans(host_indices[: len(keys) * pool.pages.pool.page_size])
             report = pool.client.put_keyed(keys, spans)
         except Exception as exc:
-            self._failed("set", exc)
+            self._calls.failed("set", exc)
             return [False] * len(keys)
         if report.stored < len(keys):
-            self._failed("set", f"{len(keys) - report.stored} of {len(keys)} pages not stored")
+            self._calls.failed(
+                "set", f"{len(keys) - report.stored} of {len(keys)} pages not stored"
+            )
             return [False] * len(keys)
         return [True] * len(keys)
 
@@ -254,9 +246,11 @@ class KVStoreHiCache(HiCacheStorage):
             if name == KV or not restorable:
                 continue
             policy = _pool_name(transfer.hit_policy)
-            if policy not in SERVED_POLICIES:  # it restores no length: no prefix is usable
-                self._failed("lookup", f"the {name} pool's hit policy {policy} is not served")
-            present = self._stored(name, keys[:kv_pages]) if policy in SERVED_POLICIES else []
+            if policy in SERVED_POLICIES:
+                present = self._calls.stored(self._pools.get(name), name, keys[:kv_pages])
+            else:  # it restores no length: no prefix is usable
+                self._calls.failed("lookup", f"the {name} pool's hit policy {policy} is not served")
+                present = []
             served = restorable_ends(present, policy, max(1, len(transfer.keys or ())))
             if served:
                 hits[transfer.name] = max(served)
@@ -285,7 +279,7 @@ class KVStoreHiCache(HiCacheStorage):
     def _each_v2(
         self,
         transfers: list[PoolTransfer],
-        call: Callable[[_Pool, list[str], Any], list[bool]],
+        call: Callable[[Pool, list[str], Any], list[bool]],
         kind: str,
     ) -> dict[str, list[bool]]:
         """``call`` for each transfer's pool, keys and slots; all False for a pool
@@ -296,29 +290,13 @@ class KVStoreHiCache(HiCacheStorage):
             pool = self._pools.get(name)
             if pool is None or t.host_indices is None:
                 if keys:
-                    self._failed(kind, f"a transfer of the {name} pool without a pool or slots")
+                    self._calls.failed(
+                        kind, f"a transfer of the {name} pool without a pool or slots"
+                    )
                 out[name] = [False] * len(keys)
             else:
                 out[name] = call(pool, keys, t.host_indices)
         return out
-
-    def _stored(self, name: str, keys: list[str]) -> list[bool]:
-        """Which of ``keys``' pages the side pool ``name`` holds, each on its own; all
-        False for a pool never registered or on a fault (counted, logged)."""
-        pool = self._pools.get(name)
-        if pool is None or not keys:
-            if keys:
-                self._failed("lookup", f"the {name} pool was never registered")
-            return [False] * len(keys)
-        try:
-            present = pool.client.stored_keys(keys)
-        except Exception as exc:
-            self._failed("lookup", exc)
-            return [False] * len(keys)
-        if present is None:
-            self._failed("lookup", "the index did not answer")
-            return [False] * len(keys)
-        return present
 
     # ---- the copying path (SGLang without interface_v1) ----------------------------
 
@@ -338,7 +316,7 @@ class KVStoreHiCache(HiCacheStorage):
         None from the first page that did not arrive."""
         if not keys:
             return []
-        found = self._find(self._pools.get(KV), keys)
+        found = self._calls.find(self._pools.get(KV), keys)
         got = 0
         if found is not None and found.blocks:
             try:
@@ -350,7 +328,7 @@ class KVStoreHiCache(HiCacheStorage):
                     if page is not target:
                         target.view(-1).copy_(self._flat_order(page))
             except Exception as exc:
-                self._failed("get", exc)
+                self._calls.failed("get", exc)
         return [target_locations[i] if i < got else None for i in range(len(keys))]
 
     def set(
@@ -368,7 +346,7 @@ class KVStoreHiCache(HiCacheStorage):
         """Store each flat page tensor (SGLang's ``get_data_page``) under its key."""
         pool = self._pools.get(KV)
         if pool is None:
-            self._failed("set", "SGLang has not registered its host pool with the backend")
+            self._calls.failed("set", NOT_REGISTERED)
             return False
         if not keys or not pool.writes:
             return True
@@ -376,7 +354,7 @@ class KVStoreHiCache(HiCacheStorage):
             spans = [self._flat_span(self._page_order(v)) for v in values]
             report = self.client.put_keyed(keys, spans)
         except Exception as exc:
-            self._failed("set", exc)
+            self._calls.failed("set", exc)
             return False
         return report.stored == len(keys)
 
@@ -403,48 +381,7 @@ class KVStoreHiCache(HiCacheStorage):
             )
         return Span(flat, 0, flat.nbytes)
 
-    # ---- faults --------------------------------------------------------------------
-
-    def _land(self, pool: _Pool, found: Any, sinks: Any) -> int:
-        """Pages of ``found`` landed in the spans ``sinks()`` makes, from the first on;
-        one that was found but did not arrive (a node gone, a page evicted or failing
-        its check) is counted and logged, as any fault on the way (0 then)."""
-        try:
-            got = pool.client.get_found_into(found, sinks()) // pool.pages.namespace.block_size
-        except Exception as exc:  # a fault is a miss, never SGLang's exception
-            self._failed("get", exc)
-            return 0
-        if got < found.blocks:
-            self._failed(
-                "get", f"{found.blocks - got} of {found.blocks} pages found did not arrive"
-            )
-        return got
-
-    def _find(self, pool: _Pool | None, keys: list[str], *, lease: bool = True) -> Any:
-        """The client's ``find_keys``, or None on any fault (counted, logged). Keys go
-        without chain positions: SGLang 0.5.23's ``prefix_keys`` are not the keys
-        before a prefetch's batch (its scheduler passes the ancestors of the node the
-        host cache ended in, without that node's own keys), so positions read from them
-        would place a prefetch's lookups where its backups never put the pages."""
-        if not keys:
-            return None
-        if pool is None:
-            self._failed("lookup", "SGLang has not registered its host pool with the backend")
-            return None
-        try:
-            found = pool.client.find_keys(keys, lease=lease)
-        except Exception as exc:
-            self._failed("lookup", exc)
-            return None
-        if found is None:
-            self._failed("lookup", "the index did not answer")
-        return found
-
-    def _failed(self, kind: str, why: object) -> None:
-        self.failures[kind] += 1
-        self._limit.warning(
-            kind, "kvstore HiCache %s failed, counted as a miss or False: %s", kind, why
-        )
+    # ---- not served -----------------------------------------------------------------
 
     def clear(self) -> None:
         """Not done: a client cannot empty the store; pages leave by eviction."""
