@@ -1,6 +1,7 @@
-"""Checks of the KV caches vLLM registers on a worker against what the store's pages
-assume: the PP stage's layers in order, the page layout the scheduler keys by, and each
-layer's KV-cache group when there are several.
+"""The KV caches vLLM registers on a worker, sorted and checked against what the
+store's pages assume (``worker_caches``): the PP stage's attention layers in order, apart
+from a draft model's and a state-space hybrid's state layers, the page layout the
+scheduler keys by, and each layer's KV-cache group when there are several.
 
 Called by ``client.vllm.worker.ConnectorWorker.register_kv_caches``; each check raises
 ``KVStoreError`` for caches the store cannot serve, which disables the worker's loads
@@ -8,10 +9,13 @@ and saves (logged once)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from client.paging.paged_cache import PagedCache
+from client.vllm.drafts import draft_layout
 from client.vllm.options import engine_layout, stage_layers
 from kvstore.errors import KVStoreError
 from kvstore.pages.layouts import detect_layout
@@ -19,6 +23,63 @@ from kvstore.pages.layouts import detect_layout
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from client.vllm.states import StateFacts
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerCaches:
+    """A worker's registered caches, sorted and checked (``worker_caches``)."""
+
+    names: list[str]  # the target model's attention caches, in layer order
+    cache: PagedCache  # over those layers
+    layout: str  # its page layout
+    layer_groups: list[int]  # each layer's KV-cache group (``layer_groups_of``)
+    draft: PagedCache | None  # the draft model's layers (client.vllm.drafts), if any
+    draft_layout: str  # their page layout ("" without a draft)
+
+
+def worker_caches(
+    vllm_config: VllmConfig,
+    kv_caches: dict[str, torch.Tensor],
+    block_size: int,
+    pp_rank: int,
+    kv_cache_config: KVCacheConfig | None,
+    draft_names: list[str],
+    facts: StateFacts | None,
+) -> WorkerCaches:
+    """``kv_caches`` (vLLM's, by layer name) sorted into the target model's attention
+    caches and the draft's (``draft_names``), leaving out a state-space hybrid's state
+    layers (``facts``: ``client.vllm.states``), and checked (``stage_layout``,
+    ``layer_groups_of``); raises ``KVStoreError`` for caches the store cannot serve,
+    or a draft whose caches are not on this worker."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    state_names = list(facts.state_layers) if facts is not None else []
+    names = sorted(
+        (n for n in kv_caches if n not in draft_names and n not in state_names),
+        key=extract_layer_index,
+    )
+    layers = [kv_caches[n] for n in names]
+    layout = stage_layout(
+        vllm_config,
+        names,
+        layers,
+        block_size,
+        pp_rank,
+        list(facts.page_layers) if facts is not None else None,
+    )
+    cache = PagedCache(layers, layout)
+    layer_groups = layer_groups_of(
+        kv_cache_config, names, list(facts.page_groups) if facts else None
+    )
+    missing = [n for n in draft_names if n not in kv_caches]
+    if missing:  # the scheduler looks the draft's pages up: this worker must load them
+        raise KVStoreError(f"the draft's KV caches {missing[:2]} are not on this worker")
+    draft_caches = [kv_caches[n] for n in draft_names]
+    draft_layout_tag = draft_layout(vllm_config, draft_caches) if draft_caches else ""
+    draft_cache = PagedCache(draft_caches, draft_layout_tag) if draft_caches else None
+    return WorkerCaches(names, cache, layout, layer_groups, draft_cache, draft_layout_tag)
 
 
 def stage_layout(

@@ -2,7 +2,7 @@
 on threads of their own, so nothing blocks the engine step for a transfer.
 
 - Loads: ``start_load_kv`` submits each load to loader threads (the load path itself
-  is ``client.paging.loader``; the checks of the registered caches are
+  is ``client.paging.loader``; the registered caches are sorted and checked by
   ``client.vllm.cache_checks``), which fetch the pages the scheduler's lookup found
   (``KVCacheClient.get_found``: no second index round trip while that lookup's read
   lease is less than half gone), verified by checksum, and scatter them into the paged
@@ -17,9 +17,9 @@ on threads of their own, so nothing blocks the engine step for a transfer.
   loads (``LoadSpec.layerwise``) run in the step's forward instead
   (``client.paging.layerwise``): ``wait_for_layer_load`` feeds each layer.
 - Saves: ``wait_for_save`` copies the blocks out of the cache at the end of the step
-  (on a GPU into a device scratch on the compute stream, so later steps may reuse the
-  blocks, and from it to the host on a stream of its own, left in flight) and
-  publishes them on a saver thread.
+  (``client.vllm.save_copies``; on a GPU into a device scratch on the compute stream, so
+  later steps may reuse the blocks, and from it to the host on a stream of its own, left
+  in flight) and publishes them on a saver thread (``client.vllm.saver``).
   Pending saves are bounded by ``max_pending_save_bytes``; past it a save is dropped
   (counted), never waited for."""
 
@@ -41,8 +41,8 @@ from client.paging.paged_cache import PagedCache
 from client.paging.staging_pool import StagingPool
 from client.stats import ClientStats
 from client.sync_client import KVCacheClient
-from client.vllm.cache_checks import layer_groups_of, stage_layout
-from client.vllm.drafts import DraftFacts, DraftPages, draft_layout, rank_draft_client
+from client.vllm.cache_checks import worker_caches
+from client.vllm.drafts import DraftFacts, DraftPages, rank_draft_client
 from client.vllm.events import SaveOutcomes
 from client.vllm.gathered import GatheredPages
 from client.vllm.load_errors import LoadErrors
@@ -52,6 +52,7 @@ from client.vllm.options import (
     rank_client,
 )
 from client.vllm.remote_prefill import RemotePrefills
+from client.vllm.save_copies import copy_out_saves
 from client.vllm.saver import SaveQueue
 from client.vllm.state_pages import StatePages
 from client.vllm.states import StateFacts
@@ -131,40 +132,25 @@ class ConnectorWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if not self._enabled:
             return
-        from vllm.model_executor.models.utils import extract_layer_index
-
         facts = self._state_facts
         draft_names = self._drafts.layers if self._drafts is not None else []
-        state_names = list(facts.state_layers) if facts is not None else []
-        names = sorted(
-            (n for n in kv_caches if n not in draft_names and n not in state_names),
-            key=extract_layer_index,
-        )
-        layers = [kv_caches[n] for n in names]
         pp_rank, tp_rank = self._ranks()
         try:
-            layout = stage_layout(
+            caches = worker_caches(
                 self._vllm_config,
-                names,
-                layers,
+                kv_caches,
                 self._block_size,
                 pp_rank,
-                list(facts.page_layers) if facts is not None else None,
+                self._kv_cache_config,
+                draft_names,
+                facts,
             )
-            self._cache = PagedCache(layers, layout)
-            self._layer_groups = layer_groups_of(
-                self._kv_cache_config, names, list(facts.page_groups) if facts else None
-            )
-            missing = [n for n in draft_names if n not in kv_caches]
-            if missing:  # the scheduler looks the draft's pages up: this worker must load them
-                raise KVStoreError(f"the draft's KV caches {missing[:2]} are not on this worker")
-            draft_caches = [kv_caches[n] for n in draft_names]
-            draft_layout_tag = draft_layout(self._vllm_config, draft_caches) if draft_caches else ""
-            draft_cache = PagedCache(draft_caches, draft_layout_tag) if draft_caches else None
         except KVStoreError as exc:
             log.error("KVStoreConnector disabled on this worker: %s", exc)
             self._cache = None
             return
+        names, layout, draft_cache = caches.names, caches.layout, caches.draft
+        self._cache, self._layer_groups = caches.cache, caches.layer_groups
         self._client = rank_client(
             self._vllm_config,
             self._conf,
@@ -242,7 +228,7 @@ class ConnectorWorker:
                 self._options,
                 self._drafts,
                 "WORKER",
-                layout=draft_layout_tag,
+                layout=caches.draft_layout,
                 tp_rank=tp_rank,
             )
             # as many pages per buffer as the target's: every load and save moves both
@@ -362,40 +348,16 @@ class ConnectorWorker:
         if not client.namespace.stores_heads:
             self._saves.outcomes.report(meta.saves, ok=True)
             return
-        hybrid_pages = self._gathered
-        if hybrid_pages is not None:
-            for gather in meta.gathers:
-                hybrid_pages.gather(gather)
-        page_nbytes = client.namespace.page_nbytes
-        for spec in meta.saves:
-            if spec.gathered:
-                held = hybrid_pages.take(spec.req_id) if hybrid_pages is not None else None
-                if held is None:  # a gather was dropped (pending bytes): nothing to publish
-                    self._saves.outcomes.report([spec], ok=False)
-                    continue
-                nbytes = len(held.pages) * page_nbytes
-                self._saves.submit(client, staging, spec, held, nbytes)
-                continue
-            draft = self._draft
-            nbytes = len(spec.block_ids) * page_nbytes
-            draft_nbytes = len(spec.block_ids) * draft.client.namespace.page_nbytes if draft else 0
-            if not self._saves.reserve(spec.req_id, nbytes + draft_nbytes):
-                self._saves.outcomes.report([spec], ok=False)
-                continue
-            started = time.perf_counter()
-            gathered = cache.gather(spec.block_ids, staging.take_pages(len(spec.block_ids)))
-            drafted = (
-                draft.cache.gather(spec.block_ids, draft.staging.take_pages(len(spec.block_ids)))
-                if draft is not None
-                else None
-            )
-            self._stats.observe("save_gather_seconds", time.perf_counter() - started)
-            self._saves.submit(client, staging, spec, gathered, nbytes)
-            if draft is not None and drafted is not None:
-                # the draft's pages: counted, never in the save's KV event (the target's)
-                self._saves.submit(
-                    draft.client, draft.staging, spec, drafted, draft_nbytes, answers_event=False
-                )
+        copy_out_saves(
+            meta,
+            client,
+            cache,
+            staging,
+            self._saves,
+            self._stats,
+            gathered=self._gathered,
+            draft=self._draft,
+        )
 
     def take_save_outcomes(self) -> SaveOutcomes | None:
         """Outcomes of saves finished since the engine step last asked (its KV events)."""
