@@ -1,6 +1,10 @@
-"""vLLM-format KV events: the wire format (``format``) and a bounded ZMQ publisher
-(``publisher``) for storage nodes. Routers that read a vLLM engine's KV events (llm-d,
-Dynamo) read these unchanged; docs/router-integration.md says how to point them here."""
+"""vLLM-format KV events: the wire format (``format``), a bounded ZMQ publisher for
+storage nodes (``publisher``; what it is told and counts: ``options``; the batches it
+hands again to a router that missed them: ``replay``), which router a stream is shaped
+for (``profiles``), and on an authenticated stream who may read which events
+(``access``) and the guard that enforces it on the publisher's thread (``gate``).
+Routers that read a vLLM engine's KV events (llm-d, Dynamo) read these unchanged;
+docs/router-integration.md says how to point them here."""
 
 from kvstore.events.format import (
     LOCAL,
