@@ -209,7 +209,7 @@ class EmbeddedValkey:
         self.stop()
 
 
-class EmbeddedValkeyCluster(ClusterView):
+class EmbeddedValkeyCluster(ClusterView[EmbeddedValkey]):
     """``shards`` Valkey primaries on 127.0.0.1 forming a Redis Cluster, the slots split
     evenly, each with ``replicas`` replicas. ``url`` is a ``redis+cluster://`` URL
     (kvstore.index.urls) naming every server as a seed.

@@ -4,8 +4,9 @@ which slots now, and when a replica took over from a killed primary (fault tests
 
 from __future__ import annotations
 
+import subprocess
 import time
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
 import redis
 from redis.crc import key_slot
@@ -13,16 +14,28 @@ from redis.crc import key_slot
 from kvstore.errors import KVStoreError
 from kvstore.index.topology import SLOTS
 
-if TYPE_CHECKING:
-    from kvstore.tools.valkey import EmbeddedValkey
+
+class Server(Protocol):
+    """What this module reads of one server (``EmbeddedValkey``, which imports this
+    module: a protocol keeps the import one way)."""
+
+    port: int
+    extra_args: list[str]
+    process: subprocess.Popen | None
+
+    @property
+    def url(self) -> str: ...
 
 
-class ClusterView:
+ServerT = TypeVar("ServerT", bound=Server)  # the cluster's server class
+
+
+class ClusterView(Generic[ServerT]):
     """The part of ``EmbeddedValkeyCluster`` that asks its servers; every wait ends
     with ``KVStoreError`` at its deadline."""
 
-    shards: list[EmbeddedValkey]  # the primaries as started
-    servers: list[EmbeddedValkey]  # the primaries, then their replicas
+    shards: list[ServerT]  # the primaries as started
+    servers: list[ServerT]  # the primaries, then their replicas
     replicas_per_shard: int
 
     def _wait_converged(self, clients: list[redis.Redis], deadline: float) -> None:
@@ -80,7 +93,7 @@ class ClusterView:
         covered = sum(int(e[1]) - int(e[0]) + 1 for e in client.execute_command("CLUSTER", "SLOTS"))
         return fields.get("cluster_state", "?"), int(fields.get("cluster_known_nodes", 0)), covered
 
-    def slot_map(self) -> list[tuple[int, int, EmbeddedValkey]]:
+    def slot_map(self) -> list[tuple[int, int, ServerT]]:
         """(first slot, last slot, the server serving them as primary) as the first live
         server sees them now: a killed primary stays there until a replica won."""
         for server in self.servers:
@@ -94,7 +107,7 @@ class ClusterView:
                 ]
         raise KVStoreError("no server of the embedded Valkey cluster is running")
 
-    def primary_for(self, key: str | int) -> EmbeddedValkey:
+    def primary_for(self, key: str | int) -> ServerT:
         """The server serving ``key`` (or slot ``key``) as primary now (``slot_map``)."""
         slot = key if isinstance(key, int) else key_slot(key.encode())
         for first, last, server in self.slot_map():
@@ -102,7 +115,7 @@ class ClusterView:
                 return server
         raise KVStoreError(f"no server of the embedded Valkey cluster serves slot {slot}")
 
-    def wait_promoted(self, key: str | int, dead: EmbeddedValkey, timeout: float) -> EmbeddedValkey:
+    def wait_promoted(self, key: str | int, dead: ServerT, timeout: float) -> ServerT:
         """Until a server other than ``dead`` (killed by the caller) serves ``key`` as
         primary; returns it. Raises ``KVStoreError`` after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
@@ -117,6 +130,6 @@ def text(reply: object) -> str:
     return reply.decode() if isinstance(reply, bytes) else str(reply)
 
 
-def cluster_port(shard: EmbeddedValkey) -> int:
+def cluster_port(shard: Server) -> int:
     args = shard.extra_args
     return int(args[args.index("--cluster-port") + 1])
