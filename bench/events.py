@@ -71,7 +71,7 @@ sys.path.insert(0, str(ROOT))
 from kvstore import events as ev  # noqa: E402
 from kvstore.tools.procutil import free_port  # noqa: E402
 
-ENGINE = ROOT / "tests" / "vllm_engine.py"
+ENGINE = ROOT / "tests" / "support" / "vllm_engine.py"
 BLOCK_TOKENS = 16  # a node's page of an 8B model: 2 MiB, 16 tokens (64 bytes of token ids)
 
 

@@ -30,7 +30,7 @@ verdict: bench/gpu_wheels.txt), carry .whl/, and build kvstore.pages' C modules 
    (strided copies per run and layer, D2H on the compute stream) and with
    ``PagedCache.gather`` (one indexed copy per layer, D2H on a stream of its own); the
    save call's time on the engine thread.
-5. tests/test_paged_cache.py, test_device_checksum.py, test_device_loads.py,
+5. tests/client/test_paged_cache.py, test_device_checksum.py, test_device_loads.py,
    test_device_layerwise.py, test_device_get_parts.py and test_device_slot_reads.py,
    whose CUDA cases run only on a GPU.
 
@@ -912,16 +912,16 @@ def section_tests(report: Report, dev: Dev, cluster: Any, args: argparse.Namespa
         "-p",
         "no:cacheprovider",
         "--maxfail=10",
-        "tests/test_paged_cache.py",
-        "tests/test_device_checksum.py",
-        "tests/test_device_loads.py",
-        "tests/test_device_layerwise.py",
-        "tests/test_device_get_parts.py",
-        "tests/test_device_slot_reads.py",
+        "tests/client/test_paged_cache.py",
+        "tests/kvstore/pages/test_device_checksum.py",
+        "tests/client/test_device_loads.py",
+        "tests/client/test_device_layerwise.py",
+        "tests/client/test_device_get_parts.py",
+        "tests/client/test_device_slot_reads.py",
         # makes credentials with the kvstore command, which the carried wheels' site
         # does not reach there; a protocol test, run on the CPU
         "--deselect",
-        "tests/test_device_slot_reads.py::test_a_notice_is_never_answered_and_one_refused_changes_nothing",
+        "tests/client/test_device_slot_reads.py::test_a_notice_is_never_answered_and_one_refused_changes_nothing",
     ]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     report(f"  {' '.join(cmd[1:])}: exit {res.returncode}")

@@ -39,13 +39,13 @@ sys.path.insert(0, str(ROOT))
 from kvstore.tools.launcher import LocalCluster  # noqa: E402
 from kvstore.tools.pd_proxy import PREFILL_PARAMS  # noqa: E402
 from kvstore.tools.procutil import free_port  # noqa: E402
-from tests.openai_server import OpenAIServer  # noqa: E402
+from tests.support.openai_server import OpenAIServer  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
 # bench/serve.py's model: large enough that a prefill costs what a load saves
 from serve import MODEL  # noqa: E402
 
-ENGINE = ROOT / "tests" / "vllm_engine.py"
+ENGINE = ROOT / "tests" / "support" / "vllm_engine.py"
 FLAGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "4096"]
 FLAGS += ["--served-model-name", "m", "--host", "127.0.0.1"]
 

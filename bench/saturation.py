@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from client import KVCacheClient
 from kvstore.tools.launcher import LocalCluster
-from tests.helpers import namespace_for_page_size, pages_for
+from tests.support.helpers import namespace_for_page_size, pages_for
 
 HOG = "while True: pass"
 # holds all but `leave` GiB of MemAvailable, touched, then sleeps until killed

@@ -38,9 +38,9 @@ sys.path.insert(0, str(ROOT))
 
 from kvstore.tools.launcher import LocalCluster  # noqa: E402
 from kvstore.tools.procutil import free_port  # noqa: E402
-from tests.openai_server import OpenAIServer  # noqa: E402
+from tests.support.openai_server import OpenAIServer  # noqa: E402
 
-ENGINE = ROOT / "tests" / "vllm_engine.py"
+ENGINE = ROOT / "tests" / "support" / "vllm_engine.py"
 # bench/vllm_ttft.py's model: large enough that a prefill costs what a load saves
 MODEL = dict(
     hidden_size=1024,

@@ -78,7 +78,7 @@ def main() -> int:
         reexec(args.mooncake_site)
     sys.path.append(os.environ["KVSTORE_BENCH_MOONCAKE_SITE"])
 
-    from tests.sglang_site import define_torchvision_ops, make_host_pool
+    from tests.support.sglang_site import define_torchvision_ops, make_host_pool
 
     define_torchvision_ops()
     import torch

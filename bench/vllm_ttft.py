@@ -60,7 +60,7 @@ MODEL = dict(
     vocab_size=512,
     max_position_embeddings=8192,
 )
-ENGINE = ROOT / "tests" / "vllm_engine.py"
+ENGINE = ROOT / "tests" / "support" / "vllm_engine.py"
 
 
 def engine(spec: dict) -> dict:

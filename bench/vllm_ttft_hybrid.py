@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from vllm_ttft import measured, row  # noqa: E402
 
 from kvstore.tools.launcher import LocalCluster  # noqa: E402
-from tests import engines  # noqa: E402
+from tests.support import engines  # noqa: E402
 
 MODEL = dict(
     hidden_size=512,
@@ -61,7 +61,7 @@ BLOCK = 256  # the attention block vLLM picks for MODEL (its log: "Setting atten
 
 
 def engine(spec: dict) -> dict:
-    """One engine in its own process (tests/engines.py, which finds its JSON answer among
+    """One engine in its own process (tests/support/engines.py, which finds its JSON answer among
     the log lines vLLM and the connector print); its answer."""
     return engines.run_engine({"role": None, "mode": "sequential", "extra": {}, **spec})
 

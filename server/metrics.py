@@ -2,7 +2,7 @@
 
 Names follow Prometheus conventions (``_total`` counters, ``_bytes``/``_seconds`` units).
 docs/operations.md ("Metrics, probes and alerts") lists every series; the chart's dashboard and alerts
-(helm/kvstore/files/) use only these, which tests/test_helm.py checks."""
+(helm/kvstore/files/) use only these, which tests/deploy/test_helm.py checks."""
 
 from __future__ import annotations
 

@@ -3,11 +3,11 @@ the ``process`` marker that splits the suite into tiers.
 
 ``process`` names every test that starts a storage node, a vLLM engine or another
 Python process (a worker, a ``kvstore`` command). ``pytest -m "not process" tests`` is
-the fast tier (README). Tests using a fixture that starts nodes (``clusters``, ``cluster``), and every test in a
-``test_vllm*`` module, are marked here; other modules mark theirs. In a run of the fast
-tier an unmarked test that starts one fails at once, naming the marker, so the tier
-stays what it says (Valkey servers, ``helm`` and other binaries are allowed: they start
-in milliseconds)."""
+the fast tier (README). Tests using a fixture that starts nodes (``clusters``,
+``cluster``), and every test in a ``test_vllm*`` module under tests/vllm/, are marked
+here; other modules mark theirs. In a run of the fast tier an unmarked test that starts
+one fails at once, naming the marker, so the tier stays what it says (Valkey servers,
+``helm`` and other binaries are allowed: they start in milliseconds)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from kvstore.index import PageIndex
 from kvstore.pages.namespace import Namespace
 from kvstore.tools.launcher import LocalCluster
 from kvstore.tools.valkey import EmbeddedValkey
-from tests.helpers import tenant_for
+from tests.support.helpers import tenant_for
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 # `kvstore up` keeps its state (token, index port, pid) under XDG_STATE_HOME: the tests'
@@ -104,7 +104,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     engine files came last and one worker ran them alone); 13:21 in this order, for
     the suite of then (20:51 in December 2026, with 1,048 tests)."""
     for item in items:
-        engine = item.path.name.startswith("test_vllm")
+        engine = item.path.parent.match("tests/vllm") and item.path.name.startswith("test_vllm")
         if engine and not item.get_closest_marker("vllm"):
             item.add_marker(pytest.mark.vllm)
         if engine or _PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):

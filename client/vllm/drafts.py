@@ -17,7 +17,7 @@ apart, with the same block hashes:
 Why store them at all: loading the target's pages alone is valid (verification keeps
 the target's tokens) but measured useless: the draft then attends to stale blocks, and 1
 of 183 drafted tokens was accepted where 48 of 48 were without the connector; with the
-draft's pages loaded too, 48 of 48 (tests/test_vllm_specdec.py checks the last).
+draft's pages loaded too, 48 of 48 (tests/vllm/test_vllm_specdec.py checks the last).
 
 A hit is the shorter of the two prefixes. EAGLE/MTP heads write a block's last rows
 from the token after it (vLLM's ``num_prefill_lookahead_tokens``), so, as vLLM's own

@@ -9,7 +9,7 @@ and full layers), block ids are unique only within a group, so vLLM raises on th
 multiple KV cache groups", ``Scheduler._handle_invalid_blocks``) and stops the engine;
 such a failure must come as the request's id in ``get_transfer_results``'
 ``failed_recving``, and vLLM recomputes the whole request (found with a corrupted
-stored page under a tiny Gemma-3: the engine died; tests/test_vllm_hybrid.py)."""
+stored page under a tiny Gemma-3: the engine died; tests/vllm/test_vllm_hybrid.py)."""
 
 from __future__ import annotations
 

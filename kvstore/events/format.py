@@ -13,7 +13,7 @@ field names, field order, defaults and struct options:
   ``omit_defaults``, so the optional fields after ``lora_name`` are left out while
   they hold their default (None).
 
-tests/test_kv_events.py holds the golden check: each event encoded here is the same
+tests/kvstore/events/test_kv_events.py holds the golden check: each event encoded here is the same
 bytes as the same event encoded with vLLM's classes, and decodes with vLLM's decoder.
 A change to vLLM's structs must be mirrored here field for field."""
 

@@ -14,7 +14,7 @@ things routers read differently (docs/router-integration.md, "Profiles"):
   vLLM's own int hashes are), and neither mark. NVIDIA Dynamo 1.6.1 refuses byte
   hashes (a batch with one fails to decode) and drops, without a word, an event whose
   ``ownership`` it does not know or whose ``locality`` is REMOTE
-  (tests/test_router_dynamo.py)."""
+  (tests/dynamo/test_router_dynamo.py)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
  * costs about 0.9 us per block in interpreter overhead alone (8,192 blocks: 7-17 ms
  * measured here), which is more than the whole lookup budget. BLAKE2b (RFC 7693) is
  * written out below because no dependency offers a chained, personalised BLAKE2b
- * callable from C; tests/test_hashing.py checks it against hashlib on random inputs
+ * callable from C; tests/kvstore/pages/test_hashing.py checks it against hashlib on random inputs
  * and keeps the golden vectors. The compression stays scalar: a chain is one long
  * dependency, and an AVX2 version (the four G columns in one register) was 20 % slower
  * here (1.27 against 1.55 ms for 8,192 compressions, Zen 3). */

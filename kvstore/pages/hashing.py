@@ -1,7 +1,7 @@
 """Chained block hashes, whole-sequence hashes and tail-part hashes.
 
 The exact byte format is written down in docs/key-format.md and pinned by golden
-vectors in tests/test_hashing.py. Nothing here depends on PYTHONHASHSEED."""
+vectors in tests/kvstore/pages/test_hashing.py. Nothing here depends on PYTHONHASHSEED."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def block_hash_bytes(namespace: Namespace, tokens: Any, extras: BlockExtras = NO
     without an object per block: what the index's lookup takes. The client's lookups
     (``find``) hash with it; a list costs 0.35 ms more at 8,192 blocks (measured here)."""
     # kvstore/pages/_chainhash.c runs the loop (8,192 blocks from a token list: 4x faster than
-    # the same loop over hashlib, bench/lookup.py); tests/test_hashing.py holds it to
+    # the same loop over hashlib, bench/lookup.py); tests/kvstore/pages/test_hashing.py holds it to
     # hashlib. A list goes in as it is: converted a block at a time, no 512 KiB buffer.
     size = 4 * namespace.block_size
 
@@ -135,7 +135,7 @@ def reference_block_hashes(
     namespace: Namespace, tokens: Any, extras: BlockExtras = NO_EXTRAS
 ) -> list[bytes]:
     """``block_hashes`` spelled out with hashlib, one block at a time: the construction in
-    docs/key-format.md as plain Python. tests/test_hashing.py holds the C loop to it and
+    docs/key-format.md as plain Python. tests/kvstore/pages/test_hashing.py holds the C loop to it and
     bench/lookup.py times the two side by side; nothing else should call it (it is 5-7x
     slower)."""
     arr = token_array(tokens)

@@ -15,8 +15,8 @@ caller's rights (Valkey checks the keys each ``redis.call`` touches), so ``+eval
 grants nothing the key patterns do not; read-only callers use EVALSHA_RO.
 
 ``rules(role, tenant)`` is used by ``kvstore acl``, the Helm chart's template mirrors it
-(templates/_helpers.tpl ``kvstore.aclRules``; tests/test_helm.py holds them equal) and
-tests/test_security.py runs every role against a real Valkey."""
+(templates/_helpers.tpl ``kvstore.aclRules``; tests/deploy/test_helm.py holds them equal) and
+tests/kvstore/security/test_security.py runs every role against a real Valkey."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ Why not UCX active messages: ucxx 0.52 keeps an ``am_recv`` waiter that was
 cancelled (a client timeout) keyed by the endpoint handle, and the next endpoint
 that reuses the handle never receives a frame again; its AM receive pool also
 keeps about 2 KiB per closed endpoint. Tagged receives have neither problem
-(tests/test_faults.py reproduces both).
+(tests/faults/test_faults.py reproduces both).
 
 Page payloads travel on ``DATA_TAG``, one message per *run* of pages that are
 contiguous in the server's pool, so small pages move in few messages and large

@@ -7,7 +7,7 @@ and its public ``ucxx.init`` takes only a mode's name. So kvstore's ``loop`` mod
 (``kvstore.wire.loop_progress``) and the quiet thread mode (``kvstore.wire.transport``)
 each put their own class in that global, through ``use_thread_mode``, before
 ``ucxx.init``. At exit, ``stop_notifier`` wakes the notifier thread through the
-context's worker before it stops it. tests/test_private_names.py fails if ucxx moves
+context's worker before it stops it. tests/kvstore/wire/test_private_names.py fails if ucxx moves
 or renames either."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def stop_notifier() -> None:
     not running or already stopped") to stdout at 1 exit in 30-40, which broke a client
     whose last stdout line is its answer (in a full run of the suite, once); with
     ``UCXX_LOG_LEVEL`` at its FATAL default (``kvstore.wire.transport.UCX_DEFAULTS``) that line is below the
-    level. Measured since: 0 of 100 exits of tests/raw_client.py printed anything."""
+    level. Measured since: 0 of 100 exits of tests/support/raw_client.py printed anything."""
     import ucxx
 
     ctx = ucxx.core._ctx  # private: ucxx offers no public handle on its worker

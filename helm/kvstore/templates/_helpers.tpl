@@ -39,7 +39,7 @@ redis://kvstore-node@{{ include "kvstore.fullname" . }}-valkey:{{ .Values.index.
 {{- define "kvstore.indexUsers" -}}{{ if and .Values.index.valkey.enabled .Values.index.acl.enabled }}true{{ end }}{{- end -}}
 
 {{/* Redis ACL rules of an index role: (dict "role" "node"|"client"|"operator" "tenant" name).
-     Mirrors kvstore/security/acl.py `rules` (tests/test_helm.py holds them equal). */}}
+     Mirrors kvstore/security/acl.py `rules` (tests/deploy/test_helm.py holds them equal). */}}
 {{- define "kvstore.aclRules" -}}
 {{- $common := "resetchannels -@all +ping +time +client|setinfo +cluster|slots +script|load +evalsha_ro +zrangebyscore +hgetall" -}}
 {{- $lookup := "+evalsha +get +mget +set +pttl +pexpire" -}}

@@ -1,0 +1,114 @@
+"""Starts each test's vLLM engine as a fork of one process that imported vLLM already:
+``python tests/support/engine_zygote.py SOCKET``, run by ``tests/support/engines.py``, never by a test.
+
+Importing vLLM, torch and transformers takes about 5 of the 10 s a tiny engine's process
+lives on the 2-core CI machine (measured: ``import vllm`` plus ``LLM`` 5.0 s, building
+the engine 1.8 s, the whole ``tests/support/vllm_engine.py`` run 9.9 s), and the suite starts
+about a hundred engines. Here that import happens once; each request forks a child that
+is a fresh engine process from then on: its own pid and process group (TP and PP
+workers included), its own environment, standard output and error, and exit status.
+What it shares with its siblings is what the import left in memory, copy-on-write.
+
+Protocol, one connection per engine: the client sends one JSON line ``{"argv": [...],
+"env": {...}, "cwd": ..., "stdout": path, "stderr": path}`` (``argv``: the arguments
+``tests/support/vllm_engine.py`` takes); the child answers its pid, then, once its interpreter
+is finishing (the last exit handler: after vLLM's own have shut the engine down), its
+exit status, each on a line of its own. The connection closes when the child and every
+process it forked (TP workers) have exited. A connection that closes without the
+status is a child that died (killed, or a crash of the interpreter). The zygote exits when its standard input
+closes, so a pytest that dies does not leave it behind."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import traceback
+
+
+def preimport() -> None:
+    """What every engine needs, imported before any fork: vLLM's entry point and engine
+    core, the CPU worker, the connector and the test's engine script. Nothing here
+    starts a Python thread (checked before each fork)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import vllm.config
+    import vllm.v1.engine.core
+    import vllm.v1.worker.cpu_worker  # noqa: F401
+    from vllm import LLM, SamplingParams  # noqa: F401
+
+    import client.vllm_connector  # noqa: F401
+    import tests.support.vllm_engine  # noqa: F401
+
+
+def child(conn: socket.socket, request: dict) -> int:
+    """In the forked child: become the engine process the request describes and run it;
+    returns the exit status, which the caller exits with (the interpreter then finishes
+    as an engine's own process would, and its last exit handler reports the status)."""
+    # the zygote ignores SIGCHLD, which the child inherits: its subprocess waits would fail
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    os.setpgid(0, 0)  # a timed-out run is killed with its workers
+    conn.sendall(f"{os.getpid()}\n".encode())
+    status = [1]
+    reporter = conn.dup()  # serve()'s with-block closes conn as SystemExit leaves it
+
+    def report() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        reporter.sendall(f"{status[0]}\n".encode())
+
+    atexit.register(report)  # registered first, so it runs last
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
+    from tests.support import vllm_engine
+
+    sys.argv = ["tests/support/vllm_engine.py", *request["argv"]]
+    try:
+        rc = vllm_engine.dispatch(request["argv"])
+    except SystemExit as exit_:
+        rc = exit_.code if isinstance(exit_.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        rc = 1
+    status[0] = rc
+    return rc
+
+
+def serve(path: str) -> None:
+    preimport()
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(16)
+    print("ready", flush=True)
+    while True:
+        ready, _, _ = select.select([listener, sys.stdin], [], [])
+        if sys.stdin in ready and not sys.stdin.buffer.read1(1):  # pytest is gone
+            return
+        if listener not in ready:
+            continue
+        conn, _ = listener.accept()
+        with conn:
+            request = json.loads(conn.makefile("rb").readline())
+            sys.stdout.flush()
+            sys.stderr.flush()
+            if threading.active_count() != 1:  # a fork would copy a lock some thread holds
+                raise RuntimeError(f"engine zygote: {threading.enumerate()} before a fork")
+            if os.fork() == 0:
+                listener.close()
+                # SystemExit unwinds serve(): the child never returns to this loop, and
+                # ends as an interpreter does (threads joined, exit handlers run)
+                sys.exit(child(conn, request))
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])

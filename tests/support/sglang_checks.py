@@ -1,0 +1,630 @@
+"""Child process of tests/sglang/test_sglang_hicache.py: SGLang's own classes (its backend
+factory, storage config, host pools, key hash and failure injector) driving
+``client.sglang.KVStoreHiCache`` against real storage nodes. Prints one JSON line per
+check; the test asserts on them.
+
+    python tests/support/sglang_checks.py layouts REDIS_URL SAME_HOST
+    python tests/support/sglang_checks.py ranks REDIS_URL
+    python tests/support/sglang_checks.py prefix REDIS_URL
+    python tests/support/sglang_checks.py readme REDIS_URL "README's SGLang arguments"
+    python tests/support/sglang_checks.py faults REDIS_URL       (reads a line on stdin mid-way)
+    python tests/support/sglang_checks.py hybrid REDIS_URL SAME_HOST
+    python tests/support/sglang_checks.py hybrid_vs_file REDIS_URL
+    python tests/support/sglang_checks.py config REDIS_URL"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from typing import Any
+
+from tests.support.sglang_site import define_torchvision_ops, make_host_pool, make_mamba_pool
+
+define_torchvision_ops()
+
+import torch  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
+    HiCacheFile,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    HiCacheStorageFailureInjector,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+)
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
+
+PAGE = 4  # tokens per page of every pool here
+
+
+def config(redis_url: str, *, mla: bool = False, rank: int = 0, size: int = 1, **extra: Any) -> Any:
+    """SGLang's storage config of one rank, with the extra config README gives."""
+    extra_config = {
+        "backend_name": "kvstore",
+        "module_path": "client.sglang",
+        "class_name": "KVStoreHiCache",
+        "interface_v1": 1,
+        "redis_url": redis_url,
+        **extra,
+    }
+    return HiCacheStorageConfig(
+        tp_rank=rank,
+        tp_size=size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=extra_config.pop("attn_cp_size", 1),
+        is_mla_model=mla,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name=extra_config.pop("model_name", "tiny/llama"),
+        extra_config=extra_config,
+    )
+
+
+def backend(cfg: Any, pool: Any) -> Any:
+    """The backend as SGLang attaches it: built by its factory (``dynamic``), then
+    handed the host pool."""
+    made = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    made.register_mem_pool_host(pool)
+    made.on_host_pools_registered()
+    return made
+
+
+def page_keys(seed: int, pages: int, salt: str | None = None) -> list[str]:
+    """SGLang's storage keys of a random prompt of ``pages`` pages (its own hash)."""
+    rng = random.Random(seed)
+    tokens = [rng.randrange(32000) for _ in range(pages * PAGE)]
+    prior = get_storage_hash_str([], None) if salt is None else None
+    keys = get_storage_hash_str(tokens, prior, page_size=PAGE)
+    return keys if salt is None else [f"{salt}-{k}" for k in keys]
+
+
+def fill(pool: Any, pages: int, seed: int) -> torch.Tensor:
+    """``pages`` pages' slots of ``pool``, filled with random bytes."""
+    slots = pool.alloc(pages * PAGE)
+    gen = torch.Generator().manual_seed(seed)
+    for i in range(pages):
+        page = pool.get_data_page(int(slots[i * PAGE]), flat=False)
+        page.view(torch.int16).copy_(torch.randint(-(2**15), 2**15, page.shape, generator=gen))
+    return slots
+
+
+def page_bytes(pool: Any, slots: torch.Tensor, i: int) -> bytes:
+    return pool.get_data_page(int(slots[i * PAGE])).view(torch.uint8).numpy().tobytes()
+
+
+def same_pages(pool: Any, a: torch.Tensor, b: torch.Tensor, count: int, other: Any = None) -> bool:
+    return all(page_bytes(pool, a, i) == page_bytes(other or pool, b, i) for i in range(count))
+
+
+def layouts(redis_url: str, same_host: bool) -> None:
+    """Every host layout served, MHA and MLA: 6 of 8 pages stored through ``batch_set_v1``
+    and found and read back bit for bit; then the copying path (no interface_v1)."""
+    kinds = [
+        (False, lay) for lay in ("page_first", "page_first_direct", "layer_first", "page_head")
+    ]
+    kinds += [(True, lay) for lay in ("page_first", "page_first_direct", "layer_first")]
+    for n, (mla, layout) in enumerate(kinds):
+        pool = make_host_pool(layout, mla=mla)
+        store = backend(config(redis_url, mla=mla, same_host=same_host), pool)
+        keys = page_keys(n, 8)
+        src = fill(pool, 8, n)
+        stored = store.batch_set_v1(keys[:6], src[: 6 * PAGE])
+        again = store.batch_set_v1(keys[:6], src[: 6 * PAGE])  # held already: nothing sent
+        dst = pool.alloc(8 * PAGE)
+        got = store.batch_get_v1(keys, dst)
+        # the copying path: flat pages as SGLang's generic get/set hands them
+        flat_src = [pool.get_data_page(int(src[(6 + i) * PAGE])).clone() for i in range(2)]
+        flat_set = store.batch_set(keys[6:], flat_src)
+        flat_dst = [pool.get_dummy_flat_data_page() for _ in range(2)]
+        flat_got = store.batch_get(keys[6:], flat_dst)
+        flat_same = [
+            got_page is not None and got_page.view(torch.uint8).equal(want.view(torch.uint8))
+            for got_page, want in zip(flat_got, flat_src, strict=True)
+        ]
+        # pages stored through v1 read through the copying path, and the other way
+        cross = store.batch_get(keys[:2], [pool.get_dummy_flat_data_page() for _ in range(2)])
+        cross_same = [
+            got_page is not None
+            and got_page.view(torch.uint8).equal(
+                pool.get_data_page(int(src[i * PAGE])).view(torch.uint8)
+            )
+            for i, got_page in enumerate(cross)
+        ]
+        back = pool.alloc(2 * PAGE)
+        back_got = store.batch_get_v1(keys[6:], back)
+        back_same = all(
+            pool.get_data_page(int(back[i * PAGE]))
+            .view(torch.uint8)
+            .equal(flat_src[i].view(torch.uint8))
+            for i in range(2)
+        )
+        out = {
+            "layout": layout,
+            "mla": mla,
+            "page_layout": store.pages.namespace.layout,
+            "stored": stored,
+            "again": again,
+            "exists": store.batch_exists(keys),
+            "exists_from_2": store.batch_exists(keys[2:]),
+            "exists_one": store.exists(keys[0]),
+            "got": got,
+            "same": same_pages(pool, src, dst, 6),
+            "flat_set": flat_set,
+            "flat_same": flat_same,
+            "cross_same": cross_same,
+            "back": back_got,
+            "back_same": back_same,
+            "failures": dict(store.failures),
+        }
+        print(json.dumps(out), flush=True)
+        store.close()
+
+
+def prefix_keys(redis_url: str) -> None:
+    """SGLang with hicache_storage_pass_prefix_keys: calls carry prefix keys. A
+    300-page prompt backed up in batches of 128 (as its backup thread does) is found
+    and read from page 100 on (where a host-cache hit would end), batch by batch as its
+    prefetch asks, and found from other keys asked without prefix keys."""
+    pool = make_host_pool("page_first", pages=700)
+    store = backend(config(redis_url), pool)
+    keys = page_keys(700, 300)
+    src = fill(pool, 300, 700)
+    stored = []
+    for at in range(0, 300, 128):
+        info = HiCacheStorageExtraInfo(prefix_keys=keys[:at])
+        part = keys[at : at + 128]
+        stored += store.batch_set_v1(part, src[at * PAGE : (at + len(part)) * PAGE], info)
+    hits, got = [], []
+    dst = pool.alloc(200 * PAGE)
+    for at in range(100, 300, 128):
+        info = HiCacheStorageExtraInfo(prefix_keys=keys[:at])
+        part = keys[at : at + 128]
+        hits.append(store.batch_exists(part, info))
+        slots = dst[(at - 100) * PAGE : (at - 100 + len(part)) * PAGE]
+        got += store.batch_get_v1(part, slots, info)
+    same = all(page_bytes(pool, src, 100 + i) == page_bytes(pool, dst, i) for i in range(200))
+    print(
+        json.dumps(
+            {
+                "stored": stored == [True] * 300,
+                "hits": hits,
+                "got": got == [True] * 200,
+                "same": same,
+                "unplaced_from_64": store.batch_exists(keys[64:70]),
+                "unplaced_from_65": store.batch_exists(keys[65:70]),
+                "failures": dict(store.failures),
+            }
+        ),
+        flush=True,
+    )
+
+
+def readme(redis_url: str, args: str) -> None:
+    """README's SGLang line as SGLang reads it: its own argument parser, then its own
+    parsing of the extra config (which takes out the prefix-keys switch); the backend
+    that config builds stores and reads a prompt the way the switch says."""
+    import argparse
+    import shlex
+
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
+        HybridCacheController,
+    )
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    parsed = parser.parse_args(shlex.split(args))
+    extra, *_, pass_prefix_keys = HybridCacheController.parse_storage_backend_extra_config(
+        parsed.hicache_storage_backend_extra_config
+    )
+    cfg = config(redis_url)
+    cfg.extra_config = {**extra, "redis_url": redis_url}
+    pool = make_host_pool(parsed.hicache_mem_layout, pages=300, page_size=PAGE)
+    store = StorageBackendFactory.create_backend(parsed.hicache_storage_backend, cfg, pool)
+    store.register_mem_pool_host(pool)
+    keys = page_keys(900, 130)
+    src = fill(pool, 130, 900)
+    for at in range(0, 130, 128):
+        info = HiCacheStorageExtraInfo(prefix_keys=keys[:at] if pass_prefix_keys else None)
+        store.batch_set_v1(keys[at : at + 128], src[at * PAGE : (at + 128) * PAGE], info)
+    info = HiCacheStorageExtraInfo(prefix_keys=keys[:70] if pass_prefix_keys else None)
+    dst = pool.alloc(60 * PAGE)
+    got = store.batch_get_v1(keys[70:], dst, info)
+    print(
+        json.dumps(
+            {
+                "backend": type(store).__name__,
+                "interface_v1": cfg.extra_config.get("interface_v1"),
+                "pass_prefix_keys": pass_prefix_keys,
+                "enable_hierarchical_cache": parsed.enable_hierarchical_cache,
+                "got": got == [True] * 60,
+                "same": all(
+                    page_bytes(pool, src, 70 + i) == page_bytes(pool, dst, i) for i in range(60)
+                ),
+                "failures": dict(store.failures),
+            }
+        ),
+        flush=True,
+    )
+
+
+def ranks(redis_url: str) -> None:
+    """TP ranks: each MHA rank reads its own heads' pages; an engine of another TP size,
+    model or tenant misses; MLA's rank 1 writes nothing and reads rank 0's pages."""
+    keys = page_keys(100, 4)
+    pools = [make_host_pool("page_first") for _ in range(2)]
+    stores = [backend(config(redis_url, rank=r, size=2), pools[r]) for r in range(2)]
+    srcs = [fill(pools[r], 4, 200 + r) for r in range(2)]
+    set_ok = [stores[r].batch_set_v1(keys, srcs[r]) for r in range(2)]
+    dsts = [pools[r].alloc(4 * PAGE) for r in range(2)]
+    got = [stores[r].batch_get_v1(keys, dsts[r]) for r in range(2)]
+    own = [same_pages(pools[r], srcs[r], dsts[r], 4) for r in range(2)]
+    crossed = same_pages(pools[0], srcs[0], dsts[1], 4, pools[1])
+    tp1 = backend(config(redis_url), make_host_pool("page_first"))
+    other_model = backend(config(redis_url, model_name="other/model"), make_host_pool("page_first"))
+    other_tenant = backend(config(redis_url, tenant="someone-else"), make_host_pool("page_first"))
+    wider = backend(config(redis_url), make_host_pool("page_first", head_dim=16))
+    print(
+        json.dumps(
+            {
+                "set": set_ok,
+                "got": got,
+                "own": own,
+                "crossed": crossed,
+                "tp1": tp1.batch_exists(keys),
+                "other_model": other_model.batch_exists(keys),
+                "other_tenant": other_tenant.batch_exists(keys),
+                "other_geometry": wider.batch_exists(keys),
+            }
+        ),
+        flush=True,
+    )
+    mla_keys = page_keys(300, 4)
+    mla_pools = [make_host_pool("page_first", mla=True) for _ in range(2)]
+    mla = [backend(config(redis_url, mla=True, rank=r, size=2), mla_pools[r]) for r in range(2)]
+    mla_src = [fill(mla_pools[r], 4, 400 + r) for r in range(2)]
+    reader_set = mla[1].batch_set_v1(mla_keys, mla_src[1])
+    after_reader = mla[1].batch_exists(mla_keys)
+    writer_set = mla[0].batch_set_v1(mla_keys, mla_src[0])
+    mla_dst = mla_pools[1].alloc(4 * PAGE)
+    mla_got = mla[1].batch_get_v1(mla_keys, mla_dst)
+    # side pools beside MLA, as SGLang backs them up: a window pool written by rank 0
+    # only (its storage writer) and read by both; Mamba states TP splits, every rank
+    # writing and reading its own
+    windows, states = [make_host_pool("page_first") for _ in range(2)], []
+    for r in range(2):
+        states.append(make_mamba_pool(slots=8))
+        mla[r].register_mem_host_pool_v2(windows[r], PoolName.SWA)
+        mla[r].register_mem_host_pool_v2(states[r], PoolName.MAMBA)
+    window_src = [fill(windows[r], 1, 500 + r) for r in range(2)]
+    state_slot = [states[r].alloc(1) for r in range(2)]
+    for r in range(2):
+        for buffer in (states[r].temporal_buffer, *states[r].conv_buffer):
+            buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(r)))
+
+    def side_set(r: int) -> dict:
+        return mla[r].batch_set_v2(
+            [
+                PoolTransfer(PoolName.SWA, host_indices=window_src[r], keys=mla_keys[3:]),
+                PoolTransfer(PoolName.MAMBA, host_indices=state_slot[r], keys=mla_keys[3:]),
+            ]
+        )
+
+    side_sets = [side_set(1), side_set(0)]  # the reader first: it writes no window page
+    trailing = [
+        PoolTransfer(name, keys=mla_keys[3:], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+        for name in (PoolName.SWA, PoolName.MAMBA)
+    ]
+    side_exists = [mla[r].batch_exists_v2(mla_keys, trailing).kv_hit_pages for r in range(2)]
+    window_dst, state_dst = windows[1].alloc(PAGE), states[1].alloc(1)
+    side_got = mla[1].batch_get_v2(
+        [
+            PoolTransfer(PoolName.SWA, host_indices=window_dst, keys=mla_keys[3:]),
+            PoolTransfer(PoolName.MAMBA, host_indices=state_dst, keys=mla_keys[3:]),
+        ]
+    )
+    print(
+        json.dumps(
+            {
+                "reader_set": reader_set,
+                "after_reader": after_reader,
+                "writer_set": writer_set,
+                "reader_got": mla_got,
+                "reader_has_writers": same_pages(
+                    mla_pools[0], mla_src[0], mla_dst, 4, mla_pools[1]
+                ),
+                "side_sets": side_sets,
+                "side_exists": side_exists,
+                "side_got": side_got,
+                "window_is_writers": same_pages(
+                    windows[0], window_src[0], window_dst, 1, windows[1]
+                ),
+                "state_is_own": state_bytes(states[1], int(state_dst[0]))
+                == state_bytes(states[1], int(state_slot[1][0])),
+                "writes": {n: [m._pools[n].writes for m in mla] for n in ("swa", "mamba")},
+            }
+        ),
+        flush=True,
+    )
+
+
+def faults(redis_url: str) -> None:
+    """Faults are misses and Falses, never exceptions or wrong bytes: SGLang's failure
+    injector around the backend; the node killed (the parent does it when this prints
+    ``stored`` and answers with a line); an index that cannot be reached."""
+    pool = make_host_pool("page_first")
+    store = backend(config(redis_url, timeout=2.0), pool)
+    keys = page_keys(500, 8)
+    src = fill(pool, 8, 500)
+    store.batch_set_v1(keys, src)
+    injected = HiCacheStorageFailureInjector(store, 0.0, 0.5)
+    seen = {"exists": set(), "got_ok": True, "calls": 0}
+    for _ in range(40):
+        dst = pool.alloc(8 * PAGE)
+        res = injected.batch_get_v1(keys, dst)
+        n = res.index(False) if False in res else len(res)
+        seen["got_ok"] &= res == [True] * n + [False] * (8 - n) and same_pages(pool, src, dst, n)
+        seen["exists"].add(injected.batch_exists(keys))
+        seen["calls"] += 1
+        pool.free(dst)
+    print(json.dumps({"injected_exists": sorted(seen["exists"]), "injected_ok": seen["got_ok"]}))
+    print("stored", flush=True)
+    sys.stdin.readline()  # the parent killed the node
+    t = time.monotonic()
+    dst = pool.alloc(8 * PAGE)
+    dead = {
+        "got": store.batch_get_v1(keys, dst),
+        "set": store.batch_set_v1(page_keys(501, 2), fill(pool, 2, 501)),
+        "seconds": 0.0,
+    }
+    dead["seconds"] = time.monotonic() - t
+    dead["failures"] = dict(store.failures)
+    print(json.dumps(dead), flush=True)
+    gone = backend(config("redis://127.0.0.1:1", timeout=1.0), make_host_pool("page_first"))
+    t = time.monotonic()
+    lost = {
+        "exists": gone.batch_exists(keys),
+        "got": gone.batch_get_v1(keys[:2], gone.pages.pool.alloc(2 * PAGE)),
+        "set": gone.batch_set_v1(keys[:2], fill(gone.pages.pool, 2, 502)),
+    }
+    lost["seconds"] = time.monotonic() - t
+    lost["failures"] = dict(gone.failures)
+    print(json.dumps(lost), flush=True)
+
+
+def state_bytes(pool: Any, slot: int) -> bytes:
+    """A Mamba pool slot's state, as SGLang's flat page of it (SSM state, then each conv)."""
+    return pool.get_data_page(slot).view(torch.uint8).numpy().tobytes()
+
+
+def hybrid(redis_url: str, same_host: bool) -> None:
+    """A hybrid model's pools as SGLang's hybrid cache controller hands them over: the
+    KV pool, a Mamba state pool and a sliding-window KV pool, registered through v2 (the
+    names as SGLang's enums). A prompt of 8 pages: KV stored for every page (v1, as the
+    base backup does), Mamba states at pages 3 and 7 (node ends, one key each), the
+    window's 2 pages of sliding-window KV at pages 6 and 7 (v2). ``batch_exists_v2``
+    applies each pool's hit policy; ``batch_get_v2`` lands each pool's pages in its own
+    slots bit for bit; a state asked under another prompt's key is False."""
+    extra = {} if same_host else {"same_host": False}
+    kv, swa = make_host_pool("page_first", pages=40), make_host_pool("page_first", pages=40)
+    mamba = make_mamba_pool(slots=16)
+    store = backend(config(redis_url, model_name="tiny/hybrid", **extra), kv)
+    for pool, name in ((kv, PoolName.KV), (mamba, PoolName.MAMBA), (swa, PoolName.SWA)):
+        store.register_mem_host_pool_v2(pool, name)
+    store.on_host_pools_registered()
+    keys = page_keys(800 + same_host, 8)
+    kv_slots, swa_slots = fill(kv, 8, 801), fill(swa, 2, 802)
+    states = mamba.alloc(2)
+    gen = torch.Generator().manual_seed(803)
+    for buffer in (mamba.temporal_buffer, *mamba.conv_buffer):
+        buffer.copy_(torch.randn(buffer.shape, generator=gen).to(buffer.dtype))
+    stored = store.batch_set_v1(keys, kv_slots)
+    sets = store.batch_set_v2(
+        [
+            PoolTransfer(PoolName.MAMBA, host_indices=states[:1], keys=[keys[3]]),
+            PoolTransfer(PoolName.SWA, host_indices=swa_slots, keys=keys[6:8]),
+        ]
+    )
+    sets2 = store.batch_set_v2(
+        [PoolTransfer(PoolName.MAMBA, host_indices=states[1:], keys=[keys[7]])]
+    )
+
+    def exists(ask: list[str], *pools: tuple[Any, int]) -> dict:
+        transfers = [
+            PoolTransfer(name, keys=ask[-window:], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+            for name, window in pools
+        ]
+        found = store.batch_exists_v2(ask, transfers)
+        return {
+            "kv": found.kv_hit_pages,
+            "pools": {
+                str(getattr(k, "value", k)): v for k, v in found.extra_pool_hit_pages.items()
+            },
+            "ends": found.restorable_prefix_pages,
+        }
+
+    all_pages = PoolTransfer(PoolName.SWA, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)
+    new_states, new_swa = mamba.alloc(2), swa.alloc(2 * PAGE)
+    got = store.batch_get_v2(
+        [
+            PoolTransfer(PoolName.MAMBA, host_indices=new_states[:1], keys=[keys[7]]),
+            PoolTransfer(PoolName.SWA, host_indices=new_swa, keys=keys[6:8]),
+        ]
+    )
+    other = page_keys(900, 1)
+    print(
+        json.dumps(
+            {
+                "stored": stored,
+                "sets": sets,
+                "sets2": sets2,
+                "mamba_and_swa": exists(keys, (PoolName.MAMBA, 1), (PoolName.SWA, 2)),
+                "mamba": exists(keys, (PoolName.MAMBA, 1)),
+                "mamba_6": exists(keys[:6], (PoolName.MAMBA, 1)),
+                "swa_all": store.batch_exists_v2(keys, [all_pages]).kv_hit_pages,
+                "got": got,
+                "same_state": state_bytes(mamba, int(new_states[0]))
+                == state_bytes(mamba, int(states[1])),
+                "same_swa": same_pages(swa, swa_slots, new_swa, 2),
+                "other": store.batch_get_v2(
+                    [PoolTransfer(PoolName.MAMBA, host_indices=new_states[1:], keys=other)]
+                ),
+                "namespaces": len({p.pages.namespace.digest_hex for p in store._pools.values()}),
+                "failures": dict(store.failures),
+            }
+        ),
+        flush=True,
+    )
+
+
+def hybrid_vs_file(redis_url: str) -> None:
+    """kvstore's ``batch_exists_v2`` against SGLang's own file backend (``HiCacheFile``)
+    as the reference: both attached to the same KV, Mamba and sliding-window pools,
+    both given the same pages through ``batch_set_v2`` (KV for a random number of a
+    prompt's first pages, Mamba states and window pages at random ones), both asked the
+    same random pool transfers (Mamba trailing, window trailing over 1-3 pages, window
+    all pages, none, several). Prints how many of the answers (the usable prefix, each
+    pool's boundary, every restorable length) differ, and the first that does."""
+    import tempfile
+
+    kv, swa = make_host_pool("page_first", pages=40), make_host_pool("page_first", pages=40)
+    mamba = make_mamba_pool(slots=40)
+    ours = backend(config(redis_url, model_name="tiny/hybrid-vs-file"), kv)
+    plain = config(redis_url)
+    plain.extra_config = None
+    reference = HiCacheFile(plain, file_path=tempfile.mkdtemp(prefix="hicache-file-"))
+    reference.register_mem_pool_host(kv)
+    for store in (ours, reference):
+        for pool, name in ((kv, PoolName.KV), (mamba, PoolName.MAMBA), (swa, PoolName.SWA)):
+            store.register_mem_host_pool_v2(pool, name)
+        store.on_host_pools_registered()
+    kv_slots, swa_slots, states = fill(kv, 10, 901), fill(swa, 10, 902), mamba.alloc(10)
+    rng = random.Random(903)
+    asked = differ = hits = gaps = 0  # hits, gaps: answers with a prefix, with holes
+    first: dict = {}
+    for case in range(24):
+        keys = page_keys(1000 + case, 10)
+        stored = rng.randrange(11)
+        with_state = [p for p in range(10) if rng.random() < 0.4]
+        with_window = [p for p in range(10) if rng.random() < 0.6]
+        transfers = [
+            PoolTransfer(PoolName.KV, host_indices=kv_slots[: stored * PAGE], keys=keys[:stored])
+        ]
+        transfers += [
+            PoolTransfer(PoolName.MAMBA, host_indices=states[p : p + 1], keys=[keys[p]])
+            for p in with_state
+        ]
+        transfers += [
+            PoolTransfer(
+                PoolName.SWA, host_indices=swa_slots[p * PAGE : (p + 1) * PAGE], keys=[keys[p]]
+            )
+            for p in with_window
+        ]
+        for store in (ours, reference):
+            for transfer in transfers:
+                store.batch_set_v2([transfer])
+        for _ in range(4):
+            window = rng.randint(1, 3)
+            choices = [
+                PoolTransfer(
+                    PoolName.MAMBA, keys=keys[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES
+                ),
+                PoolTransfer(
+                    PoolName.SWA, keys=keys[-window:], hit_policy=PoolHitPolicy.TRAILING_PAGES
+                ),
+                PoolTransfer(PoolName.SWA, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES),
+            ]
+            ask = rng.sample(choices, rng.randint(0, 2))
+            answers = []
+            for store in (ours, reference):
+                got = store.batch_exists_v2(keys, ask)
+                pools = {
+                    str(getattr(k, "value", k)): v for k, v in got.extra_pool_hit_pages.items()
+                }
+                answers.append((got.kv_hit_pages, pools, list(got.restorable_prefix_pages or [])))
+            asked += 1
+            hits += answers[0][0] > 0
+            ends = answers[0][2]
+            gaps += ends != list(range(1, len(ends) + 1))
+            if answers[0] != answers[1]:
+                differ += 1
+                first = first or {"case": case, "ours": answers[0], "file": answers[1]}
+    print(
+        json.dumps(
+            {
+                "asked": asked,
+                "differ": differ,
+                "first": first,
+                "hits": hits,
+                "gaps": gaps,
+                "failures": dict(ours.failures),
+            }
+        ),
+        flush=True,
+    )
+
+
+def refused(make: Any) -> str:
+    try:
+        make()
+    except Exception as exc:  # the message is what is checked
+        return f"{type(exc).__name__}: {exc}"
+    return "accepted"
+
+
+def config_checks(redis_url: str) -> None:
+    """What SGLang's attach meets for a configuration the backend does not serve: one
+    line naming what is wrong."""
+    pool = make_host_pool("page_first")
+    out = {
+        "typo": refused(lambda: backend(config(redis_url, tennant="a"), pool)),
+        "bad_tenant": refused(lambda: backend(config(redis_url, tenant="a b"), pool)),
+        "bad_option": refused(lambda: backend(config(redis_url, timeout=-1), pool)),
+        "context_parallel": refused(lambda: backend(config(redis_url, attn_cp_size=2), pool)),
+        "no_model": refused(lambda: backend(config(redis_url, model_name=None), pool)),
+        "unified": refused(lambda: backend(config(redis_url), make_host_pool("page_unified"))),
+    }
+    store = backend(config(redis_url), pool)
+    side = make_mamba_pool(side_state=True)  # slot side states: SGLang's zero-copy refuses
+    out["hybrid"] = refused(lambda: store.register_mem_host_pool_v2(side, PoolName.MAMBA))
+    window = make_host_pool("page_first")
+    out["compressed"] = refused(
+        lambda: store.register_mem_host_pool_v2(window, PoolName.DEEPSEEK_V4_C4)
+    )
+    fp8 = make_host_pool("page_first", dtype=torch.uint8)  # how SGLang holds fp8 KV
+    out["fp8"] = refused(lambda: backend(config(redis_url), fp8))
+    fp8_stores = [
+        backend(config(redis_url, kv_cache_dtype=kind), fp8)
+        for kind in ("float8_e4m3fn", "float8_e5m2")
+    ]
+    out["fp8_dtypes"] = [s.pages.namespace.dtype for s in fp8_stores]
+    fp8_window = make_host_pool("page_first", dtype=torch.uint8)
+    for fp8_store in fp8_stores:
+        fp8_store.register_mem_host_pool_v2(fp8_window, PoolName.SWA)
+    out["fp8_side_namespaces"] = len({s._pools["swa"].pages.namespace.digest for s in fp8_stores})
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    what, url = sys.argv[1], sys.argv[2]
+    if what == "layouts":
+        layouts(url, sys.argv[3] == "1")
+    elif what == "ranks":
+        ranks(url)
+    elif what == "prefix":
+        prefix_keys(url)
+    elif what == "readme":
+        readme(url, sys.argv[3])
+    elif what == "faults":
+        faults(url)
+    elif what == "hybrid":
+        hybrid(url, sys.argv[3] == "1")
+    elif what == "hybrid_vs_file":
+        hybrid_vs_file(url)
+    else:
+        config_checks(url)
