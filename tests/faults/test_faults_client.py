@@ -40,6 +40,8 @@ from tests.support.helpers import (
     spec,
 )
 
+pytestmark = pytest.mark.faults  # kills, stalls, corrupt frames: part of `pytest -m faults`
+
 
 def test_a_cancelled_blocking_call_returns_only_after_it_unwound(clusters):
     cluster = clusters()
@@ -228,8 +230,6 @@ STARTING_CLIENT = """
 import asyncio, sys, torch
 from client import AsyncKVCacheClient, KVCacheClient
 from kvstore import Namespace
-
-pytestmark = pytest.mark.faults  # kills, stalls, corrupt frames: part of `pytest -m faults`
 ns = Namespace(model="warnings", dtype="float16", num_layers=2, num_kv_heads=2, head_size=32, block_size=16)
 tokens, pages = list(range(64)), torch.ones((4, *ns.page_shape), dtype=torch.float16)
 with KVCacheClient(sys.argv[1], ns, timeout=2) as c:
