@@ -8,6 +8,7 @@ and the counter or log line that names what happened."""
 
 from __future__ import annotations
 
+import statistics
 import time
 import urllib.request
 
@@ -15,7 +16,7 @@ import pytest
 
 from kvstore.index import PageIndex
 from tests.support.helpers import namespace_for_page_size, run_worker, spec, worker_result
-from tests.support.netns_fixtures import net_store, netem_available, network  # noqa: F401 (fixtures)
+from tests.support.netns_fixtures import net_store, network  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.faults, pytest.mark.process]
 
@@ -233,17 +234,31 @@ def test_gets_and_puts_over_a_lossy_link_are_bit_exact(network, net_store):
     print(f"lossy link (0.5 %): {lossy:.0f} MiB/s vs {clean:.0f} clean ({lossy / clean:.2f}x)")
 
 
-def test_gets_over_a_slow_link_are_bit_exact(network, net_store):
-    """2 ms +- 1 ms of delay each way, where the kernel has tc's netem."""
-    if not netem_available():
-        pytest.skip("this kernel has no sch_netem (tc qdisc ... netem): no delay can be added")
-    node = net_store.start_node("node-0")
-    network.netem(node, "delay", "2ms", "1ms")
+def test_gets_and_puts_over_a_slow_lossy_link_are_bit_exact(network, net_store):
+    """2 ms +- 1 ms each way and 0.5 % loss between client and node (a relay in the
+    router: this kernel has no netem): puts and gets of 1 MiB pages complete, bit-exact.
+    Prints the throughput against the clean link, measured in turns."""
+    node = net_store.start_node("node-0", "512MiB")
     ns = namespace_for_page_size(1 << 20, tenant="slow-link")
-    token_lists = prefixes(ns, 2, 16)
-    put(net_store, ns, token_lists, {"timeout": 20.0})
-    out = run_worker(
-        client_spec(net_store, ns, "get_pages", token_lists=token_lists, options={"timeout": 20.0}),
-        env=net_store.client_env,
+    options = {"timeout": 20.0}
+    figures: dict[str, list[float]] = {"clean": [], "slow": []}
+    for turn in range(4):
+        kind = "slow" if turn % 2 else "clean"
+        token_lists = prefixes(ns, 2, 16, start=turn * 1_000_000)
+        if kind == "slow":
+            network.slow(node, 2, 1, 0.005)
+        try:
+            put_seconds = put(net_store, ns, token_lists, options)["seconds"]
+            out = run_worker(
+                client_spec(net_store, ns, "get_pages", token_lists=token_lists, options=options),
+                env=net_store.client_env,
+            )
+        finally:
+            if kind == "slow":
+                network.unslow(node)
+        assert all(r["exact"] and r["matched"] == r["blocks"] for r in out["results"])
+        figures[kind].append(2 * 32 / (put_seconds + out["seconds"]))
+    clean, slow = (statistics.median(figures[k]) for k in ("clean", "slow"))
+    print(
+        f"slow link (2 ms +- 1 ms, 0.5 % loss): {slow:.0f} MiB/s vs {clean:.0f} clean ({slow / clean:.2f}x)"
     )
-    assert all(r["exact"] and r["matched"] == r["blocks"] for r in out["results"])

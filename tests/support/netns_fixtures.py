@@ -9,10 +9,11 @@ them, and the endpoints see what they would see on a real one:
   endpoint gets an error (a dead switch port, a cut cable), so TCP and UCX wait.
 - ``lossy(a, b, p)``: the router drops each packet with probability ``p`` (iptables'
   ``statistic`` match), both ways.
-- ``netem(host, "delay", "2ms", "1ms")``: tc netem on both ends of a host's link, where
-  the kernel has it (``netem_available``). The 2-core VM these tests were written on
-  has no ``sch_netem`` ("Specified qdisc kind is unknown") and no tc classifier or
-  action module either, so delay tests skip there; loss goes through iptables.
+- ``slow(host, delay_ms, jitter_ms)``: every packet to and from a host held for a delay
+  with jitter by a relay in the router (tests/support/slow_link.py). The kernel's own
+  netem would do it, but the 2-core VM these tests were written on has no ``sch_netem``
+  ("Specified qdisc kind is unknown"), nor a tc classifier or action to steer a link
+  into one, so the relay is the one way here, and works wherever TUN devices do.
 
 The clients stay in the test's own namespace (they reach the others through a veth
 and a route to this fixture's /24), so a client is a forked worker (tests/support/helpers.py
@@ -28,10 +29,13 @@ import os
 import random
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import pytest
+
+from tests.support.paths import ROOT
 
 
 def _ip(*args: str, netns: str | None = None) -> None:
@@ -64,23 +68,6 @@ def missing_tools() -> str | None:
     return None
 
 
-def netem_available() -> bool:
-    """Whether this kernel has tc's netem qdisc (delay and jitter)."""
-    probe = f"kvnetem{os.getpid()}"
-    subprocess.run(["ip", "netns", "add", probe], capture_output=True, timeout=10)
-    try:
-        return (
-            subprocess.run(
-                ["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root", "netem"],
-                capture_output=True,
-                timeout=10,
-            ).returncode
-            == 0
-        )
-    finally:
-        subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=10)
-
-
 @dataclass
 class Host:
     """One host: its namespace (None: the test's own), its address, its interface and
@@ -105,6 +92,7 @@ class Network:
     router: str
     hosts: dict[str, Host] = field(default_factory=dict)
     _root_links: list[str] = field(default_factory=list)
+    _relays: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     @classmethod
     def make(cls) -> Network:
@@ -167,16 +155,66 @@ class Network:
     def clean(self, a: Host, b: Host, probability: float) -> None:
         self._forward("-D", a, b, *self._loss(probability))
 
-    def netem(self, host: Host, *qdisc: str) -> None:
-        """tc netem with ``qdisc`` (``"delay", "2ms", "1ms"``) on both ends of ``host``'s
-        link (``netem_available`` first: many kernels lack it)."""
-        _in(self.router, "tc", "qdisc", "add", "dev", host.link, "root", "netem", *qdisc)
-        subprocess.run(
-            host.argv("tc", "qdisc", "add", "dev", host.device, "root", "netem", *qdisc),
-            check=True,
-            capture_output=True,
-            timeout=10,
+    def slow(self, host: Host, delay_ms: float, jitter_ms: float, loss: float = 0.0) -> None:
+        """Every packet to and from ``host`` held ``delay_ms`` +- ``jitter_ms`` (and
+        ``loss`` of them dropped) by a relay in the router (tests/support/slow_link.py),
+        until ``unslow``: netem's delay, on kernels without netem."""
+        tun_in, tun_out = self._tuns(host)
+        relay = subprocess.Popen(
+            [
+                *("ip", "netns", "exec", self.router, sys.executable, "-m"),
+                *("tests.support.slow_link", tun_in, tun_out),
+                *(str(delay_ms), str(jitter_ms), str(loss)),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
         )
+        self._relays[host.name] = relay
+        assert relay.stdout is not None and relay.stdout.readline().strip() == "ready"
+        for tun in (tun_in, tun_out):
+            _ip("link", "set", tun, "up", netns=self.router)
+        # replies come back in on another device than the one their source routes to
+        _in(
+            self.router,
+            "sh",
+            "-c",
+            "for f in /proc/sys/net/ipv4/conf/*/rp_filter; do echo 0 > $f; done",
+        )
+        self._steer("add", host)
+
+    def unslow(self, host: Host) -> None:
+        """The link of ``host`` as it was before ``slow``."""
+        self._steer("del", host)
+        relay = self._relays.pop(host.name)
+        relay.kill()
+        relay.wait()
+
+    def _tuns(self, host: Host) -> tuple[str, str]:
+        k = host.link.rsplit("r", 1)[1]
+        return f"kv{self.group}t{k}i", f"kv{self.group}t{k}o"
+
+    def _steer(self, action: str, host: Host) -> None:
+        """Policy routing through the relay's devices: the host's /32 into the inbound
+        one; what comes back out of it, to the host; what the host sends, into the
+        outbound one; what comes back out of that, by the main table."""
+        tun_in, tun_out = self._tuns(host)
+        k = int(host.link.rsplit("r", 1)[1])
+        toward, away = str(100 + 2 * k), str(101 + 2 * k)
+        _ip("route", action, f"{host.address}/32", "dev", tun_in, netns=self.router)
+        _ip("rule", action, "iif", tun_in, "lookup", toward, netns=self.router)
+        _ip(
+            "route",
+            action,
+            f"{host.address}/32",
+            "dev",
+            host.link,
+            "table",
+            toward,
+            netns=self.router,
+        )
+        _ip("rule", action, "iif", host.link, "lookup", away, netns=self.router)
+        _ip("route", action, "default", "dev", tun_out, "table", away, netns=self.router)
 
     @staticmethod
     def _loss(probability: float) -> tuple[str, ...]:
@@ -184,6 +222,9 @@ class Network:
 
     def close(self) -> None:
         """Remove the namespaces (their processes must have stopped) and the links."""
+        for relay in self._relays.values():
+            relay.kill()
+            relay.wait()
         for host in self.hosts.values():
             if host.netns:
                 subprocess.run(["ip", "netns", "del", host.netns], capture_output=True, timeout=10)
