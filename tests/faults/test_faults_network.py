@@ -106,6 +106,16 @@ def test_a_get_cut_off_midway_ends_within_its_timeout_and_hits_resume_after_the_
     assert min(recovered) < 10
     assert all(r["matched"] == r["blocks"] for r in after if r["t"] > healed + min(recovered))
     assert out["stats"]["node_timeouts"] > 0  # the counter that names it: a node that went silent
+    # nothing leaked on the node: the pins of the cut-off transfers are released and no
+    # request is left in flight once the client is gone
+    metrics = metrics_address(net_store, "node-0")
+    deadline = time.monotonic() + 30
+    while (
+        node_gauge(metrics, "kvstore_pinned_pages"),
+        node_gauge(metrics, "kvstore_requests_in_flight"),
+    ) != (0, 0):
+        assert time.monotonic() < deadline, "the node still holds pins or requests"
+        time.sleep(0.2)
     print(
         f"cut-off gets: {len(during)} during the cut, slowest {max(r['took'] for r in during):.2f} s;"
         f" first full hit {min(recovered):.2f} s after the heal"
