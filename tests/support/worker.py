@@ -85,7 +85,9 @@ def main() -> int:
                 )
                 if spec.get("timestamps"):
                     results[-1].update(t=t, took=time.time() - t)
-            if time.monotonic() >= deadline:
+            # until_short: stop at the first get that came back short (a fault test's kill)
+            short = results and results[-1]["matched"] < results[-1]["blocks"]
+            if time.monotonic() >= deadline or (spec.get("until_short") and short):
                 break
         out["results"] = results
     elif spec["op"] == "concurrent_puts":
