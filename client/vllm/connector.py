@@ -56,29 +56,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from client.memory.device_pages import DeviceCopier, default_copier
 from client.stats import ClientStats
-from client.vllm.drafts import draft_facts, draft_refusal, rank_draft_client
-from client.vllm.events import SaveOutcomes, StoredEvents
+from client.vllm.drafts import draft_facts, draft_refusal
+from client.vllm.events import SaveOutcomes
+from client.vllm.features import build_scheduler
 from client.vllm.metadata import KVStoreConnectorMetadata
 from client.vllm.options import (
     connector_options,
-    engine_layout,
-    layerwise_loads,
     namespace_refusal,
-    rank_client,
     required_cache_layout,
 )
 from client.vllm.preflight import check_config_being_built
 from client.vllm.scheduler import ConnectorScheduler
 from client.vllm.states import (
-    page_namespace_layers,
-    rank_state_client,
     state_facts,
     state_refusal,
 )
 from client.vllm.stats import KVStoreConnectorStats, KVStorePromMetrics, StatsRecorder
-from client.vllm.support import hybrid_groups, unsupported, vllm_ranks
+from client.vllm.support import unsupported, vllm_ranks
 from client.vllm.worker import ConnectorWorker
-from kvstore.events.profiles import PROFILES
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -92,6 +87,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from client.vllm.store import StoreOpener
 
 __all__ = ["KVStoreConnector", "KVStoreConnectorMetadata"]
 log = logging.getLogger(__name__)
@@ -144,12 +141,15 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         *,
         ranks: Callable[[], tuple[int, int]] = vllm_ranks,
         device: Callable[[ClientStats], DeviceCopier | None] = default_copier,
+        stores: StoreOpener | None = None,
     ) -> None:
         """vLLM calls this with its three arguments. ``ranks``: the worker's (PP rank, TP
         rank), asked when its caches are registered; vLLM's process groups unless a
         caller without them (an in-process test) hands its own. ``device``: builds the
         worker client's device copier (``client.memory.device_pages``: CUDA's on a GPU;
-        a test hands ``HostCopier`` to run the device path on the CPU)."""
+        a test hands ``HostCopier`` to run the device path on the CPU). ``stores``: the
+        scheduler's stores, by namespace (``client.vllm.store``), a ``KVCacheClient``
+        each unless a caller without storage nodes (an in-process test) hands its own."""
         super().__init__(
             vllm_config=vllm_config,
             role=role,
@@ -190,67 +190,19 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             # vLLM 0.32 gives connectors the standardized per-layer view, so pages are
             # vllm_cpu (vllm_mla for MLA models); workers check that against the tensors
-            # they actually get. Made here, at engine start, so no request pays for UCX set-up.
-            loads, saves = (
-                transfer.is_kv_consumer and refusal is None,
-                transfer.is_kv_producer and refusal is None,
-            )
-            client = (
-                rank_client(
-                    vllm_config,
-                    conf,
-                    options,
-                    role.name,
-                    layout=engine_layout(vllm_config),
-                    tp_rank=0,
-                    pp_rank=0,
-                    all_heads=True,
-                    page_layers=page_namespace_layers(states),
-                )
-                if loads
-                else None
-            )
-            state_client = (
-                rank_state_client(vllm_config, conf, options, states, "SCHEDULER", all_heads=True)
-                if loads and states is not None
-                else None
-            )
-            draft_client = (
-                rank_draft_client(vllm_config, conf, options, drafts, "SCHEDULER", all_heads=True)
-                if loads and drafts is not None
-                else None
-            )
-            block_size = vllm_config.cache_config.block_size
-            events_config = vllm_config.kv_events_config
-            events = None
-            if (
-                saves
-                and conf.kv_events
-                and events_config is not None
-                and events_config.enable_kv_cache_events
-            ):
-                events = StoredEvents(
-                    block_size,
-                    vllm_config.parallel_config.world_size,
-                    kv_cache_config=kv_cache_config,
-                    stats=self._stats,
-                    profile=PROFILES[conf.kv_events_profile],
-                )
-            self._scheduler = ConnectorScheduler(
+            # they actually get. Its stores are opened here, at engine start, so no
+            # request pays for UCX set-up.
+            self._scheduler = build_scheduler(
+                vllm_config,
+                kv_cache_config,
                 conf,
-                client,
-                block_size,
-                saves=saves,
-                stats=self._stats,
-                events=events,
-                hybrid=hybrid_groups(kv_cache_config),
-                draft=draft_client,
-                draft_drop=drafts.drop_blocks if drafts is not None else 0,
-                layerwise=layerwise_loads(
-                    conf, hybrid=hybrid_groups(kv_cache_config), draft=drafts is not None
-                ),
+                options,
+                self._stats,
+                loads=transfer.is_kv_consumer and refusal is None,
+                saves=transfer.is_kv_producer and refusal is None,
                 states=states,
-                state_client=state_client,
+                drafts=drafts,
+                stores=stores,
             )
         else:
             self._worker = ConnectorWorker(

@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING, Any
 
 from client.log_limit import LogLimit
 from client.lookups.stored_prefix import StoredPrefix
-from client.sync_client import KVCacheClient
 from client.vllm.claims import AnnouncedClaims
 from client.vllm.events import StoredEvents
 from client.vllm.identity import IdentityReader, KeyedPrompt, Unkeyable
 from client.vllm.metadata import KVStoreConnectorMetadata, LoadSpec
 from client.vllm.options import ConnectorOptions, lookup_breaker
 from client.vllm.save_tracking import SaveTracker
-from client.vllm.states import StateFacts, boundary_saves
+from client.vllm.states import boundary_saves
 from client.vllm.stats import StatsRecorder
+from client.vllm.store import PrefixStore
 from client.vllm.transfer_params import announcement, request_switch, wants_remote_decode
 from kvstore.pages.identity import BlockExtras
 
@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from client.vllm.features import SchedulerFeatures
 
 log = logging.getLogger(__name__)
 # while the index is down every request would log it: at most a WARNING a minute
@@ -54,40 +56,31 @@ class ConnectorScheduler:
     def __init__(
         self,
         conf: ConnectorOptions,
-        client: KVCacheClient | None,
+        client: PrefixStore | None,
         block_size: int,
         *,
-        saves: bool,
         stats: StatsRecorder,
+        features: SchedulerFeatures,
         events: StoredEvents | None = None,
-        hybrid: bool = False,
-        draft: KVCacheClient | None = None,
-        draft_drop: int = 0,
-        layerwise: bool = False,
-        states: StateFacts | None = None,
-        state_client: KVCacheClient | None = None,
     ) -> None:
-        """``states``: a hybrid state-space engine's groups (``client.vllm.states``),
-        ``state_client`` the states' lookups (None: a producer only)."""
+        """``client``: the store of the engine's pages (None: a producer only);
+        ``features``: what this engine's side does (``client.vllm.features``)."""
         self._conf = conf
+        states = features.states
         self._states = states
-        self._state_client = state_client
+        self._state_client = features.state_store
         # the KV-cache groups whose blocks make pages: attention's (every group but a
         # state-space hybrid's state groups)
         self._page_groups = list(states.page_groups) if states is not None else None
         # each request's last boundary (in blocks) whose state is stored or being saved:
         # its KV event names no block past it, as no engine could load one
         self._state_blocks: dict[str, int] = {}
-        # hits are loaded in the step that computes the rest of their prompt, layer by
-        # layer (client.paging.layerwise), not while the request waits
-        self._layerwise = layerwise
-        # A speculative draft's pages (client.vllm.drafts): a hit is the shorter of the
-        # target's and the draft's prefixes, less ``draft_drop`` blocks (EAGLE/MTP).
-        self._draft = draft
-        self._draft_drop = draft_drop
-        # Several KV-cache groups (client.vllm.support.hybrid_groups): block ids per group,
-        # pages gathered in the step their block becomes full (GatherSpec).
-        self._hybrid = hybrid
+        self._layerwise = features.layerwise
+        self._draft = features.draft
+        self._draft_drop = features.draft_drop
+        self._hybrid = hybrid = features.hybrid
+        self._claims_announcements = features.claims_announcements
+        saves = features.saves
         self._client = client
         self._block_size = block_size
         self._saves_enabled = saves
@@ -117,7 +110,7 @@ class ConnectorScheduler:
         self._requests: dict[str, Request] = {}
 
     def _find(
-        self, client: KVCacheClient, tokens: list[int], extras: BlockExtras
+        self, client: PrefixStore, tokens: list[int], extras: BlockExtras
     ) -> tuple[StoredPrefix, StoredPrefix | None, StoredPrefix | None] | None:
         """The stored prefix of ``tokens`` in ``client`` (the scheduler's own, passed by
         ``get_num_new_matched_tokens`` once it knows this side loads), the draft's of
@@ -231,7 +224,7 @@ class ConnectorScheduler:
         # a P/D decode's prefix its prefill announced: claimed and waited for, not looked
         # up; hybrid, state-space and draft engines look up (their hits need more than
         # the attention pages an announcement names)
-        if not (self._hybrid or self._draft is not None or self._state_client is not None):
+        if self._claims_announcements:
             claimed = self._claims.claim(request, keyed, usable, num_computed_tokens)
             if claimed is not None:
                 return claimed

@@ -15,7 +15,12 @@ any position whose KV differs from what computing it gives.
 
 A real engine is still what the ``test_vllm*`` files run (one per family); this is for
 the connector's logic (chunked prefill, failed loads, the breaker, loads beside decodes),
-at a small fraction of an engine's start-up."""
+at a small fraction of an engine's start-up.
+
+With a ``MemoryStore`` (tests/support/memory_store.py) in place of a store's URL, the
+scheduler's connector looks up in it (``KVStoreConnector``'s ``stores``) and a stand-in
+worker (``MemoryWorker``) loads and saves its pages in this thread: no node, no
+process, for the fast tier (tests/vllm/test_scheduler_decisions.py)."""
 
 from __future__ import annotations
 
@@ -50,6 +55,8 @@ from vllm.v1.structured_output import StructuredOutputManager
 from client.memory.device_pages import DeviceCopier, default_copier
 from client.stats import ClientStats
 from client.vllm.connector import KVStoreConnector
+from client.vllm.metadata import KVStoreConnectorMetadata
+from tests.support.memory_store import MemoryClient, MemoryStore
 from tests.support.tiny_models import TINY_LLAMA, write_tiny_llama_config
 
 BLOCK = 32
@@ -112,8 +119,9 @@ class ConnectorHarness:
     def __init__(
         self,
         model_dir: str,
-        redis_url: str,
+        redis_url: str | None,
         *,
+        store: MemoryStore | None = None,
         role: str = "kv_both",
         extra: dict | None = None,
         num_blocks: int = 64,
@@ -126,7 +134,11 @@ class ConnectorHarness:
         load path on the CPU); ``layer_waits``: whether the forward calls
         ``wait_for_layer_load`` before each layer, as vLLM's attention layers do;
         ``events_endpoint``: the ZMQ address the scheduler publishes KV events on
-        (vLLM's publisher, ``kv_events_config``), None for none."""
+        (vLLM's publisher, ``kv_events_config``), None for none; ``store``: the pages
+        are kept in it (``redis_url`` None), by ``MemoryStoreConnector``."""
+        engine_id = f"memory-{id(self)}"
+        if store is not None:
+            _MEMORY[engine_id] = store
         args = EngineArgs(
             model=model_dir,
             skip_tokenizer_init=True,
@@ -138,11 +150,15 @@ class ConnectorHarness:
             max_num_batched_tokens=max_batched,
             max_num_seqs=8,
             kv_transfer_config=KVTransferConfig(
-                kv_connector="KVStoreConnector",
-                kv_connector_module_path="client.vllm_connector",
+                kv_connector="KVStoreConnector" if store is None else "MemoryStoreConnector",
+                kv_connector_module_path="client.vllm_connector"
+                if store is None
+                else "tests.support.connector_harness",
                 kv_role=role,
+                engine_id=engine_id if store is not None else None,
                 kv_connector_extra_config={
-                    "redis_url": redis_url,
+                    # never connected to with a store: the connector asks for one
+                    "redis_url": redis_url or "redis://in-memory.invalid:6379/0",
                     "weights_revision": WEIGHTS,
                     **(extra or {}),
                 },
@@ -173,6 +189,7 @@ class ConnectorHarness:
         )
         init_none_hash(sha256_cbor)
         self._hasher = get_request_block_hasher(BLOCK, sha256_cbor)
+        opened = len(store.opened) if store is not None else 0
         self.scheduler = Scheduler(
             vllm_config=self.vllm_config,
             kv_cache_config=self.kv_cache_config,
@@ -180,18 +197,29 @@ class ConnectorHarness:
             block_size=BLOCK,
             log_stats=True,
         )
-        self.worker = KVStoreConnector(
-            self.vllm_config,
-            KVConnectorRole.WORKER,
-            self.kv_cache_config,
-            ranks=lambda: (0, 0),
-            device=device,
-        )
         self._names = names if layer_waits else []
         self._stats: KVConnectorStats | None = None
         # vLLM's connector view: [blocks, kv heads, block, 2 * head size] per layer
         self.layers = [torch.zeros(num_blocks, KV_HEADS, BLOCK, 2 * HEAD) for _ in names]
-        self.worker.register_kv_caches(dict(zip(names, self.layers)))
+        self.memory: MemoryWorker | None = None
+        self.worker: KVStoreConnector | None = None
+        if store is not None:  # the scheduler's connector opened its engine's pages first
+            assert len(store.opened) > opened, (
+                "a MemoryStore's harness loads: kv_both or kv_consumer"
+            )
+            # the scheduler's lookups; the worker's are its own, as a worker's client
+            self.lookups = store.opened[opened]
+            worker = MemoryClient(store, self.lookups.namespace)
+            self.memory = MemoryWorker(worker, self.layers)
+        else:
+            self.worker = KVStoreConnector(
+                self.vllm_config,
+                KVConnectorRole.WORKER,
+                self.kv_cache_config,
+                ranks=lambda: (0, 0),
+                device=device,
+            )
+            self.worker.register_kv_caches(dict(zip(names, self.layers)))
         self._running: dict[str, _Running] = {}
         self.finished: dict[str, Finished] = {}
         # per step, the requests with output: how many tokens each has generated
@@ -238,8 +266,19 @@ class ConnectorHarness:
 
     def step(self) -> None:
         out = self.scheduler.schedule()
-        worker = self.worker
         assert out.kv_connector_metadata is not None
+        if self.memory is not None:
+            self._track_blocks(out)
+            loaded, invalid = self.memory.load(out.kv_connector_metadata)
+            sampled = self._forward(out)
+            self.memory.save(out.kv_connector_metadata)
+            self._collect()  # before vLLM's scheduler takes the lookups' statistics
+            self._finish_step(
+                out, sampled, KVConnectorOutput(finished_recving=loaded, invalid_block_ids=invalid)
+            )
+            return
+        worker = self.worker
+        assert worker is not None
         worker.bind_connector_metadata(out.kv_connector_metadata)
         worker.start_load_kv(None)  # type: ignore[arg-type]  # the CPU runner passes its forward context
         self._track_blocks(out)
@@ -257,6 +296,12 @@ class ConnectorHarness:
         )
         self._collect()
         worker.clear_connector_metadata()
+        self._finish_step(out, sampled, connector_output)
+
+    def _finish_step(
+        self, out, sampled: dict[str, list[int]], connector_output: KVConnectorOutput
+    ) -> None:
+        """The "model"'s output back to the scheduler, and what each request generated."""
         req_ids = list(out.num_scheduled_tokens)
         output = ModelRunnerOutput(
             req_ids=req_ids,
@@ -354,7 +399,8 @@ class ConnectorHarness:
         """Take both halves' statistics since the last call, as vLLM does each step (the
         lookups' are the scheduler's)."""
         for side in (self.worker, self.scheduler.connector):
-            assert side is not None
+            if side is None:  # a MemoryStore's harness has no worker connector
+                continue
             stats = side.get_kv_connector_stats()
             if stats is not None:
                 self._stats = stats if self._stats is None else self._stats.aggregate(stats)
@@ -366,11 +412,69 @@ class ConnectorHarness:
         return dict(self._stats.data) if self._stats is not None else {}
 
     def close(self) -> None:
-        self.worker.shutdown()
+        if self.worker is not None:
+            self.worker.shutdown()
         self.scheduler.shutdown()
+        _MEMORY.pop(self.vllm_config.kv_transfer_config.engine_id, None)
 
     def __enter__(self) -> ConnectorHarness:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# engine id -> the store of a harness made with one (``MemoryStoreConnector`` reads it)
+_MEMORY: dict[str, MemoryStore] = {}
+
+
+class MemoryStoreConnector(KVStoreConnector):
+    """The connector whose scheduler looks up in its harness's ``MemoryStore`` (vLLM's
+    ``Scheduler`` builds it from the config: the engine id names the store)."""
+
+    def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
+        store = _MEMORY[vllm_config.kv_transfer_config.engine_id]
+        super().__init__(vllm_config, role, kv_cache_config, stores=store.client)
+
+
+class MemoryWorker:
+    """The worker half over a ``MemoryStore``, in the harness's thread: each step's loads
+    (and P/D claims, found when the step runs) copy their pages into ``layers``, whole,
+    before the forward; a page missing fails its block (vLLM recomputes it); each save
+    puts its blocks' pages. A page is a block's slot of every layer, layer after layer."""
+
+    def __init__(self, client: MemoryClient, layers: list[torch.Tensor]) -> None:
+        self.client = client
+        self.layers = layers
+
+    def load(self, meta: KVStoreConnectorMetadata) -> tuple[set[str], set[int]]:
+        """The requests whose loads finished (all of them) and the blocks that failed."""
+        done, failed = set(), set()
+        todo = [(spec.req_id, spec.found, spec.block_ids, spec.start_block) for spec in meta.loads]
+        for claim in meta.awaited:
+            found = self.client.find(claim.tokens, identity=claim.extras or None)
+            assert found is not None
+            todo.append((claim.req_id, found, claim.block_ids, claim.start_block))
+            failed.update(b for b in claim.block_ids[found.blocks :] if b)
+        for req_id, found, block_ids, start in todo:
+            pages = self.client.pages(found)
+            for pos in range(start, min(len(block_ids), len(pages))):
+                page = pages[pos]
+                if page is None:
+                    failed.add(block_ids[pos])
+                    continue
+                held = torch.frombuffer(bytearray(page), dtype=torch.float32)
+                for layer, kv in zip(held.view(len(self.layers), -1), self.layers):
+                    kv[block_ids[pos]] = layer.view(kv.shape[1:])
+            done.add(req_id)
+        return done, failed
+
+    def save(self, meta: KVStoreConnectorMetadata) -> None:
+        for spec in meta.saves:
+            pages = [
+                b"".join(kv[block].contiguous().numpy().tobytes() for kv in self.layers)
+                for block in spec.block_ids
+            ]
+            self.client.put(
+                spec.token_ids, pages, identity=spec.extras or None, start_block=spec.start_block
+            )

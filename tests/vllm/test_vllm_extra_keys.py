@@ -151,13 +151,16 @@ class RecordingClient:
 def test_the_scheduler_neither_looks_up_nor_saves_an_unkeyable_request(later_vllm):
     from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 
+    from client.vllm.features import SchedulerFeatures
     from client.vllm.options import connector_options
     from client.vllm.scheduler import ConnectorScheduler
     from client.vllm.stats import StatsRecorder
 
     conf, _ = connector_options({"redis_url": "redis://127.0.0.1:1/0"})
     client, stats = RecordingClient(), StatsRecorder()
-    scheduler = ConnectorScheduler(conf, client, BLOCK, saves=True, stats=stats)
+    scheduler = ConnectorScheduler(
+        conf, client, BLOCK, stats=stats, features=SchedulerFeatures(saves=True)
+    )
     tokens = [rng.randrange(512) for _ in range(100)]
     now, future = vllm_request("now", tokens), vllm_request("future", tokens)
     assert scheduler.get_num_new_matched_tokens(now, 0) == (0, False)

@@ -1,0 +1,183 @@
+"""The connector's scheduler decisions in the fast tier: vLLM's real ``Scheduler`` in this
+process (tests/support/connector_harness.py) over a ``MemoryStore``
+(tests/support/memory_store.py), which keeps real pages under the same chained hashes
+as the storage nodes and answers lookups by the same rules. No node, no process: each
+test takes well under a second. What needs real nodes (transfers, faults, the breaker's
+timing) is in test_vllm_inprocess.py and the other ``test_vllm*`` files."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from client.vllm.features import SchedulerFeatures
+from client.vllm.options import connector_options
+from client.vllm.scheduler import ConnectorScheduler
+from client.vllm.states import StateFacts
+from client.vllm.stats import StatsRecorder
+from client.vllm.transfer_params import announcement
+from kvstore.pages.identity import NO_EXTRAS
+from kvstore.pages.namespace import Namespace
+from tests.support.connector_harness import (
+    BLOCK,
+    PROMPT_A,
+    PROMPT_B,
+    PROMPT_C,
+    SHARED,
+    ConnectorHarness,
+    write_config,
+)
+from tests.support.memory_store import MemoryStore
+
+# the full blocks a lookup may match: one prompt token is always computed
+A_HIT = (len(PROMPT_A) - 1) // BLOCK * BLOCK
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return write_config(tmp_path_factory.mktemp("tiny-llama-config"))
+
+
+@pytest.fixture()
+def store() -> MemoryStore:
+    return MemoryStore()
+
+
+def engine(model_dir: str, store: MemoryStore, **extra) -> ConnectorHarness:
+    return ConnectorHarness(model_dir, None, store=store, extra=extra or None)
+
+
+def test_a_stored_prefix_is_matched_to_its_last_full_block_and_loads_its_bytes(model_dir, store):
+    with engine(model_dir, store) as first:
+        computed = first.generate({"a": PROMPT_A})["a"]
+    assert computed.num_cached_tokens == 0
+    assert len(store) == len(PROMPT_A) // BLOCK  # the save kept every full block's page
+    with engine(model_dir, store) as second:
+        out = second.generate({"a": PROMPT_A, "b": PROMPT_B})
+    assert out["a"].num_cached_tokens == A_HIT  # 6 blocks, not the whole prompt
+    assert out["b"].num_cached_tokens == SHARED * BLOCK  # the blocks it shares with A
+    # the loaded pages are the KV computing them gives: the same tokens follow
+    assert out["a"].tokens == computed.tokens
+
+
+def test_a_prompt_nothing_stored_begins_is_a_miss(model_dir, store):
+    with engine(model_dir, store) as first:
+        first.generate({"a": PROMPT_A})
+    with engine(model_dir, store) as second:
+        out = second.generate({"c": PROMPT_C})
+        assert out["c"].num_cached_tokens == 0
+        # looked up: the prompt's full blocks before its last token
+        assert second.lookups.finds == [((len(PROMPT_C) - 1) // BLOCK, False)]
+        assert second.metrics()["lookups"] == 1
+
+
+def test_another_cache_salt_shares_nothing(model_dir, store):
+    with engine(model_dir, store) as first:
+        first.add("a", PROMPT_A, cache_salt="alice")
+        first.run()
+    with engine(model_dir, store) as second:
+        second.add("bob", PROMPT_A, cache_salt="bob")
+        second.add("plain", PROMPT_A)
+        second.add("alice", PROMPT_A, cache_salt="alice")
+        out = second.run()
+    assert out["bob"].num_cached_tokens == 0
+    assert out["plain"].num_cached_tokens == 0
+    assert out["alice"].num_cached_tokens == A_HIT
+
+
+def test_a_store_that_cannot_answer_within_the_lookup_budget_is_a_miss(model_dir, store):
+    with engine(model_dir, store) as first:
+        first.generate({"a": PROMPT_A})
+    with engine(model_dir, store, lookup_budget_ms=10) as slow:
+        slow.lookups.latency = 0.05  # answers in 50 ms: past the 10 ms budget
+        assert slow.generate({"a": PROMPT_A})["a"].num_cached_tokens == 0
+        assert slow.metrics()["lookup_faults"] == 1
+    with engine(model_dir, store, lookup_budget_ms=100) as patient:
+        patient.lookups.latency = 0.05  # within a 100 ms budget: a hit
+        assert patient.generate({"a": PROMPT_A})["a"].num_cached_tokens == A_HIT
+    with engine(model_dir, store) as down:
+        down.lookups.down = True
+        assert down.generate({"a": PROMPT_A})["a"].num_cached_tokens == 0
+
+
+def test_an_announced_prefix_is_claimed_without_a_lookup(model_dir, store):
+    """A P/D decode: the prefill's params claim its blocks at once, ``(n, True)``, and
+    no lookup is made (``client.vllm.claims``)."""
+    with engine(model_dir, store) as prefill:
+        computed = prefill.generate({"a": PROMPT_A})["a"]
+    params = announcement(BLOCK, PROMPT_A, NO_EXTRAS, len(PROMPT_A) // BLOCK)
+    with engine(model_dir, store) as decode:
+        looked_up = decode.lookups
+        decode.add("a", PROMPT_A, **params)
+        decode.step()
+        request = decode.scheduler.requests["a"]
+        assert request.num_computed_tokens == A_HIT  # claimed: at most the usable blocks
+        assert looked_up.finds == []
+        decode.run()
+        assert decode.finished["a"].num_cached_tokens == A_HIT
+        assert decode.finished["a"].tokens == computed.tokens
+        assert looked_up.finds == []
+        assert decode.metrics()["remote_prefills_announced"] == 1
+
+
+# ---- the scheduler side alone: features vLLM's harness engine does not have -------------
+
+
+def scheduler_over(store: MemoryStore, features: SchedulerFeatures, main) -> ConnectorScheduler:
+    conf, _ = connector_options({"redis_url": "redis://in-memory.invalid:6379/0"})
+    return ConnectorScheduler(conf, main, BLOCK, stats=StatsRecorder(), features=features)
+
+
+def small_namespace(**kw) -> Namespace:
+    base = dict(
+        model="decisions",
+        dtype="float32",
+        num_layers=2,
+        num_kv_heads=2,
+        head_size=32,
+        block_size=BLOCK,
+    )
+    return Namespace(**{**base, **kw})
+
+
+def vllm_request(req_id: str, tokens: list[int]):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(req_id, tokens, SamplingParams(max_tokens=1), None)
+
+
+def test_a_hybrid_hit_ends_at_the_last_boundary_state_stored(store):
+    """A state-space hybrid loads no further than its last stored boundary state
+    (``client.vllm.states``): attention pages of 6 blocks, states at boundaries 2 and 4
+    (blocks 1 and 3), so the hit is 4 blocks; with no state within it, a miss."""
+    pages, states = store.client(small_namespace()), store.client(small_namespace(model="s"))
+    page = bytes(2 * 2 * BLOCK * 2 * 32 * 4)
+    pages.put(PROMPT_A, [page] * (len(PROMPT_A) // BLOCK))
+    facts = StateFacts((0,), (1,), ("m",), ("a",), 64, False, "align", BLOCK)
+    scheduler = scheduler_over(
+        store, SchedulerFeatures(hybrid=True, states=facts, state_store=states), pages
+    )
+    assert scheduler.get_num_new_matched_tokens(vllm_request("none", PROMPT_A), 0) == (0, False)
+    for boundary in (2, 4):
+        states.put(PROMPT_A[: boundary * BLOCK], [b"s" * 64], start_block=boundary - 1)
+    assert scheduler.get_num_new_matched_tokens(vllm_request("a", PROMPT_A), 0) == (
+        4 * BLOCK,
+        True,
+    )
+    assert states.finds[-1] == (A_HIT // BLOCK, True)  # asked within the attention prefix
+
+
+def test_a_draft_hit_is_the_shorter_prefix_less_the_dropped_blocks(store):
+    """A speculative draft's pages (``client.vllm.drafts``): the target holds 6 blocks,
+    the draft 5, and EAGLE drops one: 4 blocks."""
+    target, draft = store.client(small_namespace()), store.client(small_namespace(model="d"))
+    page = bytes(16)
+    target.put(PROMPT_A, [page] * 6)
+    draft.put(PROMPT_A, [page] * 5)
+    scheduler = scheduler_over(store, SchedulerFeatures(draft=draft, draft_drop=1), target)
+    assert scheduler.get_num_new_matched_tokens(vllm_request("a", PROMPT_A), 0) == (
+        4 * BLOCK,
+        True,
+    )
