@@ -194,8 +194,9 @@ class AsyncKVCacheClient:
         """``lookup_checked``, keeping what the lookup found so that ``get_found`` (in
         this client or another process's) can fetch it without a second index round
         trip. None when the index could not answer at all. ``last``: a chain stored at
-        some blocks only, found up to the last (``PrefixLookup.find``)."""
-        return await self.lookups.find(token_ids, identity, last=last)
+        some blocks only, found up to the last (``PrefixLookup.find_steps``)."""
+        lookups = self.lookups
+        return await lookups.on_loop(lookups.find_steps, token_ids, identity, last=last)
 
     def stored_prefix(self, joined: bytes, result: Any) -> StoredPrefix:
         """What ``find`` returns for the lookup of ``joined`` that gave ``result``."""
@@ -244,7 +245,8 @@ class AsyncKVCacheClient:
         without, without (``PrefixLookup.keyed_place``)."""
         lookups = self.lookups
         place = lookups.keyed_place(position, anchor_key)
-        return await lookups.find_joined(lookups.keyed_hashes(page_keys), place=place)
+        joined = lookups.keyed_hashes(page_keys)
+        return await lookups.on_loop(lookups.find_joined_steps, joined, place=place)
 
     async def put_keyed(
         self,

@@ -136,7 +136,8 @@ class LookupBuffer:
         parts = part_hashes(
             sequence_hash(ns, tokens, hashes, extras), max(len(sizes_h), len(sizes_nh))
         )
-        result = await self._lookups.lookup(hashes + parts, breaks=[len(hashes)])
+        lookups = self._lookups
+        result = await lookups.on_loop(lookups.lookup_steps, hashes + parts, [len(hashes)])
         if not result or result.matched == 0:
             return [None] * 5
         # key and value are received into, sized for what the index says is there: the

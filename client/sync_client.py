@@ -18,14 +18,14 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import torch
 
 from client.async_client import AsyncKVCacheClient
-from client.lookups.prefix import Identity
+from client.lookups.prefix import Identity, Ready
 from client.lookups.stored_prefix import StoredPrefix
 from client.memory.buffers import Span
 from client.memory.device_rows import DeviceRows
@@ -33,13 +33,16 @@ from client.memory.layer_feed import LayerFeed
 from client.puts.publish import PublishReport
 from client.stats import ClientStats
 from kvstore.errors import TransportError
-from kvstore.index import NodeInfo, PageIndex
+from kvstore.index import PageIndex
+from kvstore.index.driver import Steps
+from kvstore.index.lookups import LookupMethods
 from kvstore.index.routing import INDEX_TIMEOUT
 from kvstore.pages.heads import RankUnits
 from kvstore.pages.namespace import Namespace
 from kvstore.settings.client import client_options_from_env
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 log = logging.getLogger(__name__)
 _MARGIN = 10.0
@@ -192,15 +195,9 @@ class KVCacheClient:
         (``client.nodes.directory.KEEP_FRESH_S``), the lookup reads the registry in its
         one round trip; until the namespace is registered, the call goes through the
         loop, which registers it first. ``last``: a chain stored at some blocks only
-        (``PrefixLookup.find``)."""
-        inner = self._async
-        return self._in_caller(
-            timeout,
-            lambda: inner.find(token_ids, identity=identity, last=last),
-            lambda index, nodes: inner.lookups.find_blocking(
-                index, token_ids, nodes, identity, last=last
-            ),
-        )
+        (``PrefixLookup.find_steps``)."""
+        steps = self._async.lookups.find_steps
+        return self._in_caller(timeout, steps, token_ids, identity, last=last)
 
     def find_keys(
         self,
@@ -214,31 +211,22 @@ class KVCacheClient:
         """``AsyncKVCacheClient.find_keys`` in the caller's thread, as ``find``.
         ``lease`` False: how many are stored, with no read lease taken (SGLang's
         ``batch_exists``, whose answer is not fetched from:
-        ``PrefixLookup.find_joined_blocking``)."""
+        ``PrefixLookup.find_joined_steps``)."""
         lookups = self._async.lookups
         joined, place = lookups.keyed_hashes(page_keys), lookups.keyed_place(position, anchor_key)
-        return self._in_caller(
-            timeout,
-            lambda: lookups.find_joined(joined, place=place),
-            lambda index, nodes: lookups.find_joined_blocking(
-                index, joined, nodes, place=place, lease=lease
-            ),
-        )
+        steps = lookups.find_joined_steps
+        return self._in_caller(timeout, steps, joined, place=place, lease=lease)
 
     def stored_keys(self, page_keys: list[str], timeout: float | None = None) -> list[bool] | None:
         """Per key of ``page_keys`` (a keyed layout's own page keys), whether its page is
         stored (a live replica of this rank's share), each on its own: one index round
         trip, no read lease (SGLang's side pools, whose pages some positions of a prompt
-        hold: ``PrefixLookup.stored_each``). None on an index fault."""
+        hold: ``PrefixLookup.stored_each_steps``). None on an index fault."""
         if not page_keys:
             return []
         lookups = self._async.lookups
         joined = lookups.keyed_hashes(page_keys)
-        present = self._in_caller(
-            timeout,
-            lambda: lookups.stored_each(joined),
-            lambda index, nodes: lookups.stored_each_blocking(index, joined, nodes),
-        )
+        present = self._in_caller(timeout, lookups.stored_each_steps, joined)
         return None if present is None else present.tolist()
 
     def put_keyed(
@@ -256,17 +244,20 @@ class KVCacheClient:
     def _in_caller(
         self,
         timeout: float | None,
-        on_loop: Callable[[], Coroutine[Any, Any, T]],
-        blocking: Callable[[PageIndex, list[NodeInfo] | None], T],
+        steps: Callable[Concatenate[LookupMethods, P], Steps[T | None] | Ready[T]],
+        *args: P.args,
+        **kwargs: P.kwargs,
     ) -> T | None:
-        """A lookup in the caller's thread (``blocking``, over the caller's index
-        connection and the directory's node list, None when it is stale: ``find`` says
-        why), or through the client's loop (``on_loop``, within ``timeout``: a miss past
-        it) until the namespace is registered."""
-        inner = self._async
-        if not inner.namespace_registered:
-            return cast("T | None", self._read(on_loop(), None, timeout))
-        return blocking(self._index(timeout), inner.nodes.fresh())
+        """The lookup ``steps(index, *args, **kwargs)`` (``PrefixLookup``'s steps) in the
+        caller's thread (``PrefixLookup.blocking``, over the caller's index connection:
+        ``find`` says why), or through the client's loop (``PrefixLookup.on_loop``,
+        within ``timeout``: a miss past it) until the namespace is registered. Either
+        way the same steps: only the edge that drives them differs."""
+        lookups = self._async.lookups
+        if not self._async.namespace_registered:
+            coro = lookups.on_loop(steps, *args, **kwargs)
+            return cast("T | None", self._read(coro, None, timeout))
+        return lookups.blocking(self._index(timeout), steps, *args, **kwargs)
 
     def _index(self, timeout: float | None) -> PageIndex:
         """The caller's index connection whose reads wait at most ``timeout`` (the

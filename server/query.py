@@ -238,8 +238,8 @@ class PrefixQuery:
         nodes, in one round trip (the node's one index connection, under its lock)."""
         units = rank_units(ns)
         with self._lock:
-            found, nodes = self.index.lookup(
-                ns, joined, units=(units.first, units.count), with_nodes=True, sparse=sparse
+            found, nodes = self.index.lookup_with_nodes(
+                ns, joined, units=(units.first, units.count), sparse=sparse
             )
         if isinstance(nodes, Exception):
             raise nodes

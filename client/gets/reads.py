@@ -90,7 +90,9 @@ class PageReader:
         hashes = split_hashes(self._lookups.chain_hashes(token_ids, identity))
         if not self._fetchable(out, len(hashes), start_block):
             return 0
-        return await self._get(hashes, await self._lookups.lookup(hashes), out, start_block)
+        lookups = self._lookups
+        result = await lookups.on_loop(lookups.lookup_steps, hashes)
+        return await self._get(hashes, result, out, start_block)
 
     async def get_found(self, found: StoredPrefix, out: torch.Tensor, start_block: int) -> int:
         """``AsyncKVCacheClient.get_found``: ``found``'s blocks into ``out``."""

@@ -1,19 +1,25 @@
 """Prefix lookups: how much of a prompt is stored, and where (``PrefixLookup``); what a
 lookup found, for fetching it later, is a ``StoredPrefix`` (``client.lookups.stored_prefix``).
 
-One path for both clients: ``AsyncKVCacheClient`` awaits ``find`` on its event loop;
-``KVCacheClient`` calls ``find_blocking`` in its caller's thread over an index
-connection of its own (the hop to the loop and back cost 0.14 ms, a third of a 16-block
-lookup). What is asked, how the answer is checked against the node list and how a fault
-counts are written once, here. Neither reads the node registry on its way: the node
-list comes from ``NodeDirectory``, which keeps it fresh in the background."""
+One path for both clients, written once: each lookup is steps (``find_steps``,
+``find_joined_steps``, ``stored_each_steps``, ``lookup_steps``) that compose the index's
+own (``kvstore.index.driver``: generators over batches of commands), and the caller
+picks how they run at the edge: ``AsyncKVCacheClient`` awaits them on its event loop
+(``on_loop``); ``KVCacheClient`` runs them in its caller's thread over an index
+connection of its own (``blocking``: the hop to the loop and back cost 0.14 ms, a
+third of a 16-block lookup). Neither edge adds a hop: the blocking one is the index's
+own blocking driver. What is asked, how the answer is checked against the node list
+and how a fault counts are written once, here. Neither reads the node registry on its
+way: the node list comes from ``NodeDirectory``, which keeps it fresh in the
+background."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import numpy as np
 
@@ -30,6 +36,8 @@ from kvstore.errors import (
     RemoteFault,
 )
 from kvstore.index import AsyncPageIndex, IndexLookup, LookupResult, NodeInfo, PageIndex
+from kvstore.index.driver import Steps
+from kvstore.index.lookups import LookupMethods
 from kvstore.pages.hashing import HASH_BYTES, block_hash_bytes, keyed_hash_bytes
 from kvstore.pages.heads import RankUnits
 from kvstore.pages.identity import BlockExtras, RequestIdentity, resolve
@@ -42,15 +50,26 @@ _LIMIT = LogLimit(log)
 # What a call's ``identity`` may be: a request identity, one already resolved to blocks
 # (the vLLM connector's workers get those), or None for a plain request.
 Identity = RequestIdentity | BlockExtras | None
+T = TypeVar("T")
+P = ParamSpec("P")
+
+
+@dataclass(frozen=True, slots=True)
+class Ready(Generic[T]):
+    """A lookup's answer known without asking the index (nothing to look up): the
+    edges (``PrefixLookup.on_loop``, ``blocking``) return it as is, without driving the
+    index (whose first call reads the shard map) or registering the namespace."""
+
+    value: T
 
 
 class PrefixLookup:
     """One job: answer how much of a prompt is stored and on which live replicas, in one
-    index round trip. Index faults are misses: ``lookup`` and ``find`` give None when
-    the index could not answer at all (counted in ``stats.index_errors``; a script the
-    index rejects, a bug, in ``stats.index_script_errors`` and logged at ERROR), and a
+    index round trip. Index faults are misses: every lookup gives None when the index
+    could not answer at all (counted in ``stats.index_errors``; a script the index
+    rejects, a bug, in ``stats.index_script_errors`` and logged at ERROR), and a
     shorter prefix when one shard failed after others answered. The async methods run
-    on the client's event loop; ``find_blocking`` in any thread."""
+    on the client's event loop; ``blocking`` in any thread."""
 
     def __init__(
         self,
@@ -106,97 +125,125 @@ class PrefixLookup:
             )
         return ChainPlace(offset=offset, head_anchor=self.keyed_hashes([anchor_key]))
 
-    async def find(
-        self, token_ids: Any, identity: Identity = None, *, last: bool = False
-    ) -> StoredPrefix | None:
-        """The stored prefix of ``token_ids`` (None on an index fault), registering the
-        namespace first while that has not succeeded. ``last``: the chain's pages are
-        stored at some blocks only (a hybrid model's boundary states): the prefix up to
-        the last block stored, whose page alone it holds (``IndexLookup.resolve``); every
-        64-block segment of the chain is read (``kvstore.pages.keys``), gaps or not."""
-        return await self.find_joined(self.chain_hashes(token_ids, identity), last=last)
+    # The lookups are written once, as steps over the index's command batches
+    # (``kvstore.index.driver``) that compose its ``lookup_steps``; ``on_loop`` or
+    # ``blocking`` drives them, and the flavour of index driving them is the only thing
+    # that differs. Each takes the index first: the one whose steps it composes.
 
-    async def find_joined(
-        self, joined: bytes, *, last: bool = False, place: ChainPlace = TOKEN_CHAIN
-    ) -> StoredPrefix | None:
-        """``find`` of a chain's storage hashes, joined (``chain_hashes``, or
-        ``keyed_hashes`` for a keyed layout, placed as ``place`` says)."""
-        if not joined:
-            return self._prefix(joined, LookupResult.empty(), last, place)
-        return self._prefix(joined, await self.lookup(joined, last=last, place=place), last, place)
+    def find_steps(
+        self, index: LookupMethods, token_ids: Any, identity: Identity = None, *, last: bool = False
+    ) -> Steps[StoredPrefix | None] | Ready[StoredPrefix]:
+        """The stored prefix of ``token_ids`` (None on an index fault), hashed now (a
+        keyed layout raises here). ``last``: the chain's pages are stored at some blocks
+        only (a hybrid model's boundary states): the prefix up to the last block stored,
+        whose page alone it holds (``IndexLookup.resolve``); every 64-block segment of
+        the chain is read (``kvstore.pages.keys``), gaps or not."""
+        return self.find_joined_steps(index, self.chain_hashes(token_ids, identity), last=last)
 
-    def find_blocking(
+    def find_joined_steps(
         self,
-        index: PageIndex,
-        token_ids: Any,
-        nodes: list[NodeInfo] | None,
-        identity: Identity = None,
-        *,
-        last: bool = False,
-    ) -> StoredPrefix | None:
-        """``find`` in the caller's thread over ``index`` (its reads bound its wait),
-        against ``nodes`` (``NodeDirectory.fresh``; None when that list is stale: the
-        registry is read in the lookup's round trip), for a registered namespace."""
-        return self.find_joined_blocking(
-            index, self.chain_hashes(token_ids, identity), nodes, last=last
-        )
-
-    def find_joined_blocking(
-        self,
-        index: PageIndex,
+        index: LookupMethods,
         joined: bytes,
-        nodes: list[NodeInfo] | None,
         *,
         last: bool = False,
         place: ChainPlace = TOKEN_CHAIN,
         lease: bool = True,
-    ) -> StoredPrefix | None:
-        """``find_joined`` in the caller's thread, as ``find_blocking``. ``lease``
+    ) -> Steps[StoredPrefix | None] | Ready[StoredPrefix]:
+        """``find_steps`` of a chain's storage hashes, joined (``chain_hashes``, or
+        ``keyed_hashes`` for a keyed layout, placed as ``place`` says). ``lease``
         False: no read lease is taken (a question of existence, whose answer nobody
         fetches from: the prefix it returns holds a lease of 0, so a fetch from it asks
         the index again)."""
-        if not joined:
-            return self._prefix(joined, LookupResult.empty(), last, place)
-        asked = self._ask_blocking(index, joined, nodes, last, place, None if lease else 0)
-        result = None if asked is None else self._resolve(*asked, last)
-        if result is None:
-            return None
-        return self.stored_prefix(joined, result, last, place, None if lease else 0)
+        lease_ms = None if lease else 0
+        if not joined:  # nothing to ask
+            return Ready(self.stored_prefix(joined, LookupResult.empty(), last, place))
+        return self._found(index, joined, last, place, lease_ms)
 
-    async def stored_each(self, joined: bytes) -> np.ndarray | None:
+    def _found(
+        self,
+        index: LookupMethods,
+        joined: bytes,
+        last: bool,
+        place: ChainPlace,
+        lease_ms: int | None,
+    ) -> Steps[StoredPrefix | None]:
+        asked = yield from self._asking(index, joined, (), last, place, lease_ms)
+        result = None if asked is None else self._resolve(*asked, last)
+        return None if result is None else self.stored_prefix(joined, result, last, place, lease_ms)
+
+    def stored_each_steps(
+        self, index: LookupMethods, joined: bytes
+    ) -> Steps[np.ndarray | None] | Ready[np.ndarray]:
         """Per keyed page of ``joined`` (``keyed_hashes``), whether a live replica of this
         rank's share is stored, each on its own (no prefix: a page missing before it does
-        not hide it), with no read lease; None on an index fault. Registers the
-        namespace first while that has not succeeded."""
-        asked = await self._ask_loop(joined, (), True, UNPLACED, 0)
+        not hide it), with no read lease; None on an index fault."""
+        if not joined:  # nothing to ask
+            return Ready(np.zeros(0, dtype=bool))
+        return self._each(index, joined)
+
+    def _each(self, index: LookupMethods, joined: bytes) -> Steps[np.ndarray | None]:
+        asked = yield from self._asking(index, joined, (), True, UNPLACED, 0)
         return None if asked is None else self._present(*asked)
 
-    def stored_each_blocking(
-        self, index: PageIndex, joined: bytes, nodes: list[NodeInfo] | None
-    ) -> np.ndarray | None:
-        """``stored_each`` in the caller's thread, as ``find_blocking``."""
-        if not joined:
-            return np.zeros(0, dtype=bool)
-        asked = self._ask_blocking(index, joined, nodes, True, UNPLACED, 0)
-        return None if asked is None else self._present(*asked)
-
-    def _present(self, found: IndexLookup, nodes: list[NodeInfo]) -> np.ndarray | None:
-        """``found.present``, or None when the index could not answer (``_answered``)."""
-        return found.present(nodes) if self._answered(found) else None
-
-    async def lookup(
+    def lookup_steps(
         self,
+        index: LookupMethods,
         hashes: list[bytes] | bytes,
         breaks: Sequence[int] = (),
         *,
         last: bool = False,
         place: ChainPlace = TOKEN_CHAIN,
-    ) -> LookupResult | None:
+    ) -> Steps[LookupResult | None]:
         """The index's answer for ``hashes`` (chains start at 0 and at each of
         ``breaks``, placed as ``place`` says) with replicas of stale incarnations
-        dropped; None on an index fault. ``last``: as ``find``'s."""
-        asked = await self._ask_loop(hashes, breaks, last, place)
+        dropped; None on an index fault. ``last``: as ``find_steps``'."""
+        asked = yield from self._asking(index, hashes, breaks, last, place)
         return None if asked is None else self._resolve(*asked, last)
+
+    async def on_loop(
+        self,
+        steps: Callable[Concatenate[AsyncPageIndex, P], Steps[T | None] | Ready[T]],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> T | None:
+        """``steps(index, *args, **kwargs)`` on the client's event loop over its own
+        index, registering the namespace first while that has not succeeded. Callers:
+        ``AsyncKVCacheClient``, the page reads, and ``KVCacheClient`` until the
+        namespace is registered. An index fault is None (``_failed``), never raised;
+        a lookup with nothing to ask (``Ready``) neither registers nor asks."""
+        index = self._index
+        asked = steps(index, *args, **kwargs)
+        if isinstance(asked, Ready):
+            return asked.value
+        await self._registration.ensure()
+        try:
+            return await index.drive(asked)
+        except (RemoteFault, IndexScriptError) as exc:
+            self._failed(exc)
+            return None
+
+    def blocking(
+        self,
+        index: PageIndex,
+        steps: Callable[Concatenate[PageIndex, P], Steps[T | None] | Ready[T]],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> T | None:
+        """``on_loop`` in the caller's thread over ``index`` (its reads bound its wait),
+        for a registered namespace: no hop to the client's loop and back, which cost
+        0.14 ms, a third of a 16-block lookup (``KVCacheClient.find``). Any thread."""
+        asked = steps(index, *args, **kwargs)
+        if isinstance(asked, Ready):
+            return asked.value
+        try:
+            return index.drive(asked)
+        except (RemoteFault, IndexScriptError) as exc:
+            self._failed(exc)
+            return None
+
+    def _present(self, found: IndexLookup, nodes: list[NodeInfo]) -> np.ndarray | None:
+        """``found.present``, or None when the index could not answer (``_answered``)."""
+        return found.present(nodes) if self._answered(found) else None
 
     def stored_prefix(
         self,
@@ -245,99 +292,56 @@ class PrefixLookup:
         if 0 <= age < found.lease_ms / 2000:
             return found.result.narrow(self._heads.first - found.units[0], self._heads.count)
         self._stats.stale_finds += 1
-        return await self.lookup(found.joined, last=found.last, place=found.place)
+        return await self.on_loop(
+            self.lookup_steps, found.joined, last=found.last, place=found.place
+        )
 
-    def _ask(
+    def _asking(
         self,
-        index: PageIndex | AsyncPageIndex,
+        index: LookupMethods,
         hashes: list[bytes] | bytes,
         breaks: Sequence[int],
         sparse: bool = False,
         place: ChainPlace = TOKEN_CHAIN,
         lease_ms: int | None = None,
-        with_nodes: bool = False,
-    ) -> Any:
-        """The index call of a lookup: its answer, or an awaitable of it for the async
-        index. ``sparse``: every segment read (a ``last`` lookup's chain has gaps).
-        ``with_nodes``: the registry is read in the same round trip (``_asked``)."""
+    ) -> Steps[tuple[IndexLookup, list[NodeInfo]]]:
+        """The index call of a lookup, composed (``index.lookup_steps``): its answer and
+        the nodes to check it against. ``sparse``: every segment read (a ``last``
+        lookup's chain has gaps). The nodes are the directory's list
+        (``NodeDirectory.fresh``) or, when that went stale while the client was idle
+        (``KEEP_FRESH_S``), the registry read in the lookup's own round trip, sent at
+        ``at`` (``NodeDirectory.offered``): through the client's loop and a round trip of
+        its own, that read made the first lookup after more than 5 s of quiet 2-4 ms
+        (bench/lookup.py, paused lookups). Raises what the index raised (the edge,
+        ``on_loop`` or ``blocking``, makes a fault None)."""
         self._stats.lookups += 1
-        return index.lookup(
+        nodes, at = self._nodes.fresh(), time.monotonic()
+        units, span, offset, anchor = self._units, place.span, place.offset, place.head_anchor
+        if nodes is not None:
+            found = yield from index.lookup_steps(
+                self._storage,
+                hashes,
+                breaks=breaks,
+                units=units,
+                sparse=sparse,
+                segment_pages=span,
+                offset=offset,
+                head_anchor=anchor,
+                lease_ms=lease_ms,
+            )
+            return found, nodes
+        found, read = yield from index.lookup_with_nodes_steps(
             self._storage,
             hashes,
             breaks=breaks,
-            units=self._units,
+            units=units,
             sparse=sparse,
-            segment_pages=place.span,
-            offset=place.offset,
-            head_anchor=place.head_anchor,
+            segment_pages=span,
+            offset=offset,
+            head_anchor=anchor,
             lease_ms=lease_ms,
-            with_nodes=with_nodes,
         )
-
-    async def _ask_loop(
-        self,
-        hashes: list[bytes] | bytes,
-        breaks: Sequence[int],
-        sparse: bool,
-        place: ChainPlace,
-        lease_ms: int | None = None,
-    ) -> tuple[IndexLookup, list[NodeInfo]] | None:
-        """``_ask`` of the client's own index on its loop, registering the namespace
-        first while that has not succeeded: the index's answer and the nodes to check
-        it against (``_asked``); None on an index fault (``_failed``)."""
-        await self._registration.ensure()
-        nodes, at = self._nodes.fresh(), time.monotonic()
-        try:
-            found = await self._ask(
-                self._index, hashes, breaks, sparse, place, lease_ms, nodes is None
-            )
-        except (RemoteFault, IndexScriptError) as exc:
-            self._failed(exc)
-            return None
-        return self._asked(found, nodes, at)
-
-    def _ask_blocking(
-        self,
-        index: PageIndex,
-        joined: bytes,
-        nodes: list[NodeInfo] | None,
-        sparse: bool,
-        place: ChainPlace,
-        lease_ms: int | None,
-    ) -> tuple[IndexLookup, list[NodeInfo]] | None:
-        """``_ask`` of ``index`` in the caller's thread (a registered namespace), against
-        ``nodes`` (``NodeDirectory.fresh``: None when stale, ``_asked``); None on an
-        index fault (``_failed``)."""
-        at = time.monotonic()
-        try:
-            found = self._ask(index, joined, (), sparse, place, lease_ms, nodes is None)
-        except (RemoteFault, IndexScriptError) as exc:
-            self._failed(exc)
-            return None
-        return self._asked(found, nodes, at)
-
-    def _asked(
-        self, found: Any, nodes: list[NodeInfo] | None, at: float
-    ) -> tuple[IndexLookup, list[NodeInfo]]:
-        """A lookup's answer and the nodes to check it against: ``nodes``, or when the
-        directory's list was stale (None: the client was idle, ``KEEP_FRESH_S``) the
-        registry read in the lookup's own round trip, sent at ``at``
-        (``NodeDirectory.offered``). Through the client's loop and a round trip of its
-        own, that read made the first lookup after more than 5 s of quiet 2-4 ms
-        (bench/lookup.py, paused lookups)."""
-        if nodes is not None:
-            return found, nodes
-        found, read = found
         return found, self._nodes.offered(read, at)
-
-    def _prefix(
-        self,
-        joined: bytes,
-        result: LookupResult | None,
-        last: bool = False,
-        place: ChainPlace = TOKEN_CHAIN,
-    ) -> StoredPrefix | None:
-        return None if result is None else self.stored_prefix(joined, result, last, place)
 
     def _resolve(
         self, found: IndexLookup, nodes: list[NodeInfo], last: bool = False

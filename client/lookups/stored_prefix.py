@@ -1,7 +1,7 @@
 """``StoredPrefix``: what a prefix lookup found, kept so that a later get fetches it
 without asking the index again.
 
-Made by ``client.lookups.prefix.PrefixLookup`` (``find``, ``stored_prefix``); read by
+Made by ``client.lookups.prefix.PrefixLookup`` (``find_steps``, ``stored_prefix``); read by
 the clients' ``get_found*`` calls (``client.gets.reads``), and carried between
 processes by the vLLM connector (its scheduler looks up, its workers fetch). A frozen,
 picklable value: it holds the matched blocks' storage hashes, their live replicas and
@@ -26,7 +26,7 @@ class StoredPrefix:
     pickling more; only workers split them); ``result``: their live replicas, every head
     group in ``units`` (first, count); ``taken``: the wall-clock time of the lookup,
     whose read lease (``lease_ms``) runs from then. ``last``: only the last block's page
-    is stored and fetched (a hybrid model's boundary state, ``PrefixLookup.find`` with
+    is stored and fetched (a hybrid model's boundary state, ``PrefixLookup.find_steps`` with
     ``last``). ``place``: where the chain lies in the index's segments (keyed pages,
     ``PrefixLookup.keyed_place``)."""
 

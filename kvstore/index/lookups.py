@@ -1,5 +1,6 @@
 """Lookups in the index: the entries of the longest stored prefix of a chain of page
-hashes, read under a read lease, one round trip per shard (clients call ``lookup``).
+hashes, read under a read lease, one round trip per shard (clients call ``lookup``, or
+compose ``lookup_steps`` into steps of their own: ``client.lookups.prefix``).
 
 Pages are indexed by segment (``kvstore.pages.keys``): a lookup of n pages reads n / 64
 keys. A shard that holds several segments of a lookup is read with lookup.lua, which
@@ -16,7 +17,7 @@ threshold, sent to both scripts."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,9 +31,9 @@ from kvstore.errors import (
 )
 from kvstore.index import checks, scripts
 from kvstore.index.commands import Cmd
-from kvstore.index.driver import IndexDriver
+from kvstore.index.driver import IndexDriver, Steps, driven
 from kvstore.index.entry_picks import pick, pick_pages, picked
-from kvstore.index.records import ENTRY
+from kvstore.index.records import ENTRY, IndexLookup, NodeInfo
 from kvstore.index.registry import live_nodes_cmd
 from kvstore.pages import keys
 from kvstore.pages._chainhash import hex_names
@@ -40,6 +41,9 @@ from kvstore.pages.hashing import HASH_BYTES
 from kvstore.pages.namespace import Namespace
 
 log = logging.getLogger(__name__)
+# The registry's live nodes as read in a lookup's round trip (``lookup_with_nodes``):
+# ``live_nodes``' list, or the error that read met.
+NodesRead = list[NodeInfo] | KVStoreError
 
 
 def renew_below(lease_ms: int) -> int:
@@ -191,7 +195,7 @@ class LookupMethods(IndexDriver):
 
     mget_refused = False  # set once the index refused MGET (an ACL role without it)
 
-    def lookup(
+    def lookup_steps(
         self,
         namespace: Namespace | keys.NamespaceKey,
         hashes: Sequence[bytes] | bytes,
@@ -199,12 +203,11 @@ class LookupMethods(IndexDriver):
         breaks: Sequence[int] = (),
         lease_ms: int | None = None,
         units: tuple[int, int] = (0, 1),
-        with_nodes: bool = False,
         sparse: bool = False,
         segment_pages: int = keys.SEGMENT_PAGES,
         offset: int = 0,
         head_anchor: bytes | None = None,
-    ) -> Any:
+    ) -> Steps[IndexLookup]:
         """Entries for the longest stored prefix of ``hashes`` (chains start at 0 and at
         each of ``breaks``), with a read lease: an ``IndexLookup`` to ``resolve`` against
         live nodes. One round trip per shard, all shards at once (and a second one to
@@ -213,10 +216,7 @@ class LookupMethods(IndexDriver):
         ``units`` ``(first, count)``: each hash of the first chain is a block whose head
         groups ``first`` to ``first + count - 1`` must all be stored (kvstore.pages.heads);
         hashes of later chains are whole pages. ``hashes`` may come joined
-        (``block_hash_bytes``), which spares an object per block. ``with_nodes``: the
-        registry's live nodes are read in the same round trip, and the answer is
-        ``(IndexLookup, nodes)``, nodes being ``live_nodes``' list or the error that
-        read met (a lookup that found its node list stale pays no second round trip).
+        (``block_hash_bytes``), which spares an object per block.
         ``sparse``: a chain stored at some blocks only (``PageLayout.sparse``): every
         segment is read on its own, none ends the lookup (a 64-block run with no page
         is a gap, not the end), as plain commands or one-segment script calls.
@@ -224,6 +224,67 @@ class LookupMethods(IndexDriver):
         position, each its own segment). ``offset``, ``head_anchor``: the chain is asked
         from position ``offset`` of a segment anchored at ``head_anchor`` (a keyed chain
         asked from its middle, ``keys.placement``)."""
+        return self._lookup_steps(
+            namespace,
+            hashes,
+            breaks,
+            lease_ms,
+            units,
+            sparse,
+            segment_pages,
+            offset,
+            head_anchor,
+            False,
+        )
+
+    def lookup_with_nodes_steps(
+        self,
+        namespace: Namespace | keys.NamespaceKey,
+        hashes: Sequence[bytes] | bytes,
+        *,
+        breaks: Sequence[int] = (),
+        lease_ms: int | None = None,
+        units: tuple[int, int] = (0, 1),
+        sparse: bool = False,
+        segment_pages: int = keys.SEGMENT_PAGES,
+        offset: int = 0,
+        head_anchor: bytes | None = None,
+    ) -> Steps[tuple[IndexLookup, NodesRead]]:
+        """``lookup_steps``, and the registry's live nodes read in the same round trip:
+        ``live_nodes``' list, or the error that read met (a client whose node list went
+        stale pays no second round trip for it; a node answering a query)."""
+        return self._lookup_steps(
+            namespace,
+            hashes,
+            breaks,
+            lease_ms,
+            units,
+            sparse,
+            segment_pages,
+            offset,
+            head_anchor,
+            True,
+        )
+
+    # The methods callers use; ``client.lookups.prefix`` composes the steps instead.
+    lookup = driven(lookup_steps)
+    lookup_with_nodes = driven(lookup_with_nodes_steps)
+
+    def _lookup_steps(
+        self,
+        namespace: Namespace | keys.NamespaceKey,
+        hashes: Sequence[bytes] | bytes,
+        breaks: Sequence[int],
+        lease_ms: int | None,
+        units: tuple[int, int],
+        sparse: bool,
+        segment_pages: int,
+        offset: int,
+        head_anchor: bytes | None,
+        with_nodes: bool,
+    ) -> Steps[Any]:
+        """Both lookups, written once: checks the arguments now, returns the steps
+        (the answer paired with the nodes read when ``with_nodes``)."""
         prefix = checks.namespace_key(namespace).prefix
         blob = checks.joined_hashes(hashes, "lookup", joined_ok=True)
         n = len(blob) // HASH_BYTES
@@ -243,7 +304,7 @@ class LookupMethods(IndexDriver):
                 f"a lookup from position {offset} of a segment needs its {HASH_BYTES}-byte head_anchor"
             )
 
-        def steps() -> Generator[list[Cmd], list[Any], Any]:
+        def steps() -> Steps[Any]:
             segs = keys.segments(n, breaks, segment_pages, offset)
             anchors = [blob[HASH_BYTES * a : HASH_BYTES * a + HASH_BYTES] for a, _ in segs]
             if offset and head_anchor is not None:
@@ -281,9 +342,8 @@ class LookupMethods(IndexDriver):
             and isinstance(need, int)
             and not (offset or self.cluster or self.mget_refused)
         ):
-            each = self._each_page(prefix, blob, first, need, sparse, with_nodes, steps)
-            return self._drive(each)
-        return self._drive(steps())
+            return self._each_page(prefix, blob, first, need, sparse, with_nodes, steps)
+        return steps()
 
     def _each_page(
         self,
@@ -293,8 +353,8 @@ class LookupMethods(IndexDriver):
         need: int,
         sparse: bool,
         with_nodes: bool,
-        script: Callable[[], Generator[list[Cmd], list[Any], Any]],
-    ) -> Generator[list[Cmd], list[Any], Any]:
+        script: Callable[[], Steps[Any]],
+    ) -> Steps[Any]:
         """``lookup`` of pages that are each a one-page segment, with no lease (SGLang's
         ``batch_exists``), from an index of one server: one MGET, no script (a cluster
         refuses MGET across slots), its key names made in C (``hex_names``) and its RESP

@@ -5,7 +5,7 @@ and the node registry.
 method: each is defined once, as a generator that yields batches of commands
 (``kvstore.index.routing.Cmd``; ``kvstore.index.driver``), in the module of its job:
 ``lookups`` (clients' ``lookup``), ``publish`` (nodes' ``commit``/``remove``) and
-``registry`` (nodes, namespaces, stats). The flavour's ``_drive`` sends a batch to its
+``registry`` (nodes, namespaces, stats). The flavour's ``drive`` sends a batch to its
 shards, all at once, and feeds the replies back.
 
 A page becomes visible only through ``commit``, which a node calls after it has
@@ -17,7 +17,7 @@ snapshot."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from kvstore.index import scripts
 from kvstore.index.driver import DEFAULT_ENTRY_TTL_MS, DEFAULT_LEASE_MS, Steps
@@ -26,6 +26,8 @@ from kvstore.index.lookups import LookupMethods
 from kvstore.index.publish import MAX_PAGES_PER_KEY, PublishMethods
 from kvstore.index.registry import RegistryMethods
 from kvstore.index.routing import INDEX_TIMEOUT, AsyncRouter, SyncRouter
+
+T = TypeVar("T")
 
 # The settings read the lease's default here (kvstore.settings.config).
 __all__ = [
@@ -39,7 +41,7 @@ __all__ = [
 
 class PageIndex(LookupMethods, PublishMethods, RegistryMethods):
     """The page index for blocking callers (redis-py): runs each method's batches in
-    the calling thread (its one job, ``_drive``). Thread-safe: redis-py pools connections."""
+    the calling thread (its one job, ``drive``). Thread-safe: redis-py pools connections."""
 
     _router: SyncRouter
 
@@ -63,7 +65,8 @@ class PageIndex(LookupMethods, PublishMethods, RegistryMethods):
             **kwargs,
         )
 
-    def _drive(self, steps: Steps) -> Any:
+    def drive(self, steps: Steps[T]) -> T:
+        """Run ``steps`` in the calling thread: its answer, or what it raised."""
         router = self._router
         router.prepare()
         try:
@@ -79,7 +82,7 @@ class PageIndex(LookupMethods, PublishMethods, RegistryMethods):
 
 class AsyncPageIndex(LookupMethods, PublishMethods, RegistryMethods):
     """The page index for asyncio callers (redis.asyncio): the same methods, each
-    returning an awaitable that runs its batches (its one job, ``_drive``)."""
+    returning an awaitable that runs its batches (its one job, ``drive``)."""
 
     _router: AsyncRouter
 
@@ -95,20 +98,18 @@ class AsyncPageIndex(LookupMethods, PublishMethods, RegistryMethods):
             url, AsyncRouter(url, scripts.ALL, timeout=timeout, password=password), **kwargs
         )
 
-    def _drive(self, steps: Steps) -> Any:
+    async def drive(self, steps: Steps[T]) -> T:
+        """Run ``steps`` on the caller's event loop: its answer, or what it raised."""
         # The generator is created by the caller but must not run before the topology is
         # known: it groups keys by shard while building its first batch.
-        async def run() -> Any:
-            router = self._router
-            await router.prepare()
-            try:
-                batch = next(steps)
-                while True:
-                    batch = steps.send(await router.run(batch))
-            except StopIteration as done:
-                return done.value
-
-        return run()
+        router = self._router
+        await router.prepare()
+        try:
+            batch = next(steps)
+            while True:
+                batch = steps.send(await router.run(batch))
+        except StopIteration as done:
+            return done.value
 
     async def close(self) -> None:
         await self._router.close()

@@ -7,7 +7,7 @@ abandoned put never shows; ``remove`` before an evicted page's slot is freed."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -15,7 +15,7 @@ import numpy as np
 from kvstore.errors import IndexUnavailableError, InvalidInputError, KVStoreError
 from kvstore.index import checks, scripts
 from kvstore.index.commands import Cmd
-from kvstore.index.driver import IndexDriver
+from kvstore.index.driver import IndexDriver, Steps, driven
 from kvstore.index.records import ENTRY, HASH_PAIR, CommitEntry, incarnation_tag
 from kvstore.pages import keys
 from kvstore.pages.namespace import Namespace
@@ -39,13 +39,13 @@ class PublishMethods(IndexDriver):
     """Writes a node's page entries into the segments (its one job): ``commit`` adds
     them, ``remove`` takes them out unless a reader's lease holds the segment."""
 
-    def commit(
+    def _commit(
         self,
         namespace: Namespace | keys.NamespaceKey,
         node_number: int,
         incarnation: str,
         entries: Sequence[CommitEntry],
-    ) -> Any:
+    ) -> Steps[list[bool | None]]:
         """Make verified pages visible; per entry True when written, None where its shard
         failed. Raises ``IndexUnavailableError`` when none was."""
         prefix, tag = (
@@ -84,18 +84,18 @@ class PublishMethods(IndexDriver):
                 [counts, entries_bytes],
             )
 
-        return self._drive(
-            self._segment_writes(prefix, groups, call, len(entries), lambda reply, n: [True] * n)
-        )
+        return self._segment_writes(prefix, groups, call, len(entries), lambda reply, n: [True] * n)
 
-    def remove(
+    commit = driven(_commit)
+
+    def _remove(
         self,
         namespace: Namespace | keys.NamespaceKey,
         node_number: int,
         hashes: Sequence[bytes],
         anchors: Sequence[bytes],
         respect_lease: bool = True,
-    ) -> Any:
+    ) -> Steps[list[bool | None]]:
         """Drop a node's entries of pages (eviction); per page True when its slot may be
         freed, False when a read lease keeps it, None when its shard failed. Raises
         ``IndexUnavailableError`` when every shard failed."""
@@ -121,11 +121,11 @@ class PublishMethods(IndexDriver):
                 [counts, wanted],
             )
 
-        return self._drive(
-            self._segment_writes(
-                prefix, groups, call, len(hashes), lambda reply, n: [c == ord("1") for c in reply]
-            )
+        return self._segment_writes(
+            prefix, groups, call, len(hashes), lambda reply, n: [c == ord("1") for c in reply]
         )
+
+    remove = driven(_remove)
 
     def _segment_writes(
         self,
@@ -134,7 +134,7 @@ class PublishMethods(IndexDriver):
         call: SegmentCall,
         total: int,
         parse: Callable[[Any, int], list[Any]],
-    ) -> Generator[list[Cmd], list[Any], list[Any]]:
+    ) -> Steps[list[Any]]:
         """One script call per shard over its segments (``call(anchors, positions per
         anchor)``); per page the parsed result, None where its shard failed."""
         items = list(groups.items())

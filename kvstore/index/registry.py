@@ -8,13 +8,12 @@ and live_nodes.lua."""
 from __future__ import annotations
 
 import secrets
-from collections.abc import Generator
 from typing import Any
 
 from kvstore.errors import FencedError, InvalidInputError, NodeIdInUseError
 from kvstore.index import checks, scripts
 from kvstore.index.commands import Cmd
-from kvstore.index.driver import IndexDriver, raise_first, single, text
+from kvstore.index.driver import IndexDriver, Steps, driven, raise_first, single, text
 from kvstore.index.records import IndexStats, NamespaceStats, NodeInfo, Registration
 from kvstore.pages import keys
 from kvstore.pages.namespace import Namespace
@@ -22,7 +21,7 @@ from kvstore.pages.namespace import Namespace
 
 def live_nodes_cmd() -> Cmd:
     """The read of live nodes (live_nodes.lua), parsed into ``NodeInfo``; a lookup
-    ``with_nodes`` sends it in its own batch."""
+    ``lookup_with_nodes`` sends it in its own batch."""
 
     def parse(raw: list) -> list[NodeInfo]:
         nodes, pos = [], 0
@@ -55,7 +54,7 @@ class RegistryMethods(IndexDriver):
     """Keeps the registry (its one job): storage nodes' incarnations and numbers, the
     live nodes, the namespaces stored and the pages each node reports of them."""
 
-    def register_node(
+    def _register_node(
         self,
         node_id: str,
         address: str,
@@ -65,7 +64,7 @@ class RegistryMethods(IndexDriver):
         *,
         replaces: str = "",
         extra: dict[str, str] | None = None,
-    ) -> Any:
+    ) -> Steps[Registration]:
         """Register a new incarnation (``incarnation=None``; ``replaces`` names the
         caller's own previous one) or heartbeat ``incarnation``; returns a
         ``Registration``. Raises ``NodeIdInUseError`` when another live incarnation holds
@@ -104,25 +103,29 @@ class RegistryMethods(IndexDriver):
                 f"incarnation {incarnation} of node {node_id!r} is no longer the registered one"
             )
 
-        return self._drive(single(Cmd.run_script(scripts.REGISTER, key_list, args, parse)))
+        return single(Cmd.run_script(scripts.REGISTER, key_list, args, parse))
 
-    def deregister_node(self, node_id: str, incarnation: str) -> Any:
+    register_node = driven(_register_node)
+
+    def _deregister_node(self, node_id: str, incarnation: str) -> Steps[bool]:
         """Remove the node from the registry if ``incarnation`` is still its current one
         (a node that stops); True when it was."""
         key_list = [keys.NODES_ZSET, keys.node_key(node_id)]
-        return self._drive(
-            single(
-                Cmd.run_script(
-                    scripts.DEREGISTER, key_list, [node_id, checks.incarnation(incarnation)], bool
-                )
+        return single(
+            Cmd.run_script(
+                scripts.DEREGISTER, key_list, [node_id, checks.incarnation(incarnation)], bool
             )
         )
 
-    def live_nodes(self) -> Any:
-        """The nodes whose heartbeat deadline has not passed, as ``NodeInfo``."""
-        return self._drive(single(live_nodes_cmd()))
+    deregister_node = driven(_deregister_node)
 
-    def ensure_namespace(self, namespace: Namespace) -> Any:
+    def _live_nodes(self) -> Steps[list[NodeInfo]]:
+        """The nodes whose heartbeat deadline has not passed, as ``NodeInfo``."""
+        return single(live_nodes_cmd())
+
+    live_nodes = driven(_live_nodes)
+
+    def _ensure_namespace(self, namespace: Namespace) -> Steps[int]:
         """Record the namespace under its tenant's keys (idempotent): clients at start,
         nodes after an index loss."""
         if not isinstance(namespace, Namespace):
@@ -130,37 +133,39 @@ class RegistryMethods(IndexDriver):
                 f"ensure_namespace needs a Namespace, got {type(namespace).__name__}"
             )
         meta = namespace.key.meta
-        return self._drive(
-            single(Cmd(("HSETNX", meta, "json", namespace.canonical_json()), key=meta))
-        )
+        return single(Cmd(("HSETNX", meta, "json", namespace.canonical_json()), key=meta))
 
-    def announce_namespace(self, key: keys.NamespaceKey) -> Any:
+    ensure_namespace = driven(_ensure_namespace)
+
+    def _announce_namespace(self, key: keys.NamespaceKey) -> Steps[int]:
         """List a namespace in the registry, for ``stats`` (nodes, when they first
         serve it: clients cannot write the registry)."""
-        return self._drive(
-            single(
-                Cmd(
-                    ("SADD", keys.NAMESPACES_SET, checks.namespace_key(key).member),
-                    key=keys.NAMESPACES_SET,
-                )
+        return single(
+            Cmd(
+                ("SADD", keys.NAMESPACES_SET, checks.namespace_key(key).member),
+                key=keys.NAMESPACES_SET,
             )
         )
 
-    def namespace(self, key: keys.NamespaceKey) -> Any:
+    announce_namespace = driven(_announce_namespace)
+
+    def _namespace(self, key: keys.NamespaceKey) -> Steps[Namespace | None]:
         """The registered ``Namespace`` at ``key``, or None (nodes learn namespaces here;
         the caller checks that it hashes to the digest)."""
         meta = checks.namespace_key(key).meta
 
-        def steps() -> Generator[list[Cmd], list[Any], Namespace | None]:
+        def steps() -> Steps[Namespace | None]:
             raw = raise_first((yield [Cmd(("HGET", meta, "json"), key=meta)]))[0]
             return Namespace.model_validate_json(raw) if raw else None
 
-        return self._drive(steps())
+        return steps()
 
-    def stats(self) -> Any:
+    namespace = driven(_namespace)
+
+    def _stats(self) -> Steps[IndexStats]:
         """Live nodes and, per namespace, the pages their current incarnations report."""
 
-        def steps() -> Generator[list[Cmd], list[Any], IndexStats]:
+        def steps() -> Steps[IndexStats]:
             nodes, members = raise_first(
                 (
                     yield [
@@ -187,4 +192,6 @@ class RegistryMethods(IndexDriver):
                 spaces.append(NamespaceStats(digest, sum(per_node.values()), ns, per_node))
             return IndexStats(nodes, spaces)
 
-        return self._drive(steps())
+        return steps()
+
+    stats = driven(_stats)

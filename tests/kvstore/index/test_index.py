@@ -177,7 +177,7 @@ def test_a_short_lookup_keeps_its_lease_read_only_until_half_is_left(index, name
     from kvstore.index.routing import Cmd
 
     def pttl(key: str) -> int:
-        return index._drive(_single(Cmd(("PTTL", key), key=key)))
+        return index.drive(_single(Cmd(("PTTL", key), key=key)))
 
     index.ensure_namespace(namespace)
     a = register(index, "a")

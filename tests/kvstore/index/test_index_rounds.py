@@ -191,7 +191,7 @@ def test_a_due_lease_is_renewed_in_the_lookups_one_round_trip(index, namespace, 
 
 @pytest.mark.parametrize("shards", [1, 3])
 def test_a_lookup_with_nodes_answers_both_in_one_round_trip(namespace, shards):
-    """``with_nodes``: the lookup's own answer and the registry's live nodes, read in the
+    """``lookup_with_nodes``: the lookup's own answer and the registry's live nodes, read in the
     lookup's round trip (the registry's shard is asked with the segments' shards), on a
     single server and on a cluster whose segments and registry lie on other shards."""
     server = EmbeddedValkeyCluster(shards) if shards > 1 else EmbeddedValkey()
@@ -203,7 +203,7 @@ def test_a_lookup_with_nodes_answers_both_in_one_round_trip(namespace, shards):
         commit(index, namespace, a, hashes[:100], chain_hashes=hashes)
         commit(index, namespace, b, hashes[100:], chain_hashes=hashes)
         plain = index.lookup(namespace, hashes, lease_ms=0)
-        found, nodes = index.lookup(namespace, hashes, lease_ms=0, with_nodes=True)
+        found, nodes = index.lookup_with_nodes(namespace, hashes, lease_ms=0)
         assert {n.node_id for n in nodes} == {n.node_id for n in index.live_nodes()} == {"a", "b"}
         assert found.resolve(nodes).matched == plain.resolve(nodes).matched == len(hashes)
         assert [{l.node_id for l in locs} for locs in found.resolve(nodes).locations] == [
