@@ -16,7 +16,7 @@ import pytest
 
 from kvstore.index import PageIndex
 from tests.support.helpers import namespace_for_page_size, run_worker, spec, worker_result
-from tests.support.netns_fixtures import net_store, network  # noqa: F401 (fixtures)
+from tests.support.netns_fixtures import net_store, network, tun_missing  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.faults, pytest.mark.process]
 
@@ -248,6 +248,9 @@ def test_gets_and_puts_over_a_slow_lossy_link_are_bit_exact(network, net_store):
     """2 ms +- 1 ms each way and 0.5 % loss between client and node (a relay in the
     router: this kernel has no netem): puts and gets of 1 MiB pages complete, bit-exact.
     Prints the throughput against the clean link, measured in turns."""
+    why = tun_missing()
+    if why:
+        pytest.skip(f"no slow-link relay: {why}")
     node = net_store.start_node("node-0", "512MiB")
     ns = namespace_for_page_size(1 << 20, tenant="slow-link")
     options = {"timeout": 20.0}

@@ -68,6 +68,15 @@ def missing_tools() -> str | None:
     return None
 
 
+def tun_missing() -> str | None:
+    """Why the slow-link relay cannot run here (it needs /dev/net/tun), or None."""
+    try:
+        os.close(os.open("/dev/net/tun", os.O_RDWR))
+    except OSError as exc:
+        return f"/dev/net/tun cannot be opened ({exc.strerror})"
+    return None
+
+
 @dataclass
 class Host:
     """One host: its namespace (None: the test's own), its address, its interface and
