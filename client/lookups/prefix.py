@@ -316,31 +316,20 @@ class PrefixLookup:
         ``on_loop`` or ``blocking``, makes a fault None)."""
         self._stats.lookups += 1
         nodes, at = self._nodes.fresh(), time.monotonic()
-        units, span, offset, anchor = self._units, place.span, place.offset, place.head_anchor
+        # the same question either way; only what comes back with it differs
+        asked: dict[str, Any] = {
+            "breaks": breaks,
+            "units": self._units,
+            "sparse": sparse,
+            "segment_pages": place.span,
+            "offset": place.offset,
+            "head_anchor": place.head_anchor,
+            "lease_ms": lease_ms,
+        }
         if nodes is not None:
-            found = yield from index.lookup_steps(
-                self._storage,
-                hashes,
-                breaks=breaks,
-                units=units,
-                sparse=sparse,
-                segment_pages=span,
-                offset=offset,
-                head_anchor=anchor,
-                lease_ms=lease_ms,
-            )
+            found = yield from index.lookup_steps(self._storage, hashes, **asked)
             return found, nodes
-        found, read = yield from index.lookup_with_nodes_steps(
-            self._storage,
-            hashes,
-            breaks=breaks,
-            units=units,
-            sparse=sparse,
-            segment_pages=span,
-            offset=offset,
-            head_anchor=anchor,
-            lease_ms=lease_ms,
-        )
+        found, read = yield from index.lookup_with_nodes_steps(self._storage, hashes, **asked)
         return found, self._nodes.offered(read, at)
 
     def _resolve(
