@@ -43,6 +43,8 @@ _METAVARS = {
     "transfer_timeout": "SECONDS",
     "min_put_rate": "SIZE",
     "tenant_quota": "FRACTION",
+    "pin_max_share": "FRACTION",
+    "clear_grace": "SECONDS",
     "max_request_pages": "PAGES",
     "kv_events_endpoint": "ZMQ_ADDRESS",
     "kv_events_replay_endpoint": "ZMQ_ADDRESS",

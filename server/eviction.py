@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from server.allocator import size_class
 from server.metrics import NodeMetrics
-from server.page import StoredPage
+from server.page import PageState, StoredPage
 from server.retire import Retirer
 from server.store import PageStore
 from server.tier import Tier
@@ -71,9 +71,41 @@ class Evictor:
                     size_class(page.size), size_class(page.size), page.owner
                 ):
                     break
-            if page.offset is None and store.release_a_slab():
+            if page.offset is None and self._release_a_slab():
                 store.assign_slot(page)
         self.metrics.released.inc(store.released_pages - released)
+
+    def _release_a_slab(self, tries: int = 8) -> bool:
+        """Free one whole slab by releasing the memory copies of its pages, when all of
+        them are clean and no transfer holds them: the slabs of the oldest pages are
+        tried first. The allocator's last resort for a page of a slot size no slab has
+        room for (a page coming back from disk, say, when memory is full of pages of
+        another size): releasing pages one by one in LRU order may free no slab."""
+        store = self.store
+        slab_size = store.allocator.slab_size
+        lru = store.memory_lru()
+        tried: set[int] = set()
+        for page in lru:
+            index = page.offset // slab_size  # type: ignore[operator]
+            if index in tried:
+                continue
+            tried.add(index)
+            members = [p for p in lru if p.offset // slab_size == index]  # type: ignore[operator]
+            if all(
+                p.disk is not None
+                and not p.pins
+                and not p.writing
+                and p.pin_until is None
+                and p.state is PageState.READY
+                for p in members
+            ):
+                for member in members:
+                    store.release_memory(member)
+                store.released_pages += len(members)
+                return True
+            if len(tried) >= tries:
+                break
+        return False
 
     async def evict(self, nbytes: int, slot_size: int | None = None, owner: str = "") -> int:
         """Evict least-recently-used pages worth at least ``nbytes`` (of ``slot_size`` and

@@ -27,8 +27,13 @@ from kvstore.settings.events import token_tenants
 from kvstore.wire.shm import host_id
 from kvstore.wire.transport import ensure_ucx, listen
 from server.accept import SameHostListener
+from server.control.http import ControlAPI
+from server.control.metrics import ControlMetrics
+from server.control.ops import NodeControl
+from server.control.pins import PinBook
 from server.dataplane import DataPlane, RequestLimits
 from server.dataplane.namespaces import NamespaceCache
+from server.dataplane.readthrough import ReadThrough
 from server.disk.demoter import TierPolicy
 from server.disk.tier import open_disk_tier
 from server.events import NodeEvents, event_access
@@ -97,6 +102,7 @@ class StorageNode:
             ),
         )
         self.metrics.watch(self.store, self.dataplane)
+        self.control = self._control()
         self.watchdog = LoopWatchdog(limit=max(10.0, 3 * s.heartbeat_interval))
         self._stop = asyncio.Event()
         self.registrar = Registrar(
@@ -140,12 +146,38 @@ class StorageNode:
             profile=PROFILES[s.kv_events_profile],
         )
 
-    def _query(self) -> PrefixQuery:
-        """The prefix query API (server/query.py), with a blocking index connection of
-        its own: it runs on the HTTP server's threads, not on the event loop."""
+    def _control(self) -> NodeControl:
+        """The control API's actions (server/control/), with the pins the disk tier's
+        pins file names pinned again."""
+        s = self.settings
+        metrics = ControlMetrics(self.metrics.registry)
+        capacity = self.store.capacity
+        pins = PinBook(
+            capacity, int(s.tenant_quota * capacity), s.pin_max_share, s.disk_path, metrics
+        )
+        pins.restore(self.store.pages)
+        readthrough = ReadThrough(self.store, self.evictor, self.tier, self.metrics)
+        return NodeControl(
+            self.store,
+            self.index,
+            self.identity,
+            self.tier,
+            readthrough,
+            pins,
+            metrics,
+            s.clear_grace,
+        )
+
+    def _post(self) -> ControlAPI:
+        """The POST handler of the metrics port: the control API, and the prefix query
+        API (server/query.py) behind it, with a blocking index connection of its own:
+        they run on the HTTP server's threads, not on the event loop."""
         s = self.settings
         index = PageIndex(s.redis_url, password=s.redis_password.get_secret_value() or None)
-        return PrefixQuery(index, self.credentials, self.store, s.node_id)
+        query = PrefixQuery(
+            index, self.credentials, self.store, s.node_id, residency=self.control.residency
+        )
+        return ControlAPI(query, self.control, asyncio.get_running_loop())
 
     async def _announce_start(self) -> None:
         """Send what the tier recovered, or, when the node starts with no page (no disk
@@ -227,12 +259,13 @@ class StorageNode:
                 self.registrar.ready,
                 self.watchdog.alive,
                 self.tier.status_lines,
-                post=self._query().handle,
+                post=self._post().handle,
             )
             self.metrics_port = http.server_port
             extra["metrics"] = f"{s.host}:{self.metrics_port}"
         await self._announce_start()
         self.tier.start()
+        self.control.start()
         heartbeat = self.registrar.start(self.address, extra)
         watchdog = self.watchdog.start()
         print(

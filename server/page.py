@@ -47,6 +47,12 @@ class StoredPage:
     # the token ids of its block (u32 little-endian) when the put carried them: the
     # node's KV events announce them (server/events.py); not kept on disk
     tokens: bytes = b""
+    # pinned by an operator (server/control/pins.py) until this ``time.time()``, inf for
+    # no TTL, None when not pinned: eviction passes over it, in memory and on disk
+    pin_until: float | None = None
+    # cleared (server/control/ops.py): out of the index and the LRUs, still read by
+    # gets that looked it up before, dropped when the clear's grace ends
+    clearing: bool = False
 
 
 def commit_entry(page: StoredPage) -> CommitEntry:

@@ -31,22 +31,26 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import repeat
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from kvstore.control.requests import BlockResidency
 from kvstore.errors import KVStoreError
 from kvstore.events import MEDIUM_CPU, MEDIUM_DISK
 from kvstore.index import IndexLookup, NodeInfo, PageIndex
 from kvstore.index.records import live_records
-from kvstore.pages.hashing import HASH_BYTES, block_hash_bytes
+from kvstore.pages.hashing import HASH_BYTES
 from kvstore.pages.heads import rank_units, unit_hashes
-from kvstore.pages.identity import NO_EXTRAS, RequestIdentity
+from kvstore.pages.identity import RequestIdentity
 from kvstore.pages.layouts import LAYOUTS
 from kvstore.pages.namespace import TENANT_PATTERN, Namespace
 from kvstore.security.credentials import CredentialFile
+from server.page import PageKey
+from server.prefix_keys import block_keys, prefix_chain
 from server.query_body import QueryParams, binary_query, json_query
 from server.store import PageStore
 
@@ -66,6 +70,7 @@ class HashQueryRequest(BaseModel):
     namespace: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")
     model: str | None = Field(None, min_length=1)
     tenant: str = Field("default", pattern=TENANT_PATTERN)
+    residency: bool = False
 
     @model_validator(mode="after")
     def _named(self) -> HashQueryRequest:
@@ -101,6 +106,8 @@ class NamespaceAnswer(BaseModel):
     blocks: int
     tokens: int
     nodes: list[NodeBlocks]
+    # with ``residency`` asked: the blocks this node holds (server/control/ops.py)
+    residency: list[BlockResidency] | None = None
 
 
 class QueryAnswer(BaseModel):
@@ -137,7 +144,9 @@ class PrefixQuery:
         credentials: CredentialFile,
         store: PageStore,
         node_id: str,
+        residency: Callable[[list[list[PageKey]]], list[BlockResidency]] | None = None,
     ) -> None:
+        self.residency = residency  # the node's table, per block (the control API's)
         self.index = index
         self.credentials = credentials
         self.store = store
@@ -157,11 +166,11 @@ class PrefixQuery:
                     if content_type.startswith("application/octet-stream")
                     else json_query(body)
                 )
-                self._authorize(authorization, params.tenant)
+                self.authorize(authorization, params.tenant)
                 answer = self.query(params, tokens)
             elif path == "/v1/kv/query_by_hash":
                 hreq = HashQueryRequest.model_validate_json(body)
-                self._authorize(authorization, hreq.tenant)
+                self.authorize(authorization, hreq.tenant)
                 answer = self.query_by_hash(hreq)
             else:
                 raise QueryRefused(404, f"no such path {path}")
@@ -177,7 +186,9 @@ class PrefixQuery:
             return 503, _error(f"the index could not answer: {exc}")
         return 200, answer.model_dump_json(exclude_none=True).encode()
 
-    def _authorize(self, authorization: str, tenant: str) -> None:
+    def authorize(self, authorization: str, tenant: str, write: bool = False) -> None:
+        """Raise ``QueryRefused`` (401, 403) unless the bearer token may read (or write)
+        ``tenant``: the query API reads, the control API (server/control/) writes."""
         if not self.credentials.enabled:
             return
         token = (
@@ -188,9 +199,10 @@ class PrefixQuery:
         credential = self.credentials.credential_for(token) if token else None
         if credential is None:
             raise QueryRefused(401, "the bearer token matches no credential of this node")
-        if not credential.allows(tenant, write=False):
+        if not credential.allows(tenant, write=write):
+            verb = "change" if write else "read"
             raise QueryRefused(
-                403, f"credential {credential.name} may not read pages of tenant {tenant}"
+                403, f"credential {credential.name} may not {verb} pages of tenant {tenant}"
             )
 
     # ---- the two queries ------------------------------------------------------------------
@@ -201,12 +213,11 @@ class PrefixQuery:
         identity = RequestIdentity(adapter=req.lora_name, cache_salt=req.cache_salt)
 
         def hashed(ns: Namespace, count: int) -> bytes:
-            extras = NO_EXTRAS if identity.empty else identity.block_extras(ns.block_size, count)
-            return block_hash_bytes(ns, tokens[:count], extras)
+            return prefix_chain(ns, tokens[:count], identity)
 
         spaces = [
             ns
-            for ns in self._namespaces(req.model, req.tenant)
+            for ns in self.namespaces(req.model, req.tenant)
             if req.block_size is None or ns.block_size == req.block_size
         ]
         states = [ns for ns in spaces if LAYOUTS[ns.layout].sparse]
@@ -215,13 +226,13 @@ class PrefixQuery:
             if ns in states:  # answered through the pages they complete
                 continue
             joined = hashed(ns, len(tokens))
-            answer = self._lookup(ns, joined)
+            answer = self._lookup(ns, joined, req.residency)
             partners = [s for s in states if _completes(s, ns)]
             if partners and answer.blocks:
                 # a hybrid state-space model's prefix ends at its last boundary state
                 last = max(self._last(s, hashed(s, answer.tokens)) for s in partners)
                 if last < answer.blocks:
-                    answer = self._lookup(ns, joined[: HASH_BYTES * last])
+                    answer = self._lookup(ns, joined[: HASH_BYTES * last], req.residency)
             answers.append(answer)
         return _best(req.model, self.node_id, answers)
 
@@ -247,14 +258,17 @@ class PrefixQuery:
 
     def query_by_hash(self, req: HashQueryRequest) -> QueryAnswer:
         joined = req.joined()
-        spaces = self._namespaces(req.model, req.tenant, refresh=req.namespace is not None)
+        spaces = self.namespaces(req.model, req.tenant, refresh=req.namespace is not None)
         if req.namespace is not None:
             spaces = [ns for ns in spaces if ns.digest_hex == req.namespace]
-        return _best(req.model, self.node_id, [self._lookup(ns, joined) for ns in spaces])
+        return _best(
+            req.model, self.node_id, [self._lookup(ns, joined, req.residency) for ns in spaces]
+        )
 
-    def _lookup(self, ns: Namespace, joined: bytes) -> NamespaceAnswer:
+    def _lookup(self, ns: Namespace, joined: bytes, residency: bool = False) -> NamespaceAnswer:
         """One index round trip: the stored prefix of ``joined`` with every unit of each
-        block, and the live nodes; then the answering node's tiers from its table."""
+        block, and the live nodes; then the answering node's tiers from its table (and,
+        with ``residency``, each block of ``joined`` it holds: tier, pin, TTL)."""
         count = rank_units(ns).count
         matched = 0
         per_node: dict[str, int] = {}
@@ -281,6 +295,9 @@ class PrefixQuery:
             blocks=matched,
             tokens=matched * ns.block_size,
             nodes=answer_nodes,
+            residency=self.residency(block_keys(ns, joined))
+            if residency and self.residency is not None
+            else None,
         )
 
     def _tiers(self, ns: Namespace, joined: bytes, count: int, held: int) -> dict[str, int]:
@@ -311,7 +328,7 @@ class PrefixQuery:
         in_memory = (where == 2).all(axis=0)
         return {MEDIUM_CPU: int(in_memory.sum()), MEDIUM_DISK: int((whole & ~in_memory).sum())}
 
-    def _namespaces(self, model: str | None, tenant: str, refresh: bool = False) -> list[Namespace]:
+    def namespaces(self, model: str | None, tenant: str, refresh: bool = False) -> list[Namespace]:
         """The registered namespaces of ``model`` (any model when None) and ``tenant``."""
         now = time.monotonic()
         reg = self._registry

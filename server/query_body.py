@@ -46,6 +46,8 @@ class QueryParams(BaseModel):
     cache_salt: str | None = Field(None, min_length=1)
     block_size: int | None = Field(None, gt=0, description="only namespaces of this block size")
     tenant: str = Field("default", pattern=TENANT_PATTERN)
+    # each namespace's answer lists the blocks the answering node holds (tier, pin)
+    residency: bool = False
 
 
 def binary_query(query_string: str, body: bytes) -> tuple[QueryParams, np.ndarray]:

@@ -224,6 +224,7 @@ class PageStore:
                 page.key in taken
                 or page.state is not PageState.READY
                 or page.writing
+                or page.pin_until is not None
                 or (page.disk is not None and page.pins)
             ):
                 continue
@@ -240,32 +241,6 @@ class PageStore:
             self.release_memory(page)
         self.released_pages += len(clean)
         return victims
-
-    def release_a_slab(self, tries: int = 8) -> bool:
-        """Free one whole slab by releasing the memory copies of its pages, when all of
-        them are clean and no transfer holds them: the slabs of the oldest pages are
-        tried first. The allocator's last resort for a page of a slot size no slab has
-        room for (a page coming back from disk, say, when memory is full of pages of
-        another size): releasing pages one by one in LRU order may free no slab."""
-        slab_size = self.allocator.slab_size
-        tried: set[int] = set()
-        for page in self._lru.values():
-            index = page.offset // slab_size  # type: ignore[operator]
-            if index in tried:
-                continue
-            tried.add(index)
-            members = [p for p in self._lru.values() if p.offset // slab_size == index]  # type: ignore[operator]
-            if all(
-                p.disk is not None and not p.pins and not p.writing and p.state is PageState.READY
-                for p in members
-            ):
-                for member in members:
-                    self.release_memory(member)
-                self.released_pages += len(members)
-                return True
-            if len(tried) >= tries:
-                break
-        return False
 
     def release_memory(self, page: StoredPage) -> None:
         """Free the memory slot of a page no transfer holds (its copy is on disk, or its
@@ -338,9 +313,18 @@ class PageStore:
         return offset
 
     def promoted(self, page: StoredPage) -> None:
-        """A page read back from disk into its memory slot is in memory again (most recent)."""
-        self._lru[page.key] = page
+        """A page read back from disk into its memory slot is in memory again (most
+        recent; a cleared one stays out of the LRU)."""
+        if not page.clearing:
+            self._lru[page.key] = page
         self.events.stored(page, MEDIUM_CPU)
+
+    def hide(self, page: StoredPage) -> None:
+        """A cleared ready page leaves the LRUs (eviction, the demoter and disk space no
+        longer see it); gets that found it still read it until the caller ``drop``s it."""
+        page.clearing = True
+        self._lru.pop(page.key, None)
+        self._disk_lru.pop(page.key, None)
 
     def take_disk_victims(
         self, nbytes: int, slot_size: int, owner: str | None = None
@@ -356,6 +340,7 @@ class PageStore:
                 break
             if (
                 (owner is not None and page.owner != owner)
+                or page.pin_until is not None
                 or page.pins
                 or page.writing
                 or page.loading is not None

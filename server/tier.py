@@ -52,6 +52,10 @@ class Tier(Protocol):
         with ``offset`` set is in memory and verified; one whose read or check failed
         lost its slot and left the node, and reads as missing. Never wrong bytes."""
 
+    def keep(self, pages: list[StoredPage]) -> None:
+        """These ready pages were pinned (server/control/): give them a copy on the tier
+        soon, so that the pins outlive a restart."""
+
     # ---- what the node asks of it -----------------------------------------------------
 
     def start(self) -> None:
@@ -91,6 +95,9 @@ class NoTier(Tier):
         return None
 
     async def load(self, pages: list[StoredPage]) -> None:
+        return None
+
+    def keep(self, pages: list[StoredPage]) -> None:
         return None
 
     def start(self) -> None:

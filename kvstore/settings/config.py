@@ -221,6 +221,14 @@ class ServerSettings(IndexAccess, EventSettings, BaseSettings):
             "evicts its own least-recently-used pages, never another tenant's"
         ),
     )
+    pin_max_share: float = Field(
+        0.5, ge=0, le=1, description="largest share of page memory pinned pages may hold"
+    )
+    clear_grace: float = Field(
+        5.0,
+        ge=0,
+        description="seconds a cleared page is still read by gets that found it (>= clients' lease_ms)",
+    )
     max_request_pages: int = Field(
         DEFAULT_MAX_REQUEST_PAGES,
         ge=1,

@@ -112,7 +112,10 @@ class PutHandler:
             key = (req.namespace, h.tobytes())
             current = self.store.find_page(key)
             if current is not None:
-                (batch.refused if current.state is PageState.EVICTING else batch.present).append(i)
+                # a page being evicted or cleared leaves the index: storing it "again" here
+                # would leave it out of the index, so the writer hears refused
+                gone = current.state is PageState.EVICTING or current.clearing
+                (batch.refused if gone else batch.present).append(i)
             elif size > slab or size > budget:
                 batch.refused.append(i)
             else:

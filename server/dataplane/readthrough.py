@@ -33,7 +33,7 @@ class ReadThrough:
         needed = [p for p in pages if p.offset is None or p.loading is not None]
         from_disk = 0
         if needed:
-            await self._load(needed)
+            await self.load(needed)
             from_disk = sum(p.offset is not None for p in needed)
             kept = [(i, p) for i, p in zip(present, pages) if p.offset is not None]
             for page in needed:
@@ -44,8 +44,9 @@ class ReadThrough:
         self.metrics.hits.labels("memory").inc(len(pages) - from_disk)
         return present, pages
 
-    async def _load(self, pages: list[StoredPage]) -> None:
-        """Bring pinned pages that are only on disk back into memory slots. Afterwards a
+    async def load(self, pages: list[StoredPage]) -> None:
+        """Bring pinned pages that are only on disk back into memory slots (a get's, or an
+        operator's prefetch: server/control/ops.py). Afterwards a
         page with ``offset`` set is in memory and verified; one without could not be
         loaded (no memory, a failed read or check: then it was dropped). A page another
         get is loading already is waited for, not read again."""

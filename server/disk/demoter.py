@@ -101,6 +101,12 @@ class Demoter:
             self._through.extend(pages)
         self.kick()
 
+    def keep(self, pages: list[StoredPage]) -> None:
+        """Pinned pages: written to disk soon, whatever the policy, so the pins survive a
+        restart (server/control/pins.py)."""
+        self._through.extend(p for p in pages if p.disk is None)
+        self.kick()
+
     def demotable(self, page: StoredPage) -> bool:
         """Whether this dirty page is written before memory may let it go (else an
         eviction drops it: the tier is degraded, write-back's admission rule skips it,
@@ -166,6 +172,7 @@ class Demoter:
     def _writable(self, page: StoredPage) -> bool:
         return (
             page.state is PageState.READY
+            and not page.clearing
             and page.disk is None
             and not page.writing
             and page.offset is not None

@@ -75,6 +75,9 @@ class DiskTier(Tier):
     async def load(self, pages: list[StoredPage]) -> None:
         await self.reader.load(pages)
 
+    def keep(self, pages: list[StoredPage]) -> None:
+        self.demoter.keep(pages)
+
     # ---- what the node asks of it -------------------------------------------------------------
 
     def start(self) -> None:
