@@ -87,8 +87,9 @@ class PageStore:
         return self.pages.get(key)  # in any state but dropped
 
     def ready_items(self) -> list[StoredPage]:
-        """Every ready page, either tier (for re-publishing after an index loss or a restart)."""
-        return [p for p in self.pages.values() if p.state is PageState.READY]
+        """Every ready page, either tier, but those being cleared (for re-publishing after
+        an index loss or a restart)."""
+        return [p for p in self.pages.values() if p.state is PageState.READY and not p.clearing]
 
     def memory_lru(self) -> list[StoredPage]:
         """Ready pages in memory, least recently used first (the disk tier's demoter walks it)."""

@@ -72,6 +72,7 @@ class PinBook:
     # ---- figures ---------------------------------------------------------------------
 
     def bytes_of(self, tenant: str | None = None) -> int:
+        self._prune()
         return sum(slot_bytes(p) for p in list(self.pinned.values()) if tenant in (None, p.owner))
 
     def check(self, pages: list[StoredPage]) -> None:
@@ -140,7 +141,13 @@ class PinBook:
         else:
             self._arm()
 
+    def _prune(self) -> None:
+        """Forget pins of pages the table dropped (a disk record that failed its check)."""
+        for key in [k for k, p in self.pinned.items() if p.state is PageState.DROPPED]:
+            del self.pinned[key]
+
     def _changed(self) -> None:
+        self._prune()
         self._arm()
         per_tenant: Counter[str] = Counter()
         pages: Counter[str] = Counter()
