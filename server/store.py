@@ -263,6 +263,7 @@ class PageStore:
             page.state in (PageState.READY, PageState.EVICTING)
             and page.offset is not None
             and page.loading is None
+            and not page.clearing  # announced when it was cleared (``hide``)
         ):
             self.events.removed(page, MEDIUM_CPU)
         self._forget(page)
@@ -310,7 +311,8 @@ class PageStore:
         offset, page.disk = page.disk, None
         if offset is not None:
             self._disk_lru.pop(page.key, None)
-            self.events.removed(page, MEDIUM_DISK)
+            if not page.clearing:  # else announced when it was cleared (``hide``)
+                self.events.removed(page, MEDIUM_DISK)
         return offset
 
     def promoted(self, page: StoredPage) -> None:
@@ -318,14 +320,17 @@ class PageStore:
         recent; a cleared one stays out of the LRU)."""
         if not page.clearing:
             self._lru[page.key] = page
-        self.events.stored(page, MEDIUM_CPU)
+            self.events.stored(page, MEDIUM_CPU)
 
     def hide(self, page: StoredPage) -> None:
         """A cleared ready page leaves the LRUs (eviction, the demoter and disk space no
-        longer see it); gets that found it still read it until the caller ``drop``s it."""
+        longer see it) and is announced removed from both tiers now, as the index drops
+        it; gets that found it still read it until the caller ``drop``s it."""
         page.clearing = True
-        self._lru.pop(page.key, None)
-        self._disk_lru.pop(page.key, None)
+        if self._lru.pop(page.key, None) is not None:
+            self.events.removed(page, MEDIUM_CPU)
+        if self._disk_lru.pop(page.key, None) is not None:
+            self.events.removed(page, MEDIUM_DISK)
 
     def take_disk_victims(
         self, nbytes: int, slot_size: int, owner: str | None = None

@@ -213,7 +213,7 @@ class Demoter:
             )
             self.metrics.disk_write_seconds.observe(time.perf_counter() - started)
             self.metrics.disk_written_bytes.inc(HEADER_BYTES + len(data))
-            if page.state is PageState.READY:
+            if page.state is PageState.READY and not page.clearing:
                 self.store.add_disk_copy(page, offset, sequence)
                 offset = None
                 self.metrics.demoted.inc()
