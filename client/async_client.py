@@ -4,6 +4,8 @@ Two APIs over one mechanism (publish pages, fetch a prefix of pages):
 - a paged API for engines with paged caches: ``lookup`` / ``put_pages`` / ``get_pages``
   (and ``find`` / ``get_found``);
 - the lookup-buffer contract of vLLM's SimpleConnector: ``insert`` / ``select``.
+Beside them, the operator control calls ``pin``, ``unpin``, ``prefetch``, ``clear`` and
+``where`` of the client's prefixes on every live node (``client.control``).
 
 The client is the front of parts with one job each (``NodeDirectory``,
 ``NamespaceRegistration``, ``PrefixLookup``, ``Publisher``, ``ReplicaFetcher``,
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 
 from client.codec import check_pages
+from client.control import AsyncControlCalls, ClientControl
 from client.gets.landing import TransferMode, lands_in_place
 from client.lookups.prefix import Identity
 from client.lookups.stored_prefix import StoredPrefix
@@ -64,7 +67,7 @@ __all__ = [
 START_CONNECT_WAIT_S = 1.0
 
 
-class AsyncKVCacheClient:
+class AsyncKVCacheClient(AsyncControlCalls):
     """One job: the client's public face (asyncio): options and namespace, start and
     close, and each call handed to the part that does it (module docstring).
 
@@ -107,6 +110,8 @@ class AsyncKVCacheClient:
         self.registration, self.lookups = parts.registration, parts.lookups
         self._buffers, self._publisher = parts.buffers, parts.publisher
         self._reader, self._sequences = parts.reader, parts.sequences
+        # pin, unpin, prefetch, clear, where (client.control: AsyncControlCalls)
+        self.control = ClientControl(self.storage, self.chain_hashes, self.nodes, opts)
         # start's connections and probes (``NodeDirectory.connect``)
         self._connecting: asyncio.Future[None] | None = None
 

@@ -25,6 +25,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 import torch
 
 from client.async_client import AsyncKVCacheClient
+from client.control import ControlCalls
 from client.lookups.prefix import Identity, Ready
 from client.lookups.stored_prefix import StoredPrefix
 from client.memory.buffers import Span
@@ -75,7 +76,7 @@ class StartStatus:
     refused: dict[str, str]  # node id -> why it refused the client's token in the start probe
 
 
-class KVCacheClient:
+class KVCacheClient(ControlCalls):
     """One job: ``AsyncKVCacheClient`` for blocking callers: each call runs on the
     process's client loop within a bound (module docstring), lookups in the caller's
     thread. Same constructor as ``AsyncKVCacheClient``: options as keywords or

@@ -6,6 +6,9 @@
     ├── CredentialError (also a PermissionError) every node asked refused the client's
     │                                           token (none, wrong, or lacking the right):
     │                                           configuration, not a fault; propagates
+    ├── PinRefusedError                         a node's limits refused a pin (its share
+    │                                           of memory, the tenant's quota); pins
+    │                                           other nodes accepted stand
     ├── SetupError                              how the store was set up or started:
     │   ├── NodeIdInUseError                    another live node holds this node id
     │   └── PortInUseError                      a port the node was told to use is taken
@@ -54,6 +57,20 @@ class CredentialError(KVStoreError, PermissionError):
         self.node_ids = node_ids
         self.tenant = tenant
         self.operation = operation
+
+
+class PinRefusedError(KVStoreError):
+    """A pin (``kvstore.control``: ``KVCacheClient.pin``, ``kvstore pin``) that one or
+    more nodes refused for their limits (the share of memory pins may take, the
+    tenant's pin quota): HTTP 409. Raised once every node has answered; the pins the
+    other nodes accepted stand (unpin them, or let their TTL run out). ``refusals``:
+    node id -> the node's reason; ``accepted``: the report of the nodes that pinned
+    (a ``kvstore.control.caller.ControlReport``)."""
+
+    def __init__(self, message: str, *, refusals: dict[str, str], accepted: Any) -> None:
+        super().__init__(message)
+        self.refusals = refusals
+        self.accepted = accepted
 
 
 class SetupError(KVStoreError):

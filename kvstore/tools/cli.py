@@ -1,5 +1,6 @@
 """The ``kvstore`` command: ``server``, ``up``, ``demo``, ``stats``, ``credential``,
-``events-key``, ``acl`` and ``pd-proxy``.
+``events-key``, ``acl``, ``pd-proxy`` and the control commands ``pin``, ``unpin``,
+``prefetch``, ``clear`` and ``where``.
 
 This module parses the command line and runs one command: ``kvstore server`` execs
 the storage node's program (``kvstore.tools.programs``: by module name, so this core
@@ -15,6 +16,7 @@ import sys
 
 from kvstore.errors import IndexUnavailableError, InvalidInputError, KVStoreError
 from kvstore.tools.cli_access import run_acl, run_credential, run_events_key
+from kvstore.tools.cli_control import CONTROL_COMMANDS, add_control_commands, run_control
 from kvstore.tools.cli_errors import EXIT_FAILED, EXIT_INDEX, EXIT_USAGE
 from kvstore.tools.cli_stats import run_stats
 from kvstore.tools.cli_up import run_down, run_up
@@ -248,7 +250,10 @@ def _main(argv: list[str]) -> int:
     proxy.add_argument(
         "--timeout", type=float, default=600.0, help="seconds one upstream request may take"
     )
+    add_control_commands(sub)
     args = parser.parse_args(argv)
+    if args.command in CONTROL_COMMANDS:
+        return run_control(args)
     if args.command == "pd-proxy":
         from kvstore.tools.pd_proxy import run_pd_proxy
 
