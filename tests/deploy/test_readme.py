@@ -110,6 +110,64 @@ def test_without_the_exports_the_example_says_what_is_missing(exports):
     assert "KVSTORE_AUTH_TOKEN_FILE" in out.stderr.splitlines()[-1]
 
 
+def control_block() -> str:
+    """README's block of control commands (pin, where, clear)."""
+    (block,) = [b for b in blocks("") if "kvstore pin " in b]
+    return block
+
+
+@pytest.mark.process
+def test_the_control_commands_run_verbatim_on_the_python_examples_pages(exports, tmp_path):
+    """README's pin, where and clear lines, run as written in a directory holding
+    `prompt.json` (the Python example's `token_ids`), over the pages that example
+    stored: the pin reaches both replicas, where shows the blocks pinned in memory, and
+    the clear leaves the prefix stored nowhere."""
+    env = {**ENV, **exports, "PYTHONPATH": str(ROOT)}
+    example = python_example()
+    stored = subprocess.run(
+        [sys.executable, "-c", example], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert stored.returncode == 0, stored.stderr[-3000:]
+    ((first, end),) = re.findall(r"^token_ids = list\(range\((\d+), (\d+)\)\)", example, re.M)
+    (tmp_path / "prompt.json").write_text(json.dumps(list(range(int(first), int(end)))))
+    outputs = {}
+    for line in control_block().splitlines():
+        argv = shlex.split(line, comments=True)
+        assert argv[0] == "kvstore"
+        out = subprocess.run(
+            [sys.executable, "-m", "kvstore.tools.cli", *argv[1:]],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
+        assert out.returncode == 0, f"{line}\n{out.stdout}{out.stderr}"
+        outputs[argv[1]] = out.stdout
+    # 4 blocks of 2 head groups on each of 2 replicas
+    assert re.search(r"^total +pinned 16 page", outputs["pin"], re.M), outputs["pin"]
+    rows = [r.split() for r in outputs["where"].splitlines() if r.strip().startswith("node-")]
+    assert len(rows) == 2 and all(r[1:4] == ["4", "0", "4"] for r in rows), outputs["where"]
+    assert re.search(r"^total +cleared (\d+) page", outputs["clear"], re.M), outputs["clear"]
+    after = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvstore.tools.cli",
+            *shlex.split(control_block().splitlines()[1], comments=True)[1:],
+            "--json",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    doc = json.loads(after.stdout)
+    assert set(doc["stored"].values()) == {0}, after.stdout
+    assert all(r["memory"] + r["disk"] + r["pinned"] == 0 for r in doc["summary"]), after.stdout
+
+
 def kvstore_commands() -> list[list[str]]:
     commands = []
     for block in blocks(""):
