@@ -4,8 +4,9 @@ it builds the side its role needs and delegates every method.
 
 - ``options``: the connector's keys of ``kv_connector_extra_config``, the engine's
   namespace;
-- ``transfer_params``: what a request's ``kv_transfer_params`` say: per-request switches
-  and the P/D handoff's announcement (``claims``: the decode scheduler's claims of
+- ``transfer_params``: what a request's ``kv_transfer_params`` say: per-request switches,
+  the pin of what it saves (``pins``: issued once its saves are published) and the P/D
+  handoff's announcement (``claims``: the decode scheduler's claims of
   announced prefixes; ``remote_prefill``: the decode worker's wait for them);
 - ``metadata``: what the scheduler hands the workers each step (``client.paging.specs``
   in vLLM's metadata);

@@ -11,6 +11,7 @@ except ImportError:  # the load path without vLLM (bench/gpu_check.py on a GPU h
     KVConnectorMetadata = object  # type: ignore[misc,assignment]
 
 from client.paging.specs import AwaitedLoad, GatherSpec, LoadSpec, SaveSpec
+from client.vllm.pins import PinSpec
 from client.vllm.states import StateSpec
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "GatherSpec",
     "KVStoreConnectorMetadata",
     "LoadSpec",
+    "PinSpec",
     "SaveSpec",
     "StateSpec",
 ]
@@ -31,6 +33,8 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     gathers: list[GatherSpec] = field(default_factory=list)
     states: list[StateSpec] = field(default_factory=list)  # boundary states to save
+    # prefixes to pin once the saves handed over before them are published
+    pins: list[PinSpec] = field(default_factory=list)
     # requests whose gathered pages will not be saved
     dropped: list[str] = field(default_factory=list)
     idle: bool = False  # the step computes nothing: the engine only waits for transfers

@@ -1,25 +1,29 @@
 """Which finished prefills the connector saves: the requests it may save, their block
-lists as they grow, and, with several KV-cache groups (hybrid), the blocks to copy out
-in the step they become full (``SaveTracker``).
+lists as they grow, with several KV-cache groups (hybrid) the blocks to copy out in the
+step they become full, and the pins of saved prompts (``SaveTracker``).
 
 Used by ``client.vllm.scheduler.ConnectorScheduler`` on the engine's scheduler thread,
 once per step in ``build_connector_meta``."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from client.vllm.events import StoredEvents
 from client.vllm.identity import KeyedPrompt
-from client.vllm.metadata import GatherSpec, SaveSpec
-from client.vllm.transfer_params import request_switch
+from client.vllm.metadata import GatherSpec, PinSpec, SaveSpec
+from client.vllm.pins import pin_of
+from client.vllm.transfer_params import PIN_PARAM, PinAsk, pin_request, request_switch
 from kvstore.pages.identity import BlockExtras
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -42,6 +46,7 @@ class Tracked:
     # One KV-cache group, no KV events: the blocks a chunked prefill's earlier steps
     # saved already, from the first on (``SaveTracker.finished_prefills``).
     chunks_saved: int = 0
+    pin: PinAsk | None = None  # kv_transfer_params' kvstore_pin (client.vllm.pins)
 
     @property
     def holding(self) -> bool:
@@ -68,6 +73,7 @@ class SaveTracker:
         self._events = events
         self._groups = groups
         self._tracked: dict[str, Tracked] = {}
+        self._pinning: list[str] = []  # saved this step, asking for a pin
 
     def _pages(self, block_ids: Sequence[Sequence[int]]) -> list[list[int]]:
         """The block ids of the groups whose blocks make pages."""
@@ -94,12 +100,22 @@ class SaveTracker:
             stored = loaded(new.req_id)
             prompt = keyed(new.req_id)
             extra = new.sampling_params.extra_args if new.sampling_params is not None else None
-            if prompt is None or not request_switch(
-                (extra or {}).get("kv_transfer_params"), "kvstore_save", new.req_id
-            ):
+            params = (extra or {}).get("kv_transfer_params")
+            if prompt is None or not request_switch(params, "kvstore_save", new.req_id):
+                if prompt is not None and pin_request(params, new.req_id) is not None:
+                    log.warning(
+                        "request %s: kv_transfer_params[%r] ignored: kvstore_save is false, "
+                        "and a pin keeps what the request saves",
+                        new.req_id,
+                        PIN_PARAM,
+                    )
                 continue  # never tracked: nothing gathered or published
             self._tracked[new.req_id] = Tracked(
-                prompt.tokens, prompt.extras, self._pages(new.block_ids), stored
+                prompt.tokens,
+                prompt.extras,
+                self._pages(new.block_ids),
+                stored,
+                pin=pin_request(params, new.req_id),
             )
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -163,6 +179,8 @@ class SaveTracker:
                     saves.append(chunk)
                 continue
             tracked.saved = True
+            if tracked.pin is not None:
+                self._pinning.append(req_id)
             full = len(tracked.prompt) // self._block_size
             base = tracked.base or 0
             if self._hybrid and (tracked.broken or tracked.gathered < full or base >= full):
@@ -225,6 +243,24 @@ class SaveTracker:
             tracked.extras,
             start_block=start,
         )
+
+    def take_pins(self) -> list[PinSpec]:
+        """The pins of requests whose saves ``finished_prefills`` just handed over (or
+        whose prompt the store held already), each once; a request whose pages could
+        not all be saved (a hybrid's, broken) pins nothing."""
+        pins = []
+        for req_id in self._pinning:
+            tracked = self._tracked.get(req_id)
+            blocks = self.published_blocks(req_id)
+            if tracked is None or tracked.pin is None or not blocks:
+                continue
+            pin = pin_of(
+                req_id, tracked.pin, tracked.prompt, tracked.extras, self._block_size, blocks
+            )
+            if pin is not None:
+                pins.append(pin)
+        self._pinning.clear()
+        return pins
 
     def published_blocks(self, req_id: str) -> int:
         """The full prompt blocks a tracked request's save stores (handed to a worker, or

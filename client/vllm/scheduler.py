@@ -311,6 +311,7 @@ class ConnectorScheduler:
                     self._announced if self._states is not None else None,
                 )
             )
+            meta.pins.extend(self._saves.take_pins())  # after those saves (client.vllm.pins)
         for req_id in scheduler_output.finished_req_ids:
             if self._saves.finish(req_id):
                 meta.dropped.append(req_id)  # the worker holds its gathered pages

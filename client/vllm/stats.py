@@ -76,6 +76,14 @@ COUNTERS = {
         " or malformed): looked up as any request"
     ),
     "remote_prefill_lookups": "index lookups made while waiting for announced prefixes",
+    "pins": (
+        "prompt prefixes pinned in the storage nodes' memory once saved (kv_transfer_params"
+        " kvstore_pin), by each worker"
+    ),
+    "pin_failures": (
+        "pins that failed (no node answered, refused, the index down): logged, the request"
+        " unaffected, its pages evictable"
+    ),
     "event_blocks": "blocks announced in BlockStored KV events (engines publishing KV events only)",
     "events_withheld": "saves announced in no KV event because some rank's pages were not all stored",
 }

@@ -1,5 +1,6 @@
 """What a request's ``kv_transfer_params`` say to the connector: the per-request switches
-(``kvstore_load``, ``kvstore_save``), and the P/D handoff's announcement.
+(``kvstore_load``, ``kvstore_save``), the pin of what it saves (``kvstore_pin``,
+``pin_request``), and the P/D handoff's announcement.
 
 The handoff follows vLLM's P/D convention, so proxies written for vLLM's NIXL and
 Mooncake connectors (vLLM's ``disaggregated_serving`` examples, llm-d's routing sidecar)
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from client.log_limit import LogLimit
+from kvstore.control.requests import MAX_PIN_TTL_S
 from kvstore.pages.hashing import prefix_fingerprint
 from kvstore.pages.identity import BlockExtras
 
@@ -51,6 +53,66 @@ def request_switch(params: dict[str, Any] | None, name: str, req_id: str) -> boo
         value,
     )
     return True
+
+
+PIN_PARAM = "kvstore_pin"
+_PIN_KEYS = frozenset({"ttl_s", "tokens"})
+
+
+@dataclass(frozen=True)
+class PinAsk:
+    """A request's ``kvstore_pin``: keep the full blocks of its prompt's first ``tokens``
+    tokens (None: the whole prompt) in the storage nodes' memory once they are stored,
+    for ``ttl_s`` seconds (None: until unpinned)."""
+
+    ttl_s: float | None = None
+    tokens: int | None = None
+
+
+def pin_request(params: dict[str, Any] | None, req_id: str) -> PinAsk | None:
+    """The pin a request's ``kv_transfer_params`` ask for: ``"kvstore_pin": true`` (the
+    whole prompt, no TTL) or an object of optional ``ttl_s`` (seconds, > 0, at most a
+    year) and ``tokens`` (a count > 0: only the blocks wholly within that many prompt
+    tokens, a system prompt say); None for no pin (absent, false or null). Any other
+    value is logged as a warning naming the request and the key, and nothing is pinned
+    (a typo in ``ttl_s`` must not pin for ever); the request runs either way. Called by
+    ``client.vllm.save_tracking`` once per request, when it is first scheduled."""
+    value = params.get(PIN_PARAM) if isinstance(params, dict) else None
+    if value is None or value is False:
+        return None
+    if value is True:
+        return PinAsk()
+    why = _pin_refusal(value)
+    if why is None:
+        ttl = value.get("ttl_s")
+        return PinAsk(None if ttl is None else float(ttl), value.get("tokens"))
+    log.warning(
+        "request %s: kv_transfer_params[%r] %s, got %r; not pinned (the request runs)",
+        req_id,
+        PIN_PARAM,
+        why,
+        value,
+    )
+    return None
+
+
+def _pin_refusal(value: Any) -> str | None:
+    """What is wrong with a ``kvstore_pin`` value other than true, false and null."""
+    if not isinstance(value, dict):
+        return 'must be true, false or {"ttl_s": seconds, "tokens": count}'
+    unknown = sorted(str(k) for k in value if k not in _PIN_KEYS)
+    if unknown:
+        return f"has unknown key(s) {', '.join(unknown)} (known: ttl_s, tokens)"
+    ttl, tokens = value.get("ttl_s"), value.get("tokens")
+    if ttl is not None and (
+        isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl <= MAX_PIN_TTL_S
+    ):
+        return f"ttl_s must be seconds in (0, {MAX_PIN_TTL_S:.0f}] or null (no TTL)"
+    if tokens is not None and (
+        isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0
+    ):
+        return "tokens must be a count of prompt tokens > 0 or null (the whole prompt)"
+    return None
 
 
 def wants_remote_decode(params: dict[str, Any] | None) -> bool:

@@ -21,7 +21,7 @@ on threads of their own, so nothing blocks the engine step for a transfer.
   later steps may reuse the blocks, and from it to the host on a stream of its own, left
   in flight) and publishes them on a saver thread (``client.vllm.saver``).
   Pending saves are bounded by ``max_pending_save_bytes``; past it a save is dropped
-  (counted), never waited for."""
+  (counted), never waited for; a saved prompt's pin follows its saves (``client.vllm.pins``)."""
 
 from __future__ import annotations
 
@@ -47,10 +47,8 @@ from client.vllm.events import SaveOutcomes
 from client.vllm.gathered import GatheredPages
 from client.vllm.load_errors import LoadErrors
 from client.vllm.metadata import KVStoreConnectorMetadata, LoadSpec
-from client.vllm.options import (
-    ConnectorOptions,
-    rank_client,
-)
+from client.vllm.options import ConnectorOptions, rank_client
+from client.vllm.pins import PinQueue
 from client.vllm.remote_prefill import RemotePrefills
 from client.vllm.save_copies import copy_out_saves
 from client.vllm.saver import SaveQueue
@@ -122,6 +120,7 @@ class ConnectorWorker:
         # saves copied out and not yet published, and their outcomes for the scheduler's
         # KV events (client.vllm.events)
         self._saves = SaveQueue(conf.max_pending_save_bytes, stats, self._refusals.refused)
+        self._pins = PinQueue(stats)
         self._load_stream: Any = None
         self._staging: StagingPool | None = None
         self._page_loader: PageLoader | None = None  # set once register_kv_caches succeeds
@@ -345,19 +344,24 @@ class ConnectorWorker:
         for state in meta.states:
             if self._states is not None:
                 self._states.save(state, self._saves, self._block_size)
-        if not client.namespace.stores_heads:
+        heads = client.namespace.stores_heads
+        if not heads:
             self._saves.outcomes.report(meta.saves, ok=True)
-            return
-        copy_out_saves(
-            meta,
-            client,
-            cache,
-            staging,
-            self._saves,
-            self._stats,
-            gathered=self._gathered,
-            draft=self._draft,
-        )
+        else:
+            copy_out_saves(
+                meta,
+                client,
+                cache,
+                staging,
+                self._saves,
+                self._stats,
+                gathered=self._gathered,
+                draft=self._draft,
+            )
+        # each pin through the clients this rank saved with, once those saves are published
+        pinners = [client, *([self._draft.client] if self._draft else [])] if heads else []
+        states = [self._states.client] if self._states is not None else []
+        self._pins.after(meta.pins, self._saves.in_flight, pinners + states)
 
     def take_save_outcomes(self) -> SaveOutcomes | None:
         """Outcomes of saves finished since the engine step last asked (its KV events)."""
@@ -368,6 +372,7 @@ class ConnectorWorker:
         log.info("shutting down: %d save(s) in flight finish first", len(self._saves.in_flight))
         started = time.monotonic()
         self._saves.shutdown()
+        self._pins.shutdown()  # the pins of those saves, before the clients close
         saved = time.monotonic()
         if self._remote is not None:  # waits end now: their loads fail, recomputed
             self._remote.close()
@@ -383,9 +388,7 @@ class ConnectorWorker:
         ):
             if client is not None:
                 client.close()
-        self._client = None
-        self._draft = None
-        self._states = None
+        self._client = self._draft = self._states = None
         # vLLM gives workers 5 s after SIGTERM before it kills them: say where the time
         # went when it is close (twice seen under a load average of 8, cause not isolated)
         took = time.monotonic() - started

@@ -441,7 +441,8 @@ class MemoryWorker:
     """The worker half over a ``MemoryStore``, in the harness's thread: each step's loads
     (and P/D claims, found when the step runs) copy their pages into ``layers``, whole,
     before the forward; a page missing fails its block (vLLM recomputes it); each save
-    puts its blocks' pages. A page is a block's slot of every layer, layer after layer."""
+    puts its blocks' pages, and each pin is made once the step's saves are put. A page is
+    a block's slot of every layer, layer after layer."""
 
     def __init__(self, client: MemoryClient, layers: list[torch.Tensor]) -> None:
         self.client = client
@@ -478,3 +479,5 @@ class MemoryWorker:
             self.client.put(
                 spec.token_ids, pages, identity=spec.extras or None, start_block=spec.start_block
             )
+        for pin in meta.pins:  # after the step's saves, as a worker's pins follow its saves
+            self.client.pin(pin.token_ids, identity=pin.extras or None, ttl_s=pin.ttl_s)

@@ -22,6 +22,7 @@ tests/support/connector_harness.py): no worker can fetch from it through a
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,16 @@ NODE = NodeInfo("memory", "memory:0", 0, "0" * 24 + "00c0ffee", number=0)
 LEASE_MS = 60_000
 
 
+@dataclass(frozen=True)
+class Pinned:
+    """One pin as the store saw it: the storage hashes it named, its TTL, and which of
+    those pages the store held when it came (``MemoryClient.pin``)."""
+
+    hashes: list[bytes]
+    ttl_s: float | None
+    held: list[bool]
+
+
 class MemoryStore:
     """Pages by (storage namespace digest, chained block hash); ``opened``: every
     client made, in order (the connector's scheduler opens its engine's pages first)."""
@@ -45,6 +56,7 @@ class MemoryStore:
         self._pages: dict[tuple[bytes, bytes], bytes] = {}
         self._slots: dict[tuple[bytes, bytes], int] = {}
         self.opened: list[MemoryClient] = []
+        self.pins: list[Pinned] = []  # every pin, in order (kept; nothing is evicted here)
 
     def client(self, namespace: Namespace) -> MemoryClient:
         made = MemoryClient(self, namespace)
@@ -111,6 +123,15 @@ class MemoryClient:
             )
         for i, page in enumerate(pages):
             self._store._put(self._digest, chain[start_block + i], page)
+
+    def pin(self, token_ids: Any, *, identity: Identity = None, ttl_s: float | None = None) -> int:
+        """Record a pin of ``token_ids``' full blocks under ``identity`` (as
+        ``KVCacheClient.pin`` names them: by their storage hashes) in ``store.pins``;
+        the pages it held of them."""
+        chain = self.chain(token_ids, identity)
+        held = [self._store._has(self._digest, h) for h in chain]
+        self._store.pins.append(Pinned(chain, ttl_s, held))
+        return sum(held)
 
     def find(
         self,

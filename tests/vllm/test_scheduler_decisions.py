@@ -7,6 +7,8 @@ timing) is in test_vllm_inprocess.py and the other ``test_vllm*`` files."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -17,7 +19,7 @@ from client.vllm.scheduler import ConnectorScheduler
 from client.vllm.states import StateFacts
 from client.vllm.stats import StatsRecorder
 from client.vllm.transfer_params import announcement
-from kvstore.pages.identity import NO_EXTRAS
+from kvstore.pages.identity import NO_EXTRAS, RequestIdentity
 from kvstore.pages.namespace import Namespace
 from tests.support.connector_harness import (
     BLOCK,
@@ -181,3 +183,53 @@ def test_a_draft_hit_is_the_shorter_prefix_less_the_dropped_blocks(store):
         4 * BLOCK,
         True,
     )
+
+
+# ---- pins of what a request saves (kv_transfer_params kvstore_pin) ----------------------
+
+
+def test_a_pin_is_handed_over_with_the_prompts_last_save_never_before(model_dir, store):
+    """A chunked prefill (2 blocks a step) saves its blocks step by step; its pin of the
+    first 4 blocks (``tokens`` 133: the 5th block is not whole) comes once, in the step
+    its prompt completes, after every block is stored, under the request's identity."""
+    asked = {"tokens": SHARED * BLOCK + 5, "ttl_s": 600}
+    full = len(PROMPT_A) // BLOCK
+    seen = []  # after each step: pages stored, pins made
+    with ConnectorHarness(model_dir, None, store=store, max_batched=2 * BLOCK) as first:
+        first.add("sys", PROMPT_A, cache_salt="team-a", kvstore_pin=asked)
+        while first.scheduler.has_requests():
+            first.step()
+            seen.append((len(store), len(store.pins)))
+        lookups = first.lookups
+    pinned_at = next(i for i, (_, pins) in enumerate(seen) if pins)
+    assert [stored for stored, _ in seen[:pinned_at]] == [2, 4, 6][:pinned_at]
+    assert seen[pinned_at][0] == full and pinned_at >= 2  # not before the last chunk
+    (pin,) = store.pins
+    assert pin.ttl_s == 600 and all(pin.held)
+    salted = lookups.chain(PROMPT_A, RequestIdentity(cache_salt="team-a"))
+    assert pin.hashes == salted[:SHARED] != lookups.chain(PROMPT_A)[:SHARED]
+
+
+def test_a_prompt_the_store_held_already_is_pinned_again(model_dir, store):
+    """A second request of the same (system) prompt loads it and saves nothing new: its
+    pin still goes out, renewing the first's TTL; one without the param pins nothing."""
+    with engine(model_dir, store) as first:
+        first.generate({"a": PROMPT_A})
+    assert store.pins == []
+    with engine(model_dir, store) as second:
+        second.add("again", PROMPT_A, kvstore_pin={"ttl_s": 30})
+        assert second.run()["again"].num_cached_tokens == A_HIT
+    (pin,) = store.pins
+    assert len(pin.hashes) == len(PROMPT_A) // BLOCK and all(pin.held) and pin.ttl_s == 30
+
+
+def test_a_pin_of_a_request_that_saves_nothing_is_named_and_ignored(model_dir, store, caplog):
+    caplog.set_level(logging.WARNING, logger="client.vllm")
+    with engine(model_dir, store) as harness:
+        harness.add("nosave", PROMPT_C, kvstore_save=False, kvstore_pin=True)
+        harness.add("typo", PROMPT_A, kvstore_pin={"ttl": 60})
+        out = harness.run()
+    assert set(out) == {"nosave", "typo"}  # both ran
+    assert store.pins == [] and len(store) == len(PROMPT_A) // BLOCK
+    assert "nosave" in caplog.text and "kvstore_save is false" in caplog.text
+    assert "typo" in caplog.text and "unknown key(s) ttl" in caplog.text

@@ -1,6 +1,7 @@
-"""A request's kv_transfer_params as the connector reads them (client.vllm.transfer_params),
-the prefix fingerprint a P/D announcement carries, and the decode worker's wait for an
-announced prefix (client.paging.awaiting), without an engine or a store."""
+"""A request's kv_transfer_params as the connector reads them (client.vllm.transfer_params):
+the pin of what it saves (``kvstore_pin``), the prefix fingerprint a P/D announcement
+carries, and the decode worker's wait for an announced prefix (client.paging.awaiting),
+without an engine or a store."""
 
 from __future__ import annotations
 
@@ -21,11 +22,14 @@ from kvstore.pages.identity import NO_EXTRAS, BlockExtras
 
 pytest.importorskip("vllm")  # client.vllm's modules import vLLM's types
 
+from client.vllm.pins import PinSpec, pin_of
 from client.vllm.transfer_params import (
     UNUSABLE,
     Announced,
+    PinAsk,
     announced,
     announcement,
+    pin_request,
     wants_remote_decode,
 )
 
@@ -86,6 +90,74 @@ def test_params_of_another_identity_or_of_no_handoff_are_not_waited_for():
     assert announced({"do_remote_decode": True}, BS, PROMPT, NO_EXTRAS, "r") is None
     nixl = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_engine_id": "e"}
     assert announced(nixl, BS, PROMPT, NO_EXTRAS, "r") is None  # another connector's
+
+
+@pytest.mark.parametrize(
+    ("params", "ask"),
+    [
+        (None, None),
+        ({}, None),
+        ({"kvstore_pin": False}, None),
+        ({"kvstore_pin": None}, None),
+        ({"kvstore_pin": True}, PinAsk()),
+        ({"kvstore_pin": {}}, PinAsk()),
+        ({"kvstore_pin": {"ttl_s": 600}}, PinAsk(ttl_s=600.0)),
+        ({"kvstore_pin": {"ttl_s": 0.5, "tokens": 40}}, PinAsk(0.5, 40)),
+        ({"kvstore_pin": {"ttl_s": None, "tokens": None}}, PinAsk()),
+    ],
+)
+def test_a_pin_is_asked_for_with_true_or_an_object_of_ttl_and_tokens(params, ask, caplog):
+    caplog.set_level(logging.WARNING, logger="client.vllm.transfer_params")
+    assert pin_request(params, "req-1") == ask
+    assert not caplog.records
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        ("yes", "must be true, false or"),
+        (1, "must be true, false or"),
+        ([600], "must be true, false or"),
+        ({"ttl": 600}, "unknown key(s) ttl"),
+        ({"ttl_s": 600, "blocks": 2}, "unknown key(s) blocks"),
+        ({"ttl_s": 0}, "ttl_s must be seconds"),
+        ({"ttl_s": -5}, "ttl_s must be seconds"),
+        ({"ttl_s": "600"}, "ttl_s must be seconds"),
+        ({"ttl_s": True}, "ttl_s must be seconds"),
+        ({"ttl_s": float("nan")}, "ttl_s must be seconds"),
+        ({"ttl_s": 10 * 365 * 24 * 3600}, "ttl_s must be seconds"),
+        ({"tokens": 0}, "tokens must be a count"),
+        ({"tokens": 12.5}, "tokens must be a count"),
+        ({"tokens": False}, "tokens must be a count"),
+    ],
+)
+def test_a_bad_pin_is_named_with_its_request_and_nothing_is_pinned(value, reason, caplog):
+    """The request still runs (nothing raises): only the pin is left out, since a
+    mistyped TTL must not pin for ever."""
+    caplog.set_level(logging.WARNING, logger="client.vllm.transfer_params")
+    assert pin_request({"kvstore_pin": value}, "req-7") is None
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert record.levelno == logging.WARNING
+    assert "req-7" in message and "'kvstore_pin'" in message and reason in message
+    assert "not pinned" in message
+
+
+def test_a_pin_names_the_full_blocks_within_its_tokens_of_what_is_stored(caplog):
+    """``tokens`` rounds down to whole blocks (the block holding the system prompt's end
+    holds the user's first words too) and never passes what the save stores."""
+    stored = len(PROMPT) // BS  # 5
+    whole = pin_of("r", PinAsk(ttl_s=60.0), PROMPT, SALTED, BS, stored)
+    assert whole == PinSpec("r", PROMPT[: 5 * BS], SALTED, 60.0)
+    assert pin_of("r", PinAsk(tokens=2 * BS + 7), PROMPT, SALTED, BS, stored) == PinSpec(
+        "r", PROMPT[: 2 * BS], SALTED, None
+    )
+    assert pin_of("r", PinAsk(tokens=10_000), PROMPT, NO_EXTRAS, BS, stored) == PinSpec(
+        "r", PROMPT[: 5 * BS], NO_EXTRAS, None
+    )
+    caplog.set_level(logging.WARNING, logger="client.vllm.pins")
+    assert pin_of("short", PinAsk(tokens=BS - 1), PROMPT, NO_EXTRAS, BS, stored) is None
+    assert "short" in caplog.text and "no full block" in caplog.text
 
 
 class _Prefix:
