@@ -15,16 +15,13 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Coroutine, Generator, Sequence
-from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
+from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, overload
 
 from kvstore.errors import KVStoreError
 from kvstore.index.commands import Cmd
 from kvstore.index.lease_clock import LeaseClock
 from kvstore.index.routing import AsyncRouter, SyncRouter
 from kvstore.pages import keys
-
-if TYPE_CHECKING:  # the flavours import this module
-    from kvstore.index.page_index import AsyncPageIndex, PageIndex
 
 # A reader's lease on the segments it looked up (lookups.renew_below has the rule).
 DEFAULT_LEASE_MS = 5_000
@@ -55,6 +52,21 @@ def raise_first(replies: list[Any]) -> list[Any]:
 def single(cmd: Cmd) -> Steps[Any]:
     """A method of one command: its parsed reply, or its error raised."""
     return raise_first((yield [cmd]))[0]
+
+
+class BlockingIndex(Protocol):
+    """The blocking flavour as ``driven`` sees it (``PageIndex``: it imports this
+    module, so the type is described here, not imported)."""
+
+    def drive(self, steps: Steps[Any]) -> Any: ...
+    def close(self) -> None: ...
+
+
+class AwaitingIndex(Protocol):
+    """The asyncio flavour as ``driven`` sees it (``AsyncPageIndex``)."""
+
+    async def drive(self, steps: Steps[Any]) -> Any: ...
+    async def close(self) -> None: ...
 
 
 class driven(Generic[P, T]):
@@ -99,15 +111,13 @@ class driven(Generic[P, T]):
     @overload
     def __get__(self, index: None, owner: type) -> driven[P, T]: ...
     @overload
-    def __get__(self, index: PageIndex, owner: type) -> Callable[P, T]: ...
+    def __get__(self, index: BlockingIndex, owner: type) -> Callable[P, T]: ...
     @overload
-    def __get__(
-        self, index: AsyncPageIndex, owner: type
-    ) -> Callable[P, Coroutine[Any, Any, T]]: ...
+    def __get__(self, index: AwaitingIndex, owner: type) -> Callable[P, Coroutine[Any, Any, T]]: ...
     @overload
     def __get__(self, index: IndexDriver, owner: type) -> Callable[P, Any]: ...
 
-    def __get__(self, index: IndexDriver | None, owner: type) -> Any:
+    def __get__(self, index: Any, owner: type) -> Any:
         # Only reached when the decorator was applied outside a class body (no
         # ``__set_name__``): bind the same function.
         return self if index is None else self.method().__get__(index, owner)
