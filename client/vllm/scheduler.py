@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from client.vllm.features import SchedulerFeatures
+    from client.vllm.feature_set import SchedulerFeatures
 
 log = logging.getLogger(__name__)
 # while the index is down every request would log it: at most a WARNING a minute

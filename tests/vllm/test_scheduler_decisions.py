@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from client.vllm.features import SchedulerFeatures
+from client.vllm.feature_set import SchedulerFeatures
 from client.vllm.options import connector_options
 from client.vllm.scheduler import ConnectorScheduler
 from client.vllm.states import StateFacts

@@ -151,7 +151,7 @@ class RecordingClient:
 def test_the_scheduler_neither_looks_up_nor_saves_an_unkeyable_request(later_vllm):
     from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 
-    from client.vllm.features import SchedulerFeatures
+    from client.vllm.feature_set import SchedulerFeatures
     from client.vllm.options import connector_options
     from client.vllm.scheduler import ConnectorScheduler
     from client.vllm.stats import StatsRecorder
