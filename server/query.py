@@ -249,8 +249,10 @@ class PrefixQuery:
         nodes, in one round trip (the node's one index connection, under its lock)."""
         units = rank_units(ns)
         with self._lock:
+            # no read lease: a query (a router's, an operator's "where") reads no page, and
+            # a lease would keep what it asked about from eviction for the lease's length
             found, nodes = self.index.lookup_with_nodes(
-                ns, joined, units=(units.first, units.count), sparse=sparse
+                ns, joined, units=(units.first, units.count), sparse=sparse, lease_ms=0
             )
         if isinstance(nodes, Exception):
             raise nodes
