@@ -14,34 +14,10 @@ import pytest
 
 from client import KVCacheClient
 from kvstore import block_hashes
-from kvstore.index import PageIndex
 from kvstore.pages.identity import RequestIdentity
 from kvstore.tools.launcher import LocalCluster
+from tests.support.control_fixtures import metrics_address, post, post_raw
 from tests.support.helpers import make_credentials, namespace_for_page_size, pages_for
-
-
-def metrics_address(cluster, node_id: str = "node-0") -> str:
-    index = PageIndex(cluster.redis_url)
-    try:
-        return next(n for n in index.live_nodes() if n.node_id == node_id).extra["metrics"]
-    finally:
-        index.close()
-
-
-def post(address: str, path: str, body: dict, token: str | None = None) -> tuple[int, dict]:
-    return post_raw(address, path, json.dumps(body).encode(), token)
-
-
-def post_raw(address: str, path: str, body: bytes, token: str | None = None) -> tuple[int, dict]:
-    headers = {"Content-Type": "application/json"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    req = urllib.request.Request(f"http://{address}{path}", body, headers, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
 
 
 def test_the_query_answers_what_the_clients_lookup_finds_per_namespace_node_and_tier(clusters):
