@@ -1,4 +1,4 @@
-"""One get's landing in device rows (``Landing``), part by part as its plan arrives:
+"""One get's landing in device rows (``DeviceLanding``), part by part as its plan arrives:
 each part's copies are queued at once and its pages' checks behind them; the digests
 of every page come once, at the end. Made by a ``DeviceCopier`` (``landing``) for
 ``client.nodes.shm_connection``; ``CudaLanding`` on a GPU, ``HostLanding`` with the host
@@ -56,7 +56,7 @@ class StreamCopier(Protocol):
     def queue_segment(self, copies: PageCopies, at: int, width: int) -> Any: ...
 
 
-class Landing:
+class DeviceLanding:
     """Pages landing in ``rows`` (a get's sinks, by request position): ``add`` queues a
     part's copies and checks, ``digests`` waits for every one and gives each page's
     xxh3-64 of the bytes that landed, ``settle`` blocks until no copy can still land
@@ -80,7 +80,7 @@ class Landing:
         """Block until no copy of this landing can still land."""
 
 
-class HostLanding(Landing):
+class HostLanding(DeviceLanding):
     """Copies made at once by torch, digests by xxhash: the CUDA path's stand-in."""
 
     def add(self, positions: np.ndarray, copies: PageCopies) -> None:
@@ -96,7 +96,7 @@ class HostLanding(Landing):
         return out
 
 
-class CudaLanding(Landing):
+class CudaLanding(DeviceLanding):
     """Copies on the copier's copy stream, each part's checks on its check stream
     behind them (in batches of about ``CHECK_BATCH`` within a large part), into one
     tensor of accumulators by row; one download at the end."""

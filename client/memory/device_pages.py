@@ -10,7 +10,7 @@ no CPU copy, no CPU hash. Every page that landed is then checked on the device a
 the index's checksum (``kvstore.pages.device_checksum``: the same xxh3), after the copy
 is complete and the node was told it may unpin, so a page evicted, overwritten or
 scribbled on while it was copied fails its check and is a miss, never wrong KV. A get
-lands part by part as its plan arrives, through a ``Landing`` the copier makes for it
+lands part by part as its plan arrives, through a ``DeviceLanding`` the copier makes for it
 (``client.memory.device_landing``).
 
 Measured on an NVIDIA H200 (``../shared/reference/gpu-h200.md``): an H2D copy from an
@@ -40,8 +40,8 @@ from client.memory.cudart import Memcpy2D, clear_last_error
 from client.memory.device_landing import (
     BusPace,
     CudaLanding,
+    DeviceLanding,
     HostLanding,
-    Landing,
     host_copies,
     settled,
 )
@@ -89,7 +89,7 @@ class DeviceCopier:
         blocks freed by the step before). The host's copies are made at once: nothing
         to wait for."""
 
-    def landing(self, rows: DeviceRows) -> Landing:
+    def landing(self, rows: DeviceRows) -> DeviceLanding:
         """A get's landing in ``rows``, checked page by page (``client.memory.device_landing``)."""
         raise NotImplementedError
 
@@ -108,7 +108,7 @@ class HostCopier(DeviceCopier):
     def __init__(self, stats: ClientStats) -> None:
         super().__init__(torch.device("cpu"), stats)
 
-    def landing(self, rows: DeviceRows) -> Landing:
+    def landing(self, rows: DeviceRows) -> DeviceLanding:
         return HostLanding(rows)
 
     async def land(self, copies: PageCopies) -> None:
@@ -209,7 +209,7 @@ class CudaCopier(DeviceCopier):
         """The stream the pages' checks run on (``client.memory.device_landing``)."""
         return self._checks
 
-    def landing(self, rows: DeviceRows) -> Landing:
+    def landing(self, rows: DeviceRows) -> DeviceLanding:
         return CudaLanding(self, rows)
 
     async def land(self, copies: PageCopies) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 
 from client.memory.buffers import Span
 from client.memory.copy_plans import PageCopies
-from client.memory.device_landing import Landing
+from client.memory.device_landing import DeviceLanding
 from client.memory.device_pages import DeviceCopier
 from client.memory.device_rows import DeviceRows
 from client.nodes.calls import (
@@ -70,7 +70,7 @@ class ShmConnection(Connection):
         # cudaHostRegister refused a new slab mapping, error 712, already registered, and
         # that client's gets landed none of their pages). The finalizer runs before the
         # mappings are released.
-        self._landing: list[Landing] = []  # the device get in flight's (one at a time)
+        self._landing: list[DeviceLanding] = []  # the device get in flight's (one at a time)
         finalizer = weakref.finalize(self, self._slabs.release, self._landing)
         finalizer.atexit = False
 

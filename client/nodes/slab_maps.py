@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from client.memory.device_landing import Landing
+from client.memory.device_landing import DeviceLanding
 from client.memory.device_pages import DeviceCopier
 from kvstore.errors import ProtocolError
 from kvstore.wire import shm
@@ -78,7 +78,7 @@ class SlabMaps:
         if token is not None and self.device is not None:
             self.device.unregister(token)
 
-    def release(self, landing: Sequence[Landing] = ()) -> None:
+    def release(self, landing: Sequence[DeviceLanding] = ()) -> None:
         """Undo every registration, once no copy of a get in flight (``landing``) can
         still read them, and drop the mappings."""
         for unfinished in landing:
