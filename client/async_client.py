@@ -25,19 +25,26 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from client.codec import check_pages
 from client.control import AsyncControlCalls, ClientControl
 from client.gets.landing import TransferMode, lands_in_place
+from client.gets.plan import (
+    GetPlan,
+    device_plan,
+    found_plan,
+    pages_plan,
+    spans_plan,
+    units_plan,
+)
+from client.gets.views import async_view
 from client.lookups.prefix import Identity
 from client.lookups.stored_prefix import StoredPrefix
 from client.memory.buffers import Span
 from client.memory.device_pages import DeviceCopier, default_copier
-from client.memory.device_rows import DeviceRows
-from client.memory.layer_feed import LayerFeed
 from client.parts import client_parts
 from client.puts.publish import PublishReport
 from client.stats import ClientStats
@@ -62,6 +69,7 @@ __all__ = [
     "StoredPrefix",
     "TransferMode",
 ]
+R = TypeVar("R")
 # Longest a client's start waits for its connections to the live nodes (the rest
 # finish in the background, before or during the first request to each node).
 START_CONNECT_WAIT_S = 1.0
@@ -270,47 +278,21 @@ class AsyncKVCacheClient(AsyncControlCalls):
         place = self.lookups.keyed_place(position, anchor_key)
         return await self._publisher.publish(self._publisher.keyed(hashes, spans, place))
 
-    async def get_pages(
-        self, token_ids: Any, out: torch.Tensor, start_block: int = 0, *, identity: Identity = None
-    ) -> int:
-        """Fill ``out[start_block:k]`` with the longest stored prefix of full blocks of
-        ``token_ids`` and return k * block_size (0 when fewer than ``start_block + 1``
-        blocks are stored). Blocks before ``start_block`` must be stored for the prefix to
-        count but are not transferred (the caller has them). Rows past k are unspecified.
-        ``identity``: as for ``lookup``."""
-        return await self._reader.get_pages(token_ids, out, start_block, identity)
+    # The gets: each a view of one plan (client.gets.plan: its builder holds the
+    # method's signature and documentation), read by ``read``.
+    get_pages = async_view(pages_plan)
+    get_found = async_view(found_plan)
+    get_found_device = async_view(device_plan)
+    get_found_units = async_view(units_plan)
+    get_found_into = async_view(spans_plan)
 
-    async def get_found(self, found: StoredPrefix, out: torch.Tensor, start_block: int = 0) -> int:
-        """``get_pages`` of the prefix ``found`` (by ``find``, here or in another process
-        of the same storage namespace and head groups at least this rank's), without an
-        index round trip while at most half its read lease has passed; past that, the
-        index is asked again, as ``get_pages`` would (the lease is what keeps the pages
-        from eviction). Locations that went stale in between cost a shorter prefix,
-        never wrong bytes: nodes check each page's hash and checksum."""
-        return await self._reader.get_found(found, out, start_block)
-
-    async def get_found_device(
-        self,
-        found: StoredPrefix,
-        rows: torch.Tensor | DeviceRows,
-        start_block: int = 0,
-        feed: LayerFeed | None = None,
-        after: Any = None,
-    ) -> int:
-        """``get_found`` straight into device memory: the pages of blocks ``start_block``
-        on land back to back in ``rows`` (a contiguous tensor on the device, of at least
-        ``(found.blocks - start_block) * page_nbytes`` bytes), or each at its own offset
-        of a ``DeviceRows`` (``PagedCache.device_rows``: a block-major cache's own
-        blocks, so no copy follows), copied from the node's memory by DMA on the same
-        host (from pinned host memory over UCX) and checked on the device against their
-        checksums. Returns the tokens of the prefix that arrived, as ``get_found``; rows
-        past it are unspecified. For a rank whose head groups are its whole pages;
-        ``lands_on_device`` says whether it can run. With ``feed``
-        (``client.memory.layer_feed``: one per call), the pages land layer by layer, back
-        to back, and ``feed`` tells a reader when each layer is in place
-        (``lands_layers``). With ``after`` (a CUDA event), no copy starts before it has
-        passed on the device: memory that earlier device work may still read."""
-        return await self._reader.get_found_device(found, rows, start_block, feed, after)
+    async def read(self, plan: GetPlan[R]) -> R:
+        """Run a get described as a plan (``client.gets.plan``: which pages, from where,
+        landing where), through the handler registered for its (source, destination)
+        pair (``client.gets.handlers``): the public gets above build theirs, and a
+        module that registers a handler of its own has its plans read here. Returns
+        what the destination's handler returns."""
+        return await self._reader.read(plan)
 
     def lands_on_device(self, memory: torch.device) -> bool:
         """Whether ``get_found_device`` (and ``get_pages`` into a tensor there) lands
@@ -320,31 +302,6 @@ class AsyncKVCacheClient(AsyncControlCalls):
     def lands_layers(self, memory: torch.device) -> bool:
         """Whether ``get_found_device`` into ``memory`` can land layer by layer (a feed)."""
         return self._reader.lands_layers(memory)
-
-    async def get_found_units(
-        self, found: StoredPrefix, buf: torch.Tensor, start_block: int = 0
-    ) -> tuple[torch.Tensor, int]:
-        """``get_found`` for a caller that places this rank's head-group units itself (the
-        vLLM connector writes them straight into its paged cache: one host copy fewer
-        than ``get_found``'s merge into rank pages, and no staging buffer of the
-        client's). Fetches into ``buf`` (a contiguous host tensor of at least
-        ``units_nbytes(found.blocks - start_block)`` bytes) and returns the units of
-        blocks ``start_block`` on, ``[count, m, *unit_shape]`` (a view of ``buf``), and how
-        many of those blocks arrived whole (``heads.rank_parts`` cuts them)."""
-        return await self._reader.get_found_units(found, buf, start_block)
-
-    async def get_found_into(
-        self, found: StoredPrefix, sinks: list[Span], start_block: int = 0
-    ) -> int:
-        """``get_found`` into ``sinks``, one per block from ``start_block`` on (at least
-        ``found.blocks - start_block`` of them): pages scattered over the caller's memory
-        (the vLLM connector's ``PagedCache.block_spans``: the cache's own blocks), so
-        the node's slot is copied straight there on the same host, and through one
-        scratch copy over UCX. Every page is verified by checksum; a block that did not
-        arrive intact ends the prefix, and the bytes of the blocks past it are
-        unspecified. For a rank whose head groups are its whole pages
-        (``heads.identity``)."""
-        return await self._reader.get_found_into(found, sinks, start_block)
 
     def units_nbytes(self, blocks: int) -> int:
         """Bytes of this rank's head-group units of ``blocks`` blocks."""

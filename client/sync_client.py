@@ -26,11 +26,18 @@ import torch
 
 from client.async_client import AsyncKVCacheClient
 from client.control import ControlCalls
+from client.gets.plan import (
+    GetPlan,
+    device_plan,
+    found_plan,
+    pages_plan,
+    spans_plan,
+    units_plan,
+)
+from client.gets.views import blocking_view
 from client.lookups.prefix import Identity, Ready
 from client.lookups.stored_prefix import StoredPrefix
 from client.memory.buffers import Span
-from client.memory.device_rows import DeviceRows
-from client.memory.layer_feed import LayerFeed
 from client.puts.publish import PublishReport
 from client.stats import ClientStats
 from kvstore.errors import TransportError
@@ -43,6 +50,7 @@ from kvstore.pages.namespace import Namespace
 from kvstore.settings.client import client_options_from_env
 
 T = TypeVar("T")
+R = TypeVar("R")
 P = ParamSpec("P")
 
 log = logging.getLogger(__name__)
@@ -294,28 +302,17 @@ class KVCacheClient(ControlCalls):
             self._bound(),
         )
 
-    def get_pages(
-        self, token_ids: Any, out: torch.Tensor, start_block: int = 0, *, identity: Identity = None
-    ) -> int:
-        return self._read(self._async.get_pages(token_ids, out, start_block, identity=identity), 0)
+    # The gets: each a view of one plan (client.gets.plan), read by ``read``.
+    get_pages = blocking_view(pages_plan)
+    get_found = blocking_view(found_plan)
+    get_found_device = blocking_view(device_plan)
+    get_found_units = blocking_view(units_plan)
+    get_found_into = blocking_view(spans_plan)
 
-    def get_found(self, found: StoredPrefix, out: torch.Tensor, start_block: int = 0) -> int:
-        return self._read(self._async.get_found(found, out, start_block), 0)
-
-    def get_found_into(self, found: StoredPrefix, sinks: list[Span], start_block: int = 0) -> int:
-        """``AsyncKVCacheClient.get_found_into``; a fault or the deadline gives 0."""
-        return self._read(self._async.get_found_into(found, sinks, start_block), 0)
-
-    def get_found_device(
-        self,
-        found: StoredPrefix,
-        rows: torch.Tensor | DeviceRows,
-        start_block: int = 0,
-        feed: LayerFeed | None = None,
-        after: Any = None,
-    ) -> int:
-        """``AsyncKVCacheClient.get_found_device``; a fault or the deadline gives 0."""
-        return self._read(self._async.get_found_device(found, rows, start_block, feed, after), 0)
+    def read(self, plan: GetPlan[R]) -> R:
+        """``AsyncKVCacheClient.read``; a fault or the deadline gives the destination's
+        ``miss`` (0 for most; ``(None, 0)`` for head-group units)."""
+        return cast(R, self._read(self._async.read(plan), plan.into.miss))
 
     def lands_on_device(self, memory: torch.device) -> bool:
         """``AsyncKVCacheClient.lands_on_device`` (any thread)."""
@@ -324,12 +321,6 @@ class KVCacheClient(ControlCalls):
     def lands_layers(self, memory: torch.device) -> bool:
         """``AsyncKVCacheClient.lands_layers`` (any thread)."""
         return self._async.lands_layers(memory)
-
-    def get_found_units(
-        self, found: StoredPrefix, buf: torch.Tensor, start_block: int = 0
-    ) -> tuple[torch.Tensor | None, int]:
-        """``AsyncKVCacheClient.get_found_units``; a fault or the deadline gives (None, 0)."""
-        return self._read(self._async.get_found_units(found, buf, start_block), (None, 0))
 
     @property
     def heads(self) -> RankUnits:
