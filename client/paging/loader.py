@@ -17,13 +17,14 @@ import numpy as np
 import torch
 
 from client.gets.landing import Landing, choose_landing
+from client.gets.plan import device_plan, found_plan, spans_plan, units_plan
 from client.log_limit import LogLimit
 from client.memory.device_rows import DeviceRows
 from client.memory.layer_feed import LayerFeed
+from client.paging.page_source import PageSource
 from client.paging.paged_cache import PagedCache
 from client.paging.specs import LoadSpec
 from client.paging.staging_pool import StagingPool
-from client.sync_client import KVCacheClient
 from kvstore.errors import CredentialError
 from kvstore.pages import heads
 
@@ -107,7 +108,7 @@ class PageLoader:
 
     def __init__(
         self,
-        client: KVCacheClient,
+        client: PageSource,
         cache: PagedCache,
         staging: StagingPool,
         *,
@@ -124,7 +125,7 @@ class PageLoader:
         self._layer_groups = layer_groups
         self._load_stream = load_stream  # a CUDA side stream on a GPU, else None
         self._credential_refused = credential_refused
-        # pages land straight in device memory (KVCacheClient.get_found_device); hybrid
+        # pages land straight in device memory (a ``device_plan``); hybrid
         # groups stage (a page's layers go to different groups' blocks)
         # (asked here, at registration: on a GPU it checks the device checksums once,
         # compiling them, so the first load does not wait for that)
@@ -132,7 +133,7 @@ class PageLoader:
         # and layer by layer (``client.paging.layerwise``) where the copier can
         self.feeds_layers = self._on_device and client.lands_layers(cache.device)
 
-    def beside(self, client: KVCacheClient, cache: PagedCache, staging: StagingPool) -> PageLoader:
+    def beside(self, client: PageSource, cache: PagedCache, staging: StagingPool) -> PageLoader:
         """A loader of other layers (a speculative draft's) stored under ``client``'s
         namespace, in ``cache``, with this one's block size, load stream and credential
         handling, in one KV-cache group."""
@@ -185,11 +186,13 @@ class PageLoader:
                         (len(wanted), *cache.page_shape), dtype=cache.dtype, device=cache.device
                     )
                 got = (
-                    client.get_found_device(
-                        spec.found,
-                        rows,
-                        start_block=spec.start_block,
-                        after=after if scratch is None else None,  # else the scatter waits
+                    client.read(
+                        device_plan(
+                            spec.found,
+                            rows,
+                            start_block=spec.start_block,
+                            after=after if scratch is None else None,  # else the scatter waits
+                        )
                     )
                     // self._block_size
                 )
@@ -205,14 +208,14 @@ class PageLoader:
                 # 10-layer CPU cache, 10 rounds interleaved: 22.0 ms (20.2-28.2) against
                 # 29.5 ms (25.3-42.0) through a staging buffer and scatter.
                 got = (
-                    client.get_found_into(spec.found, spans or [], start_block=spec.start_block)
+                    client.read(spans_plan(spec.found, spans or [], start_block=spec.start_block))
                     // self._block_size
                 )
                 parts = []
             elif landing is Landing.STAGED:
                 pages = staging.take_pages(len(spec.block_ids))
                 got = (
-                    client.get_found(spec.found, pages, start_block=spec.start_block)
+                    client.read(found_plan(spec.found, pages, start_block=spec.start_block))
                     // self._block_size
                 )
                 parts = [(pages[spec.start_block : got], 0, 0)]
@@ -226,8 +229,8 @@ class PageLoader:
                     // client.namespace.page_nbytes
                 )
                 pages = staging.take_pages(units_pages)
-                units, blocks = client.get_found_units(
-                    spec.found, pages, start_block=spec.start_block
+                units, blocks = client.read(
+                    units_plan(spec.found, pages, start_block=spec.start_block)
                 )
                 got = spec.start_block + blocks
                 # units is None only with blocks 0 (a fault or the deadline)
@@ -264,7 +267,7 @@ class PageLoader:
         forward reaches it). Returns the blocks that arrived (from 0); never raises, and
         closes ``feed`` whatever happens."""
         try:
-            got = self._client.get_found_device(spec.found, rows, spec.start_block, feed)
+            got = self._client.read(device_plan(spec.found, rows, spec.start_block, feed))
             return got // self._block_size
         except CredentialError as exc:
             self._credential_refused(exc)
@@ -290,7 +293,7 @@ class PageLoader:
             pages = staging.take_pages(spec.found.blocks)
             taken.append(pages)
             got = (
-                client.get_found(spec.found, pages, start_block=spec.start_block)
+                client.read(found_plan(spec.found, pages, start_block=spec.start_block))
                 // self._block_size
             )
             parts = [(pages[spec.start_block : got], 0, 0)]
@@ -298,7 +301,7 @@ class PageLoader:
             units_pages = -(-client.units_nbytes(count) // client.namespace.page_nbytes)
             pages = staging.take_pages(units_pages)
             taken.append(pages)
-            units, blocks = client.get_found_units(spec.found, pages, start_block=spec.start_block)
+            units, blocks = client.read(units_plan(spec.found, pages, start_block=spec.start_block))
             if units is None:  # a fault or the deadline: nothing arrived
                 return spec.start_block, 0
             got = spec.start_block + blocks

@@ -74,6 +74,7 @@ from client.vllm.states import (
 from client.vllm.stats import KVStoreConnectorStats, KVStorePromMetrics, StatsRecorder
 from client.vllm.support import unsupported, vllm_ranks
 from client.vllm.worker import ConnectorWorker
+from client.vllm.worker_setup import WorkerFeatures, WorkerStores
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -88,7 +89,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from client.vllm.store import StoreOpener
+    from client.vllm.store import PageStoreOpener
 
 __all__ = ["KVStoreConnector", "KVStoreConnectorMetadata"]
 log = logging.getLogger(__name__)
@@ -141,15 +142,15 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         *,
         ranks: Callable[[], tuple[int, int]] = vllm_ranks,
         device: Callable[[ClientStats], DeviceCopier | None] = default_copier,
-        stores: StoreOpener | None = None,
+        stores: PageStoreOpener | None = None,
     ) -> None:
         """vLLM calls this with its three arguments. ``ranks``: the worker's (PP rank, TP
         rank), asked when its caches are registered; vLLM's process groups unless a
         caller without them (an in-process test) hands its own. ``device``: builds the
         worker client's device copier (``client.memory.device_pages``: CUDA's on a GPU;
-        a test hands ``HostCopier`` to run the device path on the CPU). ``stores``: the
-        scheduler's stores, by namespace (``client.vllm.store``), a ``KVCacheClient``
-        each unless a caller without storage nodes (an in-process test) hands its own."""
+        a test hands ``HostCopier`` to run the device path on the CPU). ``stores``: either
+        side's stores, by namespace (``client.vllm.store``), a ``KVCacheClient`` each
+        unless a caller without storage nodes (an in-process test) hands its own."""
         super().__init__(
             vllm_config=vllm_config,
             role=role,
@@ -208,14 +209,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = ConnectorWorker(
                 vllm_config,
                 conf,
-                options,
                 stats=self._stats,
-                enabled=refusal is None,
+                stores=WorkerStores(vllm_config, conf, options, opener=stores, device=device),
+                features=WorkerFeatures(enabled=refusal is None, drafts=drafts, states=states),
                 kv_cache_config=kv_cache_config,
-                drafts=drafts,
-                states=states,
                 ranks=ranks,
-                device=device,
             )
 
     @property

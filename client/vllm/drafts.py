@@ -38,6 +38,7 @@ from client.paging.specs import LoadSpec
 from client.paging.staging_pool import StagingPool
 from client.sync_client import KVCacheClient
 from client.vllm.options import ConnectorOptions, engine_layout, model_namespace
+from client.vllm.store import PageStore
 from client.vllm.support import draft_layers
 from client.vllm.weights import checkpoint_fingerprint, engine_weights
 from kvstore.errors import KVStoreError
@@ -147,7 +148,7 @@ class DraftPages:
     """A speculative draft's layers on one worker: their client, paged cache, staging
     and loader, beside the target's; loads and saves use the same block ids."""
 
-    client: KVCacheClient
+    client: PageStore
     cache: PagedCache
     staging: StagingPool
     loader: PageLoader
@@ -155,7 +156,7 @@ class DraftPages:
     @classmethod
     def build(
         cls,
-        client: KVCacheClient,
+        client: PageStore,
         cache: PagedCache,
         target: PageLoader,
         *,

@@ -14,8 +14,8 @@ from client.lookups.stored_prefix import StoredPrefix
 from client.paging.awaiting import PrefixWaiter, Waited
 from client.paging.loader import LoadOutcome, PageLoader
 from client.paging.specs import AwaitedLoad
-from client.sync_client import KVCacheClient
 from client.vllm.stats import StatsRecorder
+from client.vllm.store import PageStore
 from kvstore.pages.identity import BlockExtras
 
 
@@ -25,7 +25,7 @@ class RemotePrefills:
 
     def __init__(
         self,
-        client: KVCacheClient,
+        client: PageStore,
         loader: Executor,
         pages: PageLoader,
         stats: StatsRecorder,

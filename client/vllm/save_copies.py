@@ -15,17 +15,17 @@ import time
 
 from client.paging.paged_cache import PagedCache
 from client.paging.staging_pool import StagingPool
-from client.sync_client import KVCacheClient
 from client.vllm.drafts import DraftPages
 from client.vllm.gathered import GatheredPages
 from client.vllm.metadata import KVStoreConnectorMetadata
 from client.vllm.saver import SaveQueue
 from client.vllm.stats import StatsRecorder
+from client.vllm.store import PageStore
 
 
 def copy_out_saves(
     meta: KVStoreConnectorMetadata,
-    client: KVCacheClient,
+    client: PageStore,
     cache: PagedCache,
     staging: StagingPool,
     saves: SaveQueue,

@@ -19,9 +19,9 @@ from client.log_limit import LogLimit
 from client.paging.paged_cache import GatherResult
 from client.paging.specs import SaveSpec
 from client.paging.staging_pool import StagingPool
-from client.sync_client import KVCacheClient
 from client.vllm.events import SaveOutcomeLog, SaveOutcomes
 from client.vllm.stats import StatsRecorder
+from client.vllm.store import PageStore
 from kvstore.errors import CredentialError
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class SaveQueue:
 
     def submit(
         self,
-        client: KVCacheClient,
+        client: PageStore,
         staging: StagingPool | None,
         spec: SaveSpec,
         gathered: GatherResult,
@@ -97,7 +97,7 @@ class SaveQueue:
 
     def publish(
         self,
-        client: KVCacheClient,
+        client: PageStore,
         staging: StagingPool | None,
         spec: SaveSpec,
         gathered: GatherResult,

@@ -12,20 +12,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from client.gets.plan import spans_plan
 from client.lookups.stored_prefix import StoredPrefix
 from client.memory.buffers import Span, host_bytes
 from client.paging.loader import LoadOutcome, ids_from
 from client.paging.paged_cache import GatherResult
 from client.paging.specs import LoadSpec, SaveSpec
-from client.sync_client import KVCacheClient
-from client.vllm.options import ConnectorOptions
 from client.vllm.saver import SaveQueue
-from client.vllm.states import StateFacts, StateSpec, rank_state_client
+from client.vllm.states import StateFacts, StateSpec
+from client.vllm.store import PageStore
 from kvstore.errors import CredentialError, KVStoreError
-from kvstore.settings.client import ClientOptions
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger(__name__)
@@ -34,11 +32,11 @@ log = logging.getLogger(__name__)
 class StatePages:
     """Worker side: the state layers' caches (vLLM's int8 view of each,
     ``[num_blocks, 1, 1, padded bytes]``), copied out of and into one block per state
-    group as one page ``[layers, 1, state bytes]``, and the rank's state client."""
+    group as one page ``[layers, 1, state bytes]``, and the rank's store of them."""
 
     def __init__(
         self,
-        client: KVCacheClient,
+        client: PageStore,
         layers: list[torch.Tensor],
         groups: list[int],
         state_bytes: int,
@@ -53,23 +51,20 @@ class StatePages:
     @classmethod
     def for_worker(
         cls,
-        vllm_config: VllmConfig,
-        conf: ConnectorOptions,
-        options: ClientOptions,
         facts: StateFacts,
         kv_cache_config: KVCacheConfig,
         kv_caches: dict[str, torch.Tensor],
-        tp_rank: int,
+        open_store: Callable[[], PageStore],
     ) -> StatePages:
-        """The state layers of ``kv_caches`` (``facts.state_layers``) and TP rank
-        ``tp_rank``'s client of their states; raises ``KVStoreError`` (before any client
-        is made) for caches that cannot hold them."""
+        """The state layers of ``kv_caches`` (``facts.state_layers``) and the rank's
+        store of their states (``open_store``: ``WorkerStores.states``); raises
+        ``KVStoreError`` (before any store is opened) for caches that cannot hold them."""
         missing = [n for n in facts.state_layers if n not in kv_caches]
         if missing:
             raise KVStoreError(f"the state layers' caches {missing[:2]} are not on this worker")
         layers = [kv_caches[n] for n in facts.state_layers]
         _check_layers(layers, facts.state_bytes)
-        client = rank_state_client(vllm_config, conf, options, facts, "WORKER", tp_rank=tp_rank)
+        client = open_store()
         groups = [facts.state_group_of(n, kv_cache_config) for n in facts.state_layers]
         return cls(client, layers, groups, facts.state_bytes)
 
@@ -143,8 +138,8 @@ class StatePages:
             return False
         page = torch.empty((1, len(self._layers), 1, self._bytes), dtype=torch.int8)
         # one sink for the one page: a tensor of every block up to it would be needed otherwise
-        got = self.client.get_found_into(
-            found, [Span(host_bytes(page), 0, self.nbytes)], boundary_block
+        got = self.client.read(
+            spans_plan(found, [Span(host_bytes(page), 0, self.nbytes)], boundary_block)
         )
         if got <= boundary_block * self.client.namespace.block_size:
             return False

@@ -4,11 +4,11 @@ on threads of their own, so nothing blocks the engine step for a transfer.
 - Loads: ``start_load_kv`` submits each load to loader threads (the load path itself
   is ``client.paging.loader``; the registered caches are sorted and checked by
   ``client.vllm.cache_checks``), which fetch the pages the scheduler's lookup found
-  (``KVCacheClient.get_found``: no second index round trip while that lookup's read
-  lease is less than half gone), verified by checksum, and scatter them into the paged
-  cache (``PagedCache``: per-layer strided copies in contiguous runs). On a GPU the
-  pages land in device memory straight from a same-host node's memory and are checked
-  there (``KVCacheClient.get_found_device``), then scattered on a side stream.
+  (a get's plan, ``client.gets.plan``: no second index round trip while that lookup's
+  read lease is less than half gone), verified by checksum, and scatter them into the
+  paged cache (``PagedCache``: per-layer strided copies in contiguous runs). On a GPU
+  the pages land in device memory straight from a same-host node's memory and are
+  checked there (``device_plan``), then scattered on a side stream.
   ``get_finished`` reports finished loads; blocks that did not arrive are reported
   through ``get_block_ids_with_load_errors`` no later than that (by request on a
   hybrid cache: ``client.vllm.load_errors``), and vLLM recomputes
@@ -21,7 +21,11 @@ on threads of their own, so nothing blocks the engine step for a transfer.
   later steps may reuse the blocks, and from it to the host on a stream of its own, left
   in flight) and publishes them on a saver thread (``client.vllm.saver``).
   Pending saves are bounded by ``max_pending_save_bytes``; past it a save is dropped
-  (counted), never waited for; a saved prompt's pin follows its saves (``client.vllm.pins``)."""
+  (counted), never waited for; a saved prompt's pin follows its saves (``client.vllm.pins``).
+
+Every store the worker touches is a ``client.vllm.store.PageStore``, opened through
+``client.vllm.worker_setup.WorkerStores`` (a ``KVCacheClient`` each, or a test's
+in-memory store), and what it does on this engine is one ``WorkerFeatures``."""
 
 from __future__ import annotations
 
@@ -34,30 +38,27 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from client.memory.device_pages import DeviceCopier, default_copier
 from client.paging.layerwise import LayerwiseLoads
 from client.paging.loader import LoadOutcome, PageLoader, ids_from
 from client.paging.paged_cache import PagedCache
 from client.paging.staging_pool import StagingPool
-from client.stats import ClientStats
-from client.sync_client import KVCacheClient
 from client.vllm.cache_checks import worker_caches
-from client.vllm.drafts import DraftFacts, DraftPages, rank_draft_client
+from client.vllm.drafts import DraftPages
 from client.vllm.events import SaveOutcomes
 from client.vllm.gathered import GatheredPages
 from client.vllm.load_errors import LoadErrors
 from client.vllm.metadata import KVStoreConnectorMetadata, LoadSpec
-from client.vllm.options import ConnectorOptions, rank_client
+from client.vllm.options import ConnectorOptions
 from client.vllm.pins import PinQueue
 from client.vllm.remote_prefill import RemotePrefills
 from client.vllm.save_copies import copy_out_saves
 from client.vllm.saver import SaveQueue
 from client.vllm.state_pages import StatePages
-from client.vllm.states import StateFacts
 from client.vllm.stats import DeviceCounts, RefusalLog, StatsRecorder
+from client.vllm.store import PageStore
 from client.vllm.support import hybrid_groups, vllm_ranks
+from client.vllm.worker_setup import WorkerFeatures, WorkerStores
 from kvstore.errors import KVStoreError
-from kvstore.settings.client import ClientOptions
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -70,49 +71,47 @@ _IDLE_WAIT_S = 0.02
 
 
 class ConnectorWorker:
-    """Worker-side state: the paged cache, its client, loader and saver threads, the
+    """Worker-side state: the paged cache, its store, loader and saver threads, the
     staging pool, loads in flight and blocks that failed to load. Until
     ``register_kv_caches`` succeeds the worker cannot load: each load it is given is
-    reported finished with every block failed (recomputed)."""
+    reported finished with every block failed (recomputed). Built by
+    ``KVStoreConnector`` for a worker's role (or a test): ``stores`` opens its stores
+    once its caches are registered, ``features`` says what it does."""
 
     def __init__(
         self,
         vllm_config: VllmConfig,
         conf: ConnectorOptions,
-        options: ClientOptions,
         *,
         stats: StatsRecorder,
-        enabled: bool = True,
+        stores: WorkerStores,
+        features: WorkerFeatures,
         kv_cache_config: KVCacheConfig | None = None,
-        drafts: DraftFacts | None = None,
-        states: StateFacts | None = None,
         ranks: Callable[[], tuple[int, int]] = vllm_ranks,
-        device: Callable[[ClientStats], DeviceCopier | None] = default_copier,
     ) -> None:
-        self._device = device  # builds the client's device copier (KVStoreConnector)
+        self._stores = stores
         # A state-space hybrid's groups (client.vllm.states) and, once registered, its
-        # state layers' caches and client.
-        self._state_facts = states
+        # state layers' caches and store.
+        self._state_facts = features.states
         self._states: StatePages | None = None
         self._vllm_config = vllm_config
         self._ranks = ranks  # (PP rank, TP rank), asked in register_kv_caches
-        self._drafts = drafts  # the draft's layers, stored apart (client.vllm.drafts)
+        self._drafts = features.drafts  # the draft's layers, stored apart (client.vllm.drafts)
         self._draft: DraftPages | None = None
         self._kv_cache_config = kv_cache_config
         # Hybrid KV-cache groups (client.vllm.support.hybrid_groups): the group of each
         # layer of the cache, in its order; empty for one group.
         self._layer_groups: list[int] = []
         self._gathered: GatheredPages | None = None  # hybrid: pages gathered step by step
-        self._enabled = enabled  # False: the engine cannot use the store (client.vllm.support); never loads or saves
+        self._enabled = features.enabled  # False: never loads or saves (client.vllm.support)
         self._conf = conf
-        self._options = options
         self._stats = stats
         # by block, or by request on a cache of several groups (vLLM stops the engine on a
         # block-level report there), set now: loads fail even when registration does not
         self._load_errors = LoadErrors(stats, by_request=hybrid_groups(kv_cache_config))
         self._refusals = RefusalLog(stats)
         self._block_size = vllm_config.cache_config.block_size
-        self._client: KVCacheClient | None = None
+        self._client: PageStore | None = None
         self._cache: PagedCache | None = None
         self._loader: ThreadPoolExecutor | None = None
         self._loading: dict[str, Future] = {}
@@ -150,27 +149,19 @@ class ConnectorWorker:
             return
         names, layout, draft_cache = caches.names, caches.layout, caches.draft
         self._cache, self._layer_groups = caches.cache, caches.layer_groups
-        self._client = rank_client(
-            self._vllm_config,
-            self._conf,
-            self._options,
-            "WORKER",
+        self._client = self._stores.engine(
             layout=layout,
             tp_rank=tp_rank,
             pp_rank=pp_rank,
-            device=self._device,
             page_layers=len(names) if facts is not None else None,
         )
         if facts is not None and self._kv_cache_config is not None:
             try:
                 self._states = StatePages.for_worker(
-                    self._vllm_config,
-                    self._conf,
-                    self._options,
                     facts,
                     self._kv_cache_config,
                     kv_caches,
-                    tp_rank,
+                    lambda: self._stores.states(facts, tp_rank=tp_rank),
                 )
             except KVStoreError as exc:
                 log.error("KVStoreConnector disabled on this worker: %s", exc)
@@ -221,15 +212,7 @@ class ConnectorWorker:
             layer_index={name: i for i, name in enumerate(names)},
         )
         if draft_cache is not None and self._drafts is not None:
-            client = rank_draft_client(
-                self._vllm_config,
-                self._conf,
-                self._options,
-                self._drafts,
-                "WORKER",
-                layout=caches.draft_layout,
-                tp_rank=tp_rank,
-            )
+            client = self._stores.draft(self._drafts, layout=caches.draft_layout, tp_rank=tp_rank)
             # as many pages per buffer as the target's: every load and save moves both
             self._draft = DraftPages.build(
                 client, draft_cache, self._page_loader, buffers=buffers, pages=pages
@@ -277,7 +260,7 @@ class ConnectorWorker:
             return outcome
         return self._draft.load_after(spec, outcome, after)
 
-    def _registered(self) -> tuple[KVCacheClient, PagedCache, StagingPool]:
+    def _registered(self) -> tuple[PageStore, PagedCache, StagingPool]:
         """The client, paged cache and staging pool of a worker whose
         ``register_kv_caches`` succeeded; raises ``KVStoreError`` on any other (its
         callers end that as a failed load or an unsaved request)."""

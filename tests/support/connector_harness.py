@@ -17,16 +17,20 @@ A real engine is still what the ``test_vllm*`` files run (one per family); this 
 the connector's logic (chunked prefill, failed loads, the breaker, loads beside decodes),
 at a small fraction of an engine's start-up.
 
-With a ``MemoryStore`` (tests/support/memory_store.py) in place of a store's URL, the
-scheduler's connector looks up in it (``KVStoreConnector``'s ``stores``) and a stand-in
-worker (``MemoryWorker``) loads and saves its pages in this thread: no node, no
-process, for the fast tier (tests/vllm/test_scheduler_decisions.py)."""
+With a ``MemoryStore`` (tests/support/memory_store.py) in place of a store's URL, both
+halves of the connector open their stores in it (``KVStoreConnector``'s ``stores``):
+the scheduler looks up there and the real worker (``ConnectorWorker``: its loader,
+saver and pin threads) loads and saves real page bytes there. No node, no process, for
+the fast tier (tests/vllm/test_scheduler_decisions.py, test_worker_decisions.py); each
+step then ends once its saves are stored and its pins made (``settle``), so a test
+reads the store as the step left it."""
 
 from __future__ import annotations
 
 import os
 import random
 from collections.abc import Callable
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,7 +59,6 @@ from vllm.v1.structured_output import StructuredOutputManager
 from client.memory.device_pages import DeviceCopier, default_copier
 from client.stats import ClientStats
 from client.vllm.connector import KVStoreConnector
-from client.vllm.metadata import KVStoreConnectorMetadata
 from tests.support.memory_store import MemoryClient, MemoryStore
 from tests.support.tiny_models import TINY_LLAMA, write_tiny_llama_config
 
@@ -129,13 +132,16 @@ class ConnectorHarness:
         device: Callable[[ClientStats], DeviceCopier | None] = default_copier,
         layer_waits: bool = True,
         events_endpoint: str | None = None,
+        kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         """``device``: the worker client's device copier (``HostCopier`` runs the GPU's
         load path on the CPU); ``layer_waits``: whether the forward calls
         ``wait_for_layer_load`` before each layer, as vLLM's attention layers do;
         ``events_endpoint``: the ZMQ address the scheduler publishes KV events on
         (vLLM's publisher, ``kv_events_config``), None for none; ``store``: the pages
-        are kept in it (``redis_url`` None), by ``MemoryStoreConnector``."""
+        are kept in it (``redis_url`` None), by ``MemoryStoreConnector``;
+        ``kv_cache_config``: the engine's groups and tensors (None: one attention group
+        of every layer, ``attention_config``)."""
         engine_id = f"memory-{id(self)}"
         if store is not None:
             _MEMORY[engine_id] = store
@@ -172,21 +178,7 @@ class ConnectorHarness:
         self.vllm_config = args.create_engine_config()
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-        spec = FullAttentionSpec(
-            block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float32
-        )
-        self.kv_cache_config = KVCacheConfig(
-            num_blocks=num_blocks,
-            kv_cache_tensors=[  # layer-outermost, one region each, as the CPU runner makes
-                KVCacheTensor(
-                    size=spec.page_size_bytes * num_blocks * len(names),
-                    layers=names,
-                    layer_stride=spec.page_size_bytes * num_blocks,
-                    block_stride=spec.page_size_bytes,
-                )
-            ],
-            kv_cache_groups=[KVCacheGroupSpec(names, spec)],
-        )
+        self.kv_cache_config = kv_cache_config or attention_config(names, num_blocks)
         init_none_hash(sha256_cbor)
         self._hasher = get_request_block_hasher(BLOCK, sha256_cbor)
         opened = len(store.opened) if store is not None else 0
@@ -201,25 +193,22 @@ class ConnectorHarness:
         self._stats: KVConnectorStats | None = None
         # vLLM's connector view: [blocks, kv heads, block, 2 * head size] per layer
         self.layers = [torch.zeros(num_blocks, KV_HEADS, BLOCK, 2 * HEAD) for _ in names]
-        self.memory: MemoryWorker | None = None
-        self.worker: KVStoreConnector | None = None
+        self.store = store
         if store is not None:  # the scheduler's connector opened its engine's pages first
             assert len(store.opened) > opened, (
                 "a MemoryStore's harness loads: kv_both or kv_consumer"
             )
-            # the scheduler's lookups; the worker's are its own, as a worker's client
-            self.lookups = store.opened[opened]
-            worker = MemoryClient(store, self.lookups.namespace)
-            self.memory = MemoryWorker(worker, self.layers)
-        else:
-            self.worker = KVStoreConnector(
-                self.vllm_config,
-                KVConnectorRole.WORKER,
-                self.kv_cache_config,
-                ranks=lambda: (0, 0),
-                device=device,
-            )
-            self.worker.register_kv_caches(dict(zip(names, self.layers)))
+            # the scheduler's lookups; the worker opens its own, as a worker's client
+            self.lookups: MemoryClient = store.opened[opened]
+        connector = KVStoreConnector if store is None else MemoryStoreConnector
+        self.worker = connector(
+            self.vllm_config,
+            KVConnectorRole.WORKER,
+            self.kv_cache_config,
+            ranks=lambda: (0, 0),
+            device=device,
+        )
+        self.worker.register_kv_caches(dict(zip(names, self.layers)))
         self._running: dict[str, _Running] = {}
         self.finished: dict[str, Finished] = {}
         # per step, the requests with output: how many tokens each has generated
@@ -267,18 +256,7 @@ class ConnectorHarness:
     def step(self) -> None:
         out = self.scheduler.schedule()
         assert out.kv_connector_metadata is not None
-        if self.memory is not None:
-            self._track_blocks(out)
-            loaded, invalid = self.memory.load(out.kv_connector_metadata)
-            sampled = self._forward(out)
-            self.memory.save(out.kv_connector_metadata)
-            self._collect()  # before vLLM's scheduler takes the lookups' statistics
-            self._finish_step(
-                out, sampled, KVConnectorOutput(finished_recving=loaded, invalid_block_ids=invalid)
-            )
-            return
         worker = self.worker
-        assert worker is not None
         worker.bind_connector_metadata(out.kv_connector_metadata)
         worker.start_load_kv(None)  # type: ignore[arg-type]  # the CPU runner passes its forward context
         self._track_blocks(out)
@@ -286,6 +264,8 @@ class ConnectorHarness:
             worker.wait_for_layer_load(name)
         sampled = self._forward(out)
         worker.wait_for_save()
+        if self.store is not None:
+            self.settle()
         results = worker.get_transfer_results(out.finished_req_ids)
         connector_output = KVConnectorOutput(
             finished_sending=results.finished_sending,
@@ -297,6 +277,13 @@ class ConnectorHarness:
         self._collect()
         worker.clear_connector_metadata()
         self._finish_step(out, sampled, connector_output)
+
+    def settle(self) -> None:
+        """Wait until the worker's saves handed over so far are stored and their pins
+        made (a ``MemoryStore``'s harness does after each step's ``wait_for_save``)."""
+        side = self.worker._worker_side
+        wait_futures(list(side._saves.in_flight))
+        wait_futures(list(side._pins.in_flight))
 
     def _finish_step(
         self, out, sampled: dict[str, list[int]], connector_output: KVConnectorOutput
@@ -399,7 +386,7 @@ class ConnectorHarness:
         """Take both halves' statistics since the last call, as vLLM does each step (the
         lookups' are the scheduler's)."""
         for side in (self.worker, self.scheduler.connector):
-            if side is None:  # a MemoryStore's harness has no worker connector
+            if side is None:
                 continue
             stats = side.get_kv_connector_stats()
             if stats is not None:
@@ -412,8 +399,7 @@ class ConnectorHarness:
         return dict(self._stats.data) if self._stats is not None else {}
 
     def close(self) -> None:
-        if self.worker is not None:
-            self.worker.shutdown()
+        self.worker.shutdown()
         self.scheduler.shutdown()
         _MEMORY.pop(self.vllm_config.kv_transfer_config.engine_id, None)
 
@@ -429,55 +415,30 @@ _MEMORY: dict[str, MemoryStore] = {}
 
 
 class MemoryStoreConnector(KVStoreConnector):
-    """The connector whose scheduler looks up in its harness's ``MemoryStore`` (vLLM's
-    ``Scheduler`` builds it from the config: the engine id names the store)."""
+    """The connector whose halves open their stores in its harness's ``MemoryStore``
+    (vLLM's ``Scheduler`` builds the scheduler's from the config: the engine id names
+    the store; the harness builds the worker's)."""
 
-    def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
+    def __init__(self, vllm_config, role, kv_cache_config=None, **kw) -> None:
         store = _MEMORY[vllm_config.kv_transfer_config.engine_id]
-        super().__init__(vllm_config, role, kv_cache_config, stores=store.client)
+        super().__init__(vllm_config, role, kv_cache_config, stores=store.client, **kw)
 
 
-class MemoryWorker:
-    """The worker half over a ``MemoryStore``, in the harness's thread: each step's loads
-    (and P/D claims, found when the step runs) copy their pages into ``layers``, whole,
-    before the forward; a page missing fails its block (vLLM recomputes it); each save
-    puts its blocks' pages, and each pin is made once the step's saves are put. A page is
-    a block's slot of every layer, layer after layer."""
-
-    def __init__(self, client: MemoryClient, layers: list[torch.Tensor]) -> None:
-        self.client = client
-        self.layers = layers
-
-    def load(self, meta: KVStoreConnectorMetadata) -> tuple[set[str], set[int]]:
-        """The requests whose loads finished (all of them) and the blocks that failed."""
-        done, failed = set(), set()
-        todo = [(spec.req_id, spec.found, spec.block_ids, spec.start_block) for spec in meta.loads]
-        for claim in meta.awaited:
-            found = self.client.find(claim.tokens, identity=claim.extras or None)
-            assert found is not None
-            todo.append((claim.req_id, found, claim.block_ids, claim.start_block))
-            failed.update(b for b in claim.block_ids[found.blocks :] if b)
-        for req_id, found, block_ids, start in todo:
-            pages = self.client.pages(found)
-            for pos in range(start, min(len(block_ids), len(pages))):
-                page = pages[pos]
-                if page is None:
-                    failed.add(block_ids[pos])
-                    continue
-                held = torch.frombuffer(bytearray(page), dtype=torch.float32)
-                for layer, kv in zip(held.view(len(self.layers), -1), self.layers):
-                    kv[block_ids[pos]] = layer.view(kv.shape[1:])
-            done.add(req_id)
-        return done, failed
-
-    def save(self, meta: KVStoreConnectorMetadata) -> None:
-        for spec in meta.saves:
-            pages = [
-                b"".join(kv[block].contiguous().numpy().tobytes() for kv in self.layers)
-                for block in spec.block_ids
-            ]
-            self.client.put(
-                spec.token_ids, pages, identity=spec.extras or None, start_block=spec.start_block
+def attention_config(names: list[str], num_blocks: int) -> KVCacheConfig:
+    """One full-attention group of every layer in ``names``, each layer's cache a
+    region of its own (layer-outermost, as vLLM's CPU runner makes them)."""
+    spec = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float32
+    )
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=spec.page_size_bytes * num_blocks * len(names),
+                layers=names,
+                layer_stride=spec.page_size_bytes * num_blocks,
+                block_stride=spec.page_size_bytes,
             )
-        for pin in meta.pins:  # after the step's saves, as a worker's pins follow its saves
-            self.client.pin(pin.token_ids, identity=pin.extras or None, ttl_s=pin.ttl_s)
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+    )
