@@ -93,7 +93,7 @@ class MemoryStore:
         self.pins: list[Pinned] = []  # every pin, in order (kept; nothing is evicted here)
         self.device = device
         self._evicting: set[bytes] = set()
-        self.reads = 0  # gets run (``read``)
+        self.reads: list[str] = []  # each get's destination kind, in order (``read``)
 
     def client(self, namespace: Namespace) -> MemoryClient:
         made = MemoryClient(self, namespace)
@@ -121,8 +121,8 @@ class MemoryStore:
         for (digest, page_hash), page in other._pages.items():
             self._put(digest, page_hash, page)
 
-    def _reading(self) -> None:
-        self.reads += 1
+    def _reading(self, into: object) -> None:
+        self.reads.append(type(into).__name__)
         if self._evicting:
             for key in [k for k in self._pages if k[1] in self._evicting]:
                 del self._pages[key]
@@ -287,8 +287,8 @@ class MemoryClient:
         """Land the pages ``plan`` names where its destination says, blocks
         ``plan.start_block`` on, up to the first page missing; the tokens of the prefix
         that arrived (0 when none did past the start), as ``KVCacheClient.read``."""
-        self._store._reading()
         into: Any = plan.into
+        self._store._reading(into)
         pages = plan.pages
         found = (
             self.find(pages.token_ids, identity=pages.identity)
