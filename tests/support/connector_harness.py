@@ -132,16 +132,13 @@ class ConnectorHarness:
         device: Callable[[ClientStats], DeviceCopier | None] = default_copier,
         layer_waits: bool = True,
         events_endpoint: str | None = None,
-        kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         """``device``: the worker client's device copier (``HostCopier`` runs the GPU's
         load path on the CPU); ``layer_waits``: whether the forward calls
         ``wait_for_layer_load`` before each layer, as vLLM's attention layers do;
         ``events_endpoint``: the ZMQ address the scheduler publishes KV events on
         (vLLM's publisher, ``kv_events_config``), None for none; ``store``: the pages
-        are kept in it (``redis_url`` None), by ``MemoryStoreConnector``;
-        ``kv_cache_config``: the engine's groups and tensors (None: one attention group
-        of every layer, ``attention_config``)."""
+        are kept in it (``redis_url`` None), by ``MemoryStoreConnector``."""
         engine_id = f"memory-{id(self)}"
         if store is not None:
             _MEMORY[engine_id] = store
@@ -178,7 +175,7 @@ class ConnectorHarness:
         self.vllm_config = args.create_engine_config()
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-        self.kv_cache_config = kv_cache_config or attention_config(names, num_blocks)
+        self.kv_cache_config = attention_config(names, num_blocks)
         init_none_hash(sha256_cbor)
         self._hasher = get_request_block_hasher(BLOCK, sha256_cbor)
         opened = len(store.opened) if store is not None else 0
