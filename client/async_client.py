@@ -23,13 +23,11 @@ An index that rejects a script (a bug) is logged at ERROR, counted in
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
-from client.codec import check_pages
 from client.control import AsyncControlCalls, ClientControl
 from client.gets.landing import TransferMode, lands_in_place
 from client.gets.plan import (
@@ -43,15 +41,14 @@ from client.gets.plan import (
 from client.gets.views import async_view
 from client.lookups.prefix import Identity
 from client.lookups.stored_prefix import StoredPrefix
-from client.memory.buffers import Span
 from client.memory.device_pages import DeviceCopier, default_copier
 from client.parts import client_parts
+from client.puts.plan import PutPlan, keyed_put_plan, pages_put_plan
 from client.puts.publish import PublishReport
+from client.puts.views import async_put_view
 from client.stats import ClientStats
-from kvstore.errors import InvalidInputError
 from kvstore.pages import heads
 from kvstore.pages.checksum import start_helper
-from kvstore.pages.hashing import split_hashes, token_array
 from kvstore.pages.namespace import Namespace
 from kvstore.settings.client import (
     ClientOptions,
@@ -116,7 +113,7 @@ class AsyncKVCacheClient(AsyncControlCalls):
         self.device = parts.device
         self.index, self.nodes = parts.index, parts.nodes
         self.registration, self.lookups = parts.registration, parts.lookups
-        self._buffers, self._publisher = parts.buffers, parts.publisher
+        self._buffers, self._writer = parts.buffers, parts.writer
         self._reader, self._sequences = parts.reader, parts.sequences
         # pin, unpin, prefetch, clear, where (client.control: AsyncControlCalls)
         self.control = ClientControl(self.storage, self.chain_hashes, self.nodes, opts)
@@ -215,36 +212,18 @@ class AsyncKVCacheClient(AsyncControlCalls):
         """What ``find`` returns for the lookup of ``joined`` that gave ``result``."""
         return self.lookups.stored_prefix(joined, result)
 
-    async def put_pages(
-        self,
-        token_ids: Any,
-        pages: torch.Tensor,
-        *,
-        identity: Identity = None,
-        start_block: int = 0,
-    ) -> PublishReport:
-        """Store ``pages[i]`` (``[num_blocks, *page_shape]``) as full block
-        ``start_block + i`` of ``token_ids``: as the head groups this rank holds, which
-        engines of any TP size read. Pages a node already holds are not sent again;
-        counts in the report are units (pages of one head group). ``identity``: as for
-        ``lookup``. ``start_block``: the caller has no pages of the blocks before it
-        (the vLLM connector's hybrid engines, whose sliding layers keep no blocks below
-        their window after a hit); they are found only while stored already."""
-        hashes = split_hashes(self.chain_hashes(token_ids, identity))
-        if not 0 <= start_block <= len(hashes):
-            raise InvalidInputError(
-                f"start_block {start_block} must lie within the {len(hashes)} full blocks of token_ids"
-            )
-        count = len(hashes) - start_block
-        check_pages(self.namespace, "pages", pages, count, at_least=False)
-        out = self._publisher.units(hashes, pages[:count].to("cpu"), start_block)
-        # each block's token ids go with its pages, for the nodes' KV events (4 bytes a token)
-        size = self.namespace.block_size
-        raw = token_array(token_ids)[start_block * size : (start_block + count) * size].tobytes()
-        width = 4 * size
-        blocks = [raw[i * width : (i + 1) * width] for i in range(count)]
-        units = blocks * (len(out.hashes) // max(count, 1))  # unit by unit, as out's pages
-        return await self._publisher.publish(dataclasses.replace(out, tokens=units))
+    # The puts: each a view of one plan (client.puts.plan: its builder holds the
+    # method's signature and documentation), put by ``put``.
+    put_pages = async_put_view(pages_put_plan)
+    put_keyed = async_put_view(keyed_put_plan)
+
+    async def put(self, plan: PutPlan) -> PublishReport:
+        """Run a put described as a plan (``client.puts.plan``: which pages, under which
+        keys, from which source), through the handler registered for its (source,
+        destination) pair (``client.gets.handlers``): the public puts above build
+        theirs, and a module that registers a source of its own has its plans put here.
+        Returns what is stored (``PublishReport``)."""
+        return await self._writer.put(plan)
 
     async def find_keys(
         self, page_keys: list[str], *, position: int | None = None, anchor_key: str | None = None
@@ -260,23 +239,6 @@ class AsyncKVCacheClient(AsyncControlCalls):
         place = lookups.keyed_place(position, anchor_key)
         joined = lookups.keyed_hashes(page_keys)
         return await lookups.on_loop(lookups.find_joined_steps, joined, place=place)
-
-    async def put_keyed(
-        self,
-        page_keys: list[str],
-        spans: list[Span],
-        *,
-        position: int | None = None,
-        anchor_key: str | None = None,
-    ) -> PublishReport:
-        """Store page ``spans[i]`` (this rank's page, in host memory: a span of an
-        array, or its pieces, ``client.memory.buffers``) under ``page_keys[i]``, for a
-        keyed layout; ``position`` and ``anchor_key`` as for ``find_keys``. Pages a node
-        holds already are not sent again; no token ids go with them (the nodes' KV
-        events name such pages by hash alone)."""
-        hashes = split_hashes(self.lookups.keyed_hashes(page_keys))
-        place = self.lookups.keyed_place(position, anchor_key)
-        return await self._publisher.publish(self._publisher.keyed(hashes, spans, place))
 
     # The gets: each a view of one plan (client.gets.plan: its builder holds the
     # method's signature and documentation), read by ``read``.

@@ -2,7 +2,8 @@
 another at construction: ``NodeDirectory`` (``client.nodes.directory``: registry,
 suspects, connections), ``NamespaceRegistration`` (``client.lookups.registration``),
 ``PrefixLookup`` (``client.lookups.prefix``), ``Publisher`` (``client.puts.publish``),
-``ReplicaFetcher`` (``client.gets.fetch``), ``PageReader`` (``client.gets.reads``: the get
+``PageWriter`` (``client.puts.writes``: every put, as a plan through its source's
+handler), ``ReplicaFetcher`` (``client.gets.fetch``), ``PageReader`` (``client.gets.reads``: the get
 variants, landing as ``client.gets.landing`` chooses) and ``LookupBuffer``
 (``client.sequences``: insert/select). Host buffers are
 ``client.memory.staging.HostBuffers`` (one pool per process).
@@ -25,6 +26,7 @@ from client.memory.device_pages import DeviceCopier
 from client.memory.staging import HostBuffers, host_buffers
 from client.nodes.directory import NodeDirectory
 from client.puts.publish import Publisher
+from client.puts.writes import PageWriter
 from client.sequences import LookupBuffer
 from client.stats import ClientStats
 from kvstore.index import AsyncPageIndex
@@ -45,6 +47,7 @@ class ClientParts:
     registration: NamespaceRegistration
     lookups: PrefixLookup
     publisher: Publisher
+    writer: PageWriter
     buffers: HostBuffers
     reader: PageReader
     sequences: LookupBuffer
@@ -89,11 +92,22 @@ def client_parts(
         replicas=opts.replicas,
         timeout=opts.timeout,
     )
+    writer = PageWriter(publisher, lookups, namespace, heads)
     buffers = host_buffers()
     reader = PageReader(
         lookups, fetcher, namespace, heads, stats, buffers, opts.transfer_mode, copier
     )
     sequences = LookupBuffer(namespace, heads, lookups, publisher, fetcher, reader, buffers)
     return ClientParts(
-        stats, copier, index, nodes, registration, lookups, publisher, buffers, reader, sequences
+        stats,
+        copier,
+        index,
+        nodes,
+        registration,
+        lookups,
+        publisher,
+        writer,
+        buffers,
+        reader,
+        sequences,
     )

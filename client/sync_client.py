@@ -37,8 +37,9 @@ from client.gets.plan import (
 from client.gets.views import blocking_view
 from client.lookups.prefix import Identity, Ready
 from client.lookups.stored_prefix import StoredPrefix
-from client.memory.buffers import Span
+from client.puts.plan import PutPlan, keyed_put_plan, pages_put_plan
 from client.puts.publish import PublishReport
+from client.puts.views import blocking_put_view
 from client.stats import ClientStats
 from kvstore.errors import TransportError
 from kvstore.index import PageIndex
@@ -238,18 +239,6 @@ class KVCacheClient(ControlCalls):
         present = self._in_caller(timeout, lookups.stored_each_steps, joined)
         return None if present is None else present.tolist()
 
-    def put_keyed(
-        self,
-        page_keys: list[str],
-        spans: list[Span],
-        *,
-        position: int | None = None,
-        anchor_key: str | None = None,
-    ) -> PublishReport:
-        """``AsyncKVCacheClient.put_keyed``."""
-        coro = self._async.put_keyed(page_keys, spans, position=position, anchor_key=anchor_key)
-        return self._run(coro, self._bound())
-
     def _in_caller(
         self,
         timeout: float | None,
@@ -289,18 +278,13 @@ class KVCacheClient(ControlCalls):
                     self._indexes[seconds] = index
         return index
 
-    def put_pages(
-        self,
-        token_ids: Any,
-        pages: torch.Tensor,
-        *,
-        identity: Identity = None,
-        start_block: int = 0,
-    ) -> PublishReport:
-        return self._run(
-            self._async.put_pages(token_ids, pages, identity=identity, start_block=start_block),
-            self._bound(),
-        )
+    # The puts: each a view of one plan (client.puts.plan), put by ``put``.
+    put_pages = blocking_put_view(pages_put_plan)
+    put_keyed = blocking_put_view(keyed_put_plan)
+
+    def put(self, plan: PutPlan) -> PublishReport:
+        """``AsyncKVCacheClient.put`` within the call's bound (past it: ``TransportError``)."""
+        return cast(PublishReport, self._run(self._async.put(plan), self._bound()))
 
     # The gets: each a view of one plan (client.gets.plan), read by ``read``.
     get_pages = blocking_view(pages_plan)

@@ -3,6 +3,12 @@
 ``OffloadingWorker.register_handler``. ``PageReader.read`` (``client.gets.reads``)
 runs every ``GetPlan`` through the handler of its pair (``handler_for``).
 
+One registry serves both directions: a get's pair is (``NODES``, a ``Destination``
+kind), a put's (a ``client.puts.plan.Source`` kind, ``NODES``), its handler a
+``client.puts.handlers.PutHandler``; ``PageWriter.put`` (``client.puts.writes``) runs
+every ``PutPlan`` through it. The kind side of a pair is matched by its nearest
+registered base class.
+
 The built-in handlers register themselves when ``client.gets.reads`` imports them:
 ``client.gets.host_handlers`` (rank pages in a tensor, spans, head-group units) and
 ``client.gets.device_handlers`` (device rows, layer by layer). A new medium is one
@@ -15,7 +21,7 @@ UCX paths, the device copier), so every handler inherits their checks and speed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
 
 import torch
 
@@ -28,16 +34,19 @@ if TYPE_CHECKING:
     from client.memory.device_pages import DeviceCopier
     from client.memory.device_rows import DeviceRows
     from client.memory.staging import HostBuffers
+    from client.puts.handlers import PutHandler
+    from client.puts.plan import Source
     from client.stats import ClientStats
     from kvstore.index import LookupResult
     from kvstore.pages.heads import RankUnits
     from kvstore.pages.namespace import Namespace
 
 D = TypeVar("D", bound="Destination[Any]")
+S = TypeVar("S", bound="Source")
 D_contra = TypeVar("D_contra", bound="Destination[Any]", contravariant=True)
 R_co = TypeVar("R_co", covariant=True)
-# The one source there is today: the nodes, each over shared memory or UCX (its
-# connection's choice; ``client.gets.plan.Source``).
+# The nodes, each over shared memory or UCX (its connection's choice): the one source of
+# gets there is today (``client.gets.plan.Source``), and the one destination of puts.
 NODES = "nodes"
 
 
@@ -108,34 +117,64 @@ class GetHandler(Protocol[D_contra, R_co]):
     async def land(self, reader: Reader, pages: FoundPages, into: D_contra) -> R_co: ...
 
 
-_HANDLERS: dict[tuple[str, type[Any]], GetHandler[Any, Any]] = {}
+_HANDLERS: dict[tuple[Any, Any], Any] = {}
 
 
+@overload
 def register_handler(
     source: str, destination: type[D], handler: GetHandler[D, Any], *, replace: bool = False
-) -> None:
-    """Land plans from ``source`` into ``destination`` (a ``Destination`` subclass, and
-    its subclasses unless they have their own) with ``handler``. A pair has one handler:
-    registering it again raises ``ValueError`` unless ``replace``."""
+) -> None: ...
+
+
+@overload
+def register_handler(
+    source: type[S], destination: str, handler: PutHandler[S], *, replace: bool = False
+) -> None: ...
+
+
+def register_handler(source: Any, destination: Any, handler: Any, *, replace: bool = False) -> None:
+    """Land plans from ``source`` into ``destination`` (a get: ``NODES`` and a
+    ``Destination`` subclass) or send them from ``source`` to ``destination`` (a put: a
+    ``Source`` subclass and ``NODES``) with ``handler``; the kind covers its subclasses
+    unless they have their own. A pair has one handler: registering it again raises
+    ``ValueError`` unless ``replace``."""
     key = (source, destination)
     if key in _HANDLERS and not replace:
-        raise ValueError(f"a handler for {source} -> {destination.__name__} is registered")
+        raise ValueError(f"a handler for {_pair(source, destination)} is registered")
     _HANDLERS[key] = handler
 
 
-def handler_for(source: str, destination: type[Any]) -> GetHandler[Any, Any]:
-    """The handler of ``(source, destination)``, or of its nearest registered base
-    class; ``InvalidInputError`` naming the registered pairs when there is none."""
-    for kind in destination.__mro__:
-        handler = _HANDLERS.get((source, kind))
+@overload
+def handler_for(source: str, destination: type[Any]) -> GetHandler[Any, Any]: ...
+
+
+@overload
+def handler_for(source: type[Any], destination: str) -> PutHandler[Any]: ...
+
+
+def handler_for(source: Any, destination: Any) -> Any:
+    """The handler of ``(source, destination)``, or of the kind's nearest registered
+    base class; ``InvalidInputError`` naming the registered pairs when there is none."""
+    put = isinstance(source, type)
+    for kind in (source if put else destination).__mro__:
+        handler = _HANDLERS.get((kind, destination) if put else (source, kind))
         if handler is not None:
             return handler
-    pairs = ", ".join(f"{s} -> {d.__name__}" for s, d in _HANDLERS)
+    pairs = ", ".join(_pair(s, d) for s, d in _HANDLERS)
+    what = "sends pages from {} to {}" if put else "lands pages from {} into {}"
     raise InvalidInputError(
-        f"no handler lands pages from {source} into {destination.__name__} (registered: {pairs})"
+        f"no handler {what.format(_name(source), _name(destination))} (registered: {pairs})"
     )
 
 
-def registered() -> list[tuple[str, type[Any]]]:
-    """The registered (source, destination) pairs, in registration order."""
+def registered() -> list[tuple[Any, Any]]:
+    """The registered (source, destination) pairs, gets' and puts', in registration order."""
     return list(_HANDLERS)
+
+
+def _name(side: Any) -> str:
+    return side.__name__ if isinstance(side, type) else str(side)
+
+
+def _pair(source: Any, destination: Any) -> str:
+    return f"{_name(source)} -> {_name(destination)}"

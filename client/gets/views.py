@@ -37,7 +37,7 @@ def async_view(
     async def view(self: Reads, *args: P.args, **kwargs: P.kwargs) -> R:
         return await self.read(build(*args, **kwargs))
 
-    return _named(view, build)
+    return named_after(view, build)
 
 
 def blocking_view(build: Callable[P, GetPlan[R]]) -> Callable[Concatenate[BlockingReads, P], R]:
@@ -46,13 +46,13 @@ def blocking_view(build: Callable[P, GetPlan[R]]) -> Callable[Concatenate[Blocki
     def view(self: BlockingReads, *args: P.args, **kwargs: P.kwargs) -> R:
         return self.read(build(*args, **kwargs))
 
-    return _named(view, build)
+    return named_after(view, build)
 
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _named(view: F, build: Callable[..., Any]) -> F:
+def named_after(view: F, build: Callable[..., Any]) -> F:
     """``view`` documented as ``build``, with ``self`` before its parameters."""
     view.__doc__ = build.__doc__
     view.__qualname__ = f"view of {build.__name__}"

@@ -10,10 +10,8 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import torch
-
 from client.lookups.registration import NamespaceRegistration
-from client.memory.buffers import Span, host_bytes, page_spans
+from client.memory.buffers import Span
 from client.nodes.calls import NodeRefusedError, OutgoingPage, PutOutcome
 from client.nodes.credentials import CallRefusals
 from client.nodes.directory import NodeDirectory
@@ -56,6 +54,9 @@ class Outgoing:
     anchors: list[bytes]
     positions: list[int]
     tokens: list[bytes] | None = None  # per page, its block's token ids (u32 LE): KV events
+    # every page's size where the keys fix it (a unit: a put's blocks or engine keys);
+    # None where the caller's spans say (``insert``'s tail parts)
+    nbytes: int | None = None
 
     def __add__(self, other: Outgoing) -> Outgoing:
         return Outgoing(
@@ -66,6 +67,7 @@ class Outgoing:
             self.tokens + other.tokens
             if self.tokens is not None and other.tokens is not None
             else None,
+            self.nbytes if self.nbytes == other.nbytes else None,
         )
 
 
@@ -106,9 +108,9 @@ class Publisher:
         """The keys of this rank's units of blocks ``hashes[start:]`` (``hashes``: the
         chain from block 0, which places every block in its segment), unit by unit, and
         each unit's segment anchor and position (its block's; ``chain``: where the chain
-        lies in its segments, ``keys.ChainPlace``); no bytes yet. Raises unless
-        the rank holds whole head groups: only those can be stored (``put_pages``,
-        ``insert``)."""
+        lies in its segments, ``keys.ChainPlace``), each a unit of the namespace
+        (``nbytes``); no bytes yet. Raises unless the rank holds whole head groups: only
+        those can be stored (``PageWriter``'s puts, ``insert``)."""
         rank = self._rank
         if not rank.whole:
             ns = self._namespace
@@ -126,41 +128,8 @@ class Publisher:
             [],
             anchors * rank.count,
             positions * rank.count,
+            nbytes=self._namespace.unit_nbytes,
         )
-
-    def units(self, hashes: list[bytes], pages: torch.Tensor, start: int = 0) -> Outgoing:
-        """What ``put_pages`` publishes of this rank's host ``pages`` of blocks
-        ``hashes[start:]``: its units' keys and bytes, unit by unit (``heads.split``)."""
-        out = self.unit_keys(hashes, "store", start)
-        hashes = hashes[start:]
-        units = (
-            pages.contiguous()
-            if self._rank.identity
-            else heads.split(self._namespace, pages, self._rank)
-        )
-        spans = page_spans(
-            host_bytes(units), len(hashes) * self._rank.count, self._namespace.unit_nbytes
-        )
-        return Outgoing(out.hashes, spans, out.anchors, out.positions)
-
-    def keyed(self, hashes: list[bytes], spans: list[Span], chain: keys.ChainPlace) -> Outgoing:
-        """What ``put_keyed`` publishes: page ``spans[i]`` (this rank's whole page, one
-        unit) under storage hash ``hashes[i]`` (a keyed layout's), placed as ``chain``
-        says."""
-        out = self.unit_keys(hashes, "store", chain=chain)
-        if not self._rank.identity:
-            raise InvalidInputError(
-                f"put_keyed needs a rank whose page is one unit; this rank holds {self._rank.count}"
-            )
-        if len(spans) != len(hashes):
-            raise InvalidInputError(f"{len(spans)} pages for {len(hashes)} keys")
-        size = self._namespace.unit_nbytes
-        bad = next((i for i, span in enumerate(spans) if span.nbytes != size), None)
-        if bad is not None:
-            raise InvalidInputError(
-                f"page {bad} holds {spans[bad].nbytes} bytes; a page of this namespace is {size}"
-            )
-        return Outgoing(out.hashes, spans, out.anchors, out.positions)
 
     async def publish(self, out: Outgoing) -> PublishReport:
         """Store each page of ``out`` on its replicas (the namespace registered first
