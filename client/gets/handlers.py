@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
 import torch
 
 from client.gets.landing import TransferMode
+from client.gets.plan import NODES as NODES  # handler modules register their pairs with it
 from kvstore.errors import InvalidInputError
 
 if TYPE_CHECKING:
@@ -45,9 +46,6 @@ D = TypeVar("D", bound="Destination[Any]")
 S = TypeVar("S", bound="Source")
 D_contra = TypeVar("D_contra", bound="Destination[Any]", contravariant=True)
 R_co = TypeVar("R_co", covariant=True)
-# The nodes, each over shared memory or UCX (its connection's choice): the one source of
-# gets there is today (``client.gets.plan.Source``), and the one destination of puts.
-NODES = "nodes"
 
 
 class Reader(Protocol):

@@ -32,6 +32,9 @@ R = TypeVar("R")
 # Where pages come from: the nodes, each reached over shared memory on the same host or
 # over UCX (the node's connection chooses, per node: one get's pages may lie on both).
 Source = Literal["nodes"]
+# The nodes: the one source of gets there is today, and the one destination of puts
+# (``client.puts.plan``); a handler's pair names them so (``client.gets.handlers``).
+NODES: Source = "nodes"
 
 
 @dataclass(frozen=True, slots=True)

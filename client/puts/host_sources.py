@@ -7,10 +7,10 @@ memory the pages are sent from; neither checksums nor sends anything itself."""
 from __future__ import annotations
 
 from client.codec import check_pages
-from client.gets.handlers import register_handler
+from client.gets.handlers import NODES, register_handler
 from client.memory.buffers import host_bytes, page_spans
 from client.puts.handlers import Writer
-from client.puts.plan import NODES, FromPages, FromSpans
+from client.puts.plan import FromPages, FromSpans
 from client.puts.publish import Outgoing, PublishReport
 from kvstore.errors import InvalidInputError
 from kvstore.pages import heads

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from client.gets.handlers import NODES
+from client.gets.plan import NODES
 from client.lookups.prefix import Identity
 from client.memory.buffers import Span
 from client.puts.publish import Outgoing
