@@ -97,7 +97,7 @@ def client_parts(
     reader = PageReader(
         lookups, fetcher, namespace, heads, stats, buffers, opts.transfer_mode, copier
     )
-    sequences = LookupBuffer(namespace, heads, lookups, publisher, fetcher, reader, buffers)
+    sequences = LookupBuffer(namespace, heads, lookups, writer, fetcher, reader, buffers)
     return ClientParts(
         stats,
         copier,

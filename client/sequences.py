@@ -19,7 +19,9 @@ from client.gets.reads import PageReader
 from client.lookups.prefix import Identity, PrefixLookup
 from client.memory.buffers import split_spans
 from client.memory.staging import HostBuffers
-from client.puts.publish import Outgoing, Publisher, PublishReport
+from client.puts.plan import FromSpans, Placed, PutPlan
+from client.puts.publish import Outgoing, PublishReport
+from client.puts.writes import PageWriter
 from kvstore.errors import InvalidInputError
 from kvstore.index import LookupResult
 from kvstore.pages import heads, keys
@@ -53,7 +55,7 @@ class LookupBuffer:
         namespace: Namespace,
         rank: heads.RankUnits,
         lookups: PrefixLookup,
-        publisher: Publisher,
+        writer: PageWriter,
         fetcher: ReplicaFetcher,
         reader: PageReader,
         buffers: HostBuffers,
@@ -62,7 +64,7 @@ class LookupBuffer:
         self._storage = namespace.storage
         self.heads = rank
         self._lookups = lookups
-        self._publisher = publisher
+        self._writer = writer
         self._fetcher = fetcher
         self._reader = reader
         self._buffers = buffers
@@ -102,7 +104,7 @@ class LookupBuffer:
                 )
         extras = resolve(identity, ns.block_size, T)
         hashes = block_hashes(self._storage, tokens, extras)
-        blocks = self._publisher.unit_keys(hashes, "insert")
+        blocks = self._writer.publisher.unit_keys(hashes, "insert")
         key, value = (
             key.to("cpu").contiguous(),
             value.to("cpu").contiguous(),
@@ -114,10 +116,11 @@ class LookupBuffer:
         # namespace, a chain of its own in the index
         parts = part_hashes(sequence_hash(ns, tokens, hashes, extras), len(part_sizes))
         part_anchors, part_positions = keys.placement(parts)
-        pages = Outgoing(blocks.hashes, spans, blocks.anchors, blocks.positions) + Outgoing(
-            parts, split_spans(tail, part_sizes), part_anchors, part_positions
-        )
-        return await self._publisher.publish(pages)
+        # one put: the blocks' units from the caller's key/value, the tail's parts from
+        # its encoded buffer (spans of both, in the keys' order)
+        placed = blocks + Outgoing(parts, [], part_anchors, part_positions)
+        spans += split_spans(tail, part_sizes)
+        return await self._writer.put(PutPlan(Placed(placed), FromSpans(spans)))
 
     async def select(self, input_tokens: Any, roi: Any, *, identity: Identity = None) -> list[Any]:
         """``[input_tokens, roi, key, value, hidden]`` for the longest stored prefix of the
