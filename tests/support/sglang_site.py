@@ -39,7 +39,11 @@ def sglang_env() -> dict[str, str]:
 
 def define_torchvision_ops() -> None:
     """Declare the schemas of the torchvision ops whose fake kernels its import
-    registers (module docstring); a child calls it before importing SGLang."""
+    registers (module docstring); a child calls it before importing SGLang, once or
+    from each module that imports SGLang (a second call does nothing: torch refuses a
+    namespace defined twice)."""
+    if _KEEP:
+        return
     import torch
 
     lib = torch.library.Library("torchvision", "DEF")
