@@ -28,30 +28,20 @@ reads the store as the step left it."""
 from __future__ import annotations
 
 import os
-import random
 from collections.abc import Callable
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from vllm.config import KVEventsConfig, KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
-from vllm.engine.arg_utils import EngineArgs
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256_cbor
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheTensor,
-)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -60,37 +50,44 @@ from client.memory.device_pages import DeviceCopier, default_copier
 from client.stats import ClientStats
 from client.vllm.connector import KVStoreConnector
 from tests.support.memory_store import MemoryClient, MemoryStore
-from tests.support.tiny_models import TINY_LLAMA, write_tiny_llama_config
-
-BLOCK = 32
-VOCAB = TINY_LLAMA["vocab_size"]
-LAYERS, KV_HEADS, HEAD = (
-    TINY_LLAMA[k] for k in ("num_hidden_layers", "num_key_value_heads", "head_dim")
+from tests.support.stand_in_model import (
+    BLOCK,
+    HEAD,
+    KV_HEADS,
+    LAYERS,
+    PROMPT_A,
+    PROMPT_B,
+    PROMPT_C,
+    PROMPT_D,
+    SHARED,
+    VOCAB,
+    WEIGHTS,
+    attention_config,
+    engine_args,
+    kv_value,
+    write_config,
 )
-_MOD = 1_000_003
-# The stand-in model has no checkpoint to fingerprint: its pages are keyed by this
-# revision (``weights_revision``, as an operator names weights the connector cannot read)
-WEIGHTS = "stand-in-model-v1"
 
-
-# The prompts of the in-process tests (tests/vllm/test_vllm_inprocess.py,
-# test_vllm_store_restart.py)
-_rng = random.Random(11)
-PROMPT_A = [_rng.randrange(512) for _ in range(200)]  # 6 full blocks + 8 tokens
-SHARED = 4
-PROMPT_B = PROMPT_A[: SHARED * BLOCK] + [_rng.randrange(512) for _ in range(52)]
-PROMPT_C = [_rng.randrange(512) for _ in range(230)]  # 7 full blocks
-PROMPT_D = [_rng.randrange(512) for _ in range(70)]
-
-
-def kv_value(previous: int, token: int) -> int:
-    """The stand-in model's KV of a position: chained over every token up to it."""
-    return (previous * 131 + token + 1) % _MOD
-
-
-def write_config(path: Path) -> str:
-    """The tiny Llama's config (no weights: nothing here runs the model)."""
-    return write_tiny_llama_config(str(path))
+# the stand-in model's names, for the tests that drive the harness
+__all__ = [
+    "BLOCK",
+    "HEAD",
+    "KV_HEADS",
+    "LAYERS",
+    "PROMPT_A",
+    "PROMPT_B",
+    "PROMPT_C",
+    "PROMPT_D",
+    "SHARED",
+    "VOCAB",
+    "WEIGHTS",
+    "ConnectorHarness",
+    "Finished",
+    "MemoryStoreConnector",
+    "attention_config",
+    "kv_value",
+    "write_config",
+]
 
 
 @dataclass
@@ -142,35 +139,14 @@ class ConnectorHarness:
         engine_id = f"memory-{id(self)}"
         if store is not None:
             _MEMORY[engine_id] = store
-        args = EngineArgs(
-            model=model_dir,
-            skip_tokenizer_init=True,
-            dtype="float32",
-            max_model_len=512,
-            block_size=BLOCK,
-            enforce_eager=True,
-            enable_prefix_caching=False,
-            max_num_batched_tokens=max_batched,
-            max_num_seqs=8,
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="KVStoreConnector" if store is None else "MemoryStoreConnector",
-                kv_connector_module_path="client.vllm_connector"
-                if store is None
-                else "tests.support.connector_harness",
-                kv_role=role,
-                engine_id=engine_id if store is not None else None,
-                kv_connector_extra_config={
-                    # never connected to with a store: the connector asks for one
-                    "redis_url": redis_url or "redis://in-memory.invalid:6379/0",
-                    "weights_revision": WEIGHTS,
-                    **(extra or {}),
-                },
-            ),
-            kv_events_config=KVEventsConfig(
-                enable_kv_cache_events=True, publisher="zmq", endpoint=events_endpoint
-            )
-            if events_endpoint
-            else None,
+        args = engine_args(
+            model_dir,
+            redis_url,
+            engine_id if store is not None else None,
+            role=role,
+            extra=extra,
+            max_batched=max_batched,
+            events_endpoint=events_endpoint,
         )
         self.vllm_config = args.create_engine_config()
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
@@ -419,23 +395,3 @@ class MemoryStoreConnector(KVStoreConnector):
     def __init__(self, vllm_config, role, kv_cache_config=None, **kw) -> None:
         store = _MEMORY[vllm_config.kv_transfer_config.engine_id]
         super().__init__(vllm_config, role, kv_cache_config, stores=store.client, **kw)
-
-
-def attention_config(names: list[str], num_blocks: int) -> KVCacheConfig:
-    """One full-attention group of every layer in ``names``, each layer's cache a
-    region of its own (layer-outermost, as vLLM's CPU runner makes them)."""
-    spec = FullAttentionSpec(
-        block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float32
-    )
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[
-            KVCacheTensor(
-                size=spec.page_size_bytes * num_blocks * len(names),
-                layers=names,
-                layer_stride=spec.page_size_bytes * num_blocks,
-                block_stride=spec.page_size_bytes,
-            )
-        ],
-        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
-    )
