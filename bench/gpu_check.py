@@ -31,7 +31,7 @@ verdict: bench/gpu_wheels.txt), carry .whl/, and build kvstore.pages' C modules 
    ``PagedCache.gather`` (one indexed copy per layer, D2H on a stream of its own); the
    save call's time on the engine thread.
 5. tests/client/test_paged_cache.py, test_device_checksum.py, test_device_loads.py,
-   test_device_layerwise.py, test_device_get_parts.py and test_device_slot_reads.py,
+   test_device_pacing.py, test_device_layerwise.py, test_device_get_parts.py and test_device_slot_reads.py,
    whose CUDA cases run only on a GPU.
 
 A section whose needs are missing reports "skipped: <why>". Comparisons are interleaved
@@ -915,6 +915,7 @@ def section_tests(report: Report, dev: Dev, cluster: Any, args: argparse.Namespa
         "tests/client/test_paged_cache.py",
         "tests/kvstore/pages/test_device_checksum.py",
         "tests/client/test_device_loads.py",
+        "tests/client/test_device_pacing.py",
         "tests/client/test_device_layerwise.py",
         "tests/client/test_device_get_parts.py",
         "tests/client/test_device_slot_reads.py",
