@@ -8,9 +8,10 @@ Beside them, the operator control calls ``pin``, ``unpin``, ``prefetch``, ``clea
 ``where`` of the client's prefixes on every live node (``client.control``).
 
 The client is the front of parts with one job each (``NodeDirectory``,
-``NamespaceRegistration``, ``PrefixLookup``, ``Publisher``, ``ReplicaFetcher``,
-``PageReader``, ``LookupBuffer``), built and handed to one another by ``client.parts``,
-which names the module of each.
+``NamespaceRegistration``, ``PrefixLookup``, ``Publisher``, ``PageWriter``,
+``ReplicaFetcher``, ``PageReader``, ``LookupBuffer``), built and handed to one another
+by ``client.parts``, which names the module of each. Every put and get is a plan run
+through the handler of its (source, destination) pair (``put``, ``read``).
 
 Remote faults (``RemoteFault``: a node that errors or times out, Redis gone, a wrong
 checksum) make the affected pages count as missing, so reads return a shorter prefix

@@ -28,9 +28,10 @@ class PageWriter:
     """One job: store pages on their replicas as a plan says (``put``): the plan's keys
     resolved here (``keys``), its pages read from its source by the handler of its
     pair, and published by the ``Publisher`` (checksums once per page, replicas, the
-    report). Misuse raises ``InvalidInputError`` before anything is sent. Runs on the
-    client's event loop; ``keys`` on any thread (the ``client.puts.handlers.Writer``
-    handlers see)."""
+    report). Misuse raises ``InvalidInputError`` before anything is sent. Called by both
+    clients' ``put`` (``put_pages`` and ``put_keyed`` are views of it) and by ``insert``
+    (``client.sequences``); runs on the client's event loop, ``keys`` on any thread. It
+    is the ``client.puts.handlers.Writer`` handlers see."""
 
     publisher: Publisher
     lookups: PrefixLookup
