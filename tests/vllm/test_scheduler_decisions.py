@@ -28,22 +28,12 @@ from tests.support.connector_harness import (
     PROMPT_C,
     SHARED,
     ConnectorHarness,
-    write_config,
 )
+from tests.support.harness_fixtures import model_dir, store  # noqa: F401 (fixtures)
 from tests.support.memory_store import MemoryStore
 
 # the full blocks a lookup may match: one prompt token is always computed
 A_HIT = (len(PROMPT_A) - 1) // BLOCK * BLOCK
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return write_config(tmp_path_factory.mktemp("tiny-llama-config"))
-
-
-@pytest.fixture()
-def store() -> MemoryStore:
-    return MemoryStore()
 
 
 def engine(model_dir: str, store: MemoryStore, **extra) -> ConnectorHarness:

@@ -10,6 +10,7 @@ nodes (transfers, faults, device copies) stays in the ``test_vllm*`` files."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -18,8 +19,6 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch
-from vllm.config import KVTransferConfig
-from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -45,22 +44,13 @@ from tests.support.connector_harness import (
     WEIGHTS,
     ConnectorHarness,
     attention_config,
-    write_config,
 )
+from tests.support.harness_fixtures import model_dir, store  # noqa: F401 (fixtures)
 from tests.support.memory_store import MemoryStore
+from tests.support.stand_in_model import engine_args
 
 A_HIT = (len(PROMPT_A) - 1) // BLOCK * BLOCK  # 6 blocks: one prompt token is computed
 A_BLOCKS = A_HIT // BLOCK
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return write_config(tmp_path_factory.mktemp("tiny-llama-config"))
-
-
-@pytest.fixture()
-def store() -> MemoryStore:
-    return MemoryStore()
 
 
 def engine(model_dir: str, store: MemoryStore, **kw) -> ConnectorHarness:
@@ -169,20 +159,12 @@ BLOCKS = 16
 
 
 def engine_config(model_dir: str, **args):
-    return EngineArgs(
-        model=model_dir,
-        skip_tokenizer_init=True,
-        dtype="float32",
-        max_model_len=512,
-        block_size=BLOCK,
-        enforce_eager=True,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KVStoreConnector",
-            kv_connector_module_path="client.vllm_connector",
-            kv_role="kv_both",
-        ),
-        **args,
-    ).create_engine_config()
+    """The stand-in engine's config (its connector never opened: the worker is built
+    here over the memory store), with ``args`` on top."""
+    base = engine_args(
+        model_dir, None, None, role="kv_both", extra=None, max_batched=2048, events_endpoint=None
+    )
+    return dataclasses.replace(base, **args).create_engine_config()
 
 
 def worker_over(store, vllm_config, kv_cache_config, names, **features) -> ConnectorWorker:
