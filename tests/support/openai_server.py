@@ -37,7 +37,7 @@ class OpenAIServer:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
                 return
             except OSError:
-                time.sleep(1)
+                time.sleep(0.2)  # a 1 s step waited half a second a start, on average
         self.stop()
         raise RuntimeError(f"the server did not answer /health within {wait_s:.0f} s; see {log}")
 
