@@ -76,12 +76,20 @@ def test_a_pin_waits_for_the_saves_handed_over_before_it_and_not_for_later_ones(
 
 
 def test_the_engine_thread_never_waits_for_a_pin():
+    """``after`` hands the pin over and returns while the save it waits for is still
+    pending (it never resolves before the check): an engine thread that waited would
+    never come back. A thread of its own, joined with a bound, so a wait fails the
+    test rather than hanging it (no timing bound: a loaded machine is slow, not wrong)."""
     queue = PinQueue(StatsRecorder())
     pending: Future = Future()
     try:
-        started = time.monotonic()
-        queue.after([PinSpec("r", [1] * 32)], [pending], [RecordingClient()])
-        assert time.monotonic() - started < 0.05 and len(queue.in_flight) == 1
+        caller = threading.Thread(
+            target=queue.after, args=([PinSpec("r", [1] * 32)], [pending], [RecordingClient()])
+        )
+        caller.start()
+        caller.join(10)
+        assert not caller.is_alive(), "after() waited for the pending save"
+        assert not pending.done() and len(queue.in_flight) == 1
     finally:
         pending.set_result(None)
         queue.shutdown()
