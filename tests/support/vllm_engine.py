@@ -190,7 +190,15 @@ def main(spec: dict) -> int:
             kv_connector="KVStoreConnector",
             kv_connector_module_path="client.vllm_connector",
             kv_role=spec.get("role", "kv_both"),
-            kv_connector_extra_config={"redis_url": spec["redis_url"], **spec.get("extra", {})},
+            kv_connector_extra_config={
+                "redis_url": spec["redis_url"],
+                # the scheduler's 50 ms default budget turns a lookup slowed by a loaded
+                # 2-core CI machine into a miss (a TP=2 speculating engine's whole prompt
+                # read 0 cached tokens once): the budget's own behaviour is tested in
+                # test_scheduler_decisions.py and test_vllm_inprocess.py
+                "lookup_budget_ms": 2000,
+                **spec.get("extra", {}),
+            },
         )
     llm_kwargs = {
         "max_model_len": 512,
