@@ -16,6 +16,7 @@ from tests.support.helpers import (
     namespace_for_page_size,
     run_worker,
     spec,
+    wait_for,
     worker_result,
 )
 
@@ -85,6 +86,9 @@ def test_large_scattered_pages_share_ucx_messages(clusters):
         spans = cache.block_spans(blocks)
         assert all(s.pieces for s in spans)
         assert client.get_found_into(client.find(tokens), spans) == len(tokens)
+    # The node counts a get's messages once its sends complete, which may be just after
+    # the client has its bytes (a CI run read the counter in between): wait for the count.
+    wait_for(lambda: metrics(cluster, "node-0").get(sent, 0) > before, 10, "the get's count")
     assert metrics(cluster, "node-0")[sent] - before == 1
     assert torch.equal(cache.gather(blocks).wait(), pages)
 
@@ -236,7 +240,6 @@ def test_pages_scattered_in_the_pool_move_as_many_runs_bit_exact(clusters):
     asked = a + list(range(5 * 10**6, 5 * 10**6 + 4 * ns.block_size))  # 4 blocks no node holds
     got = run_worker(spec(cluster, ns, "get_pages", tokens=asked, options={"same_host": False}))
     assert got["results"] == [{"blocks": blocks + 4, "matched": blocks, "exact": True}]
-    assert (
-        metrics(cluster, "node-0")['kvstore_payload_messages_total{direction="out"}'] - before
-        == blocks
-    )
+    sent = 'kvstore_payload_messages_total{direction="out"}'
+    wait_for(lambda: metrics(cluster, "node-0")[sent] > before, 10, "the get's count")
+    assert metrics(cluster, "node-0")[sent] - before == blocks
