@@ -25,6 +25,7 @@ from kvstore.pages.namespace import Namespace
 from kvstore.tools.launcher import LocalCluster
 from kvstore.tools.valkey import EmbeddedValkey
 from tests.support.helpers import tenant_for
+from tests.support.spare_index import SpareIndexes
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 # `kvstore up` keeps its state (token, index port, pid) under XDG_STATE_HOME: the tests'
@@ -68,8 +69,16 @@ def index_shards() -> int:
     return 1
 
 
+@pytest.fixture(scope="session")
+def spare_indexes():
+    """3-shard Valkey clusters started a test ahead (tests/support/spare_index.py)."""
+    spares = SpareIndexes(3)
+    yield spares
+    spares.close()
+
+
 @pytest.fixture()
-def clusters(index_shards):
+def clusters(index_shards, spare_indexes):
     """Factory of local stores (embedded Valkey + node processes), stopped after the test."""
     made: list[LocalCluster] = []
 
@@ -80,6 +89,8 @@ def clusters(index_shards):
         extra: list[str] | None = None,
         **kw,
     ) -> LocalCluster:
+        if index_shards == 3 and "redis_url" not in kw and "index" not in kw:
+            kw["index"] = spare_indexes.take()
         cluster = LocalCluster(
             servers, capacity, slab_size=slab, extra_args=extra, index_shards=index_shards, **kw
         )

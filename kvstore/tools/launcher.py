@@ -47,8 +47,9 @@ class NodeProcess:
 
 
 class LocalCluster:
-    """``servers`` storage nodes and, unless ``redis_url`` names one, an embedded index:
-    one Valkey, or a Valkey cluster of ``index_shards`` primaries when that is above 1.
+    """``servers`` storage nodes and, unless ``redis_url`` names one or ``index`` hands
+    over one started already, an embedded index: one Valkey, or a Valkey cluster of
+    ``index_shards`` primaries when that is above 1.
 
     The index password (``redis_password``, or one inside ``redis_url``) reaches the
     nodes as ``KVSTORE_REDIS_PASSWORD`` in their environment, as the Helm chart hands
@@ -73,6 +74,7 @@ class LocalCluster:
         progress: Callable[[str], None] | None = None,
         node_program: Program = STORAGE_NODE,
         index_port: int | None = None,
+        index: EmbeddedValkey | EmbeddedValkeyCluster | None = None,
     ) -> None:
         self.num_servers = servers
         # `kvstore up` prints each step of a start
@@ -97,8 +99,10 @@ class LocalCluster:
         elif quiet:
             self._tmp = tempfile.TemporaryDirectory(prefix="kvstore-nodes-")
             self.log_dir = Path(self._tmp.name)
-        self.valkey: EmbeddedValkey | EmbeddedValkeyCluster | None = None
-        self.redis_url, in_url = split_password(redis_url or "")
+        # ``index``: an embedded index started already (a test's spare, which saves a
+        # Valkey cluster's 2 s wait for its slots to be served), owned and stopped here
+        self.valkey: EmbeddedValkey | EmbeddedValkeyCluster | None = index
+        self.redis_url, in_url = split_password(index.url if index else redis_url or "")
         self.redis_password = redis_password or in_url
         if self.redis_password:
             self.env["KVSTORE_REDIS_PASSWORD"] = self.redis_password
