@@ -225,7 +225,14 @@ def test_two_loads_run_while_a_third_request_decodes(model_dir, baseline, cluste
 
 def test_a_hung_index_makes_misses_within_the_lookup_budget(model_dir, baseline):
     hole = Blackhole()
-    extra = {"lookup_budget_ms": 100, "breaker_failures": 2, "breaker_cooldown_s": 120}
+    # timeout: the sides' start-up calls wait on the hung index in steps of it (the
+    # default 5 s made this test 10 s, 0.5 s makes it 3); lookups wait their own budget
+    extra = {
+        "lookup_budget_ms": 100,
+        "breaker_failures": 2,
+        "breaker_cooldown_s": 120,
+        "timeout": 0.5,
+    }
     try:
         url = f"redis://127.0.0.1:{hole.port}/0"
         with ConnectorHarness(model_dir, url, role="kv_consumer", extra=extra) as consumer:
