@@ -11,8 +11,17 @@ one fails at once, naming the marker, so the tier stays what it says (Valkey ser
 
 from __future__ import annotations
 
-import multiprocessing.process
 import os
+
+# OpenMP threads that finished their share of a parallel region sleep, not spin, in
+# every process the tests start (torch's libgomp reads this when it loads, so before
+# any import here): two workers' engines share two cores, and each engine's threads
+# spinning at barriers took the cores from the other's. Measured on the 2-core VM, two
+# engine files on two workers (test_vllm_specdec, test_vllm_hybrid): 147-162 s
+# spinning, 124-129 s with PASSIVE. Engines in production keep OpenMP's default.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import multiprocessing.process
 import subprocess
 import sys
 import tempfile
