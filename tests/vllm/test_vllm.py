@@ -181,6 +181,29 @@ def test_connector_options_are_validated_with_the_key_named():
         connector_options({"lookup_budget_ms": 20})
 
 
+def test_an_option_that_does_not_validate_is_the_one_line_a_server_exits_with():
+    """The line ``client.vllm.preflight`` stops a server with, for vLLM's own config
+    (tests/vllm/test_vllm_serve.py runs a server that exits with such a line)."""
+    from vllm.config import KVTransferConfig, VllmConfig
+
+    from client.vllm.preflight import config_error
+
+    good = {"redis_url": "redis://127.0.0.1:1/0", "lookup_budget_ms": 20}
+    transfer = KVTransferConfig(
+        kv_connector="KVStoreConnector",
+        kv_connector_module_path="client.vllm_connector",
+        kv_role="kv_both",
+        kv_connector_extra_config=good,
+    )
+    config = VllmConfig(kv_transfer_config=transfer)
+    assert config_error(config) is None
+    transfer.kv_connector_extra_config = {**good, "lookup_budget_ms": -5}
+    assert config_error(config) == (
+        "KVStoreConnector: invalid kv_connector_extra_config lookup_budget_ms=-5: "
+        "Input should be greater than 0"
+    )
+
+
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two TP workers need two cores")
 def test_block_major_asks_vllm_for_blhnc_and_vllm_keeps_its_own_where_a_backend_cannot():
     """``cache_layout=block_major`` makes vLLM lay the KV cache out BLHNC (a block of
