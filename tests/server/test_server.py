@@ -45,6 +45,10 @@ def test_batch_of_1024_small_pages_moves_in_few_messages(clusters):
     assert put["reports"][0]["stored"] == 1024
     got = run_worker(spec(cluster, ns, "get_pages", count=count))
     assert got["results"] == [{"blocks": 1024, "matched": 1024, "exact": True}]
+    # counted once the node's sends complete, which may be after the reader has its bytes
+    wait_for(
+        lambda: metrics(cluster, "node-0")["kvstore_get_pages_total"] > 0, 10, "the get's count"
+    )
     m = metrics(cluster, "node-0")
     assert m['kvstore_payload_messages_total{direction="in"}'] <= 4
     assert m['kvstore_payload_messages_total{direction="out"}'] <= 4
