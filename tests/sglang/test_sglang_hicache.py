@@ -36,6 +36,14 @@ def run_checks(*args: str, script: str = CHECKS) -> list[dict]:
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
+@pytest.fixture(scope="module")
+def memory_checks() -> dict[str, dict]:
+    """The checks over the memory store (no node, no index), by name, run in one child
+    process: importing SGLang is most of a child's 8 s."""
+    memory, config = run_checks("memory", "config", script=MEMORY_CHECKS)
+    return {"memory": memory, "config": config}
+
+
 @pytest.mark.parametrize("same_host", [True, False], ids=["shared-memory", "ucx"])
 def test_every_host_layout_round_trips_bit_exact(clusters, same_host):
     """Every served host layout, MHA and MLA, on both paths: a batch of 6 pages stored
@@ -195,15 +203,15 @@ def test_hybrid_lookups_answer_as_sglangs_own_file_backend(clusters):
     assert r["failures"] == {}, r["failures"]
 
 
-def test_configurations_it_does_not_serve_fail_the_attach_with_one_line(clusters):
+def test_configurations_it_does_not_serve_fail_the_attach_with_one_line(memory_checks):
     """A typo, a bad tenant or option, context parallelism, no model name, an unserved
     host layout, a Mamba pool whose slots carry side states (SGLang's zero-copy path
     refuses their pages), DeepSeek V4's compressed pools and fp8 KV of an unnamed format
     each fail
     SGLang's attach naming what is wrong, instead of a cache that silently misses (or
-    mixes e4m3 and e5m2 bytes: named, each is a namespace of its own)."""
-    cluster = clusters(1)
-    (out,) = run_checks("config", cluster.redis_url)
+    mixes e4m3 and e5m2 bytes: named, each is a namespace of its own). Nothing here
+    reaches a node: the backends open their stores in memory."""
+    out = memory_checks["config"]
     assert out["typo"].startswith("InvalidInputError: unknown key 'tennant'")
     assert "tenant='a b'" in out["bad_tenant"]
     assert "timeout=-1" in out["bad_option"]
@@ -217,7 +225,7 @@ def test_configurations_it_does_not_serve_fail_the_attach_with_one_line(clusters
     assert "deepseek_v4_c4 pool" in out["compressed"] and "block_groups" in out["compressed"]
 
 
-def test_backend_decisions_over_the_memory_store():
+def test_backend_decisions_over_the_memory_store(memory_checks):
     """The backend over SGLang's host pool and page keys, its store opened through its
     seam (``stores``) in memory, no node or index: a backup of 6 of 8 pages is held as
     the pool's bytes under the keyed hashes and lands bit for bit in other slots, the 2
@@ -225,7 +233,7 @@ def test_backend_decisions_over_the_memory_store():
     existence is asked without a read lease, a get with one. A page evicted between a
     get's lookup and its fetch is a shorter hit, counted as a get failure; an index
     that cannot answer is a miss, counted; closing the backend closes its store."""
-    (r,) = run_checks("memory", script=MEMORY_CHECKS)
+    r = memory_checks["memory"]
     assert r["seam"] and r["stored"] == [True] * 6, r
     assert r["held"] == [True] * 6 + [False] * 2 and r["pages"] == 6
     assert r["held_bytes"] == [True] * 6

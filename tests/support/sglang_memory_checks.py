@@ -3,18 +3,23 @@ built as SGLang's factory builds it, ``(storage_config, host pool)``, plus the s
 seam (``stores``: tests/support/memory_store.py's ``MemoryStore``, real page bytes
 under the real client's keyed hashes), over SGLang's own host pool and page keys. No
 storage node and no index: the extra config names an index nobody listens on, so a real
-client would miss everything. Prints one JSON line; the test asserts on it.
+client would miss everything. Prints one JSON line per check, in the order asked; the
+tests assert on them.
 
-    python tests/support/sglang_memory_checks.py memory"""
+    python tests/support/sglang_memory_checks.py memory config"""
 
 from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
-from tests.support.sglang_site import define_torchvision_ops, make_host_pool
+from tests.support.sglang_site import define_torchvision_ops, make_host_pool, make_mamba_pool
 
 define_torchvision_ops()
+
+import torch  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import PoolName  # noqa: E402
 
 from client.sglang.backend import KVStoreHiCache  # noqa: E402
 from tests.support.memory_store import MemoryStore  # noqa: E402
@@ -24,6 +29,7 @@ from tests.support.sglang_pools import (  # noqa: E402
     fill,
     page_bytes,
     page_keys,
+    refused,
     same_pages,
 )
 
@@ -78,6 +84,44 @@ def memory() -> None:
     print(json.dumps(out), flush=True)
 
 
+def config_checks() -> None:
+    """What SGLang's attach meets for a configuration the backend does not serve: one
+    line naming what is wrong (each raised where SGLang's factory builds the backend, as
+    ``backend`` builds it here, or registers a pool)."""
+    memory = MemoryStore()
+    pool = make_host_pool("page_first")
+
+    def backend(extra: dict[str, Any], host_pool: Any = pool) -> KVStoreHiCache:
+        return KVStoreHiCache(config(NOBODY, **extra), host_pool, stores=memory.client)
+
+    out = {
+        "typo": refused(lambda: backend({"tennant": "a"})),
+        "bad_tenant": refused(lambda: backend({"tenant": "a b"})),
+        "bad_option": refused(lambda: backend({"timeout": -1})),
+        "context_parallel": refused(lambda: backend({"attn_cp_size": 2})),
+        "no_model": refused(lambda: backend({"model_name": None})),
+        "unified": refused(lambda: backend({}, make_host_pool("page_unified"))),
+    }
+    store = backend({})
+    side = make_mamba_pool(side_state=True)  # slot side states: SGLang's zero-copy refuses
+    out["hybrid"] = refused(lambda: store.register_mem_host_pool_v2(side, PoolName.MAMBA))
+    window = make_host_pool("page_first")
+    out["compressed"] = refused(
+        lambda: store.register_mem_host_pool_v2(window, PoolName.DEEPSEEK_V4_C4)
+    )
+    fp8 = make_host_pool("page_first", dtype=torch.uint8)  # how SGLang holds fp8 KV
+    out["fp8"] = refused(lambda: backend({}, fp8))
+    fp8_stores = [
+        backend({"kv_cache_dtype": kind}, fp8) for kind in ("float8_e4m3fn", "float8_e5m2")
+    ]
+    out["fp8_dtypes"] = [s.pages.namespace.dtype for s in fp8_stores]
+    fp8_window = make_host_pool("page_first", dtype=torch.uint8)
+    for fp8_store in fp8_stores:
+        fp8_store.register_mem_host_pool_v2(fp8_window, PoolName.SWA)
+    out["fp8_side_namespaces"] = len({s._pools["swa"].pages.namespace.digest for s in fp8_stores})
+    print(json.dumps(out), flush=True)
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "memory":
-        memory()
+    for what in sys.argv[1:]:  # several in one process: SGLang's import is most of the time
+        {"memory": memory, "config": config_checks}[what]()
