@@ -44,7 +44,7 @@ from client.sglang.options import hicache_options
 from client.sglang.pool_calls import NOT_REGISTERED, Pool, PoolCalls
 from client.sglang.pool_pages import PoolPages
 from client.sglang.restorable import SERVED_POLICIES, restorable_ends
-from client.sync_client import KVCacheClient
+from client.sglang.store import KeyedStore, KeyedStoreOpener, client_stores
 from kvstore.errors import InvalidInputError
 
 log = logging.getLogger(__name__)
@@ -66,13 +66,17 @@ UNSERVED_POOLS = "deepseek_v4_"
 
 
 class KVStoreHiCache(HiCacheStorage):
-    """One job: SGLang's ``HiCacheStorage`` over a ``KVCacheClient``. Built by SGLang
-    as ``KVStoreHiCache(storage_config, kwargs)``; usable once SGLang registers its host
-    pool (``register_mem_pool_host``), which makes the client."""
+    """One job: SGLang's ``HiCacheStorage`` over a store per registered pool. Built by
+    SGLang as ``KVStoreHiCache(storage_config, kwargs)`` (a ``KVCacheClient`` each);
+    ``stores``: a caller's opener instead (``client.sglang.store``). Usable once SGLang
+    registers its host pool (``register_mem_pool_host``), which opens the store."""
 
-    def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
+    def __init__(
+        self, storage_config: Any, kwargs: Any = None, *, stores: KeyedStoreOpener | None = None
+    ) -> None:
         self.storage_config = storage_config
-        self._options, self._client_options = hicache_options(storage_config.extra_config)
+        self._options, client_options = hicache_options(storage_config.extra_config)
+        self._open = stores if stores is not None else client_stores(client_options)
         self._pools: dict[str, Pool] = {}  # by SGLang's pool name; "kv" once registered
         self._limit = LogLimit(log)
         self._calls = PoolCalls(self._limit)  # index and node calls: a fault is a miss
@@ -84,7 +88,7 @@ class KVStoreHiCache(HiCacheStorage):
     # ---- set-up ------------------------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """SGLang's host pool: its pages' namespace and spans, and the client (raises
+        """SGLang's host pool: its pages' namespace and spans, and their store (raises
         ``InvalidInputError`` for a pool or rank it does not serve, failing the attach)."""
         super().register_mem_pool_host(mem_pool_host)
         pages = PoolPages.of(mem_pool_host, self.storage_config, self._options)
@@ -134,12 +138,11 @@ class KVStoreHiCache(HiCacheStorage):
         old = self._pools.pop(name, None)
         if old is not None:
             old.client.close()
-        client = KVCacheClient(None, pages.namespace, options=self._client_options)
-        self._pools[name] = Pool(pages, client, writes)
+        self._pools[name] = Pool(pages, self._open(pages.namespace), writes)
 
     @property
-    def client(self) -> KVCacheClient:
-        """The KV pool's client (raises until SGLang registered the host pool)."""
+    def client(self) -> KeyedStore:
+        """The KV pool's store (raises until SGLang registered the host pool)."""
         return self._kv.client
 
     @property

@@ -1,4 +1,4 @@
-"""A registered host pool (``Pool``: its pages, its namespace's client, whether this
+"""A registered host pool (``Pool``: its pages, its namespace's store, whether this
 rank writes them) and the index and node calls the HiCache backend makes of it
 (``PoolCalls``), each turning a fault into a miss.
 
@@ -13,23 +13,25 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from client.log_limit import LogLimit
+from client.lookups.stored_prefix import StoredPrefix
 from client.memory.buffers import Span
 from client.sglang.pool_pages import PoolPages
-from client.sync_client import KVCacheClient
+from client.sglang.store import KeyedStore
 
 NOT_REGISTERED = "SGLang has not registered its host pool with the backend"
 
 
 @dataclass
 class Pool:
-    """One registered host pool: its pages, the client of their namespace, and whether
-    this rank writes them (MLA's latent KV: rank 0 only; a side pool: every rank)."""
+    """One registered host pool: its pages, the store of their namespace
+    (``client.sglang.store.KeyedStore``: a ``KVCacheClient`` unless the backend was
+    handed an opener), and whether this rank writes them (MLA's latent KV: rank 0 only;
+    a side pool: every rank)."""
 
     pages: PoolPages
-    client: KVCacheClient
+    client: KeyedStore
     writes: bool
 
 
@@ -41,8 +43,10 @@ class PoolCalls:
         self.failures: Counter[str] = Counter()
         self._limit = limit
 
-    def find(self, pool: Pool | None, keys: list[str], *, lease: bool = True) -> Any:
-        """The client's ``find_keys``, or None on any fault (counted, logged). Keys go
+    def find(
+        self, pool: Pool | None, keys: list[str], *, lease: bool = True
+    ) -> StoredPrefix | None:
+        """The store's ``find_keys``, or None on any fault (counted, logged). Keys go
         without chain positions: SGLang 0.5.23's ``prefix_keys`` are not the keys
         before a prefetch's batch (its scheduler passes the ancestors of the node the
         host cache ended in, without that node's own keys), so positions read from them
@@ -61,7 +65,7 @@ class PoolCalls:
             self.failed("lookup", "the index did not answer")
         return found
 
-    def land(self, pool: Pool, found: Any, sinks: Callable[[], list[Span]]) -> int:
+    def land(self, pool: Pool, found: StoredPrefix, sinks: Callable[[], list[Span]]) -> int:
         """Pages of ``found`` landed in the spans ``sinks()`` makes, from the first on;
         one that was found but did not arrive (a node gone, a page evicted or failing
         its check) is counted and logged, as any fault on the way (0 then)."""

@@ -3,8 +3,10 @@ by SGLang 0.5.23's own classes in a child process (tests/support/sglang_checks.p
 backend factory loads the backend as ``--hicache-storage-backend dynamic`` does, its
 host pools (MHA and MLA, every host layout served) are the memory pages land in, its
 key hash names the pages, and its failure injector wraps the backend. Real storage
-nodes and Valkey. SGLang's HiCache does not run on a CPU, so no SGLang server does
-(docs/sglang.md says what that leaves unchecked)."""
+nodes and Valkey, but for the backend's own decisions, which run over an in-memory
+store of real page bytes behind its store seam (tests/support/sglang_memory_checks.py).
+SGLang's HiCache does not run on a CPU, so no SGLang server does (docs/sglang.md says
+what that leaves unchecked)."""
 
 from __future__ import annotations
 
@@ -19,11 +21,12 @@ from tests.support.sglang_site import sglang_env, skip_without_sglang
 
 pytestmark = [skip_without_sglang, pytest.mark.process]
 CHECKS = str(ROOT / "tests" / "support" / "sglang_checks.py")
+MEMORY_CHECKS = str(ROOT / "tests" / "support" / "sglang_memory_checks.py")
 
 
-def run_checks(*args: str) -> list[dict]:
+def run_checks(*args: str, script: str = CHECKS) -> list[dict]:
     out = subprocess.run(
-        [sys.executable, CHECKS, *args],
+        [sys.executable, script, *args],
         env=sglang_env(),
         capture_output=True,
         text=True,
@@ -31,6 +34,14 @@ def run_checks(*args: str) -> list[dict]:
     )
     assert out.returncode == 0, out.stderr[-4000:]
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def memory_checks() -> dict[str, dict]:
+    """The checks over the memory store (no node, no index), by name, run in one child
+    process: importing SGLang is most of a child's 8 s."""
+    memory, config = run_checks("memory", "config", script=MEMORY_CHECKS)
+    return {"memory": memory, "config": config}
 
 
 @pytest.mark.parametrize("same_host", [True, False], ids=["shared-memory", "ucx"])
@@ -192,15 +203,15 @@ def test_hybrid_lookups_answer_as_sglangs_own_file_backend(clusters):
     assert r["failures"] == {}, r["failures"]
 
 
-def test_configurations_it_does_not_serve_fail_the_attach_with_one_line(clusters):
+def test_configurations_it_does_not_serve_fail_the_attach_with_one_line(memory_checks):
     """A typo, a bad tenant or option, context parallelism, no model name, an unserved
     host layout, a Mamba pool whose slots carry side states (SGLang's zero-copy path
     refuses their pages), DeepSeek V4's compressed pools and fp8 KV of an unnamed format
     each fail
     SGLang's attach naming what is wrong, instead of a cache that silently misses (or
-    mixes e4m3 and e5m2 bytes: named, each is a namespace of its own)."""
-    cluster = clusters(1)
-    (out,) = run_checks("config", cluster.redis_url)
+    mixes e4m3 and e5m2 bytes: named, each is a namespace of its own). Nothing here
+    reaches a node: the backends open their stores in memory."""
+    out = memory_checks["config"]
     assert out["typo"].startswith("InvalidInputError: unknown key 'tennant'")
     assert "tenant='a b'" in out["bad_tenant"]
     assert "timeout=-1" in out["bad_option"]
@@ -212,3 +223,26 @@ def test_configurations_it_does_not_serve_fail_the_attach_with_one_line(clusters
     assert out["fp8_dtypes"] == ["float8_e4m3fn", "float8_e5m2"]  # two namespaces
     assert out["fp8_side_namespaces"] == 2  # a side pool's bytes are the KV's format too
     assert "deepseek_v4_c4 pool" in out["compressed"] and "block_groups" in out["compressed"]
+
+
+def test_backend_decisions_over_the_memory_store(memory_checks):
+    """The backend over SGLang's host pool and page keys, its store opened through its
+    seam (``stores``) in memory, no node or index: a backup of 6 of 8 pages is held as
+    the pool's bytes under the keyed hashes and lands bit for bit in other slots, the 2
+    never stored and another prompt's pages missing, no miss counted as a fault;
+    existence is asked without a read lease, a get with one. A page evicted between a
+    get's lookup and its fetch is a shorter hit, counted as a get failure; an index
+    that cannot answer is a miss, counted; closing the backend closes its store."""
+    r = memory_checks["memory"]
+    assert r["seam"] and r["stored"] == [True] * 6, r
+    assert r["held"] == [True] * 6 + [False] * 2 and r["pages"] == 6
+    assert r["held_bytes"] == [True] * 6
+    assert (r["exists"], r["exists_unstored"], r["exists_other"]) == (6, 0, 0)
+    assert r["got"] == [True] * 6 + [False] * 2 and r["same"]
+    assert r["got_other"] == [False, False] and r["misses_failed"] == {}
+    assert r["leases"] == [[8, False], [2, False], [4, False], [8, True], [2, True]]
+    assert r["got_evicted"] == [True] * 3 + [False] * 3 and r["same_evicted"]
+    assert r["evicted_failed"] == {"get": 1} and r["exists_evicted"] == 3
+    assert r["down_exists"] == 0 and r["down_got"] == [False, False]
+    assert r["down_failed"] == {"get": 1, "lookup": 2}
+    assert r["closed"]

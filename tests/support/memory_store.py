@@ -21,11 +21,14 @@ as real bytes, where its destination says (host pages, spans of the caller's mem
 prefix ends at the first page missing (evicted since the lookup: ``evict_on_read``),
 as a node's get ends at the first page that did not arrive whole. Puts store the bytes
 of a worker's pages under the same hashes. Head-group units (a TP rank's share of
-another rank's pages) are not served.
+another rank's pages) are not served. A keyed layout's pages (SGLang's HiCache keys)
+are found, fetched and stored by the keyed calls (``tests/support/memory_keyed.py``).
 
 For tests only (tests/vllm/test_scheduler_decisions.py, test_worker_decisions.py,
 through tests/support/connector_harness.py): the connector's scheduler and its real
-worker, both opening their stores here (``KVStoreConnector``'s ``stores``)."""
+worker, both opening their stores here (``KVStoreConnector``'s ``stores``); SGLang's
+HiCache backend in tests/support/sglang_memory_checks.py (``KVStoreHiCache``'s
+``stores``)."""
 
 from __future__ import annotations
 
@@ -51,23 +54,15 @@ from client.memory.device_rows import DeviceRows
 from client.stats import ClientStats
 from kvstore.control.reports import ControlReport
 from kvstore.index.records import ENTRY, LookupResult, NodeInfo, incarnation_tag
-from kvstore.pages.hashing import HASH_BYTES, block_hash_bytes
+from kvstore.pages.hashing import block_hash_bytes, split_hashes
 from kvstore.pages.heads import rank_units
 from kvstore.pages.identity import BlockExtras, RequestIdentity, resolve
+from kvstore.pages.keys import TOKEN_CHAIN, ChainPlace
 from kvstore.pages.namespace import Namespace
+from tests.support.memory_keyed import LEASE_MS, KeyedCalls, Stored
 
 NODE = NodeInfo("memory", "memory:0", 0, "0" * 24 + "00c0ffee", number=0)
-LEASE_MS = 60_000
 R = TypeVar("R")
-
-
-@dataclass(frozen=True)
-class Stored:
-    """A put's report (``client.vllm.store.PutOutcome``): every page is stored."""
-
-    stored: int
-    refused: int
-    bytes_sent: int
 
 
 @dataclass(frozen=True)
@@ -132,10 +127,12 @@ class MemoryStore:
 Identity = RequestIdentity | BlockExtras | None
 
 
-class MemoryClient:
-    """One namespace's lookups and pages in a ``MemoryStore`` (a ``PrefixStore``).
-    ``down``: every lookup is a fault (None); ``latency``: seconds each lookup would
-    take, a None when over its timeout. ``finds``: each lookup's blocks and ``last``."""
+class MemoryClient(KeyedCalls):
+    """One namespace's lookups and pages in a ``MemoryStore`` (a ``PrefixStore`` and
+    ``PageStore``; with ``KeyedCalls``, a keyed layout's ``KeyedStore``). ``down``:
+    every lookup is a fault (None); ``latency``: seconds each lookup would take, a None
+    when over its timeout. ``finds``: each lookup's blocks and ``last``;
+    ``keyed_finds``: each keyed lookup's keys and whether it took a read lease."""
 
     def __init__(self, store: MemoryStore, namespace: Namespace) -> None:
         self._store = store
@@ -148,6 +145,7 @@ class MemoryClient:
         self.latency = 0.0
         self.closed = False
         self.finds: list[tuple[int, bool]] = []
+        self.keyed_finds: list[tuple[int, bool]] = []
         self._heads = units
         self._stats = ClientStats()
 
@@ -180,8 +178,9 @@ class MemoryClient:
         """The storage hashes of ``token_ids``' full blocks under ``identity``, as the
         real client's lookups and saves key them."""
         bs = self._storage.block_size
-        joined = block_hash_bytes(self._storage, token_ids, resolve(identity, bs, len(token_ids)))
-        return [joined[i : i + HASH_BYTES] for i in range(0, len(joined), HASH_BYTES)]
+        return split_hashes(
+            block_hash_bytes(self._storage, token_ids, resolve(identity, bs, len(token_ids)))
+        )
 
     def put(
         self,
@@ -235,8 +234,25 @@ class MemoryClient:
     ) -> StoredPrefix | None:
         chain = self.chain(token_ids, identity)
         self.finds.append((len(chain), last))
-        if self.down or (timeout is not None and self.latency > timeout):
+        if self._unanswered(timeout):
             return None
+        return self._found(chain, last)
+
+    def _unanswered(self, timeout: float | None) -> bool:
+        """Whether a lookup asked within ``timeout`` seconds gets no answer (the index
+        ``down``, or slower than ``timeout``: ``latency``)."""
+        return self.down or (timeout is not None and self.latency > timeout)
+
+    def _found(
+        self,
+        chain: list[bytes],
+        last: bool,
+        lease_ms: int = LEASE_MS,
+        place: ChainPlace = TOKEN_CHAIN,
+    ) -> StoredPrefix:
+        """The answer to a lookup of the storage hashes ``chain``: the longest stored
+        prefix (``last``: up to the last page stored), as ``PrefixLookup.stored_prefix``
+        builds it, holding a read lease of ``lease_ms`` (0: none was taken)."""
         held = [self._store._has(self._digest, h) for h in chain]
         if last:
             matched = max((i + 1 for i, has in enumerate(held) if has), default=0)
@@ -266,14 +282,15 @@ class MemoryClient:
             self._units,
             result,
             time.time(),
-            LEASE_MS,
+            lease_ms,
             last,
+            place,
         )
 
     def pages(self, found: StoredPrefix) -> list[bytes | None]:
         """The pages ``found`` names, by position (None where a ``last`` prefix holds
         none, or a page is gone since): what a worker's fetch would bring."""
-        hashes = [found.joined[i : i + HASH_BYTES] for i in range(0, len(found.joined), HASH_BYTES)]
+        hashes = split_hashes(found.joined)
         if found.storage != self._storage.digest_hex:
             raise ValueError("found in another storage namespace")
         return [

@@ -10,7 +10,8 @@ check; the test asserts on them.
     python tests/support/sglang_checks.py faults REDIS_URL       (reads a line on stdin mid-way)
     python tests/support/sglang_checks.py hybrid REDIS_URL SAME_HOST
     python tests/support/sglang_checks.py hybrid_vs_file REDIS_URL
-    python tests/support/sglang_checks.py config REDIS_URL"""
+
+The configuration checks run against the memory store (sglang_memory_checks.py)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,6 @@ from tests.support.sglang_pools import (  # noqa: E402
     fill,
     page_bytes,
     page_keys,
-    refused,
     same_pages,
     state_bytes,
 )
@@ -342,39 +342,6 @@ def faults(redis_url: str) -> None:
     print(json.dumps(lost), flush=True)
 
 
-def config_checks(redis_url: str) -> None:
-    """What SGLang's attach meets for a configuration the backend does not serve: one
-    line naming what is wrong."""
-    pool = make_host_pool("page_first")
-    out = {
-        "typo": refused(lambda: backend(config(redis_url, tennant="a"), pool)),
-        "bad_tenant": refused(lambda: backend(config(redis_url, tenant="a b"), pool)),
-        "bad_option": refused(lambda: backend(config(redis_url, timeout=-1), pool)),
-        "context_parallel": refused(lambda: backend(config(redis_url, attn_cp_size=2), pool)),
-        "no_model": refused(lambda: backend(config(redis_url, model_name=None), pool)),
-        "unified": refused(lambda: backend(config(redis_url), make_host_pool("page_unified"))),
-    }
-    store = backend(config(redis_url), pool)
-    side = make_mamba_pool(side_state=True)  # slot side states: SGLang's zero-copy refuses
-    out["hybrid"] = refused(lambda: store.register_mem_host_pool_v2(side, PoolName.MAMBA))
-    window = make_host_pool("page_first")
-    out["compressed"] = refused(
-        lambda: store.register_mem_host_pool_v2(window, PoolName.DEEPSEEK_V4_C4)
-    )
-    fp8 = make_host_pool("page_first", dtype=torch.uint8)  # how SGLang holds fp8 KV
-    out["fp8"] = refused(lambda: backend(config(redis_url), fp8))
-    fp8_stores = [
-        backend(config(redis_url, kv_cache_dtype=kind), fp8)
-        for kind in ("float8_e4m3fn", "float8_e5m2")
-    ]
-    out["fp8_dtypes"] = [s.pages.namespace.dtype for s in fp8_stores]
-    fp8_window = make_host_pool("page_first", dtype=torch.uint8)
-    for fp8_store in fp8_stores:
-        fp8_store.register_mem_host_pool_v2(fp8_window, PoolName.SWA)
-    out["fp8_side_namespaces"] = len({s._pools["swa"].pages.namespace.digest for s in fp8_stores})
-    print(json.dumps(out), flush=True)
-
-
 if __name__ == "__main__":
     what, url = sys.argv[1], sys.argv[2]
     if what == "layouts":
@@ -389,7 +356,5 @@ if __name__ == "__main__":
         faults(url)
     elif what == "hybrid":
         hybrid(url, sys.argv[3] == "1")
-    elif what == "hybrid_vs_file":
-        hybrid_vs_file(url)
     else:
-        config_checks(url)
+        hybrid_vs_file(url)
