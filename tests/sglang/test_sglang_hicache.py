@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from tests.support.engines import Finished, run_forked
 from tests.support.helpers import ROOT
 from tests.support.sglang_site import sglang_env, skip_without_sglang
 
@@ -25,13 +26,20 @@ MEMORY_CHECKS = str(ROOT / "tests" / "support" / "sglang_memory_checks.py")
 
 
 def run_checks(*args: str, script: str = CHECKS) -> list[dict]:
-    out = subprocess.run(
-        [sys.executable, script, *args],
-        env=sglang_env(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    """The JSON lines of a check: sglang_checks.py's run in a fork of a process that
+    imported SGLang once for the session (tests/support/engine_zygote.py; importing
+    SGLang is most of a fresh child's 8-10 s), another script in a child of its own."""
+    if script == CHECKS:
+        out = run_forked("sglang", list(args), sglang_env(), 240)
+    else:
+        done = subprocess.run(
+            [sys.executable, script, *args],
+            env=sglang_env(),
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        out = Finished(done.returncode, done.stdout, done.stderr)
     assert out.returncode == 0, out.stderr[-4000:]
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 

@@ -1,5 +1,8 @@
 """Starts each test's vLLM engine as a fork of one process that imported vLLM already:
 ``python tests/support/engine_zygote.py SOCKET``, run by ``tests/support/engines.py``, never by a test.
+``python tests/support/engine_zygote.py SOCKET sglang`` does the same for the SGLang
+checks (``tests/support/sglang_checks.py``): importing SGLang and mending torchvision
+took about 6 of each check's 10-11 s, once per check.
 
 Importing vLLM, torch and transformers takes about 5 of the 10 s a tiny engine's process
 lives on the 2-core CI machine (measured: ``import vllm`` plus ``LLM`` 5.0 s, building
@@ -11,7 +14,7 @@ What it shares with its siblings is what the import left in memory, copy-on-writ
 
 Protocol, one connection per engine: the client sends one JSON line ``{"argv": [...],
 "env": {...}, "cwd": ..., "stdout": path, "stderr": path}`` (``argv``: the arguments
-``tests/support/vllm_engine.py`` takes); the child answers its pid, then, once its interpreter
+``tests/support/vllm_engine.py`` takes, or ``sglang_checks.py``); the child answers its pid, then, once its interpreter
 is finishing (the last exit handler: after vLLM's own have shut the engine down), its
 exit status, each on a line of its own. The connection closes when the child and every
 process it forked (TP workers) have exited. A connection that closes without the
@@ -44,10 +47,20 @@ import threading
 import traceback
 
 
-def preimport() -> None:
-    """What every engine needs, imported before any fork: vLLM's entry point and engine
-    core, the CPU worker, the connector and the test's engine script. Nothing here
-    starts a Python thread (checked before each fork)."""
+def preimport(kind: str) -> None:
+    """What every child needs, imported before any fork: for an engine, vLLM's entry
+    point and engine core, the CPU worker, the connector and the test's engine script;
+    for the SGLang checks, their module (SGLang, torch, the mended torchvision). Nothing
+    here starts a Python thread (checked before each fork)."""
+    if kind == "sglang":
+        import tests.support.sglang_checks  # noqa: F401
+    else:
+        preimport_vllm()
+    gc.collect()
+    gc.freeze()  # what the imports left is never collected: each child skips it
+
+
+def preimport_vllm() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import vllm.config
     import vllm.v1.engine.core
@@ -58,8 +71,6 @@ def preimport() -> None:
     import tests.support.vllm_engine  # noqa: F401
 
     fork_workers()
-    gc.collect()
-    gc.freeze()  # what the imports left is never collected: each child skips it
 
 
 def fork_workers() -> None:
@@ -77,8 +88,8 @@ def fork_workers() -> None:
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
-def child(conn: socket.socket, request: dict) -> int:
-    """In the forked child: become the engine process the request describes and run it;
+def child(conn: socket.socket, request: dict, kind: str) -> int:
+    """In the forked child: become the process the request describes and run it;
     returns the exit status, which the caller exits with (the interpreter then finishes
     as an engine's own process would, and its last exit handler reports the status)."""
     # the zygote ignores SIGCHLD, which the child inherits: its subprocess waits would fail
@@ -101,11 +112,18 @@ def child(conn: socket.socket, request: dict) -> int:
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(target, fd)
         os.close(target)
-    from tests.support import vllm_engine
+    if kind == "sglang":
+        from tests.support import sglang_checks
 
-    sys.argv = ["tests/support/vllm_engine.py", *request["argv"]]
+        run = sglang_checks.main
+        sys.argv = ["tests/support/sglang_checks.py", *request["argv"]]
+    else:
+        from tests.support import vllm_engine
+
+        run = vllm_engine.dispatch
+        sys.argv = ["tests/support/vllm_engine.py", *request["argv"]]
     try:
-        rc = vllm_engine.dispatch(request["argv"])
+        rc = run(request["argv"])
     except SystemExit as exit_:
         rc = exit_.code if isinstance(exit_.code, int) else 1
     except BaseException:
@@ -115,8 +133,8 @@ def child(conn: socket.socket, request: dict) -> int:
     return rc
 
 
-def serve(path: str) -> None:
-    preimport()
+def serve(path: str, kind: str) -> None:
+    preimport(kind)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
@@ -139,8 +157,8 @@ def serve(path: str) -> None:
                 listener.close()
                 # SystemExit unwinds serve(): the child never returns to this loop, and
                 # ends as an interpreter does (threads joined, exit handlers run)
-                sys.exit(child(conn, request))
+                sys.exit(child(conn, request, kind))
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "engine")

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.support.helpers import ROOT
+from tests.support.sglang_site import sglang_env
 
 SCRIPT = ROOT / "tests" / "support" / "vllm_engine.py"
 ENGINE_TIMEOUT_S = 300
@@ -40,18 +41,19 @@ class Finished:
 
 
 class _Zygote:
-    """The session's engine zygote, started on first use and stopped when pytest exits
-    (its standard input closes then too, if pytest dies)."""
+    """One of the session's zygotes (``kind``: "engine", or "sglang" for the SGLang
+    checks, in ``env``), started on first use and stopped when pytest exits (its standard
+    input closes then too, if pytest dies)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str, env: dict[str, str]) -> None:
         self._dir = tempfile.mkdtemp(prefix="kvstore-zygote-")
         self.socket_path = os.path.join(self._dir, "zygote.sock")
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo"}
         self._proc = subprocess.Popen(
             [
                 sys.executable,
                 str(ROOT / "tests" / "support" / "engine_zygote.py"),
                 self.socket_path,
+                kind,
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -129,7 +131,23 @@ class _Zygote:
             return status
 
 
-_zygote: list[_Zygote] = []
+_zygotes: dict[str, _Zygote] = {}
+
+
+def _zygote_env(kind: str) -> dict[str, str]:
+    """The environment a zygote starts in (each child's is its request's)."""
+    if kind == "sglang":
+        return sglang_env()
+    return {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo"}
+
+
+def run_forked(kind: str, argv: list[str], env: dict[str, str], timeout: float) -> Finished:
+    """``argv`` run in a fork of the session's ``kind`` zygote ("engine":
+    ``tests/support/vllm_engine.py``'s arguments; "sglang": ``sglang_checks.py``'s), with
+    ``env`` as its environment."""
+    if kind not in _zygotes:
+        _zygotes[kind] = _Zygote(kind, _zygote_env(kind))
+    return _zygotes[kind].run(argv, env, timeout)
 
 
 def _run(argv: list[str], env: dict[str, str] | None, timeout: float, fresh: bool) -> Finished:
@@ -143,9 +161,7 @@ def _run(argv: list[str], env: dict[str, str] | None, timeout: float, fresh: boo
             timeout=timeout,
         )
         return Finished(proc.returncode, proc.stdout, proc.stderr)
-    if not _zygote:
-        _zygote.append(_Zygote())
-    return _zygote[0].run(argv, env, timeout)
+    return run_forked("engine", argv, env, timeout)
 
 
 def run_engine(

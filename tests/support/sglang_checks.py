@@ -342,19 +342,26 @@ def faults(redis_url: str) -> None:
     print(json.dumps(lost), flush=True)
 
 
-if __name__ == "__main__":
-    what, url = sys.argv[1], sys.argv[2]
+def main(argv: list[str]) -> int:
+    """Runs the check ``argv`` names (the module docstring's lines, without the script):
+    as a script, or in a fork of the SGLang zygote (tests/support/engine_zygote.py)."""
+    what, url = argv[0], argv[1]
     if what == "layouts":
-        layouts(url, sys.argv[3] == "1")
+        layouts(url, argv[2] == "1")
     elif what == "ranks":
         ranks(url)
     elif what == "prefix":
         prefix_keys(url)
     elif what == "readme":
-        readme(url, sys.argv[3])
+        readme(url, argv[2])
     elif what == "faults":
         faults(url)
     elif what == "hybrid":
-        hybrid(url, sys.argv[3] == "1")
+        hybrid(url, argv[2] == "1")
     else:
         hybrid_vs_file(url)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
