@@ -66,7 +66,10 @@ def serve(model: str, role: str, redis_url: str, log: str) -> OpenAIServer:
     port = free_port()
     words[words.index("--port") + 1] = str(port)
     argv = [sys.executable, *[model if w == "MODEL_DIR" else w for w in words[1:]], *TEST_FLAGS]
-    return OpenAIServer(argv, {**env, "KVSTORE_REDIS_URL": redis_url}, log, port, wait_s=400)
+    # 1 GiB of KV each (a million tokens of the tiny model), not README's 2: three servers
+    # run here while the other worker may run another (a CI run ran out of memory)
+    env = {**env, "KVSTORE_REDIS_URL": redis_url, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    return OpenAIServer(argv, env, log, port, wait_s=400)
 
 
 def proxy_argv(prefills: list[int], decode: int, port: int) -> list[str]:
