@@ -6,7 +6,8 @@ node and no index (tests/support/sglang_memory_checks.py).
 
 Not a mock: a key's page is kept under the storage hash the real client gives it
 (``PrefixLookup.keyed_hashes``: ``kvstore.pages.hashing.keyed_hash_bytes`` over the
-namespace's storage, split as ``client.puts.writes`` splits it), beside the store's
+namespace's storage, split as ``client.puts.writes`` splits it; a rank's unit of it,
+``heads.unit_hashes``, where its head group is not the first), beside the store's
 token-chained pages. ``find_keys`` answers with the longest stored prefix of the keys
 (an unplaced chain: every key its own one-page segment, as the backend asks), holding
 no read lease when asked without one; a get of it (``get_found_into``) runs by plan
@@ -62,6 +63,10 @@ class KeyedCalls:
 
         def _unanswered(self, timeout: float | None) -> bool: ...
 
+        def _keys(self, chain: list[bytes]) -> list[bytes]: ...
+
+        def _held(self, chain: list[bytes]) -> list[bool]: ...
+
         def _found(
             self, chain: list[bytes], last: bool, lease_ms: int = ..., place: ChainPlace = ...
         ) -> StoredPrefix: ...
@@ -95,7 +100,8 @@ class KeyedCalls:
                 f"put_keyed needs a rank whose page is one unit; this rank holds {self._heads.count}"
             )
         sent = 0
-        for page_hash, span in zip(self.keyed_chain(page_keys), spans, strict=True):
+        # the rank's one unit of each page (unit 0, the page's hash, for TP=1)
+        for page_hash, span in zip(self._keys(self.keyed_chain(page_keys)), spans, strict=True):
             if not self._store._has(self._digest, page_hash):
                 page = _span_bytes(span)
                 self._store._put(self._digest, page_hash, page)
@@ -109,7 +115,7 @@ class KeyedCalls:
             return []
         if self._unanswered(timeout):
             return None
-        return [self._store._has(self._digest, h) for h in self.keyed_chain(page_keys)]
+        return self._held(self.keyed_chain(page_keys))
 
 
 def _span_bytes(span: Span) -> bytes:

@@ -7,8 +7,13 @@ Not a mock: a page is kept under its namespace's storage digest and its chained 
 hash (``kvstore.pages.hashing.block_hash_bytes`` over ``namespace.storage``, the
 request identity resolved to blocks as ``PrefixLookup.chain_hashes`` resolves it: LoRA,
 salt, weights revision, multimodal items, embeddings), so a prompt finds what an engine
-of the same namespace and identity stored, and nothing else. ``find`` answers with the
-longest stored prefix of full blocks (``last``: the prefix up to the last block stored,
+of the same namespace and identity stored, and nothing else. Head groups
+(``kvstore.pages.heads``) as on a node: what is kept is a unit of a block (the heads of
+one group; a whole page when the namespace has one group), keyed by
+``heads.unit_hashes`` (unit 0: the chain hash itself); a rank reads and writes the
+units of its heads (``rank_units``). A block counts as stored only when every unit the
+rank asks for is (the scheduler asks for all, as the index's ``_match`` does).
+``find`` answers with the longest stored prefix of full blocks (``last``: the prefix up to the last block stored,
 gaps allowed, holding that block alone, as ``IndexLookup.resolve``), as a
 ``StoredPrefix`` built as ``PrefixLookup.stored_prefix`` builds it, its replicas on
 one "node" (this store). An index that cannot answer is ``down``; one slower than the
@@ -19,9 +24,12 @@ Gets run by plan (``read``, as ``KVCacheClient.read``): the pages a plan names l
 as real bytes, where its destination says (host pages, spans of the caller's memory,
 "device" rows with the host as the device, layer by layer with a feed), and the
 prefix ends at the first page missing (evicted since the lookup: ``evict_on_read``),
-as a node's get ends at the first page that did not arrive whole. Puts store the bytes
-of a worker's pages under the same hashes. Head-group units (a TP rank's share of
-another rank's pages) are not served. A keyed layout's pages (SGLang's HiCache keys)
+as a node's get ends at the first page that did not arrive whole. A rank of several
+units reads them as the real client does (``tests/support/memory_landing.py``): into
+an ``IntoUnits`` buffer (the units and the blocks whose every unit arrived), or merged
+into rank pages for ``IntoPages``; only whole pages land in spans or device rows. Puts
+store a worker's pages as its units (``heads.split``), under the same keys; a rank
+holding part of a head group cannot put. A keyed layout's pages (SGLang's HiCache keys)
 are found, fetched and stored by the keyed calls (``tests/support/memory_keyed.py``).
 
 For tests only (tests/vllm/test_scheduler_decisions.py, test_worker_decisions.py,
@@ -39,27 +47,26 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from client.gets.plan import (
-    GetPlan,
-    IntoDevice,
-    IntoLayers,
-    IntoPages,
-    IntoSpans,
-    IntoUnits,
-    Prompt,
-)
+from client.gets.plan import GetPlan, IntoLayers, IntoUnits, Prompt
 from client.lookups.stored_prefix import StoredPrefix
-from client.memory.buffers import Span
-from client.memory.device_rows import DeviceRows
 from client.stats import ClientStats
 from kvstore.control.reports import ControlReport
+from kvstore.errors import InvalidInputError
 from kvstore.index.records import ENTRY, LookupResult, NodeInfo, incarnation_tag
 from kvstore.pages.hashing import block_hash_bytes, split_hashes
-from kvstore.pages.heads import rank_units
+from kvstore.pages.heads import RankUnits, rank_units, unit_hashes
 from kvstore.pages.identity import BlockExtras, RequestIdentity, resolve
 from kvstore.pages.keys import TOKEN_CHAIN, ChainPlace
 from kvstore.pages.namespace import Namespace
 from tests.support.memory_keyed import LEASE_MS, KeyedCalls, Stored
+from tests.support.memory_landing import (
+    land,
+    land_layers,
+    rank_pages,
+    read_units,
+    sink,
+    units_of,
+)
 
 NODE = NodeInfo("memory", "memory:0", 0, "0" * 24 + "00c0ffee", number=0)
 R = TypeVar("R")
@@ -76,7 +83,7 @@ class Pinned:
 
 
 class MemoryStore:
-    """Pages by (storage namespace digest, chained block hash); ``opened``: every
+    """Pages (units) by (storage namespace digest, unit hash); ``opened``: every
     client made, in order (the connector's scheduler opens its engine's pages first).
     ``device``: gets land in "device" memory (the host: ``IntoDevice``, and layer by
     layer ``IntoLayers``), as a client with a device copier does."""
@@ -107,8 +114,9 @@ class MemoryStore:
         return (digest, page_hash) in self._pages
 
     def evict_on_read(self, page_hashes: list[bytes]) -> None:
-        """The pages of ``page_hashes`` (block hashes, any namespace) are evicted when
-        the next get runs: after the lookup that found them, before the fetch."""
+        """The pages kept under ``page_hashes`` (any namespace: a block's hash is its
+        unit 0, ``heads.unit_hashes`` names the others) are evicted when the next get
+        runs: after the lookup that found them, before the fetch."""
         self._evicting.update(page_hashes)
 
     def copy_from(self, other: MemoryStore) -> None:
@@ -140,7 +148,7 @@ class MemoryClient(KeyedCalls):
         self._storage = namespace.storage
         self._digest = self._storage.digest
         units = rank_units(namespace)
-        self._units = (units.first, units.count)
+        self._units = (units.first, units.count)  # what its lookups ask for
         self.down = False
         self.latency = 0.0
         self.closed = False
@@ -154,7 +162,7 @@ class MemoryClient(KeyedCalls):
         return self._namespace
 
     @property
-    def heads(self) -> Any:
+    def heads(self) -> RankUnits:
         return self._heads
 
     @property
@@ -166,10 +174,12 @@ class MemoryClient(KeyedCalls):
         return 5.0
 
     def units_nbytes(self, blocks: int) -> int:
-        raise NotImplementedError("the memory store serves whole pages, not head-group units")
+        """Bytes of this rank's units of ``blocks`` blocks, as ``PageReader.units_nbytes``."""
+        return blocks * self._heads.count * self._namespace.unit_nbytes
 
     def lands_on_device(self, memory: torch.device) -> bool:
-        return self._store.device and memory.type == "cpu"
+        # whole pages only, as the real reader: a rank of head groups merges on the host
+        return self._store.device and self._heads.identity and memory.type == "cpu"
 
     def lands_layers(self, memory: torch.device) -> bool:
         return self.lands_on_device(memory)
@@ -182,6 +192,15 @@ class MemoryClient(KeyedCalls):
             block_hash_bytes(self._storage, token_ids, resolve(identity, bs, len(token_ids)))
         )
 
+    def _keys(self, chain: list[bytes]) -> list[bytes]:
+        """The keys of this rank's units of the blocks ``chain``, unit by unit."""
+        return unit_hashes(chain, self._heads.first, self._heads.count)
+
+    def _held(self, chain: list[bytes]) -> list[bool]:
+        """Per block of ``chain``, whether every unit this rank asks for is stored."""
+        has = [self._store._has(self._digest, k) for k in self._keys(chain)]
+        return np.array(has, dtype=bool).reshape(self._heads.count, -1).all(axis=0).tolist()
+
     def put(
         self,
         token_ids: Any,
@@ -190,15 +209,30 @@ class MemoryClient(KeyedCalls):
         identity: Identity = None,
         start_block: int = 0,
     ) -> None:
-        """Store ``pages`` as the full blocks ``start_block`` on of ``token_ids`` (as
-        ``KVCacheClient.put_pages``; a state is one page at its boundary's block)."""
-        chain = self.chain(token_ids, identity)
-        if start_block + len(pages) > len(chain):
-            raise ValueError(
-                f"{len(pages)} pages from block {start_block}: {len(chain)} full blocks"
+        """Store this rank's ``pages`` as the full blocks ``start_block`` on of
+        ``token_ids`` (as ``KVCacheClient.put_pages``; a state is one page at its
+        boundary's block); a rank of several units stores each page's units."""
+        if self._heads.identity:  # any bytes, as a page (a state's too)
+            self._put_units(token_ids, pages, identity, start_block)
+        else:
+            self.put_pages(
+                token_ids,
+                rank_pages(self._namespace, pages),
+                identity=identity,
+                start_block=start_block,
             )
-        for i, page in enumerate(pages):
-            self._store._put(self._digest, chain[start_block + i], page)
+
+    def _put_units(
+        self, token_ids: Any, units: list[bytes], identity: Identity, start_block: int
+    ) -> None:
+        """``units`` (unit by unit) stored as this rank's units of blocks ``start_block`` on."""
+        chain = self.chain(token_ids, identity)
+        blocks = len(units) // self._heads.count
+        if start_block + blocks > len(chain):
+            raise ValueError(f"{blocks} pages from block {start_block}: {len(chain)} full blocks")
+        keys = self._keys(chain[start_block : start_block + blocks])
+        for key, unit in zip(keys, units, strict=True):
+            self._store._put(self._digest, key, unit)
 
     def put_pages(
         self,
@@ -208,10 +242,11 @@ class MemoryClient(KeyedCalls):
         identity: Identity = None,
         start_block: int = 0,
     ) -> Stored:
-        """``put`` of a worker's pages (``[n, *page_shape]``), as ``KVCacheClient.put_pages``."""
-        held = [_page_bytes(page) for page in pages]
-        self.put(token_ids, held, identity=identity, start_block=start_block)
-        return Stored(len(held), 0, sum(len(p) for p in held))
+        """``put`` of a worker's pages (``[n, *page_shape]``), as ``KVCacheClient.put_pages``:
+        its units stored (and counted, as a ``PublishReport`` counts them)."""
+        units = units_of(self._namespace, self._heads, pages)
+        self._put_units(token_ids, units, identity, start_block)
+        return Stored(len(units), 0, sum(len(u) for u in units))
 
     def pin(
         self, token_ids: Any, *, identity: Identity = None, ttl_s: float | None = None
@@ -220,7 +255,7 @@ class MemoryClient(KeyedCalls):
         ``KVCacheClient.pin`` names them: by their storage hashes) in ``store.pins``;
         ``pages``: the pages it held of them."""
         chain = self.chain(token_ids, identity)
-        held = [self._store._has(self._digest, h) for h in chain]
+        held = self._held(chain)
         self._store.pins.append(Pinned(chain, ttl_s, held))
         return ControlReport("pin", pages=sum(held))
 
@@ -252,26 +287,30 @@ class MemoryClient(KeyedCalls):
     ) -> StoredPrefix:
         """The answer to a lookup of the storage hashes ``chain``: the longest stored
         prefix (``last``: up to the last page stored), as ``PrefixLookup.stored_prefix``
-        builds it, holding a read lease of ``lease_ms`` (0: none was taken)."""
-        held = [self._store._has(self._digest, h) for h in chain]
+        builds it, holding a read lease of ``lease_ms`` (0: none was taken): a record per
+        unit of each block, numbered from the rank's first, as the index's ``_match``."""
+        held = self._held(chain)
         if last:
             matched = max((i + 1 for i, has in enumerate(held) if has), default=0)
             positions = [matched - 1] if matched else []
         else:
             matched = held.index(False) if False in held else len(held)
             positions = list(range(matched))
-        records = np.zeros(len(positions), dtype=ENTRY)
-        for r, pos in enumerate(positions):
-            key = (self._digest, chain[pos])
-            records["h0"][r], records["h1"][r] = np.frombuffer(chain[pos], dtype="<u8")
+        count, keys = self._heads.count, self._keys(chain)
+        places = [(pos, j) for pos in positions for j in range(count)]
+        records = np.zeros(len(places), dtype=ENTRY)
+        for r, (pos, j) in enumerate(places):
+            unit = keys[j * len(chain) + pos]
+            key = (self._digest, unit)
+            records["h0"][r], records["h1"][r] = np.frombuffer(unit, dtype="<u8")
             records["slot"][r] = self._store._slots[key]
             records["size"][r] = len(self._store._pages[key])
             records["tag"][r] = incarnation_tag(NODE.incarnation)
         result = LookupResult(
             matched,
             records,
-            np.array(positions, dtype=np.int64),
-            np.zeros(len(positions), dtype=np.int64),
+            np.array([pos for pos, _ in places], dtype=np.int64),
+            np.array([j for _, j in places], dtype=np.int64),
             {NODE.number: NODE},
         )
         joined = b"".join(chain[:matched])
@@ -287,23 +326,39 @@ class MemoryClient(KeyedCalls):
             place,
         )
 
-    def pages(self, found: StoredPrefix) -> list[bytes | None]:
-        """The pages ``found`` names, by position (None where a ``last`` prefix holds
-        none, or a page is gone since): what a worker's fetch would bring."""
-        hashes = split_hashes(found.joined)
+    def _stored(self, found: StoredPrefix) -> list[bytes | None]:
+        """This rank's units of the blocks ``found`` names, unit by unit (None where a
+        ``last`` prefix holds none, or a unit is gone since): what a fetch would bring."""
         if found.storage != self._storage.digest_hex:
             raise ValueError("found in another storage namespace")
+        first, count = found.units
+        mine = self._heads
+        if not first <= mine.first <= mine.first + mine.count <= first + count:
+            raise InvalidInputError(  # as PrefixLookup.check_found: not this rank's heads
+                f"found for head groups {first}..{first + count - 1}, "
+                f"this rank reads {mine.first}..{mine.first + mine.count - 1}"
+            )
+        blocks = found.blocks
         return [
             None
-            if found.last and pos < len(hashes) - 1
-            else self._store._pages.get((self._digest, h))
-            for pos, h in enumerate(hashes)
+            if found.last and i % blocks < blocks - 1
+            else self._store._pages.get((self._digest, key))
+            for i, key in enumerate(self._keys(split_hashes(found.joined)))
         ]
+
+    def pages(self, found: StoredPrefix) -> list[bytes | None]:
+        """The pages ``found`` names, by position: this rank's units of each block,
+        joined unit by unit (a whole page when the rank's page is one unit); None where
+        one is missing (``_stored``)."""
+        units, blocks = self._stored(found), found.blocks
+        per_block = [units[b::blocks] if blocks else [] for b in range(blocks)]
+        return [None if None in got else b"".join(got) for got in per_block]  # type: ignore[arg-type]
 
     def read(self, plan: GetPlan[R]) -> R:
         """Land the pages ``plan`` names where its destination says, blocks
-        ``plan.start_block`` on, up to the first page missing; the tokens of the prefix
-        that arrived (0 when none did past the start), as ``KVCacheClient.read``."""
+        ``plan.start_block`` on, up to the first block missing a unit; the tokens of the
+        prefix that arrived (0 when none did past the start), as ``KVCacheClient.read``;
+        for ``IntoUnits``, the units and the blocks that arrived whole."""
         into: Any = plan.into
         self._store._reading(into)
         pages = plan.pages
@@ -314,69 +369,26 @@ class MemoryClient(KeyedCalls):
         )
         if found is None:
             return into.miss
-        start = plan.start_block
+        start, rank, ns = plan.start_block, self._heads, self._namespace
+        if isinstance(into, IntoUnits) or not rank.identity:
+            return self._read_units(found, start, into)  # type: ignore[return-value]
         held = self.pages(found)[start : found.blocks]
         arrived = held[: held.index(None)] if None in held else held
-        if isinstance(into, IntoUnits):
-            raise NotImplementedError("the memory store serves whole pages, not head-group units")
         if isinstance(into, IntoLayers):
-            _land_layers(into.rows, into.feed, arrived)
+            land_layers(into.rows, into.feed, arrived)
         else:
             for i, page in enumerate(arrived):
                 assert page is not None
-                _land(_sink(into, start, i), page)
+                land(sink(into, start, i), page)
         got = start + len(arrived)
-        return got * self._storage.block_size if arrived else 0  # type: ignore[return-value]
+        return got * ns.block_size if arrived else 0  # type: ignore[return-value]
+
+    def _read_units(self, found: StoredPrefix, start: int, into: Any) -> Any:
+        """``read`` of this rank's units of ``found``'s blocks ``start`` on."""
+        units, total, count = self._stored(found), found.blocks, self._heads.count
+        # the blocks from ``start`` on of each unit, unit by unit
+        stored = [u for j in range(count) for u in units[j * total + start : (j + 1) * total]]
+        return read_units(self._namespace, self._heads, stored, into, start)
 
     def close(self) -> None:
         self.closed = True
-
-
-def _page_bytes(page: torch.Tensor) -> bytes:
-    return page.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def _sink(into: Any, start: int, i: int) -> torch.Tensor | np.ndarray | tuple[np.ndarray, ...]:
-    """Where the ``i``-th page of a get from block ``start`` lands: bytes in place."""
-    if isinstance(into, IntoPages):
-        return into.out[start + i]
-    if isinstance(into, IntoSpans):
-        span: Span = into.sinks[i]
-        return span.bytes()
-    if isinstance(into, IntoDevice):
-        if isinstance(into.rows, DeviceRows):
-            offset, nbytes = int(into.rows.offsets[i]), into.rows.nbytes
-            return into.rows.base[offset : offset + nbytes]
-        return into.rows[i]
-    raise TypeError(f"the memory store lands no {type(into).__name__}")
-
-
-def _land(sink: torch.Tensor | np.ndarray | tuple[np.ndarray, ...], page: bytes) -> None:
-    """Copy ``page`` into ``sink`` (a tensor's bytes, a span's view or its pieces)."""
-    data = np.frombuffer(page, dtype=np.uint8)
-    if isinstance(sink, torch.Tensor):
-        flat = sink.reshape(-1).view(torch.uint8)
-        if flat.numel() != len(page):
-            raise ValueError(f"a page of {len(page)} bytes into {flat.numel()}")
-        flat.copy_(torch.from_numpy(data.copy()))
-        return
-    pieces = sink if isinstance(sink, tuple) else (sink,)
-    if sum(p.nbytes for p in pieces) != len(page):
-        raise ValueError(f"a page of {len(page)} bytes into {sum(p.nbytes for p in pieces)}")
-    at = 0
-    for piece in pieces:
-        piece.reshape(-1)[:] = data[at : at + piece.nbytes]
-        at += piece.nbytes
-
-
-def _land_layers(rows: Any, feed: Any, arrived: list[bytes | None]) -> None:
-    """An ``IntoLayers`` get: layer 0 of every page, then layer 1, ..., each layer's rows
-    queued on ``feed`` once copied (the host as the device: no event to wait for)."""
-    if not isinstance(rows, torch.Tensor):
-        raise TypeError("the memory store feeds layers into a tensor of rows only")
-    for layer in range(feed.layers):
-        for i, page in enumerate(arrived):
-            assert page is not None
-            part = len(page) // feed.layers
-            _land(rows[i, layer], page[layer * part : (layer + 1) * part])
-        feed.queued(layer, range(len(arrived)), None)
