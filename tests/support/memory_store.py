@@ -124,12 +124,16 @@ class MemoryStore:
         for (digest, page_hash), page in other._pages.items():
             self._put(digest, page_hash, page)
 
+    def evict(self, page_hashes: list[bytes]) -> None:
+        """The pages kept under ``page_hashes`` are gone now (as ``evict_on_read``)."""
+        gone = set(page_hashes)
+        for key in [k for k in self._pages if k[1] in gone]:
+            del self._pages[key]
+
     def _reading(self, into: object) -> None:
         self.reads.append(type(into).__name__)
-        if self._evicting:
-            for key in [k for k in self._pages if k[1] in self._evicting]:
-                del self._pages[key]
-            self._evicting.clear()
+        self.evict(list(self._evicting))
+        self._evicting.clear()
 
 
 Identity = RequestIdentity | BlockExtras | None

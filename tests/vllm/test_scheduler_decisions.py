@@ -19,6 +19,7 @@ from client.vllm.scheduler import ConnectorScheduler
 from client.vllm.states import StateFacts
 from client.vllm.stats import StatsRecorder
 from client.vllm.transfer_params import announcement
+from kvstore.pages.heads import unit_hashes
 from kvstore.pages.identity import NO_EXTRAS, RequestIdentity
 from kvstore.pages.namespace import Namespace
 from tests.support.connector_harness import (
@@ -51,6 +52,20 @@ def test_a_stored_prefix_is_matched_to_its_last_full_block_and_loads_its_bytes(m
     assert out["b"].num_cached_tokens == SHARED * BLOCK  # the blocks it shares with A
     # the loaded pages are the KV computing them gives: the same tokens follow
     assert out["a"].tokens == computed.tokens
+
+
+def test_a_block_missing_one_head_group_ends_the_hit_before_it(model_dir, store):
+    """With head groups (a unit per KV head, head_groups=2) the scheduler looks up
+    every group (the storage view), so a block counts only when every worker can load
+    its heads: block 3's second unit gone, the hit is blocks 0-2, loaded with no
+    failure, not the six blocks whose first unit is stored."""
+    with engine(model_dir, store, head_groups=2) as first:
+        computed = first.generate({"a": PROMPT_A})["a"]
+        store.evict(unit_hashes(first.lookups.chain(PROMPT_A)[3:4], 1, 1))
+    with engine(model_dir, store, head_groups=2) as second:
+        out = second.generate({"a": PROMPT_A})
+        assert second.metrics()["load_failed_blocks"] == 0
+    assert out["a"].num_cached_tokens == 3 * BLOCK and out["a"].tokens == computed.tokens
 
 
 def test_a_prompt_nothing_stored_begins_is_a_miss(model_dir, store):

@@ -34,6 +34,8 @@ from client.vllm.stats import StatsRecorder
 from client.vllm.transfer_params import announcement
 from client.vllm.worker import ConnectorWorker
 from client.vllm.worker_setup import WorkerFeatures, WorkerStores
+from kvstore.pages.hashing import split_hashes
+from kvstore.pages.heads import unit_hashes
 from kvstore.pages.identity import NO_EXTRAS
 from tests.support.connector_harness import (
     BLOCK,
@@ -92,6 +94,45 @@ def test_a_page_evicted_after_the_lookup_is_reported_to_vllm_and_recomputed(mode
         out = second.run()
         assert second.metrics()["load_failed_blocks"] == A_BLOCKS - 3
     assert out["a"].tokens == computed  # blocks 3 on recomputed over what was loaded
+
+
+GROUPS = {"head_groups": 2}  # a unit per KV head: what engines of TP 1 and 2 share
+
+
+def test_a_tp1_engine_of_two_head_groups_loads_both_units_into_its_blocks(model_dir, store):
+    """head_groups=2 on a TP=1 engine: its saves keep each block as two units, one KV
+    head each, and a second engine's worker, whose page is not one unit, reads both
+    into a buffer (``IntoUnits``) and writes each unit's head into its own blocks."""
+    with engine(model_dir, store, extra=GROUPS) as first:
+        computed = first.generate({"a": PROMPT_A})["a"].tokens
+    assert len(store) == 2 * len(PROMPT_A) // BLOCK  # two units per full block
+    with engine(model_dir, store, extra=GROUPS) as second:
+        second.add("a", PROMPT_A)
+        while second.scheduler.requests["a"].num_computed_tokens < len(PROMPT_A):
+            second.step()
+        assert second.check_cache("a", PROMPT_A, len(PROMPT_A)) == []  # every head
+        out = second.run()
+        metrics = second.metrics()
+        assert metrics["load_bytes"] == A_BLOCKS * second.lookups.namespace.page_nbytes
+    assert out["a"].num_cached_tokens == A_HIT and out["a"].tokens == computed
+    assert metrics["load_failed_blocks"] == 0 and store.reads == ["IntoUnits"]
+
+
+def test_a_unit_evicted_after_the_lookup_ends_the_loaded_prefix_at_its_block(model_dir, store):
+    """Both units of 6 blocks were found; block 3's second unit (the second KV head)
+    is gone when the worker fetches: blocks 3 on are reported failed and recomputed,
+    so no block is left with one head loaded and the other stale."""
+    with engine(model_dir, store, extra=GROUPS) as first:
+        computed = first.generate({"a": PROMPT_A})["a"].tokens
+    with engine(model_dir, store, extra=GROUPS) as second:
+        store.evict_on_read(unit_hashes(second.lookups.chain(PROMPT_A)[3:4], 1, 1))
+        second.add("a", PROMPT_A)
+        while second.scheduler.requests["a"].num_computed_tokens < len(PROMPT_A):
+            second.step()
+        assert second.check_cache("a", PROMPT_A, len(PROMPT_A)) == []
+        out = second.run()
+        assert second.metrics()["load_failed_blocks"] == A_BLOCKS - 3
+    assert out["a"].tokens == computed
 
 
 def test_layerwise_loads_feed_each_layer_before_it_is_read(model_dir):
@@ -167,10 +208,17 @@ def engine_config(model_dir: str, **args):
     return dataclasses.replace(base, **args).create_engine_config()
 
 
-def worker_over(store, vllm_config, kv_cache_config, names, **features) -> ConnectorWorker:
-    """A registered worker whose stores are ``store``'s; its caches random."""
+def worker_over(
+    store, vllm_config, kv_cache_config, names, *, extra=None, tp_rank=0, **features
+) -> ConnectorWorker:
+    """A registered worker whose stores are ``store``'s, configured by ``extra``, as TP
+    rank ``tp_rank`` of ``vllm_config``'s engine; its caches random (its rank's heads)."""
     conf, options = connector_options(
-        {"redis_url": "redis://in-memory.invalid:6379/0", "weights_revision": WEIGHTS}
+        {
+            "redis_url": "redis://in-memory.invalid:6379/0",
+            "weights_revision": WEIGHTS,
+            **(extra or {}),
+        }
     )
     worker = ConnectorWorker(
         vllm_config,
@@ -179,10 +227,11 @@ def worker_over(store, vllm_config, kv_cache_config, names, **features) -> Conne
         stores=WorkerStores(vllm_config, conf, options, opener=store.client),
         features=WorkerFeatures(**features),
         kv_cache_config=kv_cache_config,
-        ranks=lambda: (0, 0),
+        ranks=lambda: (0, tp_rank),
     )
     generator = torch.Generator().manual_seed(len(names))
-    caches = {n: torch.rand(BLOCKS, KV_HEADS, BLOCK, 2 * HEAD, generator=generator) for n in names}
+    heads = vllm_config.model_config.get_num_kv_heads(vllm_config.parallel_config)
+    caches = {n: torch.rand(BLOCKS, heads, BLOCK, 2 * HEAD, generator=generator) for n in names}
     worker.register_kv_caches(caches)
     worker.caches = caches  # type: ignore[attr-defined]
     return worker
@@ -284,3 +333,95 @@ def test_a_hybrid_load_writes_each_layer_into_its_own_groups_blocks(model_dir, s
         assert torch.all(second[sliding_ids[pos]] == float(pos))
     assert torch.equal(second[0], before[sliding[0]][0])  # the null block: never written
     worker.shutdown()
+
+
+# ---- head groups: TP ranks reading another TP size's units ------------------------------
+
+TARGET = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+SAVED = [1, 2, 3, 4, 5, 6]  # the source's blocks of PROMPT_A's first A_BLOCKS blocks
+INTO = [9, 10, 11, 12, 13, 14]  # where a loader's request holds them
+
+
+def save_a(worker: ConnectorWorker) -> None:
+    saved(worker, KVStoreConnectorMetadata(saves=[SaveSpec("s", PROMPT_A[:A_HIT], SAVED)]))
+
+
+def load_a(worker: ConnectorWorker, store: MemoryStore, evict: int | None = None) -> set[int]:
+    """``worker`` loads PROMPT_A's stored blocks into ``INTO`` from the lookup its
+    scheduler makes (the storage view: every head group; ``evict``: that unit of block
+    3 is gone by the fetch); the blocks it reports failed."""
+    ns = store.opened[-1].namespace
+    found = store.client(ns.storage).find(PROMPT_A[:A_HIT])
+    assert found is not None and found.blocks == A_BLOCKS
+    if evict is not None:
+        store.evict_on_read(unit_hashes(split_hashes(found.joined)[3:4], evict, 1))
+    worker.start_load_kv(KVStoreConnectorMetadata(loads=[LoadSpec("a", found, INTO, 0)]))
+    return finish_load(worker, "a")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tp2_rank_loads_its_own_head_of_a_tp1_engines_pages(model_dir, store, rank):
+    """A TP=1 engine with head_groups=2 saves each block as two units; each worker of a
+    TP=2 engine (one KV head) reads the unit of its head, a whole page of its own
+    (straight into its blocks), and its cache holds exactly that head of the saved
+    blocks, bytes for bytes."""
+    one = engine_config(model_dir)
+    source = worker_over(store, one, attention_config(TARGET, BLOCKS), TARGET, extra=GROUPS)
+    save_a(source)
+    assert len(store) == 2 * A_BLOCKS
+    source.shutdown()
+    two = engine_config(model_dir, tensor_parallel_size=2)
+    config = attention_config(TARGET, BLOCKS)
+    loader = worker_over(store, two, config, TARGET, extra=GROUPS, tp_rank=rank)
+    assert load_a(loader, store) == set()
+    for name in TARGET:
+        head = source.caches[name][SAVED, rank : rank + 1]
+        assert torch.equal(loader.caches[name][INTO], head), name
+    assert store.reads == ["IntoSpans"]
+    loader.shutdown()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tp2_rank_whose_unit_is_gone_loads_up_to_that_block_the_other_all(model_dir, store, rank):
+    """Unit 1 of block 3 (the second KV head) is gone after the lookup: rank 1 loads
+    blocks 0-2 and reports 3 on failed; rank 0, whose unit is there, loads all six."""
+    one = engine_config(model_dir)
+    source = worker_over(store, one, attention_config(TARGET, BLOCKS), TARGET, extra=GROUPS)
+    save_a(source)
+    source.shutdown()
+    two = engine_config(model_dir, tensor_parallel_size=2)
+    config = attention_config(TARGET, BLOCKS)
+    loader = worker_over(store, two, config, TARGET, extra=GROUPS, tp_rank=rank)
+    before = {n: t.clone() for n, t in loader.caches.items()}
+    failed = load_a(loader, store, evict=1)
+    loaded = 3 if rank == 1 else A_BLOCKS
+    assert failed == set(INTO[loaded:])
+    for name in TARGET:
+        head = source.caches[name][SAVED[:loaded], rank : rank + 1]
+        assert torch.equal(loader.caches[name][INTO[:loaded]], head), name
+        # a failed block is recomputed by vLLM; nothing of another block lands there
+        assert torch.equal(loader.caches[name][INTO[loaded:]], before[name][INTO[loaded:]])
+    loader.shutdown()
+
+
+def test_a_tp1_engine_loads_both_heads_of_what_tp2_ranks_saved(model_dir, store):
+    """The reverse: each worker of a TP=2 engine saves its KV head as its unit; a TP=1
+    engine of the same head groups reads both units of each block (``IntoUnits``) and
+    writes each where its head belongs: its cache holds the two ranks' heads side by
+    side, bytes for bytes."""
+    two = engine_config(model_dir, tensor_parallel_size=2)
+    ranks = []
+    for rank in (0, 1):
+        config = attention_config(TARGET, BLOCKS)
+        ranks.append(worker_over(store, two, config, TARGET, extra=GROUPS, tp_rank=rank))
+        save_a(ranks[-1])
+    assert len(store) == 2 * A_BLOCKS
+    one = engine_config(model_dir)
+    loader = worker_over(store, one, attention_config(TARGET, BLOCKS), TARGET, extra=GROUPS)
+    assert load_a(loader, store) == set()
+    for name in TARGET:
+        both = torch.cat([r.caches[name][SAVED] for r in ranks], dim=1)
+        assert torch.equal(loader.caches[name][INTO], both), name
+    assert store.reads == ["IntoUnits"]
+    for worker in (*ranks, loader):
+        worker.shutdown()
