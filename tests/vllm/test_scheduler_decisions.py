@@ -7,12 +7,16 @@ timing) is in test_vllm_inprocess.py and the other ``test_vllm*`` files."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
 
 pytest.importorskip("vllm")
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+from client.vllm.connector import KVStoreConnector
 from client.vllm.feature_set import SchedulerFeatures
 from client.vllm.options import connector_options
 from client.vllm.scheduler import ConnectorScheduler
@@ -32,6 +36,7 @@ from tests.support.connector_harness import (
 )
 from tests.support.harness_fixtures import model_dir, store  # noqa: F401 (fixtures)
 from tests.support.memory_store import MemoryStore
+from tests.support.stand_in_model import LAYERS, attention_config, engine_args
 
 # the full blocks a lookup may match: one prompt token is always computed
 A_HIT = (len(PROMPT_A) - 1) // BLOCK * BLOCK
@@ -66,6 +71,31 @@ def test_a_block_missing_one_head_group_ends_the_hit_before_it(model_dir, store)
         out = second.generate({"a": PROMPT_A})
         assert second.metrics()["load_failed_blocks"] == 0
     assert out["a"].num_cached_tokens == 3 * BLOCK and out["a"].tokens == computed.tokens
+
+
+def test_a_tp2_engines_hit_needs_every_ranks_head_group(model_dir, store):
+    """A TP=2 engine's scheduler (the connector's, as vLLM builds it) looks up the
+    storage view of every head group, not its rank 0's: of a TP=1 engine's pages with
+    block 3's second unit gone, it claims blocks 0-2, which both workers can load, not
+    the six whose first unit (rank 0's head) is stored."""
+    with engine(model_dir, store, head_groups=2) as first:
+        first.generate({"a": PROMPT_A})
+        store.evict(unit_hashes(first.lookups.chain(PROMPT_A)[3:4], 1, 1))
+    args = engine_args(
+        model_dir,
+        None,
+        None,
+        role="kv_both",
+        extra={"head_groups": 2},
+        max_batched=2048,
+        events_endpoint=None,
+    )
+    config = dataclasses.replace(args, tensor_parallel_size=2).create_engine_config()
+    layers = attention_config([f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)], 64)
+    scheduler = KVStoreConnector(config, KVConnectorRole.SCHEDULER, layers, stores=store.client)
+    hit, _ = scheduler.get_num_new_matched_tokens(vllm_request("a", PROMPT_A), 0)
+    assert hit == 3 * BLOCK and store.opened[-1].heads.count == 2  # both units asked for
+    scheduler.shutdown()
 
 
 def test_a_prompt_nothing_stored_begins_is_a_miss(model_dir, store):
