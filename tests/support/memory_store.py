@@ -12,9 +12,10 @@ of the same namespace and identity stored, and nothing else. Head groups
 one group; a whole page when the namespace has one group), keyed by
 ``heads.unit_hashes`` (unit 0: the chain hash itself); a rank reads and writes the
 units of its heads (``rank_units``). A block counts as stored only when every unit the
-rank asks for is (the scheduler asks for all, as the index's ``_match`` does).
-``find`` answers with the longest stored prefix of full blocks (``last``: the prefix up to the last block stored,
-gaps allowed, holding that block alone, as ``IndexLookup.resolve``), as a
+client asks for is, as the index's ``_match`` counts it (a scheduler's storage view
+asks for every unit, a worker for its own). ``find`` answers with the longest stored
+prefix of full blocks (``last``: the prefix up to the last block stored, gaps
+allowed, holding that block alone, as ``IndexLookup.resolve``), as a
 ``StoredPrefix`` built as ``PrefixLookup.stored_prefix`` builds it, its replicas on
 one "node" (this store). An index that cannot answer is ``down``; one slower than the
 caller's timeout (``latency``, compared, not slept) is a None too, as the real
@@ -203,7 +204,7 @@ class MemoryClient(KeyedCalls):
     def _held(self, chain: list[bytes]) -> list[bool]:
         """Per block of ``chain``, whether every unit this rank asks for is stored."""
         has = [self._store._has(self._digest, k) for k in self._keys(chain)]
-        return np.array(has, dtype=bool).reshape(self._heads.count, -1).all(axis=0).tolist()
+        return [all(has[b :: len(chain)]) for b in range(len(chain))]  # unit by unit
 
     def put(
         self,
@@ -355,8 +356,8 @@ class MemoryClient(KeyedCalls):
         joined unit by unit (a whole page when the rank's page is one unit); None where
         one is missing (``_stored``)."""
         units, blocks = self._stored(found), found.blocks
-        per_block = [units[b::blocks] if blocks else [] for b in range(blocks)]
-        return [None if None in got else b"".join(got) for got in per_block]  # type: ignore[arg-type]
+        per_block = [[u for u in units[b::blocks] if u is not None] for b in range(blocks)]
+        return [b"".join(got) if len(got) == len(units) // blocks else None for got in per_block]
 
     def read(self, plan: GetPlan[R]) -> R:
         """Land the pages ``plan`` names where its destination says, blocks
@@ -375,7 +376,7 @@ class MemoryClient(KeyedCalls):
             return into.miss
         start, rank, ns = plan.start_block, self._heads, self._namespace
         if isinstance(into, IntoUnits) or not rank.identity:
-            return self._read_units(found, start, into)  # type: ignore[return-value]
+            return self._read_units(found, start, into)
         held = self.pages(found)[start : found.blocks]
         arrived = held[: held.index(None)] if None in held else held
         if isinstance(into, IntoLayers):

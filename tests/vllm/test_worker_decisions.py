@@ -1,12 +1,15 @@
 """The connector's worker decisions in the fast tier: the real ``ConnectorWorker`` (its
 loader, saver and pin threads, the load path, load errors, layer-wise feeds, P/D waits)
 over a ``MemoryStore`` (tests/support/memory_store.py), which lands real page bytes
-where a get's plan says and keeps a worker's puts under the same hashes as the nodes.
-Through vLLM's real ``Scheduler`` (tests/support/connector_harness.py) where the
-harness's engine has the feature; driven directly (``register_kv_caches``,
-``start_load_kv``, ``wait_for_save``, ``get_finished``) for a draft's layers and hybrid
-groups, whose engines the harness's stand-in model does not compute. What needs real
-nodes (transfers, faults, device copies) stays in the ``test_vllm*`` files."""
+where a get's plan says and keeps a worker's puts under the same keys as the nodes
+(head-group units included). Through vLLM's real ``Scheduler``
+(tests/support/connector_harness.py) where the harness's engine has the feature (a
+TP=1 engine of two head groups); driven directly (``register_kv_caches``,
+``start_load_kv``, ``wait_for_save``, ``get_finished``) for a draft's layers, hybrid
+groups and the workers of a TP=2 engine, whose engines the harness's stand-in model
+does not compute. Head placement is checked byte for byte over random caches: the
+stand-in model writes one value into every head. What needs real nodes (transfers,
+faults, device copies) stays in the ``test_vllm*`` files."""
 
 from __future__ import annotations
 
