@@ -46,6 +46,7 @@ from tests.support.connector_harness import (
     KV_HEADS,
     LAYERS,
     PROMPT_A,
+    PROMPT_C,
     WEIGHTS,
     ConnectorHarness,
     attention_config,
@@ -428,3 +429,31 @@ def test_a_tp1_engine_loads_both_heads_of_what_tp2_ranks_saved(model_dir, store)
     assert store.reads == ["IntoUnits"]
     for worker in (*ranks, loader):
         worker.shutdown()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tp2_rank_of_one_head_group_reads_its_half_of_whole_pages_and_stores_nothing(
+    model_dir, store, rank
+):
+    """head_groups=1 on a TP=2 engine: a TP=1 engine's pages (its default, one group)
+    are one unit of both KV heads, half of which each rank holds; the rank reads the
+    whole unit (``IntoUnits``) and writes only its own head into its blocks. It cannot
+    store half a group: its save fails, counted, and nothing is stored."""
+    one = engine_config(model_dir)
+    source = worker_over(store, one, attention_config(TARGET, BLOCKS), TARGET)
+    save_a(source)
+    assert len(store) == A_BLOCKS
+    source.shutdown()
+    two = engine_config(model_dir, tensor_parallel_size=2)
+    config = attention_config(TARGET, BLOCKS)
+    loader = worker_over(store, two, config, TARGET, extra={"head_groups": 1}, tp_rank=rank)
+    assert load_a(loader, store) == set()
+    for name in TARGET:
+        head = source.caches[name][SAVED, rank : rank + 1]
+        assert torch.equal(loader.caches[name][INTO], head), name
+    assert store.reads == ["IntoUnits"]
+    loader._stats.take_stats()  # the load's counts
+    saved(loader, KVStoreConnectorMetadata(saves=[SaveSpec("c", PROMPT_C[: 2 * BLOCK], [1, 2])]))
+    stats = loader._stats.take_stats()
+    assert len(store) == A_BLOCKS and stats is not None and stats.data["save_failures"] == 1
+    loader.shutdown()
