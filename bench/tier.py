@@ -41,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from bench.transfer import cpu_seconds, namespace_for
+from bench.benchcommon.proc import cpu_seconds
+from bench.transfers.worker import namespace_for
 from client import KVCacheClient
 from kvstore.tools.launcher import LocalCluster
 
