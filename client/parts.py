@@ -97,7 +97,7 @@ def client_parts(
     reader = PageReader(
         lookups, fetcher, namespace, heads, stats, buffers, opts.transfer_mode, copier
     )
-    sequences = LookupBuffer(namespace, heads, lookups, writer, fetcher, reader, buffers)
+    sequences = LookupBuffer(namespace, heads, writer, reader)
     return ClientParts(
         stats,
         copier,

@@ -1,5 +1,7 @@
 """insert/select: the lookup-buffer contract of vLLM's SimpleConnector, on top of the
-paged mechanism (lookups, puts, fetch rounds).
+paged mechanism: ``insert`` puts a ``PutPlan`` (``client.puts``), ``select`` reads a
+``GetPlan`` of the sequence's pages into ``IntoSequence`` (``client.gets``: its handler
+in ``client.gets.sequence_handler``), each through the handler of its pair.
 
 A sequence's full blocks become shared, deduplicated pages (the paged API's); its
 trailing partial block and hidden states go into a tail object of its own, keyed by the
@@ -7,67 +9,47 @@ sequence hash and split into parts (``client.codec``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from client import codec
-from client.gets.fetch import ReplicaFetcher, leading, unit_locations, whole_blocks
+from client.gets.plan import GetPlan, SequencePages
 from client.gets.reads import PageReader
-from client.lookups.prefix import Identity, PrefixLookup
+from client.gets.sequence_handler import IntoSequence
+from client.lookups.prefix import Identity
 from client.memory.buffers import split_spans
-from client.memory.staging import HostBuffers
 from client.puts.plan import FromSpans, Placed, PutPlan
 from client.puts.publish import Outgoing, PublishReport
 from client.puts.writes import PageWriter
 from kvstore.errors import InvalidInputError
-from kvstore.index import LookupResult
 from kvstore.pages import heads, keys
 from kvstore.pages.hashing import block_hashes, part_hashes, sequence_hash, token_array
 from kvstore.pages.identity import resolve
 from kvstore.pages.namespace import Namespace
 
 
-@dataclass
-class _Fetched:
-    """What ``select`` got: how many leading blocks arrived whole (in the caller's
-    key/value, or merged there), and the tail buffer with its parts' sizes, of which
-    the leading ``parts`` arrived (0 unless every matched block did)."""
-
-    blocks: int
-    tail: np.ndarray
-    part_sizes: list[int]
-    parts: int
-
-
 class LookupBuffer:
     """One job: ``insert`` and ``select``, a whole sequence's KV in the caller's
     ``[layers, tokens, heads, head_size]`` tensors, over the parts of the paged
-    mechanism it is given (``AsyncKVCacheClient`` builds it). Pages move straight
-    between the caller's key/value and the nodes (``codec.kv_spans``); only a rank that
-    reads part of a head group receives units into a buffer and merges them. Runs on
-    the client's event loop."""
+    mechanism it is given (``client.parts`` builds it): puts through the writer, gets
+    through the reader, as plans. Pages move straight between the caller's key/value
+    and the nodes (``codec.kv_spans``); only a rank that reads part of a head group
+    receives units into a buffer and merges them. Runs on the client's event loop."""
 
     def __init__(
         self,
         namespace: Namespace,
         rank: heads.RankUnits,
-        lookups: PrefixLookup,
         writer: PageWriter,
-        fetcher: ReplicaFetcher,
         reader: PageReader,
-        buffers: HostBuffers,
     ) -> None:
         self.namespace = namespace
         self._storage = namespace.storage
         self.heads = rank
-        self._lookups = lookups
         self._writer = writer
-        self._fetcher = fetcher
         self._reader = reader
-        self._buffers = buffers
 
     async def insert(
         self,
@@ -139,22 +121,11 @@ class LookupBuffer:
         parts = part_hashes(
             sequence_hash(ns, tokens, hashes, extras), max(len(sizes_h), len(sizes_nh))
         )
-        lookups = self._lookups
-        result = await lookups.on_loop(lookups.lookup_steps, hashes + parts, [len(hashes)])
-        if not result or result.matched == 0:
+        plan = GetPlan(SequencePages(hashes, parts), IntoSequence(T))
+        got = await self._reader.read(plan)
+        if got is None:
             return [None] * 5
-        # key and value are received into, sized for what the index says is there: the
-        # whole sequence when tail parts follow every block, else the blocks found
-        nblocks = min(result.matched, len(hashes))
-        shape = (
-            2,
-            ns.num_layers,
-            T if result.matched > len(hashes) else nblocks * ns.block_size,
-            ns.num_kv_heads,
-            ns.head_size,
-        )
-        kv = self._buffers.lend(int(np.prod(shape)) * ns.element_size, ns.torch_dtype(), shape)
-        got = await self._fetch_sequence(hashes, parts, result, kv)
+        kv = got.kv
         tail = None
         if got.blocks == len(hashes) and got.parts:
             flags = codec.read_tail_flags(got.tail)
@@ -175,66 +146,6 @@ class LookupBuffer:
         out_roi = torch.zeros(n_all, dtype=torch.bool)
         out_roi[:matched] = True
         return [input_tokens, out_roi, kv[0], kv[1], hidden]
-
-    async def _fetch_sequence(
-        self, hashes: list[bytes], parts: list[bytes], result: LookupResult, kv: torch.Tensor
-    ) -> _Fetched:
-        """Fetch the matched blocks (this rank's units of each) into ``kv``
-        ``[2, layers, tokens, heads, head_size]`` and the tail parts that follow them; a
-        missing head group ends the prefix, and the tail cannot follow."""
-        ns, count = self.namespace, self.heads.count
-        nblocks = min(result.matched, len(hashes))
-        part_sizes = [loc[0].size for loc in result.locations[nblocks:]]
-        # the tail (partial block, hidden states) lands in pool memory, not a fresh array: a
-        # select into fresh memory paid ~4,000 page faults per call (35 MB at the demo's size)
-        tail_bytes = sum(part_sizes)
-        lent = self._buffers.lend(max(tail_bytes, 1), torch.uint8, (max(tail_bytes, 1),))
-        tail = lent.numpy()[:tail_bytes]
-        tail_hashes, tail_locations = parts[: result.matched - nblocks], result.locations[nblocks:]
-        if not self.heads.whole:  # units hold heads this rank lacks: received into a buffer, merged
-            return await self._fetch_merged(
-                hashes, result, kv, tail_hashes, tail_locations, tail, part_sizes
-            )
-        unit_hashes, unit_locs = unit_locations(self.heads, hashes, result, slice(0, nblocks))
-        sinks = codec.kv_spans(ns, kv[0], kv[1], nblocks, count) + split_spans(tail, part_sizes)
-        ok = await self._fetcher.fetch(unit_hashes + tail_hashes, unit_locs + tail_locations, sinks)
-        blocks = whole_blocks(ok, count, nblocks)
-        got_parts = leading(ok[nblocks * count :]) if blocks == nblocks else 0
-        return _Fetched(blocks, tail, part_sizes, got_parts)
-
-    async def _fetch_merged(
-        self,
-        hashes: list[bytes],
-        result: LookupResult,
-        kv: torch.Tensor,
-        tail_hashes: list[bytes],
-        tail_locations: list[Any],
-        tail: np.ndarray,
-        part_sizes: list[int],
-    ) -> _Fetched:
-        """``_fetch_sequence`` for a rank that reads part of a head group: the units
-        land in a buffer and the rank's heads are merged into its pages, then into
-        ``kv``. The tail is the rank's own and follows only once every block is whole."""
-        ns = self.namespace
-        nblocks = min(result.matched, len(hashes))
-        units, blocks = await self._reader.fetch_units(
-            hashes,
-            result,
-            0,
-            torch.empty(self._reader.units_nbytes(nblocks), dtype=torch.uint8),
-            end=nblocks,
-        )
-        pages = torch.empty((blocks, *ns.page_shape), dtype=ns.torch_dtype())
-        heads.merge(ns, units[:, :blocks], pages, self.heads)
-        codec.pages_into_kv(pages, kv)
-        got_parts = 0
-        if blocks == nblocks and tail_hashes:
-            got_parts = leading(
-                await self._fetcher.fetch(
-                    tail_hashes, tail_locations, split_spans(tail, part_sizes)
-                )
-            )
-        return _Fetched(blocks, tail, part_sizes, got_parts)
 
     def _whole_model(self, call: str) -> None:
         """insert/select hold every layer of the model: a pipeline stage's namespace

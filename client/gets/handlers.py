@@ -13,7 +13,10 @@ The built-in handlers register themselves when ``client.gets.reads`` imports the
 ``client.gets.host_handlers`` (rank pages in a tensor, spans, head-group units) and
 ``client.gets.device_handlers`` (device rows, layer by layer). A new medium is one
 module: a ``Destination`` subclass, a handler, and its ``register_handler`` call at
-import; a caller imports it and passes its plans to the client's ``read``.
+import; a caller imports it and passes its plans to the client's ``read``
+(``client.gets.file_handler``: pages into a file; ``client.gets.sequence_handler``:
+a sequence's blocks into key/value and its tail parts into a buffer, which
+``client.sequences`` imports for ``select``).
 
 A handler moves no bytes itself: it asks the reader (``Reader``) to fetch pages into
 spans or device rows, which the nodes' connections fill and check (the same-host and
@@ -51,7 +54,8 @@ R_co = TypeVar("R_co", covariant=True)
 class Reader(Protocol):
     """What a handler may ask of the reader running its plan (``PageReader``): the
     client's namespace, rank, counters, host buffers and device copier, and fetches of
-    a plan's pages into spans or device rows, each page checked where it lands."""
+    a plan's pages (and a sequence's tail parts) into spans or device rows, each page
+    checked where it lands."""
 
     @property
     def namespace(self) -> Namespace: ...
@@ -94,6 +98,14 @@ class Reader(Protocol):
         buf: torch.Tensor,
         end: int | None = None,
     ) -> tuple[torch.Tensor, int]: ...
+
+    async def fetch_sequence(
+        self, pages: FoundPages, spans: list[Span], *, units: bool = True
+    ) -> list[bool]:
+        """This rank's units of ``pages``' blocks (unless not ``units``), then the tail
+        parts found after them, into ``spans`` in one fetch: per request, whether it
+        arrived intact."""
+        ...
 
 
 class GetHandler(Protocol[D_contra, R_co]):

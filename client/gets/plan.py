@@ -1,7 +1,9 @@
-"""A get described once (``GetPlan``): which pages (a prefix ``find`` found, or a
-prompt to look up), from which source, landing where (a destination: one of the
-``Into*`` specs here, or one a handler module adds), from which block on. Every get
-runs through ``PageReader.read`` (``client.gets.reads``), which hands the pages to the
+"""A get described once (``GetPlan``): which pages (a prefix ``find`` found, a prompt
+to look up, or a whole sequence's blocks and the tail parts chained after them), from
+which source, landing where (a destination: one of the ``Into*`` specs here, or one a
+handler module adds: ``IntoFile`` in ``client.gets.file_handler``, ``IntoSequence``,
+select's, in ``client.gets.sequence_handler``), from which block on. Every get runs
+through ``PageReader.read`` (``client.gets.reads``), which hands the pages to the
 handler registered for the plan's (source, destination) pair
 (``client.gets.handlers``).
 
@@ -16,7 +18,7 @@ methods' one signature and documentation: ``AsyncKVCacheClient`` and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 import torch
@@ -26,7 +28,7 @@ from client.lookups.stored_prefix import StoredPrefix
 from client.memory.buffers import Span
 from client.memory.device_rows import DeviceRows
 from client.memory.layer_feed import LayerFeed
-from kvstore.index import LookupResult
+from kvstore.index import LookupResult, PageLocation
 
 R = TypeVar("R")
 # Where pages come from: the nodes, each reached over shared memory on the same host or
@@ -45,12 +47,25 @@ class Prompt:
     identity: Identity = None
 
 
+@dataclass(frozen=True, slots=True)
+class SequencePages:
+    """A whole sequence's pages (``select``'s, ``client.sequences``): its full blocks,
+    by their chain ``hashes``, then its tail's ``parts`` (the partial block and hidden
+    states, a chain of their own that follows the blocks in the index). One lookup
+    asks for both; the parts count only after every block."""
+
+    hashes: list[bytes]
+    parts: list[bytes]
+
+
 class Destination(Generic[R]):
     """Where a get's pages land, and what a get into it returns (``R``). ``miss`` is
     what the blocking client returns when the call gives up (a fault or its deadline).
-    A subclass is a destination kind: handlers are registered by it."""
+    ``sequence``: the destination takes ``SequencePages`` (and only those, from block
+    0); no other does. A subclass is a destination kind: handlers are registered by it."""
 
     miss: ClassVar[Any] = 0
+    sequence: ClassVar[bool] = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -101,11 +116,11 @@ class IntoLayers(Destination[int]):
 
 @dataclass(frozen=True, eq=False)
 class GetPlan(Generic[R]):
-    """One get: ``pages`` (a stored prefix, or a prompt to look up) from ``source``,
-    blocks ``start_block`` on, into ``into``. Blocks before ``start_block`` must be stored
-    for the prefix to count, but are not transferred."""
+    """One get: ``pages`` (a stored prefix, a prompt to look up, or a sequence) from
+    ``source``, blocks ``start_block`` on, into ``into``. Blocks before ``start_block``
+    must be stored for the prefix to count, but are not transferred."""
 
-    pages: StoredPrefix | Prompt
+    pages: StoredPrefix | Prompt | SequencePages
     into: Destination[R]
     start_block: int = 0
     source: Source = "nodes"
@@ -114,22 +129,35 @@ class GetPlan(Generic[R]):
 @dataclass(frozen=True, slots=True)
 class FoundPages:
     """A plan's pages as a handler lands them: the blocks' chain hashes, what the lookup
-    found (``result.matched`` blocks stored, at least one past ``start_block``), and the
-    first block to fetch."""
+    found (``result.matched`` pages stored, at least one past ``start_block``), the
+    first block to fetch, and a sequence's tail ``parts`` (``SequencePages``: found only
+    past every block; none for other pages)."""
 
     hashes: list[bytes]
     result: LookupResult
     start_block: int
+    parts: list[bytes] = field(default_factory=list)
+
+    @property
+    def blocks(self) -> int:
+        """The stored prefix's blocks: ``result.matched`` less the tail parts found."""
+        return min(self.result.matched, len(self.hashes))
 
     @property
     def wanted(self) -> slice:
         """The blocks to fetch."""
-        return slice(self.start_block, self.result.matched)
+        return slice(self.start_block, self.blocks)
 
     @property
     def count(self) -> int:
         """Blocks to fetch: ``start_block`` up to the stored prefix's end."""
-        return self.result.matched - self.start_block
+        return self.blocks - self.start_block
+
+    @property
+    def found_parts(self) -> tuple[list[bytes], list[list[PageLocation]]]:
+        """The tail parts found after every block, in order: their hashes and replicas."""
+        n = self.blocks
+        return self.parts[: self.result.matched - n], self.result.locations[n:]
 
 
 # ---- the public get methods' one signature each (client.gets.views) ------------------

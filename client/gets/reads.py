@@ -11,10 +11,16 @@ import torch
 
 # the built-in handlers register themselves on import (client.gets.handlers)
 from client.gets import device_handlers, host_handlers  # noqa: F401
-from client.gets.fetch import ReplicaFetcher, leading, unit_requests, whole_blocks
+from client.gets.fetch import (
+    ReplicaFetcher,
+    leading,
+    unit_locations,
+    unit_requests,
+    whole_blocks,
+)
 from client.gets.handlers import handler_for
 from client.gets.landing import TransferMode, lands_in_place
-from client.gets.plan import FoundPages, GetPlan, Prompt
+from client.gets.plan import FoundPages, GetPlan, Prompt, SequencePages
 from client.lookups.prefix import PrefixLookup
 from client.memory.buffers import Span, host_bytes, page_spans
 from client.memory.device_pages import DeviceCopier
@@ -88,14 +94,24 @@ class PageReader:
         return blocks * self.rank.count * self.namespace.unit_nbytes
 
     async def read(self, plan: GetPlan[R]) -> R:
-        """Run ``plan``: its pages found (a lookup for a ``Prompt``; a ``StoredPrefix``
-        without one while its lease is young), checked against its destination, and
+        """Run ``plan``: its pages found (a lookup for a ``Prompt``, one for a
+        ``SequencePages``' blocks and tail parts together; a ``StoredPrefix`` without one
+        while its lease is young), checked against its destination, and
         landed by the handler of its (source, destination) pair
-        (``client.gets.handlers``). Misuse raises ``InvalidInputError`` before any lookup;
+        (``client.gets.handlers``). Misuse raises ``InvalidInputError`` before any lookup
+        (``SequencePages`` into any but a sequence destination, or from a later block);
         a get with nothing to fetch returns the handler's ``empty``."""
         handler = handler_for(plan.source, type(plan.into))
         pages, start, lookups = plan.pages, plan.start_block, self._lookups
-        if isinstance(pages, Prompt):
+        parts: list[bytes] = []
+        if isinstance(pages, SequencePages) != plan.into.sequence or (plan.into.sequence and start):
+            raise InvalidInputError(
+                "a sequence's pages land whole (from block 0) in a sequence destination, and "
+                f"only there: {type(pages).__name__} into {type(plan.into).__name__}"
+            )
+        if isinstance(pages, SequencePages):
+            hashes, parts = pages.hashes, pages.parts
+        elif isinstance(pages, Prompt):
             hashes = split_hashes(lookups.chain_hashes(pages.token_ids, pages.identity))
         else:
             lookups.check_found(pages)
@@ -103,15 +119,18 @@ class PageReader:
         if start < 0:
             raise InvalidInputError(f"start_block must not be negative, got {start}")
         handler.check(self, plan.into, len(hashes) - start)
-        if start >= len(hashes):
+        if start >= len(hashes) + len(parts):
             return cast(R, handler.empty(self, plan.into))
-        if isinstance(pages, Prompt):
+        if isinstance(pages, SequencePages):  # one round trip: the parts chain after the blocks
+            result = await lookups.on_loop(lookups.lookup_steps, hashes + parts, [len(hashes)])
+        elif isinstance(pages, Prompt):
             result = await lookups.on_loop(lookups.lookup_steps, hashes)
         else:
             result = await lookups.found_result(pages)
         if not result or result.matched <= start:
             return cast(R, handler.empty(self, plan.into))
-        return cast(R, await handler.land(self, FoundPages(hashes, result, start), plan.into))
+        found = FoundPages(hashes, result, start, parts)
+        return cast(R, await handler.land(self, found, plan.into))
 
     async def fetch_units(
         self,
@@ -151,6 +170,19 @@ class PageReader:
         """``fetch_pages``: the tokens of the prefix that arrived."""
         ok = await self.fetch_pages(pages, spans)
         return (pages.start_block + leading(ok)) * self.namespace.block_size
+
+    async def fetch_sequence(
+        self, pages: FoundPages, spans: list[Span], *, units: bool = True
+    ) -> list[bool]:
+        """This rank's units of ``pages``' blocks (none unless ``units``; unit by unit,
+        ``heads.unit_hashes``' order), then the tail parts found after them
+        (``FoundPages.found_parts``), into ``spans`` in that order, in one fetch: per
+        request, whether it arrived intact."""
+        tail, tail_locations = pages.found_parts
+        if not units:
+            return await self._fetcher.fetch(tail, tail_locations, spans)
+        keys, locations = unit_locations(self.rank, pages.hashes, pages.result, pages.wanted)
+        return await self._fetcher.fetch(keys + tail, locations + tail_locations, spans)
 
 
 def _index(memory: torch.device) -> int:

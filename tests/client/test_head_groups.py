@@ -72,7 +72,7 @@ def test_a_rank_that_holds_part_of_a_group_reads_but_does_not_store(cluster):
 
 
 def test_a_rank_that_holds_part_of_a_group_selects_an_inserted_prefix(cluster):
-    """select's merge path (``_fetch_merged``): a TP=2 rank whose heads are half of the one
+    """select's merge path (``client.gets.sequence_handler``): a TP=2 rank whose heads are half of the one
     stored group receives the units into a buffer and merges its heads into key/value,
     bit-exact; the producer's tail is its own, so the match is the block-aligned prefix."""
     kw = {"groups": 1, "tenant": "tp-superset-select"}

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from client import KVCacheClient
+from client.gets.plan import GetPlan, IntoPages, Prompt, SequencePages
+from client.gets.sequence_handler import IntoSequence
 from kvstore import InvalidInputError, Namespace, block_hashes
 from kvstore.index import PageIndex
 from tests.support.client_fixtures import BLOCK, client, cluster, insert, ns, same, select  # noqa: F401 (fixtures)
@@ -157,6 +159,21 @@ def test_corrupt_checksum_counts_as_missing(cluster, ns, client):
         (
             lambda c, t: c.put_pages(t, torch.zeros(2, 3, 3, dtype=torch.float16)),
             "pages have shape",
+        ),
+        # select's plan: a sequence's pages land whole in IntoSequence, and nothing else does
+        (
+            lambda c, t: c.read(GetPlan(SequencePages([b"h" * 16], [b"p" * 16]), IntoPages(t))),
+            "land whole .* SequencePages into IntoPages",
+        ),
+        (
+            lambda c, t: c.read(GetPlan(Prompt(t), IntoSequence(len(t)))),
+            "land whole .* Prompt into IntoSequence",
+        ),
+        (
+            lambda c, t: c.read(
+                GetPlan(SequencePages([b"h" * 16], [b"p" * 16]), IntoSequence(len(t)), 1)
+            ),
+            "from block 0",
         ),
     ],
 )
