@@ -20,6 +20,15 @@ import os
 # engine files on two workers (test_vllm_specdec, test_vllm_hybrid): 147-162 s
 # spinning, 124-129 s with PASSIVE. Engines in production keep OpenMP's default.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# torch.compile off in every process the tests start (torch reads this when
+# torch._dynamo.config is imported, so before any import here, and the engine zygote
+# inherits it). enforce_eager does not reach the functions vLLM compiles on their first
+# call: a TP=2 engine's vocab-parallel embedding (vllm/model_executor/layers/
+# vocab_parallel_embedding.py, get_masked_input_and_mask) spent 2.5-2.9 s of each run's
+# first step compiling, per worker (py-spy). Its masking is integer indexing, the same
+# tokens either way (checked: a TP=2 run of the tiny Llama, identical tokens, 6.6 s -> 4.0 s
+# per engine). test_vllm_mla + test_vllm_mamba on two workers: 110.7 s -> 94.9 s.
+os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 import multiprocessing.process
 import subprocess
