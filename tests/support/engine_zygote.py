@@ -43,6 +43,7 @@ import select
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import traceback
 
@@ -107,6 +108,7 @@ def child(conn: socket.socket, request: dict, kind: str) -> int:
     atexit.register(report)  # registered first, so it runs last
     os.environ.clear()
     os.environ.update(request["env"])
+    tempfile.tempdir = None  # the zygote's imports cached its TMPDIR: take the request's
     os.chdir(request["cwd"])
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

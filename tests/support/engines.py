@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.support.helpers import ROOT
+from tests.support.paths import engine_tmpdir
 from tests.support.sglang_site import sglang_env
 
 SCRIPT = ROOT / "tests" / "support" / "vllm_engine.py"
@@ -151,7 +152,13 @@ def run_forked(kind: str, argv: list[str], env: dict[str, str], timeout: float) 
 
 
 def _run(argv: list[str], env: dict[str, str] | None, timeout: float, fresh: bool) -> Finished:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo", **(env or {})}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "UCX_NET_DEVICES": "lo",
+        "TMPDIR": engine_tmpdir(),
+        **(env or {}),
+    }
     if fresh or os.environ.get("KVSTORE_TEST_FRESH_ENGINES") == "1":
         proc = subprocess.run(
             [sys.executable, str(SCRIPT), *argv],

@@ -12,7 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tests.support.paths import ROOT
+from tests.support.paths import ROOT, engine_tmpdir
 
 
 class OpenAIServer:
@@ -23,7 +23,13 @@ class OpenAIServer:
         self, argv: list[str], env: dict[str, str], log: Path | str, port: int, wait_s: float = 300
     ) -> None:
         self.port = port
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo", **env}
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "UCX_NET_DEVICES": "lo",
+            "TMPDIR": engine_tmpdir(),
+            **env,
+        }
         self.log = open(log, "ab")
         self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + wait_s
