@@ -27,7 +27,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # vocab_parallel_embedding.py, get_masked_input_and_mask) spent 2.5-2.9 s of each run's
 # first step compiling, per worker (py-spy). Its masking is integer indexing, the same
 # tokens either way (checked: a TP=2 run of the tiny Llama, identical tokens, 6.6 s -> 4.0 s
-# per engine). test_vllm_mla + test_vllm_mamba on two workers: 110.7 s -> 94.9 s.
+# per engine). test_vllm_mla + test_vllm_mamba on two workers: 110.7 s -> 94.9 s. The
+# PP=2 engines (tests/vllm/test_vllm_pp.py) need it on and say so in their environment.
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 import multiprocessing.process

@@ -109,6 +109,9 @@ def child(conn: socket.socket, request: dict, kind: str) -> int:
     os.environ.clear()
     os.environ.update(request["env"])
     tempfile.tempdir = None  # the zygote's imports cached its TMPDIR: take the request's
+    dynamo = sys.modules.get("torch._dynamo.config")
+    if dynamo is not None:  # read from the environment when torch was imported: the request's
+        dynamo.disable = os.environ.get("TORCH_COMPILE_DISABLE", "0") == "1"
     os.chdir(request["cwd"])
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
