@@ -10,7 +10,7 @@ import time
 
 from bench.benchcommon.proc import cpu_seconds
 from bench.kvevents.auth_rates import AUTH_HEADER, AUTH_TENANT, RouterKeys, auth_row, interleaved
-from bench.kvevents.common import cpu_ns
+from bench.kvevents.common import cpu_ns, events_namespace
 from kvstore import events as ev
 from kvstore.tools.procutil import free_port
 
@@ -48,7 +48,6 @@ def bench_auth_node(rounds: int, idle_s: float, put_rounds: int) -> None:
     import zmq
 
     from client import KVCacheClient
-    from kvstore.pages.namespace import Namespace
     from kvstore.tools.launcher import LocalCluster
 
     keys = RouterKeys(AUTH_TENANT)
@@ -95,15 +94,7 @@ def bench_auth_node(rounds: int, idle_s: float, put_rounds: int) -> None:
                 sock.connect(pub.endpoint)
             socks.append(sock)
         pids = {side: c.nodes[0].process.pid for side, c in clusters.items()}
-        ns = Namespace(
-            model="bench-events",
-            dtype="float16",
-            num_layers=8,
-            num_kv_heads=1,
-            head_size=32,
-            block_size=256,
-            tenant=AUTH_TENANT,
-        )  # 256 KiB pages
+        ns = events_namespace(AUTH_TENANT)
         clients = {side: KVCacheClient(c.redis_url, ns) for side, c in clusters.items()}
         time.sleep(1)  # the subscriptions reach the nodes (ZMQ's slow joiner)
         # a put to each: the subscriptions are live before the idle windows (the router's was granted)

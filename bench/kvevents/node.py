@@ -11,42 +11,18 @@ import statistics
 import time
 
 from bench.benchcommon.proc import cpu_seconds
-from bench.kvevents.common import cpu_ns, spread
+from bench.kvevents.common import cpu_ns, event_batches, events_namespace, spread
 from kvstore import events as ev
 from kvstore.tools.procutil import free_port
 
 
 def _node_subscriber(endpoint: str, conn, curve: tuple[str, str] | None = None) -> None:
     """Another process: count the block hashes of every BlockStored/BlockRemoved until
-    an AllBlocksCleared, then report them (``curve``: as in
-    bench/kvevents/publisher.py's ``_subscriber``)."""
-    import zmq
-
-    ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.RCVHWM, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    if curve is not None:
-        from kvstore.events.access import curve_client
-
-        curve_client(sub, *curve)
-    sub.connect(endpoint)
-    decoder = ev.decoder()
-    conn.send("connected")
+    an AllBlocksCleared, then report them (``curve``: as ``event_batches``')."""
     blocks = 0
-    joined = False
-    while sub.poll(30_000):
-        _, _, payload = sub.recv_multipart()
-        batch = decoder.decode(payload).events
-        if not joined:
-            joined = True
-            conn.send("joined")
+    for batch in event_batches(endpoint, conn, curve):
         blocks += sum(len(e.block_hashes) for e in batch if not isinstance(e, ev.AllBlocksCleared))
-        if any(isinstance(e, ev.AllBlocksCleared) for e in batch):
-            break
     conn.send(blocks)
-    sub.close(linger=0)
-    ctx.term()
 
 
 def node_events_run(
@@ -197,15 +173,7 @@ def bench_node_cost(rounds: int, query_calls: int) -> None:
         print(
             f"Idle CPU over 10 s: events on {idle['on']:.2f} % of a core, off {idle['off']:.2f} %.\n"
         )
-        ns = Namespace(
-            model="bench-events",
-            dtype="float16",
-            num_layers=8,
-            num_kv_heads=1,
-            head_size=32,
-            block_size=256,
-            tenant="bench-events",
-        )  # 256 KiB pages
+        ns = events_namespace("bench-events")
         times: dict[str, list[float]] = {"on": [], "off": []}
         with KVCacheClient(on.redis_url, ns) as con, KVCacheClient(off.redis_url, ns) as coff:
             clients = {"on": con, "off": coff}

@@ -10,43 +10,20 @@ import random
 import statistics
 import time
 
-from bench.kvevents.common import BLOCK_TOKENS, cpu_ns, spread
+from bench.kvevents.common import BLOCK_TOKENS, cpu_ns, event_batches, spread
 from kvstore import events as ev
 
 
 def _subscriber(endpoint: str, conn, curve: tuple[str, str] | None = None) -> None:
     """Another process: read and decode every message until the end marker (an
-    AllBlocksCleared), then report (events received, messages). ``curve``: (the node's
-    public key, a router's secret key file): connect as that router (section 6)."""
-    import zmq
-
-    ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.RCVHWM, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    if curve is not None:
-        from kvstore.events.access import curve_client
-
-        curve_client(sub, *curve)
-    sub.connect(endpoint)
-    decoder = ev.decoder()
-    conn.send("connected")
+    AllBlocksCleared), then report (events received, messages); ``curve``: as
+    ``event_batches``'."""
     events = messages = 0
-    joined = False
-    while sub.poll(30_000):
-        _, _, payload = sub.recv_multipart()
-        batch = decoder.decode(payload).events
-        if not joined:
-            joined = True
-            conn.send("joined")
+    for batch in event_batches(endpoint, conn, curve):
         stored = sum(isinstance(e, ev.BlockStored) for e in batch)  # the probes are BlockRemoved
         events += stored
         messages += stored > 0
-        if any(isinstance(e, ev.AllBlocksCleared) for e in batch):
-            break
     conn.send((events, messages))
-    sub.close(linger=0)
-    ctx.term()
 
 
 def _events(n: int, start: int) -> list[ev.BlockStored]:
