@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.support.helpers import ROOT
-from tests.support.paths import engine_tmpdir
+from tests.support.paths import engine_env
 from tests.support.sglang_site import sglang_env
 
 SCRIPT = ROOT / "tests" / "support" / "vllm_engine.py"
@@ -139,7 +139,7 @@ def _zygote_env(kind: str) -> dict[str, str]:
     """The environment a zygote starts in (each child's is its request's)."""
     if kind == "sglang":
         return sglang_env()
-    return {**os.environ, "PYTHONPATH": str(ROOT), "UCX_NET_DEVICES": "lo"}
+    return engine_env()
 
 
 def run_forked(kind: str, argv: list[str], env: dict[str, str], timeout: float) -> Finished:
@@ -152,13 +152,7 @@ def run_forked(kind: str, argv: list[str], env: dict[str, str], timeout: float) 
 
 
 def _run(argv: list[str], env: dict[str, str] | None, timeout: float, fresh: bool) -> Finished:
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "UCX_NET_DEVICES": "lo",
-        "TMPDIR": engine_tmpdir(),
-        **(env or {}),
-    }
+    env = engine_env(env)
     if fresh or os.environ.get("KVSTORE_TEST_FRESH_ENGINES") == "1":
         proc = subprocess.run(
             [sys.executable, str(SCRIPT), *argv],

@@ -5,14 +5,13 @@ read as a user's shell reads them (``server_line``)."""
 
 from __future__ import annotations
 
-import os
 import shlex
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
-from tests.support.paths import ROOT, engine_tmpdir
+from tests.support.paths import engine_env
 
 
 class OpenAIServer:
@@ -23,13 +22,7 @@ class OpenAIServer:
         self, argv: list[str], env: dict[str, str], log: Path | str, port: int, wait_s: float = 300
     ) -> None:
         self.port = port
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "UCX_NET_DEVICES": "lo",
-            "TMPDIR": engine_tmpdir(),
-            **env,
-        }
+        env = engine_env(env)
         self.log = open(log, "ab")
         self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + wait_s
