@@ -90,6 +90,7 @@ def test_a_client_that_timed_out_on_a_stalled_node_reads_from_it_again(clusters)
             "get_pages",
             tokens=tokens,
             loop_seconds=16,  # the two stalls end 13 s after the first read
+            round_pause_s=0.05,  # 20 reads a second time the stalls; a busy loop took a core
             timestamps=True,
             options={"timeout": 1.0},
         ),
@@ -202,6 +203,7 @@ def test_nodes_republish_after_the_index_restarts(clusters, keep_data):
             "get_pages",
             token_lists=[early, late],
             loop_seconds=12,  # reads from 6 s after the restart on, until the end
+            round_pause_s=0.05,
             timestamps=True,
             options={"timeout": 2.0},
         ),

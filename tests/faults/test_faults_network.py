@@ -39,11 +39,18 @@ def put(store, ns, token_lists: list[list[int]], options: dict | None = None) ->
     return out
 
 
-def gets_for(store, ns, token_lists, seconds: float):
-    """A worker that gets ``token_lists`` over and over for ``seconds``, timing each."""
+def gets_for(store, ns, token_lists, seconds: float, pause_s: float = 0.0):
+    """A worker that gets ``token_lists`` over and over for ``seconds``, timing each, with
+    ``pause_s`` between rounds."""
     return run_worker(
         client_spec(
-            store, ns, "get_pages", token_lists=token_lists, loop_seconds=seconds, timestamps=True
+            store,
+            ns,
+            "get_pages",
+            token_lists=token_lists,
+            loop_seconds=seconds,
+            round_pause_s=pause_s,
+            timestamps=True,
         ),
         background=True,
         env=store.client_env,
@@ -134,7 +141,8 @@ def test_a_node_cut_off_from_the_index_stops_being_offered_and_returns_after_the
     put(net_store, ns, token_lists)
     metrics = metrics_address(net_store, "node-0")
     index = PageIndex(net_store.redis_url)
-    watcher = gets_for(net_store, ns, token_lists[:1], seconds=20)  # one client throughout
+    # one client throughout; paced, as its busy loop of small gets took a core for 20 s
+    watcher = gets_for(net_store, ns, token_lists[:1], seconds=20, pause_s=0.05)
     try:
         assert net_store.live_nodes(index) == {"node-0"}
         network.partition(node, net_store.index_host)

@@ -69,10 +69,13 @@ def main() -> int:
             out.setdefault("reports", []).append(asdict(report))
     elif spec["op"] == "get_pages":
         results = []
+        token_lists = spec["token_lists"] if "token_lists" in spec else [tokens_of(spec)]
+        # made once: a loop's round regenerated them, 32 MiB of random bytes a round in the
+        # stall test, and kept a core busy for its 16 s
+        expected_pages = [pages_for_ns(ns, tokens) for tokens in token_lists]
         deadline = time.monotonic() + spec.get("loop_seconds", 0)
         while True:
-            for tokens in spec["token_lists"] if "token_lists" in spec else [tokens_of(spec)]:
-                expected = pages_for_ns(ns, tokens)
+            for tokens, expected in zip(token_lists, expected_pages):
                 buf = torch.empty_like(expected)
                 t = time.time()
                 n = client.get_pages(tokens, buf) // ns.block_size
@@ -89,6 +92,8 @@ def main() -> int:
             short = results and results[-1]["matched"] < results[-1]["blocks"]
             if time.monotonic() >= deadline or (spec.get("until_short") and short):
                 break
+            # round_pause_s: a timed fault test needs a read every so often, not a busy loop
+            time.sleep(spec.get("round_pause_s", 0))
         out["results"] = results
     elif spec["op"] == "concurrent_puts":
         # rounds of N clients putting the same pages at the same instant
