@@ -44,9 +44,11 @@ from kvstore.pages.namespace import Namespace
 from kvstore.tools.launcher import LocalCluster
 from kvstore.tools.valkey import EmbeddedValkey
 from tests.support.helpers import tenant_for
+from tests.support.paths import use_session_tmpdir
 from tests.support.spare_index import SpareIndexes
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
+use_session_tmpdir()  # what the session's processes write to their temporary folder goes with it
 # `kvstore up` keeps its state (token, index port, pid) under XDG_STATE_HOME: the tests'
 # stores keep theirs apart from the user's, so a store the user runs never refuses them
 os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="kvstore-test-state-")
