@@ -1,6 +1,7 @@
 """Fixtures of the fast connector tests over the memory store
-(tests/vllm/test_scheduler_decisions.py, test_worker_decisions.py): the stand-in
-model's config directory, and a fresh ``MemoryStore`` per test."""
+(tests/vllm/test_scheduler_decisions.py, test_worker_decisions.py,
+test_worker_head_groups.py): the stand-in model's config directory, and a fresh
+``MemoryStore`` per test."""
 
 from __future__ import annotations
 

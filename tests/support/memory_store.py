@@ -33,8 +33,8 @@ store a worker's pages as its units (``heads.split``), under the same keys; a ra
 holding part of a head group cannot put. A keyed layout's pages (SGLang's HiCache keys)
 are found, fetched and stored by the keyed calls (``tests/support/memory_keyed.py``).
 
-For tests only (tests/vllm/test_scheduler_decisions.py, test_worker_decisions.py,
-through tests/support/connector_harness.py): the connector's scheduler and its real
+For tests only (tests/vllm/test_scheduler_decisions.py, test_worker_*.py, through
+tests/support/connector_harness.py): the connector's scheduler and its real
 worker, both opening their stores here (``KVStoreConnector``'s ``stores``); SGLang's
 HiCache backend in tests/support/sglang_memory_checks.py (``KVStoreHiCache``'s
 ``stores``)."""
