@@ -25,8 +25,9 @@ def use_session_tmpdir() -> str:
 
     Nodes (their same-host sockets), Valkey, ``kvstore up`` (its logs), vLLM (a
     ``vllm_dist_*`` file store per engine) and SGLang's file backend leave files in the
-    temporary folder: a machine that ran the suite a few times had 900 entries in /tmp.
-    pytest's own folders (``tmp_path``) stay where they were, kept for the last runs."""
+    temporary folder: the 2-core VM that ran the suite many times had about 1,950
+    entries in /tmp. pytest's own folders (``tmp_path``) stay where they were, kept for
+    the last runs."""
     mine = os.environ.get(SESSION_TMPDIR_VAR, "")
     if not os.path.isdir(mine):
         os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
