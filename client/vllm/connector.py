@@ -62,6 +62,8 @@ from client.vllm.features import build_scheduler
 from client.vllm.metadata import KVStoreConnectorMetadata
 from client.vllm.options import (
     connector_options,
+    engine_layout,
+    engine_namespace,
     namespace_refusal,
     required_cache_layout,
 )
@@ -72,7 +74,7 @@ from client.vllm.states import (
     state_refusal,
 )
 from client.vllm.stats import KVStoreConnectorStats, KVStorePromMetrics, StatsRecorder
-from client.vllm.support import unsupported, vllm_ranks
+from client.vllm.support import save_refusal, unsupported, vllm_ranks
 from client.vllm.worker import ConnectorWorker
 from client.vllm.worker_setup import WorkerFeatures, WorkerStores
 
@@ -188,6 +190,14 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 "KVStoreConnector: this engine cannot use the store, so it makes no lookups and no saves: %s",
                 refusal,
             )
+        cannot_save = None
+        if refusal is None and transfer.is_kv_producer:
+            rank_pages = engine_namespace(
+                vllm_config, conf, layout=engine_layout(vllm_config), tp_rank=0, pp_rank=0
+            )
+            cannot_save = save_refusal(rank_pages)
+            if cannot_save is not None and role == KVConnectorRole.SCHEDULER:
+                log.warning("KVStoreConnector: this engine makes no saves: %s", cannot_save)
         if role == KVConnectorRole.SCHEDULER:
             # vLLM 0.32 gives connectors the standardized per-layer view, so pages are
             # vllm_cpu (vllm_mla for MLA models); workers check that against the tensors
@@ -200,7 +210,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 options,
                 self._stats,
                 loads=transfer.is_kv_consumer and refusal is None,
-                saves=transfer.is_kv_producer and refusal is None,
+                saves=transfer.is_kv_producer and refusal is None and cannot_save is None,
                 states=states,
                 drafts=drafts,
                 stores=stores,

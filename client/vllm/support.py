@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvstore.pages.namespace import DTYPE_SIZES
+from kvstore.pages.heads import rank_units
+from kvstore.pages.namespace import DTYPE_SIZES, Namespace
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -150,3 +151,22 @@ def vllm_ranks() -> tuple[int, int]:
     from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
     return get_pp_group().rank_in_group, get_tp_group().rank_in_group
+
+
+def save_refusal(ns: Namespace) -> str | None:
+    """Why an engine whose ranks' pages are ``ns`` (TP rank 0's; every rank holds as
+    many heads) loads from the store but cannot save to it: each rank holds part of a
+    head group, whose page needs heads another rank holds. None when it can save.
+    ``KVStoreConnector`` asks once, at start; such an engine makes no saves and its
+    scheduler says why in one WARNING line, where before every save failed and was
+    counted."""
+    if rank_units(ns).whole:
+        return None
+    lo, hi = ns.head_range
+    return (
+        f"head_groups {ns.groups} stores {ns.group_heads} KV heads in a page, and each of its "
+        f"{ns.tp_size} TP ranks holds {hi - lo}: it loads whole pages but cannot write one "
+        f"(head_groups {min(ns.tp_size, ns.total_heads)}, the default for this engine, or a "
+        "multiple of it that divides the KV heads, the same on every engine sharing the pages, "
+        "lets it save)"
+    )

@@ -7,13 +7,17 @@ whole pages and stores nothing. The worker runs over a ``MemoryStore``
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 pytest.importorskip("vllm")
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from client.paging.specs import LoadSpec, SaveSpec
+from client.vllm.connector import KVStoreConnector
 from client.vllm.metadata import KVStoreConnectorMetadata
 from client.vllm.worker import ConnectorWorker
 from kvstore.pages.hashing import split_hashes
@@ -143,3 +147,49 @@ def test_a_tp2_rank_of_one_head_group_reads_its_half_of_whole_pages_and_stores_n
     stats = loader._stats.take_stats()
     assert len(store) == A_BLOCKS and stats is not None and stats.data["save_failures"] == 1
     loader.shutdown()
+
+
+class _Warnings(logging.Handler):
+    """The WARNING lines a logger writes (the connector's loggers do not propagate to
+    pytest's: they take vLLM's handlers, ``client.vllm.connector.adopt_vllm_logging``)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_an_engine_whose_ranks_hold_part_of_a_head_group_makes_no_saves_and_says_why(
+    model_dir, store, groups
+):
+    """The engine above, as its scheduler starts (``client.vllm.support.save_refusal``):
+    with head_groups=1 its ranks could never write a page, so it schedules no saves and
+    says why in one WARNING line, where every save used to fail and be counted; it
+    still looks up and loads. With head_groups=2 it saves."""
+    two = engine_config(model_dir, tensor_parallel_size=2)
+    two.kv_transfer_config.kv_connector_extra_config["head_groups"] = groups
+    logger, warnings = logging.getLogger("client.vllm.connector"), _Warnings()
+    logger.addHandler(warnings)
+    try:
+        connector = KVStoreConnector(
+            two, KVConnectorRole.SCHEDULER, attention_config(TARGET, BLOCKS), stores=store.client
+        )
+    finally:
+        logger.removeHandler(warnings)
+    warned = [line for line in warnings.lines if "makes no saves" in line]
+    scheduler = connector._scheduler
+    assert scheduler is not None and scheduler._client is not None  # it looks up
+    connector.shutdown()
+    if groups == 1:
+        assert warned == [
+            "KVStoreConnector: this engine makes no saves: head_groups 1 stores 2 KV heads in "
+            "a page, and each of its 2 TP ranks holds 1: it loads whole pages but cannot write "
+            "one (head_groups 2, the default for this engine, or a multiple of it that divides "
+            "the KV heads, the same on every engine sharing the pages, lets it save)"
+        ]
+        assert not scheduler._saves_enabled
+    else:
+        assert warned == [] and scheduler._saves_enabled
