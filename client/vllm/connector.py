@@ -190,15 +190,16 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 "KVStoreConnector: this engine cannot use the store, so it makes no lookups and no saves: %s",
                 refusal,
             )
-        cannot_save = None
-        if refusal is None and transfer.is_kv_producer:
-            rank_pages = engine_namespace(
-                vllm_config, conf, layout=engine_layout(vllm_config), tp_rank=0, pp_rank=0
-            )
-            cannot_save = save_refusal(rank_pages)
-            if cannot_save is not None and role == KVConnectorRole.SCHEDULER:
-                log.warning("KVStoreConnector: this engine makes no saves: %s", cannot_save)
         if role == KVConnectorRole.SCHEDULER:
+            # saves are the scheduler's to schedule: a worker is only handed those it makes
+            cannot_save = None
+            if refusal is None and transfer.is_kv_producer:
+                rank_pages = engine_namespace(
+                    vllm_config, conf, layout=engine_layout(vllm_config), tp_rank=0, pp_rank=0
+                )
+                cannot_save = save_refusal(rank_pages)
+                if cannot_save is not None:
+                    log.warning("KVStoreConnector: this engine makes no saves: %s", cannot_save)
             # vLLM 0.32 gives connectors the standardized per-layer view, so pages are
             # vllm_cpu (vllm_mla for MLA models); workers check that against the tensors
             # they actually get. Its stores are opened here, at engine start, so no

@@ -11,11 +11,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvstore.pages.heads import rank_units
-from kvstore.pages.namespace import DTYPE_SIZES, Namespace
+from kvstore.pages.namespace import DTYPE_SIZES
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    from kvstore.pages.namespace import Namespace
 
 # The kinds of vLLM KV-cache groups whose pages the connector moves: full attention
 # (K and V per head) and MLA (one latent row per token).
